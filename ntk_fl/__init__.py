@@ -1,0 +1,14 @@
+"""ntk_fl: neural-tangent-kernel federated learning in JAX.
+
+Subpackages and modules (each documented in its own docstring):
+
+* :mod:`ntk_fl.data` -- dataset readers, partitions, the stacked ``Federation``.
+* :mod:`ntk_fl.models` -- flax models as pure ``(init, apply)`` pairs.
+* :mod:`ntk_fl.topology` -- communication graphs and mixing weights.
+* :mod:`ntk_fl.ntk` -- empirical neural tangent kernels.
+* :mod:`ntk_fl.evolve` -- function-space evolution and NTK weight updates.
+* :mod:`ntk_fl.parallel` -- the single "for each client" primitive.
+* :mod:`ntk_fl.algorithms` -- NTK-DFL and friends as ``Algorithm(init, step, ...)``.
+* :mod:`ntk_fl.runner` -- the generic experiment loop (logging, checkpoints, plots).
+"""
+__version__ = "0.1.0"

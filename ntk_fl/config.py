@@ -1,0 +1,81 @@
+"""Shared experiment-config schema (ml_collections) used by every ``configs/<method>.py``.
+
+A config file's ``get_config(arg)`` starts from :func:`base_config` and fills in
+``config.method`` and the method's own ``config.algorithm`` block; ``arg`` picks
+a named variant (``smoke``, ``paper``, ``iid``, ``alpha0.5``, ...).
+
+Field reference (all of them are validated by the runner before any work):
+
+* ``method``: registry name of the algorithm (``ntk_dfl``, ``dfedavg``, ...).
+* ``seed``: every random draw of a run derives from it.
+* ``rounds``: communication rounds.
+* ``data``: ``name`` (see :func:`ntk_fl.data.load`), ``data_dir`` (``''`` = search
+  path), ``partition`` (``iid`` | ``dirichlet`` | ``dirichlet_fixed_size`` |
+  ``shards`` | ``by_writer``), ``num_clients``, ``alpha``, ``samples_per_client``,
+  ``classes_per_client``, ``max_train`` (``0`` = all; for quick variants).
+* ``model``: ``name`` (``mlp`` | ``cnn``), ``hidden`` (MLP widths),
+  ``activation``, ``init`` (``shared`` | ``per_client``).
+* ``topology``: ``name`` (``regular`` | ``erdos_renyi`` | ``ring`` | ``line`` |
+  ``complete`` | ``clustered``), ``degree``, ``p`` / ``mean_degree`` (Erdős–Rényi),
+  ``cluster_size``, ``dynamic`` (re-draw every round), ``k_max`` (static neighbour
+  slots, ``0`` = derive from the topology), ``mixing`` (``uniform`` |
+  ``data_size`` | ``metropolis``).
+* ``eval``: ``every`` (rounds between aggregated-model evaluations),
+  ``clients_every`` (rounds between per-client evaluations), ``targets``
+  (accuracies for "rounds to X"), ``selection`` (final best-to-worst curves),
+  ``batch_size`` (test-set batch for evaluation).
+* ``checkpoint_every``: rounds between orbax checkpoints (``0`` = never).
+* ``chunk_size``: clients per ``vmap`` chunk (``0`` = all at once).
+* ``algorithm``: the method's own hyperparameters.
+"""
+from __future__ import annotations
+
+import ml_collections
+
+__all__ = ["base_config"]
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """The paper setting shared by the NTK papers: Fashion-MNIST, 300 clients, MLP 784-100-10."""
+  config = ml_collections.ConfigDict()
+  config.method = ""
+  config.seed = 0
+  config.rounds = 30
+
+  config.data = ml_collections.ConfigDict()
+  config.data.name = "fashion_mnist"
+  config.data.data_dir = ""
+  config.data.partition = "dirichlet_fixed_size"
+  config.data.num_clients = 300
+  config.data.alpha = 0.1
+  config.data.samples_per_client = 200
+  config.data.classes_per_client = 2
+  config.data.max_train = 0
+
+  config.model = ml_collections.ConfigDict()
+  config.model.name = "mlp"
+  config.model.hidden = (100,)
+  config.model.activation = "relu"
+  config.model.init = "shared"
+
+  config.topology = ml_collections.ConfigDict()
+  config.topology.name = "regular"
+  config.topology.degree = 5
+  config.topology.p = 0.0
+  config.topology.mean_degree = 5.0
+  config.topology.cluster_size = 6
+  config.topology.dynamic = True
+  config.topology.k_max = 0
+  config.topology.mixing = "uniform"
+
+  config.eval = ml_collections.ConfigDict()
+  config.eval.every = 1
+  config.eval.clients_every = 1
+  config.eval.targets = (0.80, 0.85)
+  config.eval.selection = True
+  config.eval.batch_size = 10_000
+
+  config.checkpoint_every = 5
+  config.chunk_size = 0
+  config.algorithm = ml_collections.ConfigDict()
+  return config
