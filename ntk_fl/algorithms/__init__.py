@@ -1,40 +1,54 @@
-"""Federated methods, each a factory ``make_<method>(config, model, federation) -> Algorithm``.
+"""Federated methods, registered by name.
 
-:func:`get_algorithm` resolves a config's ``method`` name lazily, so importing
-``ntk_fl.algorithms`` does not import every method; :func:`register` adds a
-factory (e.g. a user's own method or a test double).
+Each method module defines ``METHOD = Method(make=..., validate_config=...)``:
+
+* ``make(config, model, federation) -> Algorithm`` builds the pure functions;
+* ``validate_config(config)`` checks the method's own ``config.algorithm`` block
+  (and any base fields it depends on) and raises ``ValueError`` naming the bad
+  value -- the runner calls it before loading any data, so a bad value fails
+  before any work.
+
+:func:`get_method` resolves a name lazily (importing a method's module only when
+it is used); :func:`register` adds a user's own method or a test double.
 """
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 from ntk_fl.algorithms.base import Algorithm
 
-__all__ = ["Algorithm", "get_algorithm", "register", "available"]
+__all__ = ["Algorithm", "Method", "get_method", "register", "available"]
 
-# name -> "module:function" (imported on first use) or a registered callable.
-_REGISTRY: dict[str, str | Callable] = {
-    "ntk_dfl": "ntk_fl.algorithms.ntk_dfl:make_ntk_dfl",
+
+class Method(NamedTuple):
+  make: Callable[[Any, Any, Any], Algorithm]
+  validate_config: Callable[[Any], None]
+
+
+# name -> module path defining METHOD (imported on first use), or a registered Method.
+_REGISTRY: dict[str, str | Method] = {
+    "ntk_dfl": "ntk_fl.algorithms.ntk_dfl",
 }
 
 
-def register(name: str, factory: Callable) -> None:
-  """Registers ``factory(config, model, federation) -> Algorithm`` under ``name``."""
-  _REGISTRY[name] = factory
+def register(name: str, method: Method) -> None:
+  """Registers ``method`` under ``name`` (overwrites an existing entry)."""
+  if not isinstance(method, Method):
+    raise TypeError(f"register expects a Method(make, validate_config), got {type(method).__name__}")
+  _REGISTRY[name] = method
 
 
 def available() -> list[str]:
   return sorted(_REGISTRY)
 
 
-def get_algorithm(name: str) -> Callable:
-  """Returns the factory registered as ``name``; a clear error lists the choices."""
+def get_method(name: str) -> Method:
+  """Returns the :class:`Method` registered as ``name``; a clear error lists the choices."""
   if name not in _REGISTRY:
     raise ValueError(f"unknown method {name!r}; available methods: {', '.join(available())}")
   entry = _REGISTRY[name]
   if isinstance(entry, str):
-    module_name, fn_name = entry.split(":")
-    entry = getattr(importlib.import_module(module_name), fn_name)
+    entry = importlib.import_module(entry).METHOD
     _REGISTRY[name] = entry
   return entry
