@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import ml_collections
 
-__all__ = ["base_config"]
+__all__ = ["base_config", "apply_variants", "COMMON_VARIANTS"]
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -78,4 +78,52 @@ def base_config() -> ml_collections.ConfigDict:
   config.checkpoint_every = 5
   config.chunk_size = 0
   config.algorithm = ml_collections.ConfigDict()
+  return config
+
+
+def _set_alpha(config, alpha: float) -> None:
+  config.data.partition = "dirichlet_fixed_size"
+  config.data.alpha = alpha
+
+
+def _set_iid(config) -> None:
+  config.data.partition = "iid"
+
+
+def _set_static(config) -> None:
+  config.topology.dynamic = False
+
+
+COMMON_VARIANTS = {
+    "paper": lambda config: None,
+    "iid": _set_iid,
+    "static": _set_static,
+    "mnist": lambda config: setattr(config.data, "name", "mnist"),
+}
+"""Variant tokens every method's config understands (plus ``alpha<float>``, e.g. ``alpha0.5``)."""
+
+
+def apply_variants(config: ml_collections.ConfigDict, arg: str | None, method_variants=None):
+  """Applies the comma-separated variant tokens of ``--config=file.py:tok1,tok2``.
+
+  Tokens are applied left to right: ``COMMON_VARIANTS``, ``alpha<float>`` (the
+  authors' fixed-size Dirichlet partition with that concentration) and the
+  method's own ``method_variants`` (name -> ``fn(config)``, which win over common
+  ones of the same name). An unknown token raises ``ValueError`` listing the
+  choices, so a typo never runs the default setting silently.
+  """
+  variants = {**COMMON_VARIANTS, **(method_variants or {})}
+  for token in filter(None, (t.strip() for t in (arg or "").split(","))):
+    if token in variants:
+      variants[token](config)
+    elif token.startswith("alpha"):
+      try:
+        alpha = float(token[len("alpha"):])
+      except ValueError:
+        alpha = float("nan")
+      if not alpha > 0:
+        raise ValueError(f"variant {token!r}: alpha must be a positive number, e.g. 'alpha0.5'")
+      _set_alpha(config, alpha)
+    else:
+      raise ValueError(f"unknown config variant {token!r}; known: {', '.join(sorted(variants))}, alpha<float>")
   return config

@@ -1,0 +1,271 @@
+"""NTK-DFL (Thompson, Yue, Wong, Dai; ICML 2025): decentralized NTK-based federated learning.
+
+One synchronous round ``r`` (paper Alg. 1-4; ../shared/papers/ntk_dfl.md §2):
+
+1. **Graph.** ``round_inputs(r)`` draws the round's graph (deterministic in the
+   config seed and ``r``) and its mixing weights.
+2. **Per-round averaging** (eq. 1): ``w̄_i = s_i w_i + Σ_k a_ik w_{n_ik}`` from the
+   round-start weights of all clients (data-size weights by default, uniform
+   when the sizes are equal -- see ``config.topology.mixing``).
+3. **Neighbourhood NTK evolution.** Client ``i`` stacks its own and its
+   neighbours' data and evaluates every Jacobian at *its own* averaged weights
+   ``w̄_i`` (a single linearisation point, as in the paper and the authors'
+   code), evolves the function values with the ``τ`` grid and keeps the ``τ``
+   whose non-linear network ``w̄_i + Δw_τ`` has the lowest cross-entropy on the
+   neighbourhood data (:func:`ntk_fl.evolve.ntk_delta`).
+4. **Synchronous update** ``w_i ← w̄_i + Δw_{τ*}`` for all clients at once.
+
+The learning rate of round ``r`` (0-based) is ``η·exp(−decay·r)`` (authors' code;
+0.07 in the reference; the paper itself states a constant 0.01).
+
+Options studied in the paper (all in ``config.algorithm``):
+
+* ``per_round_averaging=False`` -- the Fig. 7 ablation: no averaging; client
+  ``i`` evolves from its own weights (neighbours' data still evaluated at the
+  receiver's weights, so each kernel keeps one linearisation point).
+* ``jacobian_batches=m1`` -- Jacobian batching (App. E.1): the neighbourhood data
+  are split into ``m1`` blocks (the ``b``-th contiguous chunk of every member's
+  data); the blocks are evolved one after another, each starting from the
+  current (already updated) network outputs, all linearised at ``w̄_i`` (the
+  block-diagonal of the full kernel, as the authors' development code did), with
+  a ``τ`` selection per block.
+* ``subsample=m2`` -- data subsampling (App. E.2): each round every client uses a
+  random ``⌊n_i/m2⌋`` of its samples (redrawn every round from the round key; the
+  same subset is sent to all of its neighbours).
+* Topology (regular / Erdős–Rényi / ring / line / complete / clustered, static or
+  dynamic) and shared vs per-client initialisation come from ``config.topology``
+  and ``config.model.init``. In a clustered topology every member of a clique
+  holds the same averaged weights and neighbourhood, so the per-cluster Jacobian
+  of the paper (App. E.2) is exactly what each member computes here.
+
+Every client's chosen ``τ`` and selected loss are returned each round as
+``[M]`` metrics (``tau``, ``loss``).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ntk_fl import evolve, models, parallel, topology
+from ntk_fl.algorithms import Method
+from ntk_fl.algorithms.base import Algorithm
+
+__all__ = ["NTKDFLState", "NTKDFLRound", "make_ntk_dfl", "validate_config", "neighbor_average", "METHOD"]
+
+_LOSSES = ("ce", "mse")
+_SOLVERS = ("euler", "ode")
+_SELECT = ("network", "linearized")
+_KERNELS = ("traced", "full")
+
+
+class NTKDFLState(NamedTuple):
+  """Stacked client state: ``params`` leaves have a leading client axis ``M``."""
+  params: Any
+
+
+class NTKDFLRound(NamedTuple):
+  """Inputs of one round (host-side draw, fixed shapes so the step compiles once).
+
+  Attributes:
+    round: int32 scalar, 0-based round index (drives the learning-rate decay).
+    neighbors: int32 ``[M, k_max]`` neighbour indices (padded slots = own index).
+    neighbor_mask: bool ``[M, k_max]``.
+    self_weight: float32 ``[M]`` weight of the client's own model in eq. (1).
+    neighbor_weights: float32 ``[M, k_max]`` weights of the neighbours (0 in padding).
+    key: PRNG key of the round (data subsampling).
+  """
+  round: Any
+  neighbors: Any
+  neighbor_mask: Any
+  self_weight: Any
+  neighbor_weights: Any
+  key: Any
+
+
+def neighbor_average(stacked_params, neighbors, self_weight, neighbor_weights):
+  """Eq. (1) for all clients at once: ``w̄_i = s_i w_i + Σ_k a_ik w_{n_ik}``.
+
+  Args:
+    stacked_params: pytree with leaves ``[M, ...]``.
+    neighbors: int ``[M, k]``; self_weight ``[M]``; neighbor_weights ``[M, k]``
+      (zero in padded slots, so padding contributes nothing).
+
+  Returns:
+    Pytree like ``stacked_params``.
+  """
+  def mix(leaf):
+    gathered = leaf[neighbors]                               # [M, k, ...]
+    extra = (1,) * (leaf.ndim - 1)
+    own = self_weight.reshape(-1, *extra).astype(leaf.dtype) * leaf
+    others = jnp.sum(neighbor_weights.reshape(*neighbor_weights.shape, *extra).astype(leaf.dtype) * gathered, axis=1)
+    return own + others
+  return jax.tree.map(mix, stacked_params)
+
+
+def _subsample_indices(key, mask, num_keep, divisor):
+  """Random subset of each client's real samples, compacted to ``num_keep`` slots.
+
+  Args:
+    key: PRNG key of the round.
+    mask: bool ``[M, n_max]`` real-sample mask.
+    num_keep: static slot count ``ceil(n_max / m2)``.
+    divisor: the subsampling divisor ``m2``.
+
+  Returns:
+    ``(indices [M, num_keep], keep_mask [M, num_keep])``: client ``i`` keeps
+    ``⌊n_i / m2⌋`` (at least 1) uniformly drawn real samples; the other slots are
+    masked padding.
+  """
+  num_clients, n_max = mask.shape
+  priorities = jax.random.uniform(key, (num_clients, n_max))
+  priorities = jnp.where(mask, priorities, 2.0)            # padding sorts last
+  order = jnp.argsort(priorities, axis=1)[:, :num_keep]
+  n_real = mask.sum(axis=1)
+  n_keep = jnp.maximum(jnp.floor(n_real / divisor), 1).astype(jnp.int32)
+  keep_mask = jnp.arange(num_keep)[None, :] < n_keep[:, None]
+  return order, keep_mask
+
+
+def validate_config(config) -> None:
+  """Checks ``config.algorithm`` of an NTK-DFL config; raises ``ValueError`` naming the bad value."""
+  algo = config.algorithm
+  required = ("lr", "lr_decay", "taus", "loss", "solver", "select", "kernel", "per_round_averaging",
+              "jacobian_batches", "subsample")
+  missing = [name for name in required if name not in algo]
+  if missing:
+    raise ValueError(f"config.algorithm is missing {missing} for method 'ntk_dfl'")
+  if not (isinstance(algo.lr, (int, float)) and algo.lr > 0 and math.isfinite(algo.lr)):
+    raise ValueError(f"config.algorithm.lr must be a positive finite number, got {algo.lr!r}")
+  if not (isinstance(algo.lr_decay, (int, float)) and algo.lr_decay >= 0):
+    raise ValueError(f"config.algorithm.lr_decay must be >= 0, got {algo.lr_decay!r}")
+  taus = tuple(algo.taus)
+  if (not taus or any(not isinstance(t, (int, np.integer)) or t <= 0 for t in taus)
+      or list(taus) != sorted(set(taus))):
+    raise ValueError(f"config.algorithm.taus must be a non-empty strictly ascending tuple of positive ints, "
+                     f"got {taus!r}")
+  for name, allowed in (("loss", _LOSSES), ("solver", _SOLVERS), ("select", _SELECT), ("kernel", _KERNELS)):
+    if algo[name] not in allowed:
+      raise ValueError(f"config.algorithm.{name} must be one of {allowed}, got {algo[name]!r}")
+  if algo.loss == "mse" and algo.solver != "euler":
+    raise ValueError("config.algorithm.solver applies to the cross-entropy loss only; the MSE evolution is the "
+                     f"closed form -- leave solver='euler' with loss='mse' (got solver={algo.solver!r})")
+  for name in ("jacobian_batches", "subsample"):
+    value = algo[name]
+    if not (isinstance(value, (int, np.integer)) and value >= 1):
+      raise ValueError(f"config.algorithm.{name} must be an int >= 1, got {value!r}")
+  if not isinstance(algo.per_round_averaging, bool):
+    raise ValueError(f"config.algorithm.per_round_averaging must be a bool, got {algo.per_round_averaging!r}")
+
+
+def make_ntk_dfl(config, model: models.Model, federation) -> Algorithm:
+  """Builds NTK-DFL for ``federation`` (a :class:`ntk_fl.data.Federation`) and ``model``.
+
+  Returns:
+    An :class:`~ntk_fl.algorithms.base.Algorithm`; ``step`` is jit-compiled here
+    (the federation's arrays are passed to it as arguments, never baked in as
+    compile-time constants).
+  """
+  validate_config(config)
+  algo = config.algorithm
+  num_clients, n_max = federation.mask.shape
+  num_classes = model.num_classes
+  taus = tuple(int(t) for t in algo.taus)
+  m1 = int(algo.jacobian_batches)
+  m2 = int(algo.subsample)
+  n_sub = -(-n_max // m2)                       # ceil: static slots per client after subsampling
+  n_sub_padded = -(-n_sub // m1) * m1          # each member's slots split evenly into m1 blocks
+
+  graph_source = topology.make_topology_from_config(config.topology, num_clients, seed=config.seed)
+  sizes = np.asarray(federation.n)
+  data = jax.device_put((jnp.asarray(federation.x), jnp.asarray(federation.y), jnp.asarray(federation.mask)))
+  evolve_kwargs = dict(taus=taus, loss=algo.loss, solver=algo.solver, dense_stack=model.dense_stack,
+                       kernel=algo.kernel, select=algo.select)
+  base_key = jax.random.key(config.seed)
+
+  def init(key):
+    return NTKDFLState(params=models.init_clients(model, key, num_clients, shared=config.model.init == "shared"))
+
+  def round_inputs(round_index: int) -> NTKDFLRound:
+    graph = graph_source.sample(round_index)
+    self_w, nbr_w = topology.mixing_weights(graph, config.topology.mixing, sizes)
+    return NTKDFLRound(
+        round=np.int32(round_index), neighbors=graph.neighbors, neighbor_mask=graph.mask,
+        self_weight=self_w, neighbor_weights=nbr_w,
+        key=jax.random.fold_in(jax.random.fold_in(base_key, 1), round_index))
+
+  def client_update(params, x, targets, mask, lr):
+    """One client's NTK evolution over its neighbourhood data ``x [m1, N_b, ...]``."""
+    if m1 == 1:
+      return evolve.ntk_update(model.apply, params, x[0], targets[0], mask[0], lr=lr, **evolve_kwargs)
+    return _batched_update(model.apply, params, x, targets, mask, lr, evolve_kwargs)
+
+  def neighbourhood(idx, nbrs, nbr_mask, xs, ys, ms):
+    """Stacks client ``idx``'s and its neighbours' (sub-sampled) data into ``m1`` blocks."""
+    members = jnp.concatenate([idx[None], nbrs])                       # [k+1]
+    member_mask = jnp.concatenate([jnp.ones((1,), bool), nbr_mask])
+    x, y = xs[members], ys[members]                                    # [k+1, n, ...]
+    mask = ms[members] & member_mask[:, None]
+    def blocks(a):                                                     # [k+1, m1*nb, ...] -> [m1, (k+1)*nb, ...]
+      a = a.reshape(a.shape[0], m1, a.shape[1] // m1, *a.shape[2:])
+      a = jnp.swapaxes(a, 0, 1)
+      return a.reshape(m1, -1, *a.shape[3:])
+    targets = jax.nn.one_hot(y, num_classes, dtype=jnp.float32)
+    return blocks(x), blocks(targets), blocks(mask)
+
+  @jax.jit
+  def _step(state, inputs, data):
+    xs, ys, ms = data
+    params = state.params
+    if algo.per_round_averaging:
+      params = neighbor_average(params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
+    if m2 > 1:
+      idx, keep = _subsample_indices(inputs.key, ms, n_sub, m2)
+      xs = jnp.take_along_axis(xs, idx.reshape(*idx.shape, *([1] * (xs.ndim - 2))), axis=1)
+      ys = jnp.take_along_axis(ys, idx, axis=1)
+      ms = keep
+    if n_sub_padded != xs.shape[1]:
+      pad = n_sub_padded - xs.shape[1]
+      xs = jnp.pad(xs, [(0, 0), (0, pad)] + [(0, 0)] * (xs.ndim - 2))
+      ys = jnp.pad(ys, [(0, 0), (0, pad)])
+      ms = jnp.pad(ms, [(0, 0), (0, pad)])
+    lr = algo.lr * jnp.exp(-algo.lr_decay * inputs.round.astype(jnp.float32))
+
+    def per_client(p, idx, nbrs, nbr_mask):
+      x, t, m = neighbourhood(idx, nbrs, nbr_mask, xs, ys, ms)
+      return client_update(p, x, t, m, lr)
+
+    update = parallel.for_each_client(per_client, chunk_size=config.chunk_size or None)
+    new_params, info = update(params, jnp.arange(num_clients), inputs.neighbors, inputs.neighbor_mask)
+    metrics = {"tau": info["tau"], "loss": info["loss"], "lr": lr}
+    return NTKDFLState(params=new_params), metrics
+
+  def step(state, inputs):
+    return _step(state, inputs, data)
+
+  return Algorithm(init=init, round_inputs=round_inputs, step=step, client_params=lambda state: state.params)
+
+
+def _batched_update(apply_fn, params, x, targets, mask, lr, evolve_kwargs):
+  """Jacobian batching (m1 > 1): sequential block evolutions linearised at ``params``.
+
+  Block ``b`` uses the kernel and the Jacobians at the round's averaged weights
+  ``params`` (fixed linearisation point) but starts its function evolution from
+  the outputs of the current, already updated, network; each block selects its
+  own ``τ`` and its update is added before the next block.
+  """
+  def block(current, batch):
+    xb, tb, mb = batch
+    delta, info = evolve.ntk_delta(apply_fn, params, xb, tb, mb, lr=lr, f0_params=current, **evolve_kwargs)
+    current = jax.tree.map(jnp.add, current, delta)
+    return current, (info["tau"], info["loss"])
+
+  final, (block_taus, block_losses) = jax.lax.scan(block, params, (x, targets, mask))
+  return final, {"tau": jnp.mean(block_taus.astype(jnp.float32)), "loss": block_losses[-1]}
+
+
+METHOD = Method(make=make_ntk_dfl, validate_config=validate_config)
