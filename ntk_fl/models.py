@@ -1,12 +1,40 @@
-"""Models as pure ``(init, apply)`` pairs (flax modules underneath).
+"""Models as pure ``(init, apply)`` pairs (flax linen modules underneath).
 
-(Contract stub written by the lead; the models helper fills in the factories.)
+Factories return a :class:`Model`: ``init(key) -> {'params': ...}`` and
+``apply(params, x) -> logits``. Algorithms never see flax; they only call these
+two pure functions (and read :attr:`Model.dense_stack` for the structured NTK).
+
+Initialisation follows the authors' code (PyTorch ``kaiming_normal_`` with
+``mode='fan_in'``): weights ``N(0, 2 / fan_in)`` -- an untruncated normal, unlike
+``jax.nn.initializers.kaiming_normal`` which truncates at two standard deviations
+-- and zero biases. For a convolution ``fan_in = kh * kw * in_channels``.
+
+* :func:`mlp`: the papers' 784-100-10 ReLU network (79,510 parameters) and deeper
+  or differently activated variants.
+* :func:`cnn`: conv32-pool-conv64-pool-fc100-fc10 (the authors' ``NaiveCNN``).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+import functools
+import math
+import numbers
+from typing import Any, Callable, NamedTuple, Sequence
 
-__all__ = ["DenseStack", "Model"]
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "DenseStack",
+    "Model",
+    "ACTIVATIONS",
+    "MODELS",
+    "mlp",
+    "cnn",
+    "make_model",
+    "init_clients",
+    "num_params",
+]
 
 
 class DenseStack(NamedTuple):
@@ -38,3 +66,219 @@ class Model(NamedTuple):
   input_shape: tuple[int, ...]
   num_classes: int
   dense_stack: DenseStack | None = None
+
+
+# --------------------------------------------------------------------- pieces
+
+MODELS = ("mlp", "cnn")
+_INIT_MODES = ("shared", "per_client")
+
+# Kaiming-normal, fan-in, *untruncated* (see the module docstring).
+_KAIMING = nn.initializers.variance_scaling(2.0, "fan_in", "normal")
+_ZEROS = nn.initializers.zeros
+
+
+def _identity(x):
+  return x
+
+
+_ACTIVATIONS: dict[str, Callable[[Any], Any]] = {
+    "relu": jax.nn.relu,
+    "tanh": jnp.tanh,
+    # Exact (erf) GELU, as PyTorch's default; jax.nn.gelu defaults to the tanh approximation.
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),
+    "sigmoid": jax.nn.sigmoid,
+    "softplus": jax.nn.softplus,
+    "elu": jax.nn.elu,
+    "silu": jax.nn.silu,
+    "erf": jax.scipy.special.erf,
+    "identity": _identity,
+}
+ACTIVATIONS = tuple(_ACTIVATIONS)
+
+
+def _activation(name: str) -> Callable[[Any], Any]:
+  if name not in _ACTIVATIONS:
+    raise ValueError(f"unknown activation {name!r}; choose one of {ACTIVATIONS}")
+  return _ACTIVATIONS[name]
+
+
+def _check_positive_int(name: str, value: Any) -> int:
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    raise ValueError(f"{name} must be a positive integer, got {value!r}")
+  return int(value)
+
+
+def _pure(module: nn.Module, input_shape: tuple[int, ...], num_classes: int,
+          dense_stack: DenseStack | None) -> Model:
+  """Wraps a flax module taking ``[B, *input_shape]`` into a :class:`Model`.
+
+  ``apply`` accepts any number of leading batch axes (including none, handy
+  under ``vmap`` over samples): they are folded into one for the module and
+  restored on the logits.
+  """
+  n_in = len(input_shape)
+
+  def init(key):
+    return module.init(key, jnp.zeros((1, *input_shape), jnp.float32))
+
+  def apply(params, x):
+    if x.ndim < n_in or tuple(x.shape[x.ndim - n_in:]) != input_shape:
+      raise ValueError(f"inputs must have shape [..., {', '.join(map(str, input_shape))}], "
+                       f"got {tuple(x.shape)}")
+    batch = x.shape[:x.ndim - n_in]
+    logits = module.apply(params, x.reshape(-1, *input_shape))
+    return logits.reshape(*batch, num_classes)
+
+  # jit: one compiled program instead of one dispatch per flax op for eager callers
+  # (it inlines into an enclosing jit/vmap as usual).
+  return Model(init=jax.jit(init), apply=jax.jit(apply), input_shape=input_shape,
+               num_classes=num_classes, dense_stack=dense_stack)
+
+
+# ---------------------------------------------------------------------- MLP
+
+
+class _MLP(nn.Module):
+  """Dense layers ``features[0], ..., features[-1]`` with ``activation`` between them."""
+  features: tuple[int, ...]
+  activation: Callable[[Any], Any]
+
+  @nn.compact
+  def __call__(self, x):  # [B, input_dim] -> [B, features[-1]]
+    for i, width in enumerate(self.features):
+      x = nn.Dense(width, kernel_init=_KAIMING, bias_init=_ZEROS, name=f"dense_{i}")(x)
+      if i < len(self.features) - 1:
+        x = self.activation(x)
+    return x
+
+
+def mlp(input_dim: int = 784, hidden: Sequence[int] = (100,), num_classes: int = 10,
+        activation: str = "relu") -> Model:
+  """A fully connected network ``input_dim -> hidden... -> num_classes``.
+
+  Args:
+    input_dim: flattened input size (784 for 28x28 images).
+    hidden: widths of the hidden layers; ``()`` gives a linear (softmax-regression) model.
+    num_classes: number of logits ``C``.
+    activation: one of :data:`ACTIVATIONS`, applied after every hidden layer.
+
+  Returns:
+    A :class:`Model` on inputs ``[B, input_dim]`` with ``dense_stack`` naming the
+    layers ``dense_0, ..., dense_L`` in forward order. The default 784-100-10 has
+    ``784*100 + 100 + 100*10 + 10 = 79,510`` parameters.
+  """
+  input_dim = _check_positive_int("input_dim", input_dim)
+  num_classes = _check_positive_int("num_classes", num_classes)
+  hidden = tuple(hidden)
+  for width in hidden:
+    _check_positive_int("hidden width", width)
+  act = _activation(activation)
+  features = hidden + (num_classes,)
+  stack = DenseStack(layers=tuple(f"dense_{i}" for i in range(len(features))), activation=act)
+  return _pure(_MLP(features=features, activation=act), (input_dim,), num_classes, stack)
+
+
+# ---------------------------------------------------------------------- CNN
+
+
+class _CNN(nn.Module):
+  """conv32-relu-pool-conv64-relu-pool-fc100-relu-fc(num_classes) on NHWC images."""
+  num_classes: int
+  kernel_size: int
+
+  @nn.compact
+  def __call__(self, x):  # [B, H, W, C] -> [B, num_classes]
+    k = (self.kernel_size, self.kernel_size)
+    for i, channels in enumerate((32, 64)):
+      x = nn.Conv(channels, k, padding="SAME", kernel_init=_KAIMING, bias_init=_ZEROS,
+                  name=f"conv_{i}")(x)
+      x = nn.max_pool(jax.nn.relu(x), (2, 2), strides=(2, 2))
+    x = x.reshape(x.shape[0], -1)
+    x = jax.nn.relu(nn.Dense(100, kernel_init=_KAIMING, bias_init=_ZEROS, name="dense_0")(x))
+    return nn.Dense(self.num_classes, kernel_init=_KAIMING, bias_init=_ZEROS, name="dense_1")(x)
+
+
+def cnn(input_shape: Sequence[int] = (32, 32, 3), num_classes: int = 10, *,
+        kernel_size: int = 3) -> Model:
+  """The small CNN of the NTK papers' code: conv32-pool-conv64-pool-fc100-fc10, ReLU.
+
+  The papers state no kernel size; the authors' ``NaiveCNN`` uses 3x3 kernels with
+  ``'same'`` padding, stride 1, and 2x2 max pooling with stride 2, which is the
+  default here (``kernel_size=5`` gives the FedAvg-paper variant). After two
+  poolings the flattened feature size is ``64 * (H // 4) * (W // 4)``.
+
+  Args:
+    input_shape: one image ``(H, W, channels)``, channels last; ``H, W >= 4``.
+    num_classes: number of logits ``C``.
+    kernel_size: side of the square convolution kernels.
+
+  Returns:
+    A :class:`Model` on inputs ``[B, H, W, channels]``; ``dense_stack`` is ``None``.
+  """
+  input_shape = tuple(input_shape)
+  if len(input_shape) != 3 or any(
+      isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 1 for d in input_shape):
+    raise ValueError(f"cnn needs input_shape (H, W, channels) of positive ints, got {input_shape}; "
+                     "load image data with flatten=False")
+  if input_shape[0] < 4 or input_shape[1] < 4:
+    raise ValueError(f"cnn pools twice by 2, so H and W must be >= 4, got {input_shape}")
+  num_classes = _check_positive_int("num_classes", num_classes)
+  kernel_size = _check_positive_int("kernel_size", kernel_size)
+  return _pure(_CNN(num_classes=num_classes, kernel_size=kernel_size), input_shape, num_classes,
+               None)
+
+
+# --------------------------------------------------------------- from config
+
+
+def make_model(model_config: Any, input_shape: Sequence[int], num_classes: int) -> Model:
+  """The model of ``config.model`` (``name``, ``hidden``, ``activation``; see :mod:`ntk_fl.config`).
+
+  Args:
+    model_config: ``config.model``; ``name`` in :data:`MODELS`. ``init`` (when
+      present) is checked against ``('shared', 'per_client')`` for
+      :func:`init_clients`.
+    input_shape: shape of one input sample as the data provides it. ``mlp`` uses
+      ``input_dim = prod(input_shape)`` and expects flattened inputs ``[B, input_dim]``;
+      ``cnn`` needs ``(H, W, channels)``.
+    num_classes: number of logits ``C``.
+  """
+  name = model_config.name
+  if name not in MODELS:
+    raise ValueError(f"unknown model {name!r}; choose one of {MODELS}")
+  init_mode = getattr(model_config, "init", None)
+  if init_mode is not None and init_mode not in _INIT_MODES:
+    raise ValueError(f"unknown model.init {init_mode!r}; choose one of {_INIT_MODES}")
+  if name == "mlp":
+    return mlp(math.prod(input_shape), tuple(model_config.hidden), num_classes,
+               model_config.activation)
+  return cnn(tuple(input_shape), num_classes)
+
+
+# ------------------------------------------------------------------ clients
+
+
+def init_clients(model: Model, key: jax.Array, num_clients: int, *, shared: bool = True):
+  """Stacked initial parameters of ``num_clients`` clients, leading axis ``M``.
+
+  Args:
+    model: the :class:`Model`.
+    key: PRNG key. ``shared=True``: every client gets ``model.init(key)`` (the
+      papers' default, one common initialisation). ``shared=False``: client ``i``
+      gets ``model.init(jax.random.split(key, M)[i])``, independent draws.
+    num_clients: ``M``.
+
+  Returns:
+    The params pytree with every leaf of shape ``[M, *leaf_shape]``.
+  """
+  num_clients = _check_positive_int("num_clients", num_clients)
+  if shared:
+    params = model.init(key)
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (num_clients, *a.shape)), params)
+  return jax.vmap(model.init)(jax.random.split(key, num_clients))
+
+
+def num_params(params) -> int:
+  """Number of scalars in a params pytree (for stacked params: ``M`` times one model's count)."""
+  return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
