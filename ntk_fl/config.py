@@ -7,6 +7,9 @@ a named variant (``smoke``, ``paper``, ``iid``, ``alpha0.5``, ...).
 Field reference (all of them are validated by the runner before any work):
 
 * ``method``: registry name of the algorithm (``ntk_dfl``, ``dfedavg``, ...).
+* ``method_module``: optional module (dotted name or ``.py`` path) imported before
+  ``method`` is resolved, so a user's own registered method runs through
+  ``experiments/main.py`` too.
 * ``seed``: every random draw of a run derives from it.
 * ``rounds``: communication rounds.
 * ``data``: ``name`` (see :func:`ntk_fl.data.load`), ``data_dir`` (``''`` = search
@@ -39,6 +42,7 @@ def base_config() -> ml_collections.ConfigDict:
   """The paper setting shared by the NTK papers: Fashion-MNIST, 300 clients, MLP 784-100-10."""
   config = ml_collections.ConfigDict()
   config.method = ""
+  config.method_module = ""
   config.seed = 0
   config.rounds = 30
 

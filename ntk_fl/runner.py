@@ -1,0 +1,571 @@
+"""The generic experiment loop every method shares.
+
+``run(config, workdir)`` does, in this order:
+
+1. :func:`validate_config` -- the shared schema of :mod:`ntk_fl.config` (names,
+   ranges, unknown keys) and the method's own ``validate_config``; then the
+   workdir is checked (a fresh run needs an empty one, ``resume`` needs a
+   matching ``config.json`` and a checkpoint). Nothing is loaded before that, so
+   a bad key or value fails in milliseconds with a message naming it.
+2. :func:`build_experiment` -- dataset, partition, :class:`Federation`, model and
+   :class:`Algorithm` (also the entry point of the functional API: build once,
+   then drive ``algorithm.init`` / ``algorithm.step`` yourself).
+3. The round loop: ``algorithm.step`` jit-compiled once; after every round one
+   JSON line in ``metrics.jsonl`` (aggregated-model and client accuracies,
+   inter-client deviation, the algorithm's own metrics, timings), a tqdm
+   progress bar, and an orbax checkpoint every ``checkpoint_every`` rounds and
+   at the end.
+4. Final client-selection curves, PNG plots, ``summary.json``.
+
+Workdir layout::
+
+  config.json      the run's config (resume refuses a different one)
+  metrics.jsonl    one line per round (1-based ``round``)
+  summary.json     rounds to each target, final/best accuracies, timings, selection curves
+  accuracy.png     aggregated vs mean-client accuracy (client min-max band)
+  selection.png    best-to-worst / random / worst-to-best averaging curves
+  checkpoints/     orbax checkpoints, one directory per saved round count
+
+Determinism and resume: ``algorithm.init`` gets ``jax.random.PRNGKey(seed)``,
+``algorithm.round_inputs(r)`` depends on ``r`` only, and the state is the whole
+carried pytree, so a run resumed from the checkpoint after round ``k`` repeats
+rounds ``k+1..R`` bit for bit: its ``metrics.jsonl`` and ``summary.json`` equal
+an uninterrupted run's except for wall-clock times.
+
+Methods outside :mod:`ntk_fl.algorithms` (a user's own, or a test double) are
+found through ``config.method_module``: a dotted module name or a path to a
+``.py`` file, imported before ``config.method`` is resolved; importing it
+should call :func:`ntk_fl.algorithms.register`.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import math
+import numbers
+import os
+import sys
+import time
+from typing import Any, Callable, NamedTuple
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from tqdm.auto import tqdm
+
+from ntk_fl import metrics as metrics_lib
+from ntk_fl import plotting
+from ntk_fl.algorithms import Algorithm, get_method
+from ntk_fl.checkpoint import Checkpoints
+from ntk_fl.config import base_config
+
+__all__ = [
+    "Experiment",
+    "build_experiment",
+    "import_method_module",
+    "read_metrics",
+    "run",
+    "check_workdir",
+    "validate_config",
+    "CONFIG_FILE",
+    "METRICS_FILE",
+    "SUMMARY_FILE",
+    "CHECKPOINT_DIR",
+    "ACCURACY_PLOT",
+    "SELECTION_PLOT",
+]
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+CHECKPOINT_DIR = "checkpoints"
+ACCURACY_PLOT = "accuracy.png"
+SELECTION_PLOT = "selection.png"
+
+# Keys the runner writes into every metrics line; an algorithm metric may not reuse them.
+_RESERVED = frozenset({
+    "round", "step_time", "eval_time", "test_acc", "test_loss", "deviation", "client_acc_mean",
+    "client_acc_min", "client_acc_max", "client_loss_mean", "clients"})
+# Config keys beyond base_config(): the optional method module, and the free-form algorithm block.
+_EXTRA_TOP_LEVEL = frozenset({"method_module"})
+_SCHEMA_BLOCKS = ("data", "model", "topology", "eval")
+# Independent random stream (beside the partition's) for the optional training subsample.
+_SUBSAMPLE_STREAM = 1
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _get(config, path: str):
+  node = config
+  for key in path.split("."):
+    if not isinstance(node, (ml_collections.ConfigDict, dict)) or key not in node:
+      raise ValueError(f"config is missing {path!r} (see ntk_fl.config.base_config for the schema)")
+    node = node[key]
+  return node
+
+
+def _int(config, path: str, low: int) -> int:
+  value = _get(config, path)
+  if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
+    raise ValueError(f"config.{path} must be an int >= {low}, got {value!r}")
+  return int(value)
+
+
+def _choice(config, path: str, choices) -> str:
+  value = _get(config, path)
+  if value not in choices:
+    raise ValueError(f"config.{path} = {value!r} is not one of {tuple(choices)}")
+  return value
+
+
+def _check_keys(config) -> None:
+  """Rejects keys the shared schema does not know (a typo would otherwise be ignored)."""
+  schema = base_config()
+  unknown = set(config.keys()) - set(schema.keys()) - _EXTRA_TOP_LEVEL
+  if unknown:
+    raise ValueError(f"unknown config key(s) {sorted(unknown)}; known top-level keys: "
+                     f"{sorted(set(schema.keys()) | _EXTRA_TOP_LEVEL)}")
+  for block in _SCHEMA_BLOCKS:
+    unknown = set(_get(config, block).keys()) - set(schema[block].keys())
+    if unknown:
+      raise ValueError(f"unknown key(s) {sorted(f'{block}.{k}' for k in unknown)}; "
+                       f"config.{block} has: {sorted(schema[block].keys())}")
+
+
+def import_method_module(spec: str) -> None:
+  """Imports ``spec`` (a dotted module name, or a path to a ``.py`` file) for its registrations."""
+  if not spec:
+    return
+  try:
+    if spec.endswith(".py"):
+      path = os.path.abspath(spec)
+      if not os.path.isfile(path):
+        raise FileNotFoundError(f"no such file {path}")
+      name = f"_ntk_fl_method_{abs(hash(path)):x}"
+      if name not in sys.modules:  # execute a file once per process, like an import
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        try:
+          module_spec.loader.exec_module(module)
+        except BaseException:
+          del sys.modules[name]
+          raise
+    else:
+      importlib.import_module(spec)
+  except (ImportError, FileNotFoundError) as e:
+    raise ValueError(f"config.method_module = {spec!r} could not be imported: {e}") from e
+
+
+def validate_config(config) -> None:
+  """Checks ``config`` against the shared schema, then the method's own block.
+
+  Raises ``ValueError`` naming the bad key, its value and what is allowed. Loads
+  no data; the dataset/partition/topology/model name tuples are imported here.
+  """
+  from ntk_fl import data, models, topology  # pylint: disable=g-import-not-at-top
+
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise ValueError(f"config must be an ml_collections.ConfigDict, got {type(config).__name__}")
+  _check_keys(config)
+  method = _get(config, "method")
+  if not isinstance(method, str) or not method:
+    raise ValueError(f"config.method must name a registered method, got {method!r}")
+  method_module = config.get("method_module", "")
+  if not isinstance(method_module, str):
+    raise ValueError(f"config.method_module must be a module name or .py path, got {method_module!r}")
+  _int(config, "seed", 0)
+  _int(config, "rounds", 1)
+  _int(config, "checkpoint_every", 0)
+  _int(config, "chunk_size", 0)
+
+  dataset = _choice(config, "data.name", data.DATASETS)
+  if not isinstance(_get(config, "data.data_dir"), str):
+    raise ValueError(f"config.data.data_dir must be a string ('' = search path), got {config.data.data_dir!r}")
+  partition = _choice(config, "data.partition", data.PARTITIONS)
+  if partition == "by_writer" and dataset != "femnist":
+    raise ValueError(f"config.data.partition = 'by_writer' needs writer ids; only 'femnist' has them, "
+                     f"got data.name = {dataset!r}")
+  _int(config, "data.num_clients", 1)
+  alpha = _get(config, "data.alpha")
+  if not isinstance(alpha, numbers.Real) or not math.isfinite(alpha) or alpha <= 0:
+    raise ValueError(f"config.data.alpha must be a finite number > 0, got {alpha!r}")
+  _int(config, "data.samples_per_client", 0)
+  _int(config, "data.classes_per_client", 1)
+  _int(config, "data.max_train", 0)
+
+  _choice(config, "model.name", models.MODELS)
+  hidden = _get(config, "model.hidden")
+  if (not isinstance(hidden, (tuple, list))
+      or not all(isinstance(h, numbers.Integral) and not isinstance(h, bool) and h >= 1 for h in hidden)):
+    raise ValueError(f"config.model.hidden must be a tuple of positive ints, got {hidden!r}")
+  _choice(config, "model.activation", models.ACTIVATIONS)
+  _choice(config, "model.init", ("shared", "per_client"))
+
+  # Names only: whether the topology's numbers fit the client count is the
+  # business of the methods that use a topology (their validate_config).
+  _choice(config, "topology.name", topology.TOPOLOGIES)
+  _choice(config, "topology.mixing", topology.MIXING_SCHEMES)
+
+  _int(config, "eval.every", 1)
+  _int(config, "eval.clients_every", 0)
+  _int(config, "eval.batch_size", 1)
+  targets = _get(config, "eval.targets")
+  if not isinstance(targets, (tuple, list)) or not all(
+      isinstance(t, numbers.Real) and not isinstance(t, bool) and 0 < t <= 1 for t in targets):
+    raise ValueError(f"config.eval.targets must be a tuple of accuracies in (0, 1], got {targets!r}")
+  if not isinstance(_get(config, "eval.selection"), bool):
+    raise ValueError(f"config.eval.selection must be a bool, got {config.eval.selection!r}")
+
+  import_method_module(method_module)
+  get_method(method).validate_config(config)
+
+
+# ----------------------------------------------------------------------------- building
+
+
+class Experiment(NamedTuple):
+  """Everything a run is made of, built from a config by :func:`build_experiment`.
+
+  Attributes:
+    config: the config it was built from.
+    dataset: the (optionally subsampled) :class:`ntk_fl.data.Dataset`.
+    client_indices: ``M`` index arrays into ``dataset.x_train``.
+    federation: the stacked client data :class:`ntk_fl.data.Federation`.
+    model: the :class:`ntk_fl.models.Model`.
+    algorithm: the method's :class:`Algorithm`.
+  """
+  config: ml_collections.ConfigDict
+  dataset: Any
+  client_indices: list
+  federation: Any
+  model: Any
+  algorithm: Algorithm
+
+
+def _subsample(dataset, max_train: int, seed: int):
+  """Keeps ``max_train`` training samples drawn without replacement (original order kept)."""
+  n = dataset.x_train.shape[0]
+  if not max_train or max_train == n:
+    return dataset
+  if max_train > n:
+    raise ValueError(f"config.data.max_train = {max_train} exceeds the {n} training samples of "
+                     f"{dataset.name!r}; use 0 for all of them")
+  rng = np.random.default_rng(np.random.SeedSequence([seed, _SUBSAMPLE_STREAM]))
+  keep = np.sort(rng.choice(n, size=max_train, replace=False))
+  writers = None if dataset.writers_train is None else dataset.writers_train[keep]
+  return dataset._replace(x_train=dataset.x_train[keep], y_train=dataset.y_train[keep],
+                          writers_train=writers)
+
+
+def build_experiment(config) -> Experiment:
+  """Validates ``config`` and builds dataset, partition, federation, model and algorithm.
+
+  The functional API: ``exp = build_experiment(config)``, then
+  ``state = exp.algorithm.init(jax.random.PRNGKey(config.seed))`` and
+  ``state, metrics = exp.algorithm.step(state, exp.algorithm.round_inputs(r))``.
+  """
+  from ntk_fl import data, models  # pylint: disable=g-import-not-at-top
+
+  validate_config(config)
+  dataset = data.load(config.data.name, config.data.data_dir or None,
+                      flatten=config.model.name != "cnn", seed=config.seed)
+  dataset = _subsample(dataset, config.data.max_train, config.seed)
+  client_indices = data.partition(
+      dataset.y_train, config.data.partition, config.data.num_clients, seed=config.seed,
+      alpha=config.data.alpha, samples_per_client=config.data.samples_per_client or None,
+      classes_per_client=config.data.classes_per_client, writers=dataset.writers_train)
+  federation = data.make_federation(dataset.x_train, dataset.y_train, client_indices)
+  model = models.make_model(config.model, dataset.x_train.shape[1:], dataset.num_classes)
+  algorithm = get_method(config.method).make(config, model, federation)
+  return Experiment(config, dataset, client_indices, federation, model, algorithm)
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def _jsonable(obj):
+  """Plain-python JSON value of ``obj`` (numpy/jax arrays and scalars, tuples, ConfigDicts).
+
+  Non-finite floats become ``None`` (JSON has no NaN/inf).
+  """
+  if isinstance(obj, ml_collections.ConfigDict):
+    obj = obj.to_dict()
+  if isinstance(obj, dict):
+    return {str(k): _jsonable(v) for k, v in obj.items()}
+  if isinstance(obj, (list, tuple)):
+    return [_jsonable(v) for v in obj]
+  if isinstance(obj, (jax.Array, np.ndarray, np.generic)):
+    return _jsonable(np.asarray(obj).tolist())
+  if isinstance(obj, float):
+    return obj if math.isfinite(obj) else None
+  if obj is None or isinstance(obj, (bool, int, str)):
+    return obj
+  raise TypeError(f"cannot write {type(obj).__name__} to JSON: {obj!r}")
+
+
+def _write_atomic(path: str, text: str) -> None:
+  tmp = f"{path}.tmp"
+  with open(tmp, "w") as f:
+    f.write(text)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+
+
+def _write_json(path: str, obj) -> None:
+  _write_atomic(path, json.dumps(_jsonable(obj), indent=2, allow_nan=False) + "\n")
+
+
+def read_metrics(workdir: str) -> list[dict]:
+  """The per-round metrics lines of ``workdir/metrics.jsonl`` (a trailing partial line is dropped)."""
+  path = os.path.join(workdir, METRICS_FILE)
+  lines = []
+  with open(path) as f:
+    raw = f.read().split("\n")
+  for i, text in enumerate(raw):
+    if not text.strip():
+      continue
+    try:
+      lines.append(json.loads(text))
+    except json.JSONDecodeError:
+      if i == len(raw) - 1:  # the process died mid-write; that round is redone anyway
+        break
+      raise ValueError(f"{path}: line {i + 1} is not valid JSON") from None
+  return lines
+
+
+def _config_diff(old, new, prefix: str = "") -> list[str]:
+  if isinstance(old, dict) and isinstance(new, dict):
+    return [d for k in sorted(set(old) | set(new))
+            for d in _config_diff(old.get(k, "<missing>"), new.get(k, "<missing>"), f"{prefix}{k}.")]
+  return [] if old == new else [f"{prefix[:-1]}: {old!r} -> {new!r}"]
+
+
+def check_workdir(config, workdir: str, *, resume: bool) -> int:
+  """Checks ``workdir`` before any work; returns the round count to start from.
+
+  A fresh run refuses a workdir that already holds a run (never overwrites one
+  silently). ``resume`` needs the same config (``config.json``) and a finalised
+  checkpoint.
+  """
+  workdir = os.path.abspath(workdir)
+  config_path = os.path.join(workdir, CONFIG_FILE)
+  ckpt_dir = os.path.join(workdir, CHECKPOINT_DIR)
+  if not resume:
+    existing = [n for n in (CONFIG_FILE, METRICS_FILE, CHECKPOINT_DIR) if os.path.exists(os.path.join(workdir, n))]
+    if existing:
+      raise ValueError(f"workdir {workdir} already holds a run ({', '.join(existing)}); resume it "
+                       "(resume=True / --resume) or choose an empty workdir")
+    return 0
+  if not os.path.isfile(config_path):
+    raise FileNotFoundError(f"cannot resume: {config_path} does not exist (no run was started in {workdir})")
+  with open(config_path) as f:
+    stored = json.load(f)
+  diff = _config_diff(stored, json.loads(json.dumps(_jsonable(config))))
+  if diff:
+    raise ValueError(f"cannot resume {workdir} with a different config; changed: {'; '.join(diff)}")
+  latest = None
+  if os.path.isdir(ckpt_dir):
+    with Checkpoints(ckpt_dir) as ckpt:
+      latest = ckpt.latest()
+  if latest is None:
+    raise FileNotFoundError(f"cannot resume: no finalised checkpoint in {ckpt_dir} "
+                            f"(config.checkpoint_every = {config.checkpoint_every})")
+  return latest
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def _strong(x):
+  """A committed jax array without weak type, so restored and carried states compile alike."""
+  x = jnp.asarray(x)
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    return x
+  return jnp.asarray(x, dtype=x.dtype)
+
+
+def _canonical(state):
+  return jax.tree.map(_strong, state)
+
+
+def _due(round_: int, every: int, rounds: int) -> bool:
+  """Whether a 1-based round gets an every-``every`` action (always the last round)."""
+  return round_ == rounds or (every > 0 and round_ % every == 0)
+
+
+def _algorithm_metrics(step_metrics: dict, num_clients: int) -> tuple[dict, dict]:
+  """Scalars -> floats; ``[M, ...]`` per-client arrays -> mean/min/max plus the full values under ``clients``."""
+  line, clients = {}, {}
+  for name, value in jax.device_get(step_metrics).items():
+    if name in _RESERVED:
+      raise ValueError(f"algorithm metric {name!r} clashes with a runner metric; reserved: {sorted(_RESERVED)}")
+    value = np.asarray(value)
+    if value.ndim == 0:
+      line[name] = float(value)
+    elif value.shape[0] == num_clients:
+      line[f"{name}_mean"] = float(np.mean(value))
+      line[f"{name}_min"] = float(np.min(value))
+      line[f"{name}_max"] = float(np.max(value))
+      clients[name] = value.tolist()
+    else:
+      line[name] = value.tolist()
+  return line, clients
+
+
+def _evaluate(evaluator: metrics_lib.Evaluator, stacked_params, round_: int, config) -> tuple[dict, dict]:
+  line, clients = {}, {}
+  if _due(round_, config.eval.every, config.rounds):
+    acc, loss, deviation = jax.device_get(evaluator.aggregate(stacked_params))
+    line.update(test_acc=float(acc), test_loss=float(loss), deviation=float(deviation))
+  if config.eval.clients_every and _due(round_, config.eval.clients_every, config.rounds):
+    acc, loss = jax.device_get(evaluator.clients(stacked_params))
+    line.update(client_acc_mean=float(np.mean(acc)), client_acc_min=float(np.min(acc)),
+                client_acc_max=float(np.max(acc)), client_loss_mean=float(np.mean(loss)))
+    clients["test_acc"] = acc.tolist()
+  return line, clients
+
+
+def _summarize(config, lines: list[dict], *, num_params: int, selection: dict | None,
+               wall_time: float, resumed_from: int | None) -> dict:
+  acc = [line.get("test_acc") for line in lines]
+  evaluated = [(a, line["round"]) for a, line in zip(acc, lines) if a is not None]
+  best_acc, best_round = max(evaluated, key=lambda p: (p[0], -p[1])) if evaluated else (None, None)
+  last_with = lambda key: next((line[key] for line in reversed(lines) if line.get(key) is not None), None)
+  step_times = [line["step_time"] for line in lines]
+  round_times = [line["step_time"] + line["eval_time"] for line in lines]
+  return {
+      "method": config.method,
+      "seed": config.seed,
+      "rounds": config.rounds,
+      "num_clients": config.data.num_clients,
+      "num_params": num_params,
+      "rounds_to_target": {str(float(t)): metrics_lib.rounds_to_target(acc, float(t))
+                           for t in config.eval.targets},
+      "final_test_acc": last_with("test_acc"),
+      "final_test_loss": last_with("test_loss"),
+      "final_client_acc_mean": last_with("client_acc_mean"),
+      "final_deviation": last_with("deviation"),
+      "best_test_acc": best_acc,
+      "best_round": best_round,
+      "wall_time": wall_time,
+      "train_time": float(sum(step_times)),
+      "time_per_round": float(np.mean(round_times)),
+      # The first step includes jit compilation; later ones are the steady state.
+      "step_time_per_round": float(np.mean(step_times[1:] if len(step_times) > 1 else step_times)),
+      "resumed_from": resumed_from,
+      "selection": selection,
+      "config": config,
+  }
+
+
+def run(config, workdir: str, *, resume: bool = False,
+        on_round_end: Callable[[int, dict], None] | None = None) -> dict:
+  """Runs the experiment described by ``config`` in ``workdir``; returns the summary.
+
+  Args:
+    config: a config built on :func:`ntk_fl.config.base_config`.
+    workdir: output directory (created); see the module docstring for its layout.
+    resume: continue from the latest checkpoint in ``workdir``.
+    on_round_end: optional ``fn(round, line)`` called after each round's metrics
+      line and checkpoint are written (1-based ``round``); for custom logging or
+      early interruption (an exception it raises stops the run there).
+
+  Returns:
+    The summary dict written to ``summary.json``.
+
+  Raises:
+    ValueError: a bad config value (before any data is loaded), a workdir
+      holding another run, or resuming with a different config.
+    FileNotFoundError: resuming without a run or checkpoint; missing data files.
+  """
+  started = time.perf_counter()
+  validate_config(config)
+  workdir = os.path.abspath(workdir)
+  start = check_workdir(config, workdir, resume=resume)
+
+  exp = build_experiment(config)
+  algorithm, rounds = exp.algorithm, config.rounds
+  os.makedirs(workdir, exist_ok=True)
+  metrics_path = os.path.join(workdir, METRICS_FILE)
+  state = _canonical(algorithm.init(jax.random.PRNGKey(config.seed)))
+  num_clients = jax.tree_util.tree_leaves(algorithm.client_params(state))[0].shape[0]
+  num_params = sum(math.prod(w.shape[1:]) for w in jax.tree_util.tree_leaves(algorithm.client_params(state)))
+  ckpt = Checkpoints(os.path.join(workdir, CHECKPOINT_DIR)) if config.checkpoint_every else None
+
+  try:
+    if resume:
+      state = _canonical(ckpt.restore(start, state))
+      lines = read_metrics(workdir)[:start]
+      if [line.get("round") for line in lines] != list(range(1, start + 1)):
+        raise ValueError(f"{metrics_path} does not hold rounds 1..{start} of the checkpoint; cannot resume")
+      logging.info("Resuming %s from the checkpoint after round %d", workdir, start)
+    else:
+      _write_json(os.path.join(workdir, CONFIG_FILE), config)
+      lines = []
+    # Rewrite (atomically) to exactly the checkpointed rounds, then append.
+    _write_atomic(metrics_path, "".join(json.dumps(_jsonable(line), allow_nan=False) + "\n" for line in lines))
+
+    step = jax.jit(algorithm.step)
+    evaluator = metrics_lib.make_evaluator(
+        exp.model.apply, exp.dataset.x_test, exp.dataset.y_test,
+        batch_size=config.eval.batch_size, chunk_size=config.chunk_size or None)
+    bar = tqdm(total=rounds, initial=start, desc=config.method, unit="round", dynamic_ncols=True)
+    with bar, open(metrics_path, "a") as metrics_file:
+      for r in range(start, rounds):
+        round_ = r + 1
+        inputs = algorithm.round_inputs(r)
+        t0 = time.perf_counter()
+        state, step_metrics = step(state, inputs)
+        state = _canonical(jax.block_until_ready(state))
+        algo_line, algo_clients = _algorithm_metrics(step_metrics, num_clients)
+        t1 = time.perf_counter()
+        eval_line, eval_clients = _evaluate(evaluator, algorithm.client_params(state), round_, config)
+        t2 = time.perf_counter()
+        line = {"round": round_, "step_time": t1 - t0, "eval_time": t2 - t1, **eval_line, **algo_line,
+                "clients": {**eval_clients, **algo_clients}}
+        metrics_file.write(json.dumps(_jsonable(line), allow_nan=False) + "\n")
+        metrics_file.flush()
+        lines.append(line)
+        if ckpt is not None and _due(round_, config.checkpoint_every, rounds):
+          ckpt.save(round_, state)
+        postfix = {"s/round": f"{t2 - t0:.2f}"}
+        if "test_acc" in line:
+          postfix["acc"] = f"{line['test_acc']:.4f}"
+          logging.info("round %d: aggregated acc %.4f, step %.2fs, eval %.2fs",
+                       round_, line["test_acc"], t1 - t0, t2 - t1)
+        bar.set_postfix(postfix)
+        bar.update(1)
+        if on_round_end is not None:
+          on_round_end(round_, line)
+    if ckpt is not None and rounds not in ckpt.steps():
+      ckpt.save(rounds, state)  # e.g. a resumed run whose last checkpoint was deleted
+  finally:
+    if ckpt is not None:
+      ckpt.close()
+
+  selection = None
+  title = f"{config.method} ({config.data.name}, seed {config.seed})"
+  if config.eval.selection:
+    curves = metrics_lib.selection_curves(
+        exp.model.apply, algorithm.client_params(state), exp.dataset.x_test, exp.dataset.y_test,
+        seed=config.seed, batch_size=config.eval.batch_size, chunk_size=config.chunk_size or None)
+    selection = {k: v.tolist() for k, v in curves.items()}
+    plotting.plot_selection_curves(curves, os.path.join(workdir, SELECTION_PLOT), title=title)
+  rounds_axis = [line["round"] for line in lines]
+  plotting.plot_accuracy(
+      rounds_axis, [line.get("test_acc") for line in lines], [line.get("client_acc_mean") for line in lines],
+      [line.get("client_acc_min") for line in lines], [line.get("client_acc_max") for line in lines],
+      os.path.join(workdir, ACCURACY_PLOT), title=title)
+
+  summary = _jsonable(_summarize(config, lines, num_params=num_params, selection=selection,
+                                 wall_time=time.perf_counter() - started,
+                                 resumed_from=start if resume else None))
+  _write_json(os.path.join(workdir, SUMMARY_FILE), summary)
+  logging.info("Finished %s: %s", workdir, {k: summary[k] for k in ("rounds_to_target", "final_test_acc")})
+  return summary

@@ -1,0 +1,279 @@
+"""The generic runner, its checkpoints and experiments/main.py, on the toy method (tests/toy_method.py).
+
+The reference run goes through ``experiments/main.py`` in a subprocess (with a
+``--config.rounds`` override); the in-process interrupted-and-resumed run must
+reproduce its every logged number exactly.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import matplotlib.image
+import numpy as np
+import pytest
+
+from ntk_fl import data, metrics, runner
+from ntk_fl.checkpoint import Checkpoints
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOY_CONFIG = os.path.join(REPO, "tests", "configs", "toy.py")
+ROUNDS = 5  # smoke has 4; the override makes checkpoints at 2, 4 and 5 (the end)
+TIMES = ("step_time", "eval_time")
+SUMMARY_TIMES = ("wall_time", "train_time", "time_per_round", "step_time_per_round", "resumed_from")
+
+
+def toy_config(arg: str = "smoke", **overrides):
+  spec = importlib.util.spec_from_file_location("toy_config", TOY_CONFIG)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config(arg)
+  config.rounds = ROUNDS
+  for key, value in overrides.items():
+    node = config
+    *path, last = key.split(".")
+    for p in path:
+      node = node[p]
+    node[last] = value
+  return config
+
+
+def main_py(*args, timeout=240):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  return subprocess.run([sys.executable, os.path.join(REPO, "experiments", "main.py"), *args],
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("reference") / "run")
+  proc = main_py("--config=tests/configs/toy.py:smoke", f"--config.rounds={ROUNDS}", f"--workdir={workdir}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  with open(os.path.join(workdir, runner.SUMMARY_FILE)) as f:
+    summary = json.load(f)
+  return workdir, runner.read_metrics(workdir), summary
+
+
+def without(d: dict, keys) -> dict:
+  return {k: v for k, v in d.items() if k not in keys}
+
+
+def assert_png(path):
+  with open(path, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  image = matplotlib.image.imread(path)
+  assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def test_main_py_run_writes_every_output(reference):
+  workdir, lines, summary = reference
+  for name in (runner.CONFIG_FILE, runner.METRICS_FILE, runner.SUMMARY_FILE):
+    assert os.path.isfile(os.path.join(workdir, name))
+  assert_png(os.path.join(workdir, runner.ACCURACY_PLOT))
+  assert_png(os.path.join(workdir, runner.SELECTION_PLOT))
+  with Checkpoints(os.path.join(workdir, runner.CHECKPOINT_DIR)) as ckpt:
+    assert ckpt.steps() == [4, 5]  # every 2 rounds and the end; max_to_keep=2 dropped round 2
+
+  # One line per round, 1-based; the override reached the run.
+  assert [line["round"] for line in lines] == list(range(1, ROUNDS + 1))
+  assert summary["rounds"] == ROUNDS and summary["method"] == "toy_gd" and summary["seed"] == 0
+  for line in lines:
+    for key in ("test_acc", "test_loss", "deviation", "client_acc_mean", "client_acc_min", "client_acc_max",
+                "loss_mean", "loss_min", "loss_max", "kept_mean", "lr", *TIMES):
+      assert isinstance(line[key], float), key
+    # Per-client algorithm metrics are stored in full (ints stay ints) and summarised.
+    kept = line["clients"]["kept"]
+    assert len(kept) == 10 and all(isinstance(k, int) for k in kept)
+    assert line["kept_min"] == min(kept) and line["kept_max"] == max(kept)
+    assert line["kept_mean"] == pytest.approx(np.mean(kept))
+    acc = line["clients"]["test_acc"]
+    assert len(acc) == 10 and line["client_acc_min"] == min(acc) and line["client_acc_max"] == max(acc)
+  assert [line["lr"] for line in lines] == pytest.approx([0.5 * 0.9 ** r for r in range(ROUNDS)])
+
+  # Summary numbers recomputed from the lines.
+  acc = [line["test_acc"] for line in lines]
+  want = {}
+  for t in (0.2, 0.99):
+    want[str(t)] = next((r for r, a in enumerate(acc, start=1) if a >= t), None)
+  assert summary["rounds_to_target"] == want
+  assert want["0.2"] is not None and want["0.99"] is None  # both branches exercised
+  assert summary["final_test_acc"] == acc[-1]
+  assert summary["best_test_acc"] == max(acc) and acc[summary["best_round"] - 1] == max(acc)
+  assert summary["final_client_acc_mean"] == lines[-1]["client_acc_mean"]
+  assert summary["num_params"] == 784 * 16 + 16 + 16 * 10 + 10
+  assert summary["config"]["rounds"] == ROUNDS and summary["resumed_from"] is None
+  sel = summary["selection"]
+  for name in metrics.SELECTION_ORDERS:
+    assert len(sel[name]) == 10 and sorted(sel[f"{name}_order"]) == list(range(10))
+  # All orders end at the same all-client average (up to float32 summation order).
+  assert sel["best_to_worst"][-1] == pytest.approx(sel["random"][-1], abs=1 / 150 + 1e-9)
+  assert sel["best_to_worst"][-1] == pytest.approx(sel["worst_to_best"][-1], abs=1 / 150 + 1e-9)
+
+
+def test_logged_numbers_match_an_independent_evaluation(reference):
+  """Final checkpoint + functional API: the logged accuracies, deviation and state are reproduced."""
+  workdir, lines, _ = reference
+  config = toy_config()
+  exp = runner.build_experiment(config)
+  algorithm = exp.algorithm
+  state = algorithm.init(jax.random.PRNGKey(config.seed))
+  step = jax.jit(algorithm.step)
+  for r in range(ROUNDS):
+    state, _ = step(state, algorithm.round_inputs(r))
+  with Checkpoints(os.path.join(workdir, runner.CHECKPOINT_DIR)) as ckpt:
+    restored = ckpt.restore(ROUNDS, state)
+  # The functional API reproduces the runner's state bit for bit (the runner adds nothing).
+  jax.tree.map(np.testing.assert_array_equal, restored, state)
+  assert int(restored.steps) == ROUNDS
+
+  params = algorithm.client_params(restored)
+  x, y = exp.dataset.x_test, exp.dataset.y_test
+  acc, loss = metrics.evaluate(exp.model.apply, metrics.average_params(params), x, y, batch_size=64)
+  last = lines[-1]
+  assert last["test_acc"] == pytest.approx(float(acc), abs=1e-6)
+  assert last["test_loss"] == pytest.approx(float(loss), rel=1e-5)
+  flat = np.concatenate([np.asarray(w, np.float64).reshape(10, -1) for w in jax.tree_util.tree_leaves(params)], 1)
+  want_dev = np.mean(np.sqrt(np.sum((flat - flat.mean(0)) ** 2, axis=0)))
+  assert last["deviation"] == pytest.approx(want_dev, rel=1e-5)
+  c_acc, _ = metrics.evaluate_clients(exp.model.apply, params, x, y)
+  np.testing.assert_allclose(last["clients"]["test_acc"], np.asarray(c_acc), atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+class _Killed(Exception):
+  pass
+
+
+def test_resume_after_interruption_equals_uninterrupted(reference, tmp_path):
+  _, ref_lines, ref_summary = reference
+  workdir = str(tmp_path / "run")
+  config = toy_config()
+
+  def kill_after_round_3(round_, line):
+    if round_ == 3:
+      raise _Killed
+
+  with pytest.raises(_Killed):
+    runner.run(config, workdir, on_round_end=kill_after_round_3)
+  assert len(runner.read_metrics(workdir)) == 3  # round 3 logged but not checkpointed
+  with Checkpoints(os.path.join(workdir, runner.CHECKPOINT_DIR)) as ckpt:
+    assert ckpt.latest() == 2
+  assert not os.path.exists(os.path.join(workdir, runner.SUMMARY_FILE))
+
+  summary = runner.run(toy_config(), workdir, resume=True)
+  lines = runner.read_metrics(workdir)
+  assert [without(line, TIMES) for line in lines] == [without(line, TIMES) for line in ref_lines]
+  assert without(summary, SUMMARY_TIMES) == without(ref_summary, SUMMARY_TIMES)
+  assert summary["resumed_from"] == 2
+  with open(os.path.join(workdir, runner.SUMMARY_FILE)) as f:
+    assert json.load(f) == summary
+
+
+def test_resume_refusals_fail_before_any_work(reference, tmp_path, monkeypatch):
+  ref_workdir, _, _ = reference
+  monkeypatch.setattr(data, "load", lambda *a, **k: pytest.fail("data loaded"))
+  with pytest.raises(FileNotFoundError, match="cannot resume"):
+    runner.run(toy_config(), str(tmp_path / "empty"), resume=True)
+  with pytest.raises(ValueError, match=r"different config.*seed: 0 -> 3"):
+    runner.run(toy_config(seed=3), ref_workdir, resume=True)
+  with pytest.raises(ValueError, match="already holds a run"):
+    runner.run(toy_config(), ref_workdir)
+  # A started run that never reached a checkpoint.
+  os.makedirs(tmp_path / "nockpt")
+  with open(tmp_path / "nockpt" / runner.CONFIG_FILE, "w") as f:
+    json.dump(runner._jsonable(toy_config()), f)
+  with pytest.raises(FileNotFoundError, match="no finalised checkpoint"):
+    runner.run(toy_config(), str(tmp_path / "nockpt"), resume=True)
+
+
+def test_checkpoints_skip_half_written_and_restore_exactly(tmp_path):
+  state = {"w": jnp.arange(6.0).reshape(2, 3), "n": jnp.int32(7), "key": jax.random.key(3),
+           "raw_key": jax.random.PRNGKey(4)}
+  other = jax.tree.map(lambda x: x, state) | {"w": state["w"] + 1}
+  directory = tmp_path / "ckpt"
+  with Checkpoints(directory, max_to_keep=3) as ckpt:
+    ckpt.save(2, state)
+    ckpt.save(4, other)
+  # What a process killed mid-save leaves behind: orbax's temporary directory, or
+  # a bare step directory without the metadata orbax writes before the rename.
+  os.makedirs(directory / "6.orbax-checkpoint-tmp-1234567")
+  os.makedirs(directory / "8" / "default")
+  with Checkpoints(directory, max_to_keep=3) as ckpt:
+    assert ckpt.steps() == [2, 4] and ckpt.latest() == 4
+    restored = ckpt.restore(4, state)
+    with pytest.raises(FileNotFoundError, match="round 8"):
+      ckpt.restore(8, state)
+  np.testing.assert_array_equal(restored["w"], other["w"])
+  assert restored["n"].dtype == jnp.int32 and int(restored["n"]) == 7
+  assert jax.dtypes.issubdtype(restored["key"].dtype, jax.dtypes.prng_key)
+  np.testing.assert_array_equal(jax.random.key_data(restored["key"]), jax.random.key_data(state["key"]))
+  np.testing.assert_array_equal(restored["raw_key"], state["raw_key"])
+
+
+# ----------------------------------------------------------------------------- bad configs
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("rounds", 0, "rounds"),
+    ("seed", -1, "seed"),
+    ("data.name", "imagenet", "data.name"),
+    ("data.partition", "random", "data.partition"),
+    ("data.partition", "by_writer", "by_writer"),
+    ("data.alpha", 0.0, "alpha"),
+    ("data.max_train", -5, "max_train"),
+    ("model.name", "resnet", "model.name"),
+    ("model.hidden", (16, 0), "hidden"),
+    ("model.activation", "swishy", "activation"),
+    ("topology.name", "star", "topology.name"),
+    ("topology.mixing", "max", "mixing"),
+    ("eval.targets", (0.8, 1.5), "targets"),
+    ("eval.every", 0, "eval.every"),
+    ("chunk_size", -1, "chunk_size"),
+    ("method", "no_such_method", "unknown method"),
+    ("method_module", "no_such_module_xyz", "method_module"),
+    ("algorithm.lr", -1.0, "algorithm.lr"),  # the method's own validate_config
+    ("data.typo_key", 1, "typo_key"),
+    ("roundz", 3, "roundz"),
+])
+def test_bad_config_fails_before_data_load(key, value, match, tmp_path, monkeypatch):
+  monkeypatch.setattr(data, "load", lambda *a, **k: pytest.fail("data loaded before validation"))
+  with pytest.raises(ValueError, match=match):
+    runner.run(toy_config(**{key: value}), str(tmp_path / "run"))
+  assert not os.path.exists(tmp_path / "run")
+
+
+def test_max_train_subsample_is_seeded(monkeypatch):
+  full = runner.build_experiment(toy_config())
+  a = runner.build_experiment(toy_config(**{"data.max_train": 500}))
+  b = runner.build_experiment(toy_config(**{"data.max_train": 500}))
+  assert a.dataset.x_train.shape == (500, 784)
+  np.testing.assert_array_equal(a.dataset.x_train, b.dataset.x_train)
+  # A subset of the full training set, in its original order.
+  rows = {r.tobytes(): i for i, r in enumerate(full.dataset.x_train)}
+  idx = [rows[r.tobytes()] for r in a.dataset.x_train]
+  assert idx == sorted(idx) and len(set(idx)) == 500
+  np.testing.assert_array_equal(a.dataset.y_train, full.dataset.y_train[idx])
+  assert int(np.sum(a.federation.n)) == 500
+  with pytest.raises(ValueError, match="max_train = 5000 exceeds"):
+    runner.build_experiment(toy_config(**{"data.max_train": 5000}))
+
+
+def test_main_py_rejects_unknown_override_and_bad_value(tmp_path):
+  proc = main_py("--config=tests/configs/toy.py:smoke", "--config.nonexistent=1", f"--workdir={tmp_path / 'a'}")
+  assert proc.returncode != 0
+  assert "unknown config key 'nonexistent'" in proc.stderr and "Traceback" not in proc.stderr
+  proc = main_py("--config=tests/configs/toy.py:smoke", "--config.data.partition=random",
+                 f"--workdir={tmp_path / 'b'}")
+  assert proc.returncode != 0
+  assert "config.data.partition = 'random' is not one of" in proc.stderr
+  assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")
