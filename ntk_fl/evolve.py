@@ -556,11 +556,17 @@ def ntk_delta_from_kernel(apply_fn: ApplyFn, params, x: Array, targets: Array, m
                           kernel: Array, *, lr, taus: Sequence[int], loss: str = "ce",
                           solver: str = "euler", select: str = "network",
                           mse_form: str = "discrete", ode_rtol: float = 1e-7,
-                          ode_atol: float = 1e-9):
+                          ode_atol: float = 1e-9, start=None):
   """The NTK weight update for a precomputed kernel (traced ``[N, N]`` or full ``[N, N, C, C]``).
 
   Evolves, forms every candidate ``Δw_τ`` by one vmapped VJP, scores the
   candidates and returns the chosen one.
+
+  ``start`` (default: ``params``) is the network the evolution starts from and
+  the candidates are added to, while the kernel and the Jacobians stay at the
+  linearisation point ``params``. NTK-DFL's Jacobian batching uses it: each
+  block starts from the already updated weights but keeps the round's
+  linearisation point.
 
   Returns:
     ``(delta_params, info)``: ``delta_params`` like ``params``; ``info`` has
@@ -576,6 +582,9 @@ def ntk_delta_from_kernel(apply_fn: ApplyFn, params, x: Array, targets: Array, m
   mask = mask.astype(bool)
   x = _mask_inputs(x, mask)
   f0, pullback = jax.vjp(lambda p: apply_fn(p, x), params)
+  base = params if start is None else start
+  if start is not None:
+    f0 = apply_fn(start, x)
   targets = targets.astype(f0.dtype)
   evo = evolve(kernel, f0, targets, mask, lr=lr, taus=taus, loss=loss, solver=solver,
                mse_form=mse_form, ode_rtol=ode_rtol, ode_atol=ode_atol)
@@ -586,7 +595,7 @@ def ntk_delta_from_kernel(apply_fn: ApplyFn, params, x: Array, targets: Array, m
   score = lambda logits: mean_loss(logits, targets, mask, loss)
   linearized_losses = jax.vmap(score)(evo.f_at_taus)
   if select == "network":
-    add = lambda d: jax.tree_util.tree_map(jnp.add, params, d)
+    add = lambda d: jax.tree_util.tree_map(jnp.add, base, d)
     losses = jax.vmap(lambda d: score(apply_fn(add(d), x)))(deltas)
   else:
     losses = linearized_losses
@@ -600,7 +609,8 @@ def ntk_delta_from_kernel(apply_fn: ApplyFn, params, x: Array, targets: Array, m
 def ntk_delta(apply_fn: ApplyFn, params, x: Array, targets: Array, mask: Array, *, lr,
               taus: Sequence[int], loss: str = "ce", solver: str = "euler", dense_stack=None,
               kernel_impl: str = "auto", kernel: str = "traced", select: str = "network",
-              mse_form: str = "discrete", ode_rtol: float = 1e-7, ode_atol: float = 1e-9):
+              mse_form: str = "discrete", ode_rtol: float = 1e-7, ode_atol: float = 1e-9,
+              start=None):
   """One NTK client update: kernel at ``params`` on ``x``, evolution, ``τ`` selection.
 
   Args:
@@ -616,6 +626,8 @@ def ntk_delta(apply_fn: ApplyFn, params, x: Array, targets: Array, mask: Array, 
     kernel: ``'traced'`` (``[N, N]``) or ``'full'`` (``[N, N, C, C]``).
     select: ``'network'`` or ``'linearized'``; mse_form: ``'discrete'`` or ``'continuous'``.
     ode_rtol, ode_atol: tolerances of the ODE solver.
+    start: optional network the evolution starts from and the candidates are
+      added to (default ``params``); see :func:`ntk_delta_from_kernel`.
 
   Returns:
     ``(delta_params, info)`` as :func:`ntk_delta_from_kernel`.
@@ -631,7 +643,7 @@ def ntk_delta(apply_fn: ApplyFn, params, x: Array, targets: Array, mask: Array, 
                         implementation=kernel_impl, dense_stack=dense_stack)
   return ntk_delta_from_kernel(apply_fn, params, x_real, targets, mask, k, lr=lr, taus=taus,
                                loss=loss, solver=solver, select=select, mse_form=mse_form,
-                               ode_rtol=ode_rtol, ode_atol=ode_atol)
+                               ode_rtol=ode_rtol, ode_atol=ode_atol, start=start)
 
 
 def ntk_update(apply_fn: ApplyFn, params, x: Array, targets: Array, mask: Array, *, lr,

@@ -18,6 +18,7 @@ import scipy.linalg
 from jax.flatten_util import ravel_pytree
 
 from ntk_fl import evolve as ev
+from ntk_fl import evolve, models, ntk
 from ntk_fl.parallel import for_each_client
 
 N, C, D = 10, 3, 4
@@ -529,3 +530,26 @@ def test_vmapped_ode_evolution_equals_loop():
     # Batched adaptive steps differ per member only within the solver tolerance.
     for got, want in zip(batched, ref):
       np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-5)
+
+
+def test_start_moves_the_initial_condition_but_not_the_linearisation_point():
+  """``start``: f0 and the candidates' base come from ``start``; kernel and Jacobians from ``params``."""
+  model = models.mlp(input_dim=4, hidden=(6,), num_classes=3)
+  params = model.init(jax.random.key(0))
+  start = jax.tree_util.tree_map(lambda p: p + 0.05, params)
+  x = jax.random.normal(jax.random.key(1), (9, 4))
+  targets = jax.nn.one_hot(jnp.arange(9) % 3, 3)
+  mask = jnp.ones(9, bool)
+  taus = (3, 6)
+  delta, info = evolve.ntk_delta(model.apply, params, x, targets, mask, lr=0.1, taus=taus,
+                                 dense_stack=model.dense_stack, start=start)
+  kernel = ntk.empirical_ntk(model.apply, params, x, dense_stack=model.dense_stack)
+  evo = evolve.evolve(kernel, model.apply(start, x), targets, mask, lr=0.1, taus=taus, loss="ce",
+                      solver="euler")
+  deltas = evolve.weight_update_vjp(model.apply, params, x, evo.residual_sums, 0.1, 9.0)
+  losses = [float(evolve.mean_loss(model.apply(jax.tree_util.tree_map(lambda s, d: s + d[k], start, deltas), x),
+                                   targets, mask)) for k in range(len(taus))]
+  k = int(np.argmin(losses))
+  assert int(info["tau"]) == taus[k]
+  for got, want in zip(jax.tree_util.tree_leaves(delta), jax.tree_util.tree_leaves(deltas)):
+    np.testing.assert_allclose(got, want[k], rtol=1e-5, atol=1e-7)

@@ -260,7 +260,7 @@ def _batched_update(apply_fn, params, x, targets, mask, lr, evolve_kwargs):
   """
   def block(current, batch):
     xb, tb, mb = batch
-    delta, info = evolve.ntk_delta(apply_fn, params, xb, tb, mb, lr=lr, f0_params=current, **evolve_kwargs)
+    delta, info = evolve.ntk_delta(apply_fn, params, xb, tb, mb, lr=lr, start=current, **evolve_kwargs)
     current = jax.tree.map(jnp.add, current, delta)
     return current, (info["tau"], info["loss"])
 

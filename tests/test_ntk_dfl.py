@@ -1,0 +1,278 @@
+"""NTK-DFL: averaging, neighbourhood gathering, synchronous update, options, config checks.
+
+The reference for one round is written here independently of the algorithm's
+vectorised code: numpy averaging with an explicit loop over clients and only the
+*real* samples of each neighbourhood (no padding), passed to the single-client
+:func:`ntk_fl.evolve.ntk_update`.
+"""
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ntk_fl import evolve, models, topology
+from ntk_fl.algorithms import ntk_dfl
+from ntk_fl.data import Federation
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_config_module():
+  spec = importlib.util.spec_from_file_location("ntk_dfl_config", REPO / "configs" / "ntk_dfl.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def tiny_setup(*, num_clients=6, n_max=8, degree=2, seed=0, **algo_overrides):
+  """A 6-client federation with unequal sizes (padding) and a 5-8-3 MLP."""
+  config = load_config_module().get_config()
+  config.seed = seed
+  config.data.num_clients = num_clients
+  config.topology.degree = degree
+  config.chunk_size = 0
+  config.algorithm.lr = 0.05
+  config.algorithm.lr_decay = 0.1
+  config.algorithm.taus = (5, 10, 20)
+  for key, value in algo_overrides.items():
+    setattr(config.algorithm, key, value)
+  rng = np.random.default_rng(seed)
+  sizes = rng.integers(n_max - 3, n_max + 1, size=num_clients)
+  x = np.zeros((num_clients, n_max, 5), np.float32)
+  y = np.zeros((num_clients, n_max), np.int32)
+  mask = np.zeros((num_clients, n_max), bool)
+  for i, n in enumerate(sizes):
+    x[i, :n] = rng.normal(size=(n, 5))
+    y[i, :n] = rng.integers(0, 3, size=n)
+    mask[i, :n] = True
+  federation = Federation(x=x, y=y, mask=mask, n=sizes.astype(np.int32))
+  model = models.mlp(input_dim=5, hidden=(8,), num_classes=3)
+  return config, model, federation
+
+
+def reference_round(config, model, federation, params, inputs, *, average=True):
+  """One NTK-DFL round client by client, on real samples only."""
+  num_clients = federation.n.shape[0]
+  flat = [jax.tree.map(lambda leaf: np.asarray(leaf[i]), params) for i in range(num_clients)]
+  lr = config.algorithm.lr * np.exp(-config.algorithm.lr_decay * int(inputs.round))
+  new, taus = [], []
+  for i in range(num_clients):
+    nbrs = [int(j) for j, m in zip(inputs.neighbors[i], inputs.neighbor_mask[i]) if m]
+    if average:
+      weights = [float(inputs.self_weight[i])] + [float(w) for w, m in zip(inputs.neighbor_weights[i],
+                                                                            inputs.neighbor_mask[i]) if m]
+      wbar = jax.tree.map(lambda *leaves: sum(w * l for w, l in zip(weights, leaves)),
+                          *([flat[i]] + [flat[j] for j in nbrs]))
+    else:
+      wbar = flat[i]
+    members = [i] + nbrs
+    x = np.concatenate([federation.x[j][federation.mask[j]] for j in members])
+    y = np.concatenate([federation.y[j][federation.mask[j]] for j in members])
+    targets = jax.nn.one_hot(y, model.num_classes)
+    updated, info = evolve.ntk_update(
+        model.apply, wbar, jnp.asarray(x), targets, jnp.ones(len(y), bool), lr=lr,
+        taus=tuple(config.algorithm.taus), loss=config.algorithm.loss, solver=config.algorithm.solver,
+        dense_stack=model.dense_stack, kernel=config.algorithm.kernel, select=config.algorithm.select)
+    new.append(updated)
+    taus.append(int(info["tau"]))
+  return jax.tree.map(lambda *leaves: np.stack(leaves), *new), np.array(taus)
+
+
+def assert_trees_close(a, b, rtol=2e-4, atol=2e-5):
+  for leaf_a, leaf_b in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(np.asarray(leaf_a), np.asarray(leaf_b), rtol=rtol, atol=atol)
+
+
+def test_neighbor_average_complete_graph_uniform_is_exact_mean():
+  rng = np.random.default_rng(1)
+  params = {"w": jnp.asarray(rng.normal(size=(5, 3, 2)), jnp.float32), "b": jnp.asarray(rng.normal(size=(5,)))}
+  neighbors = np.array([[j for j in range(5) if j != i] for i in range(5)], np.int32)
+  out = ntk_dfl.neighbor_average(params, neighbors, np.full(5, 0.2, np.float32), np.full((5, 4), 0.2, np.float32))
+  for leaf, original in zip(jax.tree.leaves(out), jax.tree.leaves(params)):
+    np.testing.assert_allclose(leaf, np.broadcast_to(np.mean(original, axis=0), original.shape), rtol=1e-6,
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("scheme", ["uniform", "data_size", "metropolis"])
+def test_neighbor_average_equals_dense_mixing_matrix(scheme):
+  graph = topology.make_topology("erdos_renyi", 12, seed=3, p=0.4).sample(0)
+  sizes = np.arange(12) + 5
+  self_w, nbr_w = topology.mixing_weights(graph, scheme, sizes)
+  dense = topology.mixing_matrix(graph, scheme, sizes)
+  w = np.random.default_rng(0).normal(size=(12, 7)).astype(np.float32)
+  out = ntk_dfl.neighbor_average({"w": jnp.asarray(w)}, graph.neighbors, self_w, nbr_w)["w"]
+  np.testing.assert_allclose(out, dense @ w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("average", [True, False])
+def test_step_equals_client_by_client_reference(average):
+  config, model, federation = tiny_setup(per_round_averaging=average)
+  config.model.init = "per_client"                      # distinct clients make averaging visible
+  algorithm = ntk_dfl.make_ntk_dfl(config, model, federation)
+  state = algorithm.init(jax.random.key(0))
+  for round_index in range(2):
+    inputs = algorithm.round_inputs(round_index)
+    expected, expected_taus = reference_round(config, model, federation, state.params, inputs, average=average)
+    state, metrics = algorithm.step(state, inputs)
+    assert_trees_close(state.params, expected)
+    np.testing.assert_array_equal(np.asarray(metrics["tau"]), expected_taus)
+    np.testing.assert_allclose(float(metrics["lr"]), 0.05 * np.exp(-0.1 * round_index), rtol=1e-6)
+    assert metrics["loss"].shape == (6,)
+
+
+def test_padding_does_not_change_the_round():
+  config, model, federation = tiny_setup()
+  wide = Federation(
+      x=np.pad(federation.x, [(0, 0), (0, 5), (0, 0)], constant_values=7.0),
+      y=np.pad(federation.y, [(0, 0), (0, 5)], constant_values=2),
+      mask=np.pad(federation.mask, [(0, 0), (0, 5)]), n=federation.n)
+  results = []
+  for fed in (federation, wide):
+    algorithm = ntk_dfl.make_ntk_dfl(config, model, fed)
+    state = algorithm.init(jax.random.key(0))
+    state, metrics = algorithm.step(state, algorithm.round_inputs(0))
+    results.append((state.params, np.asarray(metrics["tau"])))
+  assert_trees_close(results[0][0], results[1][0])
+  np.testing.assert_array_equal(results[0][1], results[1][1])
+
+
+def test_rounds_compile_once(monkeypatch):
+  traces = []
+  original = evolve.ntk_update
+
+  def counting(*args, **kwargs):
+    traces.append(1)
+    return original(*args, **kwargs)
+
+  monkeypatch.setattr(evolve, "ntk_update", counting)
+  config, model, federation = tiny_setup()
+  algorithm = ntk_dfl.make_ntk_dfl(config, model, federation)
+  state = algorithm.init(jax.random.key(0))
+  for round_index in range(3):                    # a new random graph every round, same shapes
+    state, _ = algorithm.step(state, algorithm.round_inputs(round_index))
+  assert len(traces) == 1
+
+
+def test_round_inputs_are_a_function_of_the_round():
+  config, model, federation = tiny_setup()
+  algorithm = ntk_dfl.make_ntk_dfl(config, model, federation)
+  a, b = algorithm.round_inputs(4), algorithm.round_inputs(4)
+  np.testing.assert_array_equal(a.neighbors, b.neighbors)
+  np.testing.assert_array_equal(jax.random.key_data(a.key), jax.random.key_data(b.key))
+  assert not np.array_equal(algorithm.round_inputs(5).neighbors, a.neighbors)   # dynamic graph
+
+
+def test_chunked_clients_equal_unchunked():
+  config, model, federation = tiny_setup()
+  outputs = []
+  for chunk in (0, 4):
+    config.chunk_size = chunk
+    algorithm = ntk_dfl.make_ntk_dfl(config, model, federation)
+    state, _ = algorithm.step(algorithm.init(jax.random.key(0)), algorithm.round_inputs(0))
+    outputs.append(state.params)
+  assert_trees_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-6)
+
+
+def test_subsample_indices_draw_a_fraction_of_real_samples():
+  mask = np.zeros((4, 10), bool)
+  for i, n in enumerate((10, 9, 5, 1)):
+    mask[i, :n] = True
+  idx, keep = ntk_dfl._subsample_indices(jax.random.key(0), jnp.asarray(mask), 4, 3)
+  idx, keep = np.asarray(idx), np.asarray(keep)
+  np.testing.assert_array_equal(keep.sum(axis=1), [3, 3, 1, 1])   # floor(n/3), at least one
+  for i in range(4):
+    chosen = idx[i][keep[i]]
+    assert len(set(chosen.tolist())) == len(chosen)
+    assert mask[i][chosen].all()
+  idx2, _ = ntk_dfl._subsample_indices(jax.random.key(1), jnp.asarray(mask), 4, 3)
+  assert not np.array_equal(idx, np.asarray(idx2))
+
+
+def test_subsampled_round_uses_only_the_drawn_samples():
+  config, model, federation = tiny_setup(subsample=2)
+  algorithm = ntk_dfl.make_ntk_dfl(config, model, federation)
+  state = algorithm.init(jax.random.key(0))
+  inputs = algorithm.round_inputs(0)
+  new_state, _ = algorithm.step(state, inputs)
+  # Reference: the same draw, applied by hand, then a full (m2 = 1) round on the reduced federation.
+  n_sub = -(-federation.x.shape[1] // 2)
+  idx, keep = ntk_dfl._subsample_indices(inputs.key, jnp.asarray(federation.mask), n_sub, 2)
+  idx, keep = np.asarray(idx), np.asarray(keep)
+  reduced = Federation(x=np.take_along_axis(federation.x, idx[..., None], axis=1),
+                       y=np.take_along_axis(federation.y, idx, axis=1), mask=keep, n=keep.sum(1).astype(np.int32))
+  config.algorithm.subsample = 1
+  expected, _ = reference_round(config, model, reduced, state.params, inputs)
+  assert_trees_close(new_state.params, expected)
+
+
+def test_learning_rate_schedule_and_metrics():
+  config, model, federation = tiny_setup()
+  algorithm = ntk_dfl.make_ntk_dfl(config, model, federation)
+  state = algorithm.init(jax.random.key(0))
+  _, metrics = algorithm.step(state, algorithm.round_inputs(3))
+  np.testing.assert_allclose(float(metrics["lr"]), 0.05 * np.exp(-0.3), rtol=1e-6)
+  assert set(np.asarray(metrics["tau"]).tolist()) <= {5, 10, 20}
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("lr", -0.1, "lr"),
+    ("lr_decay", -1.0, "lr_decay"),
+    ("taus", (200, 100), "taus"),
+    ("taus", (0, 100), "taus"),
+    ("loss", "hinge", "loss"),
+    ("solver", "rk4", "solver"),
+    ("select", "best", "select"),
+    ("kernel", "diag", "kernel"),
+    ("jacobian_batches", 0, "jacobian_batches"),
+    ("subsample", 0, "subsample"),
+])
+def test_validate_config_rejects_bad_values(field, value, message):
+  config = load_config_module().get_config()
+  setattr(config.algorithm, field, value)
+  with pytest.raises(ValueError, match=message):
+    ntk_dfl.validate_config(config)
+
+
+def test_config_variants_apply_and_unknown_variant_fails():
+  module = load_config_module()
+  config = module.get_config("iid,no_avg,static")
+  assert config.data.partition == "iid"
+  assert config.algorithm.per_round_averaging is False
+  assert config.topology.dynamic is False
+  assert module.get_config("alpha0.5").data.alpha == 0.5
+  with pytest.raises(ValueError, match="unknown config variant"):
+    module.get_config("alhpa0.5")
+  ntk_dfl.validate_config(module.get_config())
+
+
+def test_jacobian_batching_is_sequential_block_evolution_at_a_fixed_linearisation_point():
+  config, model, federation = tiny_setup(jacobian_batches=2)
+  algorithm = ntk_dfl.make_ntk_dfl(config, model, federation)
+  state = algorithm.init(jax.random.key(0))
+  inputs = algorithm.round_inputs(0)
+  new_state, metrics = algorithm.step(state, inputs)
+
+  lr = config.algorithm.lr
+  n_max = federation.x.shape[1]
+  block = n_max // 2
+  wbars = ntk_dfl.neighbor_average(state.params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
+  for i in range(federation.n.shape[0]):
+    members = [i] + [int(j) for j, m in zip(inputs.neighbors[i], inputs.neighbor_mask[i]) if m]
+    wbar = jax.tree.map(lambda leaf: leaf[i], wbars)
+    current, block_taus = wbar, []
+    for b in range(2):
+      rows = [(j, s) for j in members for s in range(b * block, (b + 1) * block) if federation.mask[j, s]]
+      x = jnp.asarray(np.stack([federation.x[j, s] for j, s in rows]))
+      targets = jax.nn.one_hot(np.array([federation.y[j, s] for j, s in rows]), model.num_classes)
+      delta, info = evolve.ntk_delta(model.apply, wbar, x, targets, jnp.ones(len(rows), bool), lr=lr,
+                                     taus=tuple(config.algorithm.taus), dense_stack=model.dense_stack,
+                                     start=current)
+      current = jax.tree.map(jnp.add, current, delta)
+      block_taus.append(int(info["tau"]))
+    assert_trees_close(jax.tree.map(lambda leaf: leaf[i], new_state.params), current)
+    np.testing.assert_allclose(float(metrics["tau"][i]), np.mean(block_taus), rtol=1e-6)
