@@ -26,9 +26,19 @@ class Method(NamedTuple):
   validate_config: Callable[[Any], None]
 
 
-# name -> module path defining METHOD (imported on first use), or a registered Method.
+# name -> "module" defining METHOD or "module:ATTR" (imported on first use), or a registered Method.
 _REGISTRY: dict[str, str | Method] = {
     "ntk_dfl": "ntk_fl.algorithms.ntk_dfl",
+    "fedavg": "ntk_fl.algorithms.centralized:FEDAVG",
+    "fedprox": "ntk_fl.algorithms.centralized:FEDPROX",
+    "fednova": "ntk_fl.algorithms.centralized:FEDNOVA",
+    "datashare": "ntk_fl.algorithms.centralized:DATASHARE",
+    "centralized": "ntk_fl.algorithms.centralized:CENTRALIZED",
+    "dpsgd": "ntk_fl.algorithms.decentralized:DPSGD",
+    "dfedavg": "ntk_fl.algorithms.decentralized:DFEDAVG",
+    "dfedavgm": "ntk_fl.algorithms.decentralized:DFEDAVGM",
+    "dfedsam": "ntk_fl.algorithms.decentralized:DFEDSAM",
+    "dispfl": "ntk_fl.algorithms.decentralized:DISPFL",
 }
 
 
@@ -48,7 +58,8 @@ def get_method(name: str) -> Method:
   if name not in _REGISTRY:
     raise ValueError(f"unknown method {name!r}; available methods: {', '.join(available())}")
   entry = _REGISTRY[name]
-  if isinstance(entry, str):
-    entry = importlib.import_module(entry).METHOD
+  if isinstance(entry, str):  # "module" (its METHOD) or "module:ATTR" (several methods per module)
+    module, _, attr = entry.partition(":")
+    entry = getattr(importlib.import_module(module), attr or "METHOD")
     _REGISTRY[name] = entry
   return entry

@@ -1,0 +1,320 @@
+"""Decentralised gradient baselines: D-PSGD, DFedAvg, DFedAvgM, DFedSAM and DisPFL.
+
+Every round ``r`` (0-based) is one synchronous "train locally, then one gossip
+step" on the round's graph, as in the NTK-DFL authors' baseline code
+(../shared/papers/reference_implementations.md §2.7):
+
+1. ``round_inputs(r)`` draws the round's graph (``config.topology``; a new
+   random 5-regular graph every round in the paper setting) and its mixing
+   weights (``config.topology.mixing``, uniform ``1/(deg+1)`` as coded) -- a
+   function of ``(seed, r)`` only.
+2. Every client trains on its own data (:mod:`ntk_fl.algorithms.local`; all
+   ``M`` clients in one compiled, chunked ``vmap``), learning rate
+   ``lr * lr_decay**r``.
+3. Every client sends its trained weights to each neighbour (optionally
+   ``quantize_bits``-bit quantised, as the authors' quantised baselines) and
+   replaces its weights by ``s_i w_i + sum_k a_ik q(w_{n_ik})`` (its own term is
+   exact; :func:`ntk_fl.algorithms.ntk_dfl.neighbor_average` is the gossip step).
+
+The methods differ only in the local optimiser (their hyperparameters live in
+``configs/<method>.py``):
+
+* ``dpsgd`` (Lian et al. 2017) -- as the authors coded it: one local epoch of
+  plain SGD (≈20 steps of batch 10) before the gossip step.
+* ``dfedavg`` (Sun et al. 2021) -- several local epochs of plain SGD.
+* ``dfedavgm`` -- the same with heavy-ball momentum (PyTorch semantics).
+* ``dfedsam`` (Shi et al. 2023) -- SAM or ASAM (``sam_adaptive``) local steps of
+  radius ``sam_rho`` with momentum and weight decay.
+* ``dispfl`` (Dai et al. 2022) -- personalised sparse models, below.
+
+DisPFL as implemented here (simplifications stated plainly):
+
+* Every client holds a 0/1 mask over each weight matrix (``kernel`` leaves; biases
+  stay dense) with ``dense_ratio`` of its entries active, drawn at random per
+  client at init (the original uses an ERK layer-wise density; here every matrix
+  has the same density).
+* Round: (a) *masked aggregation* -- client ``i`` averages, coordinate by
+  coordinate, the values of itself and of the neighbours whose masks hold that
+  coordinate, and keeps its own mask: ``w_i <- m_i * (sum_j m_j w_j) / (sum_j m_j)``
+  over ``j in {i} ∪ N(i)`` (uniform over holders, so ``config.topology.mixing``
+  must be ``uniform``); (b) masked local training (gradients and weights outside
+  the mask stay 0); (c) mask evolution -- per matrix, the fraction
+  ``alpha_r = anneal_factor/2 * (1 + cos(pi r / rounds))`` of the active weights
+  with the smallest magnitude is pruned, and as many inactive coordinates with
+  the largest dense-gradient magnitude (full local batch, at the trained weights)
+  are regrown at 0, so the density stays constant.
+* Neighbours come from the shared graph (the NTK-DFL comparison: 5-regular,
+  redrawn every round) rather than DisPFL's own random neighbour choice.
+* What the runner reports is NTK-DFL's "global model": the uniform mean of all
+  personalised models.
+
+Communication: every client sends one model per neighbour; ``bits_sent``
+(``[M]``), ``bits_sent_total`` and ``bits_cumulative`` (carried in the state as
+float32, relative rounding ~1e-7). A DisPFL model is sent sparse: its active
+values plus a 1-bit mask per matrix coordinate.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ntk_fl import compression, models, parallel, topology
+from ntk_fl.algorithms import Method
+from ntk_fl.algorithms import local
+from ntk_fl.algorithms.base import Algorithm
+from ntk_fl.algorithms.ntk_dfl import neighbor_average
+
+__all__ = ["GossipState", "DisPFLState", "GossipRound", "METHODS", "make_decentralized", "validate_config",
+           "masked_neighbor_average", "evolve_mask", "random_mask", "sparse_leaves", "mask_fraction",
+           "DPSGD", "DFEDAVG", "DFEDAVGM", "DFEDSAM", "DISPFL"]
+
+METHODS = ("dpsgd", "dfedavg", "dfedavgm", "dfedsam", "dispfl")
+
+_KEY_STREAM = 5   # independent of the topology's and the partition's streams
+_MASK_STREAM = 6
+
+
+class GossipState(NamedTuple):
+  """``params`` stacked ``[M, ...]``; ``bits_cumulative`` float32 bits sent so far (all clients)."""
+  params: Any
+  bits_cumulative: Any
+
+
+class DisPFLState(NamedTuple):
+  """As :class:`GossipState` plus ``masks``: float32 0/1 pytree like ``params`` (``[M, ...]``)."""
+  params: Any
+  masks: Any
+  bits_cumulative: Any
+
+
+class GossipRound(NamedTuple):
+  """Inputs of one round (host-side graph draw; fixed shapes, so the step compiles once).
+
+  Attributes:
+    round: int32 0-based round index (learning-rate decay, DisPFL's annealing).
+    neighbors: int32 ``[M, k_max]`` (padded slots hold the client's own index).
+    neighbor_mask: bool ``[M, k_max]``.
+    self_weight: float32 ``[M]``; neighbor_weights: float32 ``[M, k_max]`` (0 in padding).
+    key: PRNG key of the round (minibatch orders, stochastic rounding).
+  """
+  round: Any
+  neighbors: Any
+  neighbor_mask: Any
+  self_weight: Any
+  neighbor_weights: Any
+  key: Any
+
+
+def _extra_checks(method: str) -> dict:
+  if method == "dfedsam":
+    return {"sam_rho": local.check_nonnegative, "sam_adaptive": local.check_bool}
+  if method == "dispfl":
+    def check_anneal(name, value):
+      if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1):
+        raise ValueError(f"config.algorithm.{name} must be in [0, 1], got {value!r}")
+    return {"dense_ratio": local.check_fraction, "anneal_factor": check_anneal}
+  return {}
+
+
+def validate_config(config, method: str) -> None:
+  """Checks ``config.algorithm`` and the topology for ``method``; raises ``ValueError`` naming the value."""
+  if method not in METHODS:
+    raise ValueError(f"unknown decentralized method {method!r}; choose one of {METHODS}")
+  local.validate_local_config(config, method, _extra_checks(method))
+  if method in ("dpsgd", "dfedavg") and config.algorithm.momentum:
+    raise ValueError(f"method {method!r} uses plain SGD: config.algorithm.momentum must be 0, got "
+                     f"{config.algorithm.momentum!r} (use 'dfedavgm' for momentum)")
+  if method == "dispfl" and config.topology.mixing != "uniform":
+    raise ValueError("DisPFL averages each coordinate uniformly over the neighbours holding it: "
+                     f"config.topology.mixing must be 'uniform', got {config.topology.mixing!r}")
+  # Builds (does not draw) the topology, so a bad degree / client count fails before any data is loaded.
+  topology.make_topology_from_config(config.topology, config.data.num_clients, config.seed)
+
+
+# ----------------------------------------------------------------------------- DisPFL pieces
+
+
+def sparse_leaves(params):
+  """Pytree of bools like ``params``: True for weight matrices (``kernel``), which DisPFL sparsifies."""
+  def is_kernel(path, _):
+    last = path[-1]
+    return getattr(last, "key", getattr(last, "name", None)) == "kernel"
+  return jax.tree_util.tree_map_with_path(is_kernel, params)
+
+
+def _rank(score):
+  """Rank of every entry of a 1-D ``score`` in ascending order (ties by position)."""
+  return jnp.argsort(jnp.argsort(score, stable=True), stable=True)
+
+
+def random_mask(key, shape, num_active: int):
+  """Float32 0/1 array of ``shape`` with exactly ``num_active`` ones at uniformly random positions."""
+  size = math.prod(shape)
+  return (_rank(jax.random.uniform(key, (size,))) < num_active).astype(jnp.float32).reshape(shape)
+
+
+def mask_fraction(anneal_factor: float, round_index, rounds: int):
+  """DisPFL's cosine-annealed update fraction ``anneal/2 * (1 + cos(pi r / rounds))``."""
+  return 0.5 * anneal_factor * (1.0 + jnp.cos(jnp.pi * jnp.asarray(round_index, jnp.float32) / rounds))
+
+
+def evolve_mask(weights, grads, mask, fraction):
+  """Prune the ``fraction`` smallest-magnitude active weights, regrow as many largest-gradient inactive ones.
+
+  Args:
+    weights, grads: one client's weight matrix and its dense gradient (any shape).
+    mask: float32 0/1, same shape.
+    fraction: scalar in [0, 1] (may be traced).
+
+  Returns:
+    The new 0/1 mask (same active count): ``k = floor(fraction * active)``
+    (capped by the inactive count) entries move each way; pruned and regrown
+    sets are disjoint (regrowth picks from the entries inactive *before* pruning).
+  """
+  shape = mask.shape
+  w, g, active = weights.ravel(), grads.ravel(), mask.ravel() > 0
+  n_active = jnp.sum(active)
+  k = jnp.minimum(jnp.floor(fraction * n_active).astype(jnp.int32), active.size - n_active)
+  prune = active & (_rank(jnp.where(active, jnp.abs(w), jnp.inf)) < k)
+  grow = ~active & (_rank(jnp.where(active, jnp.inf, -jnp.abs(g))) < k)
+  return ((active & ~prune) | grow).astype(mask.dtype).reshape(shape)
+
+
+def masked_neighbor_average(params, masks, sent, neighbors, neighbor_mask):
+  """DisPFL's aggregation for all clients: per coordinate, the mean over the holders in ``{i} ∪ N(i)``.
+
+  Args:
+    params: own (exact) weights, leaves ``[M, ...]``; masks: 0/1 leaves ``[M, ...]``.
+    sent: what neighbours receive (``params`` or its quantisation), leaves ``[M, ...]``.
+    neighbors: int ``[M, k]``; neighbor_mask: bool ``[M, k]``.
+
+  Returns:
+    ``m_i * (m_i w_i + sum_k m_{n_ik} s_{n_ik}) / max(m_i + sum_k m_{n_ik}, 1)``.
+  """
+  def mix(w, m, s):
+    extra = (1,) * (w.ndim - 1)
+    real = neighbor_mask.reshape(*neighbor_mask.shape, *extra).astype(w.dtype)
+    nbr_m = real * m[neighbors]                                        # [M, k, ...]
+    total = m * w + jnp.sum(nbr_m * s[neighbors], axis=1)
+    count = m + jnp.sum(nbr_m, axis=1)
+    return m * total / jnp.maximum(count, 1.0)
+  return jax.tree.map(mix, params, masks, sent)
+
+
+# ----------------------------------------------------------------------------- the algorithm
+
+
+def make_decentralized(method: str, config, model: models.Model, federation) -> Algorithm:
+  """Builds ``method`` (one of :data:`METHODS`) for ``federation`` and ``model``.
+
+  Returns:
+    An :class:`Algorithm`; ``step`` is jit-compiled with the federation's arrays
+    passed as arguments (never baked in as constants).
+  """
+  validate_config(config, method)
+  algo = config.algorithm
+  num_clients = federation.mask.shape[0]
+  bits, stochastic = int(algo.quantize_bits), bool(algo.stochastic_rounding)
+  chunk_size = config.chunk_size or None
+  dispfl = method == "dispfl"
+  local_update = local.local_update_from_config(model.apply, algo)
+  graph_source = topology.make_topology_from_config(config.topology, num_clients, seed=config.seed)
+  sizes = np.asarray(federation.n)
+  data = jax.device_put(tuple(jnp.asarray(a) for a in (federation.x, federation.y, federation.mask)))
+  base_key = jax.random.key(config.seed)
+
+  shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0))
+  sparse = sparse_leaves(shapes)
+  if dispfl:
+    ratio = float(algo.dense_ratio)
+    num_active = jax.tree.map(lambda s, sp: int(round(ratio * s.size)) if sp else s.size, shapes, sparse)
+    sparse_size = sum(s.size for s, sp in zip(jax.tree.leaves(shapes), jax.tree.leaves(sparse)) if sp)
+    payload = int(compression.payload_bits(sum(jax.tree.leaves(num_active)), bits,
+                                           num_tensors=len(jax.tree.leaves(shapes)), bitmap_size=sparse_size))
+  else:
+    payload = compression.tree_payload_bits(shapes, bits)
+
+  def init(key):
+    params = models.init_clients(model, key, num_clients, shared=config.model.init == "shared")
+    zero = jnp.float32(0)
+    if not dispfl:
+      return GossipState(params=params, bits_cumulative=zero)
+    mask_key = jax.random.fold_in(key, _MASK_STREAM)
+    leaf_keys = jax.random.split(mask_key, len(jax.tree.leaves(shapes)))
+    def client_masks(leaf_key, shape, count, is_sparse):
+      if not is_sparse:
+        return jnp.ones((num_clients, *shape.shape), jnp.float32)
+      return jax.vmap(lambda kk: random_mask(kk, shape.shape, count))(jax.random.split(leaf_key, num_clients))
+    masks = jax.tree.unflatten(jax.tree.structure(shapes), [
+        client_masks(kk, s, c, sp) for kk, s, c, sp in zip(
+            leaf_keys, jax.tree.leaves(shapes), jax.tree.leaves(num_active), jax.tree.leaves(sparse))])
+    params = jax.tree.map(jnp.multiply, params, masks)
+    return DisPFLState(params=params, masks=masks, bits_cumulative=zero)
+
+  def round_inputs(round_index: int) -> GossipRound:
+    graph = graph_source.sample(round_index)
+    self_w, nbr_w = topology.mixing_weights(graph, config.topology.mixing, sizes)
+    return GossipRound(
+        round=np.int32(round_index), neighbors=graph.neighbors, neighbor_mask=graph.mask,
+        self_weight=self_w, neighbor_weights=nbr_w,
+        key=jax.random.fold_in(jax.random.fold_in(base_key, _KEY_STREAM), round_index))
+
+  def gossip(trained, inputs, quant_key):
+    """One gossip step on the trained weights (own term exact, neighbours' terms as sent)."""
+    if bits == compression.FLOAT_BITS:
+      return neighbor_average(trained, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
+    sent = local.transmit(trained, bits, key=quant_key, stochastic=stochastic, chunk_size=chunk_size)
+    others = neighbor_average(sent, inputs.neighbors, jnp.zeros_like(inputs.self_weight), inputs.neighbor_weights)
+    own = jax.tree.map(lambda w: inputs.self_weight.reshape(-1, *([1] * (w.ndim - 1))) * w, trained)
+    return jax.tree.map(jnp.add, own, others)
+
+  def dispfl_client(params, mask, x, y, m, key, lr, fraction):
+    """Masked local training, then mask evolution, for one client."""
+    result = local_update(params, x, y, m, key, lr, param_mask=mask)
+    grads = jax.grad(lambda p: local.masked_cross_entropy(model.apply(p, x), y, m.astype(jnp.float32)))(
+        result.params)
+    new_mask = jax.tree.map(lambda w, g, mk, sp: evolve_mask(w, g, mk, fraction) if sp else mk,
+                            result.params, grads, mask, sparse)
+    return jax.tree.map(jnp.multiply, result.params, new_mask), new_mask, result.loss
+
+  @jax.jit
+  def _step(state, inputs, data):
+    xs, ys, ms = data
+    lr = local.round_lr(algo, inputs.round)
+    train_key, quant_key = jax.random.split(inputs.key)
+    client_keys = jax.random.split(train_key, num_clients)
+    if dispfl:
+      sent = local.transmit(state.params, bits, key=quant_key, stochastic=stochastic, chunk_size=chunk_size)
+      mixed = masked_neighbor_average(state.params, state.masks, sent, inputs.neighbors, inputs.neighbor_mask)
+      fraction = mask_fraction(float(algo.anneal_factor), inputs.round, int(config.rounds))
+      per_client = lambda p, mk, x, y, m, kk: dispfl_client(p, mk, x, y, m, kk, lr, fraction)
+      params, masks, loss = parallel.for_each_client(per_client, chunk_size=chunk_size)(
+          mixed, state.masks, xs, ys, ms, client_keys)
+    else:
+      per_client = lambda p, x, y, m, kk: local_update(p, x, y, m, kk, lr)
+      result = parallel.for_each_client(per_client, chunk_size=chunk_size)(state.params, xs, ys, ms, client_keys)
+      params, loss = gossip(result.params, inputs, quant_key), result.loss
+    bits_sent = jnp.sum(inputs.neighbor_mask, axis=1).astype(jnp.float32) * payload       # [M]
+    total = jnp.sum(bits_sent)
+    cumulative = state.bits_cumulative + total
+    new_state = (DisPFLState(params, masks, cumulative) if dispfl else GossipState(params, cumulative))
+    metrics = {"loss": loss, "lr": lr, "bits_sent": bits_sent, "bits_sent_total": total,
+               "bits_cumulative": cumulative}
+    return new_state, metrics
+
+  def step(state, inputs):
+    return _step(state, inputs, data)
+
+  return Algorithm(init=init, round_inputs=round_inputs, step=step, client_params=lambda state: state.params)
+
+
+def _method(name: str) -> Method:
+  return Method(make=lambda config, model, federation: make_decentralized(name, config, model, federation),
+                validate_config=lambda config: validate_config(config, name))
+
+
+DPSGD, DFEDAVG, DFEDAVGM, DFEDSAM, DISPFL = (_method(name) for name in METHODS)
