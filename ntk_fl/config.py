@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import ml_collections
 
-__all__ = ["base_config", "apply_variants", "COMMON_VARIANTS"]
+__all__ = ["base_config", "apply_variants", "COMMON_VARIANTS", "load_config"]
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -131,3 +131,19 @@ def apply_variants(config: ml_collections.ConfigDict, arg: str | None, method_va
     else:
       raise ValueError(f"unknown config variant {token!r}; known: {', '.join(sorted(variants))}, alpha<float>")
   return config
+
+
+def load_config(path: str, variant: str | None = None) -> ml_collections.ConfigDict:
+  """``get_config(variant)`` of a config file -- what ``--config=path:variant`` gives, from Python."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  import pathlib  # pylint: disable=import-outside-toplevel
+
+  file = pathlib.Path(path)
+  if not file.is_file():
+    raise FileNotFoundError(f"config file {str(file)!r} does not exist")
+  spec = importlib.util.spec_from_file_location(f"ntk_fl_config_{file.stem}", file)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not hasattr(module, "get_config"):
+    raise ValueError(f"config file {str(file)!r} defines no get_config(arg)")
+  return module.get_config(variant)
