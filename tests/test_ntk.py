@@ -1,0 +1,309 @@
+"""Tests for ntk_fl.ntk: every implementation against a brute-force Jacobian kernel, plus API properties."""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.flatten_util import ravel_pytree
+
+from ntk_fl import ntk
+from ntk_fl.models import DenseStack
+
+IMPLS = ("jacobian", "ntvp", "structured")
+GENERIC_IMPLS = ("jacobian", "ntvp")
+# float32 contractions over at most a few thousand parameters: relative to the kernel's scale.
+RTOL = 100 * float(jnp.finfo(jnp.float32).eps)
+
+
+class DenseNet(nn.Module):
+  """Dense stack with named layers ``dense_0..dense_L`` and random (non-zero) biases."""
+  hidden: tuple[int, ...]
+  num_classes: int
+  activation: Callable = nn.relu
+
+  @nn.compact
+  def __call__(self, x):
+    x = x.reshape(x.shape[0], -1)
+    bias_init = nn.initializers.normal(0.5)
+    for k, width in enumerate(self.hidden):
+      x = self.activation(nn.Dense(width, name=f"dense_{k}", bias_init=bias_init)(x))
+    return nn.Dense(self.num_classes, name=f"dense_{len(self.hidden)}", bias_init=bias_init)(x)
+
+  def stack(self) -> DenseStack:
+    return DenseStack(tuple(f"dense_{k}" for k in range(len(self.hidden) + 1)), self.activation)
+
+
+class SmallCNN(nn.Module):
+  num_classes: int = 3
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Conv(4, (3, 3))(x))
+    x = nn.avg_pool(x, (2, 2), strides=(2, 2))
+    x = nn.relu(nn.Dense(6)(x.reshape(x.shape[0], -1)))
+    return nn.Dense(self.num_classes)(x)
+
+
+MODELS = {
+    "mlp_relu": (DenseNet((9,), 3, nn.relu), (6,)),
+    "mlp_tanh_deep": (DenseNet((7, 6, 5), 4, jnp.tanh), (5,)),
+    "cnn": (SmallCNN(3), (6, 6, 2)),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _setup(name, n1=5, n2=4, seed=0):
+  """(module, params, x1 [n1, *in], x2 [n2, *in], dense_stack or None); cached, arrays are immutable."""
+  module, in_shape = MODELS[name]
+  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+  x1 = jax.random.normal(k1, (n1, *in_shape))
+  x2 = jax.random.normal(k2, (n2, *in_shape))
+  params = module.init(k3, x1)
+  stack = module.stack() if isinstance(module, DenseNet) else None
+  return module, params, x1, x2, stack
+
+
+def _brute_full(apply_fn, params, x1, x2):
+  """``[N1, N2, C, C]`` from the jacrev of the flattened outputs w.r.t. the flattened params (float64)."""
+  flat, unravel = ravel_pytree(params)
+
+  # One jacrev of both sets (one compile): [N1 + N2, C, d].
+  jac = np.asarray(jax.jit(jax.jacrev(lambda w: apply_fn(unravel(w), jnp.concatenate([x1, x2]))))(flat),
+                   np.float64)
+  return np.einsum("iap,jbp->ijab", jac[: x1.shape[0]], jac[x1.shape[0]:])
+
+
+def _kernel(apply_fn, params, x1, x2=None, **options):
+  """``empirical_ntk`` under ``jit`` (one compile instead of hundreds of eager op compiles)."""
+  return jax.jit(lambda p, a, b: ntk.empirical_ntk(apply_fn, p, a, b, **options))(params, x1, x2)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(name):
+  """Brute-force full kernel of the default :func:`_setup` of ``name``."""
+  module, params, x1, x2, _ = _setup(name)
+  return _brute_full(module.apply, params, x1, x2)
+
+
+def _assert_close(actual, expected, rtol=RTOL):
+  actual = np.asarray(actual, np.float64)
+  assert actual.shape == expected.shape
+  scale = np.max(np.abs(expected))
+  np.testing.assert_allclose(actual, expected, rtol=0, atol=rtol * scale)
+
+
+def _cases():
+  for name in MODELS:
+    for impl in IMPLS:
+      if impl == "structured" and name == "cnn":
+        continue
+      yield name, impl
+
+
+@pytest.mark.parametrize("chunk_size", [None, 2])
+@pytest.mark.parametrize("name,impl", list(_cases()))
+def test_matches_brute_force(name, impl, chunk_size):
+  """Traced and full kernels (one jit for both) against the jacrev kernel; chunk 2 pads 5 -> 3 blocks."""
+  module, params, x1, x2, stack = _setup(name)
+  full = _reference(name)
+
+  def both(p, a, b):
+    kw = dict(implementation=impl, dense_stack=stack, chunk_size=chunk_size)
+    return tuple(ntk.empirical_ntk(module.apply, p, a, b, trace_outputs=t, **kw) for t in (True, False))
+
+  traced, k_full = jax.jit(both)(params, x1, x2)
+  assert traced.dtype == k_full.dtype == jnp.float32
+  _assert_close(traced, np.einsum("ijcc->ij", full) / full.shape[-1])
+  _assert_close(k_full, full)
+
+
+def test_paper_mlp_784_100_10():
+  """The hot path at the paper's size: structured kernel of the 784-100-10 ReLU MLP."""
+  module = DenseNet((100,), 10, nn.relu)
+  x = jax.random.normal(jax.random.key(1), (3, 784))
+  params = module.init(jax.random.key(2), x)
+  expected = np.einsum("ijcc->ij", _brute_full(module.apply, params, x, x)) / 10
+  k = _kernel(module.apply, params, x, implementation="structured", dense_stack=module.stack())
+  _assert_close(k, expected)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_traced_is_mean_of_full_diagonal(impl):
+  module, params, x1, x2, stack = _setup("mlp_tanh_deep")
+  kw = dict(implementation=impl, dense_stack=stack)
+  traced = _kernel(module.apply, params, x1, x2, trace_outputs=True, **kw)
+  full = _kernel(module.apply, params, x1, x2, trace_outputs=False, **kw)
+  np.testing.assert_allclose(traced, jnp.mean(jnp.diagonal(full, axis1=2, axis2=3), -1),
+                             rtol=0, atol=RTOL * float(jnp.max(jnp.abs(traced))))
+
+
+@pytest.mark.parametrize("trace_outputs", [True, False])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_self_kernel_symmetric_psd_and_equal_to_explicit_x2(impl, trace_outputs):
+  module, params, x1, _, stack = _setup("mlp_relu", n1=7)
+  kw = dict(trace_outputs=trace_outputs, implementation=impl, dense_stack=stack, chunk_size=3)
+  k_none = _kernel(module.apply, params, x1, **kw)
+  k_same = _kernel(module.apply, params, x1, x1, **kw)
+  scale = float(jnp.max(jnp.abs(k_same)))
+  np.testing.assert_allclose(k_none, k_same, rtol=0, atol=RTOL * scale)
+  mat = np.asarray(k_none if trace_outputs else ntk.full_to_matrix(k_none), np.float64)
+  np.testing.assert_allclose(mat, mat.T, rtol=0, atol=RTOL * scale)
+  assert np.linalg.eigvalsh((mat + mat.T) / 2).min() >= -RTOL * scale * mat.shape[0]
+
+
+def test_full_to_matrix_is_sample_major_gram():
+  module, params, x1, x2, _ = _setup("mlp_relu")
+  flat, unravel = ravel_pytree(params)
+  jac = jax.jit(jax.jacrev(lambda w, x: module.apply(unravel(w), x).reshape(-1)))
+  expected = np.asarray(jac(flat, x1), np.float64) @ np.asarray(jac(flat, x2), np.float64).T  # (sample, output) rows
+  full = _kernel(module.apply, params, x1, x2, trace_outputs=False, implementation="jacobian")
+  _assert_close(ntk.full_to_matrix(full), expected)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_vmap_over_param_sets_equals_loop(impl):
+  module, _, x1, x2, stack = _setup("mlp_relu")
+  param_sets = [module.init(jax.random.key(10 + s), x1) for s in range(3)]
+  stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *param_sets)
+  fn = lambda p: ntk.empirical_ntk(module.apply, p, x1, x2, implementation=impl, dense_stack=stack, chunk_size=2)
+  batched = jax.jit(jax.vmap(fn))(stacked)
+  looped = jnp.stack([fn(p) for p in param_sets])
+  np.testing.assert_allclose(batched, looped, rtol=0, atol=RTOL * float(jnp.max(jnp.abs(looped))))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_jit_compiles_once_per_shape(impl):
+  traces = []
+
+  def counting_tanh(z):
+    traces.append(None)  # Python side effect: runs only while tracing
+    return jnp.tanh(z)
+
+  module = DenseNet((5,), 3, counting_tanh)
+  x = jax.random.normal(jax.random.key(0), (4, 6))
+  params = module.init(jax.random.key(1), x)
+  traces.clear()
+  fn = ntk.make_ntk_fn(module.apply, implementation=impl, dense_stack=module.stack(), chunk_size=2)
+  k1 = fn(params, x)
+  num_traces = len(traces)
+  assert num_traces > 0
+  x_new = jax.random.normal(jax.random.key(5), x.shape)
+  k2 = fn(params, x_new)
+  assert len(traces) == num_traces
+  assert fn._cache_size() == 1
+  assert not np.allclose(k1, k2)  # really recomputed for the new data
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_zero_padding_rows_leave_other_entries_unchanged(impl):
+  module, params, x1, x2, stack = _setup("mlp_relu")
+  pad = lambda x, k: jnp.concatenate([x, jnp.zeros((k, *x.shape[1:]), x.dtype)])
+  kw = dict(implementation=impl, dense_stack=stack, chunk_size=3)
+  k = _kernel(module.apply, params, x1, x2, **kw)
+  k_padded = _kernel(module.apply, params, pad(x1, 3), pad(x2, 2), **kw)
+  assert k_padded.shape == (x1.shape[0] + 3, x2.shape[0] + 2)
+  np.testing.assert_allclose(k_padded[: x1.shape[0], : x2.shape[0]], k, rtol=0,
+                             atol=RTOL * float(jnp.max(jnp.abs(k))))
+
+
+def test_auto_picks_structured_when_dense_stack_given():
+  module, params, x1, x2, stack = _setup("mlp_relu")
+
+  def must_not_be_called(p, x):
+    raise AssertionError("structured NTK must not call apply_fn")
+
+  k = ntk.empirical_ntk(must_not_be_called, params, x1, x2, dense_stack=stack)  # eager on purpose
+  expected = np.einsum("ijcc->ij", _reference("mlp_relu")) / 3
+  _assert_close(k, expected)
+
+
+@pytest.mark.parametrize("n,chunk", [(7, 3), (6, 3), (5, 1), (4, 10)])
+def test_map_blocks_covers_every_row_once(n, chunk):
+  x = jnp.arange(n * 2, dtype=jnp.float32).reshape(n, 2)
+  seen = []
+
+  def fn(block):
+    seen.append(block.shape[0])
+    return {"y": block * 2 + 1}
+
+  out = ntk._map_blocks(fn, x, chunk)
+  np.testing.assert_array_equal(out["y"], x * 2 + 1)
+  assert seen[0] <= chunk
+
+
+# ----------------------------------------------------------------------------
+# Errors.
+
+
+def test_unknown_implementation_lists_choices():
+  module, params, x1, _, _ = _setup("mlp_relu")
+  with pytest.raises(ValueError, match=r"'fast'.*'jacobian', 'ntvp', 'structured'"):
+    ntk.empirical_ntk(module.apply, params, x1, implementation="fast")
+  with pytest.raises(ValueError, match="'fast'"):
+    ntk.make_ntk_fn(module.apply, implementation="fast")
+
+
+def test_structured_needs_dense_stack():
+  module, params, x1, _, _ = _setup("mlp_relu")
+  with pytest.raises(ValueError, match="dense_stack"):
+    ntk.empirical_ntk(module.apply, params, x1, implementation="structured")
+  with pytest.raises(ValueError, match="dense_stack"):
+    ntk.make_ntk_fn(module.apply, implementation="structured")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_mismatched_feature_shapes(impl):
+  module, params, x1, _, stack = _setup("mlp_relu")
+  with pytest.raises(ValueError, match="same feature shape"):
+    ntk.empirical_ntk(module.apply, params, x1, jnp.zeros((3, 7)), implementation=impl, dense_stack=stack)
+
+
+def test_structured_rejects_wrong_input_width_and_missing_layer():
+  module, params, _, _, stack = _setup("mlp_relu")
+  with pytest.raises(ValueError, match="7 features.*takes 6"):
+    ntk.empirical_ntk(module.apply, params, jnp.zeros((3, 7)), dense_stack=stack)
+  bad_stack = DenseStack(("dense_0", "nope"), nn.relu)
+  with pytest.raises(ValueError, match="'nope' not found"):
+    ntk.empirical_ntk(module.apply, params, jnp.zeros((3, 6)), dense_stack=bad_stack)
+
+
+@pytest.mark.parametrize("chunk_size", [0, -2, 1.5])
+def test_bad_chunk_size(chunk_size):
+  module, params, x1, _, _ = _setup("mlp_relu")
+  with pytest.raises(ValueError, match="chunk_size"):
+    ntk.empirical_ntk(module.apply, params, x1, implementation="jacobian", chunk_size=chunk_size)
+
+
+def test_outputs_must_be_batch_by_classes():
+  module, params, x1, _, _ = _setup("mlp_relu")
+  with pytest.raises(ValueError, match=r"\[B, C\]"):
+    ntk.empirical_ntk(lambda p, x: module.apply(p, x).sum(-1), params, x1, implementation="ntvp")
+
+
+def test_full_to_matrix_rejects_non_4d():
+  with pytest.raises(ValueError, match=r"\[N1, N2, C, C\]"):
+    ntk.full_to_matrix(jnp.zeros((3, 3)))
+
+
+# ----------------------------------------------------------------------------
+# With the library's own models (ntk_fl.models).
+
+
+def test_library_mlp_dense_stack():
+  """``ntk_fl.models.mlp``'s ``dense_stack`` drives the structured kernel correctly (jitted apply inside)."""
+  from ntk_fl import models
+
+  model = models.mlp(5, (7, 6), 3, "tanh")
+  k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
+  x1 = jax.random.normal(k1, (3, 5))
+  x2 = jax.random.normal(k2, (2, 5))
+  params = model.init(k3)
+  params = jax.tree.map(lambda w: w + 0.1, params)  # non-zero biases
+  full = _brute_full(model.apply, params, x1, x2)
+  k = _kernel(model.apply, params, x1, x2, dense_stack=model.dense_stack)
+  _assert_close(k, np.einsum("ijcc->ij", full) / 3)
