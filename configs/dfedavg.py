@@ -17,30 +17,9 @@ bits) | smoke (seconds-long run on a slice of Fashion-MNIST).
 import ml_collections
 
 from ntk_fl.algorithms import local
-from ntk_fl.config import apply_variants, base_config
-
-
-def _smoke(config):
-  config.rounds = 2
-  config.data.max_train = 6_000
-  config.data.num_clients = 20
-  config.data.samples_per_client = 100
-  config.topology.degree = 2
-  config.algorithm.epochs = 2
-  config.eval.batch_size = 2_000
-  config.eval.clients_every = 1
-  config.checkpoint_every = 1
-
-
-VARIANTS = {**local.quantize_variants(), "smoke": _smoke}
+from ntk_fl.config import apply_variants
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  config = base_config()
-  config.method = "dfedavg"
-  config.rounds = 200
-  config.topology.mixing = "uniform"
-  config.eval.clients_every = 5
-  config.chunk_size = 30
-  config.algorithm = local.local_config(lr=0.1, epochs=20, batch_size=25)
-  return apply_variants(config, arg, VARIANTS)
+  config = local.gossip_config("dfedavg", lr=0.1, epochs=20, batch_size=25)
+  return apply_variants(config, arg, local.GOSSIP_VARIANTS)

@@ -15,37 +15,20 @@ quantized (the authors' DFedAvgM-Q script: 8 bits, 5 epochs, momentum 0,
 import ml_collections
 
 from ntk_fl.algorithms import local
-from ntk_fl.config import apply_variants, base_config
-
-
-def _smoke(config):
-  config.rounds = 2
-  config.data.max_train = 6_000
-  config.data.num_clients = 20
-  config.data.samples_per_client = 100
-  config.topology.degree = 2
-  config.algorithm.epochs = 2
-  config.eval.batch_size = 2_000
-  config.eval.clients_every = 1
-  config.checkpoint_every = 1
+from ntk_fl.config import apply_variants
 
 
 def _quantized(config):
+  """The authors' quantised DFedAvgM script: 8 bits, 5 epochs, no momentum, 1000 rounds."""
   config.algorithm.quantize_bits = 8
   config.algorithm.epochs = 5
   config.algorithm.momentum = 0.0
   config.rounds = 1000
 
 
-VARIANTS = {**local.quantize_variants(), "quantized": _quantized, "smoke": _smoke}
+VARIANTS = {**local.GOSSIP_VARIANTS, "quantized": _quantized}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  config = base_config()
-  config.method = "dfedavgm"
-  config.rounds = 200
-  config.topology.mixing = "uniform"
-  config.eval.clients_every = 5
-  config.chunk_size = 30
-  config.algorithm = local.local_config(lr=0.01, epochs=20, batch_size=50, momentum=0.9)
+  config = local.gossip_config("dfedavgm", lr=0.01, epochs=20, batch_size=50, momentum=0.9)
   return apply_variants(config, arg, VARIANTS)

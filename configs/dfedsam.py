@@ -14,32 +14,12 @@ Variants: paper | iid | alpha<float> | static | mnist | sam (non-adaptive SAM)
 import ml_collections
 
 from ntk_fl.algorithms import local
-from ntk_fl.config import apply_variants, base_config
+from ntk_fl.config import apply_variants
 
-
-def _smoke(config):
-  config.rounds = 2
-  config.data.max_train = 6_000
-  config.data.num_clients = 20
-  config.data.samples_per_client = 100
-  config.topology.degree = 2
-  config.algorithm.epochs = 2
-  config.eval.batch_size = 2_000
-  config.eval.clients_every = 1
-  config.checkpoint_every = 1
-
-
-VARIANTS = {**local.quantize_variants(), "sam": lambda c: setattr(c.algorithm, "sam_adaptive", False),
-            "smoke": _smoke}
+VARIANTS = {**local.GOSSIP_VARIANTS, "sam": lambda c: setattr(c.algorithm, "sam_adaptive", False)}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  config = base_config()
-  config.method = "dfedsam"
-  config.rounds = 200
-  config.topology.mixing = "uniform"
-  config.eval.clients_every = 5
-  config.chunk_size = 30
-  config.algorithm = local.local_config(lr=0.01, lr_decay=0.95, epochs=5, batch_size=32, momentum=0.99,
-                                        weight_decay=5e-4, sam_rho=0.01, sam_adaptive=True)
+  config = local.gossip_config("dfedsam", lr=0.01, lr_decay=0.95, epochs=5, batch_size=32, momentum=0.99,
+                             weight_decay=5e-4, sam_rho=0.01, sam_adaptive=True)
   return apply_variants(config, arg, VARIANTS)

@@ -18,31 +18,10 @@ Variants: paper | iid | alpha<float> | static | mnist | q8, q4 | smoke.
 import ml_collections
 
 from ntk_fl.algorithms import local
-from ntk_fl.config import apply_variants, base_config
-
-
-def _smoke(config):
-  config.rounds = 2
-  config.data.max_train = 6_000
-  config.data.num_clients = 20
-  config.data.samples_per_client = 100
-  config.topology.degree = 2
-  config.algorithm.epochs = 2
-  config.eval.batch_size = 2_000
-  config.eval.clients_every = 1
-  config.checkpoint_every = 1
-
-
-VARIANTS = {**local.quantize_variants(), "smoke": _smoke}
+from ntk_fl.config import apply_variants
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  config = base_config()
-  config.method = "dispfl"
-  config.rounds = 200
-  config.topology.mixing = "uniform"
-  config.eval.clients_every = 5
-  config.chunk_size = 30
-  config.algorithm = local.local_config(lr=0.1, lr_decay=0.998, epochs=10, batch_size=10, weight_decay=5e-4,
-                                        dense_ratio=0.5, anneal_factor=0.5)
-  return apply_variants(config, arg, VARIANTS)
+  config = local.gossip_config("dispfl", lr=0.1, lr_decay=0.998, epochs=10, batch_size=10, weight_decay=5e-4,
+                             dense_ratio=0.5, anneal_factor=0.5)
+  return apply_variants(config, arg, local.GOSSIP_VARIANTS)

@@ -14,30 +14,11 @@ smoke.
 import ml_collections
 
 from ntk_fl.algorithms import local
-from ntk_fl.config import apply_variants, base_config
+from ntk_fl.config import apply_variants
 
-
-def _smoke(config):
-  config.rounds = 2
-  config.data.max_train = 6_000
-  config.data.num_clients = 20
-  config.data.samples_per_client = 100
-  config.topology.degree = 2
-  config.eval.batch_size = 2_000
-  config.eval.clients_every = 1
-  config.checkpoint_every = 1
-
-
-VARIANTS = {**local.quantize_variants(), "degree9": lambda c: setattr(c.topology, "degree", 9),
-            "smoke": _smoke}
+VARIANTS = {**local.GOSSIP_VARIANTS, "degree9": lambda c: setattr(c.topology, "degree", 9)}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  config = base_config()
-  config.method = "dpsgd"
-  config.rounds = 200
-  config.topology.mixing = "uniform"
-  config.eval.clients_every = 5
-  config.chunk_size = 30
-  config.algorithm = local.local_config(lr=0.1, epochs=1, batch_size=10)
+  config = local.gossip_config("dpsgd", lr=0.1, epochs=1, batch_size=10)
   return apply_variants(config, arg, VARIANTS)

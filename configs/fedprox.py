@@ -22,34 +22,9 @@ bits) | smoke.
 import ml_collections
 
 from ntk_fl.algorithms import local
-from ntk_fl.config import apply_variants, base_config
-
-
-def _smoke(config):
-  config.rounds = 2
-  config.data.max_train = 6_000
-  config.data.num_clients = 20
-  config.data.samples_per_client = 100
-  config.algorithm.clients_per_round = 5
-  config.algorithm.epochs = 2
-  config.eval.batch_size = 2_000
-  config.checkpoint_every = 1
-
-
-VARIANTS = {
-    **local.quantize_variants(),
-    "full": lambda c: setattr(c.algorithm, "clients_per_round", 0),
-    "busiest_node": lambda c: setattr(c.algorithm, "clients_per_round", 5),
-    "smoke": _smoke,
-}
+from ntk_fl.config import apply_variants
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  config = base_config()
-  config.method = "fedprox"
-  config.rounds = 300
-  config.eval.clients_every = 0   # one global model: the aggregated evaluation is the evaluation
-  config.chunk_size = 0
-  config.algorithm = local.local_config(lr=0.1, epochs=20, batch_size=200, clients_per_round=20,
-                                        prox_mu=0.01)
-  return apply_variants(config, arg, VARIANTS)
+  config = local.server_config("fedprox", lr=0.1, epochs=20, batch_size=200, prox_mu=0.01)
+  return apply_variants(config, arg, local.SERVER_VARIANTS)

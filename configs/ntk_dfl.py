@@ -25,17 +25,12 @@ Variants (comma-separated, e.g. ``:iid`` or ``:alpha0.5,static``):
 """
 import ml_collections
 
-from ntk_fl.config import apply_variants, base_config
+from ntk_fl.config import apply_variants, base_config, smoke_slice
 
 
 def _smoke(config):
-  config.rounds = 3
-  config.data.max_train = 6_000
-  config.data.num_clients = 20
-  config.data.samples_per_client = 100
-  config.topology.degree = 2
+  smoke_slice(config, rounds=3)
   config.algorithm.taus = (50, 100, 200)
-  config.eval.batch_size = 2_000
   config.checkpoint_every = 2
 
 

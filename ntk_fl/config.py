@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import ml_collections
 
-__all__ = ["base_config", "apply_variants", "COMMON_VARIANTS", "load_config"]
+__all__ = ["base_config", "apply_variants", "COMMON_VARIANTS", "load_config", "smoke_slice"]
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -82,6 +82,23 @@ def base_config() -> ml_collections.ConfigDict:
   config.checkpoint_every = 5
   config.chunk_size = 0
   config.algorithm = ml_collections.ConfigDict()
+  return config
+
+
+def smoke_slice(config: ml_collections.ConfigDict, *, rounds: int = 2) -> ml_collections.ConfigDict:
+  """The common part of every method's ``smoke`` variant: seconds on a slice of the data.
+
+  A 6,000-sample training slice split over 20 clients of ≈100 samples, degree-2
+  graphs, a 2,000-sample evaluation batch and a checkpoint every round (so the
+  smoke runs exercise checkpointing too).
+  """
+  config.rounds = rounds
+  config.data.max_train = 6_000
+  config.data.num_clients = 20
+  config.data.samples_per_client = 100
+  config.topology.degree = 2
+  config.eval.batch_size = 2_000
+  config.checkpoint_every = 1
   return config
 
 
