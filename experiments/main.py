@@ -12,6 +12,7 @@ from its latest checkpoint with identical results.
 """
 from __future__ import annotations
 
+import logging as std_logging
 import sys
 
 from absl import app
@@ -45,7 +46,16 @@ def _parse_flags(argv: list[str]) -> list[str]:
              "every --config.<key> must name a field of the config file")
 
 
+class _QuietLibraries(std_logging.Filter):
+  """Drops INFO/DEBUG records of orbax and etils (a dozen lines per checkpoint); warnings pass."""
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    noisy = any(part in record.pathname for part in ("/orbax/", "/etils/"))
+    return record.levelno >= std_logging.WARNING or not noisy
+
+
 def main(argv: list[str]) -> None:
+  logging.get_absl_handler().addFilter(_QuietLibraries())
   if len(argv) > 1:
     raise app.UsageError(f"unexpected positional arguments: {argv[1:]}")
   config = _CONFIG.value
