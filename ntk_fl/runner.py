@@ -10,7 +10,7 @@
 2. :func:`build_experiment` -- dataset, partition, :class:`Federation`, model and
    :class:`Algorithm` (also the entry point of the functional API: build once,
    then drive ``algorithm.init`` / ``algorithm.step`` yourself).
-3. The round loop: ``algorithm.step`` jit-compiled once; after every round one
+3. The round loop: ``algorithm.step`` (compiled once by its factory); after every round one
    JSON line in ``metrics.jsonl`` (aggregated-model and client accuracies,
    inter-client deviation, the algorithm's own metrics, timings), a tqdm
    progress bar, and an orbax checkpoint every ``checkpoint_every`` rounds and
@@ -511,7 +511,8 @@ def run(config, workdir: str, *, resume: bool = False,
     # Rewrite (atomically) to exactly the checkpointed rounds, then append.
     _write_atomic(metrics_path, "".join(json.dumps(_jsonable(line), allow_nan=False) + "\n" for line in lines))
 
-    step = jax.jit(algorithm.step)
+    step = algorithm.step   # compiled by the method's factory (see Algorithm); re-jitting would bake
+                            # the federation arrays it passes as arguments into the program as constants
     evaluator = metrics_lib.make_evaluator(
         exp.model.apply, exp.dataset.x_test, exp.dataset.y_test,
         batch_size=config.eval.batch_size, chunk_size=config.chunk_size or None)

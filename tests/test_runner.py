@@ -125,7 +125,7 @@ def test_logged_numbers_match_an_independent_evaluation(reference):
   exp = runner.build_experiment(config)
   algorithm = exp.algorithm
   state = algorithm.init(jax.random.PRNGKey(config.seed))
-  step = jax.jit(algorithm.step)
+  step = algorithm.step
   for r in range(ROUNDS):
     state, _ = step(state, algorithm.round_inputs(r))
   with Checkpoints(os.path.join(workdir, runner.CHECKPOINT_DIR)) as ckpt:

@@ -79,7 +79,9 @@ def make(config, model: models.Model, federation) -> Algorithm:
     new = ToyState(jax.tree.map(mix, params), state.steps + 1)
     return new, {"loss": loss, "kept": kept, "lr": inputs.lr}
 
-  return Algorithm(init=init, round_inputs=round_inputs, step=step, client_params=lambda s: s.params)
+  # The factory compiles its step (the contract of Algorithm.step); the toy data are tiny, so closing over
+  # them as constants is fine here -- real methods pass the federation as jit arguments.
+  return Algorithm(init=init, round_inputs=round_inputs, step=jax.jit(step), client_params=lambda s: s.params)
 
 
 METHOD = Method(make=make, validate_config=validate_config)

@@ -10,8 +10,12 @@ An :class:`Algorithm` is a bundle of pure functions, in the spirit of
   is a function of ``round`` only, so a resumed run sees exactly the inputs of
   the uninterrupted one.
 * ``step(state, inputs) -> (state, metrics)``: one synchronous round; pure and
-  ``jit``-compiled once (inputs have fixed shapes every round). ``metrics`` is
-  a flat dict of arrays (scalars or ``[M]`` per-client values).
+  already ``jit``-compiled by the factory, which passes large arrays (the
+  federation) to the compiled function as arguments -- callers use ``step`` as
+  is, since wrapping it in another ``jax.jit`` would bake those arrays into the
+  program as constants. Inputs have fixed shapes every round, so it compiles
+  once. ``metrics`` is a flat dict of arrays (scalars or ``[M]`` per-client
+  values).
 * ``client_params(state) -> params``: the stacked ``[M, ...]`` model
   parameters that evaluation scores (aggregated model = their uniform mean).
 """
