@@ -33,9 +33,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from ntk_fl import evolve, ntk, parallel, runner  # noqa: E402
+from ntk_fl import evolve, ntk, parallel, runner, topology  # noqa: E402
 from ntk_fl import metrics as metrics_lib  # noqa: E402
-from ntk_fl.algorithms import ntk_dfl  # noqa: E402
 
 
 def _config(args):
@@ -90,7 +89,7 @@ def main():
 
     @jax.jit
     def average(params, inputs):
-      return ntk_dfl.neighbor_average(params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
+      return topology.mix(params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
 
     def neighbourhood(idx, nbrs, nbr_mask, xs, ys, ms):
       members = jnp.concatenate([idx[None], nbrs])

@@ -20,6 +20,6 @@ VARIANTS = {**local.GOSSIP_VARIANTS, "sam": lambda c: setattr(c.algorithm, "sam_
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  config = local.gossip_config("dfedsam", lr=0.01, lr_decay=0.95, epochs=5, batch_size=32, momentum=0.99,
+  config = local.gossip_config("dfedsam", lr=0.01, lr_gamma=0.95, epochs=5, batch_size=32, momentum=0.99,
                              weight_decay=5e-4, sam_rho=0.01, sam_adaptive=True)
   return apply_variants(config, arg, VARIANTS)

@@ -22,6 +22,6 @@ from ntk_fl.config import apply_variants
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  config = local.gossip_config("dispfl", lr=0.1, lr_decay=0.998, epochs=10, batch_size=10, weight_decay=5e-4,
+  config = local.gossip_config("dispfl", lr=0.1, lr_gamma=0.998, epochs=10, batch_size=10, weight_decay=5e-4,
                              dense_ratio=0.5, anneal_factor=0.5)
   return apply_variants(config, arg, local.GOSSIP_VARIANTS)

@@ -532,7 +532,7 @@ def run(config, workdir: str, *, resume: bool = False,
                 "clients": {**eval_clients, **algo_clients}}
         metrics_file.write(json.dumps(_jsonable(line), allow_nan=False) + "\n")
         metrics_file.flush()
-        lines.append(line)
+        lines.append(_jsonable(line))   # exactly what was logged (NaN -> None), as a resumed run reads it
         if ckpt is not None and _due(round_, config.checkpoint_every, rounds):
           ckpt.save(round_, state)
         postfix = {"s/round": f"{t2 - t0:.2f}"}

@@ -50,11 +50,14 @@ import itertools
 import math
 from typing import Any, Callable, NamedTuple
 
+import jax
+import jax.numpy as jnp
 import networkx as nx
 import numpy as np
 from scipy import stats
 
 __all__ = [
+    "mix",
     "Graph",
     "Topology",
     "TOPOLOGIES",
@@ -265,6 +268,9 @@ def make_topology(name: str, num_clients: int, *, seed: int, degree: int = 5, p:
   m = _check_int("num_clients", num_clients, 2)
   seed = _check_int("seed", seed, 0)
   k_max = _check_int("k_max", k_max, 0)
+  if not isinstance(dynamic, (bool, np.bool_)):
+    raise ValueError(f"dynamic must be a bool (re-draw the graph every round or not), got {dynamic!r}")
+  dynamic = bool(dynamic)
 
   if name == "regular":
     degree = _check_int("degree", degree, 1, m - 1)
@@ -306,7 +312,7 @@ def make_topology(name: str, num_clients: int, *, seed: int, degree: int = 5, p:
     r = _check_int("round", round, 0)
     return draw(r if dynamic else 0)
 
-  return Topology(name=name, num_clients=m, k_max=slots, dynamic=bool(dynamic), sample=sample)
+  return Topology(name=name, num_clients=m, k_max=slots, dynamic=dynamic, sample=sample)
 
 
 def make_topology_from_config(topology_config: Any, num_clients: int, seed: int) -> Topology:
@@ -440,3 +446,33 @@ def spectral_gap(w: Any, *, atol: float = 1e-5) -> float:
 def squared_spectral_gap(w: Any, *, atol: float = 1e-5) -> float:
   """NTK-DFL Def. 4.2's "spectral gap" ``(1 - lambda)^2``, the quantity in its bounds (9c)."""
   return spectral_gap(w, atol=atol) ** 2
+
+
+def mix(stacked_params, neighbors, self_weight, neighbor_weights, *, sent=None):
+  """One mixing (gossip / neighbour-averaging) step for all clients at once.
+
+  ``w_i ← s_i w_i + Σ_k a_ik v_{n_ik}`` where ``v`` is what the neighbours sent
+  (``sent``; default: their exact weights ``stacked_params``, as in NTK-DFL's
+  eq. (1)). A client's own term always uses its exact weights, so lossy
+  transmission (quantisation) only affects the neighbours' terms.
+
+  Args:
+    stacked_params: pytree with leaves ``[M, ...]``.
+    neighbors: int ``[M, k]`` neighbour indices (padding = own index).
+    self_weight: ``[M]``; neighbor_weights: ``[M, k]`` (zero in padded slots, so
+      padding contributes nothing) -- from :func:`mixing_weights`.
+    sent: optional pytree like ``stacked_params``: the transmitted weights.
+
+  Returns:
+    Pytree like ``stacked_params``.
+  """
+  sent = stacked_params if sent is None else sent
+
+  def one(own, transmitted):
+    extra = (1,) * (own.ndim - 1)
+    gathered = transmitted[neighbors]                                       # [M, k, ...]
+    weights = jnp.asarray(neighbor_weights).reshape(*neighbor_weights.shape, *extra).astype(own.dtype)
+    return (jnp.asarray(self_weight).reshape(-1, *extra).astype(own.dtype) * own
+            + jnp.sum(weights * gathered, axis=1))
+
+  return jax.tree.map(one, stacked_params, sent)

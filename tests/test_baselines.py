@@ -25,6 +25,7 @@ import optax
 import pytest
 
 from ntk_fl import compression, models, runner, topology
+from ntk_fl import config as config_lib
 from ntk_fl.algorithms import centralized, decentralized, get_method, local
 from ntk_fl.data import Federation
 
@@ -195,7 +196,7 @@ def trained_clients(config, fed, state, inputs):
   update = jax.jit(local.local_update_from_config(MODEL.apply, config.algorithm))
   m = fed.x.shape[0]
   keys = jax.random.split(jax.random.split(inputs.key)[0], m)
-  lr = config.algorithm.lr * config.algorithm.lr_decay ** int(inputs.round)
+  lr = config.algorithm.lr * config.algorithm.lr_gamma ** int(inputs.round)
   return [update(p, fed.x[i], fed.y[i], fed.mask[i], keys[i], lr).params
           for i, p in enumerate(stacked_to_list(state.params, m))]
 
@@ -241,7 +242,7 @@ def test_dfedavgm_momentum_zero_and_dfedsam_rho_zero_equal_dfedavg():
   common = dict(epochs=2, batch_size=4, lr=0.2)
   reference, _ = run_rounds(build("dfedavg", *tiny("dfedavg", **common)), 2)
   momentum0, _ = run_rounds(build("dfedavgm", *tiny("dfedavgm", momentum=0.0, **common)), 2)
-  sam0, _ = run_rounds(build("dfedsam", *tiny("dfedsam", momentum=0.0, weight_decay=0.0, lr_decay=1.0,
+  sam0, _ = run_rounds(build("dfedsam", *tiny("dfedsam", momentum=0.0, weight_decay=0.0, lr_gamma=1.0,
                                                 sam_rho=0.0, **common)), 2)
   assert_trees_close(momentum0.params, reference.params, rtol=0, atol=0)
   assert_trees_close(sam0.params, reference.params, rtol=0, atol=0)
@@ -411,3 +412,11 @@ def test_smoke_variant_runs_on_synthetic_data(name):
   assert float(metrics["bits_cumulative"]) > float(metrics["bits_sent_total"]) > 0
   params = exp.algorithm.client_params(state)
   assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(params))
+
+
+def test_fednova_rejects_nesterov_momentum():
+  config = config_lib.load_config(str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "fednova.py"),
+                                  "smoke")
+  config.algorithm.momentum, config.algorithm.nesterov = 0.9, True
+  with pytest.raises(ValueError, match="nesterov"):
+    centralized.validate_config(config, "fednova")

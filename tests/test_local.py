@@ -161,7 +161,7 @@ def test_param_mask_keeps_masked_weights_at_zero():
     assert np.any(np.asarray(w)[np.asarray(m) == 1] != np.asarray(w0)[np.asarray(m) == 1])
 
 
-def test_sgd_matches_torch_semantics_with_lr_decay_and_weight_decay():
+def test_sgd_matches_torch_semantics_with_lr_gamma_and_weight_decay():
   # optax chain vs the hand-written PyTorch rule on a quadratic, three steps.
   w = jnp.asarray([1.0, -2.0])
   opt = local.sgd(0.1, momentum=0.9, weight_decay=0.05)
@@ -173,7 +173,7 @@ def test_sgd_matches_torch_semantics_with_lr_decay_and_weight_decay():
     buf = d if buf is None else 0.9 * buf + d
     w_ref = w_ref - 0.1 * buf
   np.testing.assert_allclose(w_opt, w_ref, rtol=1e-6)
-  np.testing.assert_allclose(local.round_lr(local.local_config(lr=0.01, lr_decay=0.95, epochs=1,
+  np.testing.assert_allclose(local.round_lr(local.local_config(lr=0.01, lr_gamma=0.95, epochs=1,
                                                                 batch_size=1), 3), 0.01 * 0.95**3, rtol=1e-6)
 
 

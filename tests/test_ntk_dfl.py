@@ -92,7 +92,7 @@ def test_neighbor_average_complete_graph_uniform_is_exact_mean():
   rng = np.random.default_rng(1)
   params = {"w": jnp.asarray(rng.normal(size=(5, 3, 2)), jnp.float32), "b": jnp.asarray(rng.normal(size=(5,)))}
   neighbors = np.array([[j for j in range(5) if j != i] for i in range(5)], np.int32)
-  out = ntk_dfl.neighbor_average(params, neighbors, np.full(5, 0.2, np.float32), np.full((5, 4), 0.2, np.float32))
+  out = topology.mix(params, neighbors, np.full(5, 0.2, np.float32), np.full((5, 4), 0.2, np.float32))
   for leaf, original in zip(jax.tree.leaves(out), jax.tree.leaves(params)):
     np.testing.assert_allclose(leaf, np.broadcast_to(np.mean(original, axis=0), original.shape), rtol=1e-6,
                                atol=1e-6)
@@ -105,7 +105,7 @@ def test_neighbor_average_equals_dense_mixing_matrix(scheme):
   self_w, nbr_w = topology.mixing_weights(graph, scheme, sizes)
   dense = topology.mixing_matrix(graph, scheme, sizes)
   w = np.random.default_rng(0).normal(size=(12, 7)).astype(np.float32)
-  out = ntk_dfl.neighbor_average({"w": jnp.asarray(w)}, graph.neighbors, self_w, nbr_w)["w"]
+  out = topology.mix({"w": jnp.asarray(w)}, graph.neighbors, self_w, nbr_w)["w"]
   np.testing.assert_allclose(out, dense @ w, rtol=1e-5, atol=1e-5)
 
 
@@ -259,14 +259,13 @@ def test_jacobian_batching_is_sequential_block_evolution_at_a_fixed_linearisatio
 
   lr = config.algorithm.lr
   n_max = federation.x.shape[1]
-  block = n_max // 2
-  wbars = ntk_dfl.neighbor_average(state.params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
+  wbars = topology.mix(state.params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
   for i in range(federation.n.shape[0]):
     members = [i] + [int(j) for j, m in zip(inputs.neighbors[i], inputs.neighbor_mask[i]) if m]
     wbar = jax.tree.map(lambda leaf: leaf[i], wbars)
-    current, block_taus = wbar, []
+    current, block_taus, block_sizes = wbar, [], []
     for b in range(2):
-      rows = [(j, s) for j in members for s in range(b * block, (b + 1) * block) if federation.mask[j, s]]
+      rows = [(j, s) for j in members for s in range(b, n_max, 2) if federation.mask[j, s]]   # round-robin
       x = jnp.asarray(np.stack([federation.x[j, s] for j, s in rows]))
       targets = jax.nn.one_hot(np.array([federation.y[j, s] for j, s in rows]), model.num_classes)
       delta, info = evolve.ntk_delta(model.apply, wbar, x, targets, jnp.ones(len(rows), bool), lr=lr,
@@ -274,8 +273,10 @@ def test_jacobian_batching_is_sequential_block_evolution_at_a_fixed_linearisatio
                                      start=current)
       current = jax.tree.map(jnp.add, current, delta)
       block_taus.append(int(info["tau"]))
+      block_sizes.append(len(rows))
     assert_trees_close(jax.tree.map(lambda leaf: leaf[i], new_state.params), current)
-    np.testing.assert_allclose(float(metrics["tau"][i]), np.mean(block_taus), rtol=1e-6)
+    sizes = np.array(block_sizes, float)
+    np.testing.assert_allclose(float(metrics["tau"][i]), np.dot(sizes / sizes.sum(), block_taus), rtol=1e-6)
 
 
 def test_smoke_variant_runs_through_the_runner_and_learns(tmp_path):
@@ -308,3 +309,20 @@ def test_paper_option_variants_run_a_round(variant):
   state, metrics = algorithm.step(state, algorithm.round_inputs(0))
   assert np.isfinite(np.asarray(metrics["loss"])).all()
   assert np.isfinite(np.concatenate([np.ravel(l) for l in jax.tree.leaves(state.params)])).all()
+
+
+def test_validate_config_rejects_unknown_keys_and_bad_topology_before_any_data():
+  config = load_config_module().get_config()
+  config.algorithm.mse_form = "continuous"               # not an NTK-DFL option: never silently ignored
+  with pytest.raises(ValueError, match="unknown"):
+    ntk_dfl.validate_config(config)
+  config = load_config_module().get_config()
+  config.data.num_clients = 301                          # 301 · 5 is odd: no 5-regular graph exists
+  with pytest.raises(ValueError, match="even"):
+    ntk_dfl.validate_config(config)
+
+
+def test_too_many_jacobian_batches_for_the_data_fails_clearly():
+  config, model, federation = tiny_setup(jacobian_batches=9)
+  with pytest.raises(ValueError, match="jacobian_batches"):
+    ntk_dfl.make_ntk_dfl(config, model, federation)

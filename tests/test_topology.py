@@ -358,3 +358,17 @@ def test_spectral_gap_rejects_non_stochastic_matrices():
     T.spectral_gap(np.eye(4) * 0.5)
   with pytest.raises(ValueError, match="square"):
     T.spectral_gap(np.ones((2, 3)) / 3)
+
+
+def test_mix_uses_own_exact_weights_and_neighbours_transmitted_ones():
+  graph = T.make_topology("regular", 10, seed=2, degree=3).sample(0)
+  self_w, nbr_w = T.mixing_weights(graph, "metropolis")
+  dense = T.mixing_matrix(graph, "metropolis")
+  rng = np.random.default_rng(0)
+  w = rng.normal(size=(10, 4)).astype(np.float32)
+  sent = (w + rng.normal(size=(10, 4)) * 0.1).astype(np.float32)
+  out = np.asarray(T.mix({"w": w}, graph.neighbors, self_w, nbr_w, sent={"w": sent})["w"])
+  own = np.diag(dense)[:, None] * w
+  np.testing.assert_allclose(out, own + (dense - np.diag(np.diag(dense))) @ sent, rtol=1e-5, atol=1e-6)
+  exact = np.asarray(T.mix({"w": w}, graph.neighbors, self_w, nbr_w)["w"])
+  np.testing.assert_allclose(exact, dense @ w, rtol=1e-5, atol=1e-6)

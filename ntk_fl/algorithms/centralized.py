@@ -7,7 +7,7 @@ One synchronous round ``r`` (0-based) of every method here:
    ``SeedSequence([seed, 2, r])`` -- a function of the round only.
 2. The participants start from the global model and train locally
    (:mod:`ntk_fl.algorithms.local`: ``epochs`` passes, minibatch ``batch_size``,
-   learning rate ``lr * lr_decay**r``), all ``K`` in one compiled program.
+   learning rate ``lr * lr_gamma**r``), all ``K`` in one compiled program.
 3. They upload their weights (optionally ``quantize_bits``-bit quantised) and the
    server aggregates with data-size weights ``p_k = n_k / sum_K n``:
 
@@ -101,6 +101,9 @@ def validate_config(config, method: str) -> None:
   if algo.clients_per_round > config.data.num_clients:
     raise ValueError(f"config.algorithm.clients_per_round = {algo.clients_per_round} exceeds "
                      f"config.data.num_clients = {config.data.num_clients} (0 = all clients)")
+  if method == "fednova" and algo.nesterov:
+    raise ValueError("method 'fednova' normalises by the heavy-ball momentum coefficient; "
+                     "config.algorithm.nesterov must be False")
   if method == "centralized" and algo.quantize_bits != compression.FLOAT_BITS:
     raise ValueError("method 'centralized' sends raw data, not weights: config.algorithm.quantize_bits must be "
                      f"32, got {algo.quantize_bits!r}")

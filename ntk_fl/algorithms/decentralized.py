@@ -10,11 +10,11 @@ step" on the round's graph, as in the NTK-DFL authors' baseline code
    function of ``(seed, r)`` only.
 2. Every client trains on its own data (:mod:`ntk_fl.algorithms.local`; all
    ``M`` clients in one compiled, chunked ``vmap``), learning rate
-   ``lr * lr_decay**r``.
+   ``lr * lr_gamma**r``.
 3. Every client sends its trained weights to each neighbour (optionally
    ``quantize_bits``-bit quantised, as the authors' quantised baselines) and
    replaces its weights by ``s_i w_i + sum_k a_ik q(w_{n_ik})`` (its own term is
-   exact; :func:`ntk_fl.algorithms.ntk_dfl.neighbor_average` is the gossip step).
+   exact; :func:`ntk_fl.topology.mix` is the gossip step).
 
 The methods differ only in the local optimiser (their hyperparameters live in
 ``configs/<method>.py``):
@@ -66,7 +66,6 @@ from ntk_fl import compression, models, parallel, topology
 from ntk_fl.algorithms import Method
 from ntk_fl.algorithms import local
 from ntk_fl.algorithms.base import Algorithm
-from ntk_fl.algorithms.ntk_dfl import neighbor_average
 
 __all__ = ["GossipState", "DisPFLState", "GossipRound", "METHODS", "make_decentralized", "validate_config",
            "masked_neighbor_average", "evolve_mask", "random_mask", "sparse_leaves", "mask_fraction",
@@ -265,12 +264,10 @@ def make_decentralized(method: str, config, model: models.Model, federation) -> 
 
   def gossip(trained, inputs, quant_key):
     """One gossip step on the trained weights (own term exact, neighbours' terms as sent)."""
-    if bits == compression.FLOAT_BITS:
-      return neighbor_average(trained, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
-    sent = local.transmit(trained, bits, key=quant_key, stochastic=stochastic, chunk_size=chunk_size)
-    others = neighbor_average(sent, inputs.neighbors, jnp.zeros_like(inputs.self_weight), inputs.neighbor_weights)
-    own = jax.tree.map(lambda w: inputs.self_weight.reshape(-1, *([1] * (w.ndim - 1))) * w, trained)
-    return jax.tree.map(jnp.add, own, others)
+    sent = None
+    if bits != compression.FLOAT_BITS:
+      sent = local.transmit(trained, bits, key=quant_key, stochastic=stochastic, chunk_size=chunk_size)
+    return topology.mix(trained, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights, sent=sent)
 
   def dispfl_client(params, mask, x, y, m, key, lr, fraction):
     """Masked local training, then mask evolution, for one client."""

@@ -106,7 +106,8 @@ def epoch_order(key, mask):
 def masked_cross_entropy(logits, labels, weights):
   """Mean cross-entropy over the samples with weight 1: ``logits [B, C]``, ``labels [B]``, ``weights [B]``."""
   per_sample = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-  return jnp.sum(weights * per_sample) / jnp.maximum(jnp.sum(weights), 1.0)
+  # `where`, not a product: a padded row's loss may be inf/NaN, and 0 * NaN is NaN.
+  return jnp.sum(jnp.where(weights > 0, weights * per_sample, 0.0)) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
 def sgd(lr, *, momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0):
@@ -219,7 +220,7 @@ def make_local_update(apply_fn: Callable, *, epochs: int, batch_size: int, momen
 # plus its own extras; unknown keys are rejected, so a typo (``prox_mu`` in a
 # FedAvg config, say) never runs silently as something else.
 
-LOCAL_KEYS = ("lr", "lr_decay", "epochs", "batch_size", "momentum", "nesterov", "weight_decay",
+LOCAL_KEYS = ("lr", "lr_gamma", "epochs", "batch_size", "momentum", "nesterov", "weight_decay",
               "quantize_bits", "stochastic_rounding")
 """``config.algorithm`` fields shared by all gradient baselines (see :func:`validate_local_config`)."""
 
@@ -267,7 +268,7 @@ def _check_bits(name, value):
 
 _LOCAL_CHECKS = {
     "lr": check_positive,
-    "lr_decay": check_fraction,            # multiplicative per round: lr_r = lr * lr_decay**r
+    "lr_gamma": check_fraction,            # multiplicative per round: lr_r = lr * lr_gamma**r
     "epochs": check_int(1),
     "batch_size": check_int(1),
     "momentum": _check_momentum,
@@ -294,8 +295,8 @@ def validate_local_config(config, method: str, extra_checks=None) -> None:
 
 
 def round_lr(algo, round_index):
-  """``lr * lr_decay ** round`` (0-based round; may be traced)."""
-  return algo.lr * jnp.power(jnp.float32(algo.lr_decay), jnp.asarray(round_index, jnp.float32))
+  """``lr * lr_gamma ** round`` (0-based round; may be traced)."""
+  return algo.lr * jnp.power(jnp.float32(algo.lr_gamma), jnp.asarray(round_index, jnp.float32))
 
 
 def local_update_from_config(apply_fn: Callable, algo) -> Callable[..., LocalResult]:
@@ -325,13 +326,13 @@ def transmit(stacked_params, bits: int, *, key, stochastic: bool, chunk_size=Non
                                                                      jax.random.split(key, num_clients))
 
 
-def local_config(*, lr: float, epochs: int, batch_size: int, lr_decay: float = 1.0, momentum: float = 0.0,
+def local_config(*, lr: float, epochs: int, batch_size: int, lr_gamma: float = 1.0, momentum: float = 0.0,
                  nesterov: bool = False, weight_decay: float = 0.0, quantize_bits: int = 32,
                  stochastic_rounding: bool = False, **extra):
   """A ``config.algorithm`` block holding every :data:`LOCAL_KEYS` field (plus a method's ``extra``)."""
   import ml_collections  # pylint: disable=g-import-not-at-top -- configs only
   return ml_collections.ConfigDict(dict(
-      lr=lr, lr_decay=lr_decay, epochs=epochs, batch_size=batch_size, momentum=momentum, nesterov=nesterov,
+      lr=lr, lr_gamma=lr_gamma, epochs=epochs, batch_size=batch_size, momentum=momentum, nesterov=nesterov,
       weight_decay=weight_decay, quantize_bits=quantize_bits, stochastic_rounding=stochastic_rounding, **extra))
 
 

@@ -24,8 +24,8 @@ Options studied in the paper (all in ``config.algorithm``):
   ``i`` evolves from its own weights (neighbours' data still evaluated at the
   receiver's weights, so each kernel keeps one linearisation point).
 * ``jacobian_batches=m1`` -- Jacobian batching (App. E.1): the neighbourhood data
-  are split into ``m1`` blocks (the ``b``-th contiguous chunk of every member's
-  data); the blocks are evolved one after another, each starting from the
+  are split into ``m1`` blocks (every member's samples dealt round-robin, so each
+  block holds ≈ ``1/m1`` of every member's data); the blocks are evolved one after another, each starting from the
   current (already updated) network outputs, all linearised at ``w̄_i`` (the
   block-diagonal of the full kernel, as the authors' development code did), with
   a ``τ`` selection per block.
@@ -43,8 +43,8 @@ Every client's chosen ``τ`` and selected loss are returned each round as
 """
 from __future__ import annotations
 
-import functools
 import math
+import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -55,12 +55,12 @@ from ntk_fl import evolve, models, parallel, topology
 from ntk_fl.algorithms import Method
 from ntk_fl.algorithms.base import Algorithm
 
-__all__ = ["NTKDFLState", "NTKDFLRound", "make_ntk_dfl", "validate_config", "neighbor_average", "METHOD"]
+__all__ = ["NTKDFLState", "NTKDFLRound", "make_ntk_dfl", "validate_config", "METHOD"]
 
-_LOSSES = ("ce", "mse")
-_SOLVERS = ("euler", "ode")
-_SELECT = ("network", "linearized")
-_KERNELS = ("traced", "full")
+# PRNG stream of the per-round keys (data subsampling), folded into key(seed).
+_ROUND_KEY_STREAM = 1
+_ALGORITHM_KEYS = ("lr", "lr_decay", "taus", "loss", "solver", "select", "kernel", "per_round_averaging",
+                   "jacobian_batches", "subsample")
 
 
 class NTKDFLState(NamedTuple):
@@ -87,26 +87,6 @@ class NTKDFLRound(NamedTuple):
   key: Any
 
 
-def neighbor_average(stacked_params, neighbors, self_weight, neighbor_weights):
-  """Eq. (1) for all clients at once: ``w̄_i = s_i w_i + Σ_k a_ik w_{n_ik}``.
-
-  Args:
-    stacked_params: pytree with leaves ``[M, ...]``.
-    neighbors: int ``[M, k]``; self_weight ``[M]``; neighbor_weights ``[M, k]``
-      (zero in padded slots, so padding contributes nothing).
-
-  Returns:
-    Pytree like ``stacked_params``.
-  """
-  def mix(leaf):
-    gathered = leaf[neighbors]                               # [M, k, ...]
-    extra = (1,) * (leaf.ndim - 1)
-    own = self_weight.reshape(-1, *extra).astype(leaf.dtype) * leaf
-    others = jnp.sum(neighbor_weights.reshape(*neighbor_weights.shape, *extra).astype(leaf.dtype) * gathered, axis=1)
-    return own + others
-  return jax.tree.map(mix, stacked_params)
-
-
 def _subsample_indices(key, mask, num_keep, divisor):
   """Random subset of each client's real samples, compacted to ``num_keep`` slots.
 
@@ -131,35 +111,46 @@ def _subsample_indices(key, mask, num_keep, divisor):
   return order, keep_mask
 
 
+def _is_int(value) -> bool:
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+  return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def validate_config(config) -> None:
-  """Checks ``config.algorithm`` of an NTK-DFL config; raises ``ValueError`` naming the bad value."""
+  """Checks an NTK-DFL config's ``algorithm`` block and topology; raises ``ValueError`` naming the bad value."""
   algo = config.algorithm
-  required = ("lr", "lr_decay", "taus", "loss", "solver", "select", "kernel", "per_round_averaging",
-              "jacobian_batches", "subsample")
-  missing = [name for name in required if name not in algo]
-  if missing:
-    raise ValueError(f"config.algorithm is missing {missing} for method 'ntk_dfl'")
-  if not (isinstance(algo.lr, (int, float)) and algo.lr > 0 and math.isfinite(algo.lr)):
+  missing = [name for name in _ALGORITHM_KEYS if name not in algo]
+  unknown = sorted(set(algo) - set(_ALGORITHM_KEYS))
+  if missing or unknown:
+    raise ValueError(f"config.algorithm for method 'ntk_dfl': missing {missing}, unknown {unknown}; "
+                     f"the keys are {list(_ALGORITHM_KEYS)}")
+  if not (_is_real(algo.lr) and algo.lr > 0):
     raise ValueError(f"config.algorithm.lr must be a positive finite number, got {algo.lr!r}")
-  if not (isinstance(algo.lr_decay, (int, float)) and algo.lr_decay >= 0):
-    raise ValueError(f"config.algorithm.lr_decay must be >= 0, got {algo.lr_decay!r}")
-  taus = tuple(algo.taus)
-  if (not taus or any(not isinstance(t, (int, np.integer)) or t <= 0 for t in taus)
-      or list(taus) != sorted(set(taus))):
-    raise ValueError(f"config.algorithm.taus must be a non-empty strictly ascending tuple of positive ints, "
-                     f"got {taus!r}")
-  for name, allowed in (("loss", _LOSSES), ("solver", _SOLVERS), ("select", _SELECT), ("kernel", _KERNELS)):
+  if not (_is_real(algo.lr_decay) and algo.lr_decay >= 0):
+    raise ValueError(f"config.algorithm.lr_decay must be a finite number >= 0 (η_r = η·exp(−decay·r)), "
+                     f"got {algo.lr_decay!r}")
+  try:
+    evolve.check_taus(tuple(algo.taus))
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"config.algorithm.taus: {e}") from e
+  for name, allowed in (("loss", evolve.LOSSES), ("solver", evolve.SOLVERS), ("select", evolve.SELECTS),
+                        ("kernel", evolve.KERNELS)):
     if algo[name] not in allowed:
       raise ValueError(f"config.algorithm.{name} must be one of {allowed}, got {algo[name]!r}")
   if algo.loss == "mse" and algo.solver != "euler":
     raise ValueError("config.algorithm.solver applies to the cross-entropy loss only; the MSE evolution is the "
                      f"closed form -- leave solver='euler' with loss='mse' (got solver={algo.solver!r})")
   for name in ("jacobian_batches", "subsample"):
-    value = algo[name]
-    if not (isinstance(value, (int, np.integer)) and value >= 1):
-      raise ValueError(f"config.algorithm.{name} must be an int >= 1, got {value!r}")
+    if not (_is_int(algo[name]) and algo[name] >= 1):
+      raise ValueError(f"config.algorithm.{name} must be an int >= 1, got {algo[name]!r}")
   if not isinstance(algo.per_round_averaging, bool):
     raise ValueError(f"config.algorithm.per_round_averaging must be a bool, got {algo.per_round_averaging!r}")
+  # The graph family must suit the client count (e.g. M·κ even for a κ-regular graph): fail now, not
+  # after the data are loaded.
+  topology.make_topology_from_config(config.topology, config.data.num_clients, seed=config.seed)
 
 
 def make_ntk_dfl(config, model: models.Model, federation) -> Algorithm:
@@ -179,6 +170,9 @@ def make_ntk_dfl(config, model: models.Model, federation) -> Algorithm:
   m2 = int(algo.subsample)
   n_sub = -(-n_max // m2)                       # ceil: static slots per client after subsampling
   n_sub_padded = -(-n_sub // m1) * m1          # each member's slots split evenly into m1 blocks
+  if m1 > n_sub:
+    raise ValueError(f"config.algorithm.jacobian_batches={m1} exceeds the {n_sub} data slots per client "
+                     f"(n_max={n_max}, subsample={m2}): some blocks would hold no data")
 
   graph_source = topology.make_topology_from_config(config.topology, num_clients, seed=config.seed)
   sizes = np.asarray(federation.n)
@@ -196,12 +190,13 @@ def make_ntk_dfl(config, model: models.Model, federation) -> Algorithm:
     return NTKDFLRound(
         round=np.int32(round_index), neighbors=graph.neighbors, neighbor_mask=graph.mask,
         self_weight=self_w, neighbor_weights=nbr_w,
-        key=jax.random.fold_in(jax.random.fold_in(base_key, 1), round_index))
+        key=jax.random.fold_in(jax.random.fold_in(base_key, _ROUND_KEY_STREAM), round_index))
 
   def client_update(params, x, targets, mask, lr):
     """One client's NTK evolution over its neighbourhood data ``x [m1, N_b, ...]``."""
     if m1 == 1:
-      return evolve.ntk_update(model.apply, params, x[0], targets[0], mask[0], lr=lr, **evolve_kwargs)
+      new_params, info = evolve.ntk_update(model.apply, params, x[0], targets[0], mask[0], lr=lr, **evolve_kwargs)
+      return new_params, {"tau": info["tau"], "loss": info["loss"]}
     return _batched_update(model.apply, params, x, targets, mask, lr, evolve_kwargs)
 
   def neighbourhood(idx, nbrs, nbr_mask, xs, ys, ms):
@@ -210,9 +205,11 @@ def make_ntk_dfl(config, model: models.Model, federation) -> Algorithm:
     member_mask = jnp.concatenate([jnp.ones((1,), bool), nbr_mask])
     x, y = xs[members], ys[members]                                    # [k+1, n, ...]
     mask = ms[members] & member_mask[:, None]
-    def blocks(a):                                                     # [k+1, m1*nb, ...] -> [m1, (k+1)*nb, ...]
-      a = a.reshape(a.shape[0], m1, a.shape[1] // m1, *a.shape[2:])
-      a = jnp.swapaxes(a, 0, 1)
+    def blocks(a):                                                     # [k+1, nb*m1, ...] -> [m1, (k+1)*nb, ...]
+      # Strided, not contiguous: real samples come first in every member's slots, so slot s goes to block
+      # s mod m1 and each block gets ≈ n_j/m1 real samples of every member j.
+      a = a.reshape(a.shape[0], a.shape[1] // m1, m1, *a.shape[2:])
+      a = jnp.moveaxis(a, 2, 0)
       return a.reshape(m1, -1, *a.shape[3:])
     targets = jax.nn.one_hot(y, num_classes, dtype=jnp.float32)
     return blocks(x), blocks(targets), blocks(mask)
@@ -222,7 +219,7 @@ def make_ntk_dfl(config, model: models.Model, federation) -> Algorithm:
     xs, ys, ms = data
     params = state.params
     if algo.per_round_averaging:
-      params = neighbor_average(params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
+      params = topology.mix(params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
     if m2 > 1:
       idx, keep = _subsample_indices(inputs.key, ms, n_sub, m2)
       xs = jnp.take_along_axis(xs, idx.reshape(*idx.shape, *([1] * (xs.ndim - 2))), axis=1)
@@ -265,7 +262,10 @@ def _batched_update(apply_fn, params, x, targets, mask, lr, evolve_kwargs):
     return current, (info["tau"], info["loss"])
 
   final, (block_taus, block_losses) = jax.lax.scan(block, params, (x, targets, mask))
-  return final, {"tau": jnp.mean(block_taus.astype(jnp.float32)), "loss": block_losses[-1]}
+  # Per-client summaries over the blocks, weighted by their real samples (an empty block chooses nothing).
+  sizes = mask.sum(axis=1).astype(jnp.float32)
+  weights = sizes / jnp.maximum(sizes.sum(), 1.0)
+  return final, {"tau": jnp.sum(weights * block_taus), "loss": jnp.sum(weights * block_losses)}
 
 
 METHOD = Method(make=make_ntk_dfl, validate_config=validate_config)
