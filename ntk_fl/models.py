@@ -24,6 +24,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ntk_fl import validation
+
 __all__ = [
     "DenseStack",
     "Model",
@@ -104,9 +106,7 @@ def _activation(name: str) -> Callable[[Any], Any]:
 
 
 def _check_positive_int(name: str, value: Any) -> int:
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-    raise ValueError(f"{name} must be a positive integer, got {value!r}")
-  return int(value)
+  return validation.check_int(name, value, low=1)
 
 
 def _pure(module: nn.Module, input_shape: tuple[int, ...], num_classes: int,

@@ -56,6 +56,7 @@ import ml_collections
 import numpy as np
 from tqdm.auto import tqdm
 
+from ntk_fl import validation
 from ntk_fl import metrics as metrics_lib
 from ntk_fl import plotting
 from ntk_fl.algorithms import Algorithm, get_method
@@ -109,17 +110,11 @@ def _get(config, path: str):
 
 
 def _int(config, path: str, low: int) -> int:
-  value = _get(config, path)
-  if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
-    raise ValueError(f"config.{path} must be an int >= {low}, got {value!r}")
-  return int(value)
+  return validation.check_int(f"config.{path}", _get(config, path), low=low)
 
 
 def _choice(config, path: str, choices) -> str:
-  value = _get(config, path)
-  if value not in choices:
-    raise ValueError(f"config.{path} = {value!r} is not one of {tuple(choices)}")
-  return value
+  return validation.check_choice(f"config.{path}", _get(config, path), choices)
 
 
 def _check_keys(config) -> None:

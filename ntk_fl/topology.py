@@ -56,6 +56,8 @@ import networkx as nx
 import numpy as np
 from scipy import stats
 
+from ntk_fl import validation
+
 __all__ = [
     "mix",
     "Graph",
@@ -219,13 +221,7 @@ def _erdos_renyi_k_max(m: int, p: float) -> int:
 # ------------------------------------------------------------------- factories
 
 
-def _check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise ValueError(f"{name} must be an integer, got {value!r}")
-  if value < low or (high is not None and value > high):
-    bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-    raise ValueError(f"{name} must be {bound}, got {value}")
-  return int(value)
+_check_int = validation.check_int
 
 
 def _erdos_renyi_p(m: int, p: float, mean_degree: float) -> float:

@@ -230,7 +230,7 @@ def test_make_model_from_base_config():
 @pytest.mark.parametrize("field,value,match", [
     ("name", "resnet", r"unknown model 'resnet'; choose one of \('mlp', 'cnn'\)"),
     ("activation", "swishy", r"unknown activation 'swishy'; choose one of \('relu'"),
-    ("hidden", (100, 0), "hidden width must be a positive integer, got 0"),
+    ("hidden", (100, 0), "hidden width must be an int >= 1, got 0"),
     ("init", "random", r"unknown model.init 'random'"),
 ])
 def test_make_model_rejects_bad_config(field, value, match):
@@ -245,7 +245,7 @@ def test_bad_arguments_raise():
     M.cnn((3072,))
   with pytest.raises(ValueError, match="H and W must be >= 4"):
     M.cnn((2, 8, 1))
-  with pytest.raises(ValueError, match="num_classes must be a positive integer"):
+  with pytest.raises(ValueError, match="num_classes must be an int >= 1"):
     M.mlp(num_classes=0)
-  with pytest.raises(ValueError, match="num_clients must be a positive integer"):
+  with pytest.raises(ValueError, match="num_clients must be an int >= 1"):
     M.init_clients(M.mlp(), jax.random.key(0), 0)

@@ -203,8 +203,8 @@ def test_make_topology_from_config():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(name="regular", num_clients=7, degree=3), r"even, got 7 \* 3 = 21"),
-    (dict(name="regular", num_clients=6, degree=6), r"degree must be in \[1, 5\], got 6"),
-    (dict(name="regular", num_clients=6, degree=0), r"degree must be in \[1, 5\], got 0"),
+    (dict(name="regular", num_clients=6, degree=6), r"degree must be an int in \[1, 5\], got 6"),
+    (dict(name="regular", num_clients=6, degree=0), r"degree must be an int in \[1, 5\], got 0"),
     (dict(name="regular", num_clients=10, degree=4, k_max=3), "k_max=3 is below the degree 4"),
     (dict(name="torus", num_clients=10), r"unknown topology 'torus'.*regular.*clustered"),
     (dict(name="erdos_renyi", num_clients=10, p=0.1, mean_degree=2.0), "exactly one of p"),
@@ -212,9 +212,9 @@ def test_make_topology_from_config():
     (dict(name="erdos_renyi", num_clients=10, p=1.5), r"p must be in \(0, 1\]"),
     (dict(name="erdos_renyi", num_clients=10, mean_degree=12.0), "mean_degree must be <= "),
     (dict(name="ring", num_clients=2), "ring needs num_clients >= 3"),
-    (dict(name="clustered", num_clients=5, cluster_size=6), r"cluster_size must be in \[2, 5\]"),
-    (dict(name="complete", num_clients=1), "num_clients must be >= 2"),
-    (dict(name="complete", num_clients=5, seed=-1), "seed must be >= 0"),
+    (dict(name="clustered", num_clients=5, cluster_size=6), r"cluster_size must be an int in \[2, 5\]"),
+    (dict(name="complete", num_clients=1), "num_clients must be an int >= 2"),
+    (dict(name="complete", num_clients=5, seed=-1), "seed must be an int >= 0"),
 ])
 def test_bad_arguments_raise_early(kwargs, match):
   kwargs.setdefault("seed", 0)
@@ -229,7 +229,7 @@ def test_graph_denser_than_k_max_names_round_degree_and_k_max():
 
 
 def test_negative_round_raises():
-  with pytest.raises(ValueError, match="round must be >= 0"):
+  with pytest.raises(ValueError, match="round must be an int >= 0"):
     _make("ring", 5).sample(-1)
 
 

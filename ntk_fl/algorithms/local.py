@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ntk_fl import compression, parallel
+from ntk_fl import compression, parallel, validation
 
 __all__ = [
     "LocalResult",
@@ -152,13 +152,11 @@ def make_local_update(apply_fn: Callable, *, epochs: int, batch_size: int, momen
     ``mask [n]`` bool, ``lr`` a scalar (may be traced), ``anchor`` the FedProx
     reference weights, ``param_mask`` a 0/1 pytree like ``params``.
   """
-  for name, value, low in (("epochs", epochs, 1), ("batch_size", batch_size, 1)):
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-      raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+  for name, value in (("epochs", epochs), ("batch_size", batch_size)):
+    validation.check_int(name, value, low=1)
   for name, value in (("momentum", momentum), ("weight_decay", weight_decay), ("prox_mu", prox_mu),
                       ("sam_rho", sam_rho)):
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-      raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    validation.check_real(name, value, low=0)
   if momentum >= 1:
     raise ValueError(f"momentum must be < 1, got {momentum!r}")
 
@@ -225,8 +223,7 @@ LOCAL_KEYS = ("lr", "lr_gamma", "epochs", "batch_size", "momentum", "nesterov", 
 """``config.algorithm`` fields shared by all gradient baselines (see :func:`validate_local_config`)."""
 
 
-def _is_number(value) -> bool:
-  return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+_is_number = validation.is_real
 
 
 def check_positive(name, value):
@@ -245,14 +242,12 @@ def check_fraction(name, value):
 
 
 def check_bool(name, value):
-  if not isinstance(value, bool):
-    raise ValueError(f"config.algorithm.{name} must be a bool, got {value!r}")
+  validation.check_bool(f"config.algorithm.{name}", value)
 
 
 def check_int(low):
   def check(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-      raise ValueError(f"config.algorithm.{name} must be an int >= {low}, got {value!r}")
+    validation.check_int(f"config.algorithm.{name}", value, low=low)
   return check
 
 

@@ -43,15 +43,13 @@ Every client's chosen ``τ`` and selected loss are returned each round as
 """
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ntk_fl import evolve, models, parallel, topology
+from ntk_fl import evolve, models, parallel, topology, validation
 from ntk_fl.algorithms import Method
 from ntk_fl.algorithms.base import Algorithm
 
@@ -111,14 +109,6 @@ def _subsample_indices(key, mask, num_keep, divisor):
   return order, keep_mask
 
 
-def _is_int(value) -> bool:
-  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_real(value) -> bool:
-  return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def validate_config(config) -> None:
   """Checks an NTK-DFL config's ``algorithm`` block and topology; raises ``ValueError`` naming the bad value."""
   algo = config.algorithm
@@ -127,27 +117,21 @@ def validate_config(config) -> None:
   if missing or unknown:
     raise ValueError(f"config.algorithm for method 'ntk_dfl': missing {missing}, unknown {unknown}; "
                      f"the keys are {list(_ALGORITHM_KEYS)}")
-  if not (_is_real(algo.lr) and algo.lr > 0):
-    raise ValueError(f"config.algorithm.lr must be a positive finite number, got {algo.lr!r}")
-  if not (_is_real(algo.lr_decay) and algo.lr_decay >= 0):
-    raise ValueError(f"config.algorithm.lr_decay must be a finite number >= 0 (η_r = η·exp(−decay·r)), "
-                     f"got {algo.lr_decay!r}")
+  validation.check_real("config.algorithm.lr", algo.lr, low=0, low_open=True)
+  validation.check_real("config.algorithm.lr_decay (η_r = η·exp(−decay·r))", algo.lr_decay, low=0)
   try:
     evolve.check_taus(tuple(algo.taus))
   except (TypeError, ValueError) as e:
     raise ValueError(f"config.algorithm.taus: {e}") from e
   for name, allowed in (("loss", evolve.LOSSES), ("solver", evolve.SOLVERS), ("select", evolve.SELECTS),
                         ("kernel", evolve.KERNELS)):
-    if algo[name] not in allowed:
-      raise ValueError(f"config.algorithm.{name} must be one of {allowed}, got {algo[name]!r}")
+    validation.check_choice(f"config.algorithm.{name}", algo[name], allowed)
   if algo.loss == "mse" and algo.solver != "euler":
     raise ValueError("config.algorithm.solver applies to the cross-entropy loss only; the MSE evolution is the "
                      f"closed form -- leave solver='euler' with loss='mse' (got solver={algo.solver!r})")
   for name in ("jacobian_batches", "subsample"):
-    if not (_is_int(algo[name]) and algo[name] >= 1):
-      raise ValueError(f"config.algorithm.{name} must be an int >= 1, got {algo[name]!r}")
-  if not isinstance(algo.per_round_averaging, bool):
-    raise ValueError(f"config.algorithm.per_round_averaging must be a bool, got {algo.per_round_averaging!r}")
+    validation.check_int(f"config.algorithm.{name}", algo[name], low=1)
+  validation.check_bool("config.algorithm.per_round_averaging", algo.per_round_averaging)
   # The graph family must suit the client count (e.g. M·κ even for a κ-regular graph): fail now, not
   # after the data are loaded.
   topology.make_topology_from_config(config.topology, config.data.num_clients, seed=config.seed)

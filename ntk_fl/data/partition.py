@@ -29,6 +29,8 @@ import numbers
 
 import numpy as np
 
+from ntk_fl import validation
+
 __all__ = ["partition", "PARTITIONS", "DIRICHLET_DRAWS", "SHARD_SWAPS_PER_EDGE"]
 
 PARTITIONS = ("iid", "dirichlet", "dirichlet_fixed_size", "shards", "by_writer")
@@ -118,9 +120,7 @@ def _check_labels(labels) -> np.ndarray:
 
 
 def _check_int(name: str, value, *, minimum: int) -> int:
-  if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
-    raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-  return int(value)
+  return validation.check_int(name, value, low=minimum)
 
 
 def _check_alpha(alpha) -> float:
