@@ -23,7 +23,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
 
-__all__ = ["Algorithm"]
+import jax
+import numpy as np
+
+__all__ = ["Algorithm", "GraphRound", "graph_round_inputs"]
 
 
 class Algorithm(NamedTuple):
@@ -31,3 +34,47 @@ class Algorithm(NamedTuple):
   round_inputs: Callable[[int], Any]
   step: Callable[[Any, Any], tuple[Any, dict]]
   client_params: Callable[[Any], Any]
+
+
+class GraphRound(NamedTuple):
+  """Inputs of one decentralized round: the round's graph, mixing weights and key.
+
+  Host-side draw with fixed shapes, so a step compiles once.
+
+  Attributes:
+    round: int32 scalar, 0-based round index (learning-rate schedules, annealing).
+    neighbors: int32 ``[M, k_max]`` neighbour indices (padded slots = own index).
+    neighbor_mask: bool ``[M, k_max]``.
+    self_weight: float32 ``[M]`` weight of a client's own model when mixing.
+    neighbor_weights: float32 ``[M, k_max]`` weights of the neighbours (0 in padding).
+    key: PRNG key of the round.
+  """
+  round: Any
+  neighbors: Any
+  neighbor_mask: Any
+  self_weight: Any
+  neighbor_weights: Any
+  key: Any
+
+
+def graph_round_inputs(graph_source, mixing: str, sizes, seed: int, stream: int) -> Callable[[int], GraphRound]:
+  """``round_inputs`` of a decentralized method: a function of the round index only.
+
+  Args:
+    graph_source: a :class:`ntk_fl.topology.Topology` (``sample(round) -> Graph``).
+    mixing: mixing scheme for :func:`ntk_fl.topology.mixing_weights`.
+    sizes: ``[M]`` client data sizes (data-size weights).
+    seed: the config seed; stream: the method's PRNG stream id, folded in so
+      methods' round keys never coincide with other streams of the same seed.
+  """
+  from ntk_fl import topology  # pylint: disable=import-outside-toplevel -- base stays light to import
+
+  stream_key = jax.random.fold_in(jax.random.key(seed), stream)
+
+  def round_inputs(round_index: int) -> GraphRound:
+    graph = graph_source.sample(round_index)
+    self_w, nbr_w = topology.mixing_weights(graph, mixing, sizes)
+    return GraphRound(round=np.int32(round_index), neighbors=graph.neighbors, neighbor_mask=graph.mask,
+                      self_weight=self_w, neighbor_weights=nbr_w, key=jax.random.fold_in(stream_key, round_index))
+
+  return round_inputs

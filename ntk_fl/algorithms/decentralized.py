@@ -65,9 +65,9 @@ import numpy as np
 from ntk_fl import compression, models, parallel, topology
 from ntk_fl.algorithms import Method
 from ntk_fl.algorithms import local
-from ntk_fl.algorithms.base import Algorithm
+from ntk_fl.algorithms.base import Algorithm, graph_round_inputs
 
-__all__ = ["GossipState", "DisPFLState", "GossipRound", "METHODS", "make_decentralized", "validate_config",
+__all__ = ["GossipState", "DisPFLState", "METHODS", "make_decentralized", "validate_config",
            "masked_neighbor_average", "evolve_mask", "random_mask", "sparse_leaves", "mask_fraction",
            "DPSGD", "DFEDAVG", "DFEDAVGM", "DFEDSAM", "DISPFL"]
 
@@ -88,24 +88,6 @@ class DisPFLState(NamedTuple):
   params: Any
   masks: Any
   bits_cumulative: Any
-
-
-class GossipRound(NamedTuple):
-  """Inputs of one round (host-side graph draw; fixed shapes, so the step compiles once).
-
-  Attributes:
-    round: int32 0-based round index (learning-rate decay, DisPFL's annealing).
-    neighbors: int32 ``[M, k_max]`` (padded slots hold the client's own index).
-    neighbor_mask: bool ``[M, k_max]``.
-    self_weight: float32 ``[M]``; neighbor_weights: float32 ``[M, k_max]`` (0 in padding).
-    key: PRNG key of the round (minibatch orders, stochastic rounding).
-  """
-  round: Any
-  neighbors: Any
-  neighbor_mask: Any
-  self_weight: Any
-  neighbor_weights: Any
-  key: Any
 
 
 def _extra_checks(method: str) -> dict:
@@ -224,7 +206,6 @@ def make_decentralized(method: str, config, model: models.Model, federation) -> 
   graph_source = topology.make_topology_from_config(config.topology, num_clients, seed=config.seed)
   sizes = np.asarray(federation.n)
   data = jax.device_put(tuple(jnp.asarray(a) for a in (federation.x, federation.y, federation.mask)))
-  base_key = jax.random.key(config.seed)
 
   shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0))
   sparse = sparse_leaves(shapes)
@@ -254,13 +235,7 @@ def make_decentralized(method: str, config, model: models.Model, federation) -> 
     params = jax.tree.map(jnp.multiply, params, masks)
     return DisPFLState(params=params, masks=masks, bits_cumulative=zero)
 
-  def round_inputs(round_index: int) -> GossipRound:
-    graph = graph_source.sample(round_index)
-    self_w, nbr_w = topology.mixing_weights(graph, config.topology.mixing, sizes)
-    return GossipRound(
-        round=np.int32(round_index), neighbors=graph.neighbors, neighbor_mask=graph.mask,
-        self_weight=self_w, neighbor_weights=nbr_w,
-        key=jax.random.fold_in(jax.random.fold_in(base_key, _KEY_STREAM), round_index))
+  round_inputs = graph_round_inputs(graph_source, config.topology.mixing, sizes, config.seed, _KEY_STREAM)
 
   def gossip(trained, inputs, quant_key):
     """One gossip step on the trained weights (own term exact, neighbours' terms as sent)."""

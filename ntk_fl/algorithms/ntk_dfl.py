@@ -51,9 +51,9 @@ import numpy as np
 
 from ntk_fl import evolve, models, parallel, topology, validation
 from ntk_fl.algorithms import Method
-from ntk_fl.algorithms.base import Algorithm
+from ntk_fl.algorithms.base import Algorithm, graph_round_inputs
 
-__all__ = ["NTKDFLState", "NTKDFLRound", "make_ntk_dfl", "validate_config", "METHOD"]
+__all__ = ["NTKDFLState", "make_ntk_dfl", "validate_config", "METHOD"]
 
 # PRNG stream of the per-round keys (data subsampling), folded into key(seed).
 _ROUND_KEY_STREAM = 1
@@ -64,25 +64,6 @@ _ALGORITHM_KEYS = ("lr", "lr_decay", "taus", "loss", "solver", "select", "kernel
 class NTKDFLState(NamedTuple):
   """Stacked client state: ``params`` leaves have a leading client axis ``M``."""
   params: Any
-
-
-class NTKDFLRound(NamedTuple):
-  """Inputs of one round (host-side draw, fixed shapes so the step compiles once).
-
-  Attributes:
-    round: int32 scalar, 0-based round index (drives the learning-rate decay).
-    neighbors: int32 ``[M, k_max]`` neighbour indices (padded slots = own index).
-    neighbor_mask: bool ``[M, k_max]``.
-    self_weight: float32 ``[M]`` weight of the client's own model in eq. (1).
-    neighbor_weights: float32 ``[M, k_max]`` weights of the neighbours (0 in padding).
-    key: PRNG key of the round (data subsampling).
-  """
-  round: Any
-  neighbors: Any
-  neighbor_mask: Any
-  self_weight: Any
-  neighbor_weights: Any
-  key: Any
 
 
 def _subsample_indices(key, mask, num_keep, divisor):
@@ -163,18 +144,11 @@ def make_ntk_dfl(config, model: models.Model, federation) -> Algorithm:
   data = jax.device_put((jnp.asarray(federation.x), jnp.asarray(federation.y), jnp.asarray(federation.mask)))
   evolve_kwargs = dict(taus=taus, loss=algo.loss, solver=algo.solver, dense_stack=model.dense_stack,
                        kernel=algo.kernel, select=algo.select)
-  base_key = jax.random.key(config.seed)
 
   def init(key):
     return NTKDFLState(params=models.init_clients(model, key, num_clients, shared=config.model.init == "shared"))
 
-  def round_inputs(round_index: int) -> NTKDFLRound:
-    graph = graph_source.sample(round_index)
-    self_w, nbr_w = topology.mixing_weights(graph, config.topology.mixing, sizes)
-    return NTKDFLRound(
-        round=np.int32(round_index), neighbors=graph.neighbors, neighbor_mask=graph.mask,
-        self_weight=self_w, neighbor_weights=nbr_w,
-        key=jax.random.fold_in(jax.random.fold_in(base_key, _ROUND_KEY_STREAM), round_index))
+  round_inputs = graph_round_inputs(graph_source, config.topology.mixing, sizes, config.seed, _ROUND_KEY_STREAM)
 
   def client_update(params, x, targets, mask, lr):
     """One client's NTK evolution over its neighbourhood data ``x [m1, N_b, ...]``."""
