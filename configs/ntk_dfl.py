@@ -2,11 +2,12 @@
 
 Default (``--config=configs/ntk_dfl.py``): Fashion-MNIST, 300 clients with the
 authors' fixed-size Dirichlet partition (≈200 samples each, α = 0.1), MLP
-784-100-10, a new random 5-regular graph every round, η = 0.01 decayed as
-η·exp(−0.07 r) (authors' code), τ ∈ {100, ..., 800}, cross-entropy evolution by
-exact function-space gradient descent (``euler``), τ chosen by the non-linear
+784-100-10, a new random 5-regular graph every round, τ ∈ {100, ..., 800},
+cross-entropy evolution by exact function-space gradient descent (``euler``),
+τ chosen by the non-linear
 network's training cross-entropy, data-size-weighted averaging (eq. 1; uniform
-when sizes are equal), synchronous rounds, shared initialisation.
+when sizes are equal), synchronous rounds, shared initialisation; η = 0.01
+constant, as the paper states.
 
 Variants (comma-separated, e.g. ``:iid`` or ``:alpha0.5,static``):
   paper         the default above.
@@ -14,6 +15,7 @@ Variants (comma-separated, e.g. ``:iid`` or ``:alpha0.5,static``):
   alpha<float>  authors' Dirichlet generator with that α (``alpha0.5``, ``alpha0.1``).
   static        one graph for all rounds (Fig. 11).
   no_avg        ablation without per-round averaging (Fig. 7).
+  code_decay    the authors' code's learning-rate decay η·exp(−0.07 r).
   ode           the authors' numerics: adaptive Dopri5 (rtol 1e-7, atol 1e-9), left Riemann sum.
   mse           half-MSE evolution in closed form (the paper's eq. 4).
   batched       Jacobian batching with m1 = 4 blocks (App. E.1).
@@ -36,6 +38,7 @@ def _smoke(config):
 
 VARIANTS = {
     "no_avg": lambda c: setattr(c.algorithm, "per_round_averaging", False),
+    "code_decay": lambda c: setattr(c.algorithm, "lr_decay", 0.07),
     "ode": lambda c: setattr(c.algorithm, "solver", "ode"),
     "mse": lambda c: setattr(c.algorithm, "loss", "mse"),
     "batched": lambda c: setattr(c.algorithm, "jacobian_batches", 4),
@@ -57,7 +60,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   config.algorithm = ml_collections.ConfigDict()
   config.algorithm.lr = 0.01
-  config.algorithm.lr_decay = 0.07
+  # The paper's constant η = 0.01 (App. C.2). The authors' code decays it as η·exp(−0.07 r) (variant
+  # `code_decay`); on Fashion-MNIST α = 0.1, seed 0, the constant rate reached 85 % at round 21 and the
+  # decayed one was at 84.8 % after 22 rounds (docs/REPRODUCTION.md).
+  config.algorithm.lr_decay = 0.0
   config.algorithm.taus = (100, 200, 300, 400, 500, 600, 700, 800)
   config.algorithm.loss = "ce"
   config.algorithm.solver = "euler"
