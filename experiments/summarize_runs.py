@@ -32,7 +32,13 @@ def read_run(workdir: str) -> dict:
 def _describe(config: dict) -> str:
   data = config["data"]
   split = "IID" if data["partition"] == "iid" else f"α={data['alpha']:g}"
-  return f"{config['method']} {data['name']} {split} seed {config['seed']}"
+  algo = config.get("algorithm", {})
+  extras = []
+  if algo.get("lr_decay"):
+    extras.append(f"decay {algo['lr_decay']:g}")
+  if algo.get("per_round_averaging") is False:
+    extras.append("no averaging")
+  return " ".join([config["method"], data["name"], split, *extras, f"seed {config['seed']}"])
 
 
 def table(runs: list[dict]) -> str:
@@ -80,6 +86,7 @@ def main() -> None:
   parser.add_argument("--plot", default="")
   args = parser.parse_args()
   runs = [read_run(w) for w in args.workdirs if os.path.isfile(os.path.join(w, "metrics.jsonl"))]
+  runs = [run for run in runs if run["lines"]]          # skip runs that have not finished a round yet
   if not runs:
     sys.exit("no runs with a metrics.jsonl among the given workdirs")
   print(table(runs))
