@@ -1,24 +1,15 @@
 """FedNova (Wang et al. 2020) -- the NTK-FL comparison setting and its variants.
 
-Default (``--config=configs/fednova.py``): Fashion-MNIST, 300 clients, the
-authors' fixed-size Dirichlet partition (≈200 samples each, α = 0.1), MLP
-784-100-10; each round 20 of the 300 clients (uniformly, without replacement;
-NTK-FL's setting) train from the global model and the server averages their
-weights by data size. Local training: 20 epochs of full-batch gradient descent
-(batch 200 = the client's data; NTK-FL's "client batch size 200"), lr 0.1,
-plain SGD -- the values of the NTK-DFL authors' FedAvg notebook; NTK-FL tuned
-the local iteration count over {1, 3, …, 50} and the lr over {1e-3, …, 1e-1}
-without reporting the winner. 300 rounds (NTK-FL Table 1: FedAvg needs 284 to
-reach 85% at α = 0.1). Aggregation is FedNova's normalised averaging (each update
+Default (``--config=configs/fednova.py``): the server-based setting of
+:func:`ntk_fl.algorithms.local.server_config` (NTK-FL's comparison: FMNIST, 300
+clients, α = 0.1, 20 clients per round, 20 full-batch epochs, lr 0.1, 300 rounds).
+Aggregation is FedNova's normalised averaging (each update
 divided by the client's local step count, rescaled by the weighted mean count);
 NTK-FL gives no further details ("clients transmit normalized gradient
 vectors"). Uplink bits are counted per round and cumulatively.
 
-Variants (comma-separated): paper | iid | alpha<float> | mnist |
-full (all 300 clients every round; the authors' notebook, part_rate 1) |
-busiest_node (5 clients per round: NTK-DFL App. C.1's matching of the server's
-degree to κ = 5) | q8, q4 (quantised uploads; NTK-FL Table 1 compares QSGD at 4
-bits) | smoke.
+Variants: paper | iid | alpha<float> | mnist, and
+:data:`ntk_fl.algorithms.local.SERVER_VARIANTS` (full | busiest_node | q8, q4 | smoke).
 """
 import ml_collections
 
