@@ -34,6 +34,16 @@ def _as_float(values: Sequence[float | None]) -> np.ndarray:
   return np.array([np.nan if v is None else v for v in values], dtype=float)
 
 
+def _label_axes(ax, xlabel: str, ylabel: str, title: str) -> None:
+  """Axis labels, a light grid, the legend and the optional title of an accuracy plot."""
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  ax.grid(alpha=0.3)
+  ax.legend(loc="lower right")
+  if title:
+    ax.set_title(title)
+
+
 def plot_accuracy(rounds: Sequence[int], aggregated: Sequence[float | None],
                   client_mean: Sequence[float | None], client_min: Sequence[float | None],
                   client_max: Sequence[float | None], path: str | os.PathLike, *,
@@ -58,12 +68,7 @@ def plot_accuracy(rounds: Sequence[int], aggregated: Sequence[float | None],
   if ok.any():
     ax.plot(rounds[ok], mean[ok], "--", color="tab:orange", label="mean client")
     ax.fill_between(rounds[ok], low[ok], high[ok], color="tab:orange", alpha=0.2, label="client min-max")
-  ax.set_xlabel("round")
-  ax.set_ylabel("test accuracy")
-  ax.grid(alpha=0.3)
-  ax.legend(loc="lower right")
-  if title:
-    ax.set_title(title)
+  _label_axes(ax, "round", "test accuracy", title)
   _save(fig, path)
 
 
@@ -83,12 +88,7 @@ def plot_selection_curves(curves: Mapping[str, Sequence[float]], path: str | os.
   for name, (label, color) in _SELECTION_STYLE.items():
     acc = np.asarray(curves[name], dtype=float)
     ax.plot(np.arange(1, acc.size + 1), acc, color=color, label=label)
-  ax.set_xlabel("number of clients averaged")
-  ax.set_ylabel("test accuracy (test half)")
-  ax.grid(alpha=0.3)
-  ax.legend(loc="lower right")
-  if title:
-    ax.set_title(title)
+  _label_axes(ax, "number of clients averaged", "test accuracy (test half)", title)
   if "test_accuracy" in curves:
     hist = fig.add_subplot(1, 2, 2)
     hist.hist(np.asarray(curves["test_accuracy"], dtype=float), bins=20, color="tab:gray")
