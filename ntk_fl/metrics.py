@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ntk_fl.parallel import for_each_client
+from ntk_fl.rng import Stream, numpy_rng
 
 __all__ = [
     "Batches",
@@ -261,7 +262,7 @@ def selection_curves(apply_fn: Callable, stacked_params, x_test, y_test, *, seed
                      batch_size: int = 10_000, chunk_size: int | None = None) -> dict[str, np.ndarray]:
   """Final model averaging with client selection (NTK-DFL Sec. 5.1, Fig. 6).
 
-  The test set is split 50:50 (a permutation drawn from ``seed``) into a
+  The test set is split 50:50 (a permutation from the ``Stream.SELECTION`` stream of ``seed``) into a
   validation half that ranks the client models and a test half that scores the
   running average of the first ``k`` models, ``k = 1..M``, in three orders:
   best-to-worst validation accuracy (ties broken by client index), a random
@@ -285,7 +286,7 @@ def selection_curves(apply_fn: Callable, stacked_params, x_test, y_test, *, seed
   n = y_test.shape[0]
   if n < 2:
     raise ValueError(f"selection needs at least 2 test samples to split 50:50, got {n}")
-  rng = np.random.default_rng(seed)
+  rng = numpy_rng(seed, Stream.SELECTION)
   perm = rng.permutation(n)
   val_idx, test_idx = perm[: n // 2], perm[n // 2:]
   eval_clients = functools.partial(evaluate_clients, apply_fn, batch_size=batch_size,

@@ -62,6 +62,7 @@ from ntk_fl import plotting
 from ntk_fl.algorithms import Algorithm, get_method
 from ntk_fl.checkpoint import Checkpoints
 from ntk_fl.config import base_config
+from ntk_fl.rng import Stream, numpy_rng
 
 __all__ = [
     "Experiment",
@@ -93,8 +94,6 @@ _RESERVED = frozenset({
 # Config keys beyond base_config(): the optional method module, and the free-form algorithm block.
 _EXTRA_TOP_LEVEL = frozenset({"method_module"})
 _SCHEMA_BLOCKS = ("data", "model", "topology", "eval")
-# Independent random stream (beside the partition's) for the optional training subsample.
-_SUBSAMPLE_STREAM = 1
 
 
 # ----------------------------------------------------------------------------- validation
@@ -250,7 +249,7 @@ def _subsample(dataset, max_train: int, seed: int):
   if max_train > n:
     raise ValueError(f"config.data.max_train = {max_train} exceeds the {n} training samples of "
                      f"{dataset.name!r}; use 0 for all of them")
-  rng = np.random.default_rng(np.random.SeedSequence([seed, _SUBSAMPLE_STREAM]))
+  rng = numpy_rng(seed, Stream.SUBSAMPLE)
   keep = np.sort(rng.choice(n, size=max_train, replace=False))
   writers = None if dataset.writers_train is None else dataset.writers_train[keep]
   return dataset._replace(x_train=dataset.x_train[keep], y_train=dataset.y_train[keep],

@@ -1,8 +1,8 @@
 """Communication graphs, mixing weights and spectral gaps for decentralised FL.
 
 A :class:`Topology` draws one undirected graph per round, deterministically in
-``(seed, round)`` (a per-round ``np.random.SeedSequence([seed, round])``, never
-global RNG state). Static topologies return the round-0 graph every round;
+``(seed, round)`` (the round's own stream, ``rng.numpy_rng(seed, Stream.TOPOLOGY,
+round)``, never global RNG state). Static topologies return the round-0 graph every round;
 dynamic ones re-draw. Graphs are generated with networkx and handed to JAX as a
 fixed-shape padded adjacency list, :class:`Graph`, so a jit-compiled round never
 recompiles when the graph changes:
@@ -57,6 +57,7 @@ import numpy as np
 from scipy import stats
 
 from ntk_fl import validation
+from ntk_fl.rng import Stream, numpy_rng
 
 __all__ = [
     "mix",
@@ -248,7 +249,7 @@ def make_topology(name: str, num_clients: int, *, seed: int, degree: int = 5, p:
   Args:
     name: one of :data:`TOPOLOGIES`.
     num_clients: ``M``.
-    seed: non-negative base seed; round ``r`` draws from ``SeedSequence([seed, r])``.
+    seed: non-negative base seed; round ``r`` draws from ``SeedSequence([seed, Stream.TOPOLOGY, r])``.
     degree: neighbours per client for ``regular`` (``1 <= degree < M``, ``M*degree`` even).
     p: edge probability for ``erdos_renyi`` (set exactly one of ``p``, ``mean_degree``).
     mean_degree: expected degree for ``erdos_renyi``; ``p = mean_degree / (M - 1)``.
@@ -301,7 +302,7 @@ def make_topology(name: str, num_clients: int, *, seed: int, degree: int = 5, p:
   slots = k_max or derived
 
   def draw(round_: int) -> Graph:
-    rng = np.random.default_rng(np.random.SeedSequence([seed, round_]))
+    rng = numpy_rng(seed, Stream.TOPOLOGY, round_)
     return graph_from_networkx(generate(m, rng), slots, num_clients=m, round=round_)
 
   def sample(round: int) -> Graph:  # noqa: A002 -- the contract's argument name

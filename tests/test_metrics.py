@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from ntk_fl import metrics
+from ntk_fl.rng import Stream, numpy_rng
 
 RTOL = 1e-5  # float32 sums of a few hundred terms
 
@@ -139,7 +140,7 @@ def test_rounds_to_target_edge_cases():
 
 
 def _test_half(n, seed):
-  perm = np.random.default_rng(seed).permutation(n)  # the documented split
+  perm = numpy_rng(seed, Stream.SELECTION).permutation(n)  # the documented split
   return perm[: n // 2], perm[n // 2:]
 
 

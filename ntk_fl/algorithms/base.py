@@ -57,24 +57,21 @@ class GraphRound(NamedTuple):
   key: Any
 
 
-def graph_round_inputs(graph_source, mixing: str, sizes, seed: int, stream: int) -> Callable[[int], GraphRound]:
+def graph_round_inputs(graph_source, mixing: str, sizes, seed: int) -> Callable[[int], GraphRound]:
   """``round_inputs`` of a decentralized method: a function of the round index only.
 
   Args:
     graph_source: a :class:`ntk_fl.topology.Topology` (``sample(round) -> Graph``).
     mixing: mixing scheme for :func:`ntk_fl.topology.mixing_weights`.
     sizes: ``[M]`` client data sizes (data-size weights).
-    seed: the config seed; stream: the method's PRNG stream id, folded in so
-      methods' round keys never coincide with other streams of the same seed.
+    seed: the config seed; round ``r``'s key is ``rng.jax_key(seed, Stream.ROUND_KEYS, r)``.
   """
-  from ntk_fl import topology  # pylint: disable=import-outside-toplevel -- base stays light to import
-
-  stream_key = jax.random.fold_in(jax.random.key(seed), stream)
+  from ntk_fl import rng, topology  # pylint: disable=import-outside-toplevel -- base stays light to import
 
   def round_inputs(round_index: int) -> GraphRound:
     graph = graph_source.sample(round_index)
     self_w, nbr_w = topology.mixing_weights(graph, mixing, sizes)
     return GraphRound(round=np.int32(round_index), neighbors=graph.neighbors, neighbor_mask=graph.mask,
-                      self_weight=self_w, neighbor_weights=nbr_w, key=jax.random.fold_in(stream_key, round_index))
+                      self_weight=self_w, neighbor_weights=nbr_w, key=rng.jax_key(seed, rng.Stream.ROUND_KEYS, round_index))
 
   return round_inputs

@@ -4,7 +4,7 @@ One synchronous round ``r`` (0-based) of every method here:
 
 1. ``round_inputs(r)`` draws ``K = clients_per_round`` participants uniformly
    without replacement (``0`` = all ``M``; NTK-FL samples 20 of 300), from
-   ``SeedSequence([seed, 2, r])`` -- a function of the round only.
+   ``rng.numpy_rng(seed, Stream.PARTICIPATION, r)`` -- a function of the round only.
 2. The participants start from the global model and train locally
    (:mod:`ntk_fl.algorithms.local`: ``epochs`` passes, minibatch ``batch_size``,
    learning rate ``lr * lr_gamma**r``), all ``K`` in one compiled program.
@@ -22,7 +22,7 @@ One synchronous round ``r`` (0-based) of every method here:
    * ``datashare`` (Zhao et al. 2018, as compared in NTK-FL): a global set ``G``
      of ``share_fraction * sum_i n_i`` samples (NTK-FL: 10% of the total number
      of local data points) is drawn once, uniformly without replacement from the
-     clients' real samples (``SeedSequence([seed, 3])``), broadcast, and every
+     clients' real samples (stream ``Stream.SHARED_SET``), broadcast, and every
      participant trains on its own data *plus all of G* (mixed into the same
      shuffled minibatches); aggregation as FedAvg, weights by own data size.
    * ``centralized``: the reference upper bound -- the server collects the
@@ -49,16 +49,12 @@ from ntk_fl import compression, models, parallel
 from ntk_fl.algorithms import Method
 from ntk_fl.algorithms import local
 from ntk_fl.algorithms.base import Algorithm
+from ntk_fl.rng import Stream, jax_key, numpy_rng
 
 __all__ = ["ServerState", "ServerRound", "METHODS", "make_centralized", "validate_config", "nova_coefficient",
            "FEDAVG", "FEDPROX", "FEDNOVA", "DATASHARE", "CENTRALIZED"]
 
 METHODS = ("fedavg", "fedprox", "fednova", "datashare", "centralized")
-
-# Independent random streams derived from config.seed.
-_PARTICIPATION_STREAM = 2
-_SHARE_STREAM = 3
-_KEY_STREAM = 4
 
 
 class ServerState(NamedTuple):
@@ -113,7 +109,7 @@ def _shared_set(federation, fraction: float, seed: int):
   """DataShare's global set: ``round(fraction * sum n)`` real samples drawn without replacement."""
   slots = np.argwhere(np.asarray(federation.mask))                 # [sum n, 2] (client, row)
   size = max(1, int(round(fraction * slots.shape[0])))
-  rng = np.random.default_rng(np.random.SeedSequence([seed, _SHARE_STREAM]))
+  rng = numpy_rng(seed, Stream.SHARED_SET)
   pick = slots[np.sort(rng.choice(slots.shape[0], size=size, replace=False))]
   return np.asarray(federation.x)[pick[:, 0], pick[:, 1]], np.asarray(federation.y)[pick[:, 0], pick[:, 1]]
 
@@ -138,7 +134,6 @@ def make_centralized(method: str, config, model: models.Model, federation) -> Al
   else:
     shared = (np.zeros((0, *federation.x.shape[2:]), np.float32), np.zeros((0,), np.int32))
   data = jax.device_put(tuple(jnp.asarray(a) for a in (federation.x, federation.y, federation.mask, *shared)))
-  base_key = jax.random.key(config.seed)
   payload = compression.tree_payload_bits(jax.eval_shape(model.init, jax.random.PRNGKey(0)), bits)
 
   def init(key):
@@ -146,10 +141,10 @@ def make_centralized(method: str, config, model: models.Model, federation) -> Al
     return ServerState(params=params, bits_cumulative=jnp.float32(0))
 
   def round_inputs(round_index: int) -> ServerRound:
-    rng = np.random.default_rng(np.random.SeedSequence([config.seed, _PARTICIPATION_STREAM, round_index]))
+    rng = numpy_rng(config.seed, Stream.PARTICIPATION, round_index)
     clients = np.sort(rng.choice(num_clients, size=k, replace=False)).astype(np.int32)
     return ServerRound(round=np.int32(round_index), clients=clients,
-                       key=jax.random.fold_in(jax.random.fold_in(base_key, _KEY_STREAM), round_index))
+                       key=jax_key(config.seed, Stream.ROUND_KEYS, round_index))
 
   def train_clients(params, x, y, mask, key, lr, shared_x, shared_y):
     """All participants' local training; DataShare appends ``G`` to every client's data."""

@@ -66,6 +66,7 @@ from ntk_fl import compression, models, parallel, topology
 from ntk_fl.algorithms import Method
 from ntk_fl.algorithms import local
 from ntk_fl.algorithms.base import Algorithm, graph_round_inputs
+from ntk_fl.rng import Stream
 
 __all__ = ["GossipState", "DisPFLState", "METHODS", "make_decentralized", "validate_config",
            "masked_neighbor_average", "evolve_mask", "random_mask", "sparse_leaves", "mask_fraction",
@@ -73,8 +74,6 @@ __all__ = ["GossipState", "DisPFLState", "METHODS", "make_decentralized", "valid
 
 METHODS = ("dpsgd", "dfedavg", "dfedavgm", "dfedsam", "dispfl")
 
-_KEY_STREAM = 5   # independent of the topology's and the partition's streams
-_MASK_STREAM = 6
 
 
 class GossipState(NamedTuple):
@@ -223,7 +222,7 @@ def make_decentralized(method: str, config, model: models.Model, federation) -> 
     zero = jnp.float32(0)
     if not dispfl:
       return GossipState(params=params, bits_cumulative=zero)
-    mask_key = jax.random.fold_in(key, _MASK_STREAM)
+    mask_key = jax.random.fold_in(key, Stream.MASKS)
     leaf_keys = jax.random.split(mask_key, len(jax.tree.leaves(shapes)))
     def client_masks(leaf_key, shape, count, is_sparse):
       if not is_sparse:
@@ -235,7 +234,7 @@ def make_decentralized(method: str, config, model: models.Model, federation) -> 
     params = jax.tree.map(jnp.multiply, params, masks)
     return DisPFLState(params=params, masks=masks, bits_cumulative=zero)
 
-  round_inputs = graph_round_inputs(graph_source, config.topology.mixing, sizes, config.seed, _KEY_STREAM)
+  round_inputs = graph_round_inputs(graph_source, config.topology.mixing, sizes, config.seed)
 
   def gossip(trained, inputs, quant_key):
     """One gossip step on the trained weights (own term exact, neighbours' terms as sent)."""

@@ -55,8 +55,6 @@ from ntk_fl.algorithms.base import Algorithm, graph_round_inputs
 
 __all__ = ["NTKDFLState", "make_ntk_dfl", "validate_config", "METHOD"]
 
-# PRNG stream of the per-round keys (data subsampling), folded into key(seed).
-_ROUND_KEY_STREAM = 1
 _ALGORITHM_KEYS = ("lr", "lr_decay", "taus", "loss", "solver", "select", "kernel", "per_round_averaging",
                    "jacobian_batches", "subsample")
 
@@ -148,7 +146,7 @@ def make_ntk_dfl(config, model: models.Model, federation) -> Algorithm:
   def init(key):
     return NTKDFLState(params=models.init_clients(model, key, num_clients, shared=config.model.init == "shared"))
 
-  round_inputs = graph_round_inputs(graph_source, config.topology.mixing, sizes, config.seed, _ROUND_KEY_STREAM)
+  round_inputs = graph_round_inputs(graph_source, config.topology.mixing, sizes, config.seed)
 
   def client_update(params, x, targets, mask, lr):
     """One client's NTK evolution over its neighbourhood data ``x [m1, N_b, ...]``."""

@@ -30,6 +30,7 @@ import numbers
 import numpy as np
 
 from ntk_fl import validation
+from ntk_fl.rng import Stream, numpy_rng
 
 __all__ = ["partition", "PARTITIONS", "DIRICHLET_DRAWS", "SHARD_SWAPS_PER_EDGE"]
 
@@ -60,7 +61,8 @@ def partition(
     method: one of ``PARTITIONS`` (see the module docstring).
     num_clients: ``M >= 1``; at most ``N`` (at most the number of writers for
       ``by_writer``).
-    seed: seeds every random draw (``numpy.random.default_rng(seed)``).
+    seed: seeds every random draw (``numpy.random.default_rng(seed)``, the
+      ``rng.Stream.PARTITION`` stream).
     alpha: Dirichlet concentration (``dirichlet``, ``dirichlet_fixed_size``);
       finite and ``> 0``. Small = skewed, large = near-IID.
     samples_per_client: ``iid``: exactly this many per client (``M * s <= N``;
@@ -90,7 +92,7 @@ def partition(
     raise ValueError(f"seed must be an int, got {seed!r}")
   if samples_per_client is not None:
     samples_per_client = _check_int("samples_per_client", samples_per_client, minimum=1)
-  rng = np.random.default_rng(seed)
+  rng = numpy_rng(seed, Stream.PARTITION)
 
   if method == "iid":
     clients = _iid(labels.size, num_clients, samples_per_client, rng)

@@ -63,6 +63,8 @@ from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
+from ntk_fl.rng import Stream, numpy_rng
+
 __all__ = ["Dataset", "DATASETS", "DATA_DIR_ENV", "load", "read_idx"]
 
 DATASETS = ("fashion_mnist", "mnist", "emnist_digits", "femnist", "cifar10", "synthetic")
@@ -560,7 +562,7 @@ _SYNTH_SHAPE, _SYNTH_CLASSES, _SYNTH_TRAIN, _SYNTH_TEST, _SYNTH_CENTRE_SCALE = (
 
 
 def _synthetic(seed: int, flatten: bool, normalize: bool) -> Dataset:
-  rng = np.random.default_rng(seed)
+  rng = numpy_rng(seed, Stream.SYNTHETIC_DATA)
   dim = math.prod(_SYNTH_SHAPE)
   centres = rng.normal(scale=_SYNTH_CENTRE_SCALE, size=(_SYNTH_CLASSES, dim))
 
