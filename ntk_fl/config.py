@@ -26,7 +26,9 @@ Field reference (all of them are validated by the runner before any work):
 * ``eval``: ``every`` (rounds between aggregated-model evaluations),
   ``clients_every`` (rounds between per-client evaluations), ``targets``
   (accuracies for "rounds to X"), ``selection`` (final best-to-worst curves),
-  ``batch_size`` (test-set batch for evaluation).
+  ``batch_size`` (test-set batch for evaluation), ``stop_at`` (stop the run
+  after the first round whose aggregated accuracy reaches it; ``0`` = run all
+  ``rounds``; needs ``every = 1``).
 * ``checkpoint_every``: rounds between orbax checkpoints (``0`` = never).
 * ``chunk_size``: clients per ``vmap`` chunk (``0`` = all at once).
 * ``algorithm``: the method's own hyperparameters.
@@ -77,6 +79,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.eval.clients_every = 1
   config.eval.targets = (0.80, 0.85)
   config.eval.selection = True
+  config.eval.stop_at = 0.0
   config.eval.batch_size = 10_000
 
   config.checkpoint_every = 5

@@ -212,6 +212,12 @@ def validate_config(config) -> None:
   if not isinstance(targets, (tuple, list)) or not all(
       isinstance(t, numbers.Real) and not isinstance(t, bool) and 0 < t <= 1 for t in targets):
     raise ValueError(f"config.eval.targets must be a tuple of accuracies in (0, 1], got {targets!r}")
+  stop_at = _get(config, "eval.stop_at")
+  if not validation.is_real(stop_at) or not 0 <= stop_at <= 1:
+    raise ValueError(f"config.eval.stop_at must be an accuracy in [0, 1] (0 = run every round), got {stop_at!r}")
+  if stop_at and config.eval.every != 1:
+    raise ValueError(f"config.eval.stop_at = {stop_at} needs the aggregated accuracy every round: "
+                     f"config.eval.every must be 1, got {config.eval.every!r}")
   if not isinstance(_get(config, "eval.selection"), bool):
     raise ValueError(f"config.eval.selection must be a bool, got {config.eval.selection!r}")
 
@@ -425,6 +431,11 @@ def _evaluate(evaluator: metrics_lib.Evaluator, stacked_params, round_: int, con
   return line, clients
 
 
+def _reached_stop(line: dict, config) -> bool:
+  """Early stop (``config.eval.stop_at > 0``): this round's aggregated accuracy reached it."""
+  return bool(config.eval.stop_at) and line.get("test_acc") is not None and line["test_acc"] >= config.eval.stop_at
+
+
 def _summarize(config, lines: list[dict], *, num_params: int, selection: dict | None,
                wall_time: float, resumed_from: int | None) -> dict:
   acc = [line.get("test_acc") for line in lines]
@@ -437,6 +448,8 @@ def _summarize(config, lines: list[dict], *, num_params: int, selection: dict | 
       "method": config.method,
       "seed": config.seed,
       "rounds": config.rounds,
+      "rounds_run": len(lines),
+      "stopped_early": bool(lines) and len(lines) < config.rounds and _reached_stop(lines[-1], config),
       "num_clients": config.data.num_clients,
       "num_params": num_params,
       "rounds_to_target": {str(float(t)): metrics_lib.rounds_to_target(acc, float(t))
@@ -511,8 +524,11 @@ def run(config, workdir: str, *, resume: bool = False,
         exp.model.apply, exp.dataset.x_test, exp.dataset.y_test,
         batch_size=config.eval.batch_size, chunk_size=config.chunk_size or None)
     bar = tqdm(total=rounds, initial=start, desc=config.method, unit="round", dynamic_ncols=True)
+    last_round = start
     with bar, open(metrics_path, "a") as metrics_file:
       for r in range(start, rounds):
+        if lines and _reached_stop(lines[-1], config):
+          break
         round_ = r + 1
         inputs = algorithm.round_inputs(r)
         t0 = time.perf_counter()
@@ -536,10 +552,11 @@ def run(config, workdir: str, *, resume: bool = False,
                        round_, line["test_acc"], t1 - t0, t2 - t1)
         bar.set_postfix(postfix)
         bar.update(1)
+        last_round = round_
         if on_round_end is not None:
           on_round_end(round_, line)
-    if ckpt is not None and rounds not in ckpt.steps():
-      ckpt.save(rounds, state)  # e.g. a resumed run whose last checkpoint was deleted
+    if ckpt is not None and last_round not in ckpt.steps():
+      ckpt.save(last_round, state)  # e.g. a resumed run whose last checkpoint was deleted
   finally:
     if ckpt is not None:
       ckpt.close()

@@ -196,6 +196,32 @@ def test_resume_refusals_fail_before_any_work(reference, tmp_path, monkeypatch):
     runner.run(toy_config(), str(tmp_path / "nockpt"), resume=True)
 
 
+def test_stop_at_ends_the_run_at_the_first_round_reaching_it(reference, tmp_path):
+  _, ref_lines, _ = reference
+  accs = [line["test_acc"] for line in ref_lines]
+  # A threshold first met strictly before the last round (the toy run learns).
+  stop_round = next(i for i in range(1, len(accs)) if accs[i] > accs[0]) + 1
+  threshold = accs[stop_round - 1]
+  expected_round = metrics.rounds_to_target(accs, threshold)
+  assert expected_round < ROUNDS
+  workdir = str(tmp_path / "run")
+  summary = runner.run(toy_config(**{"eval.stop_at": threshold}), workdir)
+  lines = runner.read_metrics(workdir)
+  assert len(lines) == summary["rounds_run"] == expected_round
+  assert summary["stopped_early"] is True
+  assert [without(line, TIMES) for line in lines] == [without(line, TIMES) for line in ref_lines[:expected_round]]
+  with Checkpoints(os.path.join(workdir, runner.CHECKPOINT_DIR)) as ckpt:
+    assert ckpt.latest() == expected_round   # the final state is checkpointed under its own round
+  # Resuming a run that already stopped trains no further round.
+  again = runner.run(toy_config(**{"eval.stop_at": threshold}), workdir, resume=True)
+  assert again["rounds_run"] == expected_round and len(runner.read_metrics(workdir)) == expected_round
+
+
+def test_stop_at_needs_evaluation_every_round(tmp_path):
+  with pytest.raises(ValueError, match="eval.every must be 1"):
+    runner.run(toy_config(**{"eval.stop_at": 0.5, "eval.every": 2}), str(tmp_path / "run"))
+
+
 def test_checkpoints_skip_half_written_and_restore_exactly(tmp_path):
   state = {"w": jnp.arange(6.0).reshape(2, 3), "n": jnp.int32(7), "key": jax.random.key(3),
            "raw_key": jax.random.PRNGKey(4)}
@@ -238,6 +264,8 @@ def test_checkpoints_skip_half_written_and_restore_exactly(tmp_path):
     ("topology.mixing", "max", "mixing"),
     ("eval.targets", (0.8, 1.5), "targets"),
     ("eval.every", 0, "eval.every"),
+    ("eval.stop_at", 1.2, "stop_at"),
+    ("eval.stop_at", -0.1, "stop_at"),
     ("chunk_size", -1, "chunk_size"),
     ("method", "no_such_method", "unknown method"),
     ("method_module", "no_such_module_xyz", "method_module"),
