@@ -1,8 +1,9 @@
 """Compression of transmitted tensors and communication accounting.
 
-So far: uniform ``b``-bit quantisation of weights (what the NTK-DFL authors'
-quantised baselines do before sending a model: 256 levels = 8 bits) and the
-bit count of a payload. Both are generic -- any array, any pytree.
+Uniform ``b``-bit quantisation (what the NTK-DFL authors' quantised baselines
+do before sending a model: 256 levels = 8 bits), magnitude top-k
+sparsification (CP-NTK-FL's and SPARK's Jacobian sparsification) and the bit
+count of a payload, dense or sparse. All generic -- any array, any pytree.
 
 Quantisation is per tensor and min-max scaled: with ``lo = min(x)``,
 ``hi = max(x)`` and ``s = (hi - lo) / (2**b - 1)``, a value is sent as the
@@ -15,18 +16,21 @@ numbers ``lo`` and ``s``; the receiver reconstructs ``lo + level * s``.
 
 Payload (:func:`payload_bits`): ``b`` bits per value plus 64 bits of side
 information (``lo``, ``s``) per tensor; ``bits=32`` means raw float32 with no
-side information. An optional bitmap (one bit per coordinate) accounts for a
-sparse payload whose support the receiver does not know (DisPFL's masks).
+side information. A sparse payload also carries its support: a bitmap (one bit
+per coordinate, DisPFL's masks) or a list of ``ceil(log2 size)``-bit indices,
+whichever is smaller (:func:`sparse_payload_bits`).
 """
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["quantize", "quantize_tree", "payload_bits", "tree_payload_bits", "FLOAT_BITS", "SIDE_BITS"]
+__all__ = ["quantize", "quantize_tree", "sparsify_topk", "num_kept", "payload_bits", "sparse_payload_bits",
+           "tree_payload_bits", "FLOAT_BITS", "SIDE_BITS"]
 
 FLOAT_BITS = 32
 """Bits of one uncompressed value (float32)."""
@@ -84,6 +88,48 @@ def quantize_tree(tree, bits: int, *, key=None, stochastic: bool = False):
       treedef, [quantize(leaf, bits, key=k, stochastic=stochastic) for leaf, k in zip(leaves, keys)])
 
 
+def num_kept(size: int, keep_fraction: float) -> int:
+  """Entries kept by :func:`sparsify_topk` out of ``size``: ``ceil(keep_fraction * size)``, at least 1."""
+  if isinstance(keep_fraction, bool) or not isinstance(keep_fraction, numbers.Real) or not 0 < keep_fraction <= 1:
+    raise ValueError(f"keep_fraction must be a real in (0, 1], got {keep_fraction!r}")
+  if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
+    raise ValueError(f"size must be an int >= 1, got {size!r}")
+  return max(1, min(int(size), math.ceil(keep_fraction * size - 1e-9)))
+
+
+def sparsify_topk(x, keep_fraction: float, *, axis: int | None = None):
+  """Keeps the ``num_kept`` largest-magnitude entries of ``x`` (the rest become 0).
+
+  Args:
+    x: float array.
+    keep_fraction: fraction in ``(0, 1]`` of the entries to keep (``1`` = dense).
+    axis: ``None`` selects over the whole array; an int selects independently
+      along that axis for every index of the others (e.g. per sample row of a
+      Jacobian ``[N, d]`` with ``axis=-1``).
+
+  Returns:
+    ``(sparse, mask)``: ``sparse`` has the shape and dtype of ``x`` with zeros
+    outside the kept support; ``mask`` is the bool support. Ties at the
+    threshold are broken by position (``lax.top_k``), so exactly ``num_kept``
+    entries are kept per selection.
+  """
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"sparsify_topk expects a float array, got dtype {x.dtype}")
+  if axis is None:
+    flat = x.reshape(-1)
+    k = num_kept(flat.size, keep_fraction)
+    _, idx = jax.lax.top_k(jnp.abs(flat), k)
+    mask = jnp.zeros(flat.shape, bool).at[idx].set(True).reshape(x.shape)
+  else:
+    moved = jnp.moveaxis(x, axis, -1)
+    k = num_kept(moved.shape[-1], keep_fraction)
+    _, idx = jax.lax.top_k(jnp.abs(moved), k)
+    rows = jnp.zeros(moved.shape, bool)
+    mask = jnp.moveaxis(jnp.put_along_axis(rows, idx, True, axis=-1, inplace=False), -1, axis)
+  return jnp.where(mask, x, jnp.zeros_like(x)), mask
+
+
 def payload_bits(num_values, bits: int = FLOAT_BITS, *, num_tensors: int = 1, bitmap_size: int = 0):
   """Bits needed to send ``num_values`` values in ``num_tensors`` tensors.
 
@@ -101,6 +147,24 @@ def payload_bits(num_values, bits: int = FLOAT_BITS, *, num_tensors: int = 1, bi
     _check_bits(bits)
   side = 0 if bits == FLOAT_BITS else SIDE_BITS * num_tensors
   return num_values * bits + side + bitmap_size
+
+
+def sparse_payload_bits(num_values, size: int, bits: int = FLOAT_BITS):
+  """Bits to send ``num_values`` nonzeros of one ``size``-entry tensor, support included.
+
+  The support costs ``min(size, num_values * ceil(log2 size))`` bits: a bitmap or
+  an index list, whichever the sender picks as smaller. Values (and the
+  quantisation side information) as in :func:`payload_bits`. ``num_values`` may
+  be an int or an int/float array (e.g. per client); sum over tensors yourself.
+  """
+  if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
+    raise ValueError(f"size must be an int >= 1, got {size!r}")
+  index_bits = max(1, math.ceil(math.log2(size)))
+  if isinstance(num_values, numbers.Integral):
+    support = min(size, num_values * index_bits)
+  else:
+    support = jnp.minimum(size, jnp.asarray(num_values) * index_bits)
+  return payload_bits(num_values, bits) + support
 
 
 def tree_payload_bits(tree, bits: int = FLOAT_BITS) -> int:

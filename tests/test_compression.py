@@ -1,0 +1,64 @@
+"""Top-k sparsification and sparse payload accounting (quantisation is covered in test_baselines)."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ntk_fl import compression
+
+
+def _brute_topk_mask(values, k):
+  order = sorted(range(len(values)), key=lambda i: (-abs(values[i]), i))
+  mask = np.zeros(len(values), bool)
+  mask[order[:k]] = True
+  return mask
+
+
+@pytest.mark.parametrize("fraction", [0.05, 0.3, 0.5, 1.0])
+def test_topk_whole_array_keeps_the_largest_magnitudes(fraction):
+  x = jax.random.normal(jax.random.key(0), (7, 9), jnp.float32)
+  sparse, mask = compression.sparsify_topk(x, fraction)
+  flat = np.asarray(x).ravel()
+  k = compression.num_kept(flat.size, fraction)
+  assert k == max(1, math.ceil(fraction * flat.size - 1e-9))
+  np.testing.assert_array_equal(np.asarray(mask).ravel(), _brute_topk_mask(flat, k))
+  np.testing.assert_array_equal(np.asarray(sparse).ravel(), np.where(_brute_topk_mask(flat, k), flat, 0))
+
+
+def test_topk_along_an_axis_selects_per_row():
+  x = jax.random.normal(jax.random.key(1), (5, 4, 6), jnp.float32)
+  sparse, mask = compression.sparsify_topk(x, 0.5, axis=1)   # 2 of 4 along axis 1
+  xs = np.asarray(x)
+  for i in range(5):
+    for j in range(6):
+      expected = _brute_topk_mask(xs[i, :, j], 2)
+      np.testing.assert_array_equal(np.asarray(mask)[i, :, j], expected)
+      np.testing.assert_array_equal(np.asarray(sparse)[i, :, j], np.where(expected, xs[i, :, j], 0))
+  assert int(np.asarray(mask).sum()) == 5 * 6 * 2
+
+
+def test_topk_is_jittable_and_validates():
+  x = jnp.arange(10.0) - 4.5
+  sparse, mask = jax.jit(lambda v: compression.sparsify_topk(v, 0.2))(x)
+  np.testing.assert_array_equal(np.flatnonzero(np.asarray(mask)), [0, 9])
+  for bad in (0.0, 1.5, -0.1, True):
+    with pytest.raises(ValueError, match="keep_fraction"):
+      compression.sparsify_topk(x, bad)
+  with pytest.raises(ValueError, match="float"):
+    compression.sparsify_topk(jnp.arange(4), 0.5)
+
+
+def test_sparse_payload_counts_the_cheaper_support_encoding():
+  size = 1024                                    # 10-bit indices
+  # Few nonzeros: the index list (3 * 10 bits) beats the 1024-bit bitmap.
+  assert compression.sparse_payload_bits(3, size) == 3 * 32 + 3 * 10
+  # Many nonzeros: the bitmap wins.
+  assert compression.sparse_payload_bits(500, size) == 500 * 32 + 1024
+  # Quantised values add the per-tensor side information.
+  assert compression.sparse_payload_bits(500, size, 6) == 500 * 6 + compression.SIDE_BITS + 1024
+  per_client = compression.sparse_payload_bits(jnp.array([3.0, 500.0]), size)
+  np.testing.assert_allclose(np.asarray(per_client), [3 * 32 + 30, 500 * 32 + 1024])
+  with pytest.raises(ValueError, match="size"):
+    compression.sparse_payload_bits(3, 0)
