@@ -39,6 +39,9 @@ _REGISTRY: dict[str, str | Method] = {
     "dfedavgm": "ntk_fl.algorithms.decentralized:DFEDAVGM",
     "dfedsam": "ntk_fl.algorithms.decentralized:DFEDSAM",
     "dispfl": "ntk_fl.algorithms.decentralized:DISPFL",
+    "ntk_fl": "ntk_fl.algorithms.server_ntk",
+    "spark": "ntk_fl.algorithms.spark",
+    "fed_ensemble": "ntk_fl.algorithms.fed_ensemble",
 }
 
 
