@@ -1,7 +1,7 @@
 """Runs one experiment from a config file.
 
   python experiments/main.py --config=configs/ntk_dfl.py[:variant] --workdir=DIR \
-      [--config.rounds=50 --config.data.alpha=0.5 ...] [--resume]
+      [--config.rounds=50 --config.data.alpha=0.5 ...] [--resume] [--distributed]
 
 ``--config.key=value`` overrides any config field (an unknown key is a flags
 error). The config and the workdir are checked before any data is loaded; a bad
@@ -18,6 +18,7 @@ import sys
 from absl import app
 from absl import flags
 from absl import logging
+import jax
 from ml_collections import config_flags
 
 from ntk_fl import runner
@@ -26,6 +27,9 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file, e.g. configs/ntk_dfl.py or configs/ntk_dfl.py:smoke.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory of the run.")
 _RESUME = flags.DEFINE_bool("resume", False, "Continue the run in --workdir from its latest checkpoint.")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False, "Multi-host: call jax.distributed.initialize() before anything else, so "
+    "--config.devices=0 spans every host's devices.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -58,6 +62,8 @@ def main(argv: list[str]) -> None:
   logging.get_absl_handler().addFilter(_QuietLibraries())
   if len(argv) > 1:
     raise app.UsageError(f"unexpected positional arguments: {argv[1:]}")
+  if _DISTRIBUTED.value:
+    jax.distributed.initialize()   # before any jax call lists devices
   config = _CONFIG.value
   try:
     # Everything that can be wrong with the request fails here, before any work.

@@ -30,7 +30,11 @@ Field reference (all of them are validated by the runner before any work):
   after the first round whose aggregated accuracy reaches it; ``0`` = run all
   ``rounds``; needs ``every = 1``).
 * ``checkpoint_every``: rounds between orbax checkpoints (``0`` = never).
-* ``chunk_size``: clients per ``vmap`` chunk (``0`` = all at once).
+* ``chunk_size``: clients per ``vmap`` chunk (``0`` = all at once), per device.
+* ``devices``: devices the client axis is sharded over (:mod:`ntk_fl.parallel`):
+  ``0`` = all (every host's after ``--distributed``), ``1`` = the single-device
+  path, ``n`` = the first ``n``. Results agree across device counts up to float
+  rounding.
 * ``algorithm``: the method's own hyperparameters.
 """
 from __future__ import annotations
@@ -84,6 +88,7 @@ def base_config() -> ml_collections.ConfigDict:
 
   config.checkpoint_every = 5
   config.chunk_size = 0
+  config.devices = 0
   config.algorithm = ml_collections.ConfigDict()
   return config
 

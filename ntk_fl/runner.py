@@ -17,6 +17,13 @@
    at the end.
 4. Final client-selection curves, PNG plots, ``summary.json``.
 
+The aggregated model is what ``algorithm.aggregate`` says: the uniform mean of
+``client_params`` (default), or, for an ensemble method (Fed-ensemble), the
+ensemble of those models with averaged probabilities/logits -- then the
+per-client metrics are per-member metrics, the lines also carry the members'
+and the ensemble's mean predictive entropy, and selection curves (which average
+weights) are refused.
+
 Workdir layout::
 
   config.json      the run's config (resume refuses a different one)
@@ -56,7 +63,7 @@ import ml_collections
 import numpy as np
 from tqdm.auto import tqdm
 
-from ntk_fl import validation
+from ntk_fl import parallel, validation
 from ntk_fl import metrics as metrics_lib
 from ntk_fl import plotting
 from ntk_fl.algorithms import Algorithm, get_method
@@ -90,7 +97,9 @@ SELECTION_PLOT = "selection.png"
 # Keys the runner writes into every metrics line; an algorithm metric may not reuse them.
 _RESERVED = frozenset({
     "round", "step_time", "eval_time", "test_acc", "test_loss", "deviation", "client_acc_mean",
-    "client_acc_min", "client_acc_max", "client_loss_mean", "clients"})
+    "client_acc_min", "client_acc_max", "client_loss_mean", "clients", *metrics_lib.ENSEMBLE_METRICS})
+# Top-level keys that only place the computation; resume ignores them.
+_PLACEMENT_KEYS = ("devices",)
 # Config keys beyond base_config(): the optional method module, and the free-form algorithm block.
 _EXTRA_TOP_LEVEL = frozenset({"method_module"})
 _SCHEMA_BLOCKS = ("data", "model", "topology", "eval")
@@ -176,6 +185,10 @@ def validate_config(config) -> None:
   _int(config, "rounds", 1)
   _int(config, "checkpoint_every", 0)
   _int(config, "chunk_size", 0)
+  devices = _int(config, "devices", 0)
+  if devices > jax.device_count():
+    raise ValueError(f"config.devices = {devices} but only {jax.device_count()} device(s) exist; "
+                     f"use 0 for all of them or a number in [1, {jax.device_count()}]")
 
   dataset = _choice(config, "data.name", data.DATASETS)
   if not isinstance(_get(config, "data.data_dir"), str):
@@ -366,7 +379,13 @@ def check_workdir(config, workdir: str, *, resume: bool) -> int:
     raise FileNotFoundError(f"cannot resume: {config_path} does not exist (no run was started in {workdir})")
   with open(config_path) as f:
     stored = json.load(f)
-  diff = _config_diff(stored, json.loads(json.dumps(_jsonable(config))))
+  current = json.loads(json.dumps(_jsonable(config)))
+  # Where clients run is not part of the experiment: a run may resume on another device count
+  # (results agree up to float rounding), and runs started before the key existed lack it.
+  for key in _PLACEMENT_KEYS:
+    stored.pop(key, None)
+    current.pop(key, None)
+  diff = _config_diff(stored, current)
   if diff:
     raise ValueError(f"cannot resume {workdir} with a different config; changed: {'; '.join(diff)}")
   latest = None
@@ -421,8 +440,9 @@ def _algorithm_metrics(step_metrics: dict, num_clients: int) -> tuple[dict, dict
 def _evaluate(evaluator: metrics_lib.Evaluator, stacked_params, round_: int, config) -> tuple[dict, dict]:
   line, clients = {}, {}
   if _due(round_, config.eval.every, config.rounds):
-    acc, loss, deviation = jax.device_get(evaluator.aggregate(stacked_params))
+    acc, loss, deviation, *extra = jax.device_get(evaluator.aggregate(stacked_params))
     line.update(test_acc=float(acc), test_loss=float(loss), deviation=float(deviation))
+    line.update((name, float(value)) for name, value in zip(evaluator.extra_names, extra))
   if config.eval.clients_every and _due(round_, config.eval.clients_every, config.rounds):
     acc, loss = jax.device_get(evaluator.clients(stacked_params))
     line.update(client_acc_mean=float(np.mean(acc)), client_acc_min=float(np.min(acc)),
@@ -493,11 +513,22 @@ def run(config, workdir: str, *, resume: bool = False,
   """
   started = time.perf_counter()
   validate_config(config)
+  # Every step/evaluation is traced inside the mesh, so for_each_client shards clients over it.
+  with parallel.use_devices(config.devices):
+    return _run(config, workdir, resume=resume, on_round_end=on_round_end, started=started)
+
+
+def _run(config, workdir: str, *, resume: bool, on_round_end, started: float) -> dict:
+  """:func:`run` after validation, inside the device mesh."""
   workdir = os.path.abspath(workdir)
   start = check_workdir(config, workdir, resume=resume)
 
   exp = build_experiment(config)
   algorithm, rounds = exp.algorithm, config.rounds
+  if config.eval.selection and algorithm.aggregate != "params":
+    # Selection curves average client *weights*; for an ensemble of independent models that is meaningless.
+    raise ValueError(f"method {config.method!r} evaluates an ensemble (aggregate = {algorithm.aggregate!r}); "
+                     "weight-averaging selection curves do not apply: set config.eval.selection = False")
   os.makedirs(workdir, exist_ok=True)
   metrics_path = os.path.join(workdir, METRICS_FILE)
   state = _canonical(algorithm.init(jax.random.PRNGKey(config.seed)))
@@ -522,7 +553,7 @@ def run(config, workdir: str, *, resume: bool = False,
                             # the federation arrays it passes as arguments into the program as constants
     evaluator = metrics_lib.make_evaluator(
         exp.model.apply, exp.dataset.x_test, exp.dataset.y_test,
-        batch_size=config.eval.batch_size, chunk_size=config.chunk_size or None)
+        batch_size=config.eval.batch_size, chunk_size=config.chunk_size or None, aggregate=algorithm.aggregate)
     bar = tqdm(total=rounds, initial=start, desc=config.method, unit="round", dynamic_ncols=True)
     last_round = start
     with bar, open(metrics_path, "a") as metrics_file:

@@ -188,6 +188,8 @@ def test_resume_refusals_fail_before_any_work(reference, tmp_path, monkeypatch):
     runner.run(toy_config(seed=3), ref_workdir, resume=True)
   with pytest.raises(ValueError, match="already holds a run"):
     runner.run(toy_config(), ref_workdir)
+  # The device count only places the work: it is not a config change for resume.
+  assert runner.check_workdir(toy_config(devices=1), ref_workdir, resume=True) == ROUNDS
   # A started run that never reached a checkpoint.
   os.makedirs(tmp_path / "nockpt")
   with open(tmp_path / "nockpt" / runner.CONFIG_FILE, "w") as f:

@@ -1,0 +1,164 @@
+"""ntk_fl.parallel: chunked vmap, bounded memory, and the sharded path on 4 CPU devices.
+
+The multi-device checks run in a subprocess (``tests/multidevice_check.py``):
+``XLA_FLAGS=--xla_force_host_platform_device_count=4`` must be set before jax
+initialises, and this process already has one CPU device. There, the same
+computations -- a toy per-client function with captured arrays (M = 3, 6, 8 on
+4 devices, with and without chunking), a nested ``for_each_client``, NTK-DFL and
+DFedAvg rounds (M = 6: not a multiple of 4), and a run through the runner with
+``config.devices`` -- are done on the single-device path and sharded, and this
+file compares them.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ntk_fl import parallel, runner
+from ntk_fl.config import load_config
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+# float32 programs partitioned differently may reorder sums (e.g. the mixing step's gathers).
+RTOL, ATOL = 2e-5, 2e-6
+
+
+def _loop(fn, *stacked):
+  """Brute force: fn client by client, restacked."""
+  m = jax.tree.leaves(stacked)[0].shape[0]
+  outs = [fn(*jax.tree.map(lambda a, i=i: a[i], stacked)) for i in range(m)]
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
+
+
+def _client_fn(p, x):
+  return {"y": jnp.tanh(x @ p["w"]) + p["b"], "s": jnp.sum(x ** 2)}
+
+
+@pytest.mark.parametrize("m,chunk", [(7, None), (7, 0), (7, 1), (7, 3), (7, 7), (7, 50), (1, 2)])
+def test_for_each_client_equals_a_loop_over_clients(m, chunk):
+  rng = np.random.default_rng(m)
+  params = {"w": jnp.asarray(rng.normal(size=(m, 4, 3)), jnp.float32),
+            "b": jnp.asarray(rng.normal(size=(m, 3)), jnp.float32)}
+  x = jnp.asarray(rng.normal(size=(m, 5, 4)), jnp.float32)
+  got = jax.jit(parallel.for_each_client(_client_fn, chunk_size=chunk))(params, x)
+  want = _loop(_client_fn, params, x)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert g.shape == w.shape
+    np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+
+
+def _temp_bytes(m, chunk):
+  """XLA's planned scratch memory for m clients, each materialising two [512, 512] matrices."""
+  def one(x):
+    a = jnp.sin(x[:, None] * x[None, :])
+    b = a @ a                                                    # a dot's operands and output live in memory
+    return b.sum() + jnp.trace(b[:8, :8])
+  mapped = jax.jit(parallel.for_each_client(one, chunk_size=chunk))
+  compiled = mapped.lower(jax.ShapeDtypeStruct((m, 512), jnp.float32)).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_chunking_bounds_scratch_memory_by_the_chunk_not_by_m():
+  per_client = 2 * 512 * 512 * 4
+  chunked_small, chunked_large = _temp_bytes(16, 4), _temp_bytes(64, 4)
+  unchunked_small, unchunked_large = _temp_bytes(16, 0), _temp_bytes(64, 0)
+  assert chunked_large <= chunked_small + 64 * 512 * 4 * 2      # grows at most by O(M · input row)
+  assert chunked_large <= 4 * per_client * 1.01                  # one chunk of 4 clients' intermediates
+  assert unchunked_large >= 4 * unchunked_small * 0.99           # plain vmap grows with M ...
+  assert unchunked_large >= 64 * per_client * 0.99               # ... holding all 64 clients' at once
+
+
+def test_single_device_context_is_the_plain_path():
+  assert jax.device_count() == 1
+  with parallel.use_devices(0) as mesh:
+    assert mesh is None
+    assert parallel.num_client_shards() == 1
+  with parallel.use_devices(1) as mesh:
+    assert mesh is None
+  mesh = parallel.make_client_mesh(0)
+  assert mesh.axis_names == (parallel.CLIENTS,) and mesh.size == 1
+
+
+@pytest.mark.parametrize("devices,match", [(2, "only 1 cpu device"), (-1, "devices"), (True, "devices"),
+                                           (1.5, "devices"), ([], "at least one device")])
+def test_bad_device_counts_raise(devices, match):
+  with pytest.raises(ValueError, match=match):
+    parallel.make_client_mesh(devices)
+
+
+@pytest.mark.parametrize("chunk", [-1, 2.0, True])
+def test_bad_chunk_size_raises_at_once(chunk):
+  with pytest.raises(ValueError, match="chunk_size"):
+    parallel.for_each_client(_client_fn, chunk_size=chunk)
+
+
+def test_mismatched_or_missing_client_axes_raise():
+  mapped = parallel.for_each_client(lambda a, b: a + b)
+  with pytest.raises(ValueError, match="same leading client axis"):
+    mapped(jnp.zeros((3, 2)), jnp.zeros((4, 2)))
+  with pytest.raises(ValueError, match="same leading client axis"):
+    mapped(jnp.zeros((3, 2)), jnp.float32(1))
+  with pytest.raises(ValueError, match="at least one array"):
+    parallel.for_each_client(lambda: 0)()
+
+
+@pytest.mark.parametrize("devices", [-1, 2])
+def test_config_devices_is_validated_before_any_work(devices):
+  config = load_config(str(REPO / "tests" / "configs" / "toy.py"), "smoke")
+  config.devices = devices
+  with pytest.raises(ValueError, match="config.devices"):
+    runner.validate_config(config)
+
+
+@pytest.fixture(scope="module")
+def multidevice(tmp_path_factory):
+  out = tmp_path_factory.mktemp("multidevice")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.run([sys.executable, str(REPO / "tests" / "multidevice_check.py"), str(out)],
+                        env=env, capture_output=True, text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  with np.load(out / "results.npz") as f:
+    return dict(f)
+
+
+def _compare(results, name):
+  single = sorted(k for k in results if k.startswith(f"{name}/single/"))
+  assert single, f"no results for {name}"
+  for key in single:
+    a, b = results[key], results[key.replace("/single/", "/sharded/")]
+    assert a.shape == b.shape, key
+    if np.issubdtype(a.dtype, np.floating):
+      assert np.all(np.isfinite(b)), key
+      np.testing.assert_allclose(b, a, rtol=RTOL, atol=ATOL, err_msg=key)
+    else:
+      np.testing.assert_array_equal(b, a, err_msg=key)
+
+
+@pytest.mark.parametrize("m", [3, 6, 8])
+@pytest.mark.parametrize("chunk", ["None", "1"])
+def test_sharded_toy_function_equals_single_device(multidevice, m, chunk):
+  name = f"toy_m{m}_chunk{chunk}"
+  _compare(multidevice, name)
+  assert set(multidevice[f"{name}/shards"].tolist()) == {4}     # traced on the sharded path
+  assert int(multidevice[f"{name}/devices"]) == 4                # and the result lives on all 4 devices
+
+
+def test_nested_for_each_client_shards_only_the_outer_axis(multidevice):
+  _compare(multidevice, "nested_m6")
+  assert set(multidevice["nested_m6/shards"].tolist()) == {1}    # inner call saw the manual axis
+
+
+@pytest.mark.parametrize("name", ["ntk_dfl_m6", "ntk_dfl_m8_chunk1", "dfedavg_m6"])
+def test_sharded_algorithm_rounds_equal_single_device(multidevice, name):
+  _compare(multidevice, name)
+  assert int(multidevice[f"{name}/devices"]) == 4
+
+
+def test_runner_with_config_devices_equals_single_device(multidevice):
+  _compare(multidevice, "runner_toy")
