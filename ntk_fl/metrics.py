@@ -7,7 +7,14 @@ evaluation lifts the single-model evaluation with
 
 * :func:`evaluate` / :func:`evaluate_clients`: accuracy and mean cross-entropy.
 * :func:`make_evaluator`: the same, as jit-compiled closures over a fixed test
-  set (what the runner uses: the test arrays go to the device once).
+  set (what the runner uses: the test arrays go to the device once). Its
+  ``aggregate`` option (:data:`AGGREGATES`) says what the aggregated model is:
+  the uniform mean of the client parameters (``'params'``), or an ensemble of
+  the stacked models whose softmax probabilities (``'ensemble_probs'``) or
+  logits (``'ensemble_logits'``) are averaged per sample (Fed-ensemble); an
+  ensemble also reports the mean predictive entropy of its members
+  (``mode_entropy``, Fed-ensemble Table 4) and of the averaged prediction
+  (``ensemble_entropy``), in nats.
 * :func:`average_params`: the aggregated model (uniform mean by default).
 * :func:`model_deviation`: NTK-DFL eq. 12, ``V = (1/d) sum_j sqrt(sum_i (w_ij - wbar_j)^2)``.
 * :func:`rounds_to_target`: the first (1-based) round whose accuracy reaches a target.
@@ -28,6 +35,8 @@ from ntk_fl.parallel import for_each_client
 from ntk_fl.rng import Stream, numpy_rng
 
 __all__ = [
+    "AGGREGATES",
+    "ENSEMBLE_METRICS",
     "Batches",
     "Evaluator",
     "average_params",
@@ -42,6 +51,10 @@ __all__ = [
 ]
 
 SELECTION_ORDERS = ("best_to_worst", "random", "worst_to_best")
+AGGREGATES = ("params", "ensemble_probs", "ensemble_logits")
+"""What the aggregated model is: the mean of the parameters, or an ensemble averaging probabilities / logits."""
+ENSEMBLE_METRICS = ("mode_entropy", "ensemble_entropy")
+"""Extra aggregated metrics of an ensemble evaluator, in the order ``Evaluator.aggregate`` returns them."""
 
 
 class Batches(NamedTuple):
@@ -211,39 +224,93 @@ def rounds_to_target(accuracies: Sequence[float | None], target: float) -> int |
   return None
 
 
+def _ensemble_metrics(apply_fn: Callable, stacked_params, batches: Batches, aggregate: str,
+                      chunk_size: int | None):
+  """Accuracy, cross-entropy and entropies of the ensemble of the ``K`` stacked models.
+
+  Per test sample the ensemble predicts ``q = (1/K) sum_k softmax(f_k)``
+  (``'ensemble_probs'``) or ``q = softmax((1/K) sum_k f_k)`` (``'ensemble_logits'``);
+  accuracy is ``argmax q == y``, the loss ``-log q_y`` (computed from
+  ``logsumexp`` of the members' log-probabilities, so it never takes ``log 0``).
+
+  Returns:
+    ``(accuracy, loss, mode_entropy, ensemble_entropy)``: float32 scalars;
+    ``mode_entropy`` = mean over samples and members of each member's entropy,
+    ``ensemble_entropy`` = mean over samples of the entropy of ``q`` (nats).
+  """
+  num_models = jax.tree_util.tree_leaves(stacked_params)[0].shape[0]
+  entropy = lambda log_p: jnp.sum(jax.scipy.special.entr(jnp.exp(log_p)), axis=-1)
+
+  def body(carry, batch):
+    member = lambda p: apply_fn(p, batch.x).astype(jnp.float32)
+    logits = for_each_client(member, chunk_size=chunk_size)(stacked_params)                   # [K, B, C]
+    log_p = jax.nn.log_softmax(logits)
+    if aggregate == "ensemble_probs":
+      log_q = jax.nn.logsumexp(log_p, axis=0) - jnp.log(jnp.float32(num_models))
+    else:
+      log_q = jax.nn.log_softmax(jnp.mean(logits, axis=0))
+    nll = -jnp.take_along_axis(log_q, batch.y[:, None], axis=-1)[:, 0]
+    values = (jnp.argmax(log_q, axis=-1) == batch.y, nll, jnp.mean(entropy(log_p), axis=0), entropy(log_q))
+    return tuple(c + jnp.sum(jnp.where(batch.mask, v, 0), dtype=jnp.float32)
+                 for c, v in zip(carry, values)), None
+
+  sums, _ = jax.lax.scan(body, (jnp.float32(0.0),) * 4, batches)
+  n = jnp.sum(batches.mask)
+  return tuple(s / n for s in sums)
+
+
 class Evaluator(NamedTuple):
   """Jit-compiled evaluation closures over one fixed test set (see :func:`make_evaluator`).
 
   Attributes:
-    aggregate: ``stacked_params -> (accuracy, loss, deviation)`` of the uniform
-      mean of all client models (and :func:`model_deviation` of the clients).
+    aggregate: ``stacked_params -> (accuracy, loss, deviation, *extra)`` of the
+      aggregated model (the uniform mean of all client models, or their
+      ensemble) and :func:`model_deviation` of the clients; ``extra`` holds one
+      scalar per name in ``extra_names``.
     clients: ``stacked_params -> (accuracy [M], loss [M])`` of every client model.
+    extra_names: names of the extra aggregated metrics (``()`` for
+      ``'params'``, :data:`ENSEMBLE_METRICS` for an ensemble).
   """
-  aggregate: Callable[[Any], tuple[Any, Any, Any]]
+  aggregate: Callable[[Any], tuple[Any, ...]]
   clients: Callable[[Any], tuple[Any, Any]]
+  extra_names: tuple[str, ...] = ()
 
 
 def make_evaluator(apply_fn: Callable, x, y, *, batch_size: int = 10_000,
-                   chunk_size: int | None = None) -> Evaluator:
+                   chunk_size: int | None = None, aggregate: str = "params") -> Evaluator:
   """Builds the jitted evaluation closures the runner calls every round.
 
   The batched test set is put on the device once and passed as an argument (not
   captured as a constant, which would embed it in every compiled program).
+
+  Args:
+    apply_fn: ``apply(params, x [B, ...]) -> logits [B, C]``.
+    x, y: the test set, ``[N, ...]`` and ``[N]``.
+    batch_size: test rows per batch.
+    chunk_size: clients (ensemble members) evaluated at once (``None``/0 = all).
+    aggregate: one of :data:`AGGREGATES` (see the module docstring).
   """
+  if aggregate not in AGGREGATES:
+    raise ValueError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
   batches = jax.device_put(batch_test_set(x, y, batch_size))
   chunk_size = chunk_size or None
 
   @jax.jit
   def _aggregate(stacked_params, batches):
-    acc, loss = _accuracy_and_loss(apply_fn, average_params(stacked_params), batches)
-    return acc, loss, model_deviation(stacked_params)
+    if aggregate == "params":
+      acc, loss = _accuracy_and_loss(apply_fn, average_params(stacked_params), batches)
+      return acc, loss, model_deviation(stacked_params)
+    acc, loss, mode_entropy, ensemble_entropy = _ensemble_metrics(apply_fn, stacked_params, batches,
+                                                                  aggregate, chunk_size)
+    return acc, loss, model_deviation(stacked_params), mode_entropy, ensemble_entropy
 
   @jax.jit
   def _clients(stacked_params, batches):
     one = lambda p: _accuracy_and_loss(apply_fn, p, batches)
     return for_each_client(one, chunk_size=chunk_size)(stacked_params)
 
-  return Evaluator(aggregate=lambda p: _aggregate(p, batches), clients=lambda p: _clients(p, batches))
+  return Evaluator(aggregate=lambda p: _aggregate(p, batches), clients=lambda p: _clients(p, batches),
+                   extra_names=() if aggregate == "params" else ENSEMBLE_METRICS)
 
 
 @jax.jit

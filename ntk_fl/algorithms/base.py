@@ -18,6 +18,12 @@ An :class:`Algorithm` is a bundle of pure functions, in the spirit of
   values).
 * ``client_params(state) -> params``: the stacked ``[M, ...]`` model
   parameters that evaluation scores (aggregated model = their uniform mean).
+* ``aggregate`` (optional, default ``'params'``): what "the aggregated model"
+  means for evaluation (:data:`AGGREGATES`). ``'params'``: the uniform mean of
+  ``client_params`` (one model). ``'ensemble_probs'`` / ``'ensemble_logits'``:
+  the rows of ``client_params`` are independent ensemble members (Fed-ensemble's
+  modes), whose softmax probabilities / logits are averaged per test sample --
+  averaging their weights would be meaningless.
 """
 from __future__ import annotations
 
@@ -26,7 +32,9 @@ from typing import Any, Callable, NamedTuple
 import jax
 import numpy as np
 
-__all__ = ["Algorithm", "GraphRound", "graph_round_inputs"]
+from ntk_fl.metrics import AGGREGATES  # the evaluator owns the choices; re-exported for methods
+
+__all__ = ["AGGREGATES", "Algorithm", "GraphRound", "graph_round_inputs"]
 
 
 class Algorithm(NamedTuple):
@@ -34,6 +42,7 @@ class Algorithm(NamedTuple):
   round_inputs: Callable[[int], Any]
   step: Callable[[Any, Any], tuple[Any, dict]]
   client_params: Callable[[Any], Any]
+  aggregate: str = "params"
 
 
 class GraphRound(NamedTuple):

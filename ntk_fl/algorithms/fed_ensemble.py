@@ -1,0 +1,381 @@
+"""Fed-ensemble (Shi, Lai, Al Kontar, Chowdhury; arXiv 2107.10663): K modes trained by random permutations.
+
+The server keeps ``K`` models ("modes"), initialised independently. Before
+training the ``N`` clients are split once, uniformly at random, into ``Q``
+strata (``num_strata``; ``0`` = every client its own stratum, as the authors'
+later code does). Training runs in *ages* of ``K`` rounds; each age draws a
+``Q x K`` matrix ``P`` whose rows are independent uniform permutations of the
+modes. In round ``r`` (0-based; age ``r // K``, slot ``r % K``):
+
+1. ``round_inputs(r)`` samples the participants (``clients_per_round``, ``0`` =
+   all): ``sampling='uniform'`` draws them exactly as FedAvg does (uniformly
+   without replacement, stream ``PARTICIPATION``), so ``C_q`` = the participants
+   in stratum ``q``; ``'stratified'`` draws ``clients_per_round / Q`` from every
+   stratum (Algorithm 1's "select C_q from S_q" with equal counts). A
+   participant of stratum ``q`` trains mode ``P[q, r % K]``, so within an age
+   every stratum trains every mode exactly once.
+2. Every participant trains its mode on its own data (all participants in one
+   compiled program): ``local_training='fedavg'`` (minibatch SGD of
+   :mod:`ntk_fl.algorithms.local`), ``'fedprox'`` (plus ``(mu/2)||w - w_mode||^2``),
+   or ``'ntk'`` (see below).
+3. The server replaces each mode by the average of the returned models that
+   started from it (Remark 3.1) -- ``aggregation_weights='uniform'`` (the
+   paper's unweighted mean) or ``'data_size'`` (``n_i``-weighted, like this
+   library's FedAvg and the paper's theory); a mode no participant trained stays
+   as it is.
+
+With ``K = 1`` every participant trains the one mode and the method *is*
+FedAvg (FedProx): same initial model (mode 0 is ``model.init(key)``, the model
+FedAvg starts from), same participants, same per-client keys, same local
+update, same weighted mean -- bit for bit with ``aggregation_weights='data_size'``.
+
+**NTK local training (``'ntk'``, beyond the paper: an NTK-FL ensemble).** The
+natural reading of NTK-FL inside Fed-ensemble: in a round, the participants
+that received mode ``k`` send what NTK-FL clients send (Jacobians at ``w_k``,
+function values, labels) and the server evolves mode ``k`` on their *pooled*
+data with :func:`ntk_fl.evolve.ntk_delta` (kernel at ``w_k``, function-space
+gradient descent with step ``lr * lr_gamma**r``, ``tau`` chosen from ``taus``
+by the nonlinear network's training loss). The pooled mean loss weighs every
+sample equally, i.e. data-size weights, so ``'ntk'`` requires
+``aggregation_weights='data_size'``; the minibatch keys (``epochs``,
+``batch_size``, ``momentum``, ...) do not apply to it. Padded rows are masked,
+so each mode's kernel spans all participants' slots (``[P n, P n]``): cost is
+``K`` times what one mode's own rows would need -- fine for this option's small
+experiments; ``chunk_size`` bounds how many modes evolve at once.
+
+Prediction (evaluation): ``Algorithm.aggregate`` = ``'ensemble_probs'``
+(``prediction='probs'``: mean of the modes' softmax probabilities, the paper's
+posterior-predictive reading) or ``'ensemble_logits'`` (``'logits'``);
+``client_params`` returns the ``[K, ...]`` modes, so the runner's per-client
+metrics are per-mode metrics (Table 4's max/min mode accuracy) and it logs the
+mean predictive entropy of the modes (Table 4's "avg entropy") and of the
+ensemble.
+
+Communication is counted like FedAvg's (one model uplink per participant;
+``quantize_bits`` applies to what is sent); for ``'ntk'`` the same count is
+logged although NTK-FL's uplink is Jacobians (see ``ntk_fl``'s method for that
+accounting).
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ntk_fl import compression, evolve, models, parallel, validation
+from ntk_fl.algorithms import Method
+from ntk_fl.algorithms import local
+from ntk_fl.algorithms.base import Algorithm
+from ntk_fl.rng import Stream, jax_key, numpy_rng
+
+__all__ = [
+    "EnsembleState",
+    "EnsembleRound",
+    "LOCAL_TRAINING",
+    "SAMPLING",
+    "AGGREGATION_WEIGHTS",
+    "PREDICTIONS",
+    "make_strata",
+    "age_permutations",
+    "round_modes",
+    "sample_participants",
+    "init_modes",
+    "aggregate_modes",
+    "make_fed_ensemble",
+    "validate_config",
+    "METHOD",
+]
+
+LOCAL_TRAINING = ("fedavg", "fedprox", "ntk")
+SAMPLING = ("uniform", "stratified")
+AGGREGATION_WEIGHTS = ("uniform", "data_size")
+PREDICTIONS = ("probs", "logits")
+_AGGREGATE_OF_PREDICTION = {"probs": "ensemble_probs", "logits": "ensemble_logits"}
+
+
+class EnsembleState(NamedTuple):
+  """``modes``: the ``K`` models (leaves ``[K, ...]``); ``bits_cumulative``: float32 uplink bits so far."""
+  modes: Any
+  bits_cumulative: Any
+
+
+class EnsembleRound(NamedTuple):
+  """Inputs of one round.
+
+  Attributes:
+    round: int32 scalar, 0-based.
+    clients: int32 ``[P]`` participants (sorted).
+    modes: int32 ``[P]`` the mode each participant trains.
+    key: PRNG key of the round (local minibatches, quantisation).
+  """
+  round: Any
+  clients: Any
+  modes: Any
+  key: Any
+
+
+# ----------------------------------------------------------------------------- schedule (host side)
+
+
+def make_strata(num_clients: int, num_strata: int, seed: int) -> np.ndarray:
+  """The fixed random split of the clients into ``Q`` strata.
+
+  Args:
+    num_clients: ``N``.
+    num_strata: ``Q`` in ``[1, N]``, or ``0`` for ``Q = N`` (each client its own stratum).
+    seed: config seed (stream ``ENSEMBLE_SCHEDULE``, index 0).
+
+  Returns:
+    int32 ``[N]``: the stratum of every client; a uniformly random permutation
+    of the clients cut into ``Q`` near-equal consecutive groups (sizes differ by
+    at most one).
+  """
+  validation.check_int("num_clients", num_clients, low=1)
+  q = validation.check_int("num_strata", num_strata, low=0, high=num_clients) or num_clients
+  perm = numpy_rng(seed, Stream.ENSEMBLE_SCHEDULE, 0).permutation(num_clients)
+  strata = np.empty(num_clients, np.int32)
+  for index, group in enumerate(np.array_split(perm, q)):
+    strata[group] = index
+  return strata
+
+
+def age_permutations(num_strata: int, num_modes: int, seed: int, age: int) -> np.ndarray:
+  """The ``Q x K`` matrix ``P`` of age ``age``: every row an independent uniform permutation of ``0..K-1``.
+
+  Stream ``ENSEMBLE_SCHEDULE`` with indices ``(1, age)`` (never the strata's ``(0,)``).
+  """
+  rng = numpy_rng(seed, Stream.ENSEMBLE_SCHEDULE, 1, age)
+  return np.stack([rng.permutation(num_modes) for _ in range(num_strata)]).astype(np.int32)
+
+
+def round_modes(strata: np.ndarray, num_modes: int, seed: int, round_index: int) -> np.ndarray:
+  """int32 ``[N]``: the mode client ``i`` trains if it participates in round ``round_index``.
+
+  ``P[strata[i], round_index % K]`` with ``P`` the permutation matrix of age ``round_index // K``.
+  """
+  perms = age_permutations(int(strata.max()) + 1, num_modes, seed, round_index // num_modes)
+  return perms[strata, round_index % num_modes]
+
+
+def sample_participants(strata: np.ndarray, clients_per_round: int, sampling: str, seed: int,
+                        round_index: int) -> np.ndarray:
+  """The sorted int32 participants of a round (stream ``PARTICIPATION``, index ``round_index``).
+
+  ``'uniform'``: ``clients_per_round`` clients uniformly without replacement --
+  the very draw of the FedAvg family. ``'stratified'``: ``clients_per_round / Q``
+  from every stratum (strata in index order, each uniformly without
+  replacement). ``clients_per_round = 0`` means every client.
+  """
+  num_clients = strata.shape[0]
+  k = clients_per_round or num_clients
+  rng = numpy_rng(seed, Stream.PARTICIPATION, round_index)
+  if sampling == "uniform":
+    clients = rng.choice(num_clients, size=k, replace=False)
+  else:
+    per_stratum = k // (int(strata.max()) + 1)
+    clients = np.concatenate([rng.choice(np.flatnonzero(strata == q), size=per_stratum, replace=False)
+                              for q in range(int(strata.max()) + 1)])
+  return np.sort(clients).astype(np.int32)
+
+
+# ----------------------------------------------------------------------------- pure pieces
+
+
+def init_modes(model: models.Model, key, num_modes: int):
+  """``K`` independently initialised modes, leaves ``[K, ...]``.
+
+  Mode 0 is ``model.init(key)`` -- the model FedAvg starts from with the same
+  key, which makes ``K = 1`` exactly FedAvg -- and mode ``k >= 1`` is
+  ``model.init(fold_in(key, k))``, an independent draw.
+  """
+  keys = [key] + [jax.random.fold_in(key, k) for k in range(1, num_modes)]
+  return jax.tree.map(lambda *leaves: jnp.stack(leaves), *[model.init(k) for k in keys])
+
+
+def aggregate_modes(modes, returned, assignment, weights):
+  """Remark 3.1: each mode becomes the weighted mean of the returned models that started from it.
+
+  Args:
+    modes: leaves ``[K, ...]``, the modes before the round.
+    returned: leaves ``[P, ...]``, the participants' returned models.
+    assignment: int32 ``[P]``, the mode each participant trained.
+    weights: float ``[P]`` non-negative participant weights (ones = unweighted,
+      data sizes = ``n_i``-weighted).
+
+  Returns:
+    ``(new_modes, counts)``: leaves ``[K, ...]`` (a mode with no participant,
+    or only zero-weight ones, keeps its value) and int32 ``[K]`` participants per mode.
+  """
+  num_modes = jax.tree.leaves(modes)[0].shape[0]
+  member = assignment[:, None] == jnp.arange(num_modes)[None, :]                     # [P, K]
+  w = jnp.where(member, weights[:, None], 0.0)
+  total = jnp.sum(w, axis=0)                                                          # [K]
+  coeff = w / jnp.where(total > 0, total, 1.0)                                        # columns sum to 1
+  trained = total > 0
+
+  def one(old, new):
+    mean = jnp.tensordot(coeff.T, new, axes=1).astype(old.dtype)                      # [K, ...]
+    return jnp.where(trained.reshape(-1, *([1] * (old.ndim - 1))), mean, old)
+
+  return jax.tree.map(one, modes, returned), jnp.sum(member, axis=0).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def _checks() -> dict:
+  choice = lambda allowed: (lambda name, value: validation.check_choice(f"config.algorithm.{name}", value, allowed))
+
+  def check_taus(name, value):
+    try:
+      evolve.check_taus(tuple(value))
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"config.algorithm.{name} must be strictly ascending positive ints, got {value!r}") from e
+
+  return {
+      "num_modes": local.check_int(1),
+      "num_strata": local.check_int(0),
+      "clients_per_round": local.check_int(0),
+      "sampling": choice(SAMPLING),
+      "aggregation_weights": choice(AGGREGATION_WEIGHTS),
+      "local_training": choice(LOCAL_TRAINING),
+      "prox_mu": local.check_nonnegative,
+      "prediction": choice(PREDICTIONS),
+      "taus": check_taus,
+      "solver": choice(evolve.SOLVERS),
+      "select": choice(evolve.SELECTS),
+  }
+
+
+def validate_config(config) -> None:
+  """Checks ``config.algorithm`` (the local-training keys plus Fed-ensemble's own); raises ``ValueError``."""
+  local.validate_local_config(config, "fed_ensemble", _checks())
+  algo = config.algorithm
+  n = config.data.num_clients
+  if algo.clients_per_round > n:
+    raise ValueError(f"config.algorithm.clients_per_round = {algo.clients_per_round} exceeds "
+                     f"config.data.num_clients = {n} (0 = all clients)")
+  if algo.num_strata > n:
+    raise ValueError(f"config.algorithm.num_strata = {algo.num_strata} exceeds config.data.num_clients = {n} "
+                     "(0 = every client its own stratum)")
+  if algo.sampling == "stratified":
+    q = algo.num_strata or n
+    k = algo.clients_per_round or n
+    if k % q or k // q > n // q:
+      raise ValueError(f"sampling = 'stratified' draws clients_per_round / Q clients from each of Q = {q} strata "
+                       f"of >= {n // q} clients: config.algorithm.clients_per_round = {algo.clients_per_round} "
+                       f"must be a multiple of Q with quotient <= {n // q}")
+  if (algo.prox_mu > 0) != (algo.local_training == "fedprox"):
+    raise ValueError(f"config.algorithm.prox_mu = {algo.prox_mu!r} with local_training = {algo.local_training!r}: "
+                     "'fedprox' needs prox_mu > 0 and the other local trainings need prox_mu = 0")
+  if algo.local_training == "ntk":
+    if algo.aggregation_weights != "data_size":
+      raise ValueError("local_training = 'ntk' evolves each mode on its participants' pooled data (every sample "
+                       "weighs the same): config.algorithm.aggregation_weights must be 'data_size', got "
+                       f"{algo.aggregation_weights!r}")
+    if algo.quantize_bits != compression.FLOAT_BITS:
+      raise ValueError("local_training = 'ntk' sends Jacobians, not weights: config.algorithm.quantize_bits "
+                       f"must be 32, got {algo.quantize_bits!r}")
+  if config.eval.selection:
+    raise ValueError("fed_ensemble's modes are independent models; weight-averaging selection curves do not "
+                     "apply: config.eval.selection must be False")
+
+
+# ----------------------------------------------------------------------------- the method
+
+
+def make_fed_ensemble(config, model: models.Model, federation) -> Algorithm:
+  """Builds Fed-ensemble for ``federation`` and ``model`` (see the module docstring).
+
+  Returns:
+    An :class:`Algorithm` with ``client_params`` = the ``[K, ...]`` modes and
+    ``aggregate`` = ``'ensemble_probs'`` or ``'ensemble_logits'``.
+  """
+  validate_config(config)
+  algo = config.algorithm
+  num_clients, n_max = federation.mask.shape
+  num_modes = int(algo.num_modes)
+  k = int(algo.clients_per_round) or num_clients
+  bits, stochastic = int(algo.quantize_bits), bool(algo.stochastic_rounding)
+  chunk_size = config.chunk_size or None
+  strata = make_strata(num_clients, int(algo.num_strata), config.seed)
+  data = jax.device_put(tuple(jnp.asarray(a) for a in (federation.x, federation.y, federation.mask)))
+  payload = compression.tree_payload_bits(jax.eval_shape(model.init, jax.random.PRNGKey(0)), bits)
+  uniform_weights = algo.aggregation_weights == "uniform"
+
+  def init(key):
+    return EnsembleState(modes=init_modes(model, key, num_modes), bits_cumulative=jnp.float32(0))
+
+  def round_inputs(round_index: int) -> EnsembleRound:
+    clients = sample_participants(strata, int(algo.clients_per_round), algo.sampling, config.seed, round_index)
+    modes = round_modes(strata, num_modes, config.seed, round_index)[clients]
+    return EnsembleRound(round=np.int32(round_index), clients=clients, modes=modes,
+                         key=jax_key(config.seed, Stream.ROUND_KEYS, round_index))
+
+  def counts_of(assignment):
+    return jnp.sum(assignment[:, None] == jnp.arange(num_modes)[None, :], axis=0).astype(jnp.int32)
+
+  if algo.local_training == "ntk":
+    num_classes = int(jax.eval_shape(model.apply, jax.eval_shape(model.init, jax.random.PRNGKey(0)),
+                                     jax.ShapeDtypeStruct((1, *federation.x.shape[2:]), jnp.float32)).shape[-1])
+    evolve_options = dict(taus=tuple(algo.taus), loss="ce", solver=algo.solver, select=algo.select,
+                          dense_stack=model.dense_stack)
+
+    def train(modes, inputs, x, y, mask, lr):
+      """Each mode evolves on the pooled data of its participants (NTK-FL's server update)."""
+      pooled_x = x.reshape(k * n_max, *x.shape[2:])
+      targets = jax.nn.one_hot(y.reshape(-1), num_classes, dtype=jnp.float32)
+      owner = jnp.repeat(inputs.modes, n_max)                                        # [P n]
+
+      def one_mode(params, index):
+        pooled_mask = mask.reshape(-1) & (owner == index)
+        delta, info = evolve.ntk_delta(model.apply, params, pooled_x, targets, pooled_mask, lr=lr,
+                                       **evolve_options)
+        return jax.tree.map(jnp.add, params, delta), info["tau"], info["loss"]
+
+      evolved, tau, loss = parallel.for_each_client(one_mode, chunk_size=chunk_size)(
+          modes, jnp.arange(num_modes))
+      counts = counts_of(inputs.modes)
+      trained = counts > 0                                                            # idle modes stay
+      new_modes = jax.tree.map(lambda new, old: jnp.where(trained.reshape(-1, *([1] * (old.ndim - 1))), new, old),
+                               evolved, modes)
+      mean_loss = jnp.sum(jnp.where(trained, loss, 0.0)) / jnp.maximum(jnp.sum(trained), 1)
+      return new_modes, counts, {"tau": jnp.where(trained, tau, 0), "loss": mean_loss}
+  else:
+    local_update = local.local_update_from_config(model.apply, algo)
+
+    def train(modes, inputs, x, y, mask, lr):
+      """FedAvg's vmapped local training, each participant starting from (and anchored at) its mode."""
+      train_key, quant_key = jax.random.split(inputs.key)
+      start = jax.tree.map(lambda m: m[inputs.modes], modes)                          # [P, ...]
+      per_client = lambda p, xc, yc, mc, kc: local_update(p, xc, yc, mc, kc, lr, anchor=p)
+      result = parallel.for_each_client(per_client, chunk_size=chunk_size)(
+          start, x, y, mask, jax.random.split(train_key, k))
+      sent = local.transmit(result.params, bits, key=quant_key, stochastic=stochastic, chunk_size=chunk_size)
+      sizes = jnp.sum(mask, axis=1).astype(jnp.float32)
+      weights = jnp.ones_like(sizes) if uniform_weights else sizes
+      new_modes, counts = aggregate_modes(modes, sent, inputs.modes, weights)
+      return new_modes, counts, {"loss": jnp.mean(result.loss)}
+
+  @jax.jit
+  def _step(state, inputs, data):
+    xs, ys, ms = data
+    lr = local.round_lr(algo, inputs.round)
+    x, y, mask = xs[inputs.clients], ys[inputs.clients], ms[inputs.clients]
+    new_modes, counts, extra = train(state.modes, inputs, x, y, mask, lr)
+    total = jnp.float32(payload) * k
+    new_state = EnsembleState(modes=new_modes, bits_cumulative=state.bits_cumulative + total)
+    metrics = {**extra, "lr": lr, "mode_participants": counts, "bits_per_client": jnp.float32(payload),
+               "bits_sent_total": total, "bits_cumulative": new_state.bits_cumulative}
+    return new_state, metrics
+
+  def step(state, inputs):
+    return _step(state, inputs, data)
+
+  return Algorithm(init=init, round_inputs=round_inputs, step=step, client_params=lambda state: state.modes,
+                   aggregate=_AGGREGATE_OF_PREDICTION[algo.prediction])
+
+
+METHOD = Method(make=make_fed_ensemble, validate_config=validate_config)

@@ -1,0 +1,302 @@
+"""Fed-ensemble on tiny federations, checked against independent computations.
+
+* Schedule: strata are a near-equal split; within an age every stratum trains
+  every mode exactly once; ages redraw the permutations; stratified sampling
+  takes equal counts per stratum; uniform sampling is FedAvg's draw.
+* K = 1 equals FedAvg (and FedProx) bit for bit under the same sampling.
+* A K = 3 round equals brute force: every participant trained alone (no vmap)
+  from its mode, then a per-mode numpy mean over exactly the participants that
+  downloaded it; idle modes unchanged.
+* NTK local training: each mode == :func:`ntk_fl.evolve.ntk_update` on its
+  participants' explicitly gathered pooled data.
+* The ensemble evaluator == numpy (mean of probabilities / logits, entropies).
+* Bad config values raise before any work; the smoke config runs through the
+  runner and logs per-mode metrics and entropies.
+"""
+from __future__ import annotations
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ntk_fl import config as config_lib
+from ntk_fl import evolve, metrics, models, runner
+from ntk_fl.algorithms import fed_ensemble, get_method, local
+from ntk_fl.data import Federation
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+MODEL = models.mlp(input_dim=5, hidden=(6,), num_classes=3)
+RTOL, ATOL = 2e-5, 2e-6
+
+
+def load(arg=None):
+  return config_lib.load_config(str(REPO / "configs" / "fed_ensemble.py"), arg)
+
+
+def tiny(method="fed_ensemble", *, sizes=(6, 6, 6, 6, 6, 6), seed=0, **algo):
+  """``method``'s config on a 6-client, 5-feature, 3-class federation (MLP 5-6-3)."""
+  if method == "fed_ensemble":
+    config = load()
+  else:
+    config = config_lib.load_config(str(REPO / "configs" / f"{method}.py"))
+  config.seed = seed
+  config.data.num_clients = len(sizes)
+  config.chunk_size = 0
+  config.algorithm.epochs = 1
+  config.algorithm.batch_size = max(sizes)
+  config.algorithm.clients_per_round = 0
+  for key, value in algo.items():
+    setattr(config.algorithm, key, value)
+  rng = np.random.default_rng(seed)
+  n_max = max(sizes)
+  x = np.zeros((len(sizes), n_max, 5), np.float32)
+  y = np.zeros((len(sizes), n_max), np.int32)
+  for i, n in enumerate(sizes):
+    x[i, :n] = rng.normal(size=(n, 5))
+    y[i, :n] = rng.integers(0, 3, size=n)
+  mask = np.arange(n_max)[None] < np.asarray(sizes)[:, None]
+  return config, Federation(x=x, y=y, mask=mask, n=np.asarray(sizes, np.int32))
+
+
+def run_rounds(algorithm, rounds, key=0):
+  state = algorithm.init(jax.random.PRNGKey(key))
+  for r in range(rounds):
+    state, step_metrics = algorithm.step(state, algorithm.round_inputs(r))
+  return state, step_metrics
+
+
+def leaves(tree):
+  return [np.asarray(leaf) for leaf in jax.tree.leaves(tree)]
+
+
+def assert_trees_close(a, b, rtol=RTOL, atol=ATOL):
+  for u, v in zip(leaves(a), leaves(b), strict=True):
+    np.testing.assert_allclose(u, v, rtol=rtol, atol=atol)
+
+
+# ----------------------------------------------------------------------------- schedule
+
+
+def test_strata_are_a_fixed_near_equal_split():
+  strata = fed_ensemble.make_strata(23, 5, seed=3)
+  np.testing.assert_array_equal(np.sort(np.bincount(strata)), [4, 4, 5, 5, 5])
+  np.testing.assert_array_equal(strata, fed_ensemble.make_strata(23, 5, seed=3))
+  assert not np.array_equal(strata, fed_ensemble.make_strata(23, 5, seed=4))
+  np.testing.assert_array_equal(np.sort(fed_ensemble.make_strata(7, 0, seed=0)), np.arange(7))  # Q = N
+
+
+@pytest.mark.parametrize("num_strata", [3, 0])
+def test_every_stratum_trains_every_mode_once_per_age(num_strata):
+  k, n, seed = 4, 12, 1
+  strata = fed_ensemble.make_strata(n, num_strata, seed)
+  ages = []
+  for age in range(3):
+    modes = np.stack([fed_ensemble.round_modes(strata, k, seed, age * k + r) for r in range(k)], axis=1)  # [N, K]
+    for i in range(n):
+      np.testing.assert_array_equal(np.sort(modes[i]), np.arange(k))            # each mode exactly once
+      np.testing.assert_array_equal(modes[i], modes[strata == strata[i]][0])    # a stratum moves together
+    ages.append(modes)
+  assert not np.array_equal(ages[0], ages[1])                                   # a new P every age
+
+
+def test_participant_sampling():
+  strata = fed_ensemble.make_strata(12, 4, seed=0)
+  chosen = fed_ensemble.sample_participants(strata, 8, "stratified", seed=0, round_index=5)
+  np.testing.assert_array_equal(np.bincount(strata[chosen], minlength=4), [2, 2, 2, 2])
+  assert len(set(chosen.tolist())) == 8
+  # 'uniform' is the FedAvg family's draw of the same round.
+  config, fed = tiny("fedavg", sizes=(4,) * 12, clients_per_round=5)
+  fedavg = get_method("fedavg").make(config, MODEL, fed)
+  for r in range(3):
+    np.testing.assert_array_equal(fed_ensemble.sample_participants(strata, 5, "uniform", 0, r),
+                                  fedavg.round_inputs(r).clients)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@pytest.mark.parametrize("base, extra", [("fedavg", {}), ("fedprox", {"prox_mu": 0.1})])
+def test_one_mode_is_fedavg_bit_for_bit(base, extra):
+  common = dict(epochs=2, batch_size=4, lr=0.2, lr_gamma=0.9, clients_per_round=4, **extra)  # minibatches, partial
+  sizes = (6, 3, 5, 6, 2, 6)
+  base_config, base_fed = tiny(base, sizes=sizes, **common)
+  reference, ref_metrics = run_rounds(get_method(base).make(base_config, MODEL, base_fed), 3)
+  config, fed = tiny(sizes=sizes, num_modes=1, aggregation_weights="data_size", local_training=base, **common)
+  ensemble = get_method("fed_ensemble").make(config, MODEL, fed)
+  state, step_metrics = run_rounds(ensemble, 3)
+  for got, want in zip(leaves(state.modes), leaves(reference.params), strict=True):
+    np.testing.assert_array_equal(got[0], want)
+  assert float(step_metrics["loss"]) == float(ref_metrics["loss"])
+  assert float(state.bits_cumulative) == float(reference.bits_cumulative)
+
+
+def test_each_mode_averages_exactly_the_clients_that_trained_it():
+  sizes = (6, 3, 5, 6, 2, 6)
+  update = None
+  for weights in ("uniform", "data_size"):
+    config, fed = tiny(sizes=sizes, num_modes=3, epochs=2, batch_size=4, lr=0.3, aggregation_weights=weights,
+                       clients_per_round=5, seed=2)
+    algorithm = get_method("fed_ensemble").make(config, MODEL, fed)
+    state0 = algorithm.init(jax.random.PRNGKey(0))
+    for r in range(2):  # two rounds, so round 1 starts from three distinct trained modes
+      inputs = algorithm.round_inputs(r)
+      state1, step_metrics = algorithm.step(state0, inputs)
+      update = update or jax.jit(local.local_update_from_config(MODEL.apply, config.algorithm))  # one client
+      lr = float(local.round_lr(config.algorithm, r))
+      client_keys = jax.random.split(jax.random.split(inputs.key)[0], len(inputs.clients))
+      trained = {}
+      for slot, (c, m) in enumerate(zip(inputs.clients, inputs.modes)):  # one client at a time, no vmap
+        start = jax.tree.map(lambda w: w[m], state0.modes)
+        trained[slot] = update(start, fed.x[c], fed.y[c], fed.mask[c], client_keys[slot], lr).params
+      counts = np.bincount(inputs.modes, minlength=3)
+      np.testing.assert_array_equal(step_metrics["mode_participants"], counts)
+      for m in range(3):
+        old = jax.tree.map(lambda w: np.asarray(w[m]), state0.modes)
+        new = jax.tree.map(lambda w: w[m], state1.modes)
+        slots = [s for s in range(len(inputs.clients)) if inputs.modes[s] == m]
+        if not slots:
+          assert_trees_close(new, old, rtol=0, atol=0)   # idle mode untouched
+          continue
+        w = np.array([1.0 if weights == "uniform" else sizes[inputs.clients[s]] for s in slots])
+        want = jax.tree.map(lambda *ws: sum(wi * np.asarray(x) for wi, x in zip(w, ws)) / w.sum(),
+                            *[trained[s] for s in slots])
+        assert_trees_close(new, want)
+      state0 = state1
+
+
+def test_idle_modes_stay_and_modes_start_independent():
+  config, fed = tiny(num_modes=5, clients_per_round=2)  # 2 participants: >= 3 modes idle every round
+  algorithm = get_method("fed_ensemble").make(config, MODEL, fed)
+  state0 = algorithm.init(jax.random.PRNGKey(0))
+  kernel = np.asarray(state0.modes["params"]["dense_0"]["kernel"])             # (biases start at zero)
+  assert all(not np.array_equal(kernel[0], kernel[k]) for k in range(1, 5))
+  np.testing.assert_array_equal(kernel[0], MODEL.init(jax.random.PRNGKey(0))["params"]["dense_0"]["kernel"])
+  inputs = algorithm.round_inputs(0)
+  state1, _ = algorithm.step(state0, inputs)
+  for k in set(range(5)) - set(inputs.modes.tolist()):
+    for a, b in zip(leaves(state0.modes), leaves(state1.modes)):
+      np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_ntk_local_training_evolves_each_mode_on_its_pooled_participants():
+  config, fed = tiny(sizes=(5, 3, 5, 4, 5, 2), num_modes=2, local_training="ntk", aggregation_weights="data_size",
+                     lr=0.5, taus=(2, 5, 9), seed=1)
+  algorithm = get_method("fed_ensemble").make(config, MODEL, fed)
+  state0 = algorithm.init(jax.random.PRNGKey(0))
+  inputs = algorithm.round_inputs(0)
+  state1, step_metrics = algorithm.step(state0, inputs)
+  for m in range(2):
+    members = inputs.clients[inputs.modes == m]
+    x = np.concatenate([fed.x[c][fed.mask[c]] for c in members])               # pooled real samples only
+    y = np.concatenate([fed.y[c][fed.mask[c]] for c in members])
+    start = jax.tree.map(lambda w: w[m], state0.modes)
+    reference = jax.jit(lambda p, x, t, mask: evolve.ntk_update(MODEL.apply, p, x, t, mask, lr=0.5, taus=(2, 5, 9),
+                                                                kernel_impl="jacobian"))
+    want, info = reference(start, x, jax.nn.one_hot(y, 3), np.ones(len(y), bool))
+    assert_trees_close(jax.tree.map(lambda w: w[m], state1.modes), want, rtol=1e-4, atol=1e-5)
+    assert int(step_metrics["tau"][m]) == int(info["tau"])
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def _numpy_ensemble(stacked, x, y, aggregate):
+  logits = np.stack([np.asarray(MODEL.apply(jax.tree.map(lambda w: w[k], stacked), x), np.float64)
+                     for k in range(jax.tree.leaves(stacked)[0].shape[0])])
+  softmax = lambda z: np.exp(z - z.max(-1, keepdims=True)) / np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)
+  probs = softmax(logits)
+  q = probs.mean(0) if aggregate == "ensemble_probs" else softmax(logits.mean(0))
+  entropy = lambda p: -(p * np.log(p)).sum(-1)
+  return ((q.argmax(-1) == y).mean(), -np.log(q[np.arange(len(y)), y]).mean(), entropy(probs).mean(),
+          entropy(q).mean())
+
+
+@pytest.mark.parametrize("aggregate", ["ensemble_probs", "ensemble_logits"])
+def test_ensemble_evaluator_matches_numpy(aggregate):
+  stacked = fed_ensemble.init_modes(MODEL, jax.random.PRNGKey(3), 4)
+  stacked = jax.tree.map(lambda w: 3.0 * w, stacked)                               # confident, diverse members
+  rng = np.random.default_rng(0)
+  x, y = rng.normal(size=(23, 5)).astype(np.float32), rng.integers(0, 3, size=23)
+  ev = metrics.make_evaluator(MODEL.apply, x, y, batch_size=7, chunk_size=3, aggregate=aggregate)
+  assert ev.extra_names == ("mode_entropy", "ensemble_entropy")
+  acc, loss, dev, mode_entropy, ensemble_entropy = ev.aggregate(stacked)
+  want = _numpy_ensemble(stacked, x, y, aggregate)
+  assert float(acc) == pytest.approx(want[0], abs=1e-6)
+  for got, expected in zip((loss, mode_entropy, ensemble_entropy), want[1:]):
+    assert float(got) == pytest.approx(expected, rel=RTOL)
+  assert float(dev) == pytest.approx(float(metrics.model_deviation(stacked)), rel=RTOL)
+  # One member: the ensemble is that model.
+  one = jax.tree.map(lambda w: w[:1], stacked)
+  acc1, loss1, *_ = ev.aggregate(one)
+  acc_p, loss_p, _ = metrics.make_evaluator(MODEL.apply, x, y, batch_size=7).aggregate(one)
+  assert float(acc1) == float(acc_p)
+  assert float(loss1) == pytest.approx(float(loss_p), rel=RTOL)
+
+
+def test_evaluator_rejects_unknown_aggregate():
+  with pytest.raises(ValueError, match="aggregate"):
+    metrics.make_evaluator(MODEL.apply, np.zeros((2, 5), np.float32), np.zeros(2, np.int32), aggregate="mean")
+
+
+# ----------------------------------------------------------------------------- config and runner
+
+
+@pytest.mark.parametrize("change, match", [
+    (("num_modes", 0), "num_modes"),
+    (("sampling", "random"), "sampling"),
+    (("prox_mu", 0.1), "prox_mu"),
+    (("local_training", "fedprox"), "prox_mu"),
+    (("aggregation_weights", "median"), "aggregation_weights"),
+    (("prediction", "vote"), "prediction"),
+    (("clients_per_round", 7), "clients_per_round"),     # stratified below: 7 is not a multiple of Q = 10
+    (("taus", (5, 3)), "taus"),
+    (("unknown_key", 1), "unknown key"),
+])
+def test_bad_config_values_raise_before_any_work(change, match):
+  config = load("stratified")
+  setattr(config.algorithm, *change)
+  with pytest.raises(ValueError, match=match):
+    runner.validate_config(config)
+
+
+def test_config_consistency_rules():
+  config = load("ntk")
+  config.algorithm.aggregation_weights = "uniform"
+  with pytest.raises(ValueError, match="data_size"):
+    runner.validate_config(config)
+  config = load()
+  config.eval.selection = True
+  with pytest.raises(ValueError, match="selection"):
+    runner.validate_config(config)
+  with pytest.raises(ValueError, match="toy"):
+    load("toy,k3")
+
+
+def test_variants_validate():
+  for arg in (None, "paper", "iid", "k1,data_size", "k1,data_size,fedprox", "k80", "ntk", "stratified", "logits",
+              "cnn", "fmnist", "smoke"):
+    runner.validate_config(load(arg))
+  assert load("toy").modes == (1, 2, 10, 20, 40)
+
+
+def test_smoke_config_runs_through_the_runner(tmp_path):
+  config = load("smoke")
+  config.data.name = "synthetic"
+  config.data.partition = "iid"
+  config.data.num_clients = 8
+  config.data.samples_per_client = 0
+  config.data.max_train = 0
+  config.model.hidden = (8,)
+  config.algorithm.clients_per_round = 4
+  summary = runner.run(config, str(tmp_path))
+  lines = runner.read_metrics(str(tmp_path))
+  assert len(lines) == config.rounds
+  last = lines[-1]
+  assert len(last["clients"]["test_acc"]) == config.algorithm.num_modes          # per-mode metrics
+  assert sum(last["clients"]["mode_participants"]) == 4
+  assert 0 < last["mode_entropy"] <= np.log(10) + 1e-6
+  assert last["ensemble_entropy"] >= last["mode_entropy"] - 1e-6                # entropy is concave
+  assert summary["final_test_acc"] == last["test_acc"]
