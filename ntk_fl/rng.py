@@ -36,6 +36,10 @@ class Stream(enum.IntEnum):
   SELECTION = 6        # final-averaging selection: validation/test split and random order
   SYNTHETIC_DATA = 7   # the 'synthetic' dataset's draw
   MASKS = 8            # DisPFL's initial sparse masks
+  ENSEMBLE_SCHEDULE = 9  # Fed-ensemble: client strata (index 0) and each age's permutation matrix (1, age)
+  PROJECTION = 10     # SPARK's Jacobian random projections: index = 32-bit hash of (seed, layer name)
+  INPUT_PROJECTION = 11  # CP-NTK-FL's shared input projection P (d1 -> d1'), fixed for the whole run
+  PRIVACY_ATTACK = 12  # experiments/privacy_attack.py: victim images (0), dummy inits (1), attacker's guess of P (2)
 
 
 def numpy_rng(seed: int, stream: Stream, *indices: int) -> np.random.Generator:

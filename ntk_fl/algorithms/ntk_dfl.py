@@ -53,7 +53,7 @@ from ntk_fl import evolve, models, parallel, topology, validation
 from ntk_fl.algorithms import Method
 from ntk_fl.algorithms.base import Algorithm, graph_round_inputs
 
-__all__ = ["NTKDFLState", "make_ntk_dfl", "validate_config", "METHOD"]
+__all__ = ["NTKDFLState", "NeighbourhoodRound", "make_neighbourhood_round", "make_ntk_dfl", "validate_config", "METHOD"]
 
 _ALGORITHM_KEYS = ("lr", "lr_decay", "taus", "loss", "solver", "select", "kernel", "per_round_averaging",
                    "jacobian_batches", "subsample")
@@ -116,21 +116,43 @@ def validate_config(config) -> None:
   topology.make_topology_from_config(config.topology, config.data.num_clients, seed=config.seed)
 
 
-def make_ntk_dfl(config, model: models.Model, federation) -> Algorithm:
-  """Builds NTK-DFL for ``federation`` (a :class:`ntk_fl.data.Federation`) and ``model``.
+class NeighbourhoodRound(NamedTuple):
+  """The reusable core of an NTK-DFL round (SPARK builds on it).
 
-  Returns:
-    An :class:`~ntk_fl.algorithms.base.Algorithm`; ``step`` is jit-compiled here
-    (the federation's arrays are passed to it as arguments, never baked in as
-    compile-time constants).
+  Attributes:
+    data: the federation's device arrays ``(x [M, n, ...], y [M, n], mask [M, n])``;
+      pass them to ``run`` as an argument (never bake them into a jitted program).
+    round_inputs: ``round_inputs(r) -> GraphRound`` (graph, mixing weights, key of round ``r``).
+    run: ``run(params, inputs, data, client_fn, *client_args) -> (outputs, lr)``, to be
+      called inside the caller's ``jit``: averages the round-start weights (when
+      enabled), sub-samples, computes the round's ``lr`` and maps
+      ``client_fn(w̄_i, x [m1, N_b, ...], targets [m1, N_b, C], mask [m1, N_b], lr, *client_args_i)``
+      over the clients with :func:`ntk_fl.parallel.for_each_client` (``client_args``
+      leaves carry a leading client axis). ``targets`` are the hard one-hot labels of
+      client ``i``'s neighbourhood (own samples first); ``outputs`` are stacked ``[M, ...]``.
   """
-  validate_config(config)
-  algo = config.algorithm
+  data: Any
+  round_inputs: Any
+  run: Any
+
+
+def make_neighbourhood_round(config, model: models.Model, federation, *, lr: float, lr_decay: float,
+                             per_round_averaging: bool, jacobian_batches: int = 1,
+                             subsample: int = 1) -> NeighbourhoodRound:
+  """Builds the parts of an NTK-DFL round shared by every neighbourhood-NTK method.
+
+  Args:
+    config: the run config (``seed``, ``topology``, ``chunk_size`` are read).
+    model: the model (its ``num_classes``).
+    federation: a :class:`ntk_fl.data.Federation`.
+    lr, lr_decay: round ``r`` (0-based) uses ``lr·exp(−lr_decay·r)``.
+    per_round_averaging: average the round-start weights over each closed neighbourhood (eq. 1).
+    jacobian_batches: ``m1`` blocks of the neighbourhood data (App. E.1).
+    subsample: ``m2``, each client uses a random ``⌊n_i/m2⌋`` of its samples per round (App. E.2).
+  """
   num_clients, n_max = federation.mask.shape
   num_classes = model.num_classes
-  taus = tuple(int(t) for t in algo.taus)
-  m1 = int(algo.jacobian_batches)
-  m2 = int(algo.subsample)
+  m1, m2 = int(jacobian_batches), int(subsample)
   n_sub = -(-n_max // m2)                       # ceil: static slots per client after subsampling
   n_sub_padded = -(-n_sub // m1) * m1          # each member's slots split evenly into m1 blocks
   if m1 > n_sub:
@@ -140,20 +162,7 @@ def make_ntk_dfl(config, model: models.Model, federation) -> Algorithm:
   graph_source = topology.make_topology_from_config(config.topology, num_clients, seed=config.seed)
   sizes = np.asarray(federation.n)
   data = jax.device_put((jnp.asarray(federation.x), jnp.asarray(federation.y), jnp.asarray(federation.mask)))
-  evolve_kwargs = dict(taus=taus, loss=algo.loss, solver=algo.solver, dense_stack=model.dense_stack,
-                       kernel=algo.kernel, select=algo.select)
-
-  def init(key):
-    return NTKDFLState(params=models.init_clients(model, key, num_clients, shared=config.model.init == "shared"))
-
   round_inputs = graph_round_inputs(graph_source, config.topology.mixing, sizes, config.seed)
-
-  def client_update(params, x, targets, mask, lr):
-    """One client's NTK evolution over its neighbourhood data ``x [m1, N_b, ...]``."""
-    if m1 == 1:
-      new_params, info = evolve.ntk_update(model.apply, params, x[0], targets[0], mask[0], lr=lr, **evolve_kwargs)
-      return new_params, {"tau": info["tau"], "loss": info["loss"]}
-    return _batched_update(model.apply, params, x, targets, mask, lr, evolve_kwargs)
 
   def neighbourhood(idx, nbrs, nbr_mask, xs, ys, ms):
     """Stacks client ``idx``'s and its neighbours' (sub-sampled) data into ``m1`` blocks."""
@@ -170,11 +179,9 @@ def make_ntk_dfl(config, model: models.Model, federation) -> Algorithm:
     targets = jax.nn.one_hot(y, num_classes, dtype=jnp.float32)
     return blocks(x), blocks(targets), blocks(mask)
 
-  @jax.jit
-  def _step(state, inputs, data):
+  def run(params, inputs, data, client_fn, *client_args):
     xs, ys, ms = data
-    params = state.params
-    if algo.per_round_averaging:
+    if per_round_averaging:
       params = topology.mix(params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
     if m2 > 1:
       idx, keep = _subsample_indices(inputs.key, ms, n_sub, m2)
@@ -186,21 +193,58 @@ def make_ntk_dfl(config, model: models.Model, federation) -> Algorithm:
       xs = jnp.pad(xs, [(0, 0), (0, pad)] + [(0, 0)] * (xs.ndim - 2))
       ys = jnp.pad(ys, [(0, 0), (0, pad)])
       ms = jnp.pad(ms, [(0, 0), (0, pad)])
-    lr = algo.lr * jnp.exp(-algo.lr_decay * inputs.round.astype(jnp.float32))
+    round_lr = lr * jnp.exp(-lr_decay * inputs.round.astype(jnp.float32))
 
-    def per_client(p, idx, nbrs, nbr_mask):
+    def per_client(p, idx, nbrs, nbr_mask, *args):
       x, t, m = neighbourhood(idx, nbrs, nbr_mask, xs, ys, ms)
-      return client_update(p, x, t, m, lr)
+      return client_fn(p, x, t, m, round_lr, *args)
 
     update = parallel.for_each_client(per_client, chunk_size=config.chunk_size or None)
-    new_params, info = update(params, jnp.arange(num_clients), inputs.neighbors, inputs.neighbor_mask)
+    outputs = update(params, jnp.arange(num_clients), inputs.neighbors, inputs.neighbor_mask, *client_args)
+    return outputs, round_lr
+
+  return NeighbourhoodRound(data=data, round_inputs=round_inputs, run=run)
+
+
+def make_ntk_dfl(config, model: models.Model, federation) -> Algorithm:
+  """Builds NTK-DFL for ``federation`` (a :class:`ntk_fl.data.Federation`) and ``model``.
+
+  Returns:
+    An :class:`~ntk_fl.algorithms.base.Algorithm`; ``step`` is jit-compiled here
+    (the federation's arrays are passed to it as arguments, never baked in as
+    compile-time constants).
+  """
+  validate_config(config)
+  algo = config.algorithm
+  num_clients = federation.mask.shape[0]
+  taus = tuple(int(t) for t in algo.taus)
+  m1 = int(algo.jacobian_batches)
+  core = make_neighbourhood_round(config, model, federation, lr=algo.lr, lr_decay=algo.lr_decay,
+                                  per_round_averaging=algo.per_round_averaging, jacobian_batches=m1,
+                                  subsample=int(algo.subsample))
+  evolve_kwargs = dict(taus=taus, loss=algo.loss, solver=algo.solver, dense_stack=model.dense_stack,
+                       kernel=algo.kernel, select=algo.select)
+
+  def init(key):
+    return NTKDFLState(params=models.init_clients(model, key, num_clients, shared=config.model.init == "shared"))
+
+  def client_update(params, x, targets, mask, lr):
+    """One client's NTK evolution over its neighbourhood data ``x [m1, N_b, ...]``."""
+    if m1 == 1:
+      new_params, info = evolve.ntk_update(model.apply, params, x[0], targets[0], mask[0], lr=lr, **evolve_kwargs)
+      return new_params, {"tau": info["tau"], "loss": info["loss"]}
+    return _batched_update(model.apply, params, x, targets, mask, lr, evolve_kwargs)
+
+  @jax.jit
+  def _step(state, inputs, data):
+    (new_params, info), lr = core.run(state.params, inputs, data, client_update)
     metrics = {"tau": info["tau"], "loss": info["loss"], "lr": lr}
     return NTKDFLState(params=new_params), metrics
 
   def step(state, inputs):
-    return _step(state, inputs, data)
+    return _step(state, inputs, core.data)
 
-  return Algorithm(init=init, round_inputs=round_inputs, step=step, client_params=lambda state: state.params)
+  return Algorithm(init=init, round_inputs=core.round_inputs, step=step, client_params=lambda state: state.params)
 
 
 def _batched_update(apply_fn, params, x, targets, mask, lr, evolve_kwargs):

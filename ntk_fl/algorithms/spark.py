@@ -1,0 +1,388 @@
+"""SPARK (Xia, arXiv 2512.12737v2): NTK-DFL + Nesterov momentum + annealed distillation targets + sketches.
+
+SPARK keeps NTK-DFL's round (:func:`ntk_fl.algorithms.ntk_dfl.make_neighbourhood_round`:
+graph, per-round averaging, neighbourhood gather, optional sub-sampling) and
+changes the client update (../shared/papers/spark.md §1.6; every choice is
+recorded in ``configs/spark.py`` and docs/spark.md):
+
+1. **Targets** (Alg. 2). Round ``k = r + 1`` (1-based) has mixing weight
+   ``α_k`` and temperature ``T_k`` (:func:`distill_schedule`: ``α = 1, T = 1``
+   during the ``R_warm`` warm-up rounds, then cosine-annealed ``α`` and linear
+   ``T``). The teacher is the client's consensus model ``w̄_i`` on its
+   neighbourhood data (the same function values ``f_0`` the evolution starts
+   from, NTK-DFL's protocol: every neighbour computes at the receiver's ``w̄_i``),
+   fixed within the round: ``Y = α Y_hard + (1 − α) softmax(f_0 / T)``.
+2. **Evolution** of ``f`` under the (optionally sketched) kernel with the
+   cross-entropy residual ``softmax(f) − Y`` (:mod:`ntk_fl.evolve`), candidate
+   updates ``Δw_τ`` on the ``τ`` grid; ``τ*`` minimises the hard-label
+   cross-entropy of the network ``w̄_i + Δw_τ`` (paper: "ground-truth labels").
+3. **Sketch** (optional, :mod:`ntk_fl.projection`): the kernel is
+   ``J̃ J̃ᵀ`` with ``J̃ = J P`` and the update is back-projected, ``Δw = P Δw̃``.
+   Without compression this runs matrix-free on the lifted network
+   ``g(u) = f(w̄ + P u)`` (its NTK *is* the sketched kernel). With the
+   compression stack (top-``ρ_sp`` sparsification and ``b``-bit quantisation of
+   each neighbour's package) the sketched Jacobian is formed explicitly,
+   compressed per sender and per tensor, and both the kernel and the update are
+   built from the compressed ``J̃``.
+4. **Nesterov momentum** on ``Δw`` with optax (``optax.sgd(1, μ, nesterov=True)``
+   fed ``−Δw``): ``v ← μ v + Δw``, ``w ← w̄ + μ v + Δw = w̄ + (1+μ) Δw + μ² v_old``.
+   The velocity stays local (never averaged or sent).
+5. Optional **cyclic learning-rate boost** (off by default; the paper gives no
+   details): ``η`` is multiplied by ``factor`` in the listed rounds.
+
+Communication (per round, per client ``i`` with ``κ_i`` neighbours; bits):
+``κ_i·d·32`` consensus weights out, ``κ_i·d·32`` averaged weights back (the
+receiver-linearised protocol needs them) and one package per neighbour:
+the (sketched, compressed) Jacobian of its ``n_i`` samples, ``n_i·C`` float32
+function values and ``n_i·⌈log2 C⌉`` label bits. On a clustered topology every
+member of a clique shares ``w̄``, so the package is broadcast once and no
+weights go back (paper App. A.2). :func:`client_round_bits` is the formula;
+with the sketch and compression off it is NTK-DFL's cost too.
+
+Metrics: ``tau``, ``loss`` (selected hard-label CE), ``bits_sent`` ``[M]``;
+``lr`` (boost included), ``alpha``, ``temperature``, ``bits_sent_total``,
+``bits_cumulative``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ntk_fl import compression, evolve, models, ntk, projection, topology, validation
+from ntk_fl.algorithms import Method
+from ntk_fl.algorithms.base import Algorithm
+from ntk_fl.algorithms.ntk_dfl import make_neighbourhood_round
+
+__all__ = ["SparkState", "JACOBIAN_MODES", "distill_schedule", "distill_targets", "momentum_transform",
+           "nesterov_step", "package_bits", "client_round_bits", "make_spark", "validate_config", "METHOD"]
+
+JACOBIAN_MODES = ("auto", "implicit", "explicit")
+
+_ALGORITHM_KEYS = ("lr", "lr_decay", "taus", "solver", "select", "kernel", "subsample", "momentum", "nesterov",
+                   "jacobian", "distill", "projection", "compression", "lr_boost")
+_DISTILL_KEYS = ("enabled", "warmup_rounds", "anneal_rounds", "alpha_init", "alpha_final", "temp_init",
+                 "temp_final")
+_PROJECTION_KEYS = ("scheme", "k_proj", "skip_uncompressed")
+_COMPRESSION_KEYS = ("keep_fraction", "bits")
+_BOOST_KEYS = ("rounds", "factor")
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+class SparkState(NamedTuple):
+  """Stacked client state (leading client axis ``M``).
+
+  Attributes:
+    params: the client models.
+    momentum: optax ``sgd`` state per client (its trace is ``−v``, the negated velocity).
+    bits_cumulative: float32 scalar, bits sent by all clients so far.
+  """
+  params: Any
+  momentum: Any
+  bits_cumulative: Any
+
+
+# ----------------------------------------------------------------------------- pure pieces
+
+
+def distill_schedule(round_index, *, warmup_rounds: int, anneal_rounds: int, alpha_init: float,
+                     alpha_final: float, temp_init: float, temp_final: float):
+  """``(α_k, T_k)`` of Alg. 2 for the 0-based ``round_index`` (``k = round_index + 1``).
+
+  ``k <= R_warm``: ``(1, 1)``. Otherwise ``p = min((k − R_warm)/(R − R_warm), 1)``,
+  ``α = α_f + ½(α_i − α_f)(1 + cos πp)``, ``T = T_i + (T_f − T_i) p``. Works on
+  traced ``round_index``.
+  """
+  k = jnp.asarray(round_index, jnp.float32) + 1
+  p = jnp.clip((k - warmup_rounds) / (anneal_rounds - warmup_rounds), 0.0, 1.0)
+  alpha = alpha_final + 0.5 * (alpha_init - alpha_final) * (1 + jnp.cos(jnp.pi * p))
+  temp = temp_init + (temp_final - temp_init) * p
+  warm = k <= warmup_rounds
+  return jnp.where(warm, 1.0, alpha), jnp.where(warm, 1.0, temp)
+
+
+def distill_targets(logits, hard, alpha, temperature):
+  """``α Y_hard + (1 − α) softmax(z / T)`` (Eq. 11); rows ``[N, C]``."""
+  return alpha * hard + (1 - alpha) * jax.nn.softmax(logits / temperature, axis=-1)
+
+
+def momentum_transform(mu: float, nesterov: bool = True) -> optax.GradientTransformation:
+  """The momentum step as optax: feed it ``−Δw``, add its output to ``w̄``."""
+  return optax.sgd(learning_rate=1.0, momentum=mu, nesterov=nesterov)
+
+
+def nesterov_step(tx: optax.GradientTransformation, params, delta, state):
+  """``w̄ + update(−Δw)`` and the new momentum state (paper Eqs. 12-13 for Nesterov)."""
+  updates, state = tx.update(jax.tree.map(jnp.negative, delta), state, params)
+  return optax.apply_updates(params, updates), state
+
+
+def package_bits(num_samples: int, num_classes: int, plan, *, keep_fraction: float = 1.0,
+                 bits: int = compression.FLOAT_BITS) -> int:
+  """Bits of one neighbour package: the sketched Jacobian of ``num_samples`` samples, logits, labels.
+
+  The Jacobian is sent per tensor (``num_samples·C·projected size`` entries):
+  dense float32, or quantised to ``bits`` (plus :data:`ntk_fl.compression.SIDE_BITS`),
+  or top-``keep_fraction`` sparse with its support as a bitmap or index list,
+  whichever is smaller (:func:`ntk_fl.compression.sparse_payload_bits`).
+  """
+  if num_samples <= 0:
+    return 0
+  total = 0
+  for sketch in plan:
+    size = num_samples * num_classes * math.prod(sketch.projected_shape)
+    if keep_fraction < 1:
+      total += int(compression.sparse_payload_bits(compression.num_kept(size, keep_fraction), size, bits))
+    else:
+      total += int(compression.payload_bits(size, bits))
+  label_bits = max(1, math.ceil(math.log2(num_classes)))
+  return total + num_samples * num_classes * compression.FLOAT_BITS + num_samples * label_bits
+
+
+def client_round_bits(num_neighbors, package, num_params: int, *, broadcast: bool):
+  """Bits client(s) send in one round: weights out (and back, unless ``broadcast``) plus packages.
+
+  Args:
+    num_neighbors: ``κ_i`` (int or ``[M]`` array).
+    package: bits of the client's package (int or ``[M]``), :func:`package_bits`.
+    num_params: ``d``.
+    broadcast: clustered topology -- one package per device, no averaged weights sent back.
+  """
+  weights = num_params * compression.FLOAT_BITS
+  if broadcast:
+    return num_neighbors * weights + jnp.where(num_neighbors > 0, package, 0)
+  return num_neighbors * (2 * weights + package)
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def _check_block(name, block, keys):
+  missing = [k for k in keys if k not in block]
+  unknown = sorted(set(block) - set(keys))
+  if missing or unknown:
+    raise ValueError(f"{name} for method 'spark': missing {missing}, unknown {unknown}; the keys are {list(keys)}")
+
+
+def validate_config(config) -> None:
+  """Checks a SPARK config's ``algorithm`` block and topology; raises ``ValueError`` naming the bad value."""
+  algo = config.algorithm
+  _check_block("config.algorithm", algo, _ALGORITHM_KEYS)
+  validation.check_real("config.algorithm.lr", algo.lr, low=0, low_open=True)
+  validation.check_real("config.algorithm.lr_decay (η_r = η·exp(−decay·r))", algo.lr_decay, low=0)
+  try:
+    evolve.check_taus(tuple(algo.taus))
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"config.algorithm.taus: {e}") from e
+  for name, allowed in (("solver", evolve.SOLVERS), ("select", evolve.SELECTS), ("kernel", evolve.KERNELS),
+                        ("jacobian", JACOBIAN_MODES)):
+    validation.check_choice(f"config.algorithm.{name}", algo[name], allowed)
+  validation.check_int("config.algorithm.subsample", algo.subsample, low=1)
+  validation.check_real("config.algorithm.momentum (μ)", algo.momentum, low=0, high=1, high_open=True)
+  validation.check_bool("config.algorithm.nesterov", algo.nesterov)
+
+  d = algo.distill
+  _check_block("config.algorithm.distill", d, _DISTILL_KEYS)
+  validation.check_bool("config.algorithm.distill.enabled", d.enabled)
+  warm = validation.check_int("config.algorithm.distill.warmup_rounds", d.warmup_rounds, low=0)
+  total = validation.check_int("config.algorithm.distill.anneal_rounds (R; 0 = config.rounds)",
+                               d.anneal_rounds, low=0)
+  total = total or config.rounds
+  if d.enabled and total <= warm:
+    raise ValueError(f"config.algorithm.distill: the annealing horizon R={total} must exceed warmup_rounds={warm} "
+                     "(p = (k − R_warm)/(R − R_warm))")
+  a_init = validation.check_real("config.algorithm.distill.alpha_init", d.alpha_init, low=0, high=1)
+  validation.check_real("config.algorithm.distill.alpha_final", d.alpha_final, low=0, high=a_init)
+  t_init = validation.check_real("config.algorithm.distill.temp_init", d.temp_init, low=0, low_open=True)
+  validation.check_real("config.algorithm.distill.temp_final", d.temp_final, low=t_init)
+
+  p = algo.projection
+  _check_block("config.algorithm.projection", p, _PROJECTION_KEYS)
+  validation.check_choice("config.algorithm.projection.scheme", p.scheme, projection.SCHEMES)
+  validation.check_int("config.algorithm.projection.k_proj", p.k_proj, low=1)
+  validation.check_bool("config.algorithm.projection.skip_uncompressed", p.skip_uncompressed)
+
+  c = algo.compression
+  _check_block("config.algorithm.compression", c, _COMPRESSION_KEYS)
+  validation.check_real("config.algorithm.compression.keep_fraction", c.keep_fraction, low=0, high=1, low_open=True)
+  if c.bits != compression.FLOAT_BITS:
+    validation.check_int("config.algorithm.compression.bits (32 = float32, no quantisation)", c.bits, low=1, high=16)
+  if _compressed(algo) and algo.jacobian == "implicit":
+    raise ValueError("config.algorithm.jacobian='implicit' cannot apply the compression stack (keep_fraction < 1 "
+                     "or bits < 32 needs the explicit sketched Jacobian): use 'explicit' or 'auto'")
+
+  b = algo.lr_boost
+  _check_block("config.algorithm.lr_boost", b, _BOOST_KEYS)
+  for r in tuple(b.rounds):
+    validation.check_int("config.algorithm.lr_boost.rounds (1-based round numbers)", r, low=1)
+  validation.check_real("config.algorithm.lr_boost.factor", b.factor, low=0, low_open=True)
+  topology.make_topology_from_config(config.topology, config.data.num_clients, seed=config.seed)
+
+
+def _compressed(algo) -> bool:
+  return algo.compression.keep_fraction < 1 or algo.compression.bits != compression.FLOAT_BITS
+
+
+# ----------------------------------------------------------------------------- client update
+
+
+def _per_sample_jacobian(g, u0, x):
+  """``[N, C, *leaf]`` per leaf of ``u0``: ``∂g(u, x_n)_c / ∂u`` at ``u0``."""
+  one = lambda u, xi: g(u, xi[None])[0]
+  return jax.vmap(jax.jacrev(one), in_axes=(None, 0))(u0, x)
+
+
+def _compress_packages(jac, mask, num_members, keep_fraction, bits):
+  """Each sender's package, per tensor: zero padding rows, keep the top-k magnitudes, quantise to ``bits``.
+
+  A package is one sender's rows ``[n, C, ...]`` of one Jacobian tensor
+  (spark.md §5 item 25: top-k over the whole package tensor; one min-max
+  quantiser per package tensor, :func:`ntk_fl.compression.quantize`; entries
+  outside the support stay exactly zero -- the support is sent separately).
+  """
+  def one_package(leaf):
+    kept = None
+    if keep_fraction < 1:
+      leaf, kept = compression.sparsify_topk(leaf, keep_fraction)
+    if bits != compression.FLOAT_BITS:
+      quantized = compression.quantize(leaf, bits)
+      leaf = quantized if kept is None else jnp.where(kept, quantized, 0)
+    return leaf
+
+  out = []
+  for leaf in jac:
+    leaf = jnp.where(mask.reshape((-1,) + (1,) * (leaf.ndim - 1)), leaf, 0)
+    rows = leaf.reshape((num_members, -1) + leaf.shape[1:])
+    out.append(jax.vmap(one_package)(rows).reshape(leaf.shape))
+  return tuple(out)
+
+
+def _kernel_from_jacobian(jac, traced: bool):
+  """Traced ``(1/C) Σ_c J_c J_cᵀ`` ``[N, N]`` or full ``[N, N, C, C]`` from explicit leaves ``[N, C, ...]``."""
+  total = 0
+  for leaf in jac:
+    flat = leaf.reshape(leaf.shape[0], leaf.shape[1], -1)
+    if traced:
+      total = total + jnp.einsum("icp,jcp->ij", flat, flat, precision=_HIGHEST) / flat.shape[1]
+    else:
+      total = total + jnp.einsum("iap,jbp->ijab", flat, flat, precision=_HIGHEST)
+  return total
+
+
+# ----------------------------------------------------------------------------- the method
+
+
+def make_spark(config, model: models.Model, federation) -> Algorithm:
+  """Builds SPARK for ``federation`` and ``model``; ``step`` is jit-compiled here."""
+  validate_config(config)
+  algo = config.algorithm
+  num_clients = federation.mask.shape[0]
+  num_classes = model.num_classes
+  taus = tuple(int(t) for t in algo.taus)
+  traced = algo.kernel == "traced"
+  m2 = int(algo.subsample)
+  core = make_neighbourhood_round(config, model, federation, lr=algo.lr, lr_decay=algo.lr_decay,
+                                  per_round_averaging=True, subsample=m2)
+  members = 1 + topology.make_topology_from_config(config.topology, num_clients, seed=config.seed).sample(0) \
+      .neighbors.shape[1]
+  tx = momentum_transform(float(algo.momentum), bool(algo.nesterov))
+
+  # The sketch: identical for all clients and rounds, generated once from the seed and the layer names.
+  template = jax.eval_shape(model.init, jax.random.key(0))
+  plan = projection.make_plan(template, algo.projection.scheme, int(algo.projection.k_proj),
+                              skip_uncompressed=bool(algo.projection.skip_uncompressed))
+  sketched = any(s.kind != "identity" for s in plan)
+  matrices = projection.sample_matrices(plan, config.seed) if sketched else tuple(None for _ in plan)
+  keep, bits = float(algo.compression.keep_fraction), int(algo.compression.bits)
+  explicit = algo.jacobian == "explicit" or (algo.jacobian == "auto" and _compressed(algo))
+
+  d = algo.distill
+  schedule = dict(warmup_rounds=int(d.warmup_rounds), anneal_rounds=int(d.anneal_rounds or config.rounds),
+                  alpha_init=float(d.alpha_init), alpha_final=float(d.alpha_final), temp_init=float(d.temp_init),
+                  temp_final=float(d.temp_final))
+  boost_rounds = jnp.asarray(tuple(int(r) for r in algo.lr_boost.rounds) or (0,), jnp.int32)
+  boost_factor = float(algo.lr_boost.factor)
+
+  # Communication: static per-client package sizes (samples after sub-sampling).
+  n_used = np.maximum(np.floor(np.asarray(federation.n) / m2), 1).astype(int) if m2 > 1 else np.asarray(federation.n)
+  packages = jnp.asarray([package_bits(int(n), num_classes, plan, keep_fraction=keep, bits=bits) for n in n_used],
+                         jnp.float32)
+  num_params = sum(math.prod(s.shape) for s in plan)
+  broadcast = config.topology.name == "clustered"
+
+  def init(key):
+    params = models.init_clients(model, key, num_clients, shared=config.model.init == "shared")
+    return SparkState(params=params, momentum=jax.vmap(tx.init)(params), bits_cumulative=jnp.float32(0))
+
+  def client_delta(wbar, x, hard, mask, lr, alpha, temp, mats):
+    """SPARK's NTK step at ``w̄`` on the neighbourhood ``x [N, ...]``: ``(Δw, info)``."""
+    mask = mask.astype(bool)
+    x = jnp.where(mask.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0)
+    if sketched:
+      g, u0 = projection.lift(model.apply, wbar, plan, mats)
+      dense_stack = None
+    else:
+      g, u0, dense_stack = model.apply, wbar, model.dense_stack
+    f0, pullback = jax.vjp(lambda u: g(u, x), u0)
+    targets = distill_targets(f0, hard, alpha, temp).astype(f0.dtype)
+    n = jnp.maximum(mask.sum(), 1)
+    if explicit:
+      jac = _per_sample_jacobian(g, u0, x)
+      leaves, treedef = jax.tree.flatten(jac)
+      if _compressed(algo):
+        leaves = _compress_packages(leaves, mask, members, keep, bits)
+      kernel = _kernel_from_jacobian(leaves, traced)
+      evo = evolve.evolve(kernel, f0, targets, mask, lr=lr, taus=taus, loss="ce", solver=algo.solver)
+      tilde = evolve.weight_update_from_jacobian(jax.tree.unflatten(treedef, leaves), evo.residual_sums, lr, n)
+    else:
+      kernel = ntk.empirical_ntk(g, u0, x, trace_outputs=traced, dense_stack=dense_stack)
+      evo = evolve.evolve(kernel, f0, targets, mask, lr=lr, taus=taus, loss="ce", solver=algo.solver)
+      (tilde,) = jax.vmap(pullback)(evo.residual_sums)
+      tilde = jax.tree.map(lambda t: (-jnp.asarray(lr, f0.dtype) / n.astype(f0.dtype) * t).astype(t.dtype), tilde)
+    if sketched:
+      _, treedef = jax.tree.flatten(wbar)
+      deltas = jax.tree.unflatten(treedef, projection.back_project(plan, mats, tilde, lead=1))
+    else:
+      deltas = tilde
+    score = lambda logits: evolve.mean_loss(logits, hard, mask, "ce")      # hard labels (paper §1.4(f))
+    if algo.select == "network":
+      losses = jax.vmap(lambda dw: score(model.apply(jax.tree.map(jnp.add, wbar, dw), x)))(deltas)
+    else:
+      losses = jax.vmap(score)(evo.f_at_taus)
+    choice = evolve.select_tau(losses, taus)
+    return jax.tree.map(lambda dw: dw[choice.index], deltas), {"tau": choice.tau, "loss": choice.loss}
+
+  @jax.jit
+  def _step(state, inputs, data, mats):
+    if d.enabled:
+      alpha, temp = distill_schedule(inputs.round, **schedule)
+    else:
+      alpha, temp = jnp.float32(1), jnp.float32(1)
+    boost = jnp.where(jnp.any(boost_rounds == inputs.round + 1), boost_factor, 1.0).astype(jnp.float32)
+
+    def client_fn(wbar, x, targets, mask, lr, opt_state):
+      # alpha, temp, the boost and the sketch are shared by all clients: closed over, not mapped.
+      delta, info = client_delta(wbar, x[0], targets[0], mask[0], lr * boost, alpha, temp, mats)
+      new_params, opt_state = nesterov_step(tx, wbar, delta, opt_state)
+      return new_params, opt_state, info
+
+    (params, opt_state, info), lr = core.run(state.params, inputs, data, client_fn, state.momentum)
+    bits_sent = client_round_bits(inputs.neighbor_mask.sum(axis=1).astype(jnp.float32), packages, num_params,
+                                  broadcast=broadcast)
+    total = jnp.sum(bits_sent)
+    new_state = SparkState(params=params, momentum=opt_state, bits_cumulative=state.bits_cumulative + total)
+    metrics = {"tau": info["tau"], "loss": info["loss"], "lr": lr * boost, "alpha": alpha, "temperature": temp,
+               "bits_sent": bits_sent, "bits_sent_total": total, "bits_cumulative": new_state.bits_cumulative}
+    return new_state, metrics
+
+  def step(state, inputs):
+    return _step(state, inputs, core.data, matrices)
+
+  return Algorithm(init=init, round_inputs=core.round_inputs, step=step, client_params=lambda state: state.params)
+
+
+METHOD = Method(make=make_spark, validate_config=validate_config)

@@ -1,0 +1,261 @@
+"""SPARK: momentum closed form, schedules, NTK-DFL equivalence, a projected round by brute force, compression."""
+from __future__ import annotations
+
+import math
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.flatten_util import ravel_pytree
+
+from ntk_fl import compression, evolve, models, projection, topology
+from ntk_fl.algorithms import ntk_dfl, spark
+from ntk_fl.config import load_config
+from ntk_fl.data import Federation
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def tiny_setup(*, num_clients=6, n_max=6, variant="", **algo):
+  """A 6-client federation with unequal sizes (padding) and a 5-6-3 MLP; SPARK config."""
+  config = load_config(str(REPO / "configs" / "spark.py"), variant)
+  config.data.num_clients = num_clients
+  config.topology.degree = 2
+  config.chunk_size = 0
+  config.rounds = 4
+  config.algorithm.lr = 0.05
+  config.algorithm.taus = (5, 10, 20)
+  config.algorithm.distill.warmup_rounds = 1
+  for key, value in algo.items():
+    block = config.algorithm
+    *parents, leaf = key.split("__")
+    for parent in parents:
+      block = block[parent]
+    block[leaf] = value
+  rng = np.random.default_rng(0)
+  sizes = rng.integers(n_max - 2, n_max + 1, size=num_clients)
+  x = np.zeros((num_clients, n_max, 5), np.float32)
+  y = np.zeros((num_clients, n_max), np.int32)
+  mask = np.zeros((num_clients, n_max), bool)
+  for i, n in enumerate(sizes):
+    x[i, :n] = rng.normal(size=(n, 5))
+    y[i, :n] = rng.integers(0, 3, size=n)
+    mask[i, :n] = True
+  federation = Federation(x=x, y=y, mask=mask, n=sizes.astype(np.int32))
+  return config, models.mlp(input_dim=5, hidden=(6,), num_classes=3), federation
+
+
+def test_nesterov_step_equals_the_closed_form():
+  """w = w̄ + (1+μ)Δw + μ² v_old and v = μ v_old + Δw, over several rounds (Eqs. 12-13)."""
+  mu = 0.9
+  tx = spark.momentum_transform(mu)
+  rng = np.random.default_rng(0)
+  params = {"a": jnp.asarray(rng.normal(size=(3, 2)), jnp.float32), "b": jnp.asarray(rng.normal(size=4), jnp.float32)}
+  state = tx.init(params)
+  velocity = jax.tree.map(np.zeros_like, params)
+  for _ in range(4):
+    wbar = jax.tree.map(lambda p: p + rng.normal(size=p.shape).astype(np.float32), params)   # a consensus step
+    delta = jax.tree.map(lambda p: rng.normal(size=p.shape).astype(np.float32), params)
+    params, state = spark.nesterov_step(tx, wbar, delta, state)
+    expected = jax.tree.map(lambda w, d, v: np.asarray(w) + (1 + mu) * d + mu ** 2 * v, wbar, delta, velocity)
+    velocity = jax.tree.map(lambda v, d: mu * v + d, velocity, delta)
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(expected)):
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_distillation_schedule_endpoints():
+  kw = dict(warmup_rounds=10, anneal_rounds=30, alpha_init=1.0, alpha_final=0.6, temp_init=1.5, temp_final=3.0)
+  for r in range(10):                                       # rounds k = 1..10: warm-up, hard labels
+    assert tuple(map(float, spark.distill_schedule(r, **kw))) == (1.0, 1.0)
+  alpha, temp = spark.distill_schedule(29, **kw)            # k = R: p = 1
+  np.testing.assert_allclose([alpha, temp], [0.6, 3.0], rtol=1e-6)
+  alpha, temp = spark.distill_schedule(19, **kw)            # k = 20: p = 1/2, cosine midpoint
+  np.testing.assert_allclose([alpha, temp], [0.8, 2.25], rtol=1e-6)
+  alpha, temp = spark.distill_schedule(10, **kw)            # k = 11: p = 1/20
+  np.testing.assert_allclose([alpha, temp], [0.6 + 0.2 * (1 + np.cos(np.pi / 20)), 1.5 + 1.5 / 20], rtol=1e-6)
+  np.testing.assert_allclose(spark.distill_schedule(40, **kw), [0.6, 3.0], rtol=1e-6)   # clipped after R
+  logits = jnp.asarray([[2.0, 0.0, -1.0]])
+  hard = jnp.asarray([[0.0, 1.0, 0.0]])
+  soft = np.exp(np.array([2.0, 0.0, -1.0]) / 2) / np.exp(np.array([2.0, 0.0, -1.0]) / 2).sum()
+  np.testing.assert_allclose(spark.distill_targets(logits, hard, 0.7, 2.0)[0], 0.7 * hard[0] + 0.3 * soft, rtol=1e-6)
+
+
+@pytest.mark.parametrize("jacobian", ["implicit", "explicit"])
+def test_without_momentum_and_distillation_spark_is_ntk_dfl(jacobian):
+  """Table 4 row 1 (projection off): the NTK-DFL round, to float32 rounding on the matrix-free path."""
+  config, model, federation = tiny_setup(variant="abl_none", jacobian=jacobian)
+  config.model.init = "per_client"
+  base = load_config(str(REPO / "configs" / "ntk_dfl.py"))
+  base.data, base.model, base.topology, base.seed, base.chunk_size, base.rounds = (
+      config.data, config.model, config.topology, config.seed,
+                                                                       config.chunk_size, config.rounds)
+  for key in ("lr", "lr_decay", "taus"):
+    base.algorithm[key] = config.algorithm[key]
+  a = spark.make_spark(config, model, federation)
+  b = ntk_dfl.make_ntk_dfl(base, model, federation)
+  sa, sb = a.init(jax.random.key(0)), b.init(jax.random.key(0))
+  for r in range(2):
+    sa, ma = a.step(sa, a.round_inputs(r))
+    sb, mb = b.step(sb, b.round_inputs(r))
+    np.testing.assert_array_equal(np.asarray(ma["tau"]), np.asarray(mb["tau"]))
+    for x, y in zip(jax.tree.leaves(sa.params), jax.tree.leaves(sb.params)):
+      # Same operations; XLA fuses them differently inside the two programs, so the matrix-free path agrees
+      # to float32 rounding (observed <= 1 ulp), the explicit-Jacobian path to accumulated rounding.
+      tol = dict(rtol=1e-6, atol=1e-7) if jacobian == "implicit" else dict(rtol=1e-4, atol=1e-5)
+      np.testing.assert_allclose(x, y, **tol)
+
+
+def reference_round(config, model, federation, state, inputs, plan, mats):
+  """One SPARK round client by client: explicit J, dense P, hard-label selection, closed-form momentum."""
+  algo = config.algorithm
+  taus = tuple(algo.taus)
+  mu = algo.momentum
+  alpha, temp = spark.distill_schedule(int(inputs.round), warmup_rounds=algo.distill.warmup_rounds,
+                                       anneal_rounds=config.rounds, alpha_init=algo.distill.alpha_init,
+                                       alpha_final=algo.distill.alpha_final, temp_init=algo.distill.temp_init,
+                                       temp_final=algo.distill.temp_final)
+  p = np.asarray(projection.dense_matrix(plan, mats), np.float64)
+  wbars = topology.mix(state.params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
+  new = []
+  for i in range(federation.n.shape[0]):
+    members = [i] + [int(j) for j, m in zip(inputs.neighbors[i], inputs.neighbor_mask[i]) if m]
+    x = jnp.asarray(np.concatenate([federation.x[j][federation.mask[j]] for j in members]))
+    hard = jax.nn.one_hot(np.concatenate([federation.y[j][federation.mask[j]] for j in members]), 3)
+    wbar = jax.tree.map(lambda leaf: leaf[i], wbars)
+    flat, unravel = ravel_pytree(wbar)
+    f0 = model.apply(wbar, x)
+    jac = np.asarray(jax.jacrev(lambda w: model.apply(unravel(w), x))(flat), np.float64)   # [N, C, d]
+    jt = jac @ p                                                                             # J̃ = J P
+    kernel = np.einsum("icp,jcp->ij", jt, jt) / 3
+    soft = np.asarray(jax.nn.softmax(f0 / temp))
+    targets = float(alpha) * np.asarray(hard) + (1 - float(alpha)) * soft
+    evo = evolve.evolve(jnp.asarray(kernel, jnp.float32), f0, jnp.asarray(targets, jnp.float32),
+                        jnp.ones(len(x), bool), lr=algo.lr, taus=taus)
+    n = len(x)
+    losses, deltas = [], []
+    for t in range(len(taus)):
+      dw = p @ (-(algo.lr / n) * np.einsum("icp,ic->p", jt, np.asarray(evo.residual_sums[t], np.float64)))
+      logits = model.apply(unravel(flat + jnp.asarray(dw, jnp.float32)), x)
+      losses.append(float(evolve.mean_loss(logits, hard, jnp.ones(n, bool))))
+      deltas.append(dw)
+    dw = deltas[int(np.argmin(losses))]
+    v_old = -np.asarray(ravel_pytree(jax.tree.map(lambda leaf: leaf[i], state.momentum[0].trace))[0])
+    new.append(np.asarray(flat) + (1 + mu) * dw + mu ** 2 * v_old)
+  return np.stack(new)
+
+
+def test_projected_round_equals_brute_force_reference():
+  """Layer-wise sketch + momentum + distillation, against explicit Jacobians and the dense P (rounds 1-2)."""
+  config, model, federation = tiny_setup(projection__scheme="layerwise", projection__k_proj=3)
+  algorithm = spark.make_spark(config, model, federation)
+  template = jax.eval_shape(model.init, jax.random.key(0))
+  plan = projection.make_plan(template, "layerwise", 3)
+  mats = projection.sample_matrices(plan, config.seed)
+  state = algorithm.init(jax.random.key(0))
+  for r in range(2):                                        # round 2 has α < 1, T > 1 and a non-zero velocity
+    inputs = algorithm.round_inputs(r)
+    expected = reference_round(config, model, federation, state, inputs, plan, mats)
+    state, metrics = algorithm.step(state, inputs)
+    got = np.stack([np.asarray(ravel_pytree(jax.tree.map(lambda leaf: leaf[i], state.params))[0])
+                    for i in range(federation.n.shape[0])])
+    np.testing.assert_allclose(got, expected, rtol=2e-3, atol=2e-4)
+  assert float(metrics["alpha"]) < 1 and float(metrics["temperature"]) > 1
+
+
+def test_explicit_and_matrix_free_sketched_paths_agree():
+  outputs = []
+  for mode in ("implicit", "explicit"):
+    config, model, federation = tiny_setup(projection__scheme="flattened", projection__k_proj=8, jacobian=mode)
+    algorithm = spark.make_spark(config, model, federation)
+    state = algorithm.init(jax.random.key(0))
+    for r in range(2):
+      state, _ = algorithm.step(state, algorithm.round_inputs(r))
+    outputs.append(state.params)
+  for x, y in zip(jax.tree.leaves(outputs[0]), jax.tree.leaves(outputs[1])):
+    np.testing.assert_allclose(x, y, rtol=1e-3, atol=1e-4)
+
+
+def test_package_compression_keeps_top_k_and_quantises():
+  rng = np.random.default_rng(0)
+  leaf = jnp.asarray(rng.normal(size=(12, 3, 5)), jnp.float32)        # 3 senders x 4 rows
+  mask = jnp.asarray([True] * 10 + [False] * 2)
+  (out,) = spark._compress_packages((leaf,), mask, 3, 0.5, 6)
+  out, ref = np.asarray(out).reshape(3, 4, 3, 5), np.asarray(jnp.where(mask[:, None, None], leaf, 0)).reshape(3, 4, 3, 5)
+  for s in range(3):
+    kept = out[s] != 0
+    assert kept.sum() == compression.num_kept(60, 0.5)
+    threshold = np.sort(np.abs(ref[s]).ravel())[-kept.sum()]
+    assert np.all(np.abs(ref[s][kept]) >= threshold - 1e-6)             # the largest magnitudes survive
+    step = (ref[s].max() - ref[s].min()) / 63
+    assert np.all(np.abs(out[s][kept] - ref[s][kept]) <= step / 2 + 1e-6)
+
+
+def test_communication_accounting_by_hand():
+  model = models.mlp(input_dim=784, hidden=(100,), num_classes=10)
+  template = jax.eval_shape(model.init, jax.random.key(0))
+  d = 79_510
+  full = spark.package_bits(200, 10, projection.make_plan(template, "none", 1))
+  assert full == 200 * 10 * d * 32 + 200 * 10 * 32 + 200 * 4
+  assert int(spark.client_round_bits(5, full, d, broadcast=False)) == 5 * (2 * d * 32 + full)
+  plan = projection.make_plan(template, "flattened", 10_000)
+  stack = spark.package_bits(40, 10, plan, keep_fraction=0.5, bits=6)
+  expected = 40 * 10 * 32 + 40 * 4
+  for size in (400 * 10_000, 400 * 100, 400 * 1000, 400 * 10):          # n·C·projected size per tensor
+    kept = math.ceil(0.5 * size)
+    expected += kept * 6 + 64 + min(size, kept * math.ceil(math.log2(size)))
+  assert stack == expected
+  assert int(spark.client_round_bits(5, stack, d, broadcast=True)) == 5 * d * 32 + stack
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("momentum", 1.0, "momentum"), ("kernel", "diag", "kernel"), ("jacobian", "dense", "jacobian"),
+    ("distill__warmup_rounds", 40, "anneal"), ("distill__alpha_final", 1.5, "alpha_final"),
+    ("distill__temp_final", 0.5, "temp_final"), ("projection__scheme", "srht", "scheme"),
+    ("compression__keep_fraction", 0.0, "keep_fraction"), ("compression__bits", 40, "bits"),
+    ("lr_boost__rounds", (0,), "lr_boost"),
+])
+def test_validate_config_rejects_bad_values(field, value, match):
+  config = load_config(str(REPO / "configs" / "spark.py"))
+  block = config.algorithm
+  *parents, leaf = field.split("__")
+  for parent in parents:
+    block = block[parent]
+  block[leaf] = value
+  with pytest.raises(ValueError, match=match):
+    spark.validate_config(config)
+
+
+def test_config_variants():
+  cfg = lambda v: load_config(str(REPO / "configs" / "spark.py"), v)
+  spark.validate_config(cfg(None))
+  assert cfg("iid,abl_momentum").algorithm.distill.enabled is False
+  assert cfg("abl_distill").algorithm.momentum == 0.0
+  stack = cfg("full_stack")
+  assert (stack.algorithm.projection.scheme, stack.algorithm.projection.k_proj, stack.algorithm.compression.bits,
+          stack.algorithm.compression.keep_fraction, stack.algorithm.subsample, stack.topology.name) == (
+              "flattened", 10_000, 6, 0.5, 5, "clustered")
+  assert cfg("proj750").algorithm.projection.k_proj == 750
+  assert tuple(cfg("cyclic_lr").algorithm.lr_boost.rounds) == (10, 20)
+  with pytest.raises(ValueError, match="unknown config variant"):
+    cfg("proj600")
+
+
+def test_lr_boost_scales_the_round_rate():
+  config, model, federation = tiny_setup(lr_boost__rounds=(2,), lr_boost__factor=3.0)
+  algorithm = spark.make_spark(config, model, federation)
+  state = algorithm.init(jax.random.key(0))
+  state, m1 = algorithm.step(state, algorithm.round_inputs(0))
+  _, m2 = algorithm.step(state, algorithm.round_inputs(1))
+  np.testing.assert_allclose([float(m1["lr"]), float(m2["lr"])], [0.05, 0.15], rtol=1e-6)
+
+
+def test_smoke_variant_runs_through_the_runner_and_learns(tmp_path):
+  from ntk_fl import runner
+
+  summary = runner.run(load_config(str(REPO / "configs" / "spark.py"), "smoke"), str(tmp_path))
+  assert summary["final_test_acc"] > 0.5                    # chance is 0.1
+  lines = runner.read_metrics(str(tmp_path))
+  assert [line["round"] for line in lines] == [1, 2, 3, 4]
+  assert lines[-1]["bits_cumulative"] > lines[0]["bits_cumulative"] > 0
