@@ -62,14 +62,17 @@ def run_one(spec: dict) -> dict:
     algorithm = runner.build_experiment(config).algorithm
     state = jax.block_until_ready(algorithm.init(jax.random.PRNGKey(config.seed)))
     rss_before = _rss_mb()
-    times = []
+    times, cpu_times = [], []
     for r in range(2):
       inputs = algorithm.round_inputs(r)
-      t0 = time.perf_counter()
+      t0, c0 = time.perf_counter(), time.process_time()
       state, _ = jax.block_until_ready(algorithm.step(state, inputs))
       times.append(time.perf_counter() - t0)
+      # CPU seconds of all this process's threads: unlike wall time, barely moved by other jobs
+      # sharing the cores (a loaded machine's rows stay comparable).
+      cpu_times.append(time.process_time() - c0)
   peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-  return {**spec, "round_s": times[-1], "first_round_s": times[0], "rss_before_step_mb": rss_before,
+  return {**spec, "round_s": times[-1], "round_cpu_s": cpu_times[-1], "first_round_s": times[0], "rss_before_step_mb": rss_before,
           "peak_rss_mb": peak_mb, "total_s": time.perf_counter() - started,
           "backend": jax.devices()[0].platform, "num_devices": jax.device_count(),
           "load_avg": os.getloadavg()[0]}
@@ -102,16 +105,21 @@ def _read(path: str) -> list[dict]:
     return [json.loads(line) for line in f if line.strip()]
 
 
+def _fmt(value) -> str:
+  return "–" if value is None else f"{value:.2f}"
+
+
 def table(rows: list[dict]) -> str:
   """Markdown table of the recorded rows (one per configuration)."""
-  lines = ["| sweep | method | clients M | κ | τ_max | chunk | devices | s/round | ms/client | first round s "
+  lines = ["| sweep | method | clients M | κ | τ_max | chunk | devices | s/round | CPU s/round | ms/client | first round s "
            "| RSS before step MB | peak RSS MB | load avg |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for r in sorted(rows, key=lambda r: (r["sweep"], r["method"], r["clients"], r["kappa"], r["chunk"])):
     tau = r["tau_max"] if r["method"] == "ntk_dfl" else "–"
     lines.append(f"| {r['sweep']} | {r['method']} | {r['clients']} | {r['kappa']} | {tau} | {r['chunk']} "
                  f"| {r['num_devices'] if r['devices'] == 0 else r['devices']} {r['backend']} "
-                 f"| {r['round_s']:.2f} | {1000 * r['round_s'] / r['clients']:.1f} | {r['first_round_s']:.1f} "
+                 f"| {r['round_s']:.2f} | {_fmt(r.get('round_cpu_s'))} | {1000 * r['round_s'] / r['clients']:.1f} "
+                 f"| {r['first_round_s']:.1f} "
                  f"| {r['rss_before_step_mb']:.0f} | {r['peak_rss_mb']:.0f} | {r['load_avg']:.1f} |")
   return "\n".join(lines)
 
