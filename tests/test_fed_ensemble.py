@@ -12,9 +12,14 @@
 * The ensemble evaluator == numpy (mean of probabilities / logits, entropies).
 * Bad config values raise before any work; the smoke config runs through the
   runner and logs per-mode metrics and entropies.
+* Experiments: the toy script's training (JAX) == the closed-form FedAvg
+  bias and variance (numpy, exact over initialisations); the NTK check's
+  finite-time linearised prediction == centralised gradient descent in closed
+  form (one client) and leaves an idle mode at its NNGP prior.
 """
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 
 import jax
@@ -291,6 +296,7 @@ def test_smoke_config_runs_through_the_runner(tmp_path):
   config.data.max_train = 0
   config.model.hidden = (8,)
   config.algorithm.clients_per_round = 4
+  config.checkpoint_every = config.rounds        # one (final) checkpoint of the K-mode state is enough here
   summary = runner.run(config, str(tmp_path))
   lines = runner.read_metrics(str(tmp_path))
   assert len(lines) == config.rounds
@@ -300,3 +306,61 @@ def test_smoke_config_runs_through_the_runner(tmp_path):
   assert 0 < last["mode_entropy"] <= np.log(10) + 1e-6
   assert last["ensemble_entropy"] >= last["mode_entropy"] - 1e-6                # entropy is concave
   assert summary["final_test_acc"] == last["test_acc"]
+  assert (tmp_path / "checkpoints").is_dir() and any((tmp_path / "checkpoints").iterdir())
+
+
+# ----------------------------------------------------------------------------- experiments
+
+
+def _script(name):
+  spec = importlib.util.spec_from_file_location(name, REPO / "experiments" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_toy_training_matches_the_closed_form_fedavg_bias_and_variance():
+  toy = _script("fed_ensemble_toy")
+  config = load("toy")
+  config.num_clients, config.num_features, config.rounds, config.local_steps = 5, 12, 3, 2
+  x, y, centres = toy.make_data(config)
+  phi = toy.rbf_features(jnp.asarray(x.reshape(-1)), centres, config.bandwidth).reshape(*x.shape, -1)
+  grid = np.linspace(-1.0, 1.0, 33, dtype=np.float32)
+  phi_grid = np.asarray(toy.rbf_features(jnp.asarray(grid), centres, config.bandwidth))
+  truth = np.sin(2 * np.pi * grid)
+  # Training is linear in w_0: from 0 it gives the mean over initialisations, from init_std * e_j (minus the
+  # mean) the j-th column of init_std * Abar^R, whose squared norms sum to the variance.
+  init = config.init_std * np.concatenate([np.zeros((1, 12)), np.eye(12)])[:, None, :].astype(np.float32)
+  assignment = np.zeros((config.rounds, 13, config.num_clients), np.int32)
+  modes = np.asarray(toy.train(config, phi, jnp.asarray(y), jnp.asarray(assignment), jnp.asarray(init)), np.float64)
+  pred = phi_grid @ modes[:, 0].T                                                     # [G, 1 + F]
+  bias = np.mean((pred[:, 0] - truth) ** 2)
+  variance = np.mean(np.sum((pred[:, 1:] - pred[:, :1]) ** 2, axis=1))
+  exact = toy.fedavg_closed_form(config, phi, y, phi_grid, truth, (config.rounds,))[config.rounds]
+  assert bias == pytest.approx(exact[0], rel=1e-4)
+  assert variance == pytest.approx(exact[1], rel=1e-4)
+  assert exact[0] > 0.01 and exact[1] > 0.01                                          # neither is trivially 0
+
+
+def test_ntk_check_prediction_is_closed_form_gradient_descent():
+  check = _script("fed_ensemble_ntk_check")
+  x, y, x_test = check.make_data(0)
+  x1, y1 = x.reshape(1, -1, 2), y.reshape(1, -1)       # one client holding everything: centralised GD
+  rounds, tau, lr = 5, 3, 0.7
+  mean, variance, cross = check.linearised_prediction(x1, y1, x_test, np.zeros((1, rounds, 1), np.int64), 2,
+                                                      tau, lr)
+  kxx, txx = check.kernels(x1[0], x1[0])
+  ksx, tsx = check.kernels(x_test, x1[0])
+  kss, _ = check.kernels(x_test, x_test)
+  # f_t = f_0 + Theta(x, X) Theta^-1 (I - (I - lr Theta / n)^t) (Y - f_0(X)), t = rounds * tau steps.
+  evals, evecs = np.linalg.eigh(txx)
+  decay = evecs @ np.diag((1 - (1 - lr * evals / y1.size) ** (rounds * tau)) / evals) @ evecs.T
+  a = tsx @ decay                                                                      # [T, n]
+  np.testing.assert_allclose(mean[0, 0], a @ y1[0], rtol=1e-7, atol=1e-9)
+  want_var = np.diag(kss) + np.einsum("ij,jk,ik->i", a, kxx, a) - 2 * np.einsum("ij,ij->i", a, ksx)
+  np.testing.assert_allclose(variance[0, 0], want_var, rtol=1e-7, atol=1e-9)
+  # Mode 1 never trained: its prior, GP(0, Kcal); the 2-mode average's variance is the sum over 4.
+  np.testing.assert_allclose(mean[0, 1], 0.0, atol=1e-12)
+  np.testing.assert_allclose(variance[0, 1], np.diag(kss), rtol=1e-9)
+  np.testing.assert_allclose(cross[0], (want_var + np.diag(kss)) / 4, rtol=1e-7)
+  assert np.all(want_var < 0.9 * np.diag(kss))                                        # training did shrink it
