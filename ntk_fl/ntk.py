@@ -40,6 +40,10 @@ Implementations (``implementation=``):
   cores: traced N=600 13 s vs 29 s; full N=200 2.2 s vs 3.8 s, where ntvp needs
   ``C`` times fewer FLOPs); their peak memory is similar (two blocks).
 
+:func:`projected_dense_ntk` is the structured kernel of a dense stack in
+SPARK's layer-wise sketch coordinates (``J̃ J̃ᵀ`` with ``J̃ = J P``), at the
+structured kernel's cost.
+
 The generic implementations work on blocks of at most ``chunk_size`` samples of
 ``x1`` and of ``x2`` (``lax.map``), so peak memory is that of two blocks'
 Jacobians (``2·chunk·C·d`` floats), never the whole ``N·C·d`` Jacobian. The
@@ -61,7 +65,8 @@ import jax.numpy as jnp
 
 from ntk_fl.models import DenseStack
 
-__all__ = ["IMPLEMENTATIONS", "empirical_ntk", "make_ntk_fn", "full_to_matrix"]
+__all__ = ["IMPLEMENTATIONS", "empirical_ntk", "make_ntk_fn", "full_to_matrix", "DenseProjection",
+           "projected_dense_ntk"]
 
 IMPLEMENTATIONS = ("auto", "jacobian", "ntvp", "structured")
 
@@ -352,6 +357,161 @@ def _structured_kernel(stack, params, x1, x2, trace_outputs, chunk):
   f1 = features(x1)
   f2 = f1 if x2 is None else features(x2)
   return _map_blocks(lambda f1b: contract(f1b, f2), f1, chunk)
+
+
+# ----------------------------------------------------------------------------
+# 'structured' with layer-wise Jacobian sketches (SPARK).
+
+
+class DenseProjection(NamedTuple):
+  """A sketch of one dense layer's parameter Jacobian (``None`` = that tensor is not sketched).
+
+  Attributes:
+    kernel: ``P [in_l, k_l]`` acting on the *input* axis of the layer's kernel
+      ``W_l [in_l, out_l]`` (sketched coordinates ``W_l = W̄_l + P U``, ``U [k_l, out_l]``).
+    bias: ``P_b [out_l, k_b]`` acting on the bias ``b_l [out_l]`` (``b_l = b̄_l + P_b u``).
+  """
+  kernel: jax.Array | None = None
+  bias: jax.Array | None = None
+
+
+class _ProjectedFeatures(NamedTuple):
+  """:class:`_DenseFeatures` in sketch coordinates.
+
+  Attributes:
+    inputs: ``Ã_l = A_l P_l`` ``[N, k_l]`` (``A_l`` when the kernel is not sketched).
+    backs: the weight-side output factors, exactly as :class:`_DenseFeatures`.
+    bias_backs: per layer, ``P_bᵀ M_l`` (``[N, k_b·C]`` traced, ``[N, k_b, C]``
+      full) when the bias is sketched, else ``None``.
+  """
+  inputs: tuple[jax.Array, ...]
+  backs: tuple[jax.Array, ...]
+  bias_backs: tuple[jax.Array | None, ...]
+
+
+def _check_projections(stack: DenseStack, kernels, projections) -> tuple[DenseProjection, ...]:
+  if len(projections) != len(stack.layers):
+    raise ValueError(f"projections must have one DenseProjection per dense_stack layer {stack.layers}, "
+                     f"got {len(projections)}")
+  out = []
+  for name, w, proj in zip(stack.layers, kernels, projections):
+    proj = DenseProjection() if proj is None else proj
+    if not isinstance(proj, DenseProjection):
+      raise ValueError(f"projections[{name!r}] must be a DenseProjection or None, got {type(proj).__name__}")
+    for part, dim in (("kernel", w.shape[0]), ("bias", w.shape[1])):
+      m = getattr(proj, part)
+      if m is not None and (jnp.ndim(m) != 2 or jnp.shape(m)[0] != dim):
+        raise ValueError(f"projections[{name!r}].{part} must be [{dim}, k] (it acts on the layer's "
+                         f"{'input' if part == 'kernel' else 'bias'} axis of size {dim}), got {jnp.shape(m)}")
+    out.append(proj)
+  return tuple(out)
+
+
+def _projected_features(stack, kernels, biases, projections, x, trace_outputs) -> _ProjectedFeatures:
+  """Factors of the sketched kernel (derivation in :func:`projected_dense_ntk`)."""
+  base = _dense_features(stack, kernels, biases, x, trace_outputs)
+  inputs = tuple(a if p.kernel is None else jnp.matmul(a, p.kernel, precision=_HIGHEST)
+                 for a, p in zip(base.inputs, projections))
+  if all(p.bias is None for p in projections):
+    return _ProjectedFeatures(inputs, base.backs, (None,) * len(projections))
+  # A sketched bias needs the per-output Jacobians M_l [N, out_l, C] themselves (the traced
+  # factors fold the outputs away); M_{L-1} = I because the logits are the last layer's outputs.
+  ms = base.backs if not trace_outputs else _dense_features(stack, kernels, biases, x, False).backs
+  c = kernels[-1].shape[1]
+  ms = tuple(ms) + (jnp.broadcast_to(jnp.eye(c, dtype=inputs[0].dtype), (x.shape[0], c, c)),)
+  bias_backs = []
+  for m, p in zip(ms, projections):
+    if p.bias is None:
+      bias_backs.append(None)
+      continue
+    g = jnp.einsum("nqc,qk->nkc", m, p.bias, precision=_HIGHEST)
+    bias_backs.append(g.reshape(g.shape[0], -1) if trace_outputs else g)
+  return _ProjectedFeatures(inputs, base.backs, tuple(bias_backs))
+
+
+def _projected_contract(trace_outputs: bool, num_outputs: int):
+  """``contract(F1, F2)`` of two :class:`_ProjectedFeatures`; the unsketched terms in the order of
+  :func:`_structured_contract`, so that no sketch at all reproduces the structured kernel."""
+
+  def layer_term(a1, a2, s, g1, g2, outer):
+    if g1 is None:                                     # (Ã Ã'ᵀ + 1) ⊙ S: bias part unsketched
+      return outer(_gram_plus_one(a1, a2)) * s
+    bias = (jnp.matmul(g1, g2.T, precision=_HIGHEST) / num_outputs if trace_outputs
+            else jnp.einsum("ika,jkb->ijab", g1, g2, precision=_HIGHEST))
+    return outer(jnp.matmul(a1, a2.T, precision=_HIGHEST)) * s + bias
+
+  def contract(f1: _ProjectedFeatures, f2: _ProjectedFeatures) -> jax.Array:
+    if trace_outputs:
+      outer = lambda g: g
+      k = layer_term(f1.inputs[-1], f2.inputs[-1], 1.0, f1.bias_backs[-1], f2.bias_backs[-1], outer)
+      for a1, a2, b1, b2, g1, g2 in zip(f1.inputs, f2.inputs, f1.backs, f2.backs, f1.bias_backs, f2.bias_backs):
+        s = jnp.matmul(b1, b2.T, precision=_HIGHEST) / num_outputs
+        k = k + layer_term(a1, a2, s, g1, g2, outer)
+      return k
+    outer = lambda g: g[:, :, None, None]
+    eye = jnp.eye(num_outputs, dtype=f1.inputs[-1].dtype)
+    k = layer_term(f1.inputs[-1], f2.inputs[-1], eye, f1.bias_backs[-1], f2.bias_backs[-1], outer)
+    for a1, a2, m1, m2, g1, g2 in zip(f1.inputs, f2.inputs, f1.backs, f2.backs, f1.bias_backs, f2.bias_backs):
+      s = jnp.einsum("iqa,jqb->ijab", m1, m2, precision=_HIGHEST)
+      k = k + layer_term(a1, a2, s, g1, g2, outer)
+    return k
+
+  return contract
+
+
+def projected_dense_ntk(stack: DenseStack, params: Params, x1: jax.Array, x2: jax.Array | None = None, *,
+                        projections, trace_outputs: bool = True, chunk_size: int | None = None) -> jax.Array:
+  """NTK of a dense stack in layer-wise sketch coordinates: ``J̃ J̃ᵀ`` with ``J̃ = J P`` (SPARK).
+
+  ``P = blkdiag(P_l ⊗ I, P_b)`` sketches each layer's kernel along its input
+  axis and its bias (:class:`DenseProjection`; ``ntk_fl.projection``'s
+  ``'layerwise'`` scheme). With ``z_l = A_l W_l + b_l`` and the output
+  Jacobians ``M_l = ∂f/∂z_l`` ``[out_l, C]``, the Jacobian entries are
+  ``∂f_c/∂W_l[p, q] = A_l[p] M_l[q, c]`` and ``∂f_c/∂b_l[q] = M_l[q, c]``. In
+  sketch coordinates (``W = W̄ + P_l U``, ``b = b̄ + P_b u``):
+
+  * ``∂f_c/∂U[k, q] = (A_l P_l)[k] M_l[q, c]`` -- the kernel part keeps its
+    factorisation with ``A_l`` replaced by ``Ã_l = A_l P_l``;
+  * ``∂f_c/∂u[k] = (P_bᵀ M_l[:, c])[k]`` -- the bias part is no longer the
+    ``+1`` of ``(A A'ᵀ + 1)``, but the Gram matrix of ``P_bᵀ M_l``.
+
+  Hence the traced kernel is
+  ``Σ_l (Ã_l Ã_l'ᵀ) ⊙ S_l + (1/C) Σ_c (P_bᵀ M_l[:, c]) (P_bᵀ M_l'[:, c])ᵀ``
+  (``S_l`` as in the structured kernel; the second term is ``S_l`` itself when
+  the bias is not sketched), and the full kernel is the same with the output
+  axes kept. Cost ``2·N1·N2·Σ_l (k_l + out_l·C)``: for the 784-100-10 MLP with
+  ``k = 500`` about the structured kernel's, instead of the per-sample
+  Jacobians of a generic implementation on the lifted network. The flattened
+  sketch mixes a tensor's input and output axes and has no such factorisation.
+
+  Args:
+    stack: the model's :class:`~ntk_fl.models.DenseStack`.
+    params: the linearisation point ``w̄`` (flax variables dict), where ``u = 0``.
+    x1: ``[N1, *in]`` inputs.
+    x2: ``[N2, *in]`` inputs, or ``None`` for ``x2 = x1``.
+    projections: one :class:`DenseProjection` (or ``None``) per layer of ``stack``.
+    trace_outputs: ``[N1, N2]`` traced (mean over outputs) or ``[N1, N2, C, C]`` full kernel.
+    chunk_size: blocks the contraction over rows of ``x1`` (as ``'structured'``).
+
+  Raises:
+    ValueError: a projection that does not match its layer, params that do not
+      match ``stack``, inputs of the wrong width, a bad ``chunk_size``.
+  """
+  if not isinstance(stack, DenseStack):
+    raise ValueError(f"stack must be an ntk_fl.models.DenseStack, got {type(stack).__name__}")
+  _check_chunk_size(chunk_size)
+  _check_inputs(x1, x2)
+  kernels, biases = _dense_weights(stack, params)
+  projections = _check_projections(stack, kernels, tuple(projections))
+  feat = math.prod(x1.shape[1:])
+  if feat != kernels[0].shape[0]:
+    raise ValueError(f"projected structured NTK: inputs have {feat} features per sample (shape "
+                     f"{x1.shape[1:]}) but the first layer {stack.layers[0]!r} takes {kernels[0].shape[0]}")
+  features = lambda x: _projected_features(stack, kernels, biases, projections, x, trace_outputs)
+  contract = _projected_contract(trace_outputs, kernels[-1].shape[1])
+  f1 = features(x1)
+  f2 = f1 if x2 is None else features(x2)
+  return _map_blocks(lambda f1b: contract(f1b, f2), f1, chunk_size)
 
 
 # ----------------------------------------------------------------------------

@@ -32,6 +32,10 @@ Seeds: the key of tensor ``name`` (its ``/``-joined pytree path, e.g.
 ``h`` the first 31 bits of ``SHA-256(f"{seed}|{name}")`` -- the paper's
 ``Hash(s_global || name_l)`` routed through the run's table of random streams.
 
+:func:`dense_stack_projections` hands a layer-wise sketch of a dense stack to
+:func:`ntk_fl.ntk.projected_dense_ntk`, the structured kernel in sketch
+coordinates (no per-sample Jacobians).
+
 Everything works on the *leaves* of a parameter pytree in
 ``jax.tree.leaves`` order. A :class:`LeafSketch` plan is static (shapes, axes,
 sizes: close over it); the matrices are arrays (pass them to jitted code as
@@ -49,10 +53,12 @@ import jax
 import jax.numpy as jnp
 
 from ntk_fl import rng, validation
+from ntk_fl.models import DenseStack
+from ntk_fl.ntk import DenseProjection
 
 __all__ = ["SCHEMES", "LeafSketch", "leaf_names", "make_plan", "layer_key", "sample_matrices",
            "project_leaf", "back_project_leaf", "project_jacobian", "back_project", "sketch_dims",
-           "compression_ratio", "lift", "dense_matrix"]
+           "compression_ratio", "lift", "dense_matrix", "dense_stack_projections"]
 
 SCHEMES = ("none", "layerwise", "flattened")
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -231,3 +237,46 @@ def dense_matrix(plan: Sequence[LeafSketch], matrices) -> jax.Array:
     block = back_project_leaf(sketch, matrix, basis, lead=1).reshape(n_in, -1).T    # [size, n_in]
     blocks.append(block)
   return jax.scipy.linalg.block_diag(*blocks)
+
+
+def dense_stack_projections(plan: Sequence[LeafSketch], matrices, stack: DenseStack) -> tuple[DenseProjection, ...]:
+  """The sketch as per-layer :class:`ntk_fl.ntk.DenseProjection` s for :func:`ntk_fl.ntk.projected_dense_ntk`.
+
+  Layer ``l`` of ``stack`` owns the leaves named ``.../<layer>/kernel`` and
+  ``.../<layer>/bias``; a ``'layerwise'`` sketch of a ``[in, out]`` kernel acts on
+  axis 0 (its input axis) and of a bias on its only axis, which is exactly
+  what ``DenseProjection`` describes. Identity leaves map to ``None``.
+
+  Raises:
+    ValueError: a ``'flat'`` sketch (the flattened scheme mixes a tensor's axes:
+      no per-layer factorisation), or a sketched tensor that is not a kernel or
+      bias of ``stack``.
+  """
+  by_name = {}
+  for sketch, matrix in zip(plan, matrices):
+    if sketch.kind == "flat":
+      raise ValueError(f"tensor {sketch.name!r} has a flattened sketch: the structured projected kernel needs "
+                       "the 'layerwise' scheme (use the generic kernel of the lifted network)")
+    by_name[tuple(sketch.name.split("/")[-2:])] = (sketch, matrix)
+  used, out = set(), []
+  for layer in stack.layers:
+    parts = {}
+    for part in ("kernel", "bias"):
+      entry = by_name.get((layer, part))
+      if entry is None:
+        raise ValueError(f"dense_stack layer {layer!r} has no '{part}' among the sketched tensors "
+                         f"{[s.name for s in plan]}")
+      sketch, matrix = entry
+      used.add((layer, part))
+      if sketch.kind == "identity":
+        parts[part] = None
+      elif sketch.axis != 0 or len(sketch.shape) != (2 if part == "kernel" else 1):
+        raise ValueError(f"tensor {sketch.name!r} (shape {sketch.shape}) is sketched along axis {sketch.axis}; "
+                         "a dense kernel [in, out] must be sketched along axis 0 and a bias along its only axis")
+      else:
+        parts[part] = matrix
+    out.append(DenseProjection(**parts))
+  stray = [s.name for key, (s, _) in by_name.items() if key not in used and s.kind != "identity"]
+  if stray:
+    raise ValueError(f"sketched tensors {stray} are not kernels or biases of the dense stack {stack.layers}")
+  return tuple(out)

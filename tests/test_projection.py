@@ -96,6 +96,22 @@ def test_layerwise_projects_the_input_axis_and_skips_uncompressed_tensors():
   assert literal["params/dense_1/bias"].kind == "axis" and literal["params/dense_1/bias"].k == 3
 
 
+def test_dense_stack_projections_route_each_matrix_to_its_layer():
+  """The plan's matrices become per-layer (kernel, bias) sketches; identity leaves become None."""
+  model, params, _ = tiny_model()                                     # 12-7-3
+  plan = projection.make_plan(params, "layerwise", 5)                 # dense_0 kernel and bias, dense_1 kernel
+  mats = projection.sample_matrices(plan, seed=2)
+  by_name = {s.name: m for s, m in zip(plan, mats)}
+  layers = projection.dense_stack_projections(plan, mats, model.dense_stack)
+  assert len(layers) == 2
+  assert layers[0].kernel is by_name["params/dense_0/kernel"] and layers[0].kernel.shape == (12, 5)
+  assert layers[0].bias is by_name["params/dense_0/bias"] and layers[0].bias.shape == (7, 5)
+  assert layers[1].kernel is by_name["params/dense_1/kernel"] and layers[1].bias is None      # 3 <= cap 5
+  unsketched = projection.dense_stack_projections(projection.make_plan(params, "none", 1), (None,) * 4,
+                                                  model.dense_stack)
+  assert all(p.kernel is None and p.bias is None for p in unsketched)
+
+
 def test_paper_mlp_sketch_sizes():
   """spark.md §4: layer-wise caps 500/750/1000 and flattened 10,000 on the 784-100-10 MLP."""
   model = models.mlp(input_dim=784, hidden=(100,), num_classes=10)

@@ -19,7 +19,12 @@ recorded in ``configs/spark.py`` and docs/spark.md):
 3. **Sketch** (optional, :mod:`ntk_fl.projection`): the kernel is
    ``J̃ J̃ᵀ`` with ``J̃ = J P`` and the update is back-projected, ``Δw = P Δw̃``.
    Without compression this runs matrix-free on the lifted network
-   ``g(u) = f(w̄ + P u)`` (its NTK *is* the sketched kernel). With the
+   ``g(u) = f(w̄ + P u)`` (its NTK *is* the sketched kernel; VJPs of ``g`` give
+   ``J̃ᵀ v``). For a dense stack under the layer-wise sketch the kernel is the
+   structured one with every layer input ``A_l`` replaced by ``A_l P_l``
+   (:func:`ntk_fl.ntk.projected_dense_ntk`, ``projected_kernel='auto'``); the
+   flattened sketch has no such factorisation and uses the generic kernel of
+   ``g``. With the
    compression stack (top-``ρ_sp`` sparsification and ``b``-bit quantisation of
    each neighbour's package) the sketched Jacobian is formed explicitly,
    compressed per sender and per tensor, and both the kernel and the update are
@@ -39,7 +44,9 @@ member of a clique shares ``w̄``, so the package is broadcast once and no
 weights go back (paper App. A.2). :func:`client_round_bits` is the formula;
 with the sketch and compression off it is NTK-DFL's cost too.
 
-Metrics: ``tau``, ``loss`` (selected hard-label CE), ``bits_sent`` ``[M]``;
+Metrics: ``tau``, ``loss`` (selected hard-label CE), ``confidence`` (the
+teacher's mean top-class probability on the neighbourhood), ``delta_norm``
+(``‖Δw_τ*‖``), ``step_norm`` (``‖w − w̄‖``, momentum included), ``bits_sent`` ``[M]``;
 ``lr`` (boost included), ``alpha``, ``temperature``, ``bits_sent_total``,
 ``bits_cumulative``.
 """
@@ -58,13 +65,17 @@ from ntk_fl.algorithms import Method
 from ntk_fl.algorithms.base import Algorithm
 from ntk_fl.algorithms.ntk_dfl import make_neighbourhood_round
 
-__all__ = ["SparkState", "JACOBIAN_MODES", "distill_schedule", "distill_targets", "momentum_transform",
-           "nesterov_step", "package_bits", "client_round_bits", "make_spark", "validate_config", "METHOD"]
+__all__ = ["SparkState", "JACOBIAN_MODES", "PROJECTED_KERNELS", "VELOCITY_MODES", "distill_schedule",
+           "distill_targets", "momentum_transform", "nesterov_step", "package_bits", "client_round_bits",
+           "make_spark", "validate_config", "METHOD"]
 
 JACOBIAN_MODES = ("auto", "implicit", "explicit")
+PROJECTED_KERNELS = ("auto", "structured", "generic")
+VELOCITY_MODES = ("local", "mixed")
 
 _ALGORITHM_KEYS = ("lr", "lr_decay", "taus", "solver", "select", "kernel", "subsample", "momentum", "nesterov",
-                   "jacobian", "distill", "projection", "compression", "lr_boost")
+                   "velocity", "select_momentum",
+                   "jacobian", "projected_kernel", "distill", "projection", "compression", "lr_boost")
 _DISTILL_KEYS = ("enabled", "warmup_rounds", "anneal_rounds", "alpha_init", "alpha_final", "temp_init",
                  "temp_final")
 _PROJECTION_KEYS = ("scheme", "k_proj", "skip_uncompressed")
@@ -143,8 +154,11 @@ def package_bits(num_samples: int, num_classes: int, plan, *, keep_fraction: flo
   return total + num_samples * num_classes * compression.FLOAT_BITS + num_samples * label_bits
 
 
-def client_round_bits(num_neighbors, package, num_params: int, *, broadcast: bool):
+def client_round_bits(num_neighbors, package, num_params: int, *, broadcast: bool, velocity: bool = False):
   """Bits client(s) send in one round: weights out (and back, unless ``broadcast``) plus packages.
+
+  ``velocity=True`` (``config.algorithm.velocity='mixed'``) adds the velocity sent
+  out with the weights (``κ_i·d·32``).
 
   Args:
     num_neighbors: ``κ_i`` (int or ``[M]`` array).
@@ -153,9 +167,10 @@ def client_round_bits(num_neighbors, package, num_params: int, *, broadcast: boo
     broadcast: clustered topology -- one package per device, no averaged weights sent back.
   """
   weights = num_params * compression.FLOAT_BITS
+  out_weights = (2 if velocity else 1) * weights
   if broadcast:
-    return num_neighbors * weights + jnp.where(num_neighbors > 0, package, 0)
-  return num_neighbors * (2 * weights + package)
+    return num_neighbors * out_weights + jnp.where(num_neighbors > 0, package, 0)
+  return num_neighbors * (out_weights + weights + package)
 
 
 # ----------------------------------------------------------------------------- config
@@ -179,11 +194,16 @@ def validate_config(config) -> None:
   except (TypeError, ValueError) as e:
     raise ValueError(f"config.algorithm.taus: {e}") from e
   for name, allowed in (("solver", evolve.SOLVERS), ("select", evolve.SELECTS), ("kernel", evolve.KERNELS),
-                        ("jacobian", JACOBIAN_MODES)):
+                        ("jacobian", JACOBIAN_MODES), ("projected_kernel", PROJECTED_KERNELS),
+                        ("velocity", VELOCITY_MODES)):
     validation.check_choice(f"config.algorithm.{name}", algo[name], allowed)
   validation.check_int("config.algorithm.subsample", algo.subsample, low=1)
   validation.check_real("config.algorithm.momentum (μ)", algo.momentum, low=0, high=1, high_open=True)
   validation.check_bool("config.algorithm.nesterov", algo.nesterov)
+  validation.check_bool("config.algorithm.select_momentum", algo.select_momentum)
+  if algo.select_momentum and algo.select != "network":
+    raise ValueError("config.algorithm.select_momentum=True scores the network after the momentum step, so it "
+                     f"needs select='network' (got select={algo.select!r})")
 
   d = algo.distill
   _check_block("config.algorithm.distill", d, _DISTILL_KEYS)
@@ -211,6 +231,10 @@ def validate_config(config) -> None:
   validation.check_real("config.algorithm.compression.keep_fraction", c.keep_fraction, low=0, high=1, low_open=True)
   if c.bits != compression.FLOAT_BITS:
     validation.check_int("config.algorithm.compression.bits (32 = float32, no quantisation)", c.bits, low=1, high=16)
+  if algo.projected_kernel == "structured" and p.scheme == "flattened":
+    raise ValueError("config.algorithm.projected_kernel='structured' needs projection.scheme 'layerwise' or 'none': "
+                     "the flattened sketch mixes a tensor's axes and has no per-layer factorisation (use 'generic' "
+                     "or 'auto')")
   if _compressed(algo) and algo.jacobian == "implicit":
     raise ValueError("config.algorithm.jacobian='implicit' cannot apply the compression stack (keep_fraction < 1 "
                      "or bits < 32 needs the explicit sketched Jacobian): use 'explicit' or 'auto'")
@@ -228,6 +252,10 @@ def _compressed(algo) -> bool:
 
 
 # ----------------------------------------------------------------------------- client update
+
+
+def _tree_norm(tree):
+  return jnp.sqrt(sum(jnp.vdot(leaf, leaf) for leaf in jax.tree.leaves(tree)))
 
 
 def _per_sample_jacobian(g, u0, x):
@@ -290,6 +318,7 @@ def make_spark(config, model: models.Model, federation) -> Algorithm:
   members = 1 + topology.make_topology_from_config(config.topology, num_clients, seed=config.seed).sample(0) \
       .neighbors.shape[1]
   tx = momentum_transform(float(algo.momentum), bool(algo.nesterov))
+  mixed_velocity = algo.velocity == "mixed"
 
   # The sketch: identical for all clients and rounds, generated once from the seed and the layer names.
   template = jax.eval_shape(model.init, jax.random.key(0))
@@ -299,6 +328,17 @@ def make_spark(config, model: models.Model, federation) -> Algorithm:
   matrices = projection.sample_matrices(plan, config.seed) if sketched else tuple(None for _ in plan)
   keep, bits = float(algo.compression.keep_fraction), int(algo.compression.bits)
   explicit = algo.jacobian == "explicit" or (algo.jacobian == "auto" and _compressed(algo))
+  # The sketched kernel J̃ J̃ᵀ: for a dense stack under the layer-wise sketch it is the structured kernel with
+  # each layer input A_l replaced by A_l P_l (ntk.projected_dense_ntk; a small proj500 round ran ~350x faster than
+  # with per-sample Jacobians of the lifted network); the flattened sketch and other models use the generic kernel.
+  factorised = (sketched and not explicit and model.dense_stack is not None
+                and algo.projection.scheme == "layerwise")
+  if algo.projected_kernel == "structured" and sketched and not factorised:
+    raise ValueError("config.algorithm.projected_kernel='structured' needs a dense-stack model, the 'layerwise' "
+                     "projection and the matrix-free path (no compression stack, jacobian != 'explicit'); "
+                     f"got model dense_stack={model.dense_stack is not None}, scheme={algo.projection.scheme!r}, "
+                     f"explicit Jacobians={explicit}")
+  structured_sketch = factorised and algo.projected_kernel != "generic"
 
   d = algo.distill
   schedule = dict(warmup_rounds=int(d.warmup_rounds), anneal_rounds=int(d.anneal_rounds or config.rounds),
@@ -318,7 +358,7 @@ def make_spark(config, model: models.Model, federation) -> Algorithm:
     params = models.init_clients(model, key, num_clients, shared=config.model.init == "shared")
     return SparkState(params=params, momentum=jax.vmap(tx.init)(params), bits_cumulative=jnp.float32(0))
 
-  def client_delta(wbar, x, hard, mask, lr, alpha, temp, mats):
+  def client_delta(wbar, x, hard, mask, lr, alpha, temp, mats, opt_state):
     """SPARK's NTK step at ``w̄`` on the neighbourhood ``x [N, ...]``: ``(Δw, info)``."""
     mask = mask.astype(bool)
     x = jnp.where(mask.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0)
@@ -339,7 +379,12 @@ def make_spark(config, model: models.Model, federation) -> Algorithm:
       evo = evolve.evolve(kernel, f0, targets, mask, lr=lr, taus=taus, loss="ce", solver=algo.solver)
       tilde = evolve.weight_update_from_jacobian(jax.tree.unflatten(treedef, leaves), evo.residual_sums, lr, n)
     else:
-      kernel = ntk.empirical_ntk(g, u0, x, trace_outputs=traced, dense_stack=dense_stack)
+      if structured_sketch:
+        layer_sketches = projection.dense_stack_projections(plan, mats, model.dense_stack)
+        kernel = ntk.projected_dense_ntk(model.dense_stack, wbar, x, projections=layer_sketches,
+                                         trace_outputs=traced)
+      else:
+        kernel = ntk.empirical_ntk(g, u0, x, trace_outputs=traced, dense_stack=dense_stack)
       evo = evolve.evolve(kernel, f0, targets, mask, lr=lr, taus=taus, loss="ce", solver=algo.solver)
       (tilde,) = jax.vmap(pullback)(evo.residual_sums)
       tilde = jax.tree.map(lambda t: (-jnp.asarray(lr, f0.dtype) / n.astype(f0.dtype) * t).astype(t.dtype), tilde)
@@ -350,11 +395,18 @@ def make_spark(config, model: models.Model, federation) -> Algorithm:
       deltas = tilde
     score = lambda logits: evolve.mean_loss(logits, hard, mask, "ce")      # hard labels (paper §1.4(f))
     if algo.select == "network":
-      losses = jax.vmap(lambda dw: score(model.apply(jax.tree.map(jnp.add, wbar, dw), x)))(deltas)
+      if algo.select_momentum:      # score the network the client will actually hold: w̄ + μ v_new + Δw_τ
+        candidate = lambda dw: nesterov_step(tx, wbar, dw, opt_state)[0]
+      else:
+        candidate = lambda dw: jax.tree.map(jnp.add, wbar, dw)
+      losses = jax.vmap(lambda dw: score(model.apply(candidate(dw), x)))(deltas)
     else:
       losses = jax.vmap(score)(evo.f_at_taus)
     choice = evolve.select_tau(losses, taus)
-    return jax.tree.map(lambda dw: dw[choice.index], deltas), {"tau": choice.tau, "loss": choice.loss}
+    # Diagnostic: the teacher's mean top-class probability (falls when the targets flatten the model).
+    confidence = jnp.sum(jnp.where(mask, jnp.max(jax.nn.softmax(f0, axis=-1), axis=-1), 0)) / n
+    return jax.tree.map(lambda dw: dw[choice.index], deltas), {"tau": choice.tau, "loss": choice.loss,
+                                                               "confidence": confidence}
 
   @jax.jit
   def _step(state, inputs, data, mats):
@@ -366,16 +418,24 @@ def make_spark(config, model: models.Model, federation) -> Algorithm:
 
     def client_fn(wbar, x, targets, mask, lr, opt_state):
       # alpha, temp, the boost and the sketch are shared by all clients: closed over, not mapped.
-      delta, info = client_delta(wbar, x[0], targets[0], mask[0], lr * boost, alpha, temp, mats)
+      delta, info = client_delta(wbar, x[0], targets[0], mask[0], lr * boost, alpha, temp, mats, opt_state)
       new_params, opt_state = nesterov_step(tx, wbar, delta, opt_state)
+      # ‖Δw‖ and the step actually taken ‖w − w̄‖: their ratio is the momentum's amplification.
+      info = dict(info, delta_norm=_tree_norm(delta),
+                  step_norm=_tree_norm(jax.tree.map(jnp.subtract, new_params, wbar)))
       return new_params, opt_state, info
 
-    (params, opt_state, info), lr = core.run(state.params, inputs, data, client_fn, state.momentum)
+    velocity = state.momentum
+    if mixed_velocity:      # the velocity travels with the weights and is averaged with the same weights
+      velocity = topology.mix(velocity, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
+    (params, opt_state, info), lr = core.run(state.params, inputs, data, client_fn, velocity)
     bits_sent = client_round_bits(inputs.neighbor_mask.sum(axis=1).astype(jnp.float32), packages, num_params,
-                                  broadcast=broadcast)
+                                  broadcast=broadcast, velocity=mixed_velocity)
     total = jnp.sum(bits_sent)
     new_state = SparkState(params=params, momentum=opt_state, bits_cumulative=state.bits_cumulative + total)
-    metrics = {"tau": info["tau"], "loss": info["loss"], "lr": lr * boost, "alpha": alpha, "temperature": temp,
+    metrics = {"tau": info["tau"], "loss": info["loss"], "confidence": info["confidence"],
+               "delta_norm": info["delta_norm"], "step_norm": info["step_norm"],
+               "lr": lr * boost, "alpha": alpha, "temperature": temp,
                "bits_sent": bits_sent, "bits_sent_total": total, "bits_cumulative": new_state.bits_cumulative}
     return new_state, metrics
 
