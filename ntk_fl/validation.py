@@ -12,7 +12,7 @@ import math
 import numbers
 from typing import Any, Iterable
 
-__all__ = ["is_int", "is_real", "check_int", "check_real", "check_bool", "check_choice"]
+__all__ = ["is_int", "is_real", "check_int", "check_real", "check_bool", "check_choice", "check_keys"]
 
 
 def is_int(value: Any) -> bool:
@@ -59,3 +59,12 @@ def check_choice(name: str, value: Any, choices: Iterable[Any]) -> Any:
   if value not in choices:
     raise ValueError(f"{name} must be one of {choices}, got {value!r}")
   return value
+
+
+def check_keys(name: str, block: Any, keys: Iterable[str], method: str) -> None:
+  """A config block holds exactly ``keys`` (a method's own ``config.algorithm`` schema)."""
+  keys = tuple(keys)
+  missing = [k for k in keys if k not in block]
+  unknown = sorted(set(block) - set(keys))
+  if missing or unknown:
+    raise ValueError(f"{name} for method {method!r}: missing {missing}, unknown {unknown}; the keys are {list(keys)}")

@@ -91,23 +91,8 @@ def _subsample_indices(key, mask, num_keep, divisor):
 def validate_config(config) -> None:
   """Checks an NTK-DFL config's ``algorithm`` block and topology; raises ``ValueError`` naming the bad value."""
   algo = config.algorithm
-  missing = [name for name in _ALGORITHM_KEYS if name not in algo]
-  unknown = sorted(set(algo) - set(_ALGORITHM_KEYS))
-  if missing or unknown:
-    raise ValueError(f"config.algorithm for method 'ntk_dfl': missing {missing}, unknown {unknown}; "
-                     f"the keys are {list(_ALGORITHM_KEYS)}")
-  validation.check_real("config.algorithm.lr", algo.lr, low=0, low_open=True)
-  validation.check_real("config.algorithm.lr_decay (η_r = η·exp(−decay·r))", algo.lr_decay, low=0)
-  try:
-    evolve.check_taus(tuple(algo.taus))
-  except (TypeError, ValueError) as e:
-    raise ValueError(f"config.algorithm.taus: {e}") from e
-  for name, allowed in (("loss", evolve.LOSSES), ("solver", evolve.SOLVERS), ("select", evolve.SELECTS),
-                        ("kernel", evolve.KERNELS)):
-    validation.check_choice(f"config.algorithm.{name}", algo[name], allowed)
-  if algo.loss == "mse" and algo.solver != "euler":
-    raise ValueError("config.algorithm.solver applies to the cross-entropy loss only; the MSE evolution is the "
-                     f"closed form -- leave solver='euler' with loss='mse' (got solver={algo.solver!r})")
+  validation.check_keys("config.algorithm", algo, _ALGORITHM_KEYS, "ntk_dfl")
+  evolve.validate_evolution_config(algo)
   for name in ("jacobian_batches", "subsample"):
     validation.check_int(f"config.algorithm.{name}", algo[name], low=1)
   validation.check_bool("config.algorithm.per_round_averaging", algo.per_round_averaging)

@@ -105,26 +105,12 @@ def uses_explicit_jacobian(algo) -> bool:
 def validate_config(config) -> None:
   """Checks ``config.algorithm`` of ``ntk_fl`` / CP-NTK-FL; raises ``ValueError`` naming the bad value."""
   algo = config.algorithm
-  missing = [name for name in ALGORITHM_KEYS if name not in algo]
-  unknown = sorted(set(algo) - set(ALGORITHM_KEYS))
-  if missing or unknown:
-    raise ValueError(f"config.algorithm for method 'ntk_fl': missing {missing}, unknown {unknown}; "
-                     f"the keys are {list(ALGORITHM_KEYS)}")
+  validation.check_keys("config.algorithm", algo, ALGORITHM_KEYS, "ntk_fl")
   validation.check_int("config.algorithm.clients_per_round (0 = all clients)", algo.clients_per_round,
                        low=0, high=config.data.num_clients)
-  validation.check_real("config.algorithm.lr", algo.lr, low=0, low_open=True)
-  validation.check_real("config.algorithm.lr_decay (η_r = η·exp(−decay·r))", algo.lr_decay, low=0)
-  try:
-    evolve.check_taus(tuple(algo.taus))
-  except (TypeError, ValueError) as e:
-    raise ValueError(f"config.algorithm.taus: {e}") from e
-  for name, allowed in (("loss", evolve.LOSSES), ("solver", evolve.SOLVERS), ("select", evolve.SELECTS),
-                        ("kernel", evolve.KERNELS), ("jacobian", JACOBIAN_PATHS),
-                        ("projection_scale", jacobians.PROJECTION_SCALES)):
+  evolve.validate_evolution_config(algo)
+  for name, allowed in (("jacobian", JACOBIAN_PATHS), ("projection_scale", jacobians.PROJECTION_SCALES)):
     validation.check_choice(f"config.algorithm.{name}", algo[name], allowed)
-  if algo.loss == "mse" and algo.solver != "euler":
-    raise ValueError("config.algorithm.solver applies to the cross-entropy loss only; the MSE evolution is the "
-                     f"closed form -- leave solver='euler' with loss='mse' (got solver={algo.solver!r})")
   validation.check_int("config.algorithm.jacobian_chunk (0 = automatic)", algo.jacobian_chunk, low=0)
   validation.check_real("config.algorithm.subsample_fraction (β; 1 = all samples)", algo.subsample_fraction,
                         low=0, high=1, low_open=True)

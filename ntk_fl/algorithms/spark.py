@@ -177,24 +177,15 @@ def client_round_bits(num_neighbors, package, num_params: int, *, broadcast: boo
 
 
 def _check_block(name, block, keys):
-  missing = [k for k in keys if k not in block]
-  unknown = sorted(set(block) - set(keys))
-  if missing or unknown:
-    raise ValueError(f"{name} for method 'spark': missing {missing}, unknown {unknown}; the keys are {list(keys)}")
+  validation.check_keys(name, block, keys, "spark")
 
 
 def validate_config(config) -> None:
   """Checks a SPARK config's ``algorithm`` block and topology; raises ``ValueError`` naming the bad value."""
   algo = config.algorithm
   _check_block("config.algorithm", algo, _ALGORITHM_KEYS)
-  validation.check_real("config.algorithm.lr", algo.lr, low=0, low_open=True)
-  validation.check_real("config.algorithm.lr_decay (η_r = η·exp(−decay·r))", algo.lr_decay, low=0)
-  try:
-    evolve.check_taus(tuple(algo.taus))
-  except (TypeError, ValueError) as e:
-    raise ValueError(f"config.algorithm.taus: {e}") from e
-  for name, allowed in (("solver", evolve.SOLVERS), ("select", evolve.SELECTS), ("kernel", evolve.KERNELS),
-                        ("jacobian", JACOBIAN_MODES), ("projected_kernel", PROJECTED_KERNELS),
+  evolve.validate_evolution_config(algo)
+  for name, allowed in (("jacobian", JACOBIAN_MODES), ("projected_kernel", PROJECTED_KERNELS),
                         ("velocity", VELOCITY_MODES)):
     validation.check_choice(f"config.algorithm.{name}", algo[name], allowed)
   validation.check_int("config.algorithm.subsample", algo.subsample, low=1)
