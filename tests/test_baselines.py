@@ -27,7 +27,7 @@ import pytest
 from ntk_fl import compression, models, runner, topology
 from ntk_fl import config as config_lib
 from ntk_fl.algorithms import centralized, decentralized, get_method, local
-from ntk_fl.data import Federation
+from federations import ragged_federation
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = ("fedavg", "fedprox", "fednova", "datashare", "centralized", "dpsgd", "dfedavg", "dfedavgm", "dfedsam",
@@ -58,16 +58,7 @@ def tiny(name, *, sizes=(6, 6, 6, 6), seed=0, topology_name="regular", degree=2,
     config.algorithm.clients_per_round = 0
   for key, value in algo.items():
     setattr(config.algorithm, key, value)
-  rng = np.random.default_rng(seed)
-  n_max = max(sizes)
-  x = np.zeros((len(sizes), n_max, 5), np.float32)
-  y = np.zeros((len(sizes), n_max), np.int32)
-  for i, n in enumerate(sizes):
-    x[i, :n] = rng.normal(size=(n, 5))
-    y[i, :n] = rng.integers(0, 3, size=n)
-  mask = np.arange(n_max)[None] < np.asarray(sizes)[:, None]
-  federation = Federation(x=x, y=y, mask=mask, n=np.asarray(sizes, np.int32))
-  return config, federation
+  return config, ragged_federation(np.random.default_rng(seed), sizes)
 
 
 def build(name, config, federation):

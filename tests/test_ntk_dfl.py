@@ -17,6 +17,7 @@ import pytest
 
 from ntk_fl import evolve, models, topology
 from ntk_fl.algorithms import ntk_dfl
+from federations import ragged_federation
 from ntk_fl.data import Federation
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -43,14 +44,7 @@ def tiny_setup(*, num_clients=6, n_max=8, degree=2, seed=0, **algo_overrides):
     setattr(config.algorithm, key, value)
   rng = np.random.default_rng(seed)
   sizes = rng.integers(n_max - 3, n_max + 1, size=num_clients)
-  x = np.zeros((num_clients, n_max, 5), np.float32)
-  y = np.zeros((num_clients, n_max), np.int32)
-  mask = np.zeros((num_clients, n_max), bool)
-  for i, n in enumerate(sizes):
-    x[i, :n] = rng.normal(size=(n, 5))
-    y[i, :n] = rng.integers(0, 3, size=n)
-    mask[i, :n] = True
-  federation = Federation(x=x, y=y, mask=mask, n=sizes.astype(np.int32))
+  federation = ragged_federation(rng, sizes, n_max)
   model = models.mlp(input_dim=5, hidden=(8,), num_classes=3)
   return config, model, federation
 

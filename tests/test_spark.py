@@ -13,7 +13,7 @@ from jax.flatten_util import ravel_pytree
 from ntk_fl import compression, evolve, models, projection, topology
 from ntk_fl.algorithms import ntk_dfl, spark
 from ntk_fl.config import load_config
-from ntk_fl.data import Federation
+from federations import ragged_federation
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -37,14 +37,7 @@ def tiny_setup(*, num_clients=6, n_max=6, variant="", **algo):
     block[leaf] = value
   rng = np.random.default_rng(0)
   sizes = rng.integers(n_max - 2, n_max + 1, size=num_clients)
-  x = np.zeros((num_clients, n_max, 5), np.float32)
-  y = np.zeros((num_clients, n_max), np.int32)
-  mask = np.zeros((num_clients, n_max), bool)
-  for i, n in enumerate(sizes):
-    x[i, :n] = rng.normal(size=(n, 5))
-    y[i, :n] = rng.integers(0, 3, size=n)
-    mask[i, :n] = True
-  federation = Federation(x=x, y=y, mask=mask, n=sizes.astype(np.int32))
+  federation = ragged_federation(rng, sizes, n_max)
   return config, models.mlp(input_dim=5, hidden=(6,), num_classes=3), federation
 
 
