@@ -227,7 +227,8 @@ def make_decentralized(method: str, config, model: models.Model, federation) -> 
     def client_masks(leaf_key, shape, count, is_sparse):
       if not is_sparse:
         return jnp.ones((num_clients, *shape.shape), jnp.float32)
-      return jax.vmap(lambda kk: random_mask(kk, shape.shape, count))(jax.random.split(leaf_key, num_clients))
+      return parallel.for_each_client(lambda kk: random_mask(kk, shape.shape, count))(
+          jax.random.split(leaf_key, num_clients))
     masks = jax.tree.unflatten(jax.tree.structure(shapes), [
         client_masks(kk, s, c, sp) for kk, s, c, sp in zip(
             leaf_keys, jax.tree.leaves(shapes), jax.tree.leaves(num_active), jax.tree.leaves(sparse))])

@@ -60,7 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ntk_fl import compression, evolve, models, ntk, projection, topology, validation
+from ntk_fl import compression, evolve, models, ntk, parallel, projection, topology, validation
 from ntk_fl.algorithms import Method
 from ntk_fl.algorithms.base import Algorithm
 from ntk_fl.algorithms.ntk_dfl import make_neighbourhood_round
@@ -347,7 +347,7 @@ def make_spark(config, model: models.Model, federation) -> Algorithm:
 
   def init(key):
     params = models.init_clients(model, key, num_clients, shared=config.model.init == "shared")
-    return SparkState(params=params, momentum=jax.vmap(tx.init)(params), bits_cumulative=jnp.float32(0))
+    return SparkState(params=params, momentum=parallel.for_each_client(tx.init)(params), bits_cumulative=jnp.float32(0))
 
   def client_delta(wbar, x, hard, mask, lr, alpha, temp, mats, opt_state):
     """SPARK's NTK step at ``w̄`` on the neighbourhood ``x [N, ...]``: ``(Δw, info)``."""
