@@ -10,7 +10,8 @@
 #   spark_ablation   the Table 4 rows at IID x seeds, 30 rounds
 #
 # OUT defaults to runs/<suite>; SEEDS to "0 1 2". A finished run (its summary.json exists) is skipped and an
-# interrupted one resumes from its last checkpoint, so the same command continues a killed queue. Every run
+# interrupted one resumes from its last checkpoint (one killed before its first checkpoint is moved aside and
+# started again), so the same command continues a killed queue. Every run
 # logs to OUT/<name>.log; the table and the curves come from experiments/summarize_runs.py at the end.
 set -u
 cd "$(dirname "$0")/.."
@@ -24,7 +25,14 @@ run() {  # name config[:variants] seed [extra --config.* flags...]
   local name=$1 config=$2 seed=$3; shift 3
   local dir=$OUT/${name}_s$seed
   [ -f "$dir/summary.json" ] && return 0
-  local resume=""; [ -d "$dir/checkpoints" ] && resume="--resume"
+  local resume=""
+  if compgen -G "$dir/checkpoints/[0-9]*" > /dev/null; then
+    resume="--resume"
+  elif [ -e "$dir" ]; then  # killed before its first checkpoint: nothing to resume, keep it aside, start over
+    local aside="$dir.unfinished-$(date +%s)"
+    echo "$dir has no checkpoint to resume; moved to $aside" >&2
+    mv "$dir" "$aside"
+  fi
   echo "$(date '+%F %T') $dir" >&2
   $PYTHON experiments/main.py --config="$config" --config.seed="$seed" --workdir="$dir" $resume "$@" \
     >> "$dir.log" 2>&1 || echo "run $dir failed (see $dir.log)" >&2
@@ -61,4 +69,6 @@ case "$SUITE" in
     done ;;
   *) echo "unknown suite '$SUITE'; the suites are ntk_dfl, baselines, ntk_fl, spark, spark_ablation" >&2; exit 2 ;;
 esac
-$PYTHON experiments/summarize_runs.py "$OUT"/*_s[0-9]* --plot "$OUT/summary.png"
+finished=()
+for dir in "$OUT"/*_s*/; do [ -f "$dir/summary.json" ] && finished+=("${dir%/}"); done
+[ ${#finished[@]} -gt 0 ] && $PYTHON experiments/summarize_runs.py "${finished[@]}" --plot "$OUT/summary.png"
