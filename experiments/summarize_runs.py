@@ -6,14 +6,22 @@ Reads each workdir's ``config.json`` / ``metrics.jsonl`` (runs still in progress
 are read up to their last completed round) and prints a markdown table: rounds to
 80 % / 85 % aggregated test accuracy, the aggregated and mean-client accuracy at
 the last round, the mean step time per round (excluding round 1, which includes
-compilation) and the total wall time of the logged rounds. ``--plot`` draws the
-aggregated (solid) and mean-client (dashed) accuracy curves of all runs.
+compilation) and the total wall time of the logged rounds. Runs that differ only
+in their seed are then summarised in a second table (rounds to 85 % per seed,
+their mean and range, mean final accuracy). ``--detail`` adds, per run, the
+aggregated / mean-client accuracy at a few rounds, the aggregation gap at the
+first and last round and, where the run recorded them, the final-averaging
+selection curves (paper Fig. 6) at 1 and 5 clients and at their peak.
+``--plot`` draws the aggregated (solid) and mean-client (dashed) accuracy
+curves of all runs.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -21,15 +29,24 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from ntk_fl import metrics  # noqa: E402
 
 
+DETAIL_ROUNDS = (1, 2, 3, 5, 8, 10, 12, 15, 18, 20, 25, 30)
+
+
 def read_run(workdir: str) -> dict:
+  """``{"name", "config", "lines", "summary"}``; ``summary`` is ``None`` while the run is unfinished."""
   with open(os.path.join(workdir, "config.json")) as f:
     config = json.load(f)
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     lines = [json.loads(line) for line in f if line.strip()]
-  return {"name": os.path.basename(os.path.normpath(workdir)), "config": config, "lines": lines}
+  summary = None
+  if os.path.isfile(os.path.join(workdir, "summary.json")):
+    with open(os.path.join(workdir, "summary.json")) as f:
+      summary = json.load(f)
+  return {"name": os.path.basename(os.path.normpath(workdir)), "config": config, "lines": lines,
+          "summary": summary}
 
 
-def _describe(config: dict) -> str:
+def _describe(config: dict, with_seed: bool = True) -> str:
   data = config["data"]
   split = "IID" if data["partition"] == "iid" else f"α={data['alpha']:g}"
   algo = config.get("algorithm", {})
@@ -38,7 +55,8 @@ def _describe(config: dict) -> str:
     extras.append(f"decay {algo['lr_decay']:g}")
   if algo.get("per_round_averaging") is False:
     extras.append("no averaging")
-  return " ".join([config["method"], data["name"], split, *extras, f"seed {config['seed']}"])
+  seed = [f"seed {config['seed']}"] if with_seed else []
+  return " ".join([config["method"], data["name"], split, *extras, *seed])
 
 
 def table(runs: list[dict]) -> str:
@@ -56,6 +74,54 @@ def table(runs: list[dict]) -> str:
     rows.append(f"| {run['name']} | {_describe(run['config'])} | {len(lines)} | {to80 or '—'} | {to85 or '—'} | "
                 f"{acc[-1]:.4f} | {client:.4f} | {sum(steps) / len(steps):.1f} | {wall / 60:.1f} min |")
   return "\n".join(rows)
+
+
+def seed_table(runs: list[dict]) -> str:
+  """Runs grouped by everything but the seed: rounds to 85 % per seed, their mean and range."""
+  groups: dict[str, list[dict]] = collections.defaultdict(list)
+  for run in runs:
+    groups[_describe(run["config"], with_seed=False)].append(run)
+  rows = ["| setting | seeds | rounds to 85% per seed | mean (min–max) | mean final aggregated | "
+          "mean final mean client |", "|---|---|---|---:|---:|---:|"]
+  for setting, members in groups.items():
+    members = sorted(members, key=lambda run: run["config"]["seed"])
+    reached = [metrics.rounds_to_target([line.get("test_acc") for line in run["lines"]], 0.85) for run in members]
+    per_seed = ", ".join(f"{r}" if r else f"— ({len(run['lines'])} rounds)" for r, run in zip(reached, members))
+    hits = [r for r in reached if r]
+    spread = (f"{statistics.mean(hits):.1f} ({min(hits)}–{max(hits)})" if len(hits) == len(reached)
+              else f"{len(hits)} of {len(reached)} reached")
+    final = statistics.mean(run["lines"][-1]["test_acc"] for run in members)
+    clients = [run["lines"][-1].get("client_acc_mean") for run in members]
+    client = f"{statistics.mean(clients):.4f}" if None not in clients else "—"
+    seeds = ", ".join(str(run["config"]["seed"]) for run in members)
+    rows.append(f"| {setting} | {seeds} | {per_seed} | {spread} | {final:.4f} | {client} |")
+  return "\n".join(rows)
+
+
+def detail(run: dict) -> str:
+  """Accuracy at DETAIL_ROUNDS (and the last round), the aggregation gap and the selection curves of one run."""
+  lines = run["lines"]
+  points = [f"{100 * line['test_acc']:.1f}/{100 * line['client_acc_mean']:.1f} ({line['round']})"
+            for line in lines if (line["round"] in DETAIL_ROUNDS or line is lines[-1])
+            and line.get("client_acc_mean") is not None]
+  out = [f"{run['name']}: aggregated / mean client by round: " + ", ".join(points)]
+  gaps = [100 * (line["test_acc"] - line["client_acc_mean"]) for line in lines
+          if line.get("client_acc_mean") is not None]
+  if gaps:
+    out.append(f"  aggregated − mean client: {gaps[0]:.1f} points at the first round, {gaps[-1]:.1f} at the last")
+  steps = [line["step_time"] for line in lines[1:]][-10:]
+  if steps:
+    out.append(f"  median step time of the last {len(steps)} rounds: {statistics.median(steps):.0f} s")
+  selection = (run["summary"] or {}).get("selection")
+  if selection:
+    best, rand, worst = (selection[k] for k in ("best_to_worst", "random", "worst_to_best"))
+    peak = max(range(len(best)), key=best.__getitem__)
+    at5 = min(5, len(best)) - 1
+    out.append(f"  selection (test half): best-to-worst {100 * best[0]:.1f} % with 1 client, "
+               f"{100 * best[at5]:.1f} % with {at5 + 1}, peak {100 * best[peak]:.1f} % with {peak + 1}, "
+               f"all {len(best)}: {100 * best[-1]:.1f} %; random {100 * rand[at5]:.1f} % and worst-to-best "
+               f"{100 * worst[at5]:.1f} % with {at5 + 1}")
+  return "\n".join(out)
 
 
 def plot(runs: list[dict], path: str) -> None:
@@ -84,12 +150,19 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("workdirs", nargs="+")
   parser.add_argument("--plot", default="")
+  parser.add_argument("--detail", action="store_true", help="per-run curve points, gap and selection curves")
   args = parser.parse_args()
   runs = [read_run(w) for w in args.workdirs if os.path.isfile(os.path.join(w, "metrics.jsonl"))]
   runs = [run for run in runs if run["lines"]]          # skip runs that have not finished a round yet
   if not runs:
     sys.exit("no runs with a metrics.jsonl among the given workdirs")
   print(table(runs))
+  print()
+  print(seed_table(runs))
+  if args.detail:
+    for run in runs:
+      print()
+      print(detail(run))
   if args.plot:
     plot(runs, args.plot)
     print(f"\nplot: {args.plot}")

@@ -1,0 +1,63 @@
+"""experiments/summarize_runs.py on hand-written workdirs: its numbers are recomputed here from the lines."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def summarize():
+  spec = importlib.util.spec_from_file_location("summarize_runs",
+                                                os.path.join(REPO, "experiments", "summarize_runs.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def _write_run(root, name: str, seed: int, accuracies: list[float], client: list[float],
+               selection: dict | None = None) -> str:
+  workdir = os.path.join(root, name)
+  os.makedirs(workdir)
+  config = {"method": "ntk_dfl", "seed": seed, "data": {"name": "fashion_mnist", "partition": "dirichlet",
+                                                         "alpha": 0.1}, "algorithm": {}}
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    json.dump(config, f)
+  with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+    for r, (acc, mean_client) in enumerate(zip(accuracies, client), start=1):
+      f.write(json.dumps({"round": r, "step_time": 10.0 * r, "eval_time": 1.0, "test_acc": acc,
+                          "client_acc_mean": mean_client}) + "\n")
+  if selection is not None:
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+      json.dump({"selection": selection}, f)
+  return workdir
+
+
+def test_seed_table_groups_seeds_and_counts_rounds(summarize, tmp_path):
+  a = _write_run(tmp_path, "a_s0", 0, [0.70, 0.81, 0.86], [0.6, 0.7, 0.75])
+  b = _write_run(tmp_path, "a_s1", 1, [0.70, 0.80, 0.84, 0.851, 0.86], [0.6, 0.7, 0.7, 0.72, 0.73])
+  c = _write_run(tmp_path, "a_s2", 2, [0.70, 0.80], [0.6, 0.7])              # never reaches 85 %
+  runs = [summarize.read_run(w) for w in (b, a, c)]
+  table = summarize.seed_table(runs[:2]).splitlines()
+  assert len(table) == 3                                                      # header, rule, one group
+  assert "| 0, 1 | 3, 4 | 3.5 (3–4) |" in table[2]
+  assert f"| {(0.86 + 0.86) / 2:.4f} | {(0.75 + 0.73) / 2:.4f} |" in table[2]
+  partial = summarize.seed_table(runs).splitlines()[2]
+  assert "| 0, 1, 2 | 3, 4, — (2 rounds) | 2 of 3 reached |" in partial
+
+
+def test_detail_reports_gap_step_time_and_selection(summarize, tmp_path):
+  best = [0.80, 0.82, 0.83, 0.84, 0.845, 0.85, 0.849]
+  selection = {"best_to_worst": best, "random": [0.7, 0.75, 0.78, 0.79, 0.80, 0.84, 0.849],
+               "worst_to_best": [0.6, 0.65, 0.7, 0.72, 0.74, 0.8, 0.849]}
+  workdir = _write_run(tmp_path, "b_s0", 0, [0.70, 0.80, 0.85], [0.60, 0.72, 0.80], selection)
+  text = summarize.detail(summarize.read_run(workdir))
+  assert "70.0/60.0 (1), 80.0/72.0 (2), 85.0/80.0 (3)" in text
+  assert "10.0 points at the first round, 5.0 at the last" in text
+  assert "median step time of the last 2 rounds: 25 s" in text              # rounds 2 and 3: 20 s and 30 s
+  assert ("best-to-worst 80.0 % with 1 client, 84.5 % with 5, peak 85.0 % with 6, all 7: 84.9 %; "
+          "random 80.0 % and worst-to-best 74.0 % with 5") in text
