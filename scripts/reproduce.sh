@@ -6,6 +6,8 @@
 #   baselines  DFedAvg, DFedAvgM, DFedSAM, DisPFL, D-PSGD (issue 5): the same levels x seeds, each config's
 #              own 200 rounds, stopped at 85 %
 #   ntk_fl     NTK-FL and CP-NTK-FL at alpha = 0.1 (issue 6, Table 1) and FedAvg, stopped at 85 %
+#   ntk_fl_busiest   NTK-FL in NTK-DFL App. C.1's busiest-node setting (5 clients per round), {iid, alpha0.5,
+#              alpha0.1} x seeds, stopped at 85 % (about 2 min per run)
 #   spark      SPARK (issue 7): {iid, alpha0.5, alpha0.3, alpha0.1} x seeds, 30 rounds (Tables 1-2)
 #   spark_ablation   the Table 4 rows at IID x seeds, 30 rounds
 #
@@ -15,7 +17,7 @@
 # logs to OUT/<name>.log; the table and the curves come from experiments/summarize_runs.py at the end.
 set -u
 cd "$(dirname "$0")/.."
-SUITE=${1:?usage: bash scripts/reproduce.sh ntk_dfl|baselines|ntk_fl|spark|spark_ablation [OUT] [SEEDS]}
+SUITE=${1:?usage: bash scripts/reproduce.sh ntk_dfl|baselines|ntk_fl|ntk_fl_busiest|spark|spark_ablation [OUT] [SEEDS]}
 OUT=${2:-runs/$SUITE}
 SEEDS=${3:-0 1 2}
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -59,6 +61,10 @@ case "$SUITE" in
       run cp_ntk_fl_table1 configs/cp_ntk_fl.py:table1 "$s" $to85
       run fedavg configs/fedavg.py "$s" $to85
     done ;;
+  ntk_fl_busiest)
+    for s in $SEEDS; do
+      for level in iid alpha0.5 alpha0.1; do run "busy_$level" "configs/ntk_fl.py:busiest_node,$level" "$s" $to85; done
+    done ;;
   spark)
     for s in $SEEDS; do
       for level in alpha0.1 alpha0.5 iid alpha0.3; do run "$level" "configs/spark.py:$level" "$s"; done
@@ -67,7 +73,7 @@ case "$SUITE" in
     for s in $SEEDS; do
       for a in abl_none abl_distill abl_momentum abl_both; do run "$a" "configs/spark.py:iid,$a" "$s"; done
     done ;;
-  *) echo "unknown suite '$SUITE'; the suites are ntk_dfl, baselines, ntk_fl, spark, spark_ablation" >&2; exit 2 ;;
+  *) echo "unknown suite '$SUITE'; the suites are ntk_dfl, baselines, ntk_fl, ntk_fl_busiest, spark, spark_ablation" >&2; exit 2 ;;
 esac
 finished=()
 for dir in "$OUT"/*_s*/; do [ -f "$dir/summary.json" ] && finished+=("${dir%/}"); done
