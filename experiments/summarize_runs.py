@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from ntk_fl import metrics  # noqa: E402
 
 
-DETAIL_ROUNDS = (1, 2, 3, 5, 8, 10, 12, 15, 18, 20, 25, 30)
+DETAIL_ROUNDS = (1, 2, 3, 5, 8, 10, 12, 15, 18, 20, 25, 30, 40, 50, 75, 100, 150, 200)
 
 
 def read_run(workdir: str) -> dict:
@@ -55,8 +55,15 @@ def _describe(config: dict, with_seed: bool = True) -> str:
     extras.append(f"decay {algo['lr_decay']:g}")
   if algo.get("per_round_averaging") is False:
     extras.append("no averaging")
+  if algo.get("clients_per_round"):
+    extras.append(f"{algo['clients_per_round']} clients/round")
   seed = [f"seed {config['seed']}"] if with_seed else []
   return " ".join([config["method"], data["name"], split, *extras, *seed])
+
+
+def _fmt(value: float | None) -> str:
+  """4 decimals, or a dash for a metric the method does not have (server methods have no client models)."""
+  return "—" if value is None else f"{value:.4f}"
 
 
 def table(runs: list[dict]) -> str:
@@ -72,7 +79,7 @@ def table(runs: list[dict]) -> str:
     steps = [line["step_time"] for line in lines[1:]] or [lines[0]["step_time"]]
     wall = sum(line["step_time"] + line.get("eval_time", 0.0) for line in lines)
     rows.append(f"| {run['name']} | {_describe(run['config'])} | {len(lines)} | {to80 or '—'} | {to85 or '—'} | "
-                f"{acc[-1]:.4f} | {client:.4f} | {sum(steps) / len(steps):.1f} | {wall / 60:.1f} min |")
+                f"{acc[-1]:.4f} | {_fmt(client)} | {sum(steps) / len(steps):.1f} | {wall / 60:.1f} min |")
   return "\n".join(rows)
 
 
@@ -92,7 +99,7 @@ def seed_table(runs: list[dict]) -> str:
               else f"{len(hits)} of {len(reached)} reached")
     final = statistics.mean(run["lines"][-1]["test_acc"] for run in members)
     clients = [run["lines"][-1].get("client_acc_mean") for run in members]
-    client = f"{statistics.mean(clients):.4f}" if None not in clients else "—"
+    client = _fmt(statistics.mean(clients)) if None not in clients else "—"
     seeds = ", ".join(str(run["config"]["seed"]) for run in members)
     rows.append(f"| {setting} | {seeds} | {per_seed} | {spread} | {final:.4f} | {client} |")
   return "\n".join(rows)
@@ -101,10 +108,13 @@ def seed_table(runs: list[dict]) -> str:
 def detail(run: dict) -> str:
   """Accuracy at DETAIL_ROUNDS (and the last round), the aggregation gap and the selection curves of one run."""
   lines = run["lines"]
-  points = [f"{100 * line['test_acc']:.1f}/{100 * line['client_acc_mean']:.1f} ({line['round']})"
-            for line in lines if (line["round"] in DETAIL_ROUNDS or line is lines[-1])
-            and line.get("client_acc_mean") is not None]
-  out = [f"{run['name']}: aggregated / mean client by round: " + ", ".join(points)]
+  shown = [line for line in lines if line["round"] in DETAIL_ROUNDS or line is lines[-1]]
+  if all(line.get("client_acc_mean") is not None for line in shown):
+    points = [f"{100 * line['test_acc']:.1f}/{100 * line['client_acc_mean']:.1f} ({line['round']})" for line in shown]
+    out = [f"{run['name']}: aggregated / mean client by round: " + ", ".join(points)]
+  else:                                                  # a server method: one global model, no client models
+    points = [f"{100 * line['test_acc']:.1f} ({line['round']})" for line in shown]
+    out = [f"{run['name']}: test accuracy by round: " + ", ".join(points)]
   gaps = [100 * (line["test_acc"] - line["client_acc_mean"]) for line in lines
           if line.get("client_acc_mean") is not None]
   if gaps:
@@ -113,7 +123,7 @@ def detail(run: dict) -> str:
   if steps:
     out.append(f"  median step time of the last {len(steps)} rounds: {statistics.median(steps):.0f} s")
   selection = (run["summary"] or {}).get("selection")
-  if selection:
+  if selection and len(selection["best_to_worst"]) > 1:       # a single global model has nothing to select
     best, rand, worst = (selection[k] for k in ("best_to_worst", "random", "worst_to_best"))
     peak = max(range(len(best)), key=best.__getitem__)
     at5 = min(5, len(best)) - 1

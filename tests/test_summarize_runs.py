@@ -61,3 +61,12 @@ def test_detail_reports_gap_step_time_and_selection(summarize, tmp_path):
   assert "median step time of the last 2 rounds: 25 s" in text              # rounds 2 and 3: 20 s and 30 s
   assert ("best-to-worst 80.0 % with 1 client, 84.5 % with 5, peak 85.0 % with 6, all 7: 84.9 %; "
           "random 80.0 % and worst-to-best 74.0 % with 5") in text
+
+
+def test_server_methods_without_client_models_are_tabulated(summarize, tmp_path):
+  workdir = _write_run(tmp_path, "c_s0", 0, [0.70, 0.86], [None, None])
+  run = summarize.read_run(workdir)
+  row = summarize.table([run]).splitlines()[2]
+  assert "| 2 | 2 | 2 | 0.8600 | — |" in row                                   # 80 % and 85 % first at round 2
+  assert "| 0 | 2 | 2.0 (2–2) | 0.8600 | — |" in summarize.seed_table([run])
+  assert "test accuracy by round: 70.0 (1), 86.0 (2)" in summarize.detail(run)
