@@ -2,7 +2,7 @@
 
 Usage::
 
-  python experiments/euler_vs_ode.py [--seed=0] [--size=1200]
+  python experiments/euler_vs_ode.py [--seed 0] [--size 1200] [--lr 0.01]
 
 The authors' code integrates the cross-entropy gradient flow with an adaptive
 Dopri5 solver (rtol 1e-7, atol 1e-9) and reads it at ``t = sη``; ntk_fl's
@@ -20,11 +20,11 @@ neighbourhood).
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
 
-from absl import app, flags
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,9 +33,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from ntk_fl import data, evolve, models, ntk  # noqa: E402
 
-_SEED = flags.DEFINE_integer("seed", 0, "seed of the initialisation and of the sample draws")
-_SIZE = flags.DEFINE_integer("size", 1200, "samples per neighbourhood (NTK-DFL: 6 clients x ~200)")
-_LR = flags.DEFINE_float("lr", 0.01, "η")
 TAUS = tuple(range(100, 801, 100))
 SKEW = ((0, 7), (3, 4), (7, 1))          # (class, share) of the skewed neighbourhood
 
@@ -71,16 +68,22 @@ def compare(model, params, x, y, lr: float) -> dict:
   return result
 
 
-def main(argv) -> None:
-  del argv
-  ds = data.load("fashion_mnist", seed=_SEED.value)
+def main(argv=None) -> None:
+  # argparse, not absl flags: tests import this module next to other experiment scripts that define absl
+  # flags of the same names in the same process.
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--seed", type=int, default=0, help="seed of the initialisation and of the sample draws")
+  parser.add_argument("--size", type=int, default=1200, help="samples per neighbourhood (NTK-DFL: 6 x ~200)")
+  parser.add_argument("--lr", type=float, default=0.01, help="η")
+  args = parser.parse_args(argv)
+  ds = data.load("fashion_mnist", seed=args.seed)
   model = models.mlp(784, (100,), 10)
-  params = model.init(jax.random.PRNGKey(_SEED.value))
+  params = model.init(jax.random.PRNGKey(args.seed))
   labels = np.asarray(ds.y_train)
-  for name, idx in neighbourhoods(labels, _SIZE.value, _SEED.value).items():
+  for name, idx in neighbourhoods(labels, args.size, args.seed).items():
     x = jnp.asarray(ds.x_train[idx]).reshape(idx.size, -1)
     y = jax.nn.one_hot(jnp.asarray(labels[idx]), 10)
-    r = compare(model, params, x, y, _LR.value)
+    r = compare(model, params, x, y, args.lr)
     print(f"{name}: η·λ1/N = {r['eta_lambda_over_n'][0]:.2f}, η·λ2/N = {r['eta_lambda_over_n'][1]:.2f}; "
           f"|Δw_euler − Δw_ode| / |Δw_ode| = {r['relative_dw_difference']:.3f}")
     for solver in ("euler", "ode"):
@@ -90,4 +93,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  main()
