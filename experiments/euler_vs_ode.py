@@ -26,6 +26,7 @@ import sys
 import time
 
 import jax
+from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
 import numpy as np
 
@@ -60,7 +61,7 @@ def compare(model, params, x, y, lr: float) -> dict:
     delta, info = evolve.ntk_delta_from_kernel(model.apply, params, x, y, mask, kernel, lr=lr, taus=TAUS,
                                                solver=solver)
     delta = jax.block_until_ready(delta)
-    deltas[solver] = jnp.concatenate([leaf.ravel() for leaf in jax.tree_util.tree_leaves(delta)])
+    deltas[solver] = ravel_pytree(delta)[0]
     result[solver] = {"tau": int(info["tau"]), "losses": np.asarray(info["losses"]),
                       "seconds": time.perf_counter() - start}
   result["relative_dw_difference"] = float(jnp.linalg.norm(deltas["euler"] - deltas["ode"])
