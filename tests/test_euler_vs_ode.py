@@ -1,24 +1,17 @@
 """experiments/euler_vs_ode.py: its neighbourhoods and its solver comparison on a small problem."""
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import jax
 import numpy as np
 import pytest
 
 from ntk_fl import models
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from scripts import load_experiment
 
 
 @pytest.fixture(scope="module")
 def script():
-  spec = importlib.util.spec_from_file_location("euler_vs_ode", os.path.join(REPO, "experiments", "euler_vs_ode.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_experiment("euler_vs_ode")
 
 
 def test_neighbourhoods_sizes_and_class_shares(script):

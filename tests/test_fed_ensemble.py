@@ -19,7 +19,6 @@
 """
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 
 import jax
@@ -31,6 +30,7 @@ from ntk_fl import config as config_lib
 from ntk_fl import evolve, metrics, models, runner
 from ntk_fl.algorithms import fed_ensemble, get_method, local
 from federations import ragged_federation
+from scripts import load_experiment
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MODEL = models.mlp(input_dim=5, hidden=(6,), num_classes=3)
@@ -304,15 +304,8 @@ def test_smoke_config_runs_through_the_runner(tmp_path):
 # ----------------------------------------------------------------------------- experiments
 
 
-def _script(name):
-  spec = importlib.util.spec_from_file_location(name, REPO / "experiments" / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 def test_toy_training_matches_the_closed_form_fedavg_bias_and_variance():
-  toy = _script("fed_ensemble_toy")
+  toy = load_experiment("fed_ensemble_toy")
   config = load("toy")
   config.num_clients, config.num_features, config.rounds, config.local_steps = 5, 12, 3, 2
   x, y, centres = toy.make_data(config)
@@ -335,7 +328,7 @@ def test_toy_training_matches_the_closed_form_fedavg_bias_and_variance():
 
 
 def test_ntk_check_prediction_is_closed_form_gradient_descent():
-  check = _script("fed_ensemble_ntk_check")
+  check = load_experiment("fed_ensemble_ntk_check")
   x, y, x_test = check.make_data(0)
   x1, y1 = x.reshape(1, -1, 2), y.reshape(1, -1)       # one client holding everything: centralised GD
   rounds, tau, lr = 5, 3, 0.7

@@ -1,22 +1,17 @@
 """experiments/summarize_runs.py on hand-written workdirs: its numbers are recomputed here from the lines."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from scripts import load_experiment
 
 
 @pytest.fixture(scope="module")
 def summarize():
-  spec = importlib.util.spec_from_file_location("summarize_runs",
-                                                os.path.join(REPO, "experiments", "summarize_runs.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_experiment("summarize_runs")
 
 
 def _write_run(root, name: str, seed: int, accuracies: list[float], client: list[float],
