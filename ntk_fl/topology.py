@@ -464,12 +464,19 @@ def mix(stacked_params, neighbors, self_weight, neighbor_weights, *, sent=None):
     Pytree like ``stacked_params``.
   """
   sent = stacked_params if sent is None else sent
+  neighbors = jnp.asarray(neighbors)
+  neighbor_weights = jnp.asarray(neighbor_weights)
 
   def one(own, transmitted):
     extra = (1,) * (own.ndim - 1)
-    gathered = transmitted[neighbors]                                       # [M, k, ...]
-    weights = jnp.asarray(neighbor_weights).reshape(*neighbor_weights.shape, *extra).astype(own.dtype)
-    return (jnp.asarray(self_weight).reshape(-1, *extra).astype(own.dtype) * own
-            + jnp.sum(weights * gathered, axis=1))
+    total = jnp.asarray(self_weight).reshape(-1, *extra).astype(own.dtype) * own
+    # One neighbour slot at a time (k is static and small): XLA fuses each [M, ...]
+    # gather into the running sum. Gathering all slots at once materialised an
+    # [M, k, ...] buffer -- 477 MB at M = 300, k = 5, d = 79,510 -- and was ≈ 5x
+    # slower on CPU (benchmarks/RESULTS.md, "Gossip step").
+    for slot in range(neighbors.shape[1]):
+      weight = neighbor_weights[:, slot].reshape(-1, *extra).astype(own.dtype)
+      total = total + weight * transmitted[neighbors[:, slot]]
+    return total
 
   return jax.tree.map(one, stacked_params, sent)

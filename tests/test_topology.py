@@ -372,3 +372,14 @@ def test_mix_uses_own_exact_weights_and_neighbours_transmitted_ones():
   np.testing.assert_allclose(out, own + (dense - np.diag(np.diag(dense))) @ sent, rtol=1e-5, atol=1e-6)
   exact = np.asarray(T.mix({"w": w}, graph.neighbors, self_w, nbr_w)["w"])
   np.testing.assert_allclose(exact, dense @ w, rtol=1e-5, atol=1e-6)
+
+
+def test_mix_does_not_materialise_the_gathered_neighbour_slots():
+  # benchmarks/gossip_step.py checks topology.mix against the one-gather formulation it replaced;
+  # the slot-by-slot sum must need far less XLA scratch than the [M, k, 784, 100] gather of the first layer.
+  from scripts import load_benchmark  # pylint: disable=import-outside-toplevel
+  clients, degree = 12, 3
+  result = load_benchmark("gossip_step").main([f"--clients={clients}", f"--degree={degree}", "--repeats=1"])
+  gathered_bytes = clients * degree * 784 * 100 * 4
+  assert result["before_temp"] >= gathered_bytes
+  assert result["after_temp"] < gathered_bytes // 4

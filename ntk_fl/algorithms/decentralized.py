@@ -177,10 +177,13 @@ def masked_neighbor_average(params, masks, sent, neighbors, neighbor_mask):
   """
   def mix(w, m, s):
     extra = (1,) * (w.ndim - 1)
-    real = neighbor_mask.reshape(*neighbor_mask.shape, *extra).astype(w.dtype)
-    nbr_m = real * m[neighbors]                                        # [M, k, ...]
-    total = m * w + jnp.sum(nbr_m * s[neighbors], axis=1)
-    count = m + jnp.sum(nbr_m, axis=1)
+    total, count = m * w, m
+    # Slot by slot, as in topology.mix: no [M, k, ...] gather is materialised.
+    for slot in range(neighbors.shape[1]):
+      index = neighbors[:, slot]
+      holder = neighbor_mask[:, slot].reshape(-1, *extra).astype(w.dtype) * m[index]
+      total = total + holder * s[index]
+      count = count + holder
     return m * total / jnp.maximum(count, 1.0)
   return jax.tree.map(mix, params, masks, sent)
 
