@@ -20,7 +20,6 @@ values; use it where Fashion-MNIST is not installed).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import platform
 import statistics
@@ -41,10 +40,8 @@ def _parse(argv=None):
 
 
 def _config(variant: str):
-  spec = importlib.util.spec_from_file_location("dfedavg_config", os.path.join(REPO, "configs", "dfedavg.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(variant or None)
+  from ntk_fl.config import load_config  # pylint: disable=import-outside-toplevel
+  return load_config(os.path.join(REPO, "configs", "dfedavg.py"), variant or None)
 
 
 def _algorithm(config, data_kind: str):

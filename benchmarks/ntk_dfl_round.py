@@ -38,12 +38,8 @@ from ntk_fl import metrics as metrics_lib  # noqa: E402
 
 
 def _config(args):
-  import importlib.util
-  path = os.path.join(os.path.dirname(__file__), "..", "configs", "ntk_dfl.py")
-  spec = importlib.util.spec_from_file_location("ntk_dfl_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config(args.variant)
+  from ntk_fl.config import load_config  # pylint: disable=import-outside-toplevel
+  config = load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "ntk_dfl.py"), args.variant)
   config.data.num_clients = args.clients
   config.topology.degree = args.degree
   config.chunk_size = args.chunk

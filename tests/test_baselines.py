@@ -14,7 +14,6 @@
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 import pathlib
 
@@ -37,10 +36,7 @@ RTOL, ATOL = 2e-5, 2e-6
 
 
 def load_config(name, arg=None):
-  spec = importlib.util.spec_from_file_location(f"{name}_config", REPO / "configs" / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
+  return config_lib.load_config(str(REPO / "configs" / f"{name}.py"), arg)
 
 
 def tiny(name, *, sizes=(6, 6, 6, 6), seed=0, topology_name="regular", degree=2, **algo):
@@ -406,8 +402,7 @@ def test_smoke_variant_runs_on_synthetic_data(name):
 
 
 def test_fednova_rejects_nesterov_momentum():
-  config = config_lib.load_config(str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "fednova.py"),
-                                  "smoke")
+  config = load_config("fednova", "smoke")
   config.algorithm.momentum, config.algorithm.nesterov = 0.9, True
   with pytest.raises(ValueError, match="nesterov"):
     centralized.validate_config(config, "fednova")

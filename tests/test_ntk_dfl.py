@@ -7,7 +7,6 @@ vectorised code: numpy averaging with an explicit loop over clients and only the
 """
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 
 import jax
@@ -15,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ntk_fl import config as config_lib
 from ntk_fl import evolve, models, topology
 from ntk_fl.algorithms import ntk_dfl
 from federations import ragged_federation
@@ -23,16 +23,13 @@ from ntk_fl.data import Federation
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def load_config_module():
-  spec = importlib.util.spec_from_file_location("ntk_dfl_config", REPO / "configs" / "ntk_dfl.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+def ntk_dfl_config(variant=None):
+  return config_lib.load_config(str(REPO / "configs" / "ntk_dfl.py"), variant)
 
 
 def tiny_setup(*, num_clients=6, n_max=8, degree=2, seed=0, **algo_overrides):
   """A 6-client federation with unequal sizes (padding) and a 5-8-3 MLP."""
-  config = load_config_module().get_config()
+  config = ntk_dfl_config()
   config.seed = seed
   config.data.num_clients = num_clients
   config.topology.degree = degree
@@ -226,22 +223,21 @@ def test_learning_rate_schedule_and_metrics():
     ("subsample", 0, "subsample"),
 ])
 def test_validate_config_rejects_bad_values(field, value, message):
-  config = load_config_module().get_config()
+  config = ntk_dfl_config()
   setattr(config.algorithm, field, value)
   with pytest.raises(ValueError, match=message):
     ntk_dfl.validate_config(config)
 
 
 def test_config_variants_apply_and_unknown_variant_fails():
-  module = load_config_module()
-  config = module.get_config("iid,no_avg,static")
+  config = ntk_dfl_config("iid,no_avg,static")
   assert config.data.partition == "iid"
   assert config.algorithm.per_round_averaging is False
   assert config.topology.dynamic is False
-  assert module.get_config("alpha0.5").data.alpha == 0.5
+  assert ntk_dfl_config("alpha0.5").data.alpha == 0.5
   with pytest.raises(ValueError, match="unknown config variant"):
-    module.get_config("alhpa0.5")
-  ntk_dfl.validate_config(module.get_config())
+    ntk_dfl_config("alhpa0.5")
+  ntk_dfl.validate_config(ntk_dfl_config())
 
 
 def test_jacobian_batching_is_sequential_block_evolution_at_a_fixed_linearisation_point():
@@ -306,11 +302,11 @@ def test_paper_option_variants_run_a_round(variant):
 
 
 def test_validate_config_rejects_unknown_keys_and_bad_topology_before_any_data():
-  config = load_config_module().get_config()
+  config = ntk_dfl_config()
   config.algorithm.mse_form = "continuous"               # not an NTK-DFL option: never silently ignored
   with pytest.raises(ValueError, match="unknown"):
     ntk_dfl.validate_config(config)
-  config = load_config_module().get_config()
+  config = ntk_dfl_config()
   config.data.num_clients = 301                          # 301 · 5 is odd: no 5-regular graph exists
   with pytest.raises(ValueError, match="even"):
     ntk_dfl.validate_config(config)

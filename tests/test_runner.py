@@ -6,7 +6,6 @@ reproduce its every logged number exactly.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -18,6 +17,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 
+from ntk_fl import config as config_lib
 from ntk_fl import data, metrics, runner
 from ntk_fl.checkpoint import Checkpoints
 
@@ -29,10 +29,7 @@ SUMMARY_TIMES = ("wall_time", "train_time", "time_per_round", "step_time_per_rou
 
 
 def toy_config(arg: str = "smoke", **overrides):
-  spec = importlib.util.spec_from_file_location("toy_config", TOY_CONFIG)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config(arg)
+  config = config_lib.load_config(TOY_CONFIG, arg)
   config.rounds = ROUNDS
   for key, value in overrides.items():
     node = config
