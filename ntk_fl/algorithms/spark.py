@@ -176,14 +176,10 @@ def client_round_bits(num_neighbors, package, num_params: int, *, broadcast: boo
 # ----------------------------------------------------------------------------- config
 
 
-def _check_block(name, block, keys):
-  validation.check_keys(name, block, keys, "spark")
-
-
 def validate_config(config) -> None:
   """Checks a SPARK config's ``algorithm`` block and topology; raises ``ValueError`` naming the bad value."""
   algo = config.algorithm
-  _check_block("config.algorithm", algo, _ALGORITHM_KEYS)
+  validation.check_keys("config.algorithm", algo, _ALGORITHM_KEYS, "spark")
   evolve.validate_evolution_config(algo)
   for name, allowed in (("jacobian", JACOBIAN_MODES), ("projected_kernel", PROJECTED_KERNELS),
                         ("velocity", VELOCITY_MODES)):
@@ -197,7 +193,7 @@ def validate_config(config) -> None:
                      f"needs select='network' (got select={algo.select!r})")
 
   d = algo.distill
-  _check_block("config.algorithm.distill", d, _DISTILL_KEYS)
+  validation.check_keys("config.algorithm.distill", d, _DISTILL_KEYS, "spark")
   validation.check_bool("config.algorithm.distill.enabled", d.enabled)
   warm = validation.check_int("config.algorithm.distill.warmup_rounds", d.warmup_rounds, low=0)
   total = validation.check_int("config.algorithm.distill.anneal_rounds (R; 0 = config.rounds)",
@@ -212,13 +208,13 @@ def validate_config(config) -> None:
   validation.check_real("config.algorithm.distill.temp_final", d.temp_final, low=t_init)
 
   p = algo.projection
-  _check_block("config.algorithm.projection", p, _PROJECTION_KEYS)
+  validation.check_keys("config.algorithm.projection", p, _PROJECTION_KEYS, "spark")
   validation.check_choice("config.algorithm.projection.scheme", p.scheme, projection.SCHEMES)
   validation.check_int("config.algorithm.projection.k_proj", p.k_proj, low=1)
   validation.check_bool("config.algorithm.projection.skip_uncompressed", p.skip_uncompressed)
 
   c = algo.compression
-  _check_block("config.algorithm.compression", c, _COMPRESSION_KEYS)
+  validation.check_keys("config.algorithm.compression", c, _COMPRESSION_KEYS, "spark")
   validation.check_real("config.algorithm.compression.keep_fraction", c.keep_fraction, low=0, high=1, low_open=True)
   if c.bits != compression.FLOAT_BITS:
     validation.check_int("config.algorithm.compression.bits (32 = float32, no quantisation)", c.bits, low=1, high=16)
@@ -231,7 +227,7 @@ def validate_config(config) -> None:
                      "or bits < 32 needs the explicit sketched Jacobian): use 'explicit' or 'auto'")
 
   b = algo.lr_boost
-  _check_block("config.algorithm.lr_boost", b, _BOOST_KEYS)
+  validation.check_keys("config.algorithm.lr_boost", b, _BOOST_KEYS, "spark")
   for r in tuple(b.rounds):
     validation.check_int("config.algorithm.lr_boost.rounds (1-based round numbers)", r, low=1)
   validation.check_real("config.algorithm.lr_boost.factor", b.factor, low=0, low_open=True)
