@@ -472,7 +472,7 @@ def mix(stacked_params, neighbors, self_weight, neighbor_weights, *, sent=None):
     total = jnp.asarray(self_weight).reshape(-1, *extra).astype(own.dtype) * own
     # One neighbour slot at a time (k is static and small): XLA fuses each [M, ...]
     # gather into the running sum. Gathering all slots at once materialised an
-    # [M, k, ...] buffer -- 477 MB at M = 300, k = 5, d = 79,510 -- and was ≈ 5x
+    # [M, k, ...] buffer -- 454 MiB at M = 300, k = 5, d = 79,510 -- and was 5-14x
     # slower on CPU (benchmarks/RESULTS.md, "Gossip step").
     for slot in range(neighbors.shape[1]):
       weight = neighbor_weights[:, slot].reshape(-1, *extra).astype(own.dtype)
