@@ -66,6 +66,20 @@ def _fmt(value: float | None) -> str:
   return "—" if value is None else f"{value:.4f}"
 
 
+def last_client_mean(lines: list[dict]) -> tuple[float, int] | None:
+  """``(client_acc_mean, round)`` of the last line that has it (clients may be scored every few rounds)."""
+  return next(((line["client_acc_mean"], line["round"]) for line in reversed(lines)
+               if line.get("client_acc_mean") is not None), None)
+
+
+def _fmt_client(value: float | None, rounds: list[int], final_round: list[int]) -> str:
+  """The mean-client cell; names the round(s) when they are not the runs' last (clients scored every k)."""
+  if value is None:
+    return "—"
+  late = [r for r, last in zip(rounds, final_round) if r != last]
+  return _fmt(value) + (f" (round {', '.join(map(str, rounds))})" if late else "")
+
+
 def table(runs: list[dict]) -> str:
   rows = ["| run | setting | rounds logged | rounds to 80% | rounds to 85% | final aggregated | final mean client "
           "| step s/round | wall time |",
@@ -74,12 +88,12 @@ def table(runs: list[dict]) -> str:
     lines = run["lines"]
     acc = [line.get("test_acc") for line in lines]
     to80, to85 = metrics.rounds_to_target(acc, 0.80), metrics.rounds_to_target(acc, 0.85)
-    client = next((line["client_acc_mean"] for line in reversed(lines) if line.get("client_acc_mean") is not None),
-                  None)
+    last = last_client_mean(lines)
+    client = _fmt_client(last[0], [last[1]], [lines[-1]["round"]]) if last else "—"
     steps = [line["step_time"] for line in lines[1:]] or [lines[0]["step_time"]]
     wall = sum(line["step_time"] + line.get("eval_time", 0.0) for line in lines)
     rows.append(f"| {run['name']} | {_describe(run['config'])} | {len(lines)} | {to80 or '—'} | {to85 or '—'} | "
-                f"{acc[-1]:.4f} | {_fmt(client)} | {sum(steps) / len(steps):.1f} | {wall / 60:.1f} min |")
+                f"{acc[-1]:.4f} | {client} | {sum(steps) / len(steps):.1f} | {wall / 60:.1f} min |")
   return "\n".join(rows)
 
 
@@ -98,8 +112,10 @@ def seed_table(runs: list[dict]) -> str:
     spread = (f"{statistics.mean(hits):.1f} ({min(hits)}–{max(hits)})" if len(hits) == len(reached)
               else f"{len(hits)} of {len(reached)} reached")
     final = statistics.mean(run["lines"][-1]["test_acc"] for run in members)
-    clients = [run["lines"][-1].get("client_acc_mean") for run in members]
-    client = _fmt(statistics.mean(clients)) if None not in clients else "—"
+    lasts = [last_client_mean(run["lines"]) for run in members]
+    client = ("—" if None in lasts else
+              _fmt_client(statistics.mean(v for v, _ in lasts), [r for _, r in lasts],
+                          [run["lines"][-1]["round"] for run in members]))
     seeds = ", ".join(str(run["config"]["seed"]) for run in members)
     rows.append(f"| {setting} | {seeds} | {per_seed} | {spread} | {final:.4f} | {client} |")
   return "\n".join(rows)

@@ -65,3 +65,14 @@ def test_server_methods_without_client_models_are_tabulated(summarize, tmp_path)
   assert "| 2 | 2 | 2 | 0.8600 | — |" in row                                   # 80 % and 85 % first at round 2
   assert "| 0 | 2 | 2.0 (2–2) | 0.8600 | — |" in summarize.seed_table([run])
   assert "test accuracy by round: 70.0 (1), 86.0 (2)" in summarize.detail(run)
+
+
+def test_mean_client_scored_every_few_rounds_names_its_round(summarize, tmp_path):
+  # Clients scored at rounds 2 and 4 only; the runs end at rounds 5 and 4.
+  a = _write_run(tmp_path, "d_s0", 0, [0.70, 0.80, 0.84, 0.85, 0.86], [None, 0.70, None, 0.76, None])
+  b = _write_run(tmp_path, "d_s1", 1, [0.70, 0.80, 0.84, 0.86], [None, 0.72, None, 0.78])
+  runs = [summarize.read_run(w) for w in (a, b)]
+  rows = summarize.table(runs).splitlines()
+  assert "| 0.8600 | 0.7600 (round 4) |" in rows[2]
+  assert "| 0.8600 | 0.7800 |" in rows[3]
+  assert f"| {(0.76 + 0.78) / 2:.4f} (round 4, 4) |" in summarize.seed_table(runs)
