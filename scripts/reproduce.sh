@@ -4,7 +4,7 @@
 #   ntk_dfl    NTK-DFL (issue 4): {alpha0.1, alpha0.5, iid} x seeds, stopped at 85 % or at the paper's
 #              rounds-to-85 % + 25 % (22 / 21 / 15)
 #   baselines  DFedAvg, DFedAvgM, DFedSAM, DisPFL, D-PSGD (issue 5): the same levels x seeds, each config's
-#              own 200 rounds, stopped at 85 %; METHODS="dfedavg dpsgd" restricts it to some of them
+#              own 200 rounds, stopped at 85 %; METHODS="dfedavg dpsgd" and LEVELS="iid alpha0.5" restrict it
 #   ntk_fl     NTK-FL and CP-NTK-FL at alpha = 0.1 (issue 6, Table 1) and FedAvg, stopped at 85 %
 #   ntk_fl_busiest   NTK-FL in NTK-DFL App. C.1's busiest-node setting (5 clients per round), {iid, alpha0.5,
 #              alpha0.1} x seeds, stopped at 85 % (about 2 min per run)
@@ -52,7 +52,7 @@ case "$SUITE" in
     for s in $SEEDS; do
       for m in ${METHODS:-dfedavg dfedavgm dfedsam dispfl dpsgd}; do
         [ -f "configs/$m.py" ] || { echo "unknown method '$m' in METHODS (no configs/$m.py)" >&2; exit 2; }
-        for level in alpha0.1 alpha0.5 iid; do run "${m}_$level" "configs/$m.py:$level" "$s" $to85; done
+        for level in ${LEVELS:-alpha0.1 alpha0.5 iid}; do run "${m}_$level" "configs/$m.py:$level" "$s" $to85; done
       done
     done ;;
   ntk_fl)
