@@ -13,7 +13,11 @@ aggregated / mean-client accuracy at a few rounds, the aggregation gap at the
 first and last round and, where the run recorded them, the final-averaging
 selection curves (paper Fig. 6) at 1 and 5 clients and at their peak.
 ``--plot`` draws the aggregated (solid) and mean-client (dashed) accuracy
-curves of all runs.
+curves of all runs. Runs that log their communication (``bits_cumulative``:
+NTK-DFL, SPARK, the baselines, NTK-FL) get a third table -- the cumulative
+communication of all clients to 85 % and per round, in GB (10⁹ bytes) -- and
+``--plot-comm`` draws aggregated accuracy against that cumulative volume
+(SPARK Fig. 12).
 """
 from __future__ import annotations
 
@@ -150,6 +154,56 @@ def detail(run: dict) -> str:
   return "\n".join(out)
 
 
+GIGABYTE_BITS = 8e9
+
+
+def communication_to_target(lines: list[dict], target: float) -> float | None:
+  """``bits_cumulative`` at the first round whose aggregated accuracy reaches ``target`` (``None`` if none)."""
+  round_reached = metrics.rounds_to_target([line.get("test_acc") for line in lines], target)
+  if round_reached is None:
+    return None
+  return next(line.get("bits_cumulative") for line in lines if line["round"] == round_reached)
+
+
+def communication_table(runs: list[dict], target: float = 0.85) -> str:
+  """Runs that log ``bits_cumulative``: rounds and GB to ``target``, GB per round, GB logged in all."""
+  rows = [f"| run | rounds to {target:.0%} | GB to {target:.0%} | GB per round | GB logged |",
+          "|---|---:|---:|---:|---:|"]
+  for run in runs:
+    lines = run["lines"]
+    if lines[-1].get("bits_cumulative") is None:
+      continue
+    reached = metrics.rounds_to_target([line.get("test_acc") for line in lines], target)
+    to_target = communication_to_target(lines, target)
+    total = lines[-1]["bits_cumulative"]
+    rows.append(f"| {run['name']} | {reached or '—'} | "
+                f"{'—' if to_target is None else f'{to_target / GIGABYTE_BITS:,.1f}'} | "
+                f"{total / len(lines) / GIGABYTE_BITS:,.2f} | {total / GIGABYTE_BITS:,.1f} |")
+  return "\n".join(rows) if len(rows) > 2 else ""
+
+
+def plot_communication(runs: list[dict], path: str) -> None:
+  """Aggregated accuracy against cumulative communication (GB, log scale) of the runs that log it."""
+  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=import-outside-toplevel
+  from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
+
+  fig = Figure(figsize=(7, 4.5))
+  ax = fig.add_subplot()
+  for k, run in enumerate(runs):
+    logged = [line for line in run["lines"] if line.get("bits_cumulative") is not None]
+    if logged:
+      ax.plot([line["bits_cumulative"] / GIGABYTE_BITS for line in logged], [line["test_acc"] for line in logged],
+              color=f"C{k}", marker=".", label=_describe(run["config"]))
+  ax.axhline(0.85, color="gray", linewidth=0.8, linestyle=":")
+  ax.set_xscale("log")
+  ax.set_xlabel("cumulative communication, all clients (GB)")
+  ax.set_ylabel("aggregated test accuracy")
+  ax.grid(alpha=0.3, which="both")
+  ax.legend(fontsize=8)
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  FigureCanvasAgg(fig).print_png(path)
+
+
 def plot(runs: list[dict], path: str) -> None:
   from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=import-outside-toplevel
   from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
@@ -176,6 +230,7 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("workdirs", nargs="+")
   parser.add_argument("--plot", default="")
+  parser.add_argument("--plot-comm", default="", help="accuracy vs cumulative communication (PNG path)")
   parser.add_argument("--detail", action="store_true", help="per-run curve points, gap and selection curves")
   args = parser.parse_args()
   runs = [read_run(w) for w in args.workdirs if os.path.isfile(os.path.join(w, "metrics.jsonl"))]
@@ -185,6 +240,10 @@ def main() -> None:
   print(table(runs))
   print()
   print(seed_table(runs))
+  comm = communication_table(runs)
+  if comm:
+    print()
+    print(comm)
   if args.detail:
     for run in runs:
       print()
@@ -192,6 +251,9 @@ def main() -> None:
   if args.plot:
     plot(runs, args.plot)
     print(f"\nplot: {args.plot}")
+  if args.plot_comm:
+    plot_communication(runs, args.plot_comm)
+    print(f"plot: {args.plot_comm}")
 
 
 if __name__ == "__main__":

@@ -210,6 +210,28 @@ def test_learning_rate_schedule_and_metrics():
   assert set(np.asarray(metrics["tau"]).tolist()) <= {5, 10, 20}
 
 
+@pytest.mark.parametrize("average, subsample", [(True, 1), (False, 1), (True, 3)])
+def test_communication_is_recorded_per_client_and_accumulated(average, subsample):
+  """Bits by hand: κ_i·d·32 weights out, κ_i·d·32 consensus back (with averaging) and κ_i float32 packages."""
+  config, model, federation = tiny_setup(per_round_averaging=average, subsample=subsample)
+  algorithm = ntk_dfl.make_ntk_dfl(config, model, federation)
+  state = algorithm.init(jax.random.key(0))
+  d = 5 * 8 + 8 + 8 * 3 + 3
+  n = np.maximum(np.asarray(federation.n) // subsample, 1)
+  package = n * 3 * d * 32 + n * 3 * 32 + n * 2                       # Jacobian, function values, 2-bit labels
+  total = 0.0
+  for round_index in range(2):
+    inputs = algorithm.round_inputs(round_index)
+    state, metrics = algorithm.step(state, inputs)
+    kappa = np.asarray(inputs.neighbor_mask).sum(axis=1)
+    expected = kappa * ((2 if average else 1) * d * 32 + package)
+    np.testing.assert_allclose(np.asarray(metrics["bits_sent"]), expected, rtol=1e-6)
+    total += expected.sum()
+    np.testing.assert_allclose(float(metrics["bits_sent_total"]), expected.sum(), rtol=1e-6)
+    np.testing.assert_allclose(float(metrics["bits_cumulative"]), total, rtol=1e-6)
+  np.testing.assert_allclose(float(state.bits_cumulative), total, rtol=1e-6)
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("lr", -0.1, "lr"),
     ("lr_decay", -1.0, "lr_decay"),

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.flatten_util import ravel_pytree
 
-from ntk_fl import compression, evolve, models, projection, topology
+from ntk_fl import compression, evolve, models, projection, runner, topology
 from ntk_fl.algorithms import ntk_dfl, spark
 from ntk_fl.config import load_config
 from federations import ragged_federation
@@ -203,23 +203,20 @@ def test_package_compression_keeps_top_k_and_quantises():
     assert np.all(np.abs(out[s][kept] - ref[s][kept]) <= step / 2 + 1e-6)
 
 
-def test_communication_accounting_by_hand():
-  model = models.mlp(input_dim=784, hidden=(100,), num_classes=10)
-  template = jax.eval_shape(model.init, jax.random.key(0))
-  d = 79_510
-  full = spark.package_bits(200, 10, projection.make_plan(template, "none", 1))
-  assert full == 200 * 10 * d * 32 + 200 * 10 * 32 + 200 * 4
-  assert int(spark.client_round_bits(5, full, d, broadcast=False)) == 5 * (2 * d * 32 + full)
-  plan = projection.make_plan(template, "flattened", 10_000)
-  stack = spark.package_bits(40, 10, plan, keep_fraction=0.5, bits=6)
-  expected = 40 * 10 * 32 + 40 * 4
-  for size in (400 * 10_000, 400 * 100, 400 * 1000, 400 * 10):          # n·C·projected size per tensor
-    kept = math.ceil(0.5 * size)
-    expected += kept * 6 + 64 + min(size, kept * math.ceil(math.log2(size)))
-  assert stack == expected
-  assert int(spark.client_round_bits(5, stack, d, broadcast=True)) == 5 * d * 32 + stack
-  assert int(spark.client_round_bits(5, full, d, broadcast=False, velocity=True)) == 5 * (3 * d * 32 + full)
-  assert int(spark.client_round_bits(5, stack, d, broadcast=True, velocity=True)) == 5 * 2 * d * 32 + stack
+def test_spark_package_and_round_bits_by_hand():
+  """SPARK's recorded bits: 2·κ·d·32 weights + κ uncompressed packages, and the compressed stack's package."""
+  config = load_config(str(REPO / "configs" / "spark.py"), "smoke")
+  config.data.num_clients, config.data.samples_per_client, config.data.max_train = 6, 20, 600
+  experiment = runner.build_experiment(config)
+  algorithm = experiment.algorithm
+  _, metrics = algorithm.step(algorithm.init(jax.random.key(0)), algorithm.round_inputs(0))
+  d = sum(leaf.size for leaf in jax.tree.leaves(experiment.model.init(jax.random.key(0))))
+  n = np.asarray(experiment.federation.n, np.float64)
+  package = n * 10 * d * 32 + n * 10 * 32 + n * 4                     # Jacobian, function values, 4-bit labels
+  kappa = np.asarray(algorithm.round_inputs(0).neighbor_mask).sum(axis=1)
+  expected = kappa * (2 * d * 32 + package)
+  np.testing.assert_allclose(np.asarray(metrics["bits_sent"]), expected, rtol=1e-6)   # float32 metrics
+  np.testing.assert_allclose(float(metrics["bits_cumulative"]), expected.sum(), rtol=1e-6)
 
 
 @pytest.mark.parametrize("field, value, match", [

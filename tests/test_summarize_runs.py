@@ -15,7 +15,7 @@ def summarize():
 
 
 def _write_run(root, name: str, seed: int, accuracies: list[float], client: list[float],
-               selection: dict | None = None) -> str:
+               selection: dict | None = None, bits_per_round: float | None = None) -> str:
   workdir = os.path.join(root, name)
   os.makedirs(workdir)
   config = {"method": "ntk_dfl", "seed": seed, "data": {"name": "fashion_mnist", "partition": "dirichlet",
@@ -24,8 +24,10 @@ def _write_run(root, name: str, seed: int, accuracies: list[float], client: list
     json.dump(config, f)
   with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
     for r, (acc, mean_client) in enumerate(zip(accuracies, client), start=1):
-      f.write(json.dumps({"round": r, "step_time": 10.0 * r, "eval_time": 1.0, "test_acc": acc,
-                          "client_acc_mean": mean_client}) + "\n")
+      line = {"round": r, "step_time": 10.0 * r, "eval_time": 1.0, "test_acc": acc, "client_acc_mean": mean_client}
+      if bits_per_round is not None:
+        line["bits_cumulative"] = bits_per_round * r
+      f.write(json.dumps(line) + "\n")
   if selection is not None:
     with open(os.path.join(workdir, "summary.json"), "w") as f:
       json.dump({"selection": selection}, f)
@@ -76,3 +78,22 @@ def test_mean_client_scored_every_few_rounds_names_its_round(summarize, tmp_path
   assert "| 0.8600 | 0.7600 (round 4) |" in rows[2]
   assert "| 0.8600 | 0.7800 |" in rows[3]
   assert f"| {(0.76 + 0.78) / 2:.4f} (round 4, 4) |" in summarize.seed_table(runs)
+
+
+def test_communication_table_reads_the_volume_at_the_first_crossing(summarize, tmp_path):
+  gigabyte = 8e9
+  fast = _write_run(tmp_path, "fast_s0", 0, [0.70, 0.86, 0.84, 0.87], [0.6] * 4, bits_per_round=3 * gigabyte)
+  slow = _write_run(tmp_path, "slow_s0", 0, [0.70, 0.80], [0.6] * 2, bits_per_round=0.5 * gigabyte)
+  silent = _write_run(tmp_path, "silent_s0", 0, [0.90], [0.9])               # logs no communication
+  runs = [summarize.read_run(w) for w in (fast, slow, silent)]
+  assert summarize.communication_to_target(runs[0]["lines"], 0.85) == 6 * gigabyte     # round 2, not round 4
+  assert summarize.communication_to_target(runs[1]["lines"], 0.85) is None
+  assert summarize.communication_to_target(runs[2]["lines"], 0.85) is None
+  table = summarize.communication_table(runs).splitlines()
+  assert table[2] == "| fast_s0 | 2 | 6.0 | 3.00 | 12.0 |"
+  assert table[3] == "| slow_s0 | — | — | 0.50 | 1.0 |"
+  assert len(table) == 4                                                      # the silent run has no row
+  assert summarize.communication_table(runs[2:]) == ""
+  path = tmp_path / "comm.png"
+  summarize.plot_communication(runs, str(path))
+  assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

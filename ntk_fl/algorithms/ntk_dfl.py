@@ -39,17 +39,21 @@ Options studied in the paper (all in ``config.algorithm``):
   of the paper (App. E.2) is exactly what each member computes here.
 
 Every client's chosen ``τ`` and selected loss are returned each round as
-``[M]`` metrics (``tau``, ``loss``).
+``[M]`` metrics (``tau``, ``loss``), with the communication: ``bits_sent``
+``[M]`` (:func:`ntk_fl.compression.neighbourhood_round_bits`: weights to and
+from each neighbour and one float32 Jacobian package per neighbour),
+``bits_sent_total`` and ``bits_cumulative``.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ntk_fl import evolve, models, parallel, topology, validation
+from ntk_fl import compression, evolve, models, parallel, topology, validation
 from ntk_fl.algorithms import Method
 from ntk_fl.algorithms.base import Algorithm, graph_round_inputs
 
@@ -60,8 +64,14 @@ _ALGORITHM_KEYS = ("lr", "lr_decay", "taus", "loss", "solver", "select", "kernel
 
 
 class NTKDFLState(NamedTuple):
-  """Stacked client state: ``params`` leaves have a leading client axis ``M``."""
+  """Stacked client state.
+
+  Attributes:
+    params: leaves with a leading client axis ``M``.
+    bits_cumulative: float32 scalar, bits sent by all clients so far.
+  """
   params: Any
+  bits_cumulative: Any
 
 
 def _subsample_indices(key, mask, num_keep, divisor):
@@ -107,6 +117,8 @@ class NeighbourhoodRound(NamedTuple):
   Attributes:
     data: the federation's device arrays ``(x [M, n, ...], y [M, n], mask [M, n])``;
       pass them to ``run`` as an argument (never bake them into a jitted program).
+    samples_sent: numpy int ``[M]``, the samples each client's package covers in a
+      round: ``n_i``, or ``max(⌊n_i/m2⌋, 1)`` when sub-sampling (static).
     round_inputs: ``round_inputs(r) -> GraphRound`` (graph, mixing weights, key of round ``r``).
     run: ``run(params, inputs, data, client_fn, *client_args) -> (outputs, lr)``, to be
       called inside the caller's ``jit``: averages the round-start weights (when
@@ -117,6 +129,7 @@ class NeighbourhoodRound(NamedTuple):
       client ``i``'s neighbourhood (own samples first); ``outputs`` are stacked ``[M, ...]``.
   """
   data: Any
+  samples_sent: Any
   round_inputs: Any
   run: Any
 
@@ -188,7 +201,8 @@ def make_neighbourhood_round(config, model: models.Model, federation, *, lr: flo
     outputs = update(params, jnp.arange(num_clients), inputs.neighbors, inputs.neighbor_mask, *client_args)
     return outputs, round_lr
 
-  return NeighbourhoodRound(data=data, round_inputs=round_inputs, run=run)
+  samples_sent = np.maximum(sizes // m2, 1) if m2 > 1 else sizes
+  return NeighbourhoodRound(data=data, samples_sent=samples_sent, round_inputs=round_inputs, run=run)
 
 
 def make_ntk_dfl(config, model: models.Model, federation) -> Algorithm:
@@ -210,8 +224,16 @@ def make_ntk_dfl(config, model: models.Model, federation) -> Algorithm:
   evolve_kwargs = dict(taus=taus, loss=algo.loss, solver=algo.solver, dense_stack=model.dense_stack,
                        kernel=algo.kernel, select=algo.select)
 
+  # Communication (ntk_fl.compression.neighbourhood_round_bits): static per-client package sizes.
+  template = jax.eval_shape(model.init, jax.random.key(0))
+  leaf_sizes = [math.prod(leaf.shape) for leaf in jax.tree.leaves(template)]
+  packages = jnp.asarray([compression.jacobian_package_bits(int(n), model.num_classes, leaf_sizes)
+                          for n in core.samples_sent], jnp.float32)
+  broadcast = config.topology.name == "clustered"
+
   def init(key):
-    return NTKDFLState(params=models.init_clients(model, key, num_clients, shared=config.model.init == "shared"))
+    return NTKDFLState(params=models.init_clients(model, key, num_clients, shared=config.model.init == "shared"),
+                       bits_cumulative=jnp.float32(0))
 
   def client_update(params, x, targets, mask, lr):
     """One client's NTK evolution over its neighbourhood data ``x [m1, N_b, ...]``."""
@@ -223,8 +245,14 @@ def make_ntk_dfl(config, model: models.Model, federation) -> Algorithm:
   @jax.jit
   def _step(state, inputs, data):
     (new_params, info), lr = core.run(state.params, inputs, data, client_update)
-    metrics = {"tau": info["tau"], "loss": info["loss"], "lr": lr}
-    return NTKDFLState(params=new_params), metrics
+    bits_sent = compression.neighbourhood_round_bits(inputs.neighbor_mask.sum(axis=1).astype(jnp.float32), packages,
+                                                     sum(leaf_sizes), broadcast=broadcast,
+                                                     averaging=algo.per_round_averaging)
+    total = jnp.sum(bits_sent)
+    new_state = NTKDFLState(params=new_params, bits_cumulative=state.bits_cumulative + total)
+    metrics = {"tau": info["tau"], "loss": info["loss"], "lr": lr, "bits_sent": bits_sent,
+               "bits_sent_total": total, "bits_cumulative": new_state.bits_cumulative}
+    return new_state, metrics
 
   def step(state, inputs):
     return _step(state, inputs, core.data)

@@ -41,8 +41,8 @@ receiver-linearised protocol needs them) and one package per neighbour:
 the (sketched, compressed) Jacobian of its ``n_i`` samples, ``n_i·C`` float32
 function values and ``n_i·⌈log2 C⌉`` label bits. On a clustered topology every
 member of a clique shares ``w̄``, so the package is broadcast once and no
-weights go back (paper App. A.2). :func:`client_round_bits` is the formula;
-with the sketch and compression off it is NTK-DFL's cost too.
+weights go back (paper App. A.2). :func:`ntk_fl.compression.neighbourhood_round_bits`
+is the formula, shared with NTK-DFL: with the sketch and compression off the two cost the same.
 
 Metrics: ``tau``, ``loss`` (selected hard-label CE), ``confidence`` (the
 teacher's mean top-class probability on the neighbourhood), ``delta_norm``
@@ -57,7 +57,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from ntk_fl import compression, evolve, models, ntk, parallel, projection, topology, validation
@@ -66,7 +65,7 @@ from ntk_fl.algorithms.base import Algorithm
 from ntk_fl.algorithms.ntk_dfl import make_neighbourhood_round
 
 __all__ = ["SparkState", "JACOBIAN_MODES", "PROJECTED_KERNELS", "VELOCITY_MODES", "distill_schedule",
-           "distill_targets", "momentum_transform", "nesterov_step", "package_bits", "client_round_bits",
+           "distill_targets", "momentum_transform", "nesterov_step",
            "make_spark", "validate_config", "METHOD"]
 
 JACOBIAN_MODES = ("auto", "implicit", "explicit")
@@ -130,47 +129,6 @@ def nesterov_step(tx: optax.GradientTransformation, params, delta, state):
   """``w̄ + update(−Δw)`` and the new momentum state (paper Eqs. 12-13 for Nesterov)."""
   updates, state = tx.update(jax.tree.map(jnp.negative, delta), state, params)
   return optax.apply_updates(params, updates), state
-
-
-def package_bits(num_samples: int, num_classes: int, plan, *, keep_fraction: float = 1.0,
-                 bits: int = compression.FLOAT_BITS) -> int:
-  """Bits of one neighbour package: the sketched Jacobian of ``num_samples`` samples, logits, labels.
-
-  The Jacobian is sent per tensor (``num_samples·C·projected size`` entries):
-  dense float32, or quantised to ``bits`` (plus :data:`ntk_fl.compression.SIDE_BITS`),
-  or top-``keep_fraction`` sparse with its support as a bitmap or index list,
-  whichever is smaller (:func:`ntk_fl.compression.sparse_payload_bits`).
-  """
-  if num_samples <= 0:
-    return 0
-  total = 0
-  for sketch in plan:
-    size = num_samples * num_classes * math.prod(sketch.projected_shape)
-    if keep_fraction < 1:
-      total += int(compression.sparse_payload_bits(compression.num_kept(size, keep_fraction), size, bits))
-    else:
-      total += int(compression.payload_bits(size, bits))
-  label_bits = max(1, math.ceil(math.log2(num_classes)))
-  return total + num_samples * num_classes * compression.FLOAT_BITS + num_samples * label_bits
-
-
-def client_round_bits(num_neighbors, package, num_params: int, *, broadcast: bool, velocity: bool = False):
-  """Bits client(s) send in one round: weights out (and back, unless ``broadcast``) plus packages.
-
-  ``velocity=True`` (``config.algorithm.velocity='mixed'``) adds the velocity sent
-  out with the weights (``κ_i·d·32``).
-
-  Args:
-    num_neighbors: ``κ_i`` (int or ``[M]`` array).
-    package: bits of the client's package (int or ``[M]``), :func:`package_bits`.
-    num_params: ``d``.
-    broadcast: clustered topology -- one package per device, no averaged weights sent back.
-  """
-  weights = num_params * compression.FLOAT_BITS
-  out_weights = (2 if velocity else 1) * weights
-  if broadcast:
-    return num_neighbors * out_weights + jnp.where(num_neighbors > 0, package, 0)
-  return num_neighbors * (out_weights + weights + package)
 
 
 # ----------------------------------------------------------------------------- config
@@ -335,9 +293,9 @@ def make_spark(config, model: models.Model, federation) -> Algorithm:
   boost_factor = float(algo.lr_boost.factor)
 
   # Communication: static per-client package sizes (samples after sub-sampling).
-  n_used = np.maximum(np.floor(np.asarray(federation.n) / m2), 1).astype(int) if m2 > 1 else np.asarray(federation.n)
-  packages = jnp.asarray([package_bits(int(n), num_classes, plan, keep_fraction=keep, bits=bits) for n in n_used],
-                         jnp.float32)
+  sketch_sizes = [math.prod(s.projected_shape) for s in plan]
+  packages = jnp.asarray([compression.jacobian_package_bits(int(n), num_classes, sketch_sizes, keep_fraction=keep,
+                                                            bits=bits) for n in core.samples_sent], jnp.float32)
   num_params = sum(math.prod(s.shape) for s in plan)
   broadcast = config.topology.name == "clustered"
 
@@ -416,8 +374,8 @@ def make_spark(config, model: models.Model, federation) -> Algorithm:
     if mixed_velocity:      # the velocity travels with the weights and is averaged with the same weights
       velocity = topology.mix(velocity, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
     (params, opt_state, info), lr = core.run(state.params, inputs, data, client_fn, velocity)
-    bits_sent = client_round_bits(inputs.neighbor_mask.sum(axis=1).astype(jnp.float32), packages, num_params,
-                                  broadcast=broadcast, velocity=mixed_velocity)
+    bits_sent = compression.neighbourhood_round_bits(inputs.neighbor_mask.sum(axis=1).astype(jnp.float32), packages,
+                                                     num_params, broadcast=broadcast, velocity=mixed_velocity)
     total = jnp.sum(bits_sent)
     new_state = SparkState(params=params, momentum=opt_state, bits_cumulative=state.bits_cumulative + total)
     metrics = {"tau": info["tau"], "loss": info["loss"], "confidence": info["confidence"],
