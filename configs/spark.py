@@ -129,6 +129,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Options around spark.md §5 items 10 and 13 (off = the paper's Alg. 1; not needed by the measurements so far):
   a.velocity = "local"                         # 'local' (Alg. 1) | 'mixed': averaged with the weights each round
   a.select_momentum = False                    # τ* scored on w̄ + Δw_τ (False) or on the post-momentum network
+  # On the clustered topology every member of a clique holds the same w̄ and data: evolve once per clique and give
+  # each member the update (exact up to float summation order; cluster_size times less work). Other topologies
+  # have no shared neighbourhoods and always evolve per client.
+  a.share_cliques = True
   # 'auto': matrix-free (kernel of the lifted network, VJPs) unless the compression stack needs the explicit
   # sketched Jacobian; 'explicit' / 'implicit' force one path (they agree without compression).
   a.jacobian = "auto"

@@ -66,7 +66,7 @@ import jax.numpy as jnp
 from ntk_fl.models import DenseStack
 
 __all__ = ["IMPLEMENTATIONS", "empirical_ntk", "make_ntk_fn", "full_to_matrix", "DenseProjection",
-           "projected_dense_ntk"]
+           "projected_dense_ntk", "DenseJacobianFactors", "dense_jacobian_factors"]
 
 IMPLEMENTATIONS = ("auto", "jacobian", "ntvp", "structured")
 
@@ -304,6 +304,49 @@ def _dense_features(stack: DenseStack, kernels, biases, x: jax.Array,
   return _DenseFeatures(tuple(inputs), tuple(backs))
 
 
+class DenseJacobianFactors(NamedTuple):
+  """The per-sample Jacobian of a dense stack in factored form (``L`` layers).
+
+  ``∂f_c/∂W_l[p, q] = inputs[l][n, p] · outputs[l][n, q, c]`` and
+  ``∂f_c/∂b_l[q] = outputs[l][n, q, c]``.
+
+  Attributes:
+    inputs: ``A_l`` ``[N, in_l]``, the layer inputs.
+    outputs: ``M_l = ∂f/∂z_l`` ``[N, out_l, C]``, the output Jacobians at the
+      pre-activations (``M_{L-1} = I``: the logits are the last layer's outputs).
+  """
+  inputs: tuple[jax.Array, ...]
+  outputs: tuple[jax.Array, ...]
+
+
+def _jacobian_factors(stack, kernels, biases, x) -> DenseJacobianFactors:
+  base = _dense_features(stack, kernels, biases, x, trace_outputs=False)
+  c = kernels[-1].shape[1]
+  last = jnp.broadcast_to(jnp.eye(c, dtype=base.inputs[0].dtype), (x.shape[0], c, c))
+  return DenseJacobianFactors(base.inputs, tuple(base.backs) + (last,))
+
+
+def dense_jacobian_factors(stack: DenseStack, params: Params, x: jax.Array) -> DenseJacobianFactors:
+  """The factors ``(A_l, M_l)`` of a dense stack's per-sample Jacobian at ``params`` on ``x [N, *in]``.
+
+  ``O(N · Σ_l (in_l + out_l·C))`` floats instead of the ``N·C·d`` of the
+  Jacobian itself: a sketch ``J P`` can be assembled from them without
+  differentiating through ``P`` (:func:`ntk_fl.projection.sketched_dense_jacobian`).
+
+  Raises:
+    ValueError: params that do not match ``stack``, inputs of the wrong width.
+  """
+  if not isinstance(stack, DenseStack):
+    raise ValueError(f"stack must be an ntk_fl.models.DenseStack, got {type(stack).__name__}")
+  _check_inputs(x, None)
+  kernels, biases = _dense_weights(stack, params)
+  feat = math.prod(x.shape[1:])
+  if feat != kernels[0].shape[0]:
+    raise ValueError(f"dense Jacobian factors: inputs have {feat} features per sample (shape {x.shape[1:]}) "
+                     f"but the first layer {stack.layers[0]!r} takes {kernels[0].shape[0]}")
+  return _jacobian_factors(stack, kernels, biases, x)
+
+
 def _gram_plus_one(a1: jax.Array, a2: jax.Array) -> jax.Array:
   """``A1 A2ᵀ + 1``: the weight (``A``) and bias (``1``) parts of one layer's input kernel."""
   return jnp.matmul(a1, a2.T, precision=_HIGHEST) + 1
@@ -416,9 +459,7 @@ def _projected_features(stack, kernels, biases, projections, x, trace_outputs) -
     return _ProjectedFeatures(inputs, base.backs, (None,) * len(projections))
   # A sketched bias needs the per-output Jacobians M_l [N, out_l, C] themselves (the traced
   # factors fold the outputs away); M_{L-1} = I because the logits are the last layer's outputs.
-  ms = base.backs if not trace_outputs else _dense_features(stack, kernels, biases, x, False).backs
-  c = kernels[-1].shape[1]
-  ms = tuple(ms) + (jnp.broadcast_to(jnp.eye(c, dtype=inputs[0].dtype), (x.shape[0], c, c)),)
+  ms = _jacobian_factors(stack, kernels, biases, x).outputs
   bias_backs = []
   for m, p in zip(ms, projections):
     if p.bias is None:

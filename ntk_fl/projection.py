@@ -34,7 +34,9 @@ Seeds: the key of tensor ``name`` (its ``/``-joined pytree path, e.g.
 
 :func:`dense_stack_projections` hands a layer-wise sketch of a dense stack to
 :func:`ntk_fl.ntk.projected_dense_ntk`, the structured kernel in sketch
-coordinates (no per-sample Jacobians).
+coordinates (no per-sample Jacobians). :func:`sketched_dense_jacobian` forms
+``J̃`` of a dense stack explicitly from the Jacobian's factors, for any scheme
+(the flattened one and the compression stack need it).
 
 Everything works on the *leaves* of a parameter pytree in
 ``jax.tree.leaves`` order. A :class:`LeafSketch` plan is static (shapes, axes,
@@ -54,11 +56,11 @@ import jax.numpy as jnp
 
 from ntk_fl import rng, validation
 from ntk_fl.models import DenseStack
-from ntk_fl.ntk import DenseProjection
+from ntk_fl.ntk import DenseProjection, dense_jacobian_factors
 
 __all__ = ["SCHEMES", "LeafSketch", "leaf_names", "make_plan", "layer_key", "sample_matrices",
            "project_leaf", "back_project_leaf", "project_jacobian", "back_project", "sketch_dims",
-           "compression_ratio", "lift", "dense_matrix", "dense_stack_projections"]
+           "compression_ratio", "lift", "dense_matrix", "dense_stack_projections", "sketched_dense_jacobian"]
 
 SCHEMES = ("none", "layerwise", "flattened")
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -279,4 +281,74 @@ def dense_stack_projections(plan: Sequence[LeafSketch], matrices, stack: DenseSt
   stray = [s.name for key, (s, _) in by_name.items() if key not in used and s.kind != "identity"]
   if stray:
     raise ValueError(f"sketched tensors {stray} are not kernels or biases of the dense stack {stack.layers}")
+  return tuple(out)
+
+
+def _layer_of(sketch: LeafSketch, stack: DenseStack) -> tuple[int, str]:
+  """``(layer index, 'kernel' | 'bias')`` of a leaf named ``.../<layer>/<part>``."""
+  *_, layer, part = ("", "") + tuple(sketch.name.split("/"))
+  if layer not in stack.layers or part not in ("kernel", "bias"):
+    raise ValueError(f"tensor {sketch.name!r} is not a kernel or bias of the dense stack {stack.layers}")
+  return stack.layers.index(layer), part
+
+
+def _sketched_leaf(sketch: LeafSketch, matrix, part: str, a, m, sample_block: int):
+  """One leaf of ``J̃`` ``[N, C, *projected_shape]`` from ``A [N, in]`` and ``M [N, out, C]``."""
+  if part == "bias":                                   # ∂f_c/∂b[q] = M[q, c]; any sketch of a 1-D tensor is P_b
+    if sketch.kind == "identity":
+      return jnp.swapaxes(m, 1, 2)
+    return jnp.einsum("nqc,qk->nck", m, matrix, precision=_HIGHEST)
+  if sketch.kind == "identity":                        # ∂f_c/∂W[p, q] = A[p] M[q, c]
+    return jnp.einsum("np,nqc->ncpq", a, m, precision=_HIGHEST)
+  if sketch.kind == "axis":                            # the input axis: (A P)[k] M[q, c]
+    return jnp.einsum("nk,nqc->nckq", jnp.matmul(a, matrix, precision=_HIGHEST), m, precision=_HIGHEST)
+  # Flattened (row-major [in, out] -> p·out + q): J̃[c, k] = Σ_q M[q, c] Σ_p A[p] P[p, q, k]. Contracting A
+  # first costs in·out·k per sample, C times less than projecting the C rows of J; blocks of samples bound
+  # the [block, out, k] intermediate.
+  n_in, n_out = sketch.shape
+  stacked = matrix.reshape(n_in, n_out * sketch.k)
+
+  def one_sample(a_n, m_n):
+    t = jnp.matmul(a_n, stacked, precision=_HIGHEST).reshape(n_out, sketch.k)
+    return jnp.einsum("qk,qc->ck", t, m_n, precision=_HIGHEST)
+
+  return jax.lax.map(lambda args: one_sample(*args), (a, m), batch_size=min(sample_block, a.shape[0]))
+
+
+def sketched_dense_jacobian(plan: Sequence[LeafSketch], matrices, stack: DenseStack, params, x, *,
+                            sample_block: int = 32) -> tuple[Any, ...]:
+  """``J̃ = J P`` of a dense stack, per sample, assembled from the Jacobian's factors.
+
+  Equals :func:`project_jacobian` of the per-sample Jacobian (and the Jacobian
+  of :func:`lift`'s ``g``) without differentiating through ``P``: with
+  ``∂f_c/∂W_l[p, q] = A_l[p] M_l[q, c]`` (:func:`ntk_fl.ntk.dense_jacobian_factors`),
+  a flattened sketch of ``W_l`` costs ``in_l·out_l·k_l`` per sample (``A_l``
+  is contracted with ``P_l`` first) instead of ``C·in_l·out_l·k_l``; layer-wise
+  and identity leaves are outer products of the factors.
+
+  Args:
+    plan: the sketch plan of ``params`` (every leaf a kernel or bias of ``stack``).
+    matrices: :func:`sample_matrices` of ``plan``.
+    stack: the model's :class:`~ntk_fl.models.DenseStack`.
+    params: the linearisation point ``w̄`` (flax variables dict).
+    x: ``[N, *in]`` inputs.
+    sample_block: samples per block of a flattened leaf (bounds its
+      ``[block, out_l, k_l]`` intermediate).
+
+  Returns:
+    ``J̃`` leaves ``[N, C, *projected_shape]`` in ``plan`` (``jax.tree.leaves``) order.
+
+  Raises:
+    ValueError: a leaf that is not a kernel or bias of ``stack``, a ``plan`` that
+      does not match ``params``, a bad ``sample_block``.
+  """
+  validation.check_int("sample_block", sample_block, low=1)
+  shapes = tuple(tuple(int(s) for s in leaf.shape) for leaf in jax.tree.leaves(params))
+  if shapes != tuple(s.shape for s in plan):
+    raise ValueError(f"plan is for tensors of shapes {[s.shape for s in plan]}, params have {list(shapes)}")
+  factors = dense_jacobian_factors(stack, params, x)
+  out = []
+  for sketch, matrix in zip(plan, matrices):
+    layer, part = _layer_of(sketch, stack)
+    out.append(_sketched_leaf(sketch, matrix, part, factors.inputs[layer], factors.outputs[layer], sample_block))
   return tuple(out)

@@ -188,6 +188,42 @@ def test_explicit_and_matrix_free_sketched_paths_agree():
     np.testing.assert_allclose(x, y, rtol=1e-3, atol=1e-4)
 
 
+def test_one_update_per_clique_equals_every_member_evolving():
+  """Clustered topology (7 clients: cliques of 4 and 3, a new partition every round), the full stack's pieces
+  (flattened sketch, top-50 % packages, sub-sampling 2, momentum, distillation): one evolution per clique,
+  given to every member, == each member evolving its own neighbourhood (rounds 1-3)."""
+  runs = []
+  for share in (True, False):
+    config, model, federation = tiny_setup(num_clients=7, share_cliques=share, projection__scheme="flattened",
+                                           projection__k_proj=8, compression__keep_fraction=0.5, subsample=2)
+    config.topology.name, config.topology.cluster_size = "clustered", 3
+    algorithm = spark.make_spark(config, model, federation)
+    state, taus = algorithm.init(jax.random.key(0)), []
+    for r in range(3):
+      state, metrics = algorithm.step(state, algorithm.round_inputs(r))
+      taus.append(np.asarray(metrics["tau"]))
+    runs.append((state, np.stack(taus), float(metrics["bits_cumulative"])))
+  (shared, taus_shared, bits_shared), (own, taus_own, bits_own) = runs
+  np.testing.assert_array_equal(taus_shared, taus_own)
+  assert bits_shared == bits_own
+  for x, y in zip(jax.tree.leaves(shared), jax.tree.leaves(own)):
+    np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
+  graph = algorithm.round_inputs(0)
+  assert len({tuple(sorted({i, *np.asarray(graph.neighbors[i]).tolist()})) for i in range(7)}) == 2   # 2 cliques
+
+
+def test_clique_sharing_needs_the_clustered_topology_and_plain_selection():
+  config, model, federation = tiny_setup()
+  with pytest.raises(ValueError, match="topology.name='clustered'"):
+    ntk_dfl.make_neighbourhood_round(config, model, federation, lr=0.1, lr_decay=0.0, per_round_averaging=True,
+                                     share_cliques=True)
+  config.topology.name, config.algorithm.select_momentum = "clustered", True
+  with pytest.raises(ValueError, match="share_cliques=False"):
+    spark.validate_config(config)
+  config.algorithm.share_cliques = False
+  spark.validate_config(config)
+
+
 def test_package_compression_keeps_top_k_and_quantises():
   rng = np.random.default_rng(0)
   leaf = jnp.asarray(rng.normal(size=(12, 3, 5)), jnp.float32)        # 3 senders x 4 rows
@@ -238,11 +274,32 @@ def test_validate_config_rejects_bad_values(field, value, match):
     spark.validate_config(config)
 
 
-def test_structured_projected_kernel_needs_the_layerwise_sketch():
+def test_structured_flattened_sketch_needs_explicit_jacobians():
   config = load_config(str(REPO / "configs" / "spark.py"), "flat10000")
   config.algorithm.projected_kernel = "structured"
+  spark.validate_config(config)                        # J̃ from the dense stack's factors
+  config.algorithm.jacobian = "implicit"
   with pytest.raises(ValueError, match="no per-layer factorisation"):
     spark.validate_config(config)
+
+
+@pytest.mark.parametrize("compression", [{}, {"compression__keep_fraction": 0.5}])
+def test_flattened_sketch_from_factors_equals_the_lifted_network(compression):
+  """Flattened sketch (uncompressed, and top-50 % per package): J̃ from the dense stack's factors
+  (projected_kernel='auto') == per-sample Jacobians of g(u) = f(w̄ + P u) ('generic'), over two rounds."""
+  outputs = []
+  for kernel in ("auto", "generic"):
+    config, model, federation = tiny_setup(projection__scheme="flattened", projection__k_proj=8,
+                                           projected_kernel=kernel, **compression)
+    algorithm = spark.make_spark(config, model, federation)
+    state = algorithm.init(jax.random.key(0))
+    for r in range(2):
+      state, metrics = algorithm.step(state, algorithm.round_inputs(r))
+    outputs.append((state.params, metrics["tau"]))
+  (params_a, tau_a), (params_b, tau_b) = outputs
+  np.testing.assert_array_equal(tau_a, tau_b)
+  for x, y in zip(jax.tree.leaves(params_a), jax.tree.leaves(params_b)):
+    np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
 
 
 def test_momentum_aware_selection_needs_the_network_score():

@@ -127,6 +127,9 @@ class NeighbourhoodRound(NamedTuple):
       over the clients with :func:`ntk_fl.parallel.for_each_client` (``client_args``
       leaves carry a leading client axis). ``targets`` are the hard one-hot labels of
       client ``i``'s neighbourhood (own samples first); ``outputs`` are stacked ``[M, ...]``.
+      Built with ``share_cliques=True``, ``client_fn`` runs once per clique (on its
+      lowest-numbered member) and every member receives that output; ``client_args``
+      must then be empty (a member's own state would be ignored).
   """
   data: Any
   samples_sent: Any
@@ -136,7 +139,7 @@ class NeighbourhoodRound(NamedTuple):
 
 def make_neighbourhood_round(config, model: models.Model, federation, *, lr: float, lr_decay: float,
                              per_round_averaging: bool, jacobian_batches: int = 1,
-                             subsample: int = 1) -> NeighbourhoodRound:
+                             subsample: int = 1, share_cliques: bool = False) -> NeighbourhoodRound:
   """Builds the parts of an NTK-DFL round shared by every neighbourhood-NTK method.
 
   Args:
@@ -147,6 +150,12 @@ def make_neighbourhood_round(config, model: models.Model, federation, *, lr: flo
     per_round_averaging: average the round-start weights over each closed neighbourhood (eq. 1).
     jacobian_batches: ``m1`` blocks of the neighbourhood data (App. E.1).
     subsample: ``m2``, each client uses a random ``⌊n_i/m2⌋`` of its samples per round (App. E.2).
+    share_cliques: on the ``clustered`` topology (disjoint cliques) with per-round
+      averaging, every member of a clique holds the same ``w̄`` and the same
+      neighbourhood data (in another order), so its client function is the same
+      up to float summation order: compute it once per clique (SPARK App. A.2:
+      "each device computes one Jacobian reused by all neighbours"), ``cluster_size``
+      times less work. Needs ``topology.name == 'clustered'`` and ``per_round_averaging``.
   """
   num_clients, n_max = federation.mask.shape
   num_classes = model.num_classes
@@ -158,6 +167,11 @@ def make_neighbourhood_round(config, model: models.Model, federation, *, lr: flo
                      f"(n_max={n_max}, subsample={m2}): some blocks would hold no data")
 
   graph_source = topology.make_topology_from_config(config.topology, num_clients, seed=config.seed)
+  if share_cliques and (graph_source.name != "clustered" or not per_round_averaging):
+    raise ValueError("sharing one client update per clique needs topology.name='clustered' and per-round "
+                     f"averaging (got topology {graph_source.name!r}, per_round_averaging={per_round_averaging}): "
+                     "only then do the members of a closed neighbourhood hold the same averaged weights")
+  num_cliques = num_clients // int(config.topology.cluster_size)     # topology._clustered's array_split
   sizes = np.asarray(federation.n)
   data = jax.device_put((jnp.asarray(federation.x), jnp.asarray(federation.y), jnp.asarray(federation.mask)))
   round_inputs = graph_round_inputs(graph_source, config.topology.mixing, sizes, config.seed)
@@ -198,8 +212,18 @@ def make_neighbourhood_round(config, model: models.Model, federation, *, lr: flo
       return client_fn(p, x, t, m, round_lr, *args)
 
     update = parallel.for_each_client(per_client, chunk_size=config.chunk_size or None)
-    outputs = update(params, jnp.arange(num_clients), inputs.neighbors, inputs.neighbor_mask, *client_args)
-    return outputs, round_lr
+    clients = jnp.arange(num_clients)
+    if not share_cliques:
+      return update(params, clients, inputs.neighbors, inputs.neighbor_mask, *client_args), round_lr
+    if client_args:
+      raise ValueError("share_cliques=True runs client_fn once per clique, so it takes no per-client arguments")
+    # A clique's representative is its lowest-numbered member (padding slots hold the client's own index).
+    representative = jnp.minimum(clients, inputs.neighbors.min(axis=1))
+    leaders = jnp.unique(representative, size=num_cliques)
+    outputs = update(jax.tree.map(lambda p: p[leaders], params), leaders, inputs.neighbors[leaders],
+                     inputs.neighbor_mask[leaders])
+    slot = jnp.searchsorted(leaders, representative)
+    return jax.tree.map(lambda o: o[slot], outputs), round_lr
 
   samples_sent = np.maximum(sizes // m2, 1) if m2 > 1 else sizes
   return NeighbourhoodRound(data=data, samples_sent=samples_sent, round_inputs=round_inputs, run=run)

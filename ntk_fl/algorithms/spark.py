@@ -22,13 +22,15 @@ recorded in ``configs/spark.py`` and docs/spark.md):
    ``g(u) = f(w̄ + P u)`` (its NTK *is* the sketched kernel; VJPs of ``g`` give
    ``J̃ᵀ v``). For a dense stack under the layer-wise sketch the kernel is the
    structured one with every layer input ``A_l`` replaced by ``A_l P_l``
-   (:func:`ntk_fl.ntk.projected_dense_ntk`, ``projected_kernel='auto'``); the
-   flattened sketch has no such factorisation and uses the generic kernel of
-   ``g``. With the
+   (:func:`ntk_fl.ntk.projected_dense_ntk`, ``projected_kernel='auto'``). The
+   flattened sketch has no such kernel factorisation; for a dense stack ``J̃``
+   is then assembled explicitly from the Jacobian's factors
+   (:func:`ntk_fl.projection.sketched_dense_jacobian`, ``C`` times cheaper than
+   per-sample Jacobians of ``g``, which other models use). With the
    compression stack (top-``ρ_sp`` sparsification and ``b``-bit quantisation of
-   each neighbour's package) the sketched Jacobian is formed explicitly,
-   compressed per sender and per tensor, and both the kernel and the update are
-   built from the compressed ``J̃``.
+   each neighbour's package) the sketched Jacobian is formed explicitly (from
+   the factors for a dense stack), compressed per sender and per tensor, and
+   both the kernel and the update are built from the compressed ``J̃``.
 4. **Nesterov momentum** on ``Δw`` with optax (``optax.sgd(1, μ, nesterov=True)``
    fed ``−Δw``): ``v ← μ v + Δw``, ``w ← w̄ + μ v + Δw = w̄ + (1+μ) Δw + μ² v_old``.
    The velocity stays local (never averaged or sent).
@@ -73,7 +75,7 @@ PROJECTED_KERNELS = ("auto", "structured", "generic")
 VELOCITY_MODES = ("local", "mixed")
 
 _ALGORITHM_KEYS = ("lr", "lr_decay", "taus", "solver", "select", "kernel", "subsample", "momentum", "nesterov",
-                   "velocity", "select_momentum",
+                   "velocity", "select_momentum", "share_cliques",
                    "jacobian", "projected_kernel", "distill", "projection", "compression", "lr_boost")
 _DISTILL_KEYS = ("enabled", "warmup_rounds", "anneal_rounds", "alpha_init", "alpha_final", "temp_init",
                  "temp_final")
@@ -146,6 +148,10 @@ def validate_config(config) -> None:
   validation.check_real("config.algorithm.momentum (μ)", algo.momentum, low=0, high=1, high_open=True)
   validation.check_bool("config.algorithm.nesterov", algo.nesterov)
   validation.check_bool("config.algorithm.select_momentum", algo.select_momentum)
+  validation.check_bool("config.algorithm.share_cliques", algo.share_cliques)
+  if algo.share_cliques and algo.select_momentum and config.topology.name == "clustered":
+    raise ValueError("config.algorithm.share_cliques=True computes one update per clique, but select_momentum=True "
+                     "scores τ with each member's own velocity: set share_cliques=False to use both")
   if algo.select_momentum and algo.select != "network":
     raise ValueError("config.algorithm.select_momentum=True scores the network after the momentum step, so it "
                      f"needs select='network' (got select={algo.select!r})")
@@ -176,10 +182,11 @@ def validate_config(config) -> None:
   validation.check_real("config.algorithm.compression.keep_fraction", c.keep_fraction, low=0, high=1, low_open=True)
   if c.bits != compression.FLOAT_BITS:
     validation.check_int("config.algorithm.compression.bits (32 = float32, no quantisation)", c.bits, low=1, high=16)
-  if algo.projected_kernel == "structured" and p.scheme == "flattened":
-    raise ValueError("config.algorithm.projected_kernel='structured' needs projection.scheme 'layerwise' or 'none': "
-                     "the flattened sketch mixes a tensor's axes and has no per-layer factorisation (use 'generic' "
-                     "or 'auto')")
+  if algo.projected_kernel == "structured" and p.scheme == "flattened" and algo.jacobian == "implicit":
+    raise ValueError("config.algorithm.projected_kernel='structured' with the flattened sketch builds J̃ from the "
+                     "dense stack's Jacobian factors, so it needs jacobian 'auto' or 'explicit' (got 'implicit': "
+                     "the matrix-free flattened kernel has no per-layer factorisation; use projected_kernel "
+                     "'generic' or 'auto')")
   if _compressed(algo) and algo.jacobian == "implicit":
     raise ValueError("config.algorithm.jacobian='implicit' cannot apply the compression stack (keep_fraction < 1 "
                      "or bits < 32 needs the explicit sketched Jacobian): use 'explicit' or 'auto'")
@@ -258,8 +265,10 @@ def make_spark(config, model: models.Model, federation) -> Algorithm:
   taus = tuple(int(t) for t in algo.taus)
   traced = algo.kernel == "traced"
   m2 = int(algo.subsample)
+  # On disjoint cliques every member has the same w̄ and data: one evolution per clique (exact up to float order).
+  share_cliques = bool(algo.share_cliques) and config.topology.name == "clustered"
   core = make_neighbourhood_round(config, model, federation, lr=algo.lr, lr_decay=algo.lr_decay,
-                                  per_round_averaging=True, subsample=m2)
+                                  per_round_averaging=True, subsample=m2, share_cliques=share_cliques)
   members = 1 + topology.make_topology_from_config(config.topology, num_clients, seed=config.seed).sample(0) \
       .neighbors.shape[1]
   tx = momentum_transform(float(algo.momentum), bool(algo.nesterov))
@@ -273,17 +282,21 @@ def make_spark(config, model: models.Model, federation) -> Algorithm:
   matrices = projection.sample_matrices(plan, config.seed) if sketched else tuple(None for _ in plan)
   keep, bits = float(algo.compression.keep_fraction), int(algo.compression.bits)
   explicit = algo.jacobian == "explicit" or (algo.jacobian == "auto" and _compressed(algo))
-  # The sketched kernel J̃ J̃ᵀ: for a dense stack under the layer-wise sketch it is the structured kernel with
-  # each layer input A_l replaced by A_l P_l (ntk.projected_dense_ntk; a small proj500 round ran ~350x faster than
-  # with per-sample Jacobians of the lifted network); the flattened sketch and other models use the generic kernel.
-  factorised = (sketched and not explicit and model.dense_stack is not None
-                and algo.projection.scheme == "layerwise")
-  if algo.projected_kernel == "structured" and sketched and not factorised:
-    raise ValueError("config.algorithm.projected_kernel='structured' needs a dense-stack model, the 'layerwise' "
-                     "projection and the matrix-free path (no compression stack, jacobian != 'explicit'); "
+  # A sketch of a dense stack never differentiates through P (unless projected_kernel='generic'):
+  # * layer-wise and matrix-free: the structured kernel with each layer input A_l replaced by A_l P_l
+  #   (ntk.projected_dense_ntk; a small proj500 round ran ~350x faster than with per-sample Jacobians of g);
+  # * flattened (no kernel factorisation), or explicit Jacobians for the compression stack: J̃ assembled from the
+  #   Jacobian's factors (projection.sketched_dense_jacobian, C times fewer flops than per-sample Jacobians of g).
+  # Other models use the generic paths on the lifted network g.
+  dense = sketched and model.dense_stack is not None and algo.projected_kernel != "generic"
+  structured_sketch = dense and not explicit and algo.projection.scheme == "layerwise"
+  factored_jacobian = dense and not structured_sketch and algo.jacobian != "implicit"
+  if algo.projected_kernel == "structured" and sketched and not (structured_sketch or factored_jacobian):
+    raise ValueError("config.algorithm.projected_kernel='structured' needs a dense-stack model (and, for the "
+                     "flattened sketch, jacobian 'auto' or 'explicit'); "
                      f"got model dense_stack={model.dense_stack is not None}, scheme={algo.projection.scheme!r}, "
-                     f"explicit Jacobians={explicit}")
-  structured_sketch = factorised and algo.projected_kernel != "generic"
+                     f"jacobian={algo.jacobian!r}")
+  explicit = explicit or factored_jacobian
 
   d = algo.distill
   schedule = dict(warmup_rounds=int(d.warmup_rounds), anneal_rounds=int(d.anneal_rounds or config.rounds),
@@ -316,7 +329,10 @@ def make_spark(config, model: models.Model, federation) -> Algorithm:
     targets = distill_targets(f0, hard, alpha, temp).astype(f0.dtype)
     n = jnp.maximum(mask.sum(), 1)
     if explicit:
-      jac = _per_sample_jacobian(g, u0, x)
+      if factored_jacobian:
+        jac = projection.sketched_dense_jacobian(plan, mats, model.dense_stack, wbar, x)
+      else:
+        jac = _per_sample_jacobian(g, u0, x)
       leaves, treedef = jax.tree.flatten(jac)
       if _compressed(algo):
         leaves = _compress_packages(leaves, mask, members, keep, bits)
@@ -361,19 +377,30 @@ def make_spark(config, model: models.Model, federation) -> Algorithm:
       alpha, temp = jnp.float32(1), jnp.float32(1)
     boost = jnp.where(jnp.any(boost_rounds == inputs.round + 1), boost_factor, 1.0).astype(jnp.float32)
 
-    def client_fn(wbar, x, targets, mask, lr, opt_state):
-      # alpha, temp, the boost and the sketch are shared by all clients: closed over, not mapped.
-      delta, info = client_delta(wbar, x[0], targets[0], mask[0], lr * boost, alpha, temp, mats, opt_state)
+    def momentum_step(wbar, delta, opt_state, info):
       new_params, opt_state = nesterov_step(tx, wbar, delta, opt_state)
       # ‖Δw‖ and the step actually taken ‖w − w̄‖: their ratio is the momentum's amplification.
       info = dict(info, delta_norm=_tree_norm(delta),
                   step_norm=_tree_norm(jax.tree.map(jnp.subtract, new_params, wbar)))
       return new_params, opt_state, info
 
+    # alpha, temp, the boost and the sketch are shared by all clients: closed over, not mapped.
+    def client_fn(wbar, x, targets, mask, lr, opt_state):
+      delta, info = client_delta(wbar, x[0], targets[0], mask[0], lr * boost, alpha, temp, mats, opt_state)
+      return momentum_step(wbar, delta, opt_state, info)
+
+    def clique_fn(wbar, x, targets, mask, lr):     # no velocity: select_momentum is off (validate_config)
+      delta, info = client_delta(wbar, x[0], targets[0], mask[0], lr * boost, alpha, temp, mats, None)
+      return wbar, delta, info
+
     velocity = state.momentum
     if mixed_velocity:      # the velocity travels with the weights and is averaged with the same weights
       velocity = topology.mix(velocity, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
-    (params, opt_state, info), lr = core.run(state.params, inputs, data, client_fn, velocity)
+    if share_cliques:       # one evolution per clique, then every member's own momentum step
+      (wbar, delta, info), lr = core.run(state.params, inputs, data, clique_fn)
+      params, opt_state, info = parallel.for_each_client(momentum_step)(wbar, delta, velocity, info)
+    else:
+      (params, opt_state, info), lr = core.run(state.params, inputs, data, client_fn, velocity)
     bits_sent = compression.neighbourhood_round_bits(inputs.neighbor_mask.sum(axis=1).astype(jnp.float32), packages,
                                                      num_params, broadcast=broadcast, velocity=mixed_velocity)
     total = jnp.sum(bits_sent)
