@@ -23,11 +23,10 @@ and the largest difference between the two results (they must agree).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
+from ntk_kernels import _median_time  # the sibling benchmark's timer: warm-up, then the median of reps
 
 from ntk_fl import models, projection
 
@@ -38,16 +37,6 @@ def flops(method: str, n: int, *, num_classes: int = 10, size: int = 784 * 100, 
   """FLOPs (2 per multiply-add) of the flattened sketch of ``dense_0``'s kernel for ``n`` samples."""
   per_row = 2 * size * k_proj
   return n * per_row * (num_classes if method == "lifted" else 1)
-
-
-def _median_time(fn, *args, reps: int) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
 
 
 def main(argv=None) -> None:
