@@ -34,7 +34,11 @@ new random 5-regular graph every round, data-size-weighted averaging, τ ∈ {10
   ``(N·C)²`` kernel (same ``η/N`` normalisation as the update, spark.md §5 item 8).
 * No projection, no compression (the paper's main experiments). With a
   layer-wise projection the kernel is the structured dense-stack kernel in
-  sketch coordinates (``projected_kernel='auto'``, ntk.projected_dense_ntk).
+  sketch coordinates (``projected_kernel='auto'``, ntk.projected_dense_ntk);
+  with the flattened sketch or the compression stack, ``J̃`` is built from the
+  dense stack's Jacobian factors (projection.sketched_dense_jacobian). On the
+  clustered topology (``full_stack``) each clique evolves once
+  (``share_cliques``; exact up to float order).
 * Options not in the paper, off by default: ``velocity='mixed'`` (average the
   velocity with the weights), ``select_momentum=True`` (score τ on the network
   after the momentum step).
