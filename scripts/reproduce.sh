@@ -10,6 +10,8 @@
 #              alpha0.1} x seeds, stopped at 85 % (about 2 min per run)
 #   spark      SPARK (issue 7): {iid, alpha0.5, alpha0.3, alpha0.1} x seeds, 30 rounds (Tables 1-2)
 #   spark_ablation   the Table 4 rows at IID x seeds, 30 rounds
+#   spark_comm the Fig. 9/11/12 runs at alpha = 0.1 x seeds, 30 rounds: layer-wise caps 500 and 750 (the cap 1000
+#              is the unprojected `spark` run) and the full compression stack (3-5 h per run on 2 CPU cores)
 #
 # OUT defaults to runs/<suite>; SEEDS to "0 1 2". A finished run (its summary.json exists) is skipped and an
 # interrupted one resumes from its last checkpoint (one killed before its first checkpoint is moved aside and
@@ -17,7 +19,7 @@
 # logs to OUT/<name>.log; the table and the curves come from experiments/summarize_runs.py at the end.
 set -u
 cd "$(dirname "$0")/.."
-SUITE=${1:?usage: bash scripts/reproduce.sh ntk_dfl|baselines|ntk_fl|ntk_fl_busiest|spark|spark_ablation [OUT] [SEEDS]}
+SUITE=${1:?usage: bash scripts/reproduce.sh ntk_dfl|baselines|ntk_fl|ntk_fl_busiest|spark|spark_ablation|spark_comm [OUT] [SEEDS]}
 OUT=${2:-runs/$SUITE}
 SEEDS=${3:-0 1 2}
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -74,7 +76,11 @@ case "$SUITE" in
     for s in $SEEDS; do
       for a in abl_none abl_distill abl_momentum abl_both; do run "$a" "configs/spark.py:iid,$a" "$s"; done
     done ;;
-  *) echo "unknown suite '$SUITE'; the suites are ntk_dfl, baselines, ntk_fl, ntk_fl_busiest, spark, spark_ablation" >&2; exit 2 ;;
+  spark_comm)
+    for s in $SEEDS; do
+      for v in proj500 proj750 full_stack; do run "$v" "configs/spark.py:alpha0.1,$v" "$s"; done
+    done ;;
+  *) echo "unknown suite '$SUITE'; the suites are ntk_dfl, baselines, ntk_fl, ntk_fl_busiest, spark, spark_ablation, spark_comm" >&2; exit 2 ;;
 esac
 finished=()
 for dir in "$OUT"/*_s*/; do [ -f "$dir/summary.json" ] && finished+=("${dir%/}"); done
