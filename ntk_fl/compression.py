@@ -36,7 +36,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["quantize", "quantize_tree", "sparsify_topk", "num_kept", "payload_bits", "sparse_payload_bits",
+__all__ = ["quantize", "quantize_tree", "topk_mask", "sparsify_topk", "num_kept", "payload_bits", "sparse_payload_bits",
            "tree_payload_bits", "jacobian_package_bits", "neighbourhood_round_bits", "FLOAT_BITS", "SIDE_BITS"]
 
 FLOAT_BITS = 32
@@ -104,6 +104,46 @@ def num_kept(size: int, keep_fraction: float) -> int:
   return max(1, min(int(size), math.ceil(keep_fraction * size - 1e-9)))
 
 
+_BIT_PATTERNS = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
+
+
+def topk_mask(magnitude, k: int):
+  """Bool mask of the ``k`` largest entries along the last axis; ties go to the lower index (as ``lax.top_k``).
+
+  A non-negative float's bit pattern, read as a signed integer of the same
+  width, is monotone in its value, so the ``k``-th largest value of every row is
+  found by bisection on the bit patterns: one counting pass per bit (31 for
+  float32) instead of a sort. For six of SPARK's 4-million-entry packages
+  at ``k = size/2`` this took 1.25 s against 18.9 s for ``lax.top_k`` on the
+  2-core CPU, with identical masks (benchmarks/RESULTS.md).
+
+  Args:
+    magnitude: non-negative float array ``[..., n]`` (e.g. ``|x|``); no NaN.
+    k: static ``1 <= k <= n``.
+  """
+  magnitude = jnp.asarray(magnitude)
+  n = magnitude.shape[-1]
+  if not 1 <= k <= n:
+    raise ValueError(f"k must be in [1, {n}] (the last axis), got {k}")
+  int_type = _BIT_PATTERNS[magnitude.dtype.itemsize]
+  bits = jax.lax.bitcast_convert_type(magnitude, int_type)
+  batch = bits.shape[:-1]
+
+  def halve(_, bounds):
+    lo, hi = bounds                       # invariant: count(bits >= lo) >= k > count(bits >= hi)
+    mid = lo + (hi - lo) // 2
+    enough = jnp.sum(bits >= mid[..., None], axis=-1) >= k
+    return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
+
+  lo = jnp.zeros(batch, int_type)
+  hi = jnp.full(batch, jnp.iinfo(int_type).max, int_type)
+  threshold, _ = jax.lax.fori_loop(0, 8 * magnitude.dtype.itemsize - 1, halve, (lo, hi))
+  above = bits > threshold[..., None]
+  ties = bits == threshold[..., None]
+  room = k - jnp.sum(above, axis=-1, keepdims=True)
+  return above | (ties & (jnp.cumsum(ties, axis=-1) <= room))
+
+
 def sparsify_topk(x, keep_fraction: float, *, axis: int | None = None):
   """Keeps the ``num_kept`` largest-magnitude entries of ``x`` (the rest become 0).
 
@@ -117,23 +157,18 @@ def sparsify_topk(x, keep_fraction: float, *, axis: int | None = None):
   Returns:
     ``(sparse, mask)``: ``sparse`` has the shape and dtype of ``x`` with zeros
     outside the kept support; ``mask`` is the bool support. Ties at the
-    threshold are broken by position (``lax.top_k``), so exactly ``num_kept``
-    entries are kept per selection.
+    threshold are broken by position (lower index first, as ``lax.top_k``),
+    so exactly ``num_kept`` entries are kept per selection (:func:`topk_mask`).
   """
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"sparsify_topk expects a float array, got dtype {x.dtype}")
   if axis is None:
     flat = x.reshape(-1)
-    k = num_kept(flat.size, keep_fraction)
-    _, idx = jax.lax.top_k(jnp.abs(flat), k)
-    mask = jnp.zeros(flat.shape, bool).at[idx].set(True).reshape(x.shape)
+    mask = topk_mask(jnp.abs(flat), num_kept(flat.size, keep_fraction)).reshape(x.shape)
   else:
     moved = jnp.moveaxis(x, axis, -1)
-    k = num_kept(moved.shape[-1], keep_fraction)
-    _, idx = jax.lax.top_k(jnp.abs(moved), k)
-    rows = jnp.zeros(moved.shape, bool)
-    mask = jnp.moveaxis(jnp.put_along_axis(rows, idx, True, axis=-1, inplace=False), -1, axis)
+    mask = jnp.moveaxis(topk_mask(jnp.abs(moved), num_kept(moved.shape[-1], keep_fraction)), -1, axis)
   return jnp.where(mask, x, jnp.zeros_like(x)), mask
 
 

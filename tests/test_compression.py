@@ -39,6 +39,22 @@ def test_topk_along_an_axis_selects_per_row():
   assert int(np.asarray(mask).sum()) == 5 * 6 * 2
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_topk_mask_breaks_heavy_ties_by_position(dtype):
+  """Few distinct magnitudes (±, zeros, -0.0, a huge and a subnormal value): the bisection on bit patterns keeps
+  exactly k per row, the largest first and the lowest index among equals, for every k."""
+  rng = np.random.default_rng(0)
+  values = rng.choice([0.0, -0.0, 1.0, -1.0, 2.5, -2.5, 3e4, 1e-7], size=(3, 23)).astype(np.float32)
+  x = jnp.asarray(values, dtype)
+  rounded = np.asarray(x.astype(jnp.float32))               # the values as the dtype holds them
+  for k in (1, 5, 11, 22, 23):
+    mask = np.asarray(compression.topk_mask(jnp.abs(x), k))
+    for row in range(3):
+      np.testing.assert_array_equal(mask[row], _brute_topk_mask(rounded[row], k), err_msg=f"k={k} row={row}")
+  with pytest.raises(ValueError, match="k must be in"):
+    compression.topk_mask(jnp.abs(x), 24)
+
+
 def test_topk_is_jittable_and_validates():
   x = jnp.arange(10.0) - 4.5
   sparse, mask = jax.jit(lambda v: compression.sparsify_topk(v, 0.2))(x)
