@@ -286,7 +286,8 @@ def dense_stack_projections(plan: Sequence[LeafSketch], matrices, stack: DenseSt
 
 def _layer_of(sketch: LeafSketch, stack: DenseStack) -> tuple[int, str]:
   """``(layer index, 'kernel' | 'bias')`` of a leaf named ``.../<layer>/<part>``."""
-  *_, layer, part = ("", "") + tuple(sketch.name.split("/"))
+  parts = sketch.name.split("/")
+  layer, part = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
   if layer not in stack.layers or part not in ("kernel", "bias"):
     raise ValueError(f"tensor {sketch.name!r} is not a kernel or bias of the dense stack {stack.layers}")
   return stack.layers.index(layer), part
