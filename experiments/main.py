@@ -2,13 +2,17 @@
 
   python experiments/main.py --config=configs/ntk_dfl.py[:variant] --workdir=DIR \
       [--config.rounds=50 --config.data.alpha=0.5 ...] [--resume] [--distributed]
+      [--branch_from=OTHER_WORKDIR [--branch_round=K]]
 
 ``--config.key=value`` overrides any config field (an unknown key is a flags
 error). The config and the workdir are checked before any data is loaded; a bad
 value exits non-zero with the message naming it. The workdir receives
 ``metrics.jsonl``, ``summary.json``, ``config.json``, the PNG plots and
 ``checkpoints/`` (see :mod:`ntk_fl.runner`); ``--resume`` continues a killed run
-from its latest checkpoint with identical results.
+from its latest checkpoint with identical results. ``--branch_from`` starts a
+new run from another run's checkpoint when the two configs provably share those
+rounds (e.g. SPARK's ablation rows during the warm-up; see
+:func:`ntk_fl.runner.check_branch`).
 """
 from __future__ import annotations
 
@@ -27,6 +31,11 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file, e.g. configs/ntk_dfl.py or configs/ntk_dfl.py:smoke.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory of the run.")
 _RESUME = flags.DEFINE_bool("resume", False, "Continue the run in --workdir from its latest checkpoint.")
+_BRANCH_FROM = flags.DEFINE_string(
+    "branch_from", None, "Start from the checkpoint of the run in this workdir (its config must equal --config, "
+    "or the method must certify the rounds they share).")
+_BRANCH_ROUND = flags.DEFINE_integer(
+    "branch_round", None, "The --branch_from checkpoint to start from (default: the latest one allowed).")
 _DISTRIBUTED = flags.DEFINE_bool(
     "distributed", False, "Multi-host: call jax.distributed.initialize() before anything else, so "
     "--config.devices=0 spans every host's devices.")
@@ -69,10 +78,18 @@ def main(argv: list[str]) -> None:
     # Everything that can be wrong with the request fails here, before any work.
     runner.validate_config(config)
     runner.check_workdir(config, _WORKDIR.value, resume=_RESUME.value)
+    if _BRANCH_FROM.value is not None:
+      if _RESUME.value:
+        raise ValueError("--resume and --branch_from exclude each other (a branched run resumes from its own "
+                         "checkpoints)")
+      runner.check_branch(config, _BRANCH_FROM.value, _BRANCH_ROUND.value)
+    elif _BRANCH_ROUND.value is not None:
+      raise ValueError(f"--branch_round={_BRANCH_ROUND.value} needs --branch_from (the run to branch from)")
   except (ValueError, FileNotFoundError) as e:
     logging.error("%s", e)
     sys.exit(f"error: {e}")
-  summary = runner.run(config, _WORKDIR.value, resume=_RESUME.value)
+  summary = runner.run(config, _WORKDIR.value, resume=_RESUME.value, branch_from=_BRANCH_FROM.value,
+                       branch_round=_BRANCH_ROUND.value)
   logging.info("rounds to target: %s; final aggregated accuracy: %s; wall time %.1fs",
                summary["rounds_to_target"], summary["final_test_acc"], summary["wall_time"])
 

@@ -15,7 +15,7 @@ re-wrapped on restore, so states may hold either key flavour.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import orbax.checkpoint as ocp
@@ -45,15 +45,23 @@ class Checkpoints:
   Args:
     directory: where step directories live (created if missing).
     max_to_keep: how many most recent checkpoints to keep (older ones deleted).
+    keep: round counts whose checkpoints are never deleted.
+    read_only: only list and restore (another run's checkpoints, e.g. the source
+      of a branch, possibly still running): nothing is created, saved or cleaned up.
   """
 
-  def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 2):
+  def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 2, keep: Sequence[int] = (),
+               read_only: bool = False):
     self.directory = os.path.abspath(os.fspath(directory))
+    preserve = ocp.checkpoint_managers
+    policy = preserve.LatestN(n=max_to_keep)
+    if keep:
+      policy = preserve.AnyPreservationPolicy([policy, preserve.CustomSteps(steps=[int(k) for k in keep])])
     # Synchronous saves: the runner checkpoints between rounds and must know the
     # checkpoint is final before it moves on (and before a test kills the run).
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, enable_async_checkpointing=False, create=True,
-        cleanup_tmp_directories=True)
+        preservation_policy=policy, enable_async_checkpointing=False, create=not read_only,
+        cleanup_tmp_directories=not read_only, read_only=read_only)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
 
   def save(self, rounds_done: int, state) -> None:

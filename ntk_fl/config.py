@@ -29,7 +29,11 @@ Field reference (all of them are validated by the runner before any work):
   ``batch_size`` (test-set batch for evaluation), ``stop_at`` (stop the run
   after the first round whose aggregated accuracy reaches it; ``0`` = run all
   ``rounds``; needs ``every = 1``).
-* ``checkpoint_every``: rounds between orbax checkpoints (``0`` = never).
+* ``checkpoint_every``: rounds between orbax checkpoints (``0`` = never); the
+  two most recent are kept.
+* ``checkpoint_keep``: 1-based rounds whose checkpoints are also written and
+  never deleted (branch points, e.g. the end of SPARK's warm-up for its
+  ablation rows; see ``runner.check_branch``). Results do not depend on it.
 * ``chunk_size``: clients per ``vmap`` chunk (``0`` = all at once), per device.
 * ``devices``: devices the client axis is sharded over (:mod:`ntk_fl.parallel`):
   ``0`` = all (every host's after ``--distributed``), ``1`` = the single-device
@@ -87,6 +91,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.eval.batch_size = 10_000
 
   config.checkpoint_every = 5
+  config.checkpoint_keep = ()
   config.chunk_size = 0
   config.devices = 0
   config.algorithm = ml_collections.ConfigDict()

@@ -32,12 +32,20 @@ Workdir layout::
   accuracy.png     aggregated vs mean-client accuracy (client min-max band)
   selection.png    best-to-worst / random / worst-to-best averaging curves
   checkpoints/     orbax checkpoints, one directory per saved round count
+  branched_from.json  only for a branched run: the source workdir and the round it was taken after
 
 Determinism and resume: ``algorithm.init`` gets ``jax.random.PRNGKey(seed)``,
 ``algorithm.round_inputs(r)`` depends on ``r`` only, and the state is the whole
 carried pytree, so a run resumed from the checkpoint after round ``k`` repeats
 rounds ``k+1..R`` bit for bit: its ``metrics.jsonl`` and ``summary.json`` equal
 an uninterrupted run's except for wall-clock times.
+
+Branching (``run(..., branch_from=SOURCE)``, ``--branch_from``): a new run
+starts from the checkpoint of the run in ``SOURCE`` after ``k`` rounds and
+copies its metrics lines 1..k. The two configs must be equal, or the method's
+``shared_rounds`` must certify that they compute rounds 1..k identically (SPARK's
+ablation rows share the hard-label warm-up); the branched run then equals the
+run started from scratch.
 
 Methods outside :mod:`ntk_fl.algorithms` (a user's own, or a test double) are
 found through ``config.method_module``: a dotted module name or a path to a
@@ -85,6 +93,8 @@ __all__ = [
     "CHECKPOINT_DIR",
     "ACCURACY_PLOT",
     "SELECTION_PLOT",
+    "BRANCH_FILE",
+    "check_branch",
 ]
 
 CONFIG_FILE = "config.json"
@@ -93,13 +103,15 @@ SUMMARY_FILE = "summary.json"
 CHECKPOINT_DIR = "checkpoints"
 ACCURACY_PLOT = "accuracy.png"
 SELECTION_PLOT = "selection.png"
+BRANCH_FILE = "branched_from.json"
 
 # Keys the runner writes into every metrics line; an algorithm metric may not reuse them.
 _RESERVED = frozenset({
     "round", "step_time", "eval_time", "test_acc", "test_loss", "deviation", "client_acc_mean",
     "client_acc_min", "client_acc_max", "client_loss_mean", "clients", *metrics_lib.ENSEMBLE_METRICS})
-# Top-level keys that only place the computation; resume ignores them.
-_PLACEMENT_KEYS = ("devices",)
+# Top-level keys that do not change the results (where clients run, which checkpoints are kept);
+# resume and branch ignore them.
+_RESULT_NEUTRAL_KEYS = ("devices", "checkpoint_keep")
 # Config keys beyond base_config(): the optional method module, and the free-form algorithm block.
 _EXTRA_TOP_LEVEL = frozenset({"method_module"})
 _SCHEMA_BLOCKS = ("data", "model", "topology", "eval")
@@ -184,6 +196,11 @@ def validate_config(config) -> None:
   _int(config, "seed", 0)
   _int(config, "rounds", 1)
   _int(config, "checkpoint_every", 0)
+  keep = _get(config, "checkpoint_keep")
+  if not isinstance(keep, (tuple, list)):
+    raise ValueError(f"config.checkpoint_keep must be a tuple of 1-based round numbers, got {keep!r}")
+  for r in keep:
+    validation.check_int("config.checkpoint_keep (1-based round numbers)", r, low=1)
   _int(config, "chunk_size", 0)
   devices = _int(config, "devices", 0)
   if devices > jax.device_count():
@@ -359,6 +376,22 @@ def _config_diff(old, new, prefix: str = "") -> list[str]:
   return [] if old == new else [f"{prefix[:-1]}: {old!r} -> {new!r}"]
 
 
+def _experiment_configs(config, workdir: str, action: str) -> tuple[dict, dict]:
+  """``workdir``'s stored config and ``config`` as JSON dicts, without the placement keys."""
+  config_path = os.path.join(workdir, CONFIG_FILE)
+  if not os.path.isfile(config_path):
+    raise FileNotFoundError(f"cannot {action}: {config_path} does not exist (no run was started in {workdir})")
+  with open(config_path) as f:
+    stored = json.load(f)
+  current = json.loads(json.dumps(_jsonable(config)))
+  # Where clients run is not part of the experiment: a run may resume on another device count
+  # (results agree up to float rounding), and runs started before these keys existed lack them.
+  for key in _RESULT_NEUTRAL_KEYS:
+    stored.pop(key, None)
+    current.pop(key, None)
+  return stored, current
+
+
 def check_workdir(config, workdir: str, *, resume: bool) -> int:
   """Checks ``workdir`` before any work; returns the round count to start from.
 
@@ -367,7 +400,6 @@ def check_workdir(config, workdir: str, *, resume: bool) -> int:
   checkpoint.
   """
   workdir = os.path.abspath(workdir)
-  config_path = os.path.join(workdir, CONFIG_FILE)
   ckpt_dir = os.path.join(workdir, CHECKPOINT_DIR)
   if not resume:
     existing = [n for n in (CONFIG_FILE, METRICS_FILE, CHECKPOINT_DIR) if os.path.exists(os.path.join(workdir, n))]
@@ -375,16 +407,7 @@ def check_workdir(config, workdir: str, *, resume: bool) -> int:
       raise ValueError(f"workdir {workdir} already holds a run ({', '.join(existing)}); resume it "
                        "(resume=True / --resume) or choose an empty workdir")
     return 0
-  if not os.path.isfile(config_path):
-    raise FileNotFoundError(f"cannot resume: {config_path} does not exist (no run was started in {workdir})")
-  with open(config_path) as f:
-    stored = json.load(f)
-  current = json.loads(json.dumps(_jsonable(config)))
-  # Where clients run is not part of the experiment: a run may resume on another device count
-  # (results agree up to float rounding), and runs started before the key existed lack it.
-  for key in _PLACEMENT_KEYS:
-    stored.pop(key, None)
-    current.pop(key, None)
+  stored, current = _experiment_configs(config, workdir, "resume")
   diff = _config_diff(stored, current)
   if diff:
     raise ValueError(f"cannot resume {workdir} with a different config; changed: {'; '.join(diff)}")
@@ -396,6 +419,52 @@ def check_workdir(config, workdir: str, *, resume: bool) -> int:
     raise FileNotFoundError(f"cannot resume: no finalised checkpoint in {ckpt_dir} "
                             f"(config.checkpoint_every = {config.checkpoint_every})")
   return latest
+
+
+def check_branch(config, source: str, branch_round: int | None = None) -> int:
+  """Checks that a new run of ``config`` may start from ``source``'s checkpoint; returns its round.
+
+  A branch reuses the first ``k`` rounds of the run in ``source`` (its
+  checkpoint after round ``k`` and its metrics lines 1..k) instead of
+  recomputing them. Allowed when ``source`` ran the same experiment (any
+  ``k``), or when the method's ``shared_rounds(stored, current)`` certifies
+  that the two configs compute the first ``k`` rounds identically (SPARK: the
+  ablation rows during the hard-label warm-up). ``branch_round`` (default: the
+  latest checkpoint of ``source`` inside the shared prefix) must be a finalised
+  checkpoint of ``source`` and leave at least one round to run.
+  """
+  source = os.path.abspath(source)
+  stored, current = _experiment_configs(config, source, "branch")
+  diff = _config_diff(stored, current)
+  shared = config.rounds
+  if diff:
+    method = get_method(config.method) if stored.get("method") == current["method"] else None
+    shared = method.shared_rounds(stored, current) if method and method.shared_rounds else 0
+    if shared < 1:
+      raise ValueError(f"cannot branch from {source}: its config differs ({'; '.join(diff)}) and method "
+                       f"{config.method!r} does not certify that any round is computed the same under both")
+  ckpt_dir = os.path.join(source, CHECKPOINT_DIR)
+  steps = []
+  if os.path.isdir(ckpt_dir):
+    with Checkpoints(ckpt_dir, read_only=True) as ckpt:
+      steps = ckpt.steps()
+  limit = min(shared, config.rounds - 1)
+  if branch_round is None:
+    usable = [s for s in steps if s <= limit]
+    if not usable:
+      raise FileNotFoundError(f"cannot branch from {source}: no finalised checkpoint within the {limit} rounds the "
+                              f"two configs share (checkpoints after rounds {steps})")
+    return usable[-1]
+  validation.check_int("branch_round", branch_round, low=1)
+  if branch_round > limit:
+    why = f"the two configs compute only rounds 1..{shared} identically" if shared < config.rounds \
+        else f"the new run has {config.rounds} rounds"
+    raise ValueError(f"cannot branch from {source} after round {branch_round}: {why}"
+                     + (f" (changed: {'; '.join(diff)})" if diff else ""))
+  if branch_round not in steps:
+    raise FileNotFoundError(f"cannot branch from {source} after round {branch_round}: no finalised checkpoint "
+                            f"for it (checkpoints after rounds {steps})")
+  return branch_round
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -457,7 +526,7 @@ def _reached_stop(line: dict, config) -> bool:
 
 
 def _summarize(config, lines: list[dict], *, num_params: int, selection: dict | None,
-               wall_time: float, resumed_from: int | None) -> dict:
+               wall_time: float, resumed_from: int | None, branched_from: dict | None) -> dict:
   acc = [line.get("test_acc") for line in lines]
   evaluated = [(a, line["round"]) for a, line in zip(acc, lines) if a is not None]
   best_acc, best_round = max(evaluated, key=lambda p: (p[0], -p[1])) if evaluated else (None, None)
@@ -486,19 +555,24 @@ def _summarize(config, lines: list[dict], *, num_params: int, selection: dict | 
       # The first step includes jit compilation; later ones are the steady state.
       "step_time_per_round": float(np.mean(step_times[1:] if len(step_times) > 1 else step_times)),
       "resumed_from": resumed_from,
+      "branched_from": branched_from,   # {"source": workdir, "round": rounds taken from it} or None
       "selection": selection,
       "config": config,
   }
 
 
-def run(config, workdir: str, *, resume: bool = False,
-        on_round_end: Callable[[int, dict], None] | None = None) -> dict:
+def run(config, workdir: str, *, resume: bool = False, branch_from: str | None = None,
+        branch_round: int | None = None, on_round_end: Callable[[int, dict], None] | None = None) -> dict:
   """Runs the experiment described by ``config`` in ``workdir``; returns the summary.
 
   Args:
     config: a config built on :func:`ntk_fl.config.base_config`.
     workdir: output directory (created); see the module docstring for its layout.
     resume: continue from the latest checkpoint in ``workdir``.
+    branch_from: start a new run in ``workdir`` from the checkpoint of the run in
+      this directory after ``branch_round`` rounds, copying its metrics lines
+      for those rounds (see :func:`check_branch` for when that is allowed).
+    branch_round: the source checkpoint (default: the latest one allowed).
     on_round_end: optional ``fn(round, line)`` called after each round's metrics
       line and checkpoint are written (1-based ``round``); for custom logging or
       early interruption (an exception it raises stops the run there).
@@ -508,20 +582,49 @@ def run(config, workdir: str, *, resume: bool = False,
 
   Raises:
     ValueError: a bad config value (before any data is loaded), a workdir
-      holding another run, or resuming with a different config.
-    FileNotFoundError: resuming without a run or checkpoint; missing data files.
+      holding another run, resuming with a different config, or a branch the
+      method does not certify.
+    FileNotFoundError: resuming or branching without a run or checkpoint;
+      missing data files.
   """
   started = time.perf_counter()
   validate_config(config)
+  if resume and branch_from is not None:
+    raise ValueError("resume and branch_from exclude each other (a branched run resumes from its own checkpoints)")
+  if branch_round is not None and branch_from is None:
+    raise ValueError(f"branch_round={branch_round} needs branch_from (the run to branch from)")
   # Every step/evaluation is traced inside the mesh, so for_each_client shards clients over it.
   with parallel.use_devices(config.devices):
-    return _run(config, workdir, resume=resume, on_round_end=on_round_end, started=started)
+    return _run(config, workdir, resume=resume, branch_from=branch_from, branch_round=branch_round,
+                on_round_end=on_round_end, started=started)
 
 
-def _run(config, workdir: str, *, resume: bool, on_round_end, started: float) -> dict:
+def _read_branch(workdir: str) -> dict | None:
+  """Where a branched run took its first rounds from (``BRANCH_FILE``), or ``None``."""
+  path = os.path.join(workdir, BRANCH_FILE)
+  if not os.path.isfile(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def _metrics_up_to(workdir: str, rounds: int, action: str) -> list[dict]:
+  """The metrics lines of rounds ``1..rounds`` in ``workdir``."""
+  lines = read_metrics(workdir)[:rounds]
+  if [line.get("round") for line in lines] != list(range(1, rounds + 1)):
+    raise ValueError(f"{os.path.join(workdir, METRICS_FILE)} does not hold rounds 1..{rounds} of the checkpoint; "
+                     f"cannot {action}")
+  return lines
+
+
+def _run(config, workdir: str, *, resume: bool, branch_from: str | None, branch_round: int | None,
+         on_round_end, started: float) -> dict:
   """:func:`run` after validation, inside the device mesh."""
   workdir = os.path.abspath(workdir)
   start = check_workdir(config, workdir, resume=resume)
+  if branch_from is not None:
+    branch_from = os.path.abspath(branch_from)
+    start = check_branch(config, branch_from, branch_round)
 
   exp = build_experiment(config)
   algorithm, rounds = exp.algorithm, config.rounds
@@ -534,15 +637,23 @@ def _run(config, workdir: str, *, resume: bool, on_round_end, started: float) ->
   state = _canonical(algorithm.init(jax.random.PRNGKey(config.seed)))
   num_clients = jax.tree_util.tree_leaves(algorithm.client_params(state))[0].shape[0]
   num_params = sum(math.prod(w.shape[1:]) for w in jax.tree_util.tree_leaves(algorithm.client_params(state)))
-  ckpt = Checkpoints(os.path.join(workdir, CHECKPOINT_DIR)) if config.checkpoint_every else None
+  keep = tuple(int(r) for r in config.checkpoint_keep)
+  ckpt = Checkpoints(os.path.join(workdir, CHECKPOINT_DIR), keep=keep) if config.checkpoint_every or keep else None
 
   try:
     if resume:
       state = _canonical(ckpt.restore(start, state))
-      lines = read_metrics(workdir)[:start]
-      if [line.get("round") for line in lines] != list(range(1, start + 1)):
-        raise ValueError(f"{metrics_path} does not hold rounds 1..{start} of the checkpoint; cannot resume")
+      lines = _metrics_up_to(workdir, start, "resume")
       logging.info("Resuming %s from the checkpoint after round %d", workdir, start)
+    elif branch_from is not None:
+      with Checkpoints(os.path.join(branch_from, CHECKPOINT_DIR), read_only=True) as source:
+        state = _canonical(source.restore(start, state))
+      lines = _metrics_up_to(branch_from, start, "branch")
+      _write_json(os.path.join(workdir, CONFIG_FILE), config)
+      _write_json(os.path.join(workdir, BRANCH_FILE), {"source": branch_from, "round": start})
+      if ckpt is not None:
+        ckpt.save(start, state)   # the branch resumes from its own workdir, whatever happens to the source
+      logging.info("Branching %s from %s after round %d", workdir, branch_from, start)
     else:
       _write_json(os.path.join(workdir, CONFIG_FILE), config)
       lines = []
@@ -574,7 +685,8 @@ def _run(config, workdir: str, *, resume: bool, on_round_end, started: float) ->
         metrics_file.write(json.dumps(_jsonable(line), allow_nan=False) + "\n")
         metrics_file.flush()
         lines.append(_jsonable(line))   # exactly what was logged (NaN -> None), as a resumed run reads it
-        if ckpt is not None and _due(round_, config.checkpoint_every, rounds):
+        if ckpt is not None and ((config.checkpoint_every and _due(round_, config.checkpoint_every, rounds))
+                                 or round_ in keep):
           ckpt.save(round_, state)
         postfix = {"s/round": f"{t2 - t0:.2f}"}
         if "test_acc" in line:
@@ -586,7 +698,7 @@ def _run(config, workdir: str, *, resume: bool, on_round_end, started: float) ->
         last_round = round_
         if on_round_end is not None:
           on_round_end(round_, line)
-    if ckpt is not None and last_round not in ckpt.steps():
+    if ckpt is not None and config.checkpoint_every and last_round not in ckpt.steps():
       ckpt.save(last_round, state)  # e.g. a resumed run whose last checkpoint was deleted
   finally:
     if ckpt is not None:
@@ -608,7 +720,8 @@ def _run(config, workdir: str, *, resume: bool, on_round_end, started: float) ->
 
   summary = _jsonable(_summarize(config, lines, num_params=num_params, selection=selection,
                                  wall_time=time.perf_counter() - started,
-                                 resumed_from=start if resume else None))
+                                 resumed_from=start if resume else None,
+                                 branched_from=_read_branch(workdir)))
   _write_json(os.path.join(workdir, SUMMARY_FILE), summary)
   logging.info("Finished %s: %s", workdir, {k: summary[k] for k in ("rounds_to_target", "final_test_acc")})
   return summary

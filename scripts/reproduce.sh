@@ -9,7 +9,8 @@
 #   ntk_fl_busiest   NTK-FL in NTK-DFL App. C.1's busiest-node setting (5 clients per round), {iid, alpha0.5,
 #              alpha0.1} x seeds, stopped at 85 % (about 2 min per run)
 #   spark      SPARK (issue 7): {iid, alpha0.5, alpha0.3, alpha0.1} x seeds, 30 rounds (Tables 1-2)
-#   spark_ablation   the Table 4 rows at IID x seeds, 30 rounds
+#   spark_ablation   the Table 4 rows at IID x seeds, 30 rounds (distillation only and momentum only branch
+#              off no distillation and SPARK after the shared 10-round warm-up)
 #   spark_comm the Fig. 9/11/12 runs at alpha = 0.1 x seeds, 30 rounds: layer-wise caps 500 and 750 (the cap 1000
 #              is the unprojected `spark` run) and the full compression stack (3-5 h per run on 2 CPU cores)
 #
@@ -40,6 +41,17 @@ run() {  # name config[:variants] seed [extra --config.* flags...]
   echo "$(date '+%F %T') $dir" >&2
   $PYTHON experiments/main.py --config="$config" --config.seed="$seed" --workdir="$dir" $resume "$@" \
     >> "$dir.log" 2>&1 || echo "run $dir failed (see $dir.log)" >&2
+}
+
+branch() {  # name config[:variants] seed source_name [extra flags...]: the run, started from the source run's
+            # checkpoint inside the rounds both compute identically (runner.check_branch), when it has one
+  local name=$1 config=$2 seed=$3 source=$OUT/${4}_s$3; shift 4
+  if [ ! -e "$OUT/${name}_s$seed" ] && compgen -G "$source/checkpoints/[0-9]*" > /dev/null; then
+    run "$name" "$config" "$seed" --branch_from="$source" "$@"
+  else
+    [ -e "$OUT/${name}_s$seed" ] || echo "$source has no checkpoint to branch from; running $name from round 0" >&2
+    run "$name" "$config" "$seed" "$@"
+  fi
 }
 
 to85="--config.eval.stop_at=0.85"
@@ -73,8 +85,13 @@ case "$SUITE" in
       for level in alpha0.1 alpha0.5 iid alpha0.3; do run "$level" "configs/spark.py:$level" "$s"; done
     done ;;
   spark_ablation)
+    # Distillation only / momentum only equal no distillation / SPARK through the 10 hard-label warm-up rounds:
+    # they start from those runs' kept round-10 checkpoints (a third less compute).
     for s in $SEEDS; do
-      for a in abl_none abl_distill abl_momentum abl_both; do run "$a" "configs/spark.py:iid,$a" "$s"; done
+      run abl_none configs/spark.py:iid,abl_none "$s" "--config.checkpoint_keep=(10,)"
+      run abl_both configs/spark.py:iid,abl_both "$s" "--config.checkpoint_keep=(10,)"
+      branch abl_distill configs/spark.py:iid,abl_distill "$s" abl_none
+      branch abl_momentum configs/spark.py:iid,abl_momentum "$s" abl_both
     done ;;
   spark_comm)
     for s in $SEEDS; do

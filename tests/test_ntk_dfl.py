@@ -306,6 +306,33 @@ def test_smoke_variant_runs_through_the_runner_and_learns(tmp_path):
   assert all(set(line["clients"]["tau"]) <= {50, 100, 200} for line in lines)
 
 
+def test_a_run_stopped_at_its_target_continues_as_the_longer_run(tmp_path):
+  """Branching a stopped run with more rounds and no stop equals running the longer config from scratch."""
+  from ntk_fl import runner
+  from ntk_fl.config import load_config
+
+  def smoke(rounds, stop_at=0.0):
+    config = load_config(str(REPO / "configs" / "ntk_dfl.py"), "smoke")
+    config.data.max_train, config.data.num_clients, config.data.samples_per_client = 2_000, 12, 40
+    config.rounds, config.eval.stop_at, config.eval.selection = rounds, stop_at, False
+    return config
+
+  stopped, continued, scratch = (str(tmp_path / name) for name in ("stopped", "continued", "scratch"))
+  first = runner.run(smoke(4, stop_at=0.05), stopped)            # any model beats 5 %: stops after round 1
+  assert first["rounds_run"] == 1 and first["stopped_early"]
+  summary = runner.run(smoke(3), continued, branch_from=stopped)
+  runner.run(smoke(3), scratch)
+  assert summary["branched_from"] == {"source": stopped, "round": 1}
+  numbers = lambda line: {k: v for k, v in line.items() if k not in ("step_time", "eval_time")}
+  assert [numbers(line) for line in runner.read_metrics(continued)] == \
+      [numbers(line) for line in runner.read_metrics(scratch)]
+  # Anything else changed is not certified.
+  other = smoke(3)
+  other.algorithm.lr = 0.02
+  with pytest.raises(ValueError, match=r"algorithm.lr: 0.01 -> 0.02.*does not certify"):
+    runner.check_branch(other, stopped)
+
+
 @pytest.mark.parametrize("variant", ["clustered", "batched", "subsample", "mse", "static,per_client_init"])
 def test_paper_option_variants_run_a_round(variant):
   from ntk_fl import runner

@@ -195,6 +195,42 @@ def test_resume_refusals_fail_before_any_work(reference, tmp_path, monkeypatch):
     runner.run(toy_config(), str(tmp_path / "nockpt"), resume=True)
 
 
+def test_branch_of_the_same_experiment_equals_the_uninterrupted_run(reference, tmp_path):
+  ref_workdir, ref_lines, ref_summary = reference
+  workdir = str(tmp_path / "branch")
+  assert runner.check_branch(toy_config(), ref_workdir) == 4   # checkpoints after 4 and 5; 5 leaves nothing to run
+  summary = runner.run(toy_config(), workdir, branch_from=ref_workdir)
+  lines = runner.read_metrics(workdir)
+  assert [without(line, TIMES) for line in lines] == [without(line, TIMES) for line in ref_lines]
+  assert lines[:4] == ref_lines[:4]                            # copied, timings included
+  assert summary["branched_from"] == {"source": ref_workdir, "round": 4}
+  skip = SUMMARY_TIMES + ("branched_from",)
+  assert without(summary, skip) == without(ref_summary, skip)
+  with Checkpoints(os.path.join(workdir, runner.CHECKPOINT_DIR)) as ckpt:
+    assert ckpt.steps() == [4, 5]                              # its own copy of the branch point
+  # The toy method certifies no shared rounds, so any config change is refused.
+  with pytest.raises(ValueError, match=r"differs \(seed: 0 -> 3\).*does not certify"):
+    runner.check_branch(toy_config(seed=3), ref_workdir)
+  proc = main_py("--config=tests/configs/toy.py:smoke", f"--workdir={tmp_path / 'other'}", "--branch_round=2")
+  assert proc.returncode != 0 and "--branch_round=2 needs --branch_from" in proc.stderr
+
+
+def test_checkpoint_keep_survives_the_rotation_and_is_result_neutral(reference, tmp_path):
+  _, ref_lines, _ = reference
+  workdir = str(tmp_path / "run")
+  proc = main_py("--config=tests/configs/toy.py:smoke", f"--config.rounds={ROUNDS}", "--config.checkpoint_keep=(1,)",
+                 f"--workdir={workdir}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  with Checkpoints(os.path.join(workdir, runner.CHECKPOINT_DIR)) as ckpt:
+    assert ckpt.steps() == [1, 4, 5]     # 1 kept; of the every-2 checkpoints only the latest two
+  assert [without(line, TIMES) for line in runner.read_metrics(workdir)] == \
+      [without(line, TIMES) for line in ref_lines]
+  assert runner.check_workdir(toy_config(), workdir, resume=True) == ROUNDS   # not a config change
+  assert runner.check_branch(toy_config(), workdir, 1) == 1
+  with pytest.raises(ValueError, match=r"checkpoint_keep \(1-based round numbers\) must be an int >= 1, got 0"):
+    runner.validate_config(toy_config(checkpoint_keep=(0,)))
+
+
 def test_stop_at_ends_the_run_at_the_first_round_reaching_it(reference, tmp_path):
   _, ref_lines, _ = reference
   accs = [line["test_acc"] for line in ref_lines]

@@ -342,3 +342,72 @@ def test_smoke_variant_runs_through_the_runner_and_learns(tmp_path):
   lines = runner.read_metrics(str(tmp_path))
   assert [line["round"] for line in lines] == [1, 2, 3, 4]
   assert lines[-1]["bits_cumulative"] > lines[0]["bits_cumulative"] > 0
+
+
+def _json_config(variant: str, **algo) -> dict:
+  config = load_config(str(REPO / "configs" / "spark.py"), variant)
+  for key, value in algo.items():
+    config.algorithm.distill[key] = value
+  return runner._jsonable(config)
+
+
+def test_shared_rounds_are_the_warm_up_of_rows_that_differ_only_in_distillation():
+  spark_iid, momentum_only = _json_config("iid"), _json_config("iid,abl_momentum")
+  assert spark.shared_rounds(spark_iid, momentum_only) == 10              # R_warm: hard labels in both
+  assert spark.shared_rounds(_json_config("iid,abl_none"), _json_config("iid,abl_distill")) == 10
+  assert spark.shared_rounds(spark_iid, _json_config("iid,temp3")) == 10  # T departs after warm-up
+  assert spark.shared_rounds(spark_iid, _json_config("iid", warmup_rounds=4)) == 4
+  assert spark.shared_rounds(spark_iid, spark_iid) == 30
+  # Anything outside the distillation block (here the momentum, or the data) is not certified.
+  assert spark.shared_rounds(spark_iid, _json_config("iid,abl_none")) == 0
+  assert spark.shared_rounds(spark_iid, _json_config("alpha0.1")) == 0
+  # A longer run anneals more slowly after the warm-up, so only the warm-up is shared.
+  longer = dict(spark_iid, rounds=40)
+  assert spark.shared_rounds(spark_iid, longer) == 10
+
+
+def _smoke(variant: str, **overrides):
+  config = load_config(str(REPO / "configs" / "spark.py"), f"smoke,{variant}" if variant else "smoke")
+  config.algorithm.distill.warmup_rounds = 2
+  config.checkpoint_every = 2
+  for key, value in overrides.items():
+    config[key] = value
+  return config
+
+
+def test_ablation_row_branched_after_the_warm_up_equals_its_run_from_scratch(tmp_path):
+  """Momentum only (abl_momentum) taken from SPARK's round-2 checkpoint == abl_momentum run from round 0."""
+  source, branched, scratch = (str(tmp_path / name) for name in ("spark", "branched", "scratch"))
+  runner.run(_smoke(""), source)
+  summary = runner.run(_smoke("abl_momentum"), branched, branch_from=source)
+  runner.run(_smoke("abl_momentum"), scratch)
+  assert summary["branched_from"] == {"source": source, "round": 2}
+  numbers = lambda line: {k: v for k, v in line.items() if k not in ("step_time", "eval_time", "clients")}
+  got, want, spark_lines = (runner.read_metrics(d) for d in (branched, scratch, source))
+  assert [line["round"] for line in got] == [1, 2, 3, 4]
+  for g, w in zip(got, want):
+    assert numbers(g).keys() == numbers(w).keys()
+    for key in numbers(w):
+      np.testing.assert_allclose(g[key], w[key], rtol=2e-5, atol=1e-6, err_msg=f"round {w['round']} {key}")
+  # The check can fail: after the warm-up SPARK's soft targets make round 3 differ from momentum only.
+  assert abs(spark_lines[2]["loss_mean"] - want[2]["loss_mean"]) > 1e-4
+
+
+def test_branch_refusals_name_the_reason(tmp_path):
+  source = str(tmp_path / "spark")
+  runner.run(_smoke("", rounds=3), source)      # checkpoints after rounds 2 and 3
+  with pytest.raises(ValueError, match=r"differs \(.*algorithm.momentum: 0.9 -> 0.0.*does not certify"):
+    runner.run(_smoke("abl_none"), str(tmp_path / "a"), branch_from=source)
+  with pytest.raises(ValueError, match=r"after round 3: the two configs compute only rounds 1..2"):
+    runner.check_branch(_smoke("abl_momentum"), source, 3)
+  with pytest.raises(FileNotFoundError, match=r"no finalised checkpoint for it \(checkpoints after rounds \[2, 3\]\)"):
+    runner.check_branch(_smoke("abl_momentum"), source, 1)
+  with pytest.raises(ValueError, match="exclude each other"):
+    runner.run(_smoke("abl_momentum"), source, resume=True, branch_from=source)
+  with pytest.raises(ValueError, match="needs branch_from"):
+    runner.run(_smoke("abl_momentum"), str(tmp_path / "b"), branch_round=2)
+  with pytest.raises(FileNotFoundError, match="cannot branch"):
+    runner.check_branch(_smoke("abl_momentum"), str(tmp_path / "nothing"))
+  assert runner.check_branch(_smoke("abl_momentum"), source) == 2          # not 3: past the warm-up
+  # SPARK itself with more rounds anneals more slowly after the warm-up: again only the warm-up is shared.
+  assert runner.check_branch(_smoke("", rounds=4), source) == 2

@@ -6,7 +6,13 @@ Each method module defines ``METHOD = Method(make=..., validate_config=...)``:
 * ``validate_config(config)`` checks the method's own ``config.algorithm`` block
   (and any base fields it depends on) and raises ``ValueError`` naming the bad
   value -- the runner calls it before loading any data, so a bad value fails
-  before any work.
+  before any work;
+* optionally ``shared_rounds(stored, current) -> int``: for two of the method's
+  configs (plain JSON dicts, as in a run's ``config.json``) that differ, how
+  many leading rounds they provably compute identically (0 when not known).
+  The runner lets a run *branch* from another run's checkpoint within that
+  prefix (``runner.run(..., branch_from=...)``), e.g. SPARK's ablation rows
+  share the hard-label warm-up.
 
 :func:`get_method` resolves a name lazily (importing a method's module only when
 it is used); :func:`register` adds a user's own method or a test double.
@@ -24,6 +30,7 @@ __all__ = ["Algorithm", "Method", "get_method", "register", "available"]
 class Method(NamedTuple):
   make: Callable[[Any, Any, Any], Algorithm]
   validate_config: Callable[[Any], None]
+  shared_rounds: Callable[[dict, dict], int] | None = None
 
 
 # name -> "module" defining METHOD or "module:ATTR" (imported on first use), or a registered Method.

@@ -305,4 +305,19 @@ def _batched_update(apply_fn, params, x, targets, mask, lr, evolve_kwargs):
   return final, {"tau": jnp.sum(weights * block_taus), "loss": jnp.sum(weights * block_losses)}
 
 
-METHOD = Method(make=make_ntk_dfl, validate_config=validate_config)
+def shared_rounds(stored: dict, current: dict) -> int:
+  """Rounds two NTK-DFL configs (JSON dicts) compute identically (the runner's branch check).
+
+  The round reads neither ``rounds`` nor ``eval.stop_at`` (the learning rate
+  decays with the round index only), so configs differing only there share
+  every round both run: a run stopped at its bound or at 85 % continues as the
+  longer run (``--branch_from``).
+  """
+  def rest(config):
+    return {**{k: v for k, v in config.items() if k != "rounds"},
+            "eval": {k: v for k, v in config["eval"].items() if k != "stop_at"}}
+
+  return min(stored["rounds"], current["rounds"]) if rest(stored) == rest(current) else 0
+
+
+METHOD = Method(make=make_ntk_dfl, validate_config=validate_config, shared_rounds=shared_rounds)

@@ -59,6 +59,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from ntk_fl import compression, evolve, models, ntk, parallel, projection, topology, validation
@@ -417,4 +418,35 @@ def make_spark(config, model: models.Model, federation) -> Algorithm:
   return Algorithm(init=init, round_inputs=core.round_inputs, step=step, client_params=lambda state: state.params)
 
 
-METHOD = Method(make=make_spark, validate_config=validate_config)
+def _schedule_table(config: dict, rounds: int) -> np.ndarray:
+  """``[rounds, 2]`` ``(α_k, T_k)`` of a SPARK config (JSON dict); a disabled distillation is ``(1, 1)``."""
+  d = config["algorithm"]["distill"]
+  if not d["enabled"]:
+    return np.ones((rounds, 2), np.float32)
+  alpha, temp = distill_schedule(np.arange(rounds), warmup_rounds=d["warmup_rounds"],
+                                 anneal_rounds=d["anneal_rounds"] or config["rounds"], alpha_init=d["alpha_init"],
+                                 alpha_final=d["alpha_final"], temp_init=d["temp_init"], temp_final=d["temp_final"])
+  return np.stack([np.asarray(alpha), np.asarray(temp)], axis=-1)
+
+
+def shared_rounds(stored: dict, current: dict) -> int:
+  """How many leading rounds two SPARK configs (JSON dicts) compute identically (the runner's branch check).
+
+  They may differ only in ``algorithm.distill`` and ``rounds`` (which sets the
+  annealing length); the shared rounds are those in which both give the same
+  ``(α_k, T_k)`` -- a disabled distillation counts as ``(1, 1)``, which is what
+  the step then uses. So during the hard-label warm-up the Table 4 rows agree in
+  pairs: ``abl_distill`` with ``abl_none``, SPARK with ``abl_momentum``.
+  """
+  def rest(config):
+    algorithm = {k: v for k, v in config["algorithm"].items() if k != "distill"}
+    return {**{k: v for k, v in config.items() if k != "rounds"}, "algorithm": algorithm}
+
+  if rest(stored) != rest(current):
+    return 0
+  rounds = min(stored["rounds"], current["rounds"])
+  same = np.all(_schedule_table(stored, rounds) == _schedule_table(current, rounds), axis=-1)
+  return rounds if same.all() else int(np.argmin(same))
+
+
+METHOD = Method(make=make_spark, validate_config=validate_config, shared_rounds=shared_rounds)
