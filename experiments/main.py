@@ -77,14 +77,8 @@ def main(argv: list[str]) -> None:
   try:
     # Everything that can be wrong with the request fails here, before any work.
     runner.validate_config(config)
-    runner.check_workdir(config, _WORKDIR.value, resume=_RESUME.value)
-    if _BRANCH_FROM.value is not None:
-      if _RESUME.value:
-        raise ValueError("--resume and --branch_from exclude each other (a branched run resumes from its own "
-                         "checkpoints)")
-      runner.check_branch(config, _BRANCH_FROM.value, _BRANCH_ROUND.value)
-    elif _BRANCH_ROUND.value is not None:
-      raise ValueError(f"--branch_round={_BRANCH_ROUND.value} needs --branch_from (the run to branch from)")
+    runner.check_start(config, _WORKDIR.value, resume=_RESUME.value, branch_from=_BRANCH_FROM.value,
+                       branch_round=_BRANCH_ROUND.value)
   except (ValueError, FileNotFoundError) as e:
     logging.error("%s", e)
     sys.exit(f"error: {e}")

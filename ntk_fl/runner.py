@@ -95,6 +95,7 @@ __all__ = [
     "SELECTION_PLOT",
     "BRANCH_FILE",
     "check_branch",
+    "check_start",
 ]
 
 CONFIG_FILE = "config.json"
@@ -421,6 +422,24 @@ def check_workdir(config, workdir: str, *, resume: bool) -> int:
   return latest
 
 
+def check_start(config, workdir: str, *, resume: bool = False, branch_from: str | None = None,
+                branch_round: int | None = None) -> int:
+  """Checks how a run of ``config`` in ``workdir`` may start; returns the round count to start from.
+
+  A fresh run (empty ``workdir``), ``resume`` (:func:`check_workdir`) or a
+  branch from another run (:func:`check_branch`); the options are checked
+  together here so the entry point and :func:`run` refuse the same requests.
+  """
+  if resume and branch_from is not None:
+    raise ValueError("resume and branch_from exclude each other (--resume, --branch_from; a branched run resumes "
+                     "from its own checkpoints)")
+  if branch_round is not None and branch_from is None:
+    raise ValueError(f"branch_round={branch_round} needs branch_from (--branch_round={branch_round} needs "
+                     "--branch_from: the run to branch from)")
+  start = check_workdir(config, workdir, resume=resume)
+  return start if branch_from is None else check_branch(config, branch_from, branch_round)
+
+
 def check_branch(config, source: str, branch_round: int | None = None) -> int:
   """Checks that a new run of ``config`` may start from ``source``'s checkpoint; returns its round.
 
@@ -589,10 +608,6 @@ def run(config, workdir: str, *, resume: bool = False, branch_from: str | None =
   """
   started = time.perf_counter()
   validate_config(config)
-  if resume and branch_from is not None:
-    raise ValueError("resume and branch_from exclude each other (a branched run resumes from its own checkpoints)")
-  if branch_round is not None and branch_from is None:
-    raise ValueError(f"branch_round={branch_round} needs branch_from (the run to branch from)")
   # Every step/evaluation is traced inside the mesh, so for_each_client shards clients over it.
   with parallel.use_devices(config.devices):
     return _run(config, workdir, resume=resume, branch_from=branch_from, branch_round=branch_round,
@@ -621,10 +636,9 @@ def _run(config, workdir: str, *, resume: bool, branch_from: str | None, branch_
          on_round_end, started: float) -> dict:
   """:func:`run` after validation, inside the device mesh."""
   workdir = os.path.abspath(workdir)
-  start = check_workdir(config, workdir, resume=resume)
+  start = check_start(config, workdir, resume=resume, branch_from=branch_from, branch_round=branch_round)
   if branch_from is not None:
     branch_from = os.path.abspath(branch_from)
-    start = check_branch(config, branch_from, branch_round)
 
   exp = build_experiment(config)
   algorithm, rounds = exp.algorithm, config.rounds

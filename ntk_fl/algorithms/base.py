@@ -34,7 +34,7 @@ import numpy as np
 
 from ntk_fl.metrics import AGGREGATES  # the evaluator owns the choices; re-exported for methods
 
-__all__ = ["AGGREGATES", "Algorithm", "GraphRound", "graph_round_inputs"]
+__all__ = ["AGGREGATES", "Algorithm", "GraphRound", "config_without", "graph_round_inputs"]
 
 
 class Algorithm(NamedTuple):
@@ -84,3 +84,23 @@ def graph_round_inputs(graph_source, mixing: str, sizes, seed: int) -> Callable[
                       self_weight=self_w, neighbor_weights=nbr_w, key=rng.jax_key(seed, rng.Stream.ROUND_KEYS, round_index))
 
   return round_inputs
+
+
+def config_without(config: dict, *paths: str) -> dict:
+  """A JSON config dict (as in a run's ``config.json``) without the dotted ``paths``.
+
+  For ``Method.shared_rounds``: two configs equal after dropping the keys a
+  method knows its rounds do not read (e.g. ``'rounds'``, ``'eval.stop_at'``).
+  """
+  heads = {}
+  for path in paths:
+    head, _, rest = path.partition(".")
+    heads.setdefault(head, []).append(rest)
+  out = {}
+  for key, value in config.items():
+    rests = heads.get(key)
+    if rests is None:
+      out[key] = value
+    elif "" not in rests:             # drop below this key, keep the key
+      out[key] = config_without(value, *rests)
+  return out

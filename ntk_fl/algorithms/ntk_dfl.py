@@ -55,7 +55,7 @@ import numpy as np
 
 from ntk_fl import compression, evolve, models, parallel, topology, validation
 from ntk_fl.algorithms import Method
-from ntk_fl.algorithms.base import Algorithm, graph_round_inputs
+from ntk_fl.algorithms.base import Algorithm, config_without, graph_round_inputs
 
 __all__ = ["NTKDFLState", "NeighbourhoodRound", "make_neighbourhood_round", "make_ntk_dfl", "validate_config", "METHOD"]
 
@@ -313,11 +313,9 @@ def shared_rounds(stored: dict, current: dict) -> int:
   every round both run: a run stopped at its bound or at 85 % continues as the
   longer run (``--branch_from``).
   """
-  def rest(config):
-    return {**{k: v for k, v in config.items() if k != "rounds"},
-            "eval": {k: v for k, v in config["eval"].items() if k != "stop_at"}}
-
-  return min(stored["rounds"], current["rounds"]) if rest(stored) == rest(current) else 0
+  unread = ("rounds", "eval.stop_at")
+  same = config_without(stored, *unread) == config_without(current, *unread)
+  return min(stored["rounds"], current["rounds"]) if same else 0
 
 
 METHOD = Method(make=make_ntk_dfl, validate_config=validate_config, shared_rounds=shared_rounds)

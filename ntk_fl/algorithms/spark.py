@@ -64,7 +64,7 @@ import optax
 
 from ntk_fl import compression, evolve, models, ntk, parallel, projection, topology, validation
 from ntk_fl.algorithms import Method
-from ntk_fl.algorithms.base import Algorithm
+from ntk_fl.algorithms.base import Algorithm, config_without
 from ntk_fl.algorithms.ntk_dfl import make_neighbourhood_round
 
 __all__ = ["SparkState", "JACOBIAN_MODES", "PROJECTED_KERNELS", "VELOCITY_MODES", "distill_schedule",
@@ -438,11 +438,8 @@ def shared_rounds(stored: dict, current: dict) -> int:
   the step then uses. So during the hard-label warm-up the Table 4 rows agree in
   pairs: ``abl_distill`` with ``abl_none``, SPARK with ``abl_momentum``.
   """
-  def rest(config):
-    algorithm = {k: v for k, v in config["algorithm"].items() if k != "distill"}
-    return {**{k: v for k, v in config.items() if k != "rounds"}, "algorithm": algorithm}
-
-  if rest(stored) != rest(current):
+  compared = ("rounds", "algorithm.distill")        # compared through the schedules below
+  if config_without(stored, *compared) != config_without(current, *compared):
     return 0
   rounds = min(stored["rounds"], current["rounds"])
   same = np.all(_schedule_table(stored, rounds) == _schedule_table(current, rounds), axis=-1)
