@@ -10,10 +10,14 @@ step. The round is built exactly as ``experiments/main.py`` builds it
 
   python benchmarks/dfedavg_round.py                         # chunk sizes 0 (all 300 at once), 100, 30
   python benchmarks/dfedavg_round.py --chunk_sizes=100 --rounds=5 --data=synthetic_shapes
+  python benchmarks/dfedavg_round.py --method=dispfl --chunk_sizes=30   # any gossip baseline's config
+
+``--method`` times another decentralised baseline's round (``configs/<method>.py``,
+its own epochs and batch size) built the same way.
 
 Columns: compile = the first call (trace + compile + one round); steady =
 median wall time of the following rounds (``block_until_ready``); samples/s =
-300 · 20 · 200 / steady. ``--data=synthetic_shapes`` replaces the dataset by
+clients · epochs · samples per client / steady. ``--data=synthetic_shapes`` replaces the dataset by
 seeded Gaussian inputs of the same shapes (timings do not depend on the
 values; use it where Fashion-MNIST is not installed).
 """
@@ -35,13 +39,15 @@ def _parse(argv=None):
   p.add_argument("--chunk_sizes", type=str, default="0,100,30", help="clients per vmap chunk (0 = all)")
   p.add_argument("--rounds", type=int, default=3, help="timed rounds after the compiling one")
   p.add_argument("--data", choices=("fashion_mnist", "synthetic_shapes"), default="fashion_mnist")
-  p.add_argument("--variant", type=str, default="", help="configs/dfedavg.py variant, e.g. 'iid' or 'q8'")
+  p.add_argument("--method", choices=("dfedavg", "dfedavgm", "dpsgd", "dfedsam", "dispfl"), default="dfedavg",
+                 help="which configs/<method>.py to time")
+  p.add_argument("--variant", type=str, default="", help="the config's variant, e.g. 'iid' or 'q8'")
   return p.parse_args(argv)
 
 
-def _config(variant: str):
+def _config(method: str, variant: str):
   from ntk_fl.config import load_config  # pylint: disable=import-outside-toplevel
-  return load_config(os.path.join(REPO, "configs", "dfedavg.py"), variant or None)
+  return load_config(os.path.join(REPO, "configs", f"{method}.py"), variant or None)
 
 
 def _algorithm(config, data_kind: str):
@@ -64,7 +70,7 @@ def main(argv=None):
   import jax  # pylint: disable=import-outside-toplevel
   rows = []
   for chunk in (int(c) for c in args.chunk_sizes.split(",")):
-    config = _config(args.variant)
+    config = _config(args.method, args.variant)
     config.chunk_size = chunk
     algorithm = _algorithm(config, args.data)
     state = algorithm.init(jax.random.PRNGKey(config.seed))
@@ -84,7 +90,9 @@ def main(argv=None):
     rows.append((chunk, compile_s, steady, samples / steady, float(metrics["loss"].mean())))
     print(f"chunk {chunk}: compile+first {compile_s:.1f}s, steady {steady:.2f}s/round "
           f"(rounds {', '.join(f'{t:.2f}' for t in times)})", flush=True)
-  print(f"\nDFedAvg round, 300 clients, 20 epochs, batch 25 -- {platform.processor() or platform.machine()}, "
+  algo = config.algorithm
+  print(f"\n{args.method} round, {config.data.num_clients} clients, {algo.epochs} epochs, batch {algo.batch_size} -- "
+        f"{platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs, jax {jax.__version__} ({jax.default_backend()}), data {args.data}\n")
   print("| chunk_size | compile + first round (s) | steady round (s) | samples/s | mean local loss |")
   print("|---|---|---|---|---|")

@@ -292,6 +292,27 @@ def test_evolve_mask_prunes_smallest_and_regrows_largest_gradients():
   np.testing.assert_allclose(decentralized.mask_fraction(0.5, 5, 10), 0.25, atol=1e-7)
 
 
+def test_evolve_mask_breaks_ties_by_position():
+  """Coarse weights and gradients (many equal magnitudes, zeros among the active weights): the pruned set is the
+  k smallest active |w| and the regrown set the k largest inactive |g|, each lowest index first among equals,
+  for every fraction, including 0 (no change) and 1 (capped by the inactive count)."""
+  rng = np.random.default_rng(4)
+  size = 60
+  mask = np.zeros(size, np.float32)
+  mask[rng.permutation(size)[:36]] = 1
+  w = rng.choice([0.0, 0.5, -0.5, 1.0, -2.0], size=size).astype(np.float32) * mask
+  g = rng.choice([0.0, 0.25, -0.25, 3.0], size=size).astype(np.float32)
+  active, inactive = np.flatnonzero(mask), np.flatnonzero(mask == 0)
+  for fraction in (0.0, 0.1, 0.3, 0.5, 1.0):
+    k = min(math.floor(fraction * active.size), inactive.size)
+    pruned = sorted(active, key=lambda i: (abs(w[i]), i))[:k]
+    grown = sorted(inactive, key=lambda i: (-abs(g[i]), i))[:k]
+    expected = np.zeros(size, np.float32)
+    expected[sorted((set(active) - set(pruned)) | set(grown))] = 1
+    new = jax.jit(decentralized.evolve_mask)(w.reshape(6, 10), g.reshape(6, 10), mask.reshape(6, 10), fraction)
+    np.testing.assert_array_equal(np.asarray(new).ravel(), expected, err_msg=f"fraction={fraction}")
+
+
 def test_dispfl_keeps_density_and_sparsity_and_counts_sparse_bits():
   config, fed = tiny("dispfl", epochs=2, batch_size=3, lr=0.2)
   state, metrics = run_rounds(build("dispfl", config, fed), 2)

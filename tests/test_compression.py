@@ -55,6 +55,31 @@ def test_topk_mask_breaks_heavy_ties_by_position(dtype):
     compression.topk_mask(jnp.abs(x), 24)
 
 
+def test_top_k_by_key_takes_a_traced_k_and_skips_negative_keys():
+  """Integer keys with heavy ties and excluded (negative) entries, k traced under jit: the k largest eligible
+  keys, lowest index first among equals; k = 0 selects nothing, k above the eligible count selects them all."""
+  rng = np.random.default_rng(3)
+  keys = rng.choice([-1, -7, 0, 3, 3, 5, 9, 2**30], size=(4, 31)).astype(np.int32)
+  select = jax.jit(compression.top_k_by_key)
+  for k in (0, 1, 4, 9, 17, 31, 40):
+    mask = np.asarray(select(keys, k))
+    for row in range(4):
+      eligible = [i for i in range(31) if keys[row, i] >= 0]
+      chosen = sorted(eligible, key=lambda i: (-keys[row, i], i))[:max(k, 0)]
+      expected = np.zeros(31, bool)
+      expected[chosen] = True
+      np.testing.assert_array_equal(mask[row], expected, err_msg=f"k={k} row={row}")
+  with pytest.raises(ValueError, match="signed integer"):
+    compression.top_k_by_key(jnp.ones(3), 1)
+
+
+def test_magnitude_key_orders_like_the_values():
+  values = jnp.array([0.0, 1e-40, 1e-7, 0.5, 1.0, 3e38, jnp.inf], jnp.float32)   # incl. a subnormal
+  keys = np.asarray(compression.magnitude_key(values))
+  assert (np.diff(keys) > 0).all() and keys[0] == 0
+  assert keys[-1] == int(compression.max_magnitude_key(jnp.float32))
+
+
 def test_topk_is_jittable_and_validates():
   x = jnp.arange(10.0) - 4.5
   sparse, mask = jax.jit(lambda v: compression.sparsify_topk(v, 0.2))(x)
