@@ -36,8 +36,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["quantize", "quantize_tree", "topk_mask", "top_k_by_key", "magnitude_key", "max_magnitude_key", "sparsify_topk", "num_kept", "payload_bits", "sparse_payload_bits",
-           "tree_payload_bits", "jacobian_package_bits", "neighbourhood_round_bits", "FLOAT_BITS", "SIDE_BITS"]
+__all__ = ["quantize", "quantize_tree", "topk_mask", "top_k_by_key", "magnitude_key", "max_magnitude_key",
+           "sparsify_topk", "num_kept", "payload_bits", "sparse_payload_bits", "tree_payload_bits",
+           "jacobian_package_bits", "neighbourhood_round_bits", "FLOAT_BITS", "SIDE_BITS"]
 
 FLOAT_BITS = 32
 """Bits of one uncompressed value (float32)."""
@@ -128,7 +129,7 @@ def top_k_by_key(keys, k):
     raise ValueError(f"top_k_by_key expects signed integer keys, got dtype {keys.dtype}")
   int_type = keys.dtype
   batch = keys.shape[:-1]
-  k = jnp.asarray(k, int_type)
+  k = jnp.asarray(k)        # not cast to the keys' type: a 16-bit key type cannot hold every k
 
   def halve(_, bounds):
     lo, hi = bounds                       # invariant: count(keys >= lo) >= k > count(keys >= hi), or k <= 0
@@ -148,7 +149,7 @@ def top_k_by_key(keys, k):
 def magnitude_key(magnitude):
   """Signed-integer sort key of non-negative floats: the bit pattern, which is monotone in the value.
 
-  ``magnitude`` must be ``>= 0`` (e.g. ``|x|``; ``-0.0`` is not allowed) and not NaN. The
+  ``magnitude`` must be ``>= 0`` and not NaN: pass ``jnp.abs(x)`` (``-0.0`` would map to a negative key). The
   keys lie in ``[0, max_magnitude_key(dtype)]``, so that bound minus a key reverses the order.
   """
   magnitude = jnp.asarray(magnitude)

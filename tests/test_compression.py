@@ -73,6 +73,18 @@ def test_top_k_by_key_takes_a_traced_k_and_skips_negative_keys():
     compression.top_k_by_key(jnp.ones(3), 1)
 
 
+def test_topk_mask_of_16_bit_values_takes_a_k_beyond_the_16_bit_range():
+  """bfloat16 magnitudes have int16 keys; k = 35,000 of 40,000 must not be cast to (and wrap around in) int16."""
+  x = jax.random.normal(jax.random.key(5), (40_000,), jnp.bfloat16)
+  k = 35_000
+  mask = np.asarray(compression.topk_mask(jnp.abs(x), k))
+  magnitudes = np.abs(np.asarray(x.astype(jnp.float32)))
+  order = np.lexsort((np.arange(magnitudes.size), -magnitudes))     # largest first, lower index among equals
+  expected = np.zeros(magnitudes.size, bool)
+  expected[order[:k]] = True
+  np.testing.assert_array_equal(mask, expected)
+
+
 def test_magnitude_key_orders_like_the_values():
   values = jnp.array([0.0, 1e-40, 1e-7, 0.5, 1.0, 3e38, jnp.inf], jnp.float32)   # incl. a subnormal
   keys = np.asarray(compression.magnitude_key(values))
