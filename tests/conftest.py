@@ -1,4 +1,34 @@
-"""Shared pytest setup: CPU only, float32 by default (tests needing float64 opt in locally)."""
+"""Shared pytest setup: CPU only, float32 by default (tests needing float64 opt in locally).
+
+Compiled XLA executables are cached on disk for the length of one pytest process
+(one directory per pytest-xdist worker, removed at exit). Most of the suite's
+time is XLA compilation, and many tests compile the same programs again: every
+runner test builds a fresh algorithm (new closures, so ``jax.jit``'s in-memory
+cache misses) for the same config. The persistent cache is keyed by the
+lowered program, the XLA flags, the compile options, the devices and the
+jax/jaxlib versions, so a hit returns the executable that compiling would have
+produced; numbers cannot change. One directory per worker means no two processes ever write the same
+file (JAX takes no lock unless eviction is on); subprocesses a test launches
+(``experiments/main.py``, the multi-device check) inherit the directory while
+their worker waits for them.
+"""
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+  _cache_dir = tempfile.mkdtemp(prefix=f"ntk_fl-tests-xla-cache-{_worker}-")
+  atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"   # the repeats are many small programs
+
+import jax  # noqa: E402  (after the environment is set; a no-op if a plugin imported jax first)
+
+# The environment reaches subprocesses; these reach this process even if jax was imported earlier.
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                  float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")))

@@ -11,6 +11,7 @@ file compares them.
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import pathlib
 import subprocess
@@ -117,14 +118,26 @@ def test_config_devices_is_validated_before_any_work(devices):
 
 
 @pytest.fixture(scope="module")
-def multidevice(tmp_path_factory):
-  out = tmp_path_factory.mktemp("multidevice")
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  proc = subprocess.run([sys.executable, str(REPO / "tests" / "multidevice_check.py"), str(out)],
-                        env=env, capture_output=True, text=True, timeout=600, check=False)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  with np.load(out / "results.npz") as f:
-    return dict(f)
+def multidevice(tmp_path_factory, worker_id):
+  """The subprocess's results, computed once per pytest session however many xdist workers ask.
+
+  A module-scoped fixture is per worker, and the subprocess takes ≈ 80 s, so workers share one result
+  under a lock in the session's common temp directory (the parent of each worker's basetemp).
+  """
+  root = tmp_path_factory.getbasetemp()
+  if worker_id != "master":
+    root = root.parent
+  out = root / "multidevice"
+  with open(root / "multidevice.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)           # the second worker waits here for the first one's results
+    if not (out / "results.npz").exists():
+      out.mkdir(exist_ok=True)
+      env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+      proc = subprocess.run([sys.executable, str(REPO / "tests" / "multidevice_check.py"), str(out)],
+                            env=env, capture_output=True, text=True, timeout=600, check=False)
+      assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with np.load(out / "results.npz") as f:
+      return dict(f)
 
 
 def _compare(results, name):
@@ -140,6 +153,7 @@ def _compare(results, name):
       np.testing.assert_array_equal(b, a, err_msg=key)
 
 
+@pytest.mark.multidevice
 @pytest.mark.parametrize("m", [3, 6, 8])
 @pytest.mark.parametrize("chunk", ["None", "1"])
 def test_sharded_toy_function_equals_single_device(multidevice, m, chunk):
@@ -149,16 +163,19 @@ def test_sharded_toy_function_equals_single_device(multidevice, m, chunk):
   assert int(multidevice[f"{name}/devices"]) == 4                # and the result lives on all 4 devices
 
 
+@pytest.mark.multidevice
 def test_nested_for_each_client_shards_only_the_outer_axis(multidevice):
   _compare(multidevice, "nested_m6")
   assert set(multidevice["nested_m6/shards"].tolist()) == {1}    # inner call saw the manual axis
 
 
+@pytest.mark.multidevice
 @pytest.mark.parametrize("name", ["ntk_dfl_m6", "ntk_dfl_m8_chunk1", "dfedavg_m6"])
 def test_sharded_algorithm_rounds_equal_single_device(multidevice, name):
   _compare(multidevice, name)
   assert int(multidevice[f"{name}/devices"]) == 4
 
 
+@pytest.mark.multidevice
 def test_runner_with_config_devices_equals_single_device(multidevice):
   _compare(multidevice, "runner_toy")
