@@ -7,10 +7,10 @@ runner test builds a fresh algorithm (new closures, so ``jax.jit``'s in-memory
 cache misses) for the same config. The persistent cache is keyed by the
 lowered program, the XLA flags, the compile options, the devices and the
 jax/jaxlib versions, so a hit returns the executable that compiling would have
-produced; numbers cannot change. One directory per worker means no two processes ever write the same
-file (JAX takes no lock unless eviction is on); subprocesses a test launches
-(``experiments/main.py``, the multi-device check) inherit the directory while
-their worker waits for them.
+produced and the numbers do not change. One directory per worker means no two
+processes write the same file at once (JAX takes no lock unless eviction is
+on); subprocesses a test launches (``experiments/main.py``, the multi-device
+check) inherit the directory while their worker waits for them.
 """
 import atexit
 import os
