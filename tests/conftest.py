@@ -19,16 +19,16 @@ import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:     # a cache the caller chose is left to jax
   _worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
   _cache_dir = tempfile.mkdtemp(prefix=f"ntk_fl-tests-xla-cache-{_worker}-")
   atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+  # The environment reaches the subprocesses tests launch; the config updates reach this process
+  # even if a plugin imported jax before this file ran.
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"   # the repeats are many small programs
 
-import jax  # noqa: E402  (after the environment is set; a no-op if a plugin imported jax first)
+  import jax
 
-# The environment reaches subprocesses; these reach this process even if jax was imported earlier.
-jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                  float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")))
+  jax.config.update("jax_compilation_cache_dir", _cache_dir)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
