@@ -118,7 +118,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.method = "spark"
   config.rounds = 30
   config.topology.mixing = "data_size"
-  config.chunk_size = 4                        # as NTK-DFL: small chunks keep the [N, N] kernels cache-resident
+  config.chunk_size = 1                        # as NTK-DFL: one client's [N, N] kernel at a time stays cache-resident
 
   a = config.algorithm = ml_collections.ConfigDict()
   a.lr = 0.01

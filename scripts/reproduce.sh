@@ -8,11 +8,17 @@
 #   ntk_fl     NTK-FL and CP-NTK-FL at alpha = 0.1 (issue 6, Table 1) and FedAvg, stopped at 85 %
 #   ntk_fl_busiest   NTK-FL in NTK-DFL App. C.1's busiest-node setting (5 clients per round), {iid, alpha0.5,
 #              alpha0.1} x seeds, stopped at 85 % (about 2 min per run)
-#   spark      SPARK (issue 7): {iid, alpha0.5, alpha0.3, alpha0.1} x seeds, 30 rounds (Tables 1-2)
+#   spark      SPARK (issue 7): {alpha0.1, alpha0.5, iid, alpha0.3} x seeds, 30 rounds (Tables 1-2);
+#              LEVELS="alpha0.3" restricts it
 #   spark_ablation   the Table 4 rows at IID x seeds, 30 rounds (distillation only and momentum only branch
-#              off no distillation and SPARK after the shared 10-round warm-up)
+#              off no distillation and SPARK after the shared 10-round warm-up); ROWS="none distill" restricts
+#              it to some of abl_none, abl_both, abl_distill, abl_momentum
 #   spark_comm the Fig. 9/11/12 runs at alpha = 0.1 x seeds, 30 rounds: layer-wise caps 500 and 750 (the cap 1000
-#              is the unprojected `spark` run) and the full compression stack (3-5 h per run on 2 CPU cores)
+#              is the unprojected `spark` run) and the full compression stack; VARIANTS="proj500" restricts it
+#
+# PYTHON (default .venv/bin/python) may carry a prefix, e.g. PYTHON="taskset -c 1 .venv/bin/python" with
+# XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" runs a queue on one core, so that two
+# queues share a 2-core machine (benchmarks/RESULTS.md: more runs per hour than one queue on both cores).
 #
 # OUT defaults to runs/<suite>; SEEDS to "0 1 2". A finished run (its summary.json exists) is skipped and an
 # interrupted one resumes from its last checkpoint (one killed before its first checkpoint is moved aside and
@@ -82,20 +88,21 @@ case "$SUITE" in
     done ;;
   spark)
     for s in $SEEDS; do
-      for level in alpha0.1 alpha0.5 iid alpha0.3; do run "$level" "configs/spark.py:$level" "$s"; done
+      for level in ${LEVELS:-alpha0.1 alpha0.5 iid alpha0.3}; do run "$level" "configs/spark.py:$level" "$s"; done
     done ;;
   spark_ablation)
     # Distillation only / momentum only equal no distillation / SPARK through the 10 hard-label warm-up rounds:
     # they start from those runs' kept round-10 checkpoints (a third less compute).
+    rows=" ${ROWS:-none both distill momentum} "
     for s in $SEEDS; do
-      run abl_none configs/spark.py:iid,abl_none "$s" "--config.checkpoint_keep=(10,)"
-      run abl_both configs/spark.py:iid,abl_both "$s" "--config.checkpoint_keep=(10,)"
-      branch abl_distill configs/spark.py:iid,abl_distill "$s" abl_none
-      branch abl_momentum configs/spark.py:iid,abl_momentum "$s" abl_both
+      [[ $rows == *" none "* ]] && run abl_none configs/spark.py:iid,abl_none "$s" "--config.checkpoint_keep=(10,)"
+      [[ $rows == *" both "* ]] && run abl_both configs/spark.py:iid,abl_both "$s" "--config.checkpoint_keep=(10,)"
+      [[ $rows == *" distill "* ]] && branch abl_distill configs/spark.py:iid,abl_distill "$s" abl_none
+      [[ $rows == *" momentum "* ]] && branch abl_momentum configs/spark.py:iid,abl_momentum "$s" abl_both
     done ;;
   spark_comm)
     for s in $SEEDS; do
-      for v in proj500 proj750 full_stack; do run "$v" "configs/spark.py:alpha0.1,$v" "$s"; done
+      for v in ${VARIANTS:-proj500 proj750 full_stack}; do run "$v" "configs/spark.py:alpha0.1,$v" "$s"; done
     done ;;
   *) echo "unknown suite '$SUITE'; the suites are ntk_dfl, baselines, ntk_fl, ntk_fl_busiest, spark, spark_ablation, spark_comm" >&2; exit 2 ;;
 esac
