@@ -15,7 +15,8 @@ Field reference (all of them are validated by the runner before any work):
 * ``data``: ``name`` (see :func:`ntk_fl.data.load`), ``data_dir`` (``''`` = search
   path), ``partition`` (``iid`` | ``dirichlet`` | ``dirichlet_fixed_size`` |
   ``shards`` | ``by_writer``), ``num_clients``, ``alpha``, ``samples_per_client``,
-  ``classes_per_client``, ``max_train`` (``0`` = all; for quick variants).
+  ``classes_per_client``, ``max_train`` / ``max_test`` (``0`` = all; otherwise a random
+  subset of that size drawn from the seed, for quick variants).
 * ``model``: ``name`` (``mlp`` | ``cnn``), ``hidden`` (MLP widths),
   ``activation``, ``init`` (``shared`` | ``per_client``).
 * ``topology``: ``name`` (``regular`` | ``erdos_renyi`` | ``ring`` | ``line`` |
@@ -65,6 +66,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.data.samples_per_client = 200
   config.data.classes_per_client = 2
   config.data.max_train = 0
+  config.data.max_test = 0
 
   config.model = ml_collections.ConfigDict()
   config.model.name = "mlp"
@@ -102,11 +104,12 @@ def smoke_slice(config: ml_collections.ConfigDict, *, rounds: int = 2) -> ml_col
   """The common part of every method's ``smoke`` variant: seconds on a slice of the data.
 
   A 6,000-sample training slice split over 20 clients of ≈100 samples, degree-2
-  graphs, a 2,000-sample evaluation batch and a checkpoint every round (so the
-  smoke runs exercise checkpointing too).
+  graphs, a 2,000-sample test slice scored in one batch and a checkpoint every
+  round (so the smoke runs exercise checkpointing too).
   """
   config.rounds = rounds
   config.data.max_train = 6_000
+  config.data.max_test = 2_000
   config.data.num_clients = 20
   config.data.samples_per_client = 100
   config.topology.degree = 2

@@ -40,6 +40,7 @@ class Stream(enum.IntEnum):
   PROJECTION = 10     # SPARK's Jacobian random projections: index = 32-bit hash of (seed, layer name)
   INPUT_PROJECTION = 11  # CP-NTK-FL's shared input projection P (d1 -> d1'), fixed for the whole run
   PRIVACY_ATTACK = 12  # experiments/privacy_attack.py: victim images (0), dummy inits (1), attacker's guess of P (2)
+  TEST_SUBSAMPLE = 13  # runner: optional test-set subsample (config.data.max_test)
 
 
 def numpy_rng(seed: int, stream: Stream, *indices: int) -> np.random.Generator:

@@ -222,6 +222,7 @@ def validate_config(config) -> None:
   _int(config, "data.samples_per_client", 0)
   _int(config, "data.classes_per_client", 1)
   _int(config, "data.max_train", 0)
+  _int(config, "data.max_test", 0)
 
   _choice(config, "model.name", models.MODELS)
   hidden = _get(config, "model.hidden")
@@ -278,19 +279,31 @@ class Experiment(NamedTuple):
   algorithm: Algorithm
 
 
-def _subsample(dataset, max_train: int, seed: int):
-  """Keeps ``max_train`` training samples drawn without replacement (original order kept)."""
-  n = dataset.x_train.shape[0]
-  if not max_train or max_train == n:
-    return dataset
-  if max_train > n:
-    raise ValueError(f"config.data.max_train = {max_train} exceeds the {n} training samples of "
-                     f"{dataset.name!r}; use 0 for all of them")
-  rng = numpy_rng(seed, Stream.SUBSAMPLE)
-  keep = np.sort(rng.choice(n, size=max_train, replace=False))
-  writers = None if dataset.writers_train is None else dataset.writers_train[keep]
-  return dataset._replace(x_train=dataset.x_train[keep], y_train=dataset.y_train[keep],
-                          writers_train=writers)
+def _keep(n: int, size: int, rng: np.random.Generator) -> np.ndarray:
+  """``size`` of ``range(n)`` drawn without replacement, in their original order."""
+  return np.sort(rng.choice(n, size=size, replace=False))
+
+
+def _subsample(dataset, max_train: int, max_test: int, seed: int):
+  """Keeps ``max_train`` training and ``max_test`` test samples (``0`` = all), each drawn without replacement.
+
+  The two draws come from their own streams (original order kept), so capping one
+  split leaves the other's draw unchanged.
+  """
+  for split, size, n in (("max_train", max_train, dataset.x_train.shape[0]),
+                         ("max_test", max_test, dataset.x_test.shape[0])):
+    if size > n:
+      raise ValueError(f"config.data.{split} = {size} exceeds the {n} {split[4:]} samples of "
+                       f"{dataset.name!r}; use 0 for all of them")
+  if max_train and max_train != dataset.x_train.shape[0]:
+    keep = _keep(dataset.x_train.shape[0], max_train, numpy_rng(seed, Stream.SUBSAMPLE))
+    writers = None if dataset.writers_train is None else dataset.writers_train[keep]
+    dataset = dataset._replace(x_train=dataset.x_train[keep], y_train=dataset.y_train[keep],
+                               writers_train=writers)
+  if max_test and max_test != dataset.x_test.shape[0]:
+    keep = _keep(dataset.x_test.shape[0], max_test, numpy_rng(seed, Stream.TEST_SUBSAMPLE))
+    dataset = dataset._replace(x_test=dataset.x_test[keep], y_test=dataset.y_test[keep])
+  return dataset
 
 
 def build_experiment(config) -> Experiment:
@@ -305,7 +318,7 @@ def build_experiment(config) -> Experiment:
   validate_config(config)
   dataset = data.load(config.data.name, config.data.data_dir or None,
                       flatten=config.model.name != "cnn", seed=config.seed)
-  dataset = _subsample(dataset, config.data.max_train, config.seed)
+  dataset = _subsample(dataset, config.data.max_train, config.data.max_test, config.seed)
   client_indices = data.partition(
       dataset.y_train, config.data.partition, config.data.num_clients, seed=config.seed,
       alpha=config.data.alpha, samples_per_client=config.data.samples_per_client or None,

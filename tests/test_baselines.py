@@ -411,7 +411,7 @@ def test_smoke_variant_runs_on_synthetic_data(name):
   config.data.partition = "iid"
   config.data.num_clients = 8
   config.data.samples_per_client = 0
-  config.data.max_train = 0
+  config.data.max_train = config.data.max_test = 0    # the synthetic set is smaller than the smoke slices
   config.model.hidden = (8,)
   config.algorithm.epochs = 1
   exp = runner.build_experiment(config)

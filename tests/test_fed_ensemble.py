@@ -285,7 +285,7 @@ def test_smoke_config_runs_through_the_runner(tmp_path):
   config.data.partition = "iid"
   config.data.num_clients = 8
   config.data.samples_per_client = 0
-  config.data.max_train = 0
+  config.data.max_train = config.data.max_test = 0    # the synthetic set is smaller than the smoke slices
   config.model.hidden = (8,)
   config.algorithm.clients_per_round = 4
   config.checkpoint_every = config.rounds        # one (final) checkpoint of the K-mode state is enough here

@@ -292,6 +292,7 @@ def test_checkpoints_skip_half_written_and_restore_exactly(tmp_path):
     ("data.partition", "by_writer", "by_writer"),
     ("data.alpha", 0.0, "alpha"),
     ("data.max_train", -5, "max_train"),
+    ("data.max_test", -1, "max_test"),
     ("model.name", "resnet", "model.name"),
     ("model.hidden", (16, 0), "hidden"),
     ("model.activation", "swishy", "activation"),
@@ -329,6 +330,27 @@ def test_max_train_subsample_is_seeded(monkeypatch):
   assert int(np.sum(a.federation.n)) == 500
   with pytest.raises(ValueError, match="max_train = 5000 exceeds"):
     runner.build_experiment(toy_config(**{"data.max_train": 5000}))
+
+
+def test_max_test_subsample_is_seeded_and_leaves_the_training_draw_alone():
+  full = runner.build_experiment(toy_config())
+  both = runner.build_experiment(toy_config(**{"data.max_train": 500, "data.max_test": 100}))
+  train_only = runner.build_experiment(toy_config(**{"data.max_train": 500}))
+  assert both.dataset.x_test.shape == (100, 784)
+  np.testing.assert_array_equal(both.dataset.x_train, train_only.dataset.x_train)
+  np.testing.assert_array_equal(train_only.dataset.x_test, full.dataset.x_test)
+  # A subset of the full test set, in its original order, with its labels; another seed draws another one.
+  def kept(subset, whole):
+    rows = {r.tobytes(): i for i, r in enumerate(whole.dataset.x_test)}
+    return [rows[r.tobytes()] for r in subset.dataset.x_test]
+  idx = kept(both, full)
+  assert idx == sorted(idx) and len(set(idx)) == 100
+  np.testing.assert_array_equal(both.dataset.y_test, full.dataset.y_test[idx])
+  seed1 = toy_config(**{"seed": 1})
+  assert kept(runner.build_experiment(toy_config(**{"data.max_test": 100, "seed": 1})),
+              runner.build_experiment(seed1)) != idx
+  with pytest.raises(ValueError, match="max_test = 301 exceeds the 300 test samples"):
+    runner.build_experiment(toy_config(**{"data.max_test": 301}))
 
 
 def test_main_py_rejects_unknown_override_and_bad_value(tmp_path):

@@ -551,7 +551,9 @@ def _features(pixels: np.ndarray, mean: Sequence[float], std: Sequence[float], f
   table = ((np.arange(256)[:, None] / 255.0 - np.asarray(mean)) / np.asarray(std)).astype(np.float32)  # [256, C]
   out = np.empty(pixels.shape, np.float32)
   for c in range(pixels.shape[-1]):
-    np.take(table[:, c], pixels[..., c], out=out[..., c])
+    # uint8 indices into a 256-row table are always in range, so 'clip' never clips; the default 'raise'
+    # buffers `out` and was 20x slower (3.2 s vs 0.15 s for the 60,000 Fashion-MNIST training images).
+    np.take(table[:, c], pixels[..., c], out=out[..., c], mode="clip")
   return out.reshape(out.shape[0], math.prod(out.shape[1:])) if flatten else out
 
 
