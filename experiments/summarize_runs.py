@@ -18,6 +18,14 @@ NTK-DFL, SPARK, the baselines, NTK-FL) get a third table -- the cumulative
 communication of all clients to 85 % and per round, in GB (10⁹ bytes) -- and
 ``--plot-comm`` draws aggregated accuracy against that cumulative volume
 (SPARK Fig. 12).
+
+``--archive DIR`` copies each run, without its per-client arrays, to
+``DIR/<workdir name>/``: ``config.json``, ``summary.json`` (when the run
+finished) and ``metrics.jsonl`` with each line's ``clients`` entry dropped (every
+scalar this script reads is kept, ≈ 1.3 kB per round instead of ≈ 30 kB at 300
+clients). Workdirs under ``runs/`` do not outlive the machine; the archive,
+committed under ``docs/runs/``, is what later tables and figures are made from
+(this script reads an archived run like any other).
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ import argparse
 import collections
 import json
 import os
+import shutil
 import statistics
 import sys
 
@@ -48,6 +57,33 @@ def read_run(workdir: str) -> dict:
       summary = json.load(f)
   return {"name": os.path.basename(os.path.normpath(workdir)), "config": config, "lines": lines,
           "summary": summary}
+
+
+ARCHIVE_DROPPED = ("clients",)     # per-client arrays of a metrics line: [M] values per round, never read here
+
+
+def archive(workdir: str, out_root: str) -> str:
+  """Copies ``workdir``'s config, summary and per-round scalars to ``out_root/<name>/``; returns that path.
+
+  Written to a temporary name and renamed, so an interrupted archive never leaves
+  a half-written run where a finished one is expected.
+  """
+  name = os.path.basename(os.path.normpath(workdir))
+  target = os.path.join(out_root, name)
+  staging = target + ".partial"
+  shutil.rmtree(staging, ignore_errors=True)
+  os.makedirs(staging)
+  for filename in ("config.json", "summary.json"):
+    if os.path.isfile(os.path.join(workdir, filename)):
+      shutil.copyfile(os.path.join(workdir, filename), os.path.join(staging, filename))
+  with open(os.path.join(workdir, "metrics.jsonl")) as src, open(os.path.join(staging, "metrics.jsonl"), "w") as dst:
+    for line in src:
+      if line.strip():
+        record = json.loads(line)
+        dst.write(json.dumps({k: v for k, v in record.items() if k not in ARCHIVE_DROPPED}) + "\n")
+  shutil.rmtree(target, ignore_errors=True)
+  os.rename(staging, target)
+  return target
 
 
 def _describe(config: dict, with_seed: bool = True) -> str:
@@ -232,6 +268,7 @@ def main() -> None:
   parser.add_argument("--plot", default="")
   parser.add_argument("--plot-comm", default="", help="accuracy vs cumulative communication (PNG path)")
   parser.add_argument("--detail", action="store_true", help="per-run curve points, gap and selection curves")
+  parser.add_argument("--archive", default="", help="copy each run's scalars to ARCHIVE/<workdir name>/")
   args = parser.parse_args()
   runs = [read_run(w) for w in args.workdirs if os.path.isfile(os.path.join(w, "metrics.jsonl"))]
   runs = [run for run in runs if run["lines"]]          # skip runs that have not finished a round yet
@@ -254,6 +291,11 @@ def main() -> None:
   if args.plot_comm:
     plot_communication(runs, args.plot_comm)
     print(f"plot: {args.plot_comm}")
+  if args.archive:
+    kept = [w for w in args.workdirs if os.path.basename(os.path.normpath(w)) in {run["name"] for run in runs}]
+    for workdir in kept:
+      archive(workdir, args.archive)
+    print(f"archived {len(kept)} run(s) to {args.archive}")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,9 @@
 # OUT defaults to runs/<suite>; SEEDS to "0 1 2". A finished run (its summary.json exists) is skipped and an
 # interrupted one resumes from its last checkpoint (one killed before its first checkpoint is moved aside and
 # started again), so the same command continues a killed queue. Every run
-# logs to OUT/<name>.log; the table and the curves come from experiments/summarize_runs.py at the end.
+# logs to OUT/<name>.log; the table and the curves come from experiments/summarize_runs.py at the end, which
+# also archives the finished runs' per-round scalars to ARCHIVE (default docs/runs/<OUT's name>; ARCHIVE= skips
+# it): runs/ does not outlive the machine, the archive is committed with the results it backs.
 set -u
 cd "$(dirname "$0")/.."
 SUITE=${1:?usage: bash scripts/reproduce.sh ntk_dfl|baselines|ntk_fl|ntk_fl_busiest|spark|spark_ablation|spark_comm [OUT] [SEEDS]}
@@ -108,4 +110,6 @@ case "$SUITE" in
 esac
 finished=()
 for dir in "$OUT"/*_s*/; do [ -f "$dir/summary.json" ] && finished+=("${dir%/}"); done
-[ ${#finished[@]} -gt 0 ] && $PYTHON experiments/summarize_runs.py "${finished[@]}" --plot "$OUT/summary.png"
+ARCHIVE=${ARCHIVE-docs/runs/$(basename "$OUT")}
+[ ${#finished[@]} -gt 0 ] && $PYTHON experiments/summarize_runs.py "${finished[@]}" --plot "$OUT/summary.png" \
+  ${ARCHIVE:+--archive "$ARCHIVE"}

@@ -97,3 +97,28 @@ def test_communication_table_reads_the_volume_at_the_first_crossing(summarize, t
   path = tmp_path / "comm.png"
   summarize.plot_communication(runs, str(path))
   assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_archive_keeps_every_scalar_and_drops_the_per_client_arrays(summarize, tmp_path):
+  selection = {"best_to_worst": [0.8, 0.85], "random": [0.8, 0.84], "worst_to_best": [0.7, 0.84]}
+  workdir = _write_run(tmp_path / "runs", "e_s0", 0, [0.70, 0.86], [0.6, 0.7], selection, bits_per_round=8e9)
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    lines = [json.loads(line) for line in f]
+  for line in lines:                                   # what the runner logs beside the scalars: [M] arrays
+    line["clients"] = {"test_acc": [0.5, 0.6, 0.7], "tau": [100, 200, 300]}
+  with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+    f.write("".join(json.dumps(line) + "\n" for line in lines))
+  target = summarize.archive(workdir, str(tmp_path / "archive"))
+  assert target == str(tmp_path / "archive" / "e_s0") and not os.path.exists(target + ".partial")
+  original, archived = summarize.read_run(workdir), summarize.read_run(target)
+  assert archived["config"] == original["config"] and archived["summary"] == original["summary"]
+  assert archived["lines"] == [{k: v for k, v in line.items() if k != "clients"} for line in original["lines"]]
+  assert all("clients" in line for line in original["lines"])
+  for render in (summarize.table, summarize.seed_table, summarize.communication_table):
+    assert render([archived]) == render([original])
+  assert summarize.detail(archived) == summarize.detail(original)
+  # Archiving again replaces the copy (a run archived while in progress, then finished).
+  with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+    f.write(json.dumps({"round": 3, "step_time": 1.0, "test_acc": 0.87, "client_acc_mean": 0.8}) + "\n")
+  summarize.archive(workdir, str(tmp_path / "archive"))
+  assert [line["round"] for line in summarize.read_run(target)["lines"]] == [1, 2, 3]
