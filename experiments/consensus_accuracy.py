@@ -12,7 +12,8 @@ aggregated model, where our own-model means sit 2–6 points under it; this scri
 scores both on the same checkpoint so the two readings can be compared.
 
 For each workdir (a finished or running neighbourhood-method run: NTK-DFL, SPARK
-or a gossip baseline) it restores the checkpoint after ``--round`` rounds (default:
+or a dense gossip baseline; DisPFL averages under its sparse masks, which this
+plain mixing does not reproduce) it restores the checkpoint after ``--round`` rounds (default:
 the latest), mixes the client models with the graph and weights of the round that
 follows (``round_inputs(R)``, 0-based, exactly what round ``R + 1`` starts from) and
 prints one markdown row per run: the aggregated model, the own models and the
