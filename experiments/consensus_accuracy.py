@@ -24,33 +24,16 @@ round when the run scored its clients then.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import jax
-import ml_collections
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from ntk_fl import metrics, runner, topology  # noqa: E402
 from ntk_fl.checkpoint import Checkpoints  # noqa: E402
-
-
-def _tuples(value):
-  """JSON lists back to the tuples the config files use (``taus``, ``hidden``, ``targets``, ...)."""
-  if isinstance(value, dict):
-    return {k: _tuples(v) for k, v in value.items()}
-  if isinstance(value, list):
-    return tuple(_tuples(v) for v in value)
-  return value
-
-
-def load_run_config(workdir: str) -> ml_collections.ConfigDict:
-  """The config a run was started with (its ``config.json``)."""
-  with open(os.path.join(workdir, runner.CONFIG_FILE)) as f:
-    return ml_collections.ConfigDict(_tuples(json.load(f)))
 
 
 def consensus_params(stacked_params, inputs):
@@ -68,7 +51,7 @@ def client_accuracies(workdir: str, round_: int | None = None) -> dict:
   Returns:
     ``{"round", "aggregated", "own" [M], "consensus" [M]}`` (accuracies as floats / numpy arrays).
   """
-  config = load_run_config(workdir)
+  config = runner.load_run_config(workdir)
   experiment = runner.build_experiment(config)
   algorithm = experiment.algorithm
   template = algorithm.init(jax.random.PRNGKey(config.seed))

@@ -113,6 +113,9 @@ _RESERVED = frozenset({
 # Top-level keys that do not change the results (where clients run, which checkpoints are kept);
 # resume and branch ignore them.
 _RESULT_NEUTRAL_KEYS = ("devices", "checkpoint_keep")
+# Keys added to the schema after runs were stored, each with the value that reproduces those runs: a stored
+# config.json without one ran with that value (resume, branch and load_run_config fill it in).
+_ADDED_KEYS = {"data.max_test": 0}
 # Config keys beyond base_config(): the optional method module, and the free-form algorithm block.
 _EXTRA_TOP_LEVEL = frozenset({"method_module"})
 _SCHEMA_BLOCKS = ("data", "model", "topology", "eval")
@@ -390,13 +393,44 @@ def _config_diff(old, new, prefix: str = "") -> list[str]:
   return [] if old == new else [f"{prefix[:-1]}: {old!r} -> {new!r}"]
 
 
-def _experiment_configs(config, workdir: str, action: str) -> tuple[dict, dict]:
-  """``workdir``'s stored config and ``config`` as JSON dicts, without the placement keys."""
+def _stored_config(workdir: str, action: str) -> dict:
+  """``workdir``'s ``config.json`` as a JSON dict, keys added to the schema since it was written filled in."""
   config_path = os.path.join(workdir, CONFIG_FILE)
   if not os.path.isfile(config_path):
     raise FileNotFoundError(f"cannot {action}: {config_path} does not exist (no run was started in {workdir})")
   with open(config_path) as f:
     stored = json.load(f)
+  for path, value in _ADDED_KEYS.items():
+    *parents, leaf = path.split(".")
+    node = stored
+    for key in parents:
+      node = node.get(key) if isinstance(node, dict) else None
+    if isinstance(node, dict):
+      node.setdefault(leaf, value)
+  return stored
+
+
+def _tuples(value):
+  """JSON lists back to the tuples the config files use (``taus``, ``hidden``, ``targets``, ...)."""
+  if isinstance(value, dict):
+    return {k: _tuples(v) for k, v in value.items()}
+  if isinstance(value, list):
+    return tuple(_tuples(v) for v in value)
+  return value
+
+
+def load_run_config(workdir: str) -> ml_collections.ConfigDict:
+  """The config the run in ``workdir`` was started with (its ``config.json``), as a ``ConfigDict``.
+
+  For scripts that read a finished or running run (``experiments/consensus_accuracy.py``):
+  ``build_experiment(load_run_config(workdir))`` rebuilds its experiment.
+  """
+  return ml_collections.ConfigDict(_tuples(_stored_config(workdir, "read the run")))
+
+
+def _experiment_configs(config, workdir: str, action: str) -> tuple[dict, dict]:
+  """``workdir``'s stored config and ``config`` as JSON dicts, without the placement keys."""
+  stored = _stored_config(workdir, action)
   current = json.loads(json.dumps(_jsonable(config)))
   # Where clients run is not part of the experiment: a run may resume on another device count
   # (results agree up to float rounding), and runs started before these keys existed lack them.

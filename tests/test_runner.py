@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -193,6 +194,23 @@ def test_resume_refusals_fail_before_any_work(reference, tmp_path, monkeypatch):
     json.dump(runner._jsonable(toy_config()), f)
   with pytest.raises(FileNotFoundError, match="no finalised checkpoint"):
     runner.run(toy_config(), str(tmp_path / "nockpt"), resume=True)
+
+
+def test_a_run_stored_before_a_schema_key_existed_resumes_with_its_old_value(reference, tmp_path):
+  ref_workdir, _, _ = reference
+  old = str(tmp_path / "old")
+  shutil.copytree(ref_workdir, old)
+  with open(os.path.join(old, runner.CONFIG_FILE)) as f:
+    stored = json.load(f)
+  del stored["data"]["max_test"]                     # config.json written before data.max_test was added
+  with open(os.path.join(old, runner.CONFIG_FILE), "w") as f:
+    json.dump(stored, f)
+  assert runner.check_workdir(toy_config(), old, resume=True) == ROUNDS
+  loaded = runner.load_run_config(old)
+  assert loaded.data.max_test == 0 and loaded == toy_config()
+  # The filled-in value is the one the run used: a config that changes it is a different experiment.
+  with pytest.raises(ValueError, match=r"different config.*max_test: 0 -> 100"):
+    runner.check_workdir(toy_config(**{"data.max_test": 100}), old, resume=True)
 
 
 def test_branch_of_the_same_experiment_equals_the_uninterrupted_run(reference, tmp_path):
