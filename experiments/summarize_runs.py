@@ -250,8 +250,9 @@ def plot(runs: list[dict], path: str) -> None:
     rounds = [line["round"] for line in run["lines"]]
     color = f"C{k}"
     ax.plot(rounds, [line["test_acc"] for line in run["lines"]], color=color, label=_describe(run["config"]))
-    client = [line.get("client_acc_mean") for line in run["lines"]]
-    ax.plot(rounds, client, color=color, linestyle="--", alpha=0.7)
+    scored = [line for line in run["lines"] if line.get("client_acc_mean") is not None]   # maybe every k rounds
+    ax.plot([line["round"] for line in scored], [line["client_acc_mean"] for line in scored], color=color,
+            linestyle="--", alpha=0.7)
   ax.axhline(0.85, color="gray", linewidth=0.8, linestyle=":")
   ax.set_xlabel("communication round")
   ax.set_ylabel("test accuracy")
