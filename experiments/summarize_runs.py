@@ -46,7 +46,7 @@ DETAIL_ROUNDS = (1, 2, 3, 5, 8, 10, 12, 15, 18, 20, 25, 30, 40, 50, 75, 100, 150
 
 
 def read_run(workdir: str) -> dict:
-  """``{"name", "config", "lines", "summary"}``; ``summary`` is ``None`` while the run is unfinished."""
+  """``{"name", "workdir", "config", "lines", "summary"}``; ``summary`` is ``None`` while the run is unfinished."""
   with open(os.path.join(workdir, "config.json")) as f:
     config = json.load(f)
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
@@ -55,7 +55,7 @@ def read_run(workdir: str) -> dict:
   if os.path.isfile(os.path.join(workdir, "summary.json")):
     with open(os.path.join(workdir, "summary.json")) as f:
       summary = json.load(f)
-  return {"name": os.path.basename(os.path.normpath(workdir)), "config": config, "lines": lines,
+  return {"name": os.path.basename(os.path.normpath(workdir)), "workdir": workdir, "config": config, "lines": lines,
           "summary": summary}
 
 
@@ -293,10 +293,9 @@ def main() -> None:
     plot_communication(runs, args.plot_comm)
     print(f"plot: {args.plot_comm}")
   if args.archive:
-    kept = [w for w in args.workdirs if os.path.basename(os.path.normpath(w)) in {run["name"] for run in runs}]
-    for workdir in kept:
-      archive(workdir, args.archive)
-    print(f"archived {len(kept)} run(s) to {args.archive}")
+    for run in runs:
+      archive(run["workdir"], args.archive)
+    print(f"archived {len(runs)} run(s) to {args.archive}")
 
 
 if __name__ == "__main__":
