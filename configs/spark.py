@@ -119,6 +119,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.rounds = 30
   config.topology.mixing = "data_size"
   config.chunk_size = 1                        # as NTK-DFL: one client's [N, N] kernel at a time stays cache-resident
+  # Also score each client's consensus model w̄_i (one averaging step after its own model): Table 4's "client
+  # accuracy" is most likely that model (docs/REPRODUCTION.md, "Client accuracy"); +1 client evaluation per round.
+  config.eval.consensus = True
 
   a = config.algorithm = ml_collections.ConfigDict()
   a.lr = 0.01

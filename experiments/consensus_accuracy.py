@@ -19,7 +19,9 @@ follows (``round_inputs(R)``, 0-based, exactly what round ``R + 1`` starts from)
 prints one markdown row per run: the aggregated model, the own models and the
 consensus models (mean, min, max test accuracy over clients). The aggregated
 accuracy and the own-model mean equal the run's ``metrics.jsonl`` line of that
-round when the run scored its clients then.
+round when the run scored its clients then. Runs with ``config.eval.consensus``
+(SPARK's default since session 12) log the consensus accuracy every round
+(``consensus_acc_*``); this script serves the runs without it.
 """
 from __future__ import annotations
 
@@ -34,15 +36,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from ntk_fl import metrics, runner, topology  # noqa: E402
 from ntk_fl.checkpoint import Checkpoints  # noqa: E402
-
-
-def consensus_params(stacked_params, inputs):
-  """``w̄_i = W_ii w_i + Σ_j W_ij w_j`` for every client (the averaging step of the round ``inputs`` describe)."""
-  for name in ("neighbors", "self_weight", "neighbor_weights"):
-    if not hasattr(inputs, name):
-      raise ValueError(f"the method's round inputs have no {name!r}: consensus models need a neighbourhood method "
-                       f"(NTK-DFL, SPARK or a gossip baseline), got {type(inputs).__name__}")
-  return topology.mix(stacked_params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
 
 
 def client_accuracies(workdir: str, round_: int | None = None) -> dict:
@@ -61,7 +54,7 @@ def client_accuracies(workdir: str, round_: int | None = None) -> dict:
       raise FileNotFoundError(f"{workdir} has no finalised checkpoint")
     state = checkpoints.restore(round_, template)
   own = algorithm.client_params(state)
-  consensus = consensus_params(own, algorithm.round_inputs(round_))
+  consensus = topology.consensus(own, algorithm.round_inputs(round_))
   evaluator = metrics.make_evaluator(experiment.model.apply, experiment.dataset.x_test, experiment.dataset.y_test,
                                      batch_size=config.eval.batch_size, chunk_size=config.chunk_size or None)
   aggregated = float(evaluator.aggregate(own)[0])

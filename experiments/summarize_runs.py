@@ -175,6 +175,13 @@ def detail(run: dict) -> str:
           if line.get("client_acc_mean") is not None]
   if gaps:
     out.append(f"  aggregated − mean client: {gaps[0]:.1f} points at the first round, {gaps[-1]:.1f} at the last")
+  consensus = [line for line in lines if line.get("consensus_acc_mean") is not None]   # eval.consensus runs
+  if consensus:
+    last = consensus[-1]
+    out.append(f"  consensus models (one averaging step later) at round {last['round']}: mean "
+               f"{100 * last['consensus_acc_mean']:.1f} % ({100 * last['consensus_acc_min']:.1f}–"
+               f"{100 * last['consensus_acc_max']:.1f}), {100 * (last['test_acc'] - last['consensus_acc_mean']):.1f} "
+               "points under the aggregated model")
   steps = [line["step_time"] for line in lines[1:]][-10:]
   if steps:
     out.append(f"  median step time of the last {len(steps)} rounds: {statistics.median(steps):.0f} s")

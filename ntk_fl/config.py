@@ -29,7 +29,9 @@ Field reference (all of them are validated by the runner before any work):
   (accuracies for "rounds to X"), ``selection`` (final best-to-worst curves),
   ``batch_size`` (test-set batch for evaluation), ``stop_at`` (stop the run
   after the first round whose aggregated accuracy reaches it; ``0`` = run all
-  ``rounds``; needs ``every = 1``).
+  ``rounds``; needs ``every = 1``), ``consensus`` (decentralized methods: whenever
+  the clients are scored, also score their consensus models ``w̄_i``, the
+  neighbourhood averages the next round starts from; ``consensus_acc_*``).
 * ``checkpoint_every``: rounds between orbax checkpoints (``0`` = never); the
   two most recent are kept.
 * ``checkpoint_keep``: 1-based rounds whose checkpoints are also written and
@@ -91,6 +93,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.eval.selection = True
   config.eval.stop_at = 0.0
   config.eval.batch_size = 10_000
+  config.eval.consensus = False
 
   config.checkpoint_every = 5
   config.checkpoint_keep = ()

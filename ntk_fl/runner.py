@@ -71,10 +71,11 @@ import ml_collections
 import numpy as np
 from tqdm.auto import tqdm
 
-from ntk_fl import parallel, validation
+from ntk_fl import parallel, topology, validation
 from ntk_fl import metrics as metrics_lib
 from ntk_fl import plotting
 from ntk_fl.algorithms import Algorithm, get_method
+from ntk_fl.algorithms.base import config_without
 from ntk_fl.checkpoint import Checkpoints
 from ntk_fl.config import base_config
 from ntk_fl.rng import Stream, numpy_rng
@@ -109,13 +110,14 @@ BRANCH_FILE = "branched_from.json"
 # Keys the runner writes into every metrics line; an algorithm metric may not reuse them.
 _RESERVED = frozenset({
     "round", "step_time", "eval_time", "test_acc", "test_loss", "deviation", "client_acc_mean",
-    "client_acc_min", "client_acc_max", "client_loss_mean", "clients", *metrics_lib.ENSEMBLE_METRICS})
-# Top-level keys that do not change the results (where clients run, which checkpoints are kept);
-# resume and branch ignore them.
-_RESULT_NEUTRAL_KEYS = ("devices", "checkpoint_keep")
+    "client_acc_min", "client_acc_max", "client_loss_mean", "consensus_acc_mean", "consensus_acc_min",
+    "consensus_acc_max", "consensus_loss_mean", "clients", *metrics_lib.ENSEMBLE_METRICS})
+# Keys that do not change the trajectory (where clients run, which checkpoints are kept, whether the
+# consensus models are also scored); resume and branch ignore them.
+_RESULT_NEUTRAL_KEYS = ("devices", "checkpoint_keep", "eval.consensus")
 # Keys added to the schema after runs were stored, each with the value that reproduces those runs: a stored
 # config.json without one ran with that value (resume, branch and load_run_config fill it in).
-_ADDED_KEYS = {"data.max_test": 0}
+_ADDED_KEYS = {"data.max_test": 0, "eval.consensus": False}
 # Config keys beyond base_config(): the optional method module, and the free-form algorithm block.
 _EXTRA_TOP_LEVEL = frozenset({"method_module"})
 _SCHEMA_BLOCKS = ("data", "model", "topology", "eval")
@@ -253,6 +255,8 @@ def validate_config(config) -> None:
   if stop_at and config.eval.every != 1:
     raise ValueError(f"config.eval.stop_at = {stop_at} needs the aggregated accuracy every round: "
                      f"config.eval.every must be 1, got {config.eval.every!r}")
+  if not isinstance(_get(config, "eval.consensus"), bool):
+    raise ValueError(f"config.eval.consensus must be a bool, got {config.eval.consensus!r}")
   if not isinstance(_get(config, "eval.selection"), bool):
     raise ValueError(f"config.eval.selection must be a bool, got {config.eval.selection!r}")
 
@@ -434,10 +438,7 @@ def _experiment_configs(config, workdir: str, action: str) -> tuple[dict, dict]:
   current = json.loads(json.dumps(_jsonable(config)))
   # Where clients run is not part of the experiment: a run may resume on another device count
   # (results agree up to float rounding), and runs started before these keys existed lack them.
-  for key in _RESULT_NEUTRAL_KEYS:
-    stored.pop(key, None)
-    current.pop(key, None)
-  return stored, current
+  return config_without(stored, *_RESULT_NEUTRAL_KEYS), config_without(current, *_RESULT_NEUTRAL_KEYS)
 
 
 def check_workdir(config, workdir: str, *, resume: bool) -> int:
@@ -572,7 +573,9 @@ def _algorithm_metrics(step_metrics: dict, num_clients: int) -> tuple[dict, dict
   return line, clients
 
 
-def _evaluate(evaluator: metrics_lib.Evaluator, stacked_params, round_: int, config) -> tuple[dict, dict]:
+def _evaluate(evaluator: metrics_lib.Evaluator, stacked_params, round_: int, config,
+              consensus_of: Callable[[Any], Any] | None = None) -> tuple[dict, dict]:
+  """The round's evaluation line and per-client arrays; ``consensus_of(params)`` gives the consensus models."""
   line, clients = {}, {}
   if _due(round_, config.eval.every, config.rounds):
     acc, loss, deviation, *extra = jax.device_get(evaluator.aggregate(stacked_params))
@@ -583,6 +586,11 @@ def _evaluate(evaluator: metrics_lib.Evaluator, stacked_params, round_: int, con
     line.update(client_acc_mean=float(np.mean(acc)), client_acc_min=float(np.min(acc)),
                 client_acc_max=float(np.max(acc)), client_loss_mean=float(np.mean(loss)))
     clients["test_acc"] = acc.tolist()
+    if consensus_of is not None:
+      acc, loss = jax.device_get(evaluator.clients(consensus_of(stacked_params)))
+      line.update(consensus_acc_mean=float(np.mean(acc)), consensus_acc_min=float(np.min(acc)),
+                  consensus_acc_max=float(np.max(acc)), consensus_loss_mean=float(np.mean(loss)))
+      clients["consensus_acc"] = acc.tolist()
   return line, clients
 
 
@@ -612,6 +620,7 @@ def _summarize(config, lines: list[dict], *, num_params: int, selection: dict | 
       "final_test_acc": last_with("test_acc"),
       "final_test_loss": last_with("test_loss"),
       "final_client_acc_mean": last_with("client_acc_mean"),
+      "final_consensus_acc_mean": last_with("consensus_acc_mean"),
       "final_deviation": last_with("deviation"),
       "best_test_acc": best_acc,
       "best_round": best_round,
@@ -698,6 +707,14 @@ def _run(config, workdir: str, *, resume: bool, branch_from: str | None, branch_
   state = _canonical(algorithm.init(jax.random.PRNGKey(config.seed)))
   num_clients = jax.tree_util.tree_leaves(algorithm.client_params(state))[0].shape[0]
   num_params = sum(math.prod(w.shape[1:]) for w in jax.tree_util.tree_leaves(algorithm.client_params(state)))
+  consensus = None
+  if config.eval.consensus:
+    try:                # traces only: a method without a graph in its round inputs fails here, before any round
+      jax.eval_shape(topology.consensus, algorithm.client_params(state), algorithm.round_inputs(0))
+    except ValueError as e:
+      raise ValueError(f"config.eval.consensus=True scores neighbourhood averages, which method {config.method!r} "
+                       f"does not have: {e}") from None
+    consensus = jax.jit(topology.consensus)
   keep = tuple(int(r) for r in config.checkpoint_keep)
   ckpt = Checkpoints(os.path.join(workdir, CHECKPOINT_DIR), keep=keep) if config.checkpoint_every or keep else None
 
@@ -739,7 +756,11 @@ def _run(config, workdir: str, *, resume: bool, branch_from: str | None, branch_
         state = _canonical(jax.block_until_ready(state))
         algo_line, algo_clients = _algorithm_metrics(step_metrics, num_clients)
         t1 = time.perf_counter()
-        eval_line, eval_clients = _evaluate(evaluator, algorithm.client_params(state), round_, config)
+        consensus_of = None
+        if consensus is not None:      # the models the next round (0-based index r + 1) starts from
+          next_inputs = algorithm.round_inputs(r + 1)
+          consensus_of = lambda params: consensus(params, next_inputs)  # pylint: disable=cell-var-from-loop
+        eval_line, eval_clients = _evaluate(evaluator, algorithm.client_params(state), round_, config, consensus_of)
         t2 = time.perf_counter()
         line = {"round": round_, "step_time": t1 - t0, "eval_time": t2 - t1, **eval_line, **algo_line,
                 "clients": {**eval_clients, **algo_clients}}

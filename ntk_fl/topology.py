@@ -61,6 +61,7 @@ from ntk_fl.rng import Stream, numpy_rng
 
 __all__ = [
     "mix",
+    "consensus",
     "Graph",
     "Topology",
     "TOPOLOGIES",
@@ -480,3 +481,22 @@ def mix(stacked_params, neighbors, self_weight, neighbor_weights, *, sent=None):
     return total
 
   return jax.tree.map(one, stacked_params, sent)
+
+
+
+def consensus(stacked_params, round_inputs):
+  """Every client's neighbourhood average ``w̄_i`` under one round's graph and weights (:func:`mix`).
+
+  What a decentralized round starts from (NTK-DFL's eq. 1, SPARK's consensus, a
+  gossip step): ``round_inputs`` is a decentralized method's ``round_inputs(r)``
+  (:class:`ntk_fl.algorithms.base.GraphRound`: ``neighbors``, ``self_weight``,
+  ``neighbor_weights``).
+
+  Raises:
+    ValueError: ``round_inputs`` has no graph (a server method's inputs).
+  """
+  missing = [name for name in ("neighbors", "self_weight", "neighbor_weights") if not hasattr(round_inputs, name)]
+  if missing:
+    raise ValueError(f"consensus models need a decentralized method's round inputs (a graph and mixing weights); "
+                     f"{type(round_inputs).__name__} has no {', '.join(missing)}")
+  return mix(stacked_params, round_inputs.neighbors, round_inputs.self_weight, round_inputs.neighbor_weights)

@@ -1,4 +1,4 @@
-"""experiments/consensus_accuracy.py against a dense mixing matrix and the run's own metrics."""
+"""Consensus-model accuracy (runner's ``eval.consensus``, experiments/consensus_accuracy.py) vs a dense mixing matrix."""
 from __future__ import annotations
 
 import jax
@@ -15,10 +15,11 @@ ROUNDS = 2
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-  """A 2-round DFedAvg smoke run (20 clients, dynamic 2-regular graph, clients scored every round)."""
+  """A 2-round DFedAvg smoke run (20 clients, dynamic 2-regular graph, clients and consensus scored every round)."""
   config = load_config(str(REPO / "configs" / "dfedavg.py"), "smoke")
   config.rounds = ROUNDS
   config.eval.selection = False
+  config.eval.consensus = True
   workdir = str(tmp_path_factory.mktemp("dfedavg"))
   runner.run(config, workdir)
   return config, workdir
@@ -51,11 +52,23 @@ def test_own_and_consensus_accuracies_match_an_independent_computation(finished_
   # float32 mixing against float64: a test sample on a decision boundary may flip, hence one sample of slack.
   np.testing.assert_allclose(result["consensus"], expected, atol=1.0 / len(y) + 1e-6)
   assert not np.allclose(result["consensus"], result["own"])      # mixing changed the models
+  # What the runner logged for the same models (eval.consensus) during the run.
+  np.testing.assert_allclose(line["consensus_acc_mean"], np.mean(expected), atol=1.0 / len(y) + 1e-6)
+  np.testing.assert_allclose(line["consensus_acc_min"], result["consensus"].min(), atol=1e-6)
+  np.testing.assert_allclose(line["consensus_acc_max"], result["consensus"].max(), atol=1e-6)
+  assert [k for k in runner.read_metrics(workdir)[0] if k.startswith("consensus_acc")]   # logged every round
+
+
+def test_consensus_needs_a_decentralized_method(tmp_path):
+  config = load_config(str(REPO / "configs" / "fedavg.py"), "smoke")
+  config.eval.consensus = True
+  with pytest.raises(ValueError, match="config.eval.consensus=True .* method 'fedavg'"):
+    runner.run(config, str(tmp_path / "run"))
 
 
 def test_row_and_bad_method(finished_run):
   script = load_experiment("consensus_accuracy")
   result = {"round": 3, "aggregated": 0.8512, "own": np.array([0.80, 0.82]), "consensus": np.array([0.84, 0.85])}
   assert script.row("x_s0", result) == "| x_s0 | 3 | 85.12 | 81.00 (80.0–82.0) | 84.50 (84.0–85.0) |"
-  with pytest.raises(ValueError, match="neighbourhood method"):
-    script.consensus_params({"w": np.zeros((2, 3))}, object())
+  with pytest.raises(ValueError, match="decentralized method's round inputs"):
+    topology.consensus({"w": np.zeros((2, 3))}, object())

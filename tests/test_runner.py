@@ -206,6 +206,8 @@ def test_a_run_stored_before_a_schema_key_existed_resumes_with_its_old_value(ref
   with open(os.path.join(old, runner.CONFIG_FILE), "w") as f:
     json.dump(stored, f)
   assert runner.check_workdir(toy_config(), old, resume=True) == ROUNDS
+  # Scoring the consensus models too changes what is logged, not the trajectory: a resume may switch it on.
+  assert runner.check_workdir(toy_config(**{"eval.consensus": True}), old, resume=True) == ROUNDS
   loaded = runner.load_run_config(old)
   assert loaded.data.max_test == 0 and loaded == toy_config()
   # The filled-in value is the one the run used: a config that changes it is a different experiment.

@@ -122,3 +122,15 @@ def test_archive_keeps_every_scalar_and_drops_the_per_client_arrays(summarize, t
     f.write(json.dumps({"round": 3, "step_time": 1.0, "test_acc": 0.87, "client_acc_mean": 0.8}) + "\n")
   summarize.archive(workdir, str(tmp_path / "archive"))
   assert [line["round"] for line in summarize.read_run(target)["lines"]] == [1, 2, 3]
+
+
+def test_detail_reports_the_consensus_models_when_logged(summarize, tmp_path):
+  workdir = _write_run(tmp_path, "f_s0", 0, [0.70, 0.86], [0.6, 0.8])
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    lines = [json.loads(line) for line in f]
+  lines[-1].update(consensus_acc_mean=0.845, consensus_acc_min=0.80, consensus_acc_max=0.87)
+  with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+    f.write("".join(json.dumps(line) + "\n" for line in lines))
+  text = summarize.detail(summarize.read_run(workdir))
+  assert "consensus models (one averaging step later) at round 2: mean 84.5 % (80.0–87.0), 1.5 points under" in text
+  assert "consensus" not in summarize.detail(summarize.read_run(_write_run(tmp_path, "g_s0", 0, [0.7], [0.6])))
