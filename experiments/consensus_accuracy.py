@@ -8,7 +8,7 @@ What a paper calls "client accuracy" is not always the same model. The runner's
 averaging step of the next round would hold its *consensus* model instead,
 ``w̄_i = Σ_j W_ij w_j`` over its closed neighbourhood, the model NTK-DFL and SPARK
 linearise at. SPARK's Table 4 reports client accuracies 0.7–0.8 points under the
-aggregated model, where our own-model means sit 2–6 points under it; this script
+aggregated model, where our own-model means sit 2–9 points under it; this script
 scores both on the same checkpoint so the two readings can be compared.
 
 For each workdir (a finished or running neighbourhood-method run: NTK-DFL, SPARK

@@ -66,7 +66,7 @@ def test_consensus_needs_a_decentralized_method(tmp_path):
     runner.run(config, str(tmp_path / "run"))
 
 
-def test_row_and_bad_method(finished_run):
+def test_row_and_bad_method():
   script = load_experiment("consensus_accuracy")
   result = {"round": 3, "aggregated": 0.8512, "own": np.array([0.80, 0.82]), "consensus": np.array([0.84, 0.85])}
   assert script.row("x_s0", result) == "| x_s0 | 3 | 85.12 | 81.00 (80.0–82.0) | 84.50 (84.0–85.0) |"
