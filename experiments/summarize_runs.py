@@ -97,6 +97,17 @@ def _describe(config: dict, with_seed: bool = True) -> str:
     extras.append("no averaging")
   if algo.get("clients_per_round"):
     extras.append(f"{algo['clients_per_round']} clients/round")
+  if config["method"] == "spark":                    # the Table 4 rows and the sketch / compression variants
+    if algo.get("momentum") == 0:
+      extras.append("no momentum")
+    if not algo.get("distill", {}).get("enabled", True):
+      extras.append("no distillation")
+    sketch = algo.get("projection", {})
+    if sketch.get("scheme", "none") != "none":
+      extras.append(f"{sketch['scheme']} k={sketch['k_proj']}")
+    packing = algo.get("compression", {})
+    if packing.get("keep_fraction", 1) < 1 or packing.get("bits", 32) != 32:
+      extras.append(f"top {packing['keep_fraction']:g}, {packing['bits']} bits")
   seed = [f"seed {config['seed']}"] if with_seed else []
   return " ".join([config["method"], data["name"], split, *extras, *seed])
 

@@ -134,3 +134,18 @@ def test_detail_reports_the_consensus_models_when_logged(summarize, tmp_path):
   text = summarize.detail(summarize.read_run(workdir))
   assert "consensus models (one averaging step later) at round 2: mean 84.5 % (80.0–87.0), 1.5 points under" in text
   assert "consensus" not in summarize.detail(summarize.read_run(_write_run(tmp_path, "g_s0", 0, [0.7], [0.6])))
+
+
+def test_spark_variants_are_told_apart(summarize):
+  def config(**algorithm):
+    base = {"momentum": 0.9, "distill": {"enabled": True}, "projection": {"scheme": "none", "k_proj": 500},
+            "compression": {"keep_fraction": 1.0, "bits": 32}}
+    return {"method": "spark", "seed": 0, "data": {"name": "fashion_mnist", "partition": "iid", "alpha": 0.1},
+            "algorithm": {**base, **algorithm}}
+  assert summarize._describe(config()) == "spark fashion_mnist IID seed 0"
+  assert summarize._describe(config(momentum=0.0, distill={"enabled": False})) == \
+      "spark fashion_mnist IID no momentum no distillation seed 0"
+  assert summarize._describe(config(projection={"scheme": "layerwise", "k_proj": 500}), with_seed=False) == \
+      "spark fashion_mnist IID layerwise k=500"
+  assert summarize._describe(config(compression={"keep_fraction": 0.5, "bits": 6})) == \
+      "spark fashion_mnist IID top 0.5, 6 bits seed 0"
