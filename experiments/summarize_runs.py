@@ -86,9 +86,15 @@ def archive(workdir: str, out_root: str) -> str:
   return target
 
 
+def split_label(config: dict) -> str:
+  """The data split of a run's config: ``"IID"`` or ``"α=0.1"``."""
+  data = config["data"]
+  return "IID" if data["partition"] == "iid" else f"α={data['alpha']:g}"
+
+
 def _describe(config: dict, with_seed: bool = True) -> str:
   data = config["data"]
-  split = "IID" if data["partition"] == "iid" else f"α={data['alpha']:g}"
+  split = split_label(config)
   algo = config.get("algorithm", {})
   extras = []
   if algo.get("lr_decay"):

@@ -13,6 +13,9 @@
 #   spark_ablation   the Table 4 rows at IID x seeds, 30 rounds (distillation only and momentum only branch
 #              off no distillation and SPARK after the shared 10-round warm-up); ROWS="none distill" restricts
 #              it to some of abl_none, abl_both, abl_distill, abl_momentum
+#   spark_ntk_dfl   Table 3's baseline: NTK-DFL (SPARK's `abl_none` row, same setting and 30 rounds) at
+#              {alpha0.1, alpha0.3, alpha0.5} x seeds, for experiments/paired_test.py against the `spark` runs (the
+#              IID pairs are spark_ablation's abl_none runs); LEVELS restricts it
 #   spark_comm the Fig. 9/11/12 runs at alpha = 0.1 x seeds, 30 rounds: layer-wise caps 500 and 750 (the cap 1000
 #              is the unprojected `spark` run) and the full compression stack; VARIANTS="proj500" restricts it
 #
@@ -28,7 +31,7 @@
 # it): runs/ does not outlive the machine, the archive is committed with the results it backs.
 set -u
 cd "$(dirname "$0")/.."
-SUITE=${1:?usage: bash scripts/reproduce.sh ntk_dfl|baselines|ntk_fl|ntk_fl_busiest|spark|spark_ablation|spark_comm [OUT] [SEEDS]}
+SUITE=${1:?usage: bash scripts/reproduce.sh ntk_dfl|baselines|ntk_fl|ntk_fl_busiest|spark|spark_ablation|spark_ntk_dfl|spark_comm [OUT] [SEEDS]}
 OUT=${2:-runs/$SUITE}
 SEEDS=${3:-0 1 2}
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -102,11 +105,15 @@ case "$SUITE" in
       [[ $rows == *" distill "* ]] && branch abl_distill configs/spark.py:iid,abl_distill "$s" abl_none
       [[ $rows == *" momentum "* ]] && branch abl_momentum configs/spark.py:iid,abl_momentum "$s" abl_both
     done ;;
+  spark_ntk_dfl)
+    for s in $SEEDS; do
+      for level in ${LEVELS:-alpha0.1 alpha0.3 alpha0.5}; do run "$level" "configs/spark.py:$level,abl_none" "$s"; done
+    done ;;
   spark_comm)
     for s in $SEEDS; do
       for v in ${VARIANTS:-proj500 proj750 full_stack}; do run "$v" "configs/spark.py:alpha0.1,$v" "$s"; done
     done ;;
-  *) echo "unknown suite '$SUITE'; the suites are ntk_dfl, baselines, ntk_fl, ntk_fl_busiest, spark, spark_ablation, spark_comm" >&2; exit 2 ;;
+  *) echo "unknown suite '$SUITE'; the suites are ntk_dfl, baselines, ntk_fl, ntk_fl_busiest, spark, spark_ablation, spark_ntk_dfl, spark_comm" >&2; exit 2 ;;
 esac
 finished=()
 for dir in "$OUT"/*_s*/; do [ -f "$dir/summary.json" ] && finished+=("${dir%/}"); done
