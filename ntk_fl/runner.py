@@ -757,9 +757,9 @@ def _run(config, workdir: str, *, resume: bool, branch_from: str | None, branch_
         algo_line, algo_clients = _algorithm_metrics(step_metrics, num_clients)
         t1 = time.perf_counter()
         consensus_of = None
-        if consensus is not None:      # the models the next round (0-based index r + 1) starts from
-          next_inputs = algorithm.round_inputs(r + 1)
-          consensus_of = lambda params: consensus(params, next_inputs)  # pylint: disable=cell-var-from-loop
+        if consensus is not None:      # the models the next round (0-based index r + 1) starts from; its graph
+          # is drawn only when _evaluate scores the clients this round (called within this iteration)
+          consensus_of = lambda params: consensus(params, algorithm.round_inputs(r + 1))  # pylint: disable=cell-var-from-loop
         eval_line, eval_clients = _evaluate(evaluator, algorithm.client_params(state), round_, config, consensus_of)
         t2 = time.perf_counter()
         line = {"round": round_, "step_time": t1 - t0, "eval_time": t2 - t1, **eval_line, **algo_line,

@@ -483,7 +483,6 @@ def mix(stacked_params, neighbors, self_weight, neighbor_weights, *, sent=None):
   return jax.tree.map(one, stacked_params, sent)
 
 
-
 def consensus(stacked_params, round_inputs):
   """Every client's neighbourhood average ``w̄_i`` under one round's graph and weights (:func:`mix`).
 
