@@ -157,6 +157,15 @@ def _check_keys(config) -> None:
                        f"config.{block} has: {sorted(schema[block].keys())}")
 
 
+def _file_module_name(path: str) -> str:
+  return f"_ntk_fl_method_{abs(hash(os.path.abspath(path))):x}"
+
+
+def _method_module_imported(spec: str) -> bool:
+  """Whether ``spec`` was imported in this process already (importing it again runs nothing)."""
+  return (_file_module_name(spec) if spec.endswith(".py") else spec) in sys.modules
+
+
 def import_method_module(spec: str) -> None:
   """Imports ``spec`` (a dotted module name, or a path to a ``.py`` file) for its registrations."""
   if not spec:
@@ -166,7 +175,7 @@ def import_method_module(spec: str) -> None:
       path = os.path.abspath(spec)
       if not os.path.isfile(path):
         raise FileNotFoundError(f"no such file {path}")
-      name = f"_ntk_fl_method_{abs(hash(path)):x}"
+      name = _file_module_name(path)
       if name not in sys.modules:  # execute a file once per process, like an import
         module_spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(module_spec)
@@ -423,13 +432,43 @@ def _tuples(value):
   return value
 
 
-def load_run_config(workdir: str) -> ml_collections.ConfigDict:
+def _same_module(spec: str, trusted: str) -> bool:
+  if spec.endswith(".py") or trusted.endswith(".py"):
+    return os.path.realpath(spec) == os.path.realpath(trusted)
+  return spec == trusted
+
+
+def load_run_config(workdir: str, *, trust_method_module: str | None = None) -> ml_collections.ConfigDict:
   """The config the run in ``workdir`` was started with (its ``config.json``), as a ``ConfigDict``.
 
   For scripts that read a finished or running run (``experiments/consensus_accuracy.py``):
   ``build_experiment(load_run_config(workdir))`` rebuilds its experiment.
+
+  A run directory is data, and data must not run code: a stored
+  ``method_module`` (which :func:`validate_config` would import, executing the
+  file) is kept when the caller names that same module or file in
+  ``trust_method_module`` (``--method_module`` of the analysis scripts) or when
+  this process has imported it already. Otherwise the run's method must be
+  registered (a built-in method, or one the calling script registered itself):
+  the stored ``method_module`` is then dropped (with a warning) and the method
+  comes from the registry; with neither, the read is refused.
   """
-  return ml_collections.ConfigDict(_tuples(_stored_config(workdir, "read the run")))
+  from ntk_fl.algorithms import available  # pylint: disable=g-import-not-at-top
+
+  path = os.path.join(workdir, CONFIG_FILE)
+  stored = _stored_config(workdir, "read the run")
+  spec = stored.get("method_module") or ""
+  trusted = bool(trust_method_module) and _same_module(spec, trust_method_module)
+  if spec and not (trusted or _method_module_imported(spec)):
+    if stored.get("method") not in available():
+      raise ValueError(
+          f"{path} names method_module {spec!r} for method {stored.get('method')!r}; a run directory is not "
+          f"trusted to import code: pass --method_module={spec} (trust_method_module=...) to import it, or "
+          "register the method before reading the run")
+    logging.warning("%s: method %r is registered; not importing its stored method_module %r",
+                    path, stored.get("method"), spec)
+    stored["method_module"] = ""
+  return ml_collections.ConfigDict(_tuples(stored))
 
 
 def _experiment_configs(config, workdir: str, action: str) -> tuple[dict, dict]:
