@@ -181,17 +181,17 @@ def test_codecs_encode_only_latin1():
 def _run_dir_naming_module(tmp_path, method: str):
   """A run directory whose config.json names a method_module that would create a marker file when imported."""
   import json  # pylint: disable=g-import-not-at-top
-  from ntk_fl import runner  # pylint: disable=g-import-not-at-top
+  from ntk_fl import rundir  # pylint: disable=g-import-not-at-top
   from ntk_fl.config import load_config  # pylint: disable=g-import-not-at-top
 
   marker = tmp_path / "pwned"
   module = tmp_path / "evil_method.py"
   module.write_text(f"open({str(marker)!r}, 'w').close()\n")
-  config = runner._jsonable(load_config(os.path.join(_CONFIGS, "fedavg.py"), "smoke"))
+  config = rundir.jsonable(load_config(os.path.join(_CONFIGS, "fedavg.py"), "smoke"))
   config.update(method=method, method_module=str(module))
   workdir = tmp_path / "run"
   workdir.mkdir()
-  (workdir / runner.CONFIG_FILE).write_text(json.dumps(config))
+  (workdir / rundir.CONFIG_FILE).write_text(json.dumps(config))
   return str(workdir), str(module), marker
 
 
