@@ -58,8 +58,8 @@ def compare(model, params, x, y, lr: float) -> dict:
   deltas = {}
   for solver in ("euler", "ode"):
     start = time.perf_counter()
-    delta, info = evolve.ntk_delta_from_kernel(model.apply, params, x, y, mask, kernel, lr=lr, taus=TAUS,
-                                               solver=solver)
+    delta, info = evolve.ntk_step(model.apply, params, x, y, mask, kernel_matrix=kernel, lr=lr, taus=TAUS,
+                                  solver=solver)
     delta = jax.block_until_ready(delta)
     deltas[solver] = ravel_pytree(delta)[0]
     result[solver] = {"tau": int(info["tau"]), "losses": np.asarray(info["losses"]),

@@ -16,6 +16,9 @@ no Python loops over samples):
   ``jax.flatten_util.ravel_pytree``); :func:`flat_jacobian` does both at once.
 * :func:`jacobian_kernel` -- the NTK from explicit (possibly compressed)
   Jacobians: traced ``(1/C) Σ_c J_c J_cᵀ`` ``[N1, N2]`` or full ``[N1, N2, C, C]``.
+
+Both are the only ones of their kind: :mod:`ntk_fl.ntk`'s ``'jacobian'`` implementation and SPARK's
+sketched Jacobians of a non-dense model call them.
 * Input projection (CP-NTK-FL's seeded ``Z = X P``): :func:`projection_matrix`,
   :func:`project_inputs` and :func:`fold_projection` (``P`` folded into the
   first dense layer, so a model trained on ``d1'``-dim projected inputs is
@@ -33,6 +36,7 @@ floats = 256 MiB) live beyond the output.
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Any, Callable
@@ -40,7 +44,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from ntk_fl import compression, validation
+from ntk_fl import compression, rng, validation
 
 __all__ = [
     "PROJECTION_SCALES",
@@ -137,22 +141,30 @@ def flat_jacobian(apply_fn: ApplyFn, params, x: Array, *, chunk_size: int | None
   return flatten_jacobian(per_sample_jacobian(apply_fn, params, x, chunk_size=chunk_size))
 
 
-def jacobian_kernel(jac1: Array, jac2: Array | None = None, *, trace_outputs: bool = True) -> Array:
-  """The empirical NTK of explicit flat Jacobians.
+def jacobian_kernel(jac1, jac2=None, *, trace_outputs: bool = True) -> Array:
+  """The empirical NTK of explicit Jacobians: the one Jacobian -> kernel contraction.
+
+  :func:`ntk_fl.ntk.empirical_ntk`'s ``'jacobian'`` implementation, CP-NTK-FL's server and SPARK's
+  compressed sketches all contract here.
 
   Args:
-    jac1: ``[N1, C, d]``.
-    jac2: ``[N2, C, d]`` or ``None`` (``= jac1``).
-    trace_outputs: ``True`` -> ``[N1, N2]`` ``(1/C) Σ_c <J1[i, c], J2[j, c]>``
-      (DESIGN.md convention 1, the same as :func:`ntk_fl.ntk.empirical_ntk`);
-      ``False`` -> full ``[N1, N2, C, C]`` ``<J1[i, a], J2[j, b]>``.
+    jac1: ``[N1, C, d]``, or a pytree of ``[N1, C, *leaf]`` leaves (:func:`per_sample_jacobian`'s layout;
+      the kernel sums over the leaves).
+    jac2: the same for ``N2`` samples (same structure), or ``None`` (``= jac1``).
+    trace_outputs: ``True`` -> ``[N1, N2]`` ``(1/C) Σ_c <J1[i, c], J2[j, c]>`` (the mean over outputs, as
+      :func:`ntk_fl.ntk.empirical_ntk`); ``False`` -> full ``[N1, N2, C, C]`` ``<J1[i, a], J2[j, b]>``.
   """
-  jac2 = jac1 if jac2 is None else jac2
-  if jac1.ndim != 3 or jac2.ndim != 3 or jac1.shape[1:] != jac2.shape[1:]:
-    raise ValueError(f"jacobians must be [N, C, d] with equal C and d, got {jac1.shape} and {jac2.shape}")
-  if trace_outputs:
-    return jnp.einsum("icp,jcp->ij", jac1, jac2, precision=_HIGHEST) / jac1.shape[1]
-  return jnp.einsum("iap,jbp->ijab", jac1, jac2, precision=_HIGHEST)
+  leaves1 = jax.tree.leaves(jac1)
+  leaves2 = leaves1 if jac2 is None else jax.tree.leaves(jac2)
+  if (not leaves1 or len(leaves1) != len(leaves2)
+      or any(a.ndim < 3 or b.ndim < 3 or a.shape[1:] != b.shape[1:] for a, b in zip(leaves1, leaves2))):
+    raise ValueError("jacobians must be [N, C, d] (or pytrees of [N, C, *leaf] leaves) with equal C and "
+                     f"parameter shapes, got {[a.shape for a in leaves1]} and {[b.shape for b in leaves2]}")
+  spec = "icp,jcp->ij" if trace_outputs else "iap,jbp->ijab"
+  flat = lambda a: a.reshape(a.shape[0], a.shape[1], -1)
+  terms = [jnp.einsum(spec, flat(a), flat(b), precision=_HIGHEST) for a, b in zip(leaves1, leaves2)]
+  total = functools.reduce(jnp.add, terms)
+  return total / leaves1[0].shape[1] if trace_outputs else total
 
 
 # ----------------------------------------------------------------------------
@@ -237,8 +249,7 @@ def subsample(key, mask: Array, fraction: float) -> tuple[Array, Array]:
   validation.check_real("subsample fraction", fraction, low=0, high=1, low_open=True)
   (n_max,) = mask.shape
   n_slots = num_subsampled(n_max, fraction)
-  priorities = jnp.where(mask, jax.random.uniform(key, (n_max,)), 2.0)   # padding sorts last
-  order = jnp.argsort(priorities)[:n_slots]
+  order = rng.masked_permutation(key, mask)[:n_slots]
   keep = jnp.arange(n_slots) < num_subsampled(mask.sum(), fraction)
   return order.astype(jnp.int32), keep
 

@@ -56,11 +56,12 @@ import jax.numpy as jnp
 
 from ntk_fl import rng, validation
 from ntk_fl.models import DenseStack
+from ntk_fl.evolve import ParamMap
 from ntk_fl.ntk import DenseProjection, dense_jacobian_factors
 
 __all__ = ["SCHEMES", "LeafSketch", "leaf_names", "make_plan", "layer_key", "sample_matrices",
            "project_leaf", "back_project_leaf", "project_jacobian", "back_project", "sketch_dims",
-           "compression_ratio", "lift", "dense_matrix", "dense_stack_projections", "sketched_dense_jacobian"]
+           "compression_ratio", "lift", "sketch_map", "dense_matrix", "dense_stack_projections", "sketched_dense_jacobian"]
 
 SCHEMES = ("none", "layerwise", "flattened")
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -228,6 +229,19 @@ def lift(apply_fn: Callable, params, plan: Sequence[LeafSketch], matrices):
 
   u0 = tuple(jnp.zeros(s.projected_shape, leaf.dtype) for s, leaf in zip(plan, leaves))
   return g, u0
+
+
+def sketch_map(apply_fn: Callable, params, plan: Sequence[LeafSketch], matrices) -> ParamMap:
+  """The sketch as the coordinates of an NTK step (:func:`ntk_fl.evolve.ntk_step`'s ``param_map``).
+
+  The network :func:`lift`-ed to ``g(u) = f(w̄ + P u)`` at ``u0 = 0`` (its kernel is the sketched one and
+  its VJPs give ``J̃ᵀ v``), and the back-projection ``Δw = P Δu`` of the candidate updates (leading ``[T]``
+  axis) into ``params``' structure.
+  """
+  g, u0 = lift(apply_fn, params, plan, matrices)
+  treedef = jax.tree.structure(params)
+  to_params = lambda tilde: jax.tree.unflatten(treedef, back_project(plan, matrices, tuple(tilde), lead=1))
+  return ParamMap(g, u0, to_params)
 
 
 def dense_matrix(plan: Sequence[LeafSketch], matrices) -> jax.Array:

@@ -20,9 +20,10 @@ from __future__ import annotations
 import enum
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Stream", "numpy_rng", "jax_key"]
+__all__ = ["Stream", "numpy_rng", "jax_key", "masked_permutation"]
 
 
 class Stream(enum.IntEnum):
@@ -58,3 +59,18 @@ def jax_key(seed: int, stream: Stream, *indices: int) -> jax.Array:
   for index in indices:
     key = jax.random.fold_in(key, index)
   return key
+
+
+def masked_permutation(key: jax.Array, mask: jax.Array) -> jax.Array:
+  """Indices along the last axis: the real entries (``mask`` True) in uniformly random order, then the padding.
+
+  The one home of the random-subset trick: every entry draws a uniform priority, padding gets 2 (above any
+  draw) and the priorities are sorted, so the first ``k`` indices are a uniform random ``k``-subset of the
+  real entries whenever ``k <= mask.sum(-1)`` (local training's epoch order, NTK-DFL's and CP-NTK-FL's data
+  sub-sampling). ``mask [..., n]`` bool; leading axes are independent rows of one draw.
+
+  Returns:
+    int32 ``[..., n]``.
+  """
+  priorities = jax.random.uniform(key, mask.shape)
+  return jnp.argsort(jnp.where(mask, priorities, 2.0), axis=-1).astype(jnp.int32)

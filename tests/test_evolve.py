@@ -94,7 +94,7 @@ def _matrix(full):
 
 _STATIC = ("taus", "loss", "solver", "kernel_impl", "kernel", "select", "mse_form")
 # Whole-update jit: one compilation per configuration instead of op-by-op dispatch.
-_delta = jax.jit(ev.ntk_delta, static_argnums=0, static_argnames=_STATIC)
+_delta = jax.jit(ev.ntk_step, static_argnums=0, static_argnames=_STATIC)
 
 
 def _flat(tree):
@@ -460,12 +460,12 @@ def test_vmap_over_clients_equals_loop():
     np.testing.assert_allclose(infos["losses"][i], info["losses"], rtol=tol)
 
 
-def test_from_kernel_path_equals_ntk_delta():
+def test_precomputed_kernel_equals_computed_kernel():
   apply, params = _mlp_model(jax.random.PRNGKey(27), jnp.float32)
   x, y = _data(jax.random.PRNGKey(28))
   mask = jnp.ones((N,), bool)
   k = _kernels(apply, params, x)["traced"]
-  d0, i0 = ev.ntk_delta_from_kernel(apply, params, x, y, mask, k, lr=1.0, taus=(3, 9))
+  d0, i0 = ev.ntk_step(apply, params, x, y, mask, kernel_matrix=k, lr=1.0, taus=(3, 9))
   d1, i1 = _delta(apply, params, x, y, mask, lr=1.0, taus=(3, 9), kernel_impl="jacobian")
   tol = _tol(jnp.float32, 100)
   np.testing.assert_allclose(_flat(d1), _flat(d0), rtol=tol, atol=tol * np.abs(_flat(d0)).max())
@@ -496,7 +496,7 @@ def test_bad_options_fail_before_work(kwargs, match):
   x, y = _data(jax.random.PRNGKey(30))
   kw = dict(lr=1.0, taus=(1, 2), kernel_impl="jacobian") | kwargs
   with pytest.raises(ValueError, match=match):
-    ev.ntk_delta(apply, params, x, y, jnp.ones((N,), bool), **kw)
+    ev.ntk_step(apply, params, x, y, jnp.ones((N,), bool), **kw)
 
 
 def test_bad_shapes():
@@ -541,7 +541,7 @@ def test_start_moves_the_initial_condition_but_not_the_linearisation_point():
   targets = jax.nn.one_hot(jnp.arange(9) % 3, 3)
   mask = jnp.ones(9, bool)
   taus = (3, 6)
-  delta, info = evolve.ntk_delta(model.apply, params, x, targets, mask, lr=0.1, taus=taus,
+  delta, info = evolve.ntk_step(model.apply, params, x, targets, mask, lr=0.1, taus=taus,
                                  dense_stack=model.dense_stack, start=start)
   kernel = ntk.empirical_ntk(model.apply, params, x, dense_stack=model.dense_stack)
   evo = evolve.evolve(kernel, model.apply(start, x), targets, mask, lr=0.1, taus=taus, loss="ce",

@@ -280,7 +280,7 @@ def test_jacobian_batching_is_sequential_block_evolution_at_a_fixed_linearisatio
       rows = [(j, s) for j in members for s in range(b, n_max, 2) if federation.mask[j, s]]   # round-robin
       x = jnp.asarray(np.stack([federation.x[j, s] for j, s in rows]))
       targets = jax.nn.one_hot(np.array([federation.y[j, s] for j, s in rows]), model.num_classes)
-      delta, info = evolve.ntk_delta(model.apply, wbar, x, targets, jnp.ones(len(rows), bool), lr=lr,
+      delta, info = evolve.ntk_step(model.apply, wbar, x, targets, jnp.ones(len(rows), bool), lr=lr,
                                      taus=tuple(config.algorithm.taus), dense_stack=model.dense_stack,
                                      start=current)
       current = jax.tree.map(jnp.add, current, delta)

@@ -33,7 +33,7 @@ update, same weighted mean -- bit for bit with ``aggregation_weights='data_size'
 natural reading of NTK-FL inside Fed-ensemble: in a round, the participants
 that received mode ``k`` send what NTK-FL clients send (Jacobians at ``w_k``,
 function values, labels) and the server evolves mode ``k`` on their *pooled*
-data with :func:`ntk_fl.evolve.ntk_delta` (kernel at ``w_k``, function-space
+data with :func:`ntk_fl.evolve.ntk_step` (kernel at ``w_k``, function-space
 gradient descent with step ``lr * lr_gamma**r``, ``tau`` chosen from ``taus``
 by the nonlinear network's training loss). The pooled mean loss weighs every
 sample equally, i.e. data-size weights, so ``'ntk'`` requires
@@ -320,7 +320,8 @@ def make_fed_ensemble(config, model: models.Model, federation) -> Algorithm:
   if algo.local_training == "ntk":
     num_classes = int(jax.eval_shape(model.apply, jax.eval_shape(model.init, jax.random.PRNGKey(0)),
                                      jax.ShapeDtypeStruct((1, *federation.x.shape[2:]), jnp.float32)).shape[-1])
-    evolve_options = dict(taus=tuple(algo.taus), loss="ce", solver=algo.solver, select=algo.select,
+    evolve_options = dict(taus=evolve.check_taus(tuple(algo.taus)), loss=evolve.Loss.CE,
+                          solver=evolve.Solver(algo.solver), select=evolve.Select(algo.select),
                           dense_stack=model.dense_stack)
 
     def train(modes, inputs, x, y, mask, lr):
@@ -331,8 +332,8 @@ def make_fed_ensemble(config, model: models.Model, federation) -> Algorithm:
 
       def one_mode(params, index):
         pooled_mask = mask.reshape(-1) & (owner == index)
-        delta, info = evolve.ntk_delta(model.apply, params, pooled_x, targets, pooled_mask, lr=lr,
-                                       **evolve_options)
+        delta, info = evolve.ntk_step(model.apply, params, pooled_x, targets, pooled_mask, lr=lr,
+                                      **evolve_options)
         return jax.tree.map(jnp.add, params, delta), info["tau"], info["loss"]
 
       evolved, tau, loss = parallel.for_each_client(one_mode, chunk_size=chunk_size)(

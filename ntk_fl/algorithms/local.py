@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ntk_fl import compression, parallel, validation
+from ntk_fl import compression, parallel, rng, validation
 
 __all__ = [
     "LocalResult",
@@ -99,8 +99,7 @@ def epoch_order(key, mask):
     int32 ``[n]``: positions ``0 .. n_real-1`` are a uniformly random
     permutation of the real samples' indices; the rest point at padding.
   """
-  priority = jax.random.uniform(key, mask.shape)
-  return jnp.argsort(jnp.where(mask, priority, 2.0)).astype(jnp.int32)  # padding (2.0) sorts last
+  return rng.masked_permutation(key, mask)
 
 
 def masked_cross_entropy(logits, labels, weights):

@@ -12,7 +12,7 @@ One synchronous round ``r`` (paper Alg. 1-4; ../shared/papers/ntk_dfl.md §2):
    ``w̄_i`` (a single linearisation point, as in the paper and the authors'
    code), evolves the function values with the ``τ`` grid and keeps the ``τ``
    whose non-linear network ``w̄_i + Δw_τ`` has the lowest cross-entropy on the
-   neighbourhood data (:func:`ntk_fl.evolve.ntk_delta`).
+   neighbourhood data (:func:`ntk_fl.evolve.ntk_step`).
 4. **Synchronous update** ``w_i ← w̄_i + Δw_{τ*}`` for all clients at once.
 
 The learning rate of round ``r`` (0-based) is ``η·exp(−decay·r)`` (authors' code;
@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ntk_fl import compression, evolve, models, parallel, topology, validation
+from ntk_fl import compression, evolve, models, parallel, rng, topology, validation
 from ntk_fl.algorithms import Method
 from ntk_fl.algorithms.base import Algorithm, config_without, graph_round_inputs
 
@@ -88,10 +88,7 @@ def _subsample_indices(key, mask, num_keep, divisor):
     ``⌊n_i / m2⌋`` (at least 1) uniformly drawn real samples; the other slots are
     masked padding.
   """
-  num_clients, n_max = mask.shape
-  priorities = jax.random.uniform(key, (num_clients, n_max))
-  priorities = jnp.where(mask, priorities, 2.0)            # padding sorts last
-  order = jnp.argsort(priorities, axis=1)[:, :num_keep]
+  order = rng.masked_permutation(key, mask)[:, :num_keep]
   n_real = mask.sum(axis=1)
   n_keep = jnp.maximum(jnp.floor(n_real / divisor), 1).astype(jnp.int32)
   keep_mask = jnp.arange(num_keep)[None, :] < n_keep[:, None]
@@ -240,13 +237,14 @@ def make_ntk_dfl(config, model: models.Model, federation) -> Algorithm:
   validate_config(config)
   algo = config.algorithm
   num_clients = federation.mask.shape[0]
-  taus = tuple(int(t) for t in algo.taus)
   m1 = int(algo.jacobian_batches)
   core = make_neighbourhood_round(config, model, federation, lr=algo.lr, lr_decay=algo.lr_decay,
                                   per_round_averaging=algo.per_round_averaging, jacobian_batches=m1,
                                   subsample=int(algo.subsample))
-  evolve_kwargs = dict(taus=taus, loss=algo.loss, solver=algo.solver, dense_stack=model.dense_stack,
-                       kernel=algo.kernel, select=algo.select)
+  # The step's options, parsed (and the τ grid checked) once here rather than on every trace.
+  evolve_kwargs = dict(taus=evolve.check_taus(tuple(algo.taus)), loss=evolve.Loss(algo.loss),
+                       solver=evolve.Solver(algo.solver), dense_stack=model.dense_stack,
+                       kernel=evolve.Kernel(algo.kernel), select=evolve.Select(algo.select))
 
   # Communication (ntk_fl.compression.neighbourhood_round_bits): static per-client package sizes.
   template = jax.eval_shape(model.init, jax.random.key(0))
@@ -294,7 +292,7 @@ def _batched_update(apply_fn, params, x, targets, mask, lr, evolve_kwargs):
   """
   def block(current, batch):
     xb, tb, mb = batch
-    delta, info = evolve.ntk_delta(apply_fn, params, xb, tb, mb, lr=lr, start=current, **evolve_kwargs)
+    delta, info = evolve.ntk_step(apply_fn, params, xb, tb, mb, lr=lr, start=current, **evolve_kwargs)
     current = jax.tree.map(jnp.add, current, delta)
     return current, (info["tau"], info["loss"])
 

@@ -28,7 +28,7 @@ Two numerically equivalent server paths (``jacobian``):
 
 * ``'implicit'`` -- the uncompressed protocol never needs ``J``: the kernel is
   the structured / blocked NTK of :mod:`ntk_fl.ntk` on the pooled inputs and the
-  update one VJP (:func:`ntk_fl.evolve.ntk_delta`), exactly NTK-DFL's client
+  update one VJP (:func:`ntk_fl.evolve.ntk_step`), exactly NTK-DFL's client
   update on the pooled data. Subsampling, projection and shuffling act on the
   data, so they keep this path.
 * ``'explicit'`` -- ``J`` materialised (:mod:`ntk_fl.jacobians`, in chunks of
@@ -146,28 +146,6 @@ def uplink_bits(num_samples, num_params: int, num_classes: int, algo):
   return jac + logits + labels
 
 
-def _explicit_delta(apply_fn, params, x, targets, mask, jac, *, lr, taus, loss, solver, select, kernel):
-  """The NTK update from explicit flat Jacobians ``jac [N, C, d]`` (possibly compressed).
-
-  Mirrors :func:`ntk_fl.evolve.ntk_delta_from_kernel` with the kernel and the
-  weight update taken from ``jac`` instead of the network's exact derivatives.
-  """
-  f0 = apply_fn(params, x)
-  k = jacobians.jacobian_kernel(jac, trace_outputs=(kernel == "traced"))
-  evo = evolve.evolve(k, f0, targets, mask, lr=lr, taus=taus, loss=loss, solver=solver)
-  n = jnp.maximum(mask.sum(), 1)
-  norm = n if loss == "ce" else n * f0.shape[-1]
-  flat = evolve.weight_update_from_jacobian(jac, evo.residual_sums, lr, norm)       # [T, d]
-  deltas = jacobians.unflatten_jacobian(flat, params)
-  score = lambda logits: evolve.mean_loss(logits, targets, mask, loss)
-  if select == "network":
-    losses = jax.vmap(lambda d: score(apply_fn(jax.tree.map(jnp.add, params, d), x)))(deltas)
-  else:
-    losses = jax.vmap(score)(evo.f_at_taus)
-  choice = evolve.select_tau(losses, taus)
-  return jax.tree.map(lambda d: d[choice.index], deltas), {"tau": choice.tau, "loss": choice.loss}
-
-
 def _compress_client(jac, mask, key, *, keep: float, bits: int, stochastic: bool):
   """One client's upload ``jac [n, C, d]``: padded rows zeroed, row top-k, quantised survivors."""
   jac = jnp.where(mask[:, None, None], jac, 0)
@@ -191,7 +169,10 @@ def make_server_ntk(config, model: models.Model, federation) -> Algorithm:
   algo = config.algorithm
   num_clients, n_max = federation.mask.shape
   k = int(algo.clients_per_round) or num_clients
-  taus = tuple(int(t) for t in algo.taus)
+  # The step's options, parsed (and the τ grid checked) once here rather than on every trace.
+  step_options = dict(taus=evolve.check_taus(tuple(algo.taus)), loss=evolve.Loss(algo.loss),
+                      solver=evolve.Solver(algo.solver), select=evolve.Select(algo.select),
+                      kernel=evolve.Kernel(algo.kernel))
   beta, proj_dim = float(algo.subsample_fraction), int(algo.projection_dim)
   keep, bits, stochastic = float(algo.sparsify_keep), int(algo.quantize_bits), bool(algo.stochastic_rounding)
   explicit = uses_explicit_jacobian(algo)
@@ -243,8 +224,7 @@ def make_server_ntk(config, model: models.Model, federation) -> Algorithm:
     lr = algo.lr * jnp.exp(-algo.lr_decay * inputs.round.astype(jnp.float32))
     x, targets, mask = client_data(xs, ys, ms, proj, inputs.clients, sub_key)      # [K, n_slots, ...]
     pool = lambda a: a.reshape(k * n_slots, *a.shape[2:])
-    evolve_kwargs = dict(lr=lr, taus=taus, loss=algo.loss, solver=algo.solver, select=algo.select,
-                         kernel=algo.kernel)
+    evolve_kwargs = dict(lr=lr, **step_options)
     if explicit:
       jac = jacobians.flat_jacobian(net.apply, state.params, pool(x), chunk_size=jac_chunk)
       jac = jac.reshape(k, n_slots, *jac.shape[1:])
@@ -256,10 +236,15 @@ def make_server_ntk(config, model: models.Model, federation) -> Algorithm:
     if algo.shuffle:
       pooled, _ = jacobians.shuffle_rows(shuffle_key, pooled)
     if explicit:
-      delta, info = _explicit_delta(net.apply, state.params, *pooled, **evolve_kwargs)
+      # The kernel and the candidates come from the uploaded (possibly compressed) flat J [N, C, d], whose
+      # coordinates are the flat parameter vector.
+      *pooled, jac = pooled
+      flat = evolve.ParamMap(net.apply, state.params, lambda d: jacobians.unflatten_jacobian(d, state.params))
+      delta, info = evolve.ntk_step(net.apply, state.params, *pooled, jacobian=jac, param_map=flat,
+                                    **evolve_kwargs)
     else:
-      delta, info = evolve.ntk_delta(net.apply, state.params, *pooled, dense_stack=net.dense_stack,
-                                     **evolve_kwargs)
+      delta, info = evolve.ntk_step(net.apply, state.params, *pooled, dense_stack=net.dense_stack,
+                                    **evolve_kwargs)
     params = jax.tree.map(jnp.add, state.params, delta)
 
     sizes = mask.sum(axis=1)                                                        # [K] samples sent

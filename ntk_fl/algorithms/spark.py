@@ -62,7 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ntk_fl import compression, evolve, models, ntk, parallel, projection, topology, validation
+from ntk_fl import compression, evolve, jacobians, models, ntk, parallel, projection, topology, validation
 from ntk_fl.algorithms import Method
 from ntk_fl.algorithms.base import Algorithm, config_without
 from ntk_fl.algorithms.ntk_dfl import make_neighbourhood_round
@@ -211,12 +211,6 @@ def _tree_norm(tree):
   return jnp.sqrt(sum(jnp.vdot(leaf, leaf) for leaf in jax.tree.leaves(tree)))
 
 
-def _per_sample_jacobian(g, u0, x):
-  """``[N, C, *leaf]`` per leaf of ``u0``: ``∂g(u, x_n)_c / ∂u`` at ``u0``."""
-  one = lambda u, xi: g(u, xi[None])[0]
-  return jax.vmap(jax.jacrev(one), in_axes=(None, 0))(u0, x)
-
-
 def _compress_packages(jac, mask, num_members, keep_fraction, bits):
   """Each sender's package, per tensor: zero padding rows, keep the top-k magnitudes, quantise to ``bits``.
 
@@ -242,18 +236,6 @@ def _compress_packages(jac, mask, num_members, keep_fraction, bits):
   return tuple(out)
 
 
-def _kernel_from_jacobian(jac, traced: bool):
-  """Traced ``(1/C) Σ_c J_c J_cᵀ`` ``[N, N]`` or full ``[N, N, C, C]`` from explicit leaves ``[N, C, ...]``."""
-  total = 0
-  for leaf in jac:
-    flat = leaf.reshape(leaf.shape[0], leaf.shape[1], -1)
-    if traced:
-      total = total + jnp.einsum("icp,jcp->ij", flat, flat, precision=_HIGHEST) / flat.shape[1]
-    else:
-      total = total + jnp.einsum("iap,jbp->ijab", flat, flat, precision=_HIGHEST)
-  return total
-
-
 # ----------------------------------------------------------------------------- the method
 
 
@@ -263,8 +245,11 @@ def make_spark(config, model: models.Model, federation) -> Algorithm:
   algo = config.algorithm
   num_clients = federation.mask.shape[0]
   num_classes = model.num_classes
-  taus = tuple(int(t) for t in algo.taus)
-  traced = algo.kernel == "traced"
+  # The step's options, parsed (and the τ grid checked) once here rather than on every trace.
+  taus = evolve.check_taus(tuple(algo.taus))
+  solver, select, kernel_kind = evolve.Solver(algo.solver), evolve.Select(algo.select), evolve.Kernel(algo.kernel)
+  traced = kernel_kind == evolve.Kernel.TRACED
+  select_momentum = bool(algo.select_momentum)
   m2 = int(algo.subsample)
   # On disjoint cliques every member has the same w̄ and data: one evolution per clique (exact up to float order).
   share_cliques = bool(algo.share_cliques) and config.topology.name == "clustered"
@@ -318,57 +303,39 @@ def make_spark(config, model: models.Model, federation) -> Algorithm:
     return SparkState(params=params, momentum=parallel.for_each_client(tx.init)(params), bits_cumulative=jnp.float32(0))
 
   def client_delta(wbar, x, hard, mask, lr, alpha, temp, mats, opt_state):
-    """SPARK's NTK step at ``w̄`` on the neighbourhood ``x [N, ...]``: ``(Δw, info)``."""
+    """SPARK's NTK step at ``w̄`` on the neighbourhood ``x [N, ...]``: ``(Δw, info)`` (:func:`evolve.ntk_step`)."""
     mask = mask.astype(bool)
     x = jnp.where(mask.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0)
-    if sketched:
-      g, u0 = projection.lift(model.apply, wbar, plan, mats)
-      dense_stack = None
-    else:
-      g, u0, dense_stack = model.apply, wbar, model.dense_stack
-    f0, pullback = jax.vjp(lambda u: g(u, x), u0)
-    targets = distill_targets(f0, hard, alpha, temp).astype(f0.dtype)
-    n = jnp.maximum(mask.sum(), 1)
-    if explicit:
+    coords = (projection.sketch_map(model.apply, wbar, plan, mats) if sketched
+              else evolve.identity_map(model.apply, wbar))
+    kernel_options = {}
+    if explicit:                   # the kernel and the candidates from the explicit (compressed) sketched J̃
       if factored_jacobian:
         jac = projection.sketched_dense_jacobian(plan, mats, model.dense_stack, wbar, x)
       else:
-        jac = _per_sample_jacobian(g, u0, x)
+        jac = jacobians.per_sample_jacobian(coords.apply_fn, coords.point, x)
       leaves, treedef = jax.tree.flatten(jac)
       if _compressed(algo):
         leaves = _compress_packages(leaves, mask, members, keep, bits)
-      kernel = _kernel_from_jacobian(leaves, traced)
-      evo = evolve.evolve(kernel, f0, targets, mask, lr=lr, taus=taus, loss="ce", solver=algo.solver)
-      tilde = evolve.weight_update_from_jacobian(jax.tree.unflatten(treedef, leaves), evo.residual_sums, lr, n)
-    else:
-      if structured_sketch:
-        layer_sketches = projection.dense_stack_projections(plan, mats, model.dense_stack)
-        kernel = ntk.projected_dense_ntk(model.dense_stack, wbar, x, projections=layer_sketches,
-                                         trace_outputs=traced)
-      else:
-        kernel = ntk.empirical_ntk(g, u0, x, trace_outputs=traced, dense_stack=dense_stack)
-      evo = evolve.evolve(kernel, f0, targets, mask, lr=lr, taus=taus, loss="ce", solver=algo.solver)
-      (tilde,) = jax.vmap(pullback)(evo.residual_sums)
-      tilde = jax.tree.map(lambda t: (-jnp.asarray(lr, f0.dtype) / n.astype(f0.dtype) * t).astype(t.dtype), tilde)
-    if sketched:
-      _, treedef = jax.tree.flatten(wbar)
-      deltas = jax.tree.unflatten(treedef, projection.back_project(plan, mats, tilde, lead=1))
-    else:
-      deltas = tilde
-    score = lambda logits: evolve.mean_loss(logits, hard, mask, "ce")      # hard labels (paper §1.4(f))
-    if algo.select == "network":
-      if algo.select_momentum:      # score the network the client will actually hold: w̄ + μ v_new + Δw_τ
-        candidate = lambda dw: nesterov_step(tx, wbar, dw, opt_state)[0]
-      else:
-        candidate = lambda dw: jax.tree.map(jnp.add, wbar, dw)
-      losses = jax.vmap(lambda dw: score(model.apply(candidate(dw), x)))(deltas)
-    else:
-      losses = jax.vmap(score)(evo.f_at_taus)
-    choice = evolve.select_tau(losses, taus)
+      kernel_options["jacobian"] = jax.tree.unflatten(treedef, leaves)
+    elif structured_sketch:
+      layer_sketches = projection.dense_stack_projections(plan, mats, model.dense_stack)
+      kernel_options["kernel_matrix"] = ntk.projected_dense_ntk(model.dense_stack, wbar, x,
+                                                                projections=layer_sketches, trace_outputs=traced)
+    elif not sketched:
+      kernel_options["dense_stack"] = model.dense_stack
+    candidate = None
+    if select_momentum:            # score the network the client will actually hold: w̄ + μ v_new + Δw_τ
+      candidate = lambda dw: nesterov_step(tx, wbar, dw, opt_state)[0]
+    delta, info = evolve.ntk_step(
+        model.apply, wbar, x, lambda f0: distill_targets(f0, hard, alpha, temp), mask, lr=lr, taus=taus,
+        solver=solver, select=select, kernel=kernel_kind, param_map=coords,
+        labels=hard,               # τ* by the hard-label cross-entropy (paper §1.4(f))
+        candidate=candidate, **kernel_options)
     # Diagnostic: the teacher's mean top-class probability (falls when the targets flatten the model).
-    confidence = jnp.sum(jnp.where(mask, jnp.max(jax.nn.softmax(f0, axis=-1), axis=-1), 0)) / n
-    return jax.tree.map(lambda dw: dw[choice.index], deltas), {"tau": choice.tau, "loss": choice.loss,
-                                                               "confidence": confidence}
+    n = jnp.maximum(mask.sum(), 1)
+    confidence = jnp.sum(jnp.where(mask, jnp.max(jax.nn.softmax(info["f0"], axis=-1), axis=-1), 0)) / n
+    return delta, {"tau": info["tau"], "loss": info["loss"], "confidence": confidence}
 
   @jax.jit
   def _step(state, inputs, data, mats):

@@ -1,0 +1,279 @@
+"""The NTK client step behind :func:`ntk_fl.evolve.ntk_step` (private: import through :mod:`ntk_fl.evolve`).
+
+kernel -> function-space evolution -> candidate weight updates -> scoring -> choice of ``τ``, with every
+variable part an argument: the kernel (computed, precomputed, or from explicit Jacobians), the targets (fixed
+or a function of the starting outputs), the coordinates of the linearisation (:class:`ParamMap`), how a
+candidate is scored, and the start point.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Callable, NamedTuple, Sequence
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+
+from ntk_fl import _evolution, jacobians, ntk
+from ntk_fl._options import Implementation, Kernel, Loss, MseForm, Select, Solver, check_loss_solver, check_taus, parse
+from ntk_fl.models import DenseStack
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+Array = jax.Array
+ApplyFn = Callable[[Any, Array], Array]
+
+
+class TauChoice(NamedTuple):
+  """The selected candidate: ``index`` into the grid, ``tau`` and its ``loss``."""
+  index: Array
+  tau: Array
+  loss: Array
+
+
+class ParamMap(NamedTuple):
+  """The coordinates an NTK step linearises in, and the way back to the network's parameters.
+
+  Attributes:
+    apply_fn: ``apply_fn(point, x) -> [N, C]``, the network in these coordinates.
+    point: the linearisation point in these coordinates.
+    to_params: maps candidate updates in these coordinates (leaves with a leading ``[T]`` axis) to updates
+      of the network's parameters (same leading axis).
+
+  :func:`identity_map` is the network itself. SPARK's sketch (:func:`ntk_fl.projection.sketch_map`) is
+  ``u ↦ w̄ + P u`` at ``u = 0``, with ``Δw = P Δu``; CP-NTK-FL's flat Jacobians have the flat parameter
+  vector as coordinates, mapped back by :func:`ntk_fl.jacobians.unflatten_jacobian`.
+  """
+  apply_fn: ApplyFn
+  point: Any
+  to_params: Callable[[Any], Any]
+
+
+def identity_map(apply_fn: ApplyFn, params) -> ParamMap:
+  """The network's own parameters as the coordinates of the linearisation."""
+  return ParamMap(apply_fn, params, lambda deltas: deltas)
+
+
+# ----------------------------------------------------------------------------
+# Weight updates.
+
+
+def _scale(lr, norm, dtype) -> Array:
+  return -jnp.asarray(lr, dtype) / jnp.asarray(norm, dtype)
+
+
+def _deltas_from_pullback(pullback, residual_sums: Array, scale: Array):
+  (grads,) = jax.vmap(pullback)(residual_sums)
+  return jax.tree_util.tree_map(lambda g: (scale * g).astype(g.dtype), grads)
+
+
+def weight_update_vjp(apply_fn: ApplyFn, params, x: Array, residual_sums: Array, lr, norm):
+  """``Δw_t = -(lr/norm) Jᵀ S_t`` for every grid point, by one VJP at ``params``.
+
+  ``Jᵀ V = Σ_{i,c} V_ic ∂f_c(x_i)/∂w``: the pullback of ``p -> apply_fn(p, x)``
+  is built once and vmapped over the ``T`` cotangents; ``J`` is never formed.
+
+  Args:
+    apply_fn: ``apply_fn(params, x) -> [N, C]``.
+    params: the linearisation point (a pytree).
+    x: ``[N, *in]`` inputs (padded rows should carry zero ``residual_sums``).
+    residual_sums: ``[T, N, C]``.
+    lr: step size (float or traced scalar).
+    norm: ``N`` for cross-entropy, ``N·C`` for MSE (float or traced scalar).
+
+  Returns:
+    ``params``-shaped pytree whose leaves have a leading ``[T]`` axis.
+  """
+  out, pullback = jax.vjp(lambda p: apply_fn(p, x), params)
+  if residual_sums.shape[1:] != out.shape:
+    raise ValueError(f"residual_sums must be [T, *{out.shape}], got {residual_sums.shape}")
+  return _deltas_from_pullback(pullback, residual_sums.astype(out.dtype), _scale(lr, norm, out.dtype))
+
+
+def weight_update_from_jacobian(jac, residual_sums: Array, lr, norm):
+  """``Δw_t = -(lr/norm) Jᵀ S_t`` from an explicit Jacobian pytree.
+
+  For paths that hold a (possibly compressed or projected) Jacobian anyway
+  (CP-NTK-FL, SPARK's compressed sketches): ``jac`` leaves are ``[N, C, *leaf_shape]``.
+
+  Returns:
+    pytree like ``jac`` with leaves ``[T, *leaf_shape]``.
+  """
+  scale = _scale(lr, norm, residual_sums.dtype)
+
+  def contract(j):
+    if j.shape[:2] != residual_sums.shape[1:]:
+      raise ValueError(f"jacobian leaves must be [N, C, ...] = {residual_sums.shape[1:]} + ..., got {j.shape}")
+    return scale * jnp.tensordot(residual_sums, j, axes=([1, 2], [0, 1]), precision=_HIGHEST)
+
+  return jax.tree_util.tree_map(contract, jac)
+
+
+# ----------------------------------------------------------------------------
+# Losses and τ selection.
+
+
+def mean_loss(logits: Array, targets: Array, mask: Array, loss: Loss | str = Loss.CE) -> Array:
+  """Mean training loss over the real samples.
+
+  ``'ce'``: ``mean_i -Σ_c Y_ic log softmax(f_i)_c`` (soft targets allowed);
+  ``'mse'``: ``(1/(2NC)) Σ_{i,c} (f_ic - Y_ic)²``. Rows with ``mask`` False are
+  excluded (``where``, so garbage there cannot leak in as NaN).
+  """
+  loss = parse(Loss, loss, "loss")
+  if loss == Loss.CE:
+    per_sample = optax.softmax_cross_entropy(logits, targets)
+  else:
+    per_sample = optax.l2_loss(logits, targets).mean(axis=-1)
+  mask = mask.astype(bool)
+  n = jnp.maximum(mask.sum(), 1).astype(per_sample.dtype)
+  return jnp.where(mask, per_sample, 0).sum() / n
+
+
+def select_tau(losses: Array, taus: Sequence[int]) -> TauChoice:
+  """The grid point with the smallest loss (first on ties; NaN losses never win).
+
+  Args:
+    losses: ``[T]`` scores, one per ``τ``.
+    taus: the static grid.
+  """
+  taus = check_taus(taus)
+  if losses.shape != (len(taus),):
+    raise ValueError(f"losses must be [T]={len(taus),}, got {losses.shape}")
+  index = jnp.argmin(jnp.where(jnp.isnan(losses), jnp.inf, losses))
+  return TauChoice(index.astype(jnp.int32), jnp.asarray(taus, jnp.int32)[index], losses[index])
+
+
+# ----------------------------------------------------------------------------
+# The client step.
+
+
+def _check_lr(lr) -> None:
+  # A traced learning rate (per-round decay inside a jitted step) is checked where its schedule is built.
+  if isinstance(lr, numbers.Real) and not (math.isfinite(lr) and lr > 0):
+    raise ValueError(f"lr must be a finite positive number, got {lr!r}")
+
+
+def _mask_inputs(x: Array, mask: Array) -> Array:
+  return jnp.where(mask.astype(bool).reshape((-1,) + (1,) * (x.ndim - 1)), x, 0)
+
+
+def ntk_step(apply_fn: ApplyFn, params, x: Array, targets, mask: Array, *, lr, taus: Sequence[int],
+             loss: Loss | str = Loss.CE, solver: Solver | str = Solver.EULER,
+             mse_form: MseForm | str = MseForm.DISCRETE, ode_rtol: float = 1e-7, ode_atol: float = 1e-9,
+             kernel: Kernel | str = Kernel.TRACED, kernel_impl: Implementation | str = Implementation.AUTO,
+             dense_stack: DenseStack | None = None, kernel_matrix: Array | None = None, jacobian=None,
+             param_map: ParamMap | None = None, labels: Array | None = None,
+             select: Select | str = Select.NETWORK, candidate: Callable[[Any], Any] | None = None,
+             start=None):
+  """One NTK client step: kernel, evolution, candidate updates ``Δw_τ``, scores, the chosen ``τ``.
+
+  The step every NTK method takes (NTK-DFL per neighbourhood, NTK-FL / CP-NTK-FL on the server's pooled
+  uploads, SPARK with its targets and sketch, Fed-ensemble's NTK modes). With ``N`` samples and ``C``
+  outputs:
+
+  1. **Start.** ``f0 = apply_fn(start, x)`` (default ``start = params``): the function values the evolution
+     starts from. The kernel and the Jacobians stay at ``params`` (NTK-DFL's Jacobian batching starts each
+     block from the already updated network but keeps the round's linearisation point).
+  2. **Targets** ``Y [N, C]``: an array (one-hot or soft rows), or a function ``targets(f0) -> Y`` (SPARK's
+     annealed distillation targets, built from the starting outputs).
+  3. **Kernel**, the first that applies: ``kernel_matrix`` (precomputed: e.g.
+     :func:`ntk_fl.ntk.projected_dense_ntk`; ``[N, N]`` traced or ``[N, N, C, C]`` full); else the kernel of
+     explicit ``jacobian`` (:func:`ntk_fl.jacobians.jacobian_kernel`); else
+     :func:`ntk_fl.ntk.empirical_ntk` of the network in ``param_map``'s coordinates
+     (``kernel`` = traced / full, ``kernel_impl``, ``dense_stack``).
+  4. **Evolution** (:func:`ntk_fl.evolve.evolve`: ``loss``, ``solver``, ``mse_form``, ODE tolerances).
+  5. **Candidates** ``Δw_τ = -(lr/norm) Jᵀ S_τ`` (``norm = N`` for CE, ``N·C`` for MSE): from ``jacobian``
+     when given (it may be compressed), else one VJP at the linearisation point (``J`` never formed); then
+     mapped to the network's parameters by ``param_map.to_params``.
+  6. **Scores**: the mean ``loss`` against ``labels`` (default: the targets) of
+     ``apply_fn(candidate(Δw_τ), x)`` (``select='network'``; ``candidate`` defaults to ``start + Δw_τ`` and may
+     be, e.g., the momentum step the client will hold), or of the evolved ``f_τ`` (``'linearized'``).
+  7. **Choice**: the argmin (first on ties; NaN never wins).
+
+  Args:
+    apply_fn: ``apply_fn(params, x) -> logits [N, C]``, the network.
+    params: its parameters, the linearisation point (NTK-DFL: the client's averaged weights ``w̄``).
+    x: ``[N, *in]`` inputs; rows with ``mask`` False are zeroed and take no part.
+    targets: ``[N, C]`` float rows, or ``targets(f0) -> [N, C]``.
+    mask: ``[N]`` bool, True for real samples.
+    lr: ``η`` (float or traced scalar).
+    taus: static strictly ascending positive ints (checked once: pass a :class:`~ntk_fl.evolve.TauGrid`
+      from :func:`~ntk_fl.evolve.check_taus` to skip the check).
+    loss, solver, mse_form, ode_rtol, ode_atol: the evolution (:class:`~ntk_fl.evolve.Loss`, ...).
+    kernel, kernel_impl, dense_stack, kernel_matrix, jacobian: the kernel (item 3); ``jacobian`` is a
+      pytree of ``[N, C, *leaf]`` leaves in ``param_map``'s coordinates.
+    param_map: the coordinates of the linearisation (default: the network's own parameters).
+    labels: ``[N, C]`` rows the candidates are scored against (default: the targets).
+    select, candidate: the scoring (item 6).
+    start: the network the evolution starts from and the candidates are added to (default ``params``).
+
+  Returns:
+    ``(delta, info)``: ``delta`` shaped like ``params``; ``info`` has ``'tau'`` (int32), ``'loss'`` (the
+    chosen score), ``'losses'`` ``[T]`` (the scores), ``'linearized_losses'`` ``[T]`` (loss of ``f_τ``
+    against the labels) and ``'f0'`` ``[N, C]`` (the starting outputs).
+  """
+  loss, solver = parse(Loss, loss, "loss"), parse(Solver, solver, "solver")
+  mse_form, select, kernel = parse(MseForm, mse_form, "mse_form"), parse(Select, select, "select"), \
+      parse(Kernel, kernel, "kernel")
+  check_loss_solver(loss, solver)
+  taus = check_taus(taus)
+  _check_lr(lr)
+  n_samples = x.shape[0]
+  chex.assert_shape(mask, (n_samples,))
+  if not callable(targets):
+    chex.assert_rank(targets, 2)
+    chex.assert_shape(targets, (n_samples, None))
+  if kernel_matrix is not None and kernel_matrix.shape[:2] != (n_samples, n_samples):
+    raise ValueError(f"kernel_matrix must be [N, N] or [N, N, C, C] with N = {n_samples}, got {kernel_matrix.shape}")
+
+  mask = jnp.asarray(mask).astype(bool)
+  x = _mask_inputs(x, mask)
+  coords = identity_map(apply_fn, params) if param_map is None else param_map
+  if jacobian is None:
+    f0, pullback = jax.vjp(lambda u: coords.apply_fn(u, x), coords.point)
+  else:
+    f0 = coords.apply_fn(coords.point, x)
+  if start is not None:
+    f0 = apply_fn(start, x)
+  chex.assert_rank(f0, 2)
+  targets = (targets(f0) if callable(targets) else targets).astype(f0.dtype)
+  chex.assert_equal_shape([targets, f0])
+  labels = targets if labels is None else labels.astype(f0.dtype)
+  chex.assert_equal_shape([labels, f0])
+
+  traced = kernel == Kernel.TRACED
+  if kernel_matrix is not None:
+    k = kernel_matrix
+  elif jacobian is not None:
+    k = jacobians.jacobian_kernel(jacobian, trace_outputs=traced)
+  else:
+    k = ntk.empirical_ntk(coords.apply_fn, coords.point, x, trace_outputs=traced, implementation=kernel_impl,
+                          dense_stack=dense_stack)
+  evo = _evolution.evolve(k, f0, targets, mask, lr=lr, taus=taus, loss=loss, solver=solver, mse_form=mse_form,
+                          ode_rtol=ode_rtol, ode_atol=ode_atol)
+
+  n = jnp.maximum(mask.sum(), 1)
+  norm = n if loss == Loss.CE else n * f0.shape[-1]
+  if jacobian is None:
+    deltas = _deltas_from_pullback(pullback, evo.residual_sums, _scale(lr, norm, f0.dtype))
+  else:
+    deltas = weight_update_from_jacobian(jacobian, evo.residual_sums, lr, norm)
+  deltas = coords.to_params(deltas)
+
+  score = lambda logits: mean_loss(logits, labels, mask, loss)
+  linearized_losses = jax.vmap(score)(evo.f_at_taus)
+  if select == Select.NETWORK:
+    base = params if start is None else start
+    if candidate is None:
+      candidate = lambda d: jax.tree_util.tree_map(jnp.add, base, d)
+    losses = jax.vmap(lambda d: score(apply_fn(candidate(d), x)))(deltas)
+  else:
+    losses = linearized_losses
+  choice = select_tau(losses, taus)
+  delta = jax.tree_util.tree_map(lambda d: d[choice.index], deltas)
+  info = {"tau": choice.tau, "loss": choice.loss, "losses": losses, "linearized_losses": linearized_losses,
+          "f0": f0}
+  return delta, info

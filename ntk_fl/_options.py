@@ -1,0 +1,113 @@
+"""The options of the NTK kernel, evolution and client step, as enums checked once where they enter.
+
+Every option is a ``StrEnum`` (in the spirit of neural-tangents' ``NtkImplementation``): a member equals its
+string value, so configs and callers may pass either, and :func:`parse` turns a string into the member once,
+at the public entry point; below it the code compares members and never re-checks. The ``τ`` grid is checked
+once by :func:`check_taus`, which returns a :class:`TauGrid` that later calls accept without checking again.
+"""
+from __future__ import annotations
+
+import enum
+import numbers
+from typing import Sequence, TypeVar
+
+import jax
+import numpy as np
+
+__all__ = ["Loss", "Solver", "Select", "Kernel", "MseForm", "Implementation", "TauGrid", "parse", "check_taus",
+           "check_loss_solver"]
+
+
+class Loss(enum.StrEnum):
+  """Training loss of the evolution: mean cross-entropy, or half mean squared error ``(1/(2NC)) Σ (f − Y)²``."""
+  CE = "ce"
+  MSE = "mse"
+
+
+class Solver(enum.StrEnum):
+  """Cross-entropy evolution: exact function-space gradient descent (``EULER``) or the gradient flow
+  integrated by Dopri5 (``ODE``, the reference codes' numerics). The MSE evolution is always a closed form."""
+  EULER = "euler"
+  ODE = "ode"
+
+
+class Select(enum.StrEnum):
+  """How the ``τ`` candidates are scored: the non-linear network ``w + Δw_τ`` (``NETWORK``, the reference codes)
+  or the evolved function values ``f_τ`` of the linearised model (``LINEARIZED``, the papers' reading)."""
+  NETWORK = "network"
+  LINEARIZED = "linearized"
+
+
+class Kernel(enum.StrEnum):
+  """``TRACED``: ``[N, N]`` ``(1/C) Σ_c J_c J_cᵀ`` applied to every output column; ``FULL``: ``[N, N, C, C]``."""
+  TRACED = "traced"
+  FULL = "full"
+
+
+class MseForm(enum.StrEnum):
+  """The MSE closed form: exact gradient descent (``DISCRETE``) or the gradient flow in step units
+  (``CONTINUOUS``)."""
+  DISCRETE = "discrete"
+  CONTINUOUS = "continuous"
+
+
+class Implementation(enum.StrEnum):
+  """How :func:`ntk_fl.ntk.empirical_ntk` computes a kernel (trade-offs in :mod:`ntk_fl.ntk`).
+
+  ``JACOBIAN``: per-sample Jacobians contracted (any model; best generic choice for the traced kernel);
+  ``NTVP``: NTK-vector products (any model; ``C`` times fewer FLOPs for the full kernel);
+  ``STRUCTURED``: the dense-stack factorisation (MLPs only; ~1000x fewer FLOPs);
+  ``AUTO``: ``STRUCTURED`` given a dense stack, else ``JACOBIAN`` (traced) or ``NTVP`` (full).
+  """
+  AUTO = "auto"
+  JACOBIAN = "jacobian"
+  NTVP = "ntvp"
+  STRUCTURED = "structured"
+
+
+E = TypeVar("E", bound=enum.StrEnum)
+
+
+def parse(kind: type[E], value, name: str) -> E:
+  """``value`` as a member of ``kind``; a ``ValueError`` naming ``name``, the value and the allowed ones."""
+  if isinstance(value, kind):
+    return value
+  try:
+    return kind(value)
+  except ValueError:
+    raise ValueError(f"{name}={value!r} is not one of {tuple(m.value for m in kind)}") from None
+
+
+def check_loss_solver(loss: Loss, solver: Solver) -> None:
+  """The one rule tying two options: the ODE solver integrates the cross-entropy flow only."""
+  if loss == Loss.MSE and solver == Solver.ODE:
+    raise ValueError("solver='ode' is only defined for loss='ce'; the MSE evolution is always the closed form "
+                     "(leave solver='euler' and choose mse_form='discrete' or 'continuous')")
+
+
+class TauGrid(tuple):
+  """A checked ``τ`` grid (non-empty, strictly ascending positive ints); made by :func:`check_taus` only."""
+  __slots__ = ()
+
+
+def check_taus(taus: Sequence[int]) -> TauGrid:
+  """Validates a static ``τ`` grid: a non-empty, strictly ascending tuple of positive ints.
+
+  Returns a :class:`TauGrid`, which every function taking ``taus`` accepts without checking it again.
+  """
+  if isinstance(taus, TauGrid):
+    return taus
+  if isinstance(taus, (jax.Array, str)) or not isinstance(taus, Sequence | np.ndarray):
+    raise ValueError(f"taus must be a static sequence of positive ints, got {taus!r}")
+  out = []
+  for tau in list(taus):
+    if isinstance(tau, (bool, np.bool_)) or not isinstance(tau, numbers.Integral):
+      raise ValueError(f"taus must contain Python/numpy ints, got {tau!r} in {taus!r}")
+    out.append(int(tau))
+  if not out:
+    raise ValueError("taus must be non-empty")
+  if out[0] <= 0:
+    raise ValueError(f"taus must be positive, got {tuple(out)}")
+  if any(b <= a for a, b in zip(out, out[1:])):
+    raise ValueError(f"taus must be strictly ascending, got {tuple(out)}")
+  return TauGrid(out)
