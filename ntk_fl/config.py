@@ -170,11 +170,17 @@ def apply_variants(config: ml_collections.ConfigDict, arg: str | None, method_va
 
 
 def load_config(path: str, variant: str | None = None) -> ml_collections.ConfigDict:
-  """``get_config(variant)`` of a config file -- what ``--config=path:variant`` gives, from Python."""
+  """``get_config(variant)`` of a config -- what ``--config=path:variant`` gives, from Python.
+
+  ``path`` is a config file or the name of a packaged config (``"ntk_dfl"``, see
+  :mod:`ntk_fl.configs`).
+  """
   import importlib.util  # pylint: disable=import-outside-toplevel
   import pathlib  # pylint: disable=import-outside-toplevel
 
-  file = pathlib.Path(path)
+  from ntk_fl import configs  # pylint: disable=import-outside-toplevel
+
+  file = pathlib.Path(configs.resolve(str(path)))
   if not file.is_file():
     raise FileNotFoundError(f"config file {str(file)!r} does not exist")
   spec = importlib.util.spec_from_file_location(f"ntk_fl_config_{file.stem}", file)
