@@ -10,11 +10,11 @@
 key is a flags error). The config and the workdir are checked before any data is
 loaded; a bad value exits non-zero with one ``error:`` line naming it. The
 workdir receives ``metrics.jsonl``, ``summary.json``, ``config.json``, the PNG
-plots and ``checkpoints/`` (see :mod:`ntk_fl.runner`); ``--resume`` continues a
+plots and ``checkpoints/`` (see :mod:`ntk_fl.rundir`); ``--resume`` continues a
 killed run from its latest checkpoint with identical results. ``--branch_from``
 starts a new run from another run's checkpoint when the two configs provably
 share those rounds (e.g. SPARK's ablation rows during the warm-up; see
-:func:`ntk_fl.runner.check_branch`).
+:func:`ntk_fl.rundir.check_branch`).
 
 In a checkout, ``python experiments/main.py ...`` is the same command.
 """
@@ -105,7 +105,7 @@ class _QuietLibraries(std_logging.Filter):
 def _main(argv: list[str]) -> None:
   import jax  # pylint: disable=import-outside-toplevel
 
-  from ntk_fl import runner  # pylint: disable=import-outside-toplevel
+  from ntk_fl import rundir, runner, schema  # pylint: disable=import-outside-toplevel
 
   logging.get_absl_handler().addFilter(_QuietLibraries())
   if len(argv) > 1:
@@ -118,8 +118,8 @@ def _main(argv: list[str]) -> None:
                branch_round=_FLAGS["branch_round"].value)
   try:
     # Everything that can be wrong with the request fails here, before any work.
-    runner.validate_config(config)
-    runner.check_start(config, workdir, **start)
+    schema.validate_config(config)
+    rundir.check_start(config, workdir, **start)
   except (ValueError, FileNotFoundError) as e:
     logging.error("%s", e)
     sys.exit(f"error: {e}")
