@@ -117,7 +117,7 @@ _RESERVED = frozenset({
 _RESULT_NEUTRAL_KEYS = ("devices", "checkpoint_keep", "eval.consensus")
 # Keys added to the schema after runs were stored, each with the value that reproduces those runs: a stored
 # config.json without one ran with that value (resume, branch and load_run_config fill it in).
-_ADDED_KEYS = {"data.max_test": 0, "eval.consensus": False}
+_ADDED_KEYS = {"data.max_test": 0, "eval.consensus": False, "data.partition_file": ""}
 # Config keys beyond base_config(): the optional method module, and the free-form algorithm block.
 _EXTRA_TOP_LEVEL = frozenset({"method_module"})
 _SCHEMA_BLOCKS = ("data", "model", "topology", "eval")
@@ -220,7 +220,8 @@ def validate_config(config) -> None:
   if partition == "by_writer" and dataset != "femnist":
     raise ValueError(f"config.data.partition = 'by_writer' needs writer ids; only 'femnist' has them, "
                      f"got data.name = {dataset!r}")
-  _int(config, "data.num_clients", 1)
+  num_clients = _int(config, "data.num_clients", 1)
+  _check_partition_file(config, partition, dataset, num_clients)
   alpha = _get(config, "data.alpha")
   if not isinstance(alpha, numbers.Real) or not math.isfinite(alpha) or alpha <= 0:
     raise ValueError(f"config.data.alpha must be a finite number > 0, got {alpha!r}")
@@ -262,6 +263,28 @@ def validate_config(config) -> None:
 
   import_method_module(method_module)
   get_method(method).validate_config(config)
+
+
+def _check_partition_file(config, partition: str, dataset: str, num_clients: int) -> None:
+  """``data.partition_file``: required by ``index_map`` (and read and checked now), unused otherwise."""
+  from ntk_fl.data import index_map  # pylint: disable=g-import-not-at-top
+
+  partition_file = _get(config, "data.partition_file")
+  if not isinstance(partition_file, str):
+    raise ValueError(f"config.data.partition_file must be a string, got {partition_file!r}")
+  if partition != "index_map":
+    if partition_file:
+      raise ValueError(f"config.data.partition_file = {partition_file!r} is only read by "
+                       f"data.partition = 'index_map', got data.partition = {partition!r}")
+    return
+  if index_map.is_vendored(partition_file) and dataset != index_map.VENDORED_DATASET:
+    raise ValueError(f"config.data.partition_file = {partition_file!r} is a {index_map.VENDORED_DATASET} "
+                     f"partition, but data.name = {dataset!r}")
+  if config.data.max_train:
+    raise ValueError(f"config.data.max_train = {config.data.max_train}: an index map's indices refer to "
+                     "the whole training set, so data.partition = 'index_map' needs max_train = 0")
+  index_map.load_index_map(partition_file, num_clients=num_clients,
+                           num_samples=index_map.TRAIN_SIZES.get(dataset))
 
 
 # ----------------------------------------------------------------------------- building
@@ -329,7 +352,8 @@ def build_experiment(config) -> Experiment:
   client_indices = data.partition(
       dataset.y_train, config.data.partition, config.data.num_clients, seed=config.seed,
       alpha=config.data.alpha, samples_per_client=config.data.samples_per_client or None,
-      classes_per_client=config.data.classes_per_client, writers=dataset.writers_train)
+      classes_per_client=config.data.classes_per_client, writers=dataset.writers_train,
+      partition_file=config.data.partition_file or None)
   federation = data.make_federation(dataset.x_train, dataset.y_train, client_indices)
   model = models.make_model(config.model, dataset.x_train.shape[1:], dataset.num_classes)
   algorithm = get_method(config.method).make(config, model, federation)
