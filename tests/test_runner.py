@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from ntk_fl import config as config_lib
-from ntk_fl import data, metrics, runner
+from ntk_fl import data, metrics, rundir, runner
 from ntk_fl.checkpoint import Checkpoints
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -191,7 +191,7 @@ def test_resume_refusals_fail_before_any_work(reference, tmp_path, monkeypatch):
   # A started run that never reached a checkpoint.
   os.makedirs(tmp_path / "nockpt")
   with open(tmp_path / "nockpt" / runner.CONFIG_FILE, "w") as f:
-    json.dump(runner._jsonable(toy_config()), f)
+    json.dump(rundir.jsonable(toy_config()), f)
   with pytest.raises(FileNotFoundError, match="no finalised checkpoint"):
     runner.run(toy_config(), str(tmp_path / "nockpt"), resume=True)
 
