@@ -321,3 +321,10 @@ def test_converter_checks_the_pickled_structure(mapping, match, tmp_path):
     pickle.dump(mapping, f)
   with pytest.raises(ValueError, match=match):
     index_map.read_pickled_map(source)
+
+
+def test_converter_names_a_truncated_pickle(tmp_path):
+  source = tmp_path / "cut.dat"
+  source.write_bytes(pickle.dumps({0: np.arange(3)})[:-5])
+  with pytest.raises(ValueError, match="cut.dat"):
+    index_map.read_pickled_map(source)

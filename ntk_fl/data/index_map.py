@@ -205,10 +205,16 @@ def read_pickled_map(path: str | os.PathLike) -> list[np.ndarray]:
 
   Raises ``ValueError`` for anything else, naming the file.
   """
+  import pickle  # pylint: disable=import-outside-toplevel -- for its error type only
+
   from ntk_fl.data import safe_pickle  # pylint: disable=import-outside-toplevel
 
-  with open(path, "rb") as f:
-    mapping = safe_pickle.load(f)
+  try:
+    mapping = safe_pickle.load_file(path, encoding="latin1")
+  except (pickle.UnpicklingError, EOFError) as e:   # UnsafePickleError is a ValueError and passes
+    if isinstance(e, ValueError):
+      raise
+    raise ValueError(f"{str(path)!r} is not a readable pickle: {e}") from e
   if not isinstance(mapping, dict) or not mapping:
     raise ValueError(f"{str(path)!r}: expected a non-empty dict client id -> index array, got "
                      f"{type(mapping).__name__}")
