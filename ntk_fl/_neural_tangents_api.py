@@ -179,9 +179,10 @@ def _batched_kernel(f, kwargs, params, x1, x2, in_axis, out_axis, trace_axes, di
 
   fx1 = jax.eval_shape(lambda p, x: f(p, x, **kwargs), params, x1)
   fx2 = fx1 if x2 is None else jax.eval_shape(lambda p, x: f(p, x, **kwargs), params, x2)
+  if not isinstance(fx1, jax.ShapeDtypeStruct) or not fx1.shape:
+    raise ValueError(f"f must return one array with a batch axis (pytree outputs are not supported), "
+                     f"got {fx1}")
   ndim = len(fx1.shape)
-  if not isinstance(fx1, jax.ShapeDtypeStruct) or ndim < 1:
-    raise ValueError(f"f must return one array with a batch axis, got {fx1}")
   if not -ndim <= out_axis < ndim:
     raise ValueError(f"vmap_axes: out_axis {out_axis} is out of range for outputs of f of shape {fx1.shape}")
   out_axis %= ndim
@@ -246,7 +247,7 @@ def _unbatched_kernel(f, kwargs, params, x1, x2, trace_axes, diagonal_axes, impl
   fx1 = jax.eval_shape(apply, params, x1)
   fx2 = fx1 if x2 is None else jax.eval_shape(apply, params, x2)
   if not isinstance(fx1, jax.ShapeDtypeStruct):
-    raise ValueError(f"f must return one array, got {fx1}")
+    raise ValueError(f"f must return one array (pytree outputs are not supported), got {fx1}")
   ndim = len(fx1.shape)
   trace = _canonical_axes("trace_axes", trace_axes, ndim)
   diagonal = _canonical_axes("diagonal_axes", diagonal_axes, ndim)

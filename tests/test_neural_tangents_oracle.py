@@ -292,6 +292,10 @@ def test_mismatched_inputs_and_pytrees_are_rejected():
     ntk_fn(x1, x1[:, :100], _params("mlp"))
   with pytest.raises(ValueError, match="x1 must be an array"):
     ntk_fn({"image": x1}, None, _params("mlp"))
+  two_outputs = lambda p, x: {"logits": MLP.apply(p, x), "probs": jax.nn.softmax(MLP.apply(p, x))}
+  for vmap_axes in (0, None):
+    with pytest.raises(ValueError, match="pytree outputs are not supported"):
+      empirical_ntk_fn(two_outputs, vmap_axes=vmap_axes)(x1, None, _params("mlp"))
   structured = empirical_ntk_fn(conv_features, implementation=IMPL.STRUCTURED_DERIVATIVES,
                                 dense_stack=MLP.dense_stack)
   with pytest.raises(ValueError, match=r"outputs \[C\] per sample"):
