@@ -36,7 +36,7 @@ where they enter; the ``τ`` grid is checked once (:func:`check_taus` ->
 ``ntk_fl._evolution`` (solvers) and ``ntk_fl._ntk_step`` (the step); this
 module is their public face.
 
-Conventions:
+Conventions (docs/CONVENTIONS.md, conventions 1-4):
 
 * Kernel: ``[N, N]`` output-traced ``H = (1/C) Σ_c J_c J_cᵀ`` applied to every
   output column (default), or the full ``[N, N, C, C]`` kernel with

@@ -4,7 +4,7 @@ Most of ``ntk_fl`` never forms a Jacobian: kernels come from the structured /
 NTK-vector-product implementations of :mod:`ntk_fl.ntk` and weight updates are
 VJPs (:mod:`ntk_fl.evolve`). A Jacobian has to exist only where it is
 *transmitted* and altered on the way -- CP-NTK-FL's sparsified and quantised
-uploads (Yue et al. 2022, §4.2; ../shared/papers/ntk_fl.md §2), SPARK's
+uploads (Yue et al. 2022, Sec. 4.2), SPARK's
 projected Jacobians, and the reconstruction attack that inverts them. This
 module holds those pieces as small pure functions (``jit``/``vmap``-able,
 no Python loops over samples):

@@ -4,16 +4,19 @@ For a network ``f(w, x) -> [C]`` with per-output Jacobians ``J_c(x) = ∂f_c/∂
 
 * the **traced** kernel (default) is ``K[i, j] = (1/C) Σ_c <J_c(x1_i), J_c(x2_j)>``
   (``[N1, N2]``): one ``N×N`` kernel applied to every output column, as in both
-  reference codes (``../shared/papers/reference_implementations.md`` §1.4) and
-  DESIGN.md convention 1;
+  authors' reference codes (docs/CONVENTIONS.md, convention 1);
 * the **full** kernel is ``K[i, j, a, b] = <J_a(x1_i), J_b(x2_j)>``
   (``[N1, N2, C, C]``, neural-tangents' layout with ``trace_axes=()``);
   :func:`full_to_matrix` turns it into the ``(N1·C) × (N2·C)`` matrix.
 
-Difference from neural-tangents: its ``trace_axes=(-1,)`` *sums* over the output
-axis (``Σ_c``); ours is the *mean* (``(1/C) Σ_c``), so it equals neural-tangents'
-traced kernel divided by ``C``. The mean is what the NTK-FL/NTK-DFL evolution
-``df/dt = −(1/N) K (softmax(f) − Y)`` was written (and tuned) with.
+The traced kernel is neural-tangents' ``trace_axes=(-1,)`` kernel: neural-tangents
+normalises a trace by the number of traced entries, so its traced kernel is the
+*mean* over the outputs too (one ``C``-th of the summed trace of its full kernel;
+checked against kernels computed by neural-tangents 0.6.5 itself,
+``tests/test_neural_tangents_oracle.py``). The mean is also what the NTK-FL/NTK-DFL
+evolution ``df/dt = −(1/N) K (softmax(f) − Y)`` was written (and tuned) with.
+:func:`empirical_ntk_fn` offers neural-tangents' interface (``trace_axes``,
+``diagonal_axes``, ``vmap_axes``, ``NtkImplementation``) over these kernels;
 neural-tangents itself is not a dependency (it does not import on current JAX).
 
 Implementations (``implementation=``, an :class:`Implementation` or its string value):
@@ -70,7 +73,8 @@ from ntk_fl._options import Implementation
 from ntk_fl.models import DenseStack
 
 __all__ = ["Implementation", "IMPLEMENTATIONS", "empirical_ntk", "make_ntk_fn", "full_to_matrix", "DenseProjection",
-           "projected_dense_ntk", "DenseJacobianFactors", "dense_jacobian_factors"]
+           "projected_dense_ntk", "DenseJacobianFactors", "dense_jacobian_factors",
+           "NtkImplementation", "empirical_ntk_fn"]
 
 IMPLEMENTATIONS = tuple(m.value for m in Implementation)
 
@@ -170,8 +174,8 @@ def empirical_ntk(apply_fn: ApplyFn, params: Params, x1: jax.Array, x2: jax.Arra
     x1: ``[N1, *in]`` inputs.
     x2: ``[N2, *in]`` inputs, or ``None`` for ``x2 = x1`` (shares work).
     trace_outputs: ``True`` -> ``[N1, N2]`` kernel ``(1/C) Σ_c J_c(x1) J_c(x2)ᵀ``
-      (the *mean* over outputs; neural-tangents' ``trace_axes=(-1,)`` is the sum,
-      i.e. ``C`` times this); ``False`` -> full ``[N1, N2, C, C]`` kernel
+      (the *mean* over outputs, as neural-tangents' ``trace_axes=(-1,)``);
+      ``False`` -> full ``[N1, N2, C, C]`` kernel
       ``K[i, j, a, b] = <J_a(x1_i), J_b(x2_j)>``.
     implementation: one of :data:`IMPLEMENTATIONS` (module docstring).
     dense_stack: the model's :class:`~ntk_fl.models.DenseStack` (enables and,
@@ -224,3 +228,5 @@ def make_ntk_fn(apply_fn: ApplyFn, *, trace_outputs: bool = True, implementation
   return jax.jit(ntk_fn)
 
 
+# neural-tangents' interface over the kernels above (its module imports this one lazily).
+from ntk_fl._neural_tangents_api import NtkImplementation, empirical_ntk_fn  # noqa: E402
