@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from ntk_fl import parallel, rundir, topology
+from ntk_fl import gossip, parallel, rundir
 from ntk_fl import metrics as metrics_lib
 from ntk_fl import plotting
 from ntk_fl import summaries
@@ -322,11 +322,11 @@ def _run(config, workdir: str, *, resume: bool, branch_from: str | None, branch_
   consensus = None
   if config.eval.consensus:
     try:                # traces only: a method without a graph in its round inputs fails here, before any round
-      jax.eval_shape(topology.consensus, algorithm.client_params(state), algorithm.round_inputs(0))
+      jax.eval_shape(gossip.consensus, algorithm.client_params(state), algorithm.round_inputs(0))
     except ValueError as e:
       raise ValueError(f"config.eval.consensus=True scores neighbourhood averages, which method {config.method!r} "
                        f"does not have: {e}") from None
-    consensus = jax.jit(topology.consensus)
+    consensus = jax.jit(gossip.consensus)
   keep = tuple(int(r) for r in config.checkpoint_keep)
   ckpt = Checkpoints(rundir.checkpoint_dir(workdir), keep=keep) if config.checkpoint_every or keep else None
 

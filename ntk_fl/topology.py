@@ -58,6 +58,8 @@ import numpy as np
 from scipy import stats
 
 from ntk_fl import validation
+# The on-device mixing step lives in ntk_fl.gossip; these names stay importable from here.
+from ntk_fl.gossip import consensus, mix
 from ntk_fl.rng import Stream, numpy_rng
 
 __all__ = [
@@ -449,64 +451,3 @@ def spectral_gap(w: Any, *, atol: float = 1e-5) -> float:
 def squared_spectral_gap(w: Any, *, atol: float = 1e-5) -> float:
   """NTK-DFL Def. 4.2's "spectral gap" ``(1 - lambda)^2``, the quantity in its bounds (9c)."""
   return spectral_gap(w, atol=atol) ** 2
-
-
-def mix(stacked_params, neighbors, self_weight, neighbor_weights, *, sent=None):
-  """One mixing (gossip / neighbour-averaging) step for all clients at once.
-
-  ``w_i ← s_i w_i + Σ_k a_ik v_{n_ik}`` where ``v`` is what the neighbours sent
-  (``sent``; default: their exact weights ``stacked_params``, as in NTK-DFL's
-  eq. (1)). A client's own term always uses its exact weights, so lossy
-  transmission (quantisation) only affects the neighbours' terms.
-
-  Args:
-    stacked_params: pytree with leaves ``[M, ...]``.
-    neighbors: int ``[M, k]`` neighbour indices (padding = own index).
-    self_weight: ``[M]``; neighbor_weights: ``[M, k]`` (zero in padded slots, so
-      padding contributes nothing) -- from :func:`mixing_weights`.
-    sent: optional pytree like ``stacked_params``: the transmitted weights.
-
-  Returns:
-    Pytree like ``stacked_params``.
-  """
-  sent = stacked_params if sent is None else sent
-  neighbors = jnp.asarray(neighbors)
-  neighbor_weights = jnp.asarray(neighbor_weights)
-  chex.assert_rank(neighbors, 2)
-  num_clients = neighbors.shape[0]
-  chex.assert_shape(neighbor_weights, neighbors.shape)
-  chex.assert_shape(self_weight, (num_clients,))
-  chex.assert_tree_shape_prefix(stacked_params, (num_clients,))
-  chex.assert_trees_all_equal_shapes(stacked_params, sent)
-
-  def one(own, transmitted):
-    extra = (1,) * (own.ndim - 1)
-    total = jnp.asarray(self_weight).reshape(-1, *extra).astype(own.dtype) * own
-    # One neighbour slot at a time (k is static and small): XLA fuses each [M, ...]
-    # gather into the running sum. Gathering all slots at once materialised an
-    # [M, k, ...] buffer -- 454 MiB at M = 300, k = 5, d = 79,510 -- and was 5-14x
-    # slower on CPU (benchmarks/RESULTS.md, "Gossip step").
-    for slot in range(neighbors.shape[1]):
-      weight = neighbor_weights[:, slot].reshape(-1, *extra).astype(own.dtype)
-      total = total + weight * transmitted[neighbors[:, slot]]
-    return total
-
-  return jax.tree.map(one, stacked_params, sent)
-
-
-def consensus(stacked_params, round_inputs):
-  """Every client's neighbourhood average ``w̄_i`` under one round's graph and weights (:func:`mix`).
-
-  What a decentralized round starts from (NTK-DFL's eq. 1, SPARK's consensus, a
-  gossip step): ``round_inputs`` is a decentralized method's ``round_inputs(r)``
-  (:class:`ntk_fl.algorithms.base.GraphRound`: ``neighbors``, ``self_weight``,
-  ``neighbor_weights``).
-
-  Raises:
-    ValueError: ``round_inputs`` has no graph (a server method's inputs).
-  """
-  missing = [name for name in ("neighbors", "self_weight", "neighbor_weights") if not hasattr(round_inputs, name)]
-  if missing:
-    raise ValueError(f"consensus models need a decentralized method's round inputs (a graph and mixing weights); "
-                     f"{type(round_inputs).__name__} has no {', '.join(missing)}")
-  return mix(stacked_params, round_inputs.neighbors, round_inputs.self_weight, round_inputs.neighbor_weights)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ntk_fl import compression
+from ntk_fl import communication, compression
 
 
 def _brute_topk_mask(values, k):
@@ -116,23 +116,23 @@ def test_sparse_payload_counts_the_cheaper_support_encoding():
 def test_jacobian_package_and_neighbourhood_round_bits_by_hand():
   d = 79_510                                                           # MLP 784-100-10
   leaf_sizes = (78_400, 100, 1_000, 10)
-  full = compression.jacobian_package_bits(200, 10, leaf_sizes)
+  full = communication.jacobian_package_bits(200, 10, leaf_sizes)
   assert full == 200 * 10 * d * 32 + 200 * 10 * 32 + 200 * 4         # Jacobian, function values, 4-bit labels
-  assert compression.jacobian_package_bits(0, 10, leaf_sizes) == 0
-  assert int(compression.neighbourhood_round_bits(5, full, d)) == 5 * (2 * d * 32 + full)
-  assert int(compression.neighbourhood_round_bits(5, full, d, averaging=False)) == 5 * (d * 32 + full)
-  assert int(compression.neighbourhood_round_bits(5, full, d, averaging=False, broadcast=True)) == 5 * (d * 32 + full)
+  assert communication.jacobian_package_bits(0, 10, leaf_sizes) == 0
+  assert int(communication.neighbourhood_round_bits(5, full, d)) == 5 * (2 * d * 32 + full)
+  assert int(communication.neighbourhood_round_bits(5, full, d, averaging=False)) == 5 * (d * 32 + full)
+  assert int(communication.neighbourhood_round_bits(5, full, d, averaging=False, broadcast=True)) == 5 * (d * 32 + full)
   # SPARK's full stack: flattened sketch to 10,000 for the first layer, top-50 %, 6 bits, 40 samples (m = 5).
   sketched = (10_000, 100, 1_000, 10)
-  stack = compression.jacobian_package_bits(40, 10, sketched, keep_fraction=0.5, bits=6)
+  stack = communication.jacobian_package_bits(40, 10, sketched, keep_fraction=0.5, bits=6)
   expected = 40 * 10 * 32 + 40 * 4
   for size in (400 * 10_000, 400 * 100, 400 * 1000, 400 * 10):          # n·C·projected size per tensor
     kept = math.ceil(0.5 * size)
     expected += kept * 6 + 64 + min(size, kept * math.ceil(math.log2(size)))
   assert stack == expected
-  assert int(compression.neighbourhood_round_bits(5, stack, d, broadcast=True)) == 5 * d * 32 + stack
-  assert int(compression.neighbourhood_round_bits(5, full, d, velocity=True)) == 5 * (3 * d * 32 + full)
-  assert int(compression.neighbourhood_round_bits(5, stack, d, broadcast=True, velocity=True)) == 5 * 2 * d * 32 + stack
+  assert int(communication.neighbourhood_round_bits(5, stack, d, broadcast=True)) == 5 * d * 32 + stack
+  assert int(communication.neighbourhood_round_bits(5, full, d, velocity=True)) == 5 * (3 * d * 32 + full)
+  assert int(communication.neighbourhood_round_bits(5, stack, d, broadcast=True, velocity=True)) == 5 * 2 * d * 32 + stack
   kappa = jnp.asarray([0.0, 2.0])                                      # an isolated client sends nothing
-  np.testing.assert_array_equal(np.asarray(compression.neighbourhood_round_bits(kappa, 7.0, 3, broadcast=True)),
+  np.testing.assert_array_equal(np.asarray(communication.neighbourhood_round_bits(kappa, 7.0, 3, broadcast=True)),
                                 [0.0, 2 * 3 * 32 + 7])

@@ -14,7 +14,7 @@ step" on the round's graph, as in the NTK-DFL authors' baseline code
 3. Every client sends its trained weights to each neighbour (optionally
    ``quantize_bits``-bit quantised, as the authors' quantised baselines) and
    replaces its weights by ``s_i w_i + sum_k a_ik q(w_{n_ik})`` (its own term is
-   exact; :func:`ntk_fl.topology.mix` is the gossip step).
+   exact; :func:`ntk_fl.gossip.mix` is the gossip step).
 
 The methods differ only in the local optimiser (their hyperparameters live in
 ``configs/<method>.py``):
@@ -62,7 +62,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ntk_fl import compression, models, parallel, topology
+from ntk_fl import compression, gossip, models, parallel, topology
 from ntk_fl.algorithms import Method
 from ntk_fl.algorithms import local
 from ntk_fl.algorithms.base import Algorithm, graph_round_inputs
@@ -182,7 +182,7 @@ def masked_neighbor_average(params, masks, sent, neighbors, neighbor_mask):
   def mix(w, m, s):
     extra = (1,) * (w.ndim - 1)
     total, count = m * w, m
-    # Slot by slot, as in topology.mix: no [M, k, ...] gather is materialised.
+    # Slot by slot, as in gossip.mix: no [M, k, ...] gather is materialised.
     for slot in range(neighbors.shape[1]):
       index = neighbors[:, slot]
       holder = neighbor_mask[:, slot].reshape(-1, *extra).astype(w.dtype) * m[index]
@@ -249,7 +249,7 @@ def make_decentralized(method: str, config, model: models.Model, federation) -> 
     sent = None
     if bits != compression.FLOAT_BITS:
       sent = local.transmit(trained, bits, key=quant_key, stochastic=stochastic, chunk_size=chunk_size)
-    return topology.mix(trained, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights, sent=sent)
+    return gossip.mix(trained, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights, sent=sent)
 
   def dispfl_client(params, mask, x, y, m, key, lr, fraction):
     """Masked local training, then mask evolution, for one client."""

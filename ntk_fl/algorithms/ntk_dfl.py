@@ -40,7 +40,7 @@ Options studied in the paper (all in ``config.algorithm``):
 
 Every client's chosen ``τ`` and selected loss are returned each round as
 ``[M]`` metrics (``tau``, ``loss``), with the communication: ``bits_sent``
-``[M]`` (:func:`ntk_fl.compression.neighbourhood_round_bits`: weights to and
+``[M]`` (:func:`ntk_fl.communication.neighbourhood_round_bits`: weights to and
 from each neighbour and one float32 Jacobian package per neighbour),
 ``bits_sent_total`` and ``bits_cumulative``.
 """
@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ntk_fl import compression, evolve, models, parallel, rng, topology, validation
+from ntk_fl import communication, evolve, gossip, models, parallel, rng, topology, validation
 from ntk_fl.algorithms import Method
 from ntk_fl.algorithms.base import Algorithm, config_without, graph_round_inputs
 
@@ -191,7 +191,7 @@ def make_neighbourhood_round(config, model: models.Model, federation, *, lr: flo
   def run(params, inputs, data, client_fn, *client_args):
     xs, ys, ms = data
     if per_round_averaging:
-      params = topology.mix(params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
+      params = gossip.mix(params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
     if m2 > 1:
       idx, keep = _subsample_indices(inputs.key, ms, n_sub, m2)
       xs = jnp.take_along_axis(xs, idx.reshape(*idx.shape, *([1] * (xs.ndim - 2))), axis=1)
@@ -246,10 +246,10 @@ def make_ntk_dfl(config, model: models.Model, federation) -> Algorithm:
                        solver=evolve.Solver(algo.solver), dense_stack=model.dense_stack,
                        kernel=evolve.Kernel(algo.kernel), select=evolve.Select(algo.select))
 
-  # Communication (ntk_fl.compression.neighbourhood_round_bits): static per-client package sizes.
+  # Communication (ntk_fl.communication.neighbourhood_round_bits): static per-client package sizes.
   template = jax.eval_shape(model.init, jax.random.key(0))
   leaf_sizes = [math.prod(leaf.shape) for leaf in jax.tree.leaves(template)]
-  packages = jnp.asarray([compression.jacobian_package_bits(int(n), model.num_classes, leaf_sizes)
+  packages = jnp.asarray([communication.jacobian_package_bits(int(n), model.num_classes, leaf_sizes)
                           for n in core.samples_sent], jnp.float32)
   broadcast = config.topology.name == "clustered"
 
@@ -267,7 +267,7 @@ def make_ntk_dfl(config, model: models.Model, federation) -> Algorithm:
   @jax.jit
   def _step(state, inputs, data):
     (new_params, info), lr = core.run(state.params, inputs, data, client_update)
-    bits_sent = compression.neighbourhood_round_bits(inputs.neighbor_mask.sum(axis=1).astype(jnp.float32), packages,
+    bits_sent = communication.neighbourhood_round_bits(inputs.neighbor_mask.sum(axis=1).astype(jnp.float32), packages,
                                                      sum(leaf_sizes), broadcast=broadcast,
                                                      averaging=algo.per_round_averaging)
     total = jnp.sum(bits_sent)

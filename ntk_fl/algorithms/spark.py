@@ -43,7 +43,7 @@ receiver-linearised protocol needs them) and one package per neighbour:
 the (sketched, compressed) Jacobian of its ``n_i`` samples, ``n_i·C`` float32
 function values and ``n_i·⌈log2 C⌉`` label bits. On a clustered topology every
 member of a clique shares ``w̄``, so the package is broadcast once and no
-weights go back (paper App. A.2). :func:`ntk_fl.compression.neighbourhood_round_bits`
+weights go back (paper App. A.2). :func:`ntk_fl.communication.neighbourhood_round_bits`
 is the formula, shared with NTK-DFL: with the sketch and compression off the two cost the same.
 
 Metrics: ``tau``, ``loss`` (selected hard-label CE), ``confidence`` (the
@@ -62,7 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ntk_fl import compression, evolve, jacobians, models, ntk, parallel, projection, topology, validation
+from ntk_fl import communication, compression, evolve, gossip, jacobians, models, ntk, parallel, projection, topology, validation
 from ntk_fl.algorithms import Method
 from ntk_fl.algorithms.base import Algorithm, config_without
 from ntk_fl.algorithms.ntk_dfl import make_neighbourhood_round
@@ -293,7 +293,7 @@ def make_spark(config, model: models.Model, federation) -> Algorithm:
 
   # Communication: static per-client package sizes (samples after sub-sampling).
   sketch_sizes = [math.prod(s.projected_shape) for s in plan]
-  packages = jnp.asarray([compression.jacobian_package_bits(int(n), num_classes, sketch_sizes, keep_fraction=keep,
+  packages = jnp.asarray([communication.jacobian_package_bits(int(n), num_classes, sketch_sizes, keep_fraction=keep,
                                                             bits=bits) for n in core.samples_sent], jnp.float32)
   num_params = sum(math.prod(s.shape) for s in plan)
   broadcast = config.topology.name == "clustered"
@@ -363,13 +363,13 @@ def make_spark(config, model: models.Model, federation) -> Algorithm:
 
     velocity = state.momentum
     if mixed_velocity:      # the velocity travels with the weights and is averaged with the same weights
-      velocity = topology.mix(velocity, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
+      velocity = gossip.mix(velocity, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
     if share_cliques:       # one evolution per clique, then every member's own momentum step
       (wbar, delta, info), lr = core.run(state.params, inputs, data, clique_fn)
       params, opt_state, info = parallel.for_each_client(momentum_step)(wbar, delta, velocity, info)
     else:
       (params, opt_state, info), lr = core.run(state.params, inputs, data, client_fn, velocity)
-    bits_sent = compression.neighbourhood_round_bits(inputs.neighbor_mask.sum(axis=1).astype(jnp.float32), packages,
+    bits_sent = communication.neighbourhood_round_bits(inputs.neighbor_mask.sum(axis=1).astype(jnp.float32), packages,
                                                      num_params, broadcast=broadcast, velocity=mixed_velocity)
     total = jnp.sum(bits_sent)
     new_state = SparkState(params=params, momentum=opt_state, bits_cumulative=state.bits_cumulative + total)

@@ -1,0 +1,77 @@
+"""Protocol-specific communication accounting: the bits a neighbourhood-NTK round sends.
+
+Neighbourhood-NTK methods (NTK-DFL, SPARK) send, per round and client ``i``
+with ``κ_i`` neighbours (:func:`neighbourhood_round_bits`): ``κ_i·d·32``
+weights out for the consensus, ``κ_i·d·32`` consensus weights back (each
+neighbour evaluates its Jacobian at them) and one package per neighbour
+(:func:`jacobian_package_bits`: the Jacobian of the client's ``n_i`` samples,
+``n_i·C`` float32 function values and ``n_i·⌈log2 C⌉`` label bits). The bit
+count of any one payload, dense or sparse and quantised, comes from the
+primitives of :mod:`ntk_fl.compression`.
+"""
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from ntk_fl.compression import FLOAT_BITS, num_kept, payload_bits, sparse_payload_bits
+
+__all__ = ["jacobian_package_bits", "neighbourhood_round_bits"]
+
+
+def jacobian_package_bits(num_samples: int, num_classes: int, tensor_sizes, *, keep_fraction: float = 1.0,
+                          bits: int = FLOAT_BITS) -> int:
+  """Bits of one neighbourhood-NTK package: a Jacobian, function values and labels of ``num_samples`` samples.
+
+  Args:
+    num_samples: ``n_i``, the samples the package covers (0 sends nothing).
+    num_classes: ``C``.
+    tensor_sizes: entries per sample and class of each separately sent Jacobian
+      tensor (a parameter leaf's size, or its sketched size); the tensor holds
+      ``n_i·C·size`` values.
+    keep_fraction: top-k sparsification per tensor, support included
+      (:func:`sparse_payload_bits`); 1 = dense.
+    bits: bits per Jacobian value (32 = float32, else quantised, :func:`payload_bits`).
+
+  Returns:
+    A Python int: the Jacobian tensors + ``n_i·C·32`` function values + ``n_i·⌈log2 C⌉`` label bits.
+  """
+  if num_samples <= 0:
+    return 0
+  total = 0
+  for tensor_size in tensor_sizes:
+    size = num_samples * num_classes * int(tensor_size)
+    if keep_fraction < 1:
+      total += int(sparse_payload_bits(num_kept(size, keep_fraction), size, bits))
+    else:
+      total += int(payload_bits(size, bits))
+  label_bits = max(1, math.ceil(math.log2(num_classes)))
+  return total + num_samples * num_classes * FLOAT_BITS + num_samples * label_bits
+
+
+def neighbourhood_round_bits(num_neighbors, package, num_params: int, *, broadcast: bool = False,
+                             averaging: bool = True, velocity: bool = False):
+  """Bits client(s) send in one neighbourhood-NTK round: weights and one Jacobian package per neighbour.
+
+  Args:
+    num_neighbors: ``κ_i`` (int or ``[M]`` array).
+    package: bits of the client's package (int or ``[M]``), :func:`jacobian_package_bits`.
+    num_params: ``d``.
+    broadcast: clustered topology -- every member of a clique shares the consensus,
+      so the package is broadcast once and no consensus goes back (SPARK App. A.2).
+    averaging: per-round neighbour averaging. Without it a client sends only its
+      own weights (``κ_i·d·32``; neighbours evaluate their Jacobians at them) and a
+      package per neighbour; ``broadcast`` does not apply (the weights differ per client).
+    velocity: the momentum velocity travels with the weights (``κ_i·d·32`` more).
+
+  Returns:
+    ``[M]`` (or scalar) bits, the type of ``num_neighbors``.
+  """
+  weights = num_params * FLOAT_BITS
+  out_weights = (2 if velocity else 1) * weights
+  if not averaging:
+    return num_neighbors * (out_weights + package)
+  if broadcast:
+    return num_neighbors * out_weights + jnp.where(num_neighbors > 0, package, 0)
+  return num_neighbors * (out_weights + weights + package)
