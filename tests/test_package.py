@@ -143,8 +143,10 @@ def test_wheel_runs_the_smoke_config_outside_the_repository(wheel, tmp_path):
                         cwd=elsewhere, env=_clean_env(), capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   run = elsewhere / "runs" / "smoke"
-  for name in ("metrics.jsonl", "summary.json", "config.json", "accuracy.png"):
+  for name in ("metrics.jsonl", "summary.json", "config.json", "accuracy.png", "selection.png", "log.txt"):
     assert (run / name).is_file(), sorted(p.name for p in run.iterdir())
+  assert list(run.glob("events.out.tfevents.*")), "no TensorBoard event file"
+  assert "final aggregated accuracy" in proc.stdout
   summary = json.loads((run / "summary.json").read_text())
   lines = (run / "metrics.jsonl").read_text().splitlines()
   rounds = config_lib.load_config("ntk_dfl", "smoke").rounds
