@@ -60,7 +60,7 @@ def _data(args, num_clients):
     idx = rng.choice(ds.x_train.shape[0], size=(num_clients, n), replace=False)
     x, labels = jnp.asarray(ds.x_train[idx]), jnp.asarray(ds.y_train[idx])
   else:
-    kx, ky = jax.random.split(jax.random.PRNGKey(args.seed))
+    kx, ky = jax.random.split(jax.random.key(args.seed))
     x = jax.random.normal(kx, (num_clients, n, 784), jnp.float32)
     labels = jax.random.randint(ky, (num_clients, n), 0, 10)
   return x, jax.nn.one_hot(labels, 10), jnp.ones((num_clients, n), bool)
@@ -89,7 +89,7 @@ def _worker(args, spec):
   num_clients, solver = spec["clients"], spec["solver"]
   taus = tuple(int(t) for t in args.taus.split(","))
   model = models.mlp()
-  keys = jax.random.split(jax.random.PRNGKey(args.seed + 1), num_clients)
+  keys = jax.random.split(jax.random.key(args.seed + 1), num_clients)
   params = jax.vmap(model.init)(keys)
   x, y, mask = _data(args, num_clients)
   jax.block_until_ready((params, x, y, mask))

@@ -1,6 +1,6 @@
 """Benchmark: one gossip (neighbour-averaging) step on a stacked federation of MLPs.
 
-``ntk_fl.topology.mix`` -- the averaging step of NTK-DFL, SPARK and every gossip
+``ntk_fl.gossip.mix`` -- the averaging step of NTK-DFL, SPARK and every gossip
 baseline -- on ``--clients`` stacked MLP 784-100-10 parameter pytrees (79,510
 parameters each) over a random ``--degree``-regular graph, against the
 formulation it replaced, which gathered all ``k`` neighbour slots at once
@@ -34,7 +34,7 @@ def _parse(argv=None):
 
 
 def mix_gather_all_slots(stacked_params, neighbors, self_weight, neighbor_weights):
-  """The previous ``topology.mix`` (kept here as the benchmark's reference): one ``[M, k, ...]`` gather."""
+  """The previous ``gossip.mix`` (kept here as the benchmark's reference): one ``[M, k, ...]`` gather."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
@@ -64,26 +64,26 @@ def main(argv=None):
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from ntk_fl import models, topology  # pylint: disable=import-outside-toplevel
+  from ntk_fl import gossip, models, topology  # pylint: disable=import-outside-toplevel
 
   model = models.mlp(input_dim=784, hidden=(100,), num_classes=10)
-  stacked = models.init_clients(model, jax.random.PRNGKey(0), args.clients, shared=False)
+  stacked = models.init_clients(model, jax.random.key(0), args.clients, shared=False)
   graph = topology.make_topology("regular", args.clients, seed=0, degree=args.degree).sample(0)
   self_w, nbr_w = topology.mixing_weights(graph, "uniform")
   inputs = (stacked, jnp.asarray(graph.neighbors), jnp.asarray(self_w), jnp.asarray(nbr_w))
 
-  new, new_temp, new_time = _time(topology.mix, inputs, args.repeats)
+  new, new_temp, new_time = _time(gossip.mix, inputs, args.repeats)
   old, old_temp, old_time = _time(mix_gather_all_slots, inputs, args.repeats)
   diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old)))
   if diff > 1e-5:
-    raise AssertionError(f"topology.mix and the gather-all reference differ by {diff}")
+    raise AssertionError(f"gossip.mix and the gather-all reference differ by {diff}")
   load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
   print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {jax.default_backend()}, "
         f"load average {load:.1f}; M = {args.clients}, κ = {args.degree}, max |difference| {diff:.1e}")
   print("| formulation | XLA temp | time per call |")
   print("|---|---:|---:|")
   print(f"| all k slots gathered at once (before) | {old_temp / 2**20:.0f} MiB | {old_time * 1e3:.0f} ms |")
-  print(f"| slot by slot (`topology.mix`) | {new_temp / 2**20:.0f} MiB | {new_time * 1e3:.0f} ms |")
+  print(f"| slot by slot (`gossip.mix`) | {new_temp / 2**20:.0f} MiB | {new_time * 1e3:.0f} ms |")
   return {"before_s": old_time, "after_s": new_time, "before_temp": old_temp, "after_temp": new_temp}
 
 

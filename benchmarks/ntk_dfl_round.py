@@ -33,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from ntk_fl import evolve, ntk, parallel, runner, topology  # noqa: E402
+from ntk_fl import evolve, gossip, ntk, parallel, runner  # noqa: E402
 from ntk_fl import metrics as metrics_lib  # noqa: E402
 
 
@@ -85,7 +85,7 @@ def main():
 
     @jax.jit
     def average(params, inputs):
-      return topology.mix(params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
+      return gossip.mix(params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
 
     def neighbourhood(idx, nbrs, nbr_mask, xs, ys, ms):
       members = jnp.concatenate([idx[None], nbrs])

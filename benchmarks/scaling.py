@@ -60,7 +60,7 @@ def run_one(spec: dict) -> dict:
   started = time.perf_counter()
   with parallel.use_devices(config.devices):    # what runner.run does: shard clients when devices exist
     algorithm = runner.build_experiment(config).algorithm
-    state = jax.block_until_ready(algorithm.init(jax.random.PRNGKey(config.seed)))
+    state = jax.block_until_ready(algorithm.init(jax.random.key(config.seed)))
     rss_before = _rss_mb()
     times, cpu_times = [], []
     for r in range(2):

@@ -47,7 +47,7 @@ def client_accuracies(workdir: str, round_: int | None = None, *, trust_method_m
   config = runner.load_run_config(workdir, trust_method_module=trust_method_module)
   experiment = runner.build_experiment(config)
   algorithm = experiment.algorithm
-  template = algorithm.init(jax.random.PRNGKey(config.seed))
+  template = algorithm.init(jax.random.key(config.seed))
   with Checkpoints(os.path.join(workdir, runner.CHECKPOINT_DIR), read_only=True) as checkpoints:
     round_ = checkpoints.latest() if round_ is None else round_
     if round_ is None:

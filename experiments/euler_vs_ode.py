@@ -79,7 +79,7 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   ds = data.load("fashion_mnist", seed=args.seed)
   model = models.mlp(784, (100,), 10)
-  params = model.init(jax.random.PRNGKey(args.seed))
+  params = model.init(jax.random.key(args.seed))
   labels = np.asarray(ds.y_train)
   for name, idx in neighbourhoods(labels, args.size, args.seed).items():
     x = jnp.asarray(ds.x_train[idx]).reshape(idx.size, -1)

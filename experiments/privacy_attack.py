@@ -4,7 +4,7 @@
       [--config.dataset=mnist --config.num_images=6 --config.attack.steps=1000 ...]
 
 A receiver (the NTK-FL server or an NTK-DFL neighbour) holds the round's weights
-``w`` -- here the round-0 global model, ``model.init(PRNGKey(seed))`` exactly as
+``w`` -- here the round-0 global model, ``model.init(jax.random.key(seed))`` exactly as
 ``ntk_fl.runner`` initialises a run -- and one client sample's Jacobian
 ``J(x) = ∂f(x; w)/∂w`` ``[C, d]``. It runs :func:`ntk_fl.privacy.make_attack`
 on each of ``num_images`` training images (drawn from ``Stream.PRIVACY_ATTACK``)
@@ -163,7 +163,7 @@ def run(config, out_dir: str) -> dict:
   seed = config.seed
   attack_key = jax_key(seed, Stream.PRIVACY_ATTACK, 1)
   model = models.mlp(d1, tuple(config.hidden), 10)
-  params = model.init(jax.random.PRNGKey(seed))   # the round-0 global model of a run with this seed
+  params = model.init(jax.random.key(seed))   # the round-0 global model of a run with this seed
   images, results = {"original": pixels}, {}
   timings = {}
 
@@ -193,7 +193,7 @@ def run(config, out_dir: str) -> dict:
                                       scale=config.projection_scale)
   z = jacobians.project_inputs(x, projection)
   proj_model = models.mlp(config.proj_dim, tuple(config.hidden), 10)
-  proj_params = proj_model.init(jax.random.PRNGKey(seed))
+  proj_params = proj_model.init(jax.random.key(seed))
   # The attacker knows P's distribution: with an unscaled P, z_j ~ N(0, |x|^2) has size ~ sqrt(d1).
   z_scale = 1.0 if config.projection_scale == "sqrt_input" else float(np.sqrt(d1))
   z_hat, final_loss = timed("sparse_proj", lambda: attack_all(config, proj_model, proj_params, z,

@@ -28,7 +28,7 @@ per-client metrics are per-member metrics, the lines also carry the members'
 and the ensemble's mean predictive entropy, and selection curves (which average
 weights) are refused.
 
-Determinism and resume: ``algorithm.init`` gets ``jax.random.PRNGKey(seed)``,
+Determinism and resume: ``algorithm.init`` gets ``jax.random.key(seed)``,
 ``algorithm.round_inputs(r)`` depends on ``r`` only, and the state is the whole
 carried pytree, so a run resumed from the checkpoint after round ``k`` repeats
 rounds ``k+1..R`` bit for bit: its ``metrics.jsonl`` and ``summary.json`` equal
@@ -143,7 +143,7 @@ def build_experiment(config) -> Experiment:
   """Validates ``config`` and builds dataset, partition, federation, model and algorithm.
 
   The functional API: ``exp = build_experiment(config)``, then
-  ``state = exp.algorithm.init(jax.random.PRNGKey(config.seed))`` and
+  ``state = exp.algorithm.init(jax.random.key(config.seed))`` and
   ``state, metrics = exp.algorithm.step(state, exp.algorithm.round_inputs(r))``.
   """
   from ntk_fl import data, models  # pylint: disable=g-import-not-at-top
@@ -316,7 +316,7 @@ def _run(config, workdir: str, *, resume: bool, branch_from: str | None, branch_
                      "weight-averaging selection curves do not apply: set config.eval.selection = False")
   os.makedirs(workdir, exist_ok=True)
   metrics_path = os.path.join(workdir, rundir.METRICS_FILE)
-  state = _canonical(algorithm.init(jax.random.PRNGKey(config.seed)))
+  state = _canonical(algorithm.init(jax.random.key(config.seed)))
   num_clients = jax.tree_util.tree_leaves(algorithm.client_params(state))[0].shape[0]
   num_params = sum(math.prod(w.shape[1:]) for w in jax.tree_util.tree_leaves(algorithm.client_params(state)))
   consensus = None

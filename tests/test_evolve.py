@@ -139,8 +139,8 @@ def _mean_ce(f, y):
     ("coupled", "full", 1.5), ("linear", "traced", 1.5)])
 def test_mse_discrete_equals_weight_space_gd(model, kernel, lr_scale):
   with jax.enable_x64(True):
-    apply, params = MODELS[model](jax.random.PRNGKey(0), jnp.float64)
-    x, y = _data(jax.random.PRNGKey(1), dtype=jnp.float64)
+    apply, params = MODELS[model](jax.random.key(0), jnp.float64)
+    x, y = _data(jax.random.key(1), dtype=jnp.float64)
     mask = jnp.ones((N,), bool)
     k = _kernels(apply, params, x)[kernel]
     lam_max = np.linalg.eigvalsh(_matrix(_kernels(apply, params, x)["full"])).max()
@@ -160,8 +160,8 @@ def test_mse_discrete_equals_weight_space_gd(model, kernel, lr_scale):
 def test_mse_traced_kernel_differs_from_gd_when_outputs_are_coupled():
   """Negative control: the traced kernel is *not* exact for a cross-coupled model."""
   with jax.enable_x64(True):
-    apply, params = _coupled_model(jax.random.PRNGKey(0), jnp.float64)
-    x, y = _data(jax.random.PRNGKey(1), dtype=jnp.float64)
+    apply, params = _coupled_model(jax.random.key(0), jnp.float64)
+    x, y = _data(jax.random.key(1), dtype=jnp.float64)
     k = _kernels(apply, params, x)["traced"]
     lr = 0.3 * N * C / np.linalg.eigvalsh(np.asarray(k)).max()
     evo = ev.evolve_mse_closed_form(k, apply(params, x), y, jnp.ones((N,), bool), lr=lr,
@@ -173,8 +173,8 @@ def test_mse_traced_kernel_differs_from_gd_when_outputs_are_coupled():
 @pytest.mark.parametrize("kernel", ["traced", "full"])
 def test_mse_continuous_equals_expm(kernel):
   with jax.enable_x64(True):
-    apply, params = _coupled_model(jax.random.PRNGKey(2), jnp.float64)
-    x, y = _data(jax.random.PRNGKey(3), dtype=jnp.float64)
+    apply, params = _coupled_model(jax.random.key(2), jnp.float64)
+    x, y = _data(jax.random.key(3), dtype=jnp.float64)
     k = _kernels(apply, params, x)[kernel]
     f0 = apply(params, x)
     lr, taus = 0.05, (3, 40, 200)
@@ -238,8 +238,8 @@ def _linearized_ce_gd(apply, params, x, y, lr, taus):
                                           ("linear", "traced")])
 def test_ce_euler_equals_linearized_gd(model, kernel):
   with jax.enable_x64(True):
-    apply, params = MODELS[model](jax.random.PRNGKey(4), jnp.float64)
-    x, y = _data(jax.random.PRNGKey(5), dtype=jnp.float64, soft=True)
+    apply, params = MODELS[model](jax.random.key(4), jnp.float64)
+    x, y = _data(jax.random.key(5), dtype=jnp.float64, soft=True)
     lr, taus = 2.0, (1, 6, 25)
     k = _kernels(apply, params, x)[kernel]
     evo = ev.evolve_ce_euler(k, apply(params, x), y, jnp.ones((N,), bool), lr=lr, taus=taus)
@@ -254,11 +254,11 @@ def test_ce_euler_equals_linearized_gd(model, kernel):
 
 def test_ce_traced_equals_full_for_block_identical_kernel_only():
   with jax.enable_x64(True):
-    x, y = _data(jax.random.PRNGKey(6), dtype=jnp.float64)
+    x, y = _data(jax.random.key(6), dtype=jnp.float64)
     mask = jnp.ones((N,), bool)
     results = {}
     for model in ("linear", "mlp"):
-      apply, params = MODELS[model](jax.random.PRNGKey(7), jnp.float64)
+      apply, params = MODELS[model](jax.random.key(7), jnp.float64)
       ks = _kernels(apply, params, x)
       run = lambda k: ev.evolve_ce_euler(k, apply(params, x), y, mask, lr=2.0, taus=(20,))
       results[model] = np.max(np.abs(run(ks["traced"]).residual_sums - run(ks["full"]).residual_sums))
@@ -272,8 +272,8 @@ def test_ce_traced_equals_full_for_block_identical_kernel_only():
 
 def test_ode_and_euler_agree_to_first_order_in_lr():
   with jax.enable_x64(True):
-    apply, params = _mlp_model(jax.random.PRNGKey(8), jnp.float64)
-    x, y = _data(jax.random.PRNGKey(9), dtype=jnp.float64)
+    apply, params = _mlp_model(jax.random.key(8), jnp.float64)
+    x, y = _data(jax.random.key(9), dtype=jnp.float64)
     k = _kernels(apply, params, x)["traced"]
     f0, mask = apply(params, x), jnp.ones((N,), bool)
     horizon = 16.0   # t = η τ kept fixed.
@@ -294,8 +294,8 @@ def test_ode_matches_dense_reference_solution():
   """The block-wise solve equals a single diffrax solve that saves every readout."""
   import diffrax  # pylint: disable=import-outside-toplevel
   with jax.enable_x64(True):
-    apply, params = _mlp_model(jax.random.PRNGKey(10), jnp.float64)
-    x, y = _data(jax.random.PRNGKey(11), dtype=jnp.float64, soft=True)
+    apply, params = _mlp_model(jax.random.key(10), jnp.float64)
+    x, y = _data(jax.random.key(11), dtype=jnp.float64, soft=True)
     k = _kernels(apply, params, x)["traced"]
     f0, lr, taus = apply(params, x), 0.5, (10, 30, 70)
     evo = ev.evolve_ce_ode(k, f0, y, jnp.ones((N,), bool), lr=lr, taus=taus, rtol=1e-10,
@@ -316,9 +316,9 @@ def test_ode_matches_dense_reference_solution():
 
 
 def test_weight_update_vjp_and_jacobian_paths_equal_explicit_contraction():
-  apply, params = _mlp_model(jax.random.PRNGKey(12), jnp.float32)
-  x, _ = _data(jax.random.PRNGKey(13))
-  s = jax.random.normal(jax.random.PRNGKey(14), (4, N, C))
+  apply, params = _mlp_model(jax.random.key(12), jnp.float32)
+  x, _ = _data(jax.random.key(13))
+  s = jax.random.normal(jax.random.key(14), (4, N, C))
   lr, norm = 0.3, 7.0
   jf = _flat_jacobian(apply, params, x)
   expected = -(lr / norm) * np.einsum("tnc,ncp->tp", np.asarray(s, np.float64),
@@ -345,8 +345,8 @@ CASES = [dict(loss="ce", solver="euler", kernel="traced"),
 
 @pytest.mark.parametrize("opts", CASES, ids=lambda o: "-".join(o.values()))
 def test_padding_changes_nothing(opts):
-  apply, params = _mlp_model(jax.random.PRNGKey(15), jnp.float32)
-  x, y = _data(jax.random.PRNGKey(16))
+  apply, params = _mlp_model(jax.random.key(15), jnp.float32)
+  x, y = _data(jax.random.key(16))
   pad = 4
   garbage_x = jnp.full((pad, D), 1e6).at[0, 0].set(jnp.nan)
   garbage_y = jnp.full((pad, C), 3.0).at[1, 1].set(jnp.inf)
@@ -363,10 +363,10 @@ def test_padding_changes_nothing(opts):
 
 
 def test_permuting_samples_leaves_update_unchanged():
-  apply, params = _mlp_model(jax.random.PRNGKey(17), jnp.float32)
-  x, y = _data(jax.random.PRNGKey(18), soft=True)
+  apply, params = _mlp_model(jax.random.key(17), jnp.float32)
+  x, y = _data(jax.random.key(18), soft=True)
   mask = jnp.arange(N) < N - 2
-  perm = jax.random.permutation(jax.random.PRNGKey(19), N)
+  perm = jax.random.permutation(jax.random.key(19), N)
   kw = dict(lr=1.0, taus=(5, 20), kernel_impl="jacobian")
   d0, i0 = _delta(apply, params, x, y, mask, **kw)
   d1, i1 = _delta(apply, params, x[perm], y[perm], mask[perm], **kw)
@@ -376,8 +376,8 @@ def test_permuting_samples_leaves_update_unchanged():
 
 
 def test_tau_selection_is_argmin_of_independent_losses():
-  apply, params = _mlp_model(jax.random.PRNGKey(20), jnp.float32)
-  x, y = _data(jax.random.PRNGKey(21), n=2 * N)
+  apply, params = _mlp_model(jax.random.key(20), jnp.float32)
+  x, y = _data(jax.random.key(21), n=2 * N)
   mask = jnp.ones((2 * N,), bool)
   taus = (2, 10, 40, 120)
   # The full kernel makes f_τ exactly the Taylor model f0 + J Δw_τ, from which
@@ -416,7 +416,7 @@ def test_select_tau_ties_and_nans():
 
 
 def test_jitted_update_does_not_retrace_on_new_data():
-  apply, params = _mlp_model(jax.random.PRNGKey(22), jnp.float32)
+  apply, params = _mlp_model(jax.random.key(22), jnp.float32)
   traces = []
 
   @jax.jit
@@ -426,21 +426,21 @@ def test_jitted_update_does_not_retrace_on_new_data():
 
   mask = jnp.arange(N) < N - 1
   for seed, lr in ((23, 1.0), (24, 0.5)):
-    x, y = _data(jax.random.PRNGKey(seed))
+    x, y = _data(jax.random.key(seed))
     new_params, info = update(params, x, y, mask, jnp.float32(lr))
     assert info["losses"].shape == (2,)
   assert len(traces) == 1
   # The update really depends on the data and the traced learning rate.
-  x, y = _data(jax.random.PRNGKey(23))
+  x, y = _data(jax.random.key(23))
   delta_lr1 = _flat(update(params, x, y, mask, 1.0)[0]) - _flat(params)
   delta_lr2 = _flat(update(params, x, y, mask, 0.5)[0]) - _flat(params)
   assert not np.allclose(delta_lr1, delta_lr2)
 
 
 def test_vmap_over_clients_equals_loop():
-  apply, params = _mlp_model(jax.random.PRNGKey(25), jnp.float32)
+  apply, params = _mlp_model(jax.random.key(25), jnp.float32)
   m = 3
-  keys = jax.random.split(jax.random.PRNGKey(26), m)
+  keys = jax.random.split(jax.random.key(26), m)
   xs, ys = jax.vmap(lambda k: _data(k, soft=True))(keys)
   masks = jnp.arange(N)[None, :] < jnp.array([N, N - 3, N - 5])[:, None]
   stacked = jax.tree_util.tree_map(
@@ -461,8 +461,8 @@ def test_vmap_over_clients_equals_loop():
 
 
 def test_precomputed_kernel_equals_computed_kernel():
-  apply, params = _mlp_model(jax.random.PRNGKey(27), jnp.float32)
-  x, y = _data(jax.random.PRNGKey(28))
+  apply, params = _mlp_model(jax.random.key(27), jnp.float32)
+  x, y = _data(jax.random.key(28))
   mask = jnp.ones((N,), bool)
   k = _kernels(apply, params, x)["traced"]
   d0, i0 = ev.ntk_step(apply, params, x, y, mask, kernel_matrix=k, lr=1.0, taus=(3, 9))
@@ -492,8 +492,8 @@ def test_bad_taus(taus, match):
     (dict(mse_form="exact"), "mse_form='exact'"), (dict(loss="mse", solver="ode"), "only defined"),
     (dict(lr=-0.1), "lr"), (dict(lr=float("nan")), "lr"), (dict(taus=(5, 1)), "ascending")])
 def test_bad_options_fail_before_work(kwargs, match):
-  apply, params = _mlp_model(jax.random.PRNGKey(29), jnp.float32)
-  x, y = _data(jax.random.PRNGKey(30))
+  apply, params = _mlp_model(jax.random.key(29), jnp.float32)
+  x, y = _data(jax.random.key(30))
   kw = dict(lr=1.0, taus=(1, 2), kernel_impl="jacobian") | kwargs
   with pytest.raises(ValueError, match=match):
     ev.ntk_step(apply, params, x, y, jnp.ones((N,), bool), **kw)
@@ -515,7 +515,7 @@ def test_bad_shapes():
 def test_vmapped_ode_evolution_equals_loop():
   """NTK-DFL vmaps the ODE path with per-client masks and learning rates."""
   m = 3
-  keys = jax.random.split(jax.random.PRNGKey(31), m)
+  keys = jax.random.split(jax.random.key(31), m)
   feats = jax.vmap(lambda k: jax.random.normal(k, (N, 5)))(keys)
   kernels = jnp.einsum("mnd,mkd->mnk", feats, feats)
   f0s = jax.vmap(lambda k: jax.random.normal(k, (N, C)))(keys)

@@ -59,7 +59,7 @@ def tiny(method="fed_ensemble", *, sizes=(6, 6, 6, 6, 6, 6), seed=0, **algo):
 
 
 def run_rounds(algorithm, rounds, key=0):
-  state = algorithm.init(jax.random.PRNGKey(key))
+  state = algorithm.init(jax.random.key(key))
   for r in range(rounds):
     state, step_metrics = algorithm.step(state, algorithm.round_inputs(r))
   return state, step_metrics
@@ -137,7 +137,7 @@ def test_each_mode_averages_exactly_the_clients_that_trained_it():
     config, fed = tiny(sizes=sizes, num_modes=3, epochs=2, batch_size=4, lr=0.3, aggregation_weights=weights,
                        clients_per_round=5, seed=2)
     algorithm = get_method("fed_ensemble").make(config, MODEL, fed)
-    state0 = algorithm.init(jax.random.PRNGKey(0))
+    state0 = algorithm.init(jax.random.key(0))
     for r in range(2):  # two rounds, so round 1 starts from three distinct trained modes
       inputs = algorithm.round_inputs(r)
       state1, step_metrics = algorithm.step(state0, inputs)
@@ -167,10 +167,10 @@ def test_each_mode_averages_exactly_the_clients_that_trained_it():
 def test_idle_modes_stay_and_modes_start_independent():
   config, fed = tiny(num_modes=5, clients_per_round=2)  # 2 participants: >= 3 modes idle every round
   algorithm = get_method("fed_ensemble").make(config, MODEL, fed)
-  state0 = algorithm.init(jax.random.PRNGKey(0))
+  state0 = algorithm.init(jax.random.key(0))
   kernel = np.asarray(state0.modes["params"]["dense_0"]["kernel"])             # (biases start at zero)
   assert all(not np.array_equal(kernel[0], kernel[k]) for k in range(1, 5))
-  np.testing.assert_array_equal(kernel[0], MODEL.init(jax.random.PRNGKey(0))["params"]["dense_0"]["kernel"])
+  np.testing.assert_array_equal(kernel[0], MODEL.init(jax.random.key(0))["params"]["dense_0"]["kernel"])
   inputs = algorithm.round_inputs(0)
   state1, _ = algorithm.step(state0, inputs)
   for k in set(range(5)) - set(inputs.modes.tolist()):
@@ -182,7 +182,7 @@ def test_ntk_local_training_evolves_each_mode_on_its_pooled_participants():
   config, fed = tiny(sizes=(5, 3, 5, 4, 5, 2), num_modes=2, local_training="ntk", aggregation_weights="data_size",
                      lr=0.5, taus=(2, 5, 9), seed=1)
   algorithm = get_method("fed_ensemble").make(config, MODEL, fed)
-  state0 = algorithm.init(jax.random.PRNGKey(0))
+  state0 = algorithm.init(jax.random.key(0))
   inputs = algorithm.round_inputs(0)
   state1, step_metrics = algorithm.step(state0, inputs)
   for m in range(2):
@@ -213,7 +213,7 @@ def _numpy_ensemble(stacked, x, y, aggregate):
 
 @pytest.mark.parametrize("aggregate", ["ensemble_probs", "ensemble_logits"])
 def test_ensemble_evaluator_matches_numpy(aggregate):
-  stacked = fed_ensemble.init_modes(MODEL, jax.random.PRNGKey(3), 4)
+  stacked = fed_ensemble.init_modes(MODEL, jax.random.key(3), 4)
   stacked = jax.tree.map(lambda w: 3.0 * w, stacked)                               # confident, diverse members
   rng = np.random.default_rng(0)
   x, y = rng.normal(size=(23, 5)).astype(np.float32), rng.integers(0, 3, size=23)

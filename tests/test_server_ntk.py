@@ -56,7 +56,7 @@ def tiny(*, sizes=(7, 5, 6, 7, 4), clients_per_round=3, seed=0, **algo):
 
 def one_round(config, federation, round_index=0):
   algorithm = server_ntk.make_server_ntk(config, MODEL, federation)
-  state = algorithm.init(jax.random.PRNGKey(config.seed))
+  state = algorithm.init(jax.random.key(config.seed))
   inputs = algorithm.round_inputs(round_index)
   new_state, metrics = algorithm.step(state, inputs)
   return algorithm, state, inputs, new_state, metrics
@@ -81,8 +81,8 @@ def assert_trees_close(a, b, rtol=RTOL, atol=ATOL):
 
 
 def test_per_sample_jacobian_equals_jacrev_of_the_batch_chunked_or_not():
-  params = MODEL.init(jax.random.PRNGKey(1))
-  x = jax.random.normal(jax.random.PRNGKey(2), (7, D_IN))
+  params = MODEL.init(jax.random.key(1))
+  x = jax.random.normal(jax.random.key(2), (7, D_IN))
   reference = jax.jacrev(lambda p: MODEL.apply(p, x))(params)           # leaves [N, C, *leaf]
   for chunk in (None, 1, 3, 7):
     assert_trees_close(jacobians.per_sample_jacobian(MODEL.apply, params, x, chunk_size=chunk), reference,
@@ -96,9 +96,9 @@ def test_per_sample_jacobian_equals_jacrev_of_the_batch_chunked_or_not():
 
 @pytest.mark.parametrize("trace", [True, False])
 def test_jacobian_kernel_equals_empirical_ntk(trace):
-  params = MODEL.init(jax.random.PRNGKey(3))
-  x1 = jax.random.normal(jax.random.PRNGKey(4), (6, D_IN))
-  x2 = jax.random.normal(jax.random.PRNGKey(5), (4, D_IN))
+  params = MODEL.init(jax.random.key(3))
+  x1 = jax.random.normal(jax.random.key(4), (6, D_IN))
+  x2 = jax.random.normal(jax.random.key(5), (4, D_IN))
   j1, j2 = (jacobians.flat_jacobian(MODEL.apply, params, x) for x in (x1, x2))
   expected = ntk.empirical_ntk(MODEL.apply, params, x1, x2, trace_outputs=trace, implementation="jacobian")
   np.testing.assert_allclose(jacobians.jacobian_kernel(j1, j2, trace_outputs=trace), expected, rtol=1e-5,
@@ -106,14 +106,14 @@ def test_jacobian_kernel_equals_empirical_ntk(trace):
 
 
 def test_projection_is_seeded_gaussian_and_folds_into_the_first_layer():
-  key = jax.random.PRNGKey(9)
+  key = jax.random.key(9)
   p = jacobians.projection_matrix(key, D_IN, 4)
   np.testing.assert_allclose(p, jax.random.normal(key, (D_IN, 4)) / math.sqrt(D_IN), rtol=1e-6)
   np.testing.assert_array_equal(jacobians.projection_matrix(key, D_IN, 4, scale="none"),
                                 jax.random.normal(key, (D_IN, 4)))
   small = models.mlp(4, HIDDEN, C)
-  params = small.init(jax.random.PRNGKey(1))
-  x = jax.random.normal(jax.random.PRNGKey(2), (5, D_IN))
+  params = small.init(jax.random.key(1))
+  x = jax.random.normal(jax.random.key(2), (5, D_IN))
   np.testing.assert_allclose(MODEL.apply(jacobians.fold_projection(params, p), x), small.apply(params, x @ p),
                              rtol=1e-5, atol=1e-5)
 
@@ -121,7 +121,7 @@ def test_projection_is_seeded_gaussian_and_folds_into_the_first_layer():
 def test_subsample_keeps_floor_beta_n_distinct_real_samples():
   mask = jnp.arange(20) < 13
   for seed in range(5):
-    idx, keep = jacobians.subsample(jax.random.PRNGKey(seed), mask, 0.4)
+    idx, keep = jacobians.subsample(jax.random.key(seed), mask, 0.4)
     assert idx.shape == keep.shape == (8,)                     # floor(0.4 * 20) slots
     chosen = np.asarray(idx)[np.asarray(keep)]
     assert len(chosen) == 5 and len(set(chosen)) == 5          # floor(0.4 * 13) distinct samples
@@ -129,7 +129,7 @@ def test_subsample_keeps_floor_beta_n_distinct_real_samples():
   # Every real sample gets drawn by some key (uniform, not a fixed prefix).
   seen = set()
   for seed in range(40):
-    idx, keep = jacobians.subsample(jax.random.PRNGKey(seed), mask, 0.4)
+    idx, keep = jacobians.subsample(jax.random.key(seed), mask, 0.4)
     seen |= set(np.asarray(idx)[np.asarray(keep)].tolist())
   assert seen == set(range(13))
 
@@ -150,7 +150,7 @@ def _numpy_quantize(a, mask, bits):
 
 
 def test_sparsify_rows_and_quantize_kept_match_numpy():
-  a = np.asarray(jax.random.normal(jax.random.PRNGKey(0), (4, 3, 50)))
+  a = np.asarray(jax.random.normal(jax.random.key(0), (4, 3, 50)))
   sparse, mask = jacobians.sparsify_rows(jnp.asarray(a), 0.1)
   ref_sparse, ref_mask = _numpy_topk_rows(a, 0.1)
   np.testing.assert_array_equal(mask, ref_mask)
@@ -183,7 +183,7 @@ def test_payload_bits_match_a_hand_count():
 
 def test_shuffle_rows_permutes_every_leaf_together():
   a, b = jnp.arange(6), jnp.arange(12).reshape(6, 2)
-  (pa, pb), perm = jacobians.shuffle_rows(jax.random.PRNGKey(0), (a, b))
+  (pa, pb), perm = jacobians.shuffle_rows(jax.random.key(0), (a, b))
   np.testing.assert_array_equal(pa, perm)
   np.testing.assert_array_equal(pb, b[perm])
   assert sorted(np.asarray(perm).tolist()) == list(range(6))
@@ -280,7 +280,7 @@ def test_bit_accounting_matches_a_hand_count_and_accumulates():
   keep, bits = 0.25, 6
   config, fed = tiny(sparsify_keep=keep, quantize_bits=bits)
   algorithm = server_ntk.make_server_ntk(config, MODEL, fed)
-  state = algorithm.init(jax.random.PRNGKey(0))
+  state = algorithm.init(jax.random.key(0))
   d = models.num_params(state.params)                          # 8*6 + 6 + 6*3 + 3 = 75
   k = math.ceil(keep * d)
   support = min(d, k * math.ceil(math.log2(d)))                # bitmap (75) vs 19 indices of 7 bits (133)

@@ -134,7 +134,7 @@ def make_centralized(method: str, config, model: models.Model, federation) -> Al
   else:
     shared = (np.zeros((0, *federation.x.shape[2:]), np.float32), np.zeros((0,), np.int32))
   data = jax.device_put(tuple(jnp.asarray(a) for a in (federation.x, federation.y, federation.mask, *shared)))
-  payload = compression.tree_payload_bits(jax.eval_shape(model.init, jax.random.PRNGKey(0)), bits)
+  payload = compression.tree_payload_bits(jax.eval_shape(model.init, jax.random.key(0)), bits)
 
   def init(key):
     params = jax.tree.map(lambda w: w[0], models.init_clients(model, key, 1))

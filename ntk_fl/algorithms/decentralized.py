@@ -213,7 +213,7 @@ def make_decentralized(method: str, config, model: models.Model, federation) -> 
   sizes = np.asarray(federation.n)
   data = jax.device_put(tuple(jnp.asarray(a) for a in (federation.x, federation.y, federation.mask)))
 
-  shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0))
+  shapes = jax.eval_shape(model.init, jax.random.key(0))
   sparse = sparse_leaves(shapes)
   if dispfl:
     ratio = float(algo.dense_ratio)

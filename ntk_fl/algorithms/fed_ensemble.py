@@ -302,7 +302,7 @@ def make_fed_ensemble(config, model: models.Model, federation) -> Algorithm:
   chunk_size = config.chunk_size or None
   strata = make_strata(num_clients, int(algo.num_strata), config.seed)
   data = jax.device_put(tuple(jnp.asarray(a) for a in (federation.x, federation.y, federation.mask)))
-  payload = compression.tree_payload_bits(jax.eval_shape(model.init, jax.random.PRNGKey(0)), bits)
+  payload = compression.tree_payload_bits(jax.eval_shape(model.init, jax.random.key(0)), bits)
   uniform_weights = algo.aggregation_weights == "uniform"
 
   def init(key):
@@ -318,7 +318,7 @@ def make_fed_ensemble(config, model: models.Model, federation) -> Algorithm:
     return jnp.sum(assignment[:, None] == jnp.arange(num_modes)[None, :], axis=0).astype(jnp.int32)
 
   if algo.local_training == "ntk":
-    num_classes = int(jax.eval_shape(model.apply, jax.eval_shape(model.init, jax.random.PRNGKey(0)),
+    num_classes = int(jax.eval_shape(model.apply, jax.eval_shape(model.init, jax.random.key(0)),
                                      jax.ShapeDtypeStruct((1, *federation.x.shape[2:]), jnp.float32)).shape[-1])
     evolve_options = dict(taus=evolve.check_taus(tuple(algo.taus)), loss=evolve.Loss.CE,
                           solver=evolve.Solver(algo.solver), select=evolve.Select(algo.select),

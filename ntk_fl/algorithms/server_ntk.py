@@ -189,7 +189,7 @@ def make_server_ntk(config, model: models.Model, federation) -> Algorithm:
                                              scale=algo.projection_scale)
     net = models.mlp(proj_dim, tuple(config.model.hidden), num_classes, config.model.activation)
   first_layer = net.dense_stack.layers[0] if net.dense_stack else None
-  num_params = models.num_params(jax.eval_shape(net.init, jax.random.PRNGKey(0)))
+  num_params = models.num_params(jax.eval_shape(net.init, jax.random.key(0)))
   model_bits = num_params * compression.FLOAT_BITS
   n_slots = jacobians.num_subsampled(n_max, beta) if beta < 1 else n_max
   data = jax.device_put((jnp.asarray(federation.x), jnp.asarray(federation.y), jnp.asarray(federation.mask),
