@@ -31,6 +31,9 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file, e.g. configs/ntk_dfl.py or configs/ntk_dfl.py:smoke.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory of the run.")
 _RESUME = flags.DEFINE_bool("resume", False, "Continue the run in --workdir from its latest checkpoint.")
+_RESUME_FROM_STEP = flags.DEFINE_integer(
+    "resume_from_step", None, "Continue the run in --workdir from its checkpoint after this many rounds (implies "
+    "--resume); later checkpoints are set aside (renamed, not deleted) and their rounds recomputed.")
 _BRANCH_FROM = flags.DEFINE_string(
     "branch_from", None, "Start from the checkpoint of the run in this workdir (its config must equal --config, "
     "or the method must certify the rounds they share).")
@@ -77,12 +80,14 @@ def main(argv: list[str]) -> None:
   try:
     # Everything that can be wrong with the request fails here, before any work.
     schema.validate_config(config)
-    rundir.check_start(config, _WORKDIR.value, resume=_RESUME.value, branch_from=_BRANCH_FROM.value,
+    rundir.check_start(config, _WORKDIR.value, resume=_RESUME.value, resume_from_step=_RESUME_FROM_STEP.value,
+                       branch_from=_BRANCH_FROM.value,
                        branch_round=_BRANCH_ROUND.value)
   except (ValueError, FileNotFoundError) as e:
     logging.error("%s", e)
     sys.exit(f"error: {e}")
-  summary = runner.run(config, _WORKDIR.value, resume=_RESUME.value, branch_from=_BRANCH_FROM.value,
+  summary = runner.run(config, _WORKDIR.value, resume=_RESUME.value, resume_from_step=_RESUME_FROM_STEP.value,
+                       branch_from=_BRANCH_FROM.value,
                        branch_round=_BRANCH_ROUND.value)
   logging.info("rounds to target: %s; final aggregated accuracy: %s; wall time %.1fs",
                summary["rounds_to_target"], summary["final_test_acc"], summary["wall_time"])

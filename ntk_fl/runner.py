@@ -263,14 +263,18 @@ def _summarize(config, lines: list[dict], *, num_params: int, selection: dict | 
   }
 
 
-def run(config, workdir: str, *, resume: bool = False, branch_from: str | None = None,
-        branch_round: int | None = None, on_round_end: Callable[[int, dict], None] | None = None) -> dict:
+def run(config, workdir: str, *, resume: bool = False, resume_from_step: int | None = None,
+        branch_from: str | None = None, branch_round: int | None = None,
+        on_round_end: Callable[[int, dict], None] | None = None) -> dict:
   """Runs the experiment described by ``config`` in ``workdir``; returns the summary.
 
   Args:
     config: a config built on :func:`ntk_fl.config.base_config`.
     workdir: output directory (created); see the module docstring for its layout.
-    resume: continue from the latest checkpoint in ``workdir``.
+    resume: continue from the newest good checkpoint in ``workdir`` (damaged or
+      incomplete ones are set aside: renamed, never deleted).
+    resume_from_step: continue from the checkpoint after this many rounds
+      (implies ``resume``; later checkpoints are set aside).
     branch_from: start a new run in ``workdir`` from the checkpoint of the run in
       this directory after ``branch_round`` rounds, copying its metrics lines
       for those rounds (see :func:`check_branch` for when that is allowed).
@@ -293,15 +297,16 @@ def run(config, workdir: str, *, resume: bool = False, branch_from: str | None =
   validate_config(config)
   # Every step/evaluation is traced inside the mesh, so for_each_client shards clients over it.
   with parallel.use_devices(config.devices):
-    return _run(config, workdir, resume=resume, branch_from=branch_from, branch_round=branch_round,
-                on_round_end=on_round_end, started=started)
+    return _run(config, workdir, resume=resume or resume_from_step is not None, resume_from_step=resume_from_step,
+                branch_from=branch_from, branch_round=branch_round, on_round_end=on_round_end, started=started)
 
 
-def _run(config, workdir: str, *, resume: bool, branch_from: str | None, branch_round: int | None,
-         on_round_end, started: float) -> dict:
+def _run(config, workdir: str, *, resume: bool, resume_from_step: int | None, branch_from: str | None,
+         branch_round: int | None, on_round_end, started: float) -> dict:
   """:func:`run` after validation, inside the device mesh."""
   workdir = os.path.abspath(workdir)
-  start = rundir.check_start(config, workdir, resume=resume, branch_from=branch_from, branch_round=branch_round)
+  start = rundir.check_start(config, workdir, resume=resume, resume_from_step=resume_from_step,
+                             branch_from=branch_from, branch_round=branch_round)
   if branch_from is not None:
     branch_from = os.path.abspath(branch_from)
 

@@ -218,3 +218,165 @@ def test_run_directory_of_a_registered_method_skips_its_method_module(tmp_path):
   assert config.method == "fedavg" and config.method_module == ""
   runner.validate_config(config)
   assert not marker.exists()
+
+
+# ----------------------------------------------------------------------------- checkpoint faults
+
+_ROUNDS = 5   # toy smoke with 5 rounds: checkpoints after rounds 2, 4 and 5; the last two are kept
+_TIMES = ("step_time", "eval_time")
+_SUMMARY_TIMES = ("wall_time", "train_time", "time_per_round", "step_time_per_round", "resumed_from")
+
+
+def _toy_config(**overrides):
+  from ntk_fl.config import load_config  # pylint: disable=g-import-not-at-top
+  config = load_config(os.path.join(_REPO, "tests", "configs", "toy.py"), "smoke")
+  config.rounds = _ROUNDS
+  for key, value in overrides.items():
+    node = config
+    *path, last = key.split(".")
+    for p in path:
+      node = node[p]
+    node[last] = value
+  return config
+
+
+def _results(workdir):
+  """metrics lines and summary without wall-clock times: what an exact resume must reproduce."""
+  import json  # pylint: disable=g-import-not-at-top
+  from ntk_fl import rundir  # pylint: disable=g-import-not-at-top
+  lines = [{k: v for k, v in line.items() if k not in _TIMES} for line in rundir.read_metrics(workdir)]
+  with open(os.path.join(workdir, rundir.SUMMARY_FILE)) as f:
+    summary = {k: v for k, v in json.load(f).items() if k not in _SUMMARY_TIMES}
+  return lines, summary
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+  from ntk_fl import runner  # pylint: disable=g-import-not-at-top
+  workdir = str(tmp_path_factory.mktemp("uninterrupted") / "run")
+  runner.run(_toy_config(), workdir)
+  return workdir, _results(workdir)
+
+
+def _copy_run(source, tmp_path):
+  import shutil  # pylint: disable=g-import-not-at-top
+  workdir = str(tmp_path / "run")
+  shutil.copytree(source, workdir)
+  os.remove(os.path.join(workdir, "summary.json"))
+  return workdir
+
+
+def _largest_data_file(step_dir):
+  files = [os.path.join(root, name) for root, _, names in os.walk(os.path.join(step_dir, "default"))
+           for name in names if os.sep + "d" + os.sep in os.path.join(root, name)]
+  return max(files, key=os.path.getsize)
+
+
+def _damage(step_dir, how):
+  if how == "metadata removed":
+    os.remove(os.path.join(step_dir, "_CHECKPOINT_METADATA"))
+  elif how == "truncated":
+    path = _largest_data_file(step_dir)
+    with open(path, "r+b") as f:
+      f.truncate(os.path.getsize(path) // 2)
+  elif how == "zero-filled":      # the file keeps its size: only the digest can tell
+    path = _largest_data_file(step_dir)
+    with open(path, "r+b") as f:
+      f.write(b"\0" * os.path.getsize(path))
+  elif how == "zero block":       # a block inside the compressed data: still decodes, to wrong numbers
+    path = _largest_data_file(step_dir)
+    with open(path, "r+b") as f:
+      f.seek(os.path.getsize(path) // 3)
+      f.write(b"\0" * 64)
+  else:
+    raise ValueError(how)
+
+
+@pytest.mark.parametrize("how,label", [("metadata removed", "incomplete"), ("truncated", "damaged"),
+                                       ("zero-filled", "damaged"), ("zero block", "damaged")])
+def test_damaged_latest_checkpoint_is_set_aside_and_resume_is_exact(uninterrupted, tmp_path, how, label, caplog):
+  from ntk_fl import runner  # pylint: disable=g-import-not-at-top
+  source, expected = uninterrupted
+  workdir = _copy_run(source, tmp_path)
+  ckpt_dir = os.path.join(workdir, "checkpoints")
+  _damage(os.path.join(ckpt_dir, "5"), how)
+  with open(os.path.join(ckpt_dir, "5", "default", "_METADATA"), "rb") if how != "metadata removed" else \
+      open(os.devnull, "rb") as f:
+    kept_bytes = f.read()
+
+  summary = runner.run(_toy_config(), workdir, resume=True)
+  assert summary["resumed_from"] == 4           # the newest good checkpoint
+  assert _results(workdir) == expected          # identical to the uninterrupted run
+  set_aside = [n for n in os.listdir(ckpt_dir) if n.startswith(f"5.set-aside-{label}-")]
+  assert len(set_aside) == 1                    # renamed, not deleted: the damaged files are all still there
+  if how != "metadata removed":
+    with open(os.path.join(ckpt_dir, set_aside[0], "default", "_METADATA"), "rb") as f:
+      assert f.read() == kept_bytes
+  assert sorted(n for n in os.listdir(ckpt_dir) if SET_ASIDE not in n) == ["4", "5"]
+  assert any(f"{ckpt_dir}/5" in r.getMessage() and "set aside as" in r.getMessage() for r in caplog.records)
+
+
+SET_ASIDE = ".set-aside-"
+
+
+def test_resume_from_step_sets_later_checkpoints_aside(uninterrupted, tmp_path):
+  from ntk_fl import runner  # pylint: disable=g-import-not-at-top
+  source, expected = uninterrupted
+  workdir = _copy_run(source, tmp_path)
+  summary = runner.run(_toy_config(), workdir, resume_from_step=4)
+  assert summary["resumed_from"] == 4 and _results(workdir) == expected
+  ckpt_dir = os.path.join(workdir, "checkpoints")
+  assert any(n.startswith("5.set-aside-superseded-") for n in os.listdir(ckpt_dir))
+  # A step that is not there (round 2 was rotated out) is a clear error naming the ones that are.
+  with pytest.raises(FileNotFoundError, match=r"no finalised checkpoint after round 2 .*rounds \[4, 5\]"):
+    runner.run(_toy_config(), workdir, resume_from_step=2)
+
+
+def test_every_checkpoint_damaged_is_a_clear_error(uninterrupted, tmp_path):
+  from ntk_fl import runner  # pylint: disable=g-import-not-at-top
+  source, _ = uninterrupted
+  workdir = _copy_run(source, tmp_path)
+  for step in ("4", "5"):
+    _damage(os.path.join(workdir, "checkpoints", step), "zero-filled")
+  with pytest.raises(FileNotFoundError, match="cannot resume: no finalised checkpoint"):
+    runner.run(_toy_config(), workdir, resume=True)
+  assert len([n for n in os.listdir(os.path.join(workdir, "checkpoints")) if SET_ASIDE in n]) == 2
+
+
+_KILL_DRIVER = """
+import os, signal, sys
+sys.path.insert(0, {repo!r})
+import orbax.checkpoint._src.path.atomicity as atomicity
+from ntk_fl import runner
+from ntk_fl.config import load_config
+config = load_config(os.path.join({repo!r}, "tests", "configs", "toy.py"), "smoke")
+config.rounds = {rounds}
+where = sys.argv[1]
+kill = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+if where == "checkpoint":   # every file of checkpoint 4 written, the final rename not yet done
+  finalize = atomicity.AtomicRenameTemporaryPath.finalize
+  async def finalize_or_die(self):
+    if os.path.basename(str(self._final_path)) == "4":
+      kill()
+    await finalize(self)
+  atomicity.AtomicRenameTemporaryPath.finalize = finalize_or_die
+  runner.run(config, sys.argv[2])
+else:                       # round 3 logged, then killed before round 4 finishes
+  runner.run(config, sys.argv[2], on_round_end=lambda r, line: kill() if r == 3 else None)
+"""
+
+
+@pytest.mark.parametrize("where,latest", [("round", 2), ("checkpoint", 2)])
+def test_kill_9_then_resume_equals_the_uninterrupted_run(uninterrupted, tmp_path, where, latest):
+  import subprocess  # pylint: disable=g-import-not-at-top
+  from ntk_fl import runner  # pylint: disable=g-import-not-at-top
+  from ntk_fl.checkpoint import Checkpoints  # pylint: disable=g-import-not-at-top
+  _, expected = uninterrupted
+  workdir = str(tmp_path / "run")
+  proc = subprocess.run([sys.executable, "-c", _KILL_DRIVER.format(repo=_REPO, rounds=_ROUNDS), where, workdir],
+                        capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert proc.returncode == -9, proc.stderr[-2000:]
+  with Checkpoints(os.path.join(workdir, "checkpoints"), read_only=True) as ckpt:
+    assert ckpt.steps() == [latest]
+  summary = runner.run(_toy_config(), workdir, resume=True)
+  assert summary["resumed_from"] == latest and _results(workdir) == expected
