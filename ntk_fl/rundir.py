@@ -72,10 +72,10 @@ BRANCH_FILE = "branched_from.json"
 
 # Keys that do not change the trajectory (where clients run, which checkpoints are kept, whether the
 # consensus models are also scored); resume and branch ignore them.
-_RESULT_NEUTRAL_KEYS = ("devices", "checkpoint_keep", "eval.consensus")
+_RESULT_NEUTRAL_KEYS = ("devices", "checkpoint_keep", "eval.consensus", "on_divergence")
 # Keys added to the schema after runs were stored, each with the value that reproduces those runs: a stored
 # config.json without one ran with that value (resume, branch and load_run_config fill it in).
-_ADDED_KEYS = {"data.max_test": 0, "eval.consensus": False}
+_ADDED_KEYS = {"data.max_test": 0, "eval.consensus": False, "on_divergence": "stop"}
 
 
 def checkpoint_dir(workdir: str) -> str:

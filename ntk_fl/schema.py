@@ -27,7 +27,10 @@ from ntk_fl import validation
 from ntk_fl.algorithms import get_method
 from ntk_fl.config import base_config
 
-__all__ = ["import_method_module", "method_module_imported", "validate_config"]
+__all__ = ["DIVERGENCE_POLICIES", "import_method_module", "method_module_imported", "validate_config"]
+
+#: ``config.on_divergence``: end the run at a non-finite round, or log it and go on.
+DIVERGENCE_POLICIES = ("stop", "continue")
 
 # Config keys beyond base_config(): the optional method module, and the free-form algorithm block.
 _EXTRA_TOP_LEVEL = frozenset({"method_module"})
@@ -124,6 +127,7 @@ def validate_config(config) -> None:
     raise ValueError(f"config.checkpoint_keep must be a tuple of 1-based round numbers, got {keep!r}")
   for r in keep:
     validation.check_int("config.checkpoint_keep (1-based round numbers)", r, low=1)
+  _choice(config, "on_divergence", DIVERGENCE_POLICIES)
   _int(config, "chunk_size", 0)
   devices = _int(config, "devices", 0)
   if devices > jax.device_count():

@@ -380,3 +380,84 @@ def test_kill_9_then_resume_equals_the_uninterrupted_run(uninterrupted, tmp_path
     assert ckpt.steps() == [latest]
   summary = runner.run(_toy_config(), workdir, resume=True)
   assert summary["resumed_from"] == latest and _results(workdir) == expected
+
+
+# ----------------------------------------------------------------------------- divergence
+
+
+def _poison_client_at_round(monkeypatch, round_: int, client: int):
+  """Makes toy_gd's step put NaN into one client's parameters in round ``round_`` (1-based)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from ntk_fl import algorithms, schema  # pylint: disable=g-import-not-at-top
+
+  schema.import_method_module(_toy_config().method_module)
+  method = algorithms.get_method("toy_gd")
+
+  def make(config, model, federation):
+    algorithm = method.make(config, model, federation)
+    calls = []
+
+    def step(state, inputs):
+      state, metrics = algorithm.step(state, inputs)
+      calls.append(1)
+      if len(calls) == round_:
+        poison = lambda w: w.at[client].set(jnp.nan) if jnp.issubdtype(w.dtype, jnp.floating) else w
+        state = state._replace(params=jax.tree.map(poison, state.params))
+      return state, metrics
+    return algorithm._replace(step=step)
+
+  monkeypatch.setitem(algorithms._REGISTRY, "toy_gd", method._replace(make=make))
+
+
+def test_nan_in_a_client_stops_the_run_and_resume_is_exact(uninterrupted, tmp_path, monkeypatch):
+  import json  # pylint: disable=g-import-not-at-top
+  from ntk_fl import runner  # pylint: disable=g-import-not-at-top
+  from ntk_fl.checkpoint import Checkpoints  # pylint: disable=g-import-not-at-top
+  _, expected = uninterrupted
+  workdir = str(tmp_path / "run")
+  with monkeypatch.context() as patch:
+    _poison_client_at_round(patch, round_=3, client=7)
+    with pytest.raises(runner.Diverged) as err:
+      runner.run(_toy_config(), workdir)
+  message = str(err.value)
+  assert err.value.round == 3
+  assert message.startswith("round 3: the run diverged: non-finite the models of 1 of 10 clients (7)")
+  assert "config.algorithm.lr = 0.5" in message and "last good checkpoint (after round 2) is kept" in message
+  with open(os.path.join(workdir, "summary.json")) as f:
+    summary = json.load(f)
+  assert summary["status"] == "diverged" and summary["diverged"]["round"] == 3
+  assert summary["final_test_acc"] is None and summary["rounds_run"] == 3   # no stale "final" numbers
+  with Checkpoints(os.path.join(workdir, "checkpoints"), read_only=True) as ckpt:
+    assert ckpt.steps() == [2]           # the non-finite state was not saved
+  # Nothing lost: the same run resumed (no fault this time) is the uninterrupted one.
+  runner.run(_toy_config(), workdir, resume=True)
+  assert _results(workdir) == expected
+
+
+def test_on_divergence_continue_records_and_goes_on(tmp_path, monkeypatch):
+  from ntk_fl import runner  # pylint: disable=g-import-not-at-top
+  _poison_client_at_round(monkeypatch, round_=2, client=0)
+  summary = runner.run(_toy_config(on_divergence="continue"), str(tmp_path / "run"))
+  assert summary["status"] == "diverged" and summary["diverged"]["round"] == 2
+  assert summary["rounds_run"] == _ROUNDS and summary["selection"] is None
+
+
+def test_finite_check_flags_each_quantity():
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from ntk_fl import runner  # pylint: disable=g-import-not-at-top
+  check = runner.make_finite_check(lambda state: state["params"])
+  state = {"params": {"w": jnp.ones((4, 3, 2)), "b": jnp.zeros((4, 2))}, "momentum": jnp.zeros(5),
+           "steps": jnp.int32(3)}
+  metrics = {"loss": jnp.ones(4), "tau": jnp.arange(4)}
+  flags = check(state, metrics)
+  assert bool(flags["state"]) and np.asarray(flags["clients"]).all() and set(flags["metrics"]) == {"loss"}
+  bad = {**state, "params": {"w": state["params"]["w"].at[2, 1, 0].set(jnp.inf), "b": state["params"]["b"]}}
+  flags = check(bad, {"loss": jnp.array([1.0, jnp.nan, 1.0, 1.0]), "tau": metrics["tau"]})
+  assert not bool(flags["state"]) and np.asarray(flags["clients"]).tolist() == [True, True, False, True]
+  assert not bool(flags["metrics"]["loss"])
+  found = runner._non_finite(flags, {"test_loss": float("nan")})
+  assert found == ["the models of 1 of 4 clients (2)", "the algorithm metric 'loss'", "the aggregated model's test_loss"]
+  flags = check({**state, "momentum": jnp.full(5, jnp.nan)}, metrics)
+  assert runner._non_finite(flags, {"test_loss": 0.3}) == [
+      "the algorithm state (a non-parameter leaf, e.g. momentum or a server model)"]
