@@ -155,7 +155,8 @@ def build_experiment(config) -> Experiment:
   client_indices = data.partition(
       dataset.y_train, config.data.partition, config.data.num_clients, seed=config.seed,
       alpha=config.data.alpha, samples_per_client=config.data.samples_per_client or None,
-      classes_per_client=config.data.classes_per_client, writers=dataset.writers_train)
+      classes_per_client=config.data.classes_per_client, writers=dataset.writers_train,
+      partition_file=config.data.partition_file or None)
   federation = data.make_federation(dataset.x_train, dataset.y_train, client_indices)
   model = models.make_model(config.model, dataset.x_train.shape[1:], dataset.num_classes)
   algorithm = get_method(config.method).make(config, model, federation)
