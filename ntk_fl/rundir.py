@@ -49,6 +49,7 @@ __all__ = [
     "check_branch",
     "check_start",
     "check_workdir",
+    "check_writable",
     "checkpoint_dir",
     "jsonable",
     "load_run_config",
@@ -120,17 +121,23 @@ def read_metrics(workdir: str) -> list[dict]:
   """The per-round metrics lines of ``workdir/metrics.jsonl`` (a trailing partial line is dropped)."""
   path = os.path.join(workdir, METRICS_FILE)
   lines = []
-  with open(path) as f:
-    raw = f.read().split("\n")
+  try:
+    with open(path) as f:
+      raw = f.read().split("\n")
+  except UnicodeDecodeError as e:
+    raise ValueError(f"{path} is not a text file of JSON lines ({e})") from None
   for i, text in enumerate(raw):
     if not text.strip():
       continue
     try:
-      lines.append(json.loads(text))
+      line = json.loads(text)
     except json.JSONDecodeError:
       if i == len(raw) - 1:  # the process died mid-write; that round is redone anyway
         break
       raise ValueError(f"{path}: line {i + 1} is not valid JSON") from None
+    if not isinstance(line, dict):
+      raise ValueError(f"{path}: line {i + 1} is not a metrics record (a JSON object), got {text[:60]!r}")
+    lines.append(line)
   return lines
 
 
@@ -265,6 +272,26 @@ def _experiment_configs(config, workdir: str, action: str) -> tuple[dict, dict]:
   return config_without(stored, *_RESULT_NEUTRAL_KEYS), config_without(current, *_RESULT_NEUTRAL_KEYS)
 
 
+def check_writable(workdir: str) -> None:
+  """``workdir`` is (or can be made) a directory this process may write: checked before any work.
+
+  Raises:
+    ValueError: ``workdir`` or a folder above it is a file, or the nearest existing
+      folder is not writable (permissions, a read-only file system).
+  """
+  workdir = os.path.abspath(workdir)
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise ValueError(f"workdir {workdir} is a file, not a directory; choose a directory (it is created if missing)")
+  existing = workdir
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise ValueError(f"workdir {workdir} cannot be created: {existing} is a file, not a directory")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise ValueError(f"workdir {workdir} cannot be written: {existing} is not writable by this user "
+                     "(or is on a read-only file system)")
+
+
 def check_workdir(config, workdir: str, *, resume: bool, resume_from_step: int | None = None) -> int:
   """Checks ``workdir`` before any work; returns the round count to start from.
 
@@ -276,6 +303,7 @@ def check_workdir(config, workdir: str, *, resume: bool, resume_from_step: int |
   the resumed run recomputes those rounds).
   """
   workdir = os.path.abspath(workdir)
+  check_writable(workdir)
   ckpt_dir = checkpoint_dir(workdir)
   if not resume:
     existing = [n for n in (CONFIG_FILE, METRICS_FILE, CHECKPOINT_DIR) if os.path.exists(os.path.join(workdir, n))]
@@ -300,6 +328,7 @@ def check_workdir(config, workdir: str, *, resume: bool, resume_from_step: int |
   if start is None:
     raise FileNotFoundError(f"cannot resume: no finalised checkpoint in {ckpt_dir} "
                             f"(config.checkpoint_every = {config.checkpoint_every})")
+  metrics_up_to(workdir, start, "resume")   # the lines the resumed run keeps must be readable: checked now
   return start
 
 
