@@ -461,3 +461,141 @@ def test_finite_check_flags_each_quantity():
   flags = check({**state, "momentum": jnp.full(5, jnp.nan)}, metrics)
   assert runner._non_finite(flags, {"test_loss": 0.3}) == [
       "the algorithm state (a non-parameter leaf, e.g. momentum or a server model)"]
+
+
+# ----------------------------------------------------------------------------- one clear line, early
+
+
+def _cli(*args, timeout=300):
+  import subprocess  # pylint: disable=g-import-not-at-top
+  return subprocess.run([sys.executable, os.path.join(_REPO, "experiments", "main.py"), *args], cwd=_REPO,
+                        capture_output=True, text=True, timeout=timeout, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def _assert_one_error_line(proc, *fragments):
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  lines = [line for line in proc.stderr.splitlines() if line.strip()]
+  assert lines and lines[-1].startswith("error: "), proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+  for fragment in fragments:
+    assert fragment in lines[-1], (fragment, lines[-1])
+  return lines
+
+
+def test_cli_bad_requests_are_one_line_before_any_data(tmp_path):
+  import json  # pylint: disable=g-import-not-at-top
+  from ntk_fl import rundir  # pylint: disable=g-import-not-at-top
+  toy = "--config=tests/configs/toy.py:smoke"
+  # A missing config file (was: "config must be an ml_collections.ConfigDict, got _ErrorConfig").
+  lines = _assert_one_error_line(_cli("--config=configs/no_such.py:smoke", f"--workdir={tmp_path / 'a'}"),
+                                 "no config file", "no_such.py")
+  assert len(lines) == 1
+  # A workdir that is a file: found before the data and the model are built.
+  (tmp_path / "file").write_text("x")
+  lines = _assert_one_error_line(_cli(toy, f"--workdir={tmp_path / 'file'}"), "is a file, not a directory")
+  assert len(lines) == 1
+  # A corrupt config.json of the run to resume names the file.
+  run = tmp_path / "corrupt"
+  run.mkdir()
+  (run / rundir.CONFIG_FILE).write_text('{"method": "toy_gd", ')
+  lines = _assert_one_error_line(_cli(toy, f"--workdir={run}", "--resume"), f"{run}/config.json",
+                                 "not a readable config")
+  assert len(lines) == 1
+  assert not (run / "error.log").exists()    # a bad request leaves the workdir alone
+
+
+def test_pre_data_checks_name_the_fix(tmp_path, monkeypatch):
+  """The same checks the CLI runs before any data (its error line is the message), without a subprocess each."""
+  import json  # pylint: disable=g-import-not-at-top
+  from ntk_fl import data, rundir, schema  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(data, "load", lambda *a, **k: pytest.fail("data loaded"))
+  for overrides, fragment in [
+      ({"data.max_train": 500, "data.num_clients": 600}, "num_clients = 600 exceeds the 500 training samples"),
+      ({"data.name": "fashion_mnist", "data.num_clients": 100_000}, "num_clients = 100000 exceeds the 60000"),
+      ({"data.name": "fashion_mnist", "data.max_train": 70_000}, "max_train = 70000 exceeds the 60000"),
+      ({"data.name": "fashion_mnist", "data.max_train": 6_000, "data.partition": "dirichlet_fixed_size",
+        "data.samples_per_client": 700}, "samples_per_client = 700 too large for dirichlet_fixed_size"),
+      ({"data.max_train": 600, "data.samples_per_client": 100}, "samples_per_client = 100 too large for iid"),
+      ({"on_divergence": "ignore"}, "config.on_divergence"),
+  ]:
+    with pytest.raises(ValueError, match=fragment):
+      schema.validate_config(_toy_config(**overrides))
+  # Resuming with more rounds points at the way to get them.
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / rundir.CONFIG_FILE).write_text(json.dumps(rundir.jsonable(_toy_config())))
+  with pytest.raises(ValueError, match=rf"rounds: {_ROUNDS} -> 9; to run more rounds.*--branch_from={run}"):
+    rundir.check_workdir(_toy_config(rounds=9), str(run), resume=True)
+
+
+def test_cli_data_file_and_divergence_errors_are_one_line(tmp_path):
+  import json  # pylint: disable=g-import-not-at-top
+  toy = "--config=tests/configs/toy.py:smoke"
+  # A crafted data file: refused (the marker is never written), one line, the traceback kept in error.log.
+  marker = tmp_path / "pwned"
+  data_dir = tmp_path / "data"
+  (data_dir / "mnist").mkdir(parents=True)
+  (data_dir / "mnist" / "mnist.pkl.gz").write_bytes(
+      gzip.compress(pickle.dumps(_malicious_payloads(marker)["os.system"], protocol=2)))
+  workdir = tmp_path / "pickle_run"
+  _assert_one_error_line(_cli(toy, f"--workdir={workdir}", "--config.data.name=mnist",
+                              f"--config.data.data_dir={data_dir}"),
+                         "mnist.pkl.gz: refused to unpickle global", f"traceback in {workdir}/error.log")
+  assert not marker.exists()
+  assert "Traceback" in (workdir / "error.log").read_text()
+  # Divergence: a non-zero exit, one line naming the round, the quantity and the learning rate.
+  workdir = tmp_path / "diverged"
+  _assert_one_error_line(_cli(toy, f"--workdir={workdir}", "--config.algorithm.lr=1e30"),
+                         "round 1: the run diverged", "test_loss", "config.algorithm.lr = 1e+30")
+  with open(workdir / "summary.json") as f:
+    assert json.load(f)["status"] == "diverged"
+
+
+# ----------------------------------------------------------------------------- a full disk
+
+
+def _disk_full(path="metrics.jsonl"):
+  import errno  # pylint: disable=g-import-not-at-top
+  return OSError(errno.ENOSPC, "No space left on device", path)
+
+
+@pytest.mark.parametrize("writer", ["metrics", "checkpoint"])
+def test_disk_full_is_one_line_and_resume_is_exact(uninterrupted, tmp_path, monkeypatch, writer):
+  import orbax.checkpoint._src.path.atomicity as atomicity  # pylint: disable=g-import-not-at-top
+  from ntk_fl import cli, rundir, runner  # pylint: disable=g-import-not-at-top
+  _, expected = uninterrupted
+  workdir = str(tmp_path / "run")
+  with monkeypatch.context() as patch:
+    if writer == "metrics":     # the line of round 4 cannot be written
+      metrics_line = rundir.metrics_line
+      patch.setattr(rundir, "metrics_line",
+                    lambda line: (_ for _ in ()).throw(_disk_full()) if line["round"] == 4 else metrics_line(line))
+    else:                       # checkpoint 4's files are written, its final rename fails
+      finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+      async def finalize_or_fail(self):
+        if os.path.basename(str(self._final_path)) == "4":
+          raise _disk_full(str(self._final_path))
+        await finalize(self)
+      patch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", finalize_or_fail)
+    with pytest.raises(OSError) as err:
+      runner.run(_toy_config(), workdir)
+  message = cli.report_failure(err.value, workdir, verbose=False)
+  assert message.startswith("disk full while writing") and "--resume" in message and "\n" not in message
+  assert "Traceback" in open(os.path.join(workdir, cli.ERROR_LOG)).read()
+  summary = runner.run(_toy_config(), workdir, resume=True)
+  assert summary["resumed_from"] == 2 and _results(workdir) == expected
+
+
+def test_bad_metrics_file_is_found_before_data(uninterrupted, tmp_path, monkeypatch):
+  from ntk_fl import data, runner  # pylint: disable=g-import-not-at-top
+  source, _ = uninterrupted
+  workdir = _copy_run(source, tmp_path)
+  path = os.path.join(workdir, "metrics.jsonl")
+  lines = open(path).read().splitlines()
+  lines[1] = "{not json"
+  with open(path, "w") as f:
+    f.write("\n".join(lines) + "\n")
+  monkeypatch.setattr(data, "load", lambda *a, **k: pytest.fail("data loaded"))
+  with pytest.raises(ValueError, match=r"metrics.jsonl: line 2 is not valid JSON"):
+    runner.run(_toy_config(), workdir, resume=True)
