@@ -16,11 +16,19 @@ starts a new run from another run's checkpoint when the two configs provably
 share those rounds (e.g. SPARK's ablation rows during the warm-up; see
 :func:`ntk_fl.rundir.check_branch`).
 
+Console: one progress bar (round, aggregated accuracy, seconds per round,
+ETA), warnings and errors above it, and a closing line with the result. The
+full absl log (INFO at the default ``--verbosity=0``; ``--verbosity=1`` adds
+DEBUG, ``-1`` keeps warnings only) goes to ``log.txt`` in the workdir;
+``--alsologtostderr`` also prints it, ``--logtostderr`` prints it instead of
+writing the file (absl's usual meaning of those flags).
+
 In a checkout, ``python experiments/main.py ...`` is the same command.
 """
 from __future__ import annotations
 
 import errno
+import io
 import logging as std_logging
 import os
 import sys
@@ -31,8 +39,12 @@ from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
+from tqdm.auto import tqdm
 
-__all__ = ["ERROR_LOG", "main", "one_line", "report_failure", "resolve_config_args"]
+__all__ = ["LOG_FILE", "main", "one_line", "report_failure", "resolve_config_args"]
+
+LOG_FILE = "log.txt"
+"""The run's absl log, in its workdir (appended to by ``--resume``)."""
 
 _FLAGS: dict = {}
 
@@ -114,8 +126,48 @@ class _QuietLibraries(std_logging.Filter):
     return record.levelno >= std_logging.WARNING or not noisy
 
 
-ERROR_LOG = "error.log"
-"""Written to the workdir when a run ends on an error: the full traceback behind the one ``error:`` line."""
+class _AboveTheBar(std_logging.Handler):
+  """Writes records through ``tqdm.write``: printed above the progress bar instead of into it."""
+
+  def emit(self, record: std_logging.LogRecord) -> None:
+    try:
+      tqdm.write(self.format(record), file=sys.stderr)
+    except Exception:  # pylint: disable=broad-except -- logging must never raise
+      self.handleError(record)
+
+
+def _hold_log() -> io.StringIO | None:
+  """Keeps the absl log in memory until the workdir is known to be usable; warnings go to the console.
+
+  absl's handler writes to its stream and, when that stream is not stderr, also
+  echoes to stderr what ``--alsologtostderr`` or ``--stderrthreshold`` ask for,
+  so those flags keep their meaning; ``--logtostderr`` keeps absl's own
+  behaviour (everything to stderr, no file). Returns the buffer (None with
+  ``--logtostderr``).
+  """
+  if flags.FLAGS.logtostderr:
+    return None
+  absl_handler = logging.get_absl_handler()
+  buffer = io.StringIO()
+  absl_handler.python_handler.stream = buffer
+  if not flags.FLAGS.alsologtostderr:
+    console = _AboveTheBar(std_logging.WARNING)
+    console.setFormatter(absl_handler.python_handler.formatter or logging.PythonFormatter())
+    console.addFilter(_QuietLibraries())
+    std_logging.getLogger().addHandler(console)
+  return buffer
+
+
+def _log_to_workdir(buffer: io.StringIO | None, workdir: str) -> None:
+  """From now on the absl log goes to ``workdir/log.txt``, starting with what was held in memory."""
+  if buffer is None:
+    return
+  os.makedirs(workdir, exist_ok=True)
+  log = open(os.path.join(workdir, LOG_FILE), "a", encoding="utf-8")  # pylint: disable=consider-using-with
+  log.write(buffer.getvalue())
+  log.flush()
+  logging.get_absl_handler().python_handler.stream = log
+
 
 # What ends a run with one line: bad requests and data (ValueError, including unreadable or unsafe data
 # files and bad metrics.jsonl), missing or unwritable files and a full disk (OSError), damaged checkpoints,
@@ -134,16 +186,19 @@ def one_line(err: BaseException) -> str:
 
 
 def report_failure(err: BaseException, workdir: str | None, *, verbose: bool) -> str:
-  """The one-line message for ``err``; its traceback goes to ``workdir/error.log`` (and to stderr if ``verbose``)."""
+  """The one-line message for ``err``; its traceback is appended to ``workdir/log.txt`` (and printed if ``verbose``)."""
   trace = "".join(traceback.format_exception(err))
   message = one_line(err)
   log_path = None
   if workdir:
     try:
+      stream = getattr(logging.get_absl_handler().python_handler, "stream", None)
+      if stream is not None and stream is not sys.stderr:
+        stream.flush()
       os.makedirs(workdir, exist_ok=True)
-      log_path = os.path.join(os.path.abspath(workdir), ERROR_LOG)
-      with open(log_path, "a") as f:
-        f.write(f"{message}\n{trace}\n")
+      log_path = os.path.join(os.path.abspath(workdir), LOG_FILE)
+      with open(log_path, "a", encoding="utf-8") as f:
+        f.write(f"error: {message}\n{trace}\n")
     except OSError:          # e.g. the disk is full: the traceback then only goes to stderr on request
       log_path = None
   if verbose:
@@ -153,6 +208,16 @@ def report_failure(err: BaseException, workdir: str | None, *, verbose: bool) ->
   return message
 
 
+def _closing_line(summary: dict, workdir: str) -> str:
+  """One line with the result of a run, for the console."""
+  acc = summary.get("final_test_acc")
+  targets = ", ".join(f"{float(t):.0%} at round {r}" if r is not None else f"{float(t):.0%} not reached"
+                      for t, r in (summary.get("rounds_to_target") or {}).items())
+  accuracy = "not evaluated" if acc is None else f"{acc:.4f}"
+  return (f"{summary.get('method')}: {summary.get('rounds_run')} rounds, final aggregated accuracy {accuracy}"
+          f"{'; ' + targets if targets else ''}; {summary.get('wall_time', 0.0):.1f} s. Outputs in {workdir}")
+
+
 def _main(argv: list[str]) -> None:
   import jax  # pylint: disable=import-outside-toplevel
 
@@ -160,6 +225,7 @@ def _main(argv: list[str]) -> None:
   from ntk_fl.checkpoint import CheckpointDamaged  # pylint: disable=import-outside-toplevel
 
   logging.get_absl_handler().addFilter(_QuietLibraries())
+  held = _hold_log()   # before the first jax call: the backend probe's INFO lines belong in the log file
   if len(argv) > 1:
     raise app.UsageError(f"unexpected positional arguments: {argv[1:]}")
   if _FLAGS["distributed"].value:
@@ -171,8 +237,8 @@ def _main(argv: list[str]) -> None:
     if not os.path.isfile(path):
       sys.exit(f"error: --config={value}: no config file {os.path.abspath(path)} (and no packaged config of that "
                "name); give a packaged config's name (e.g. ntk_dfl:smoke) or the path of a config file")
-    cause = object.__getattribute__(config, "_error")
-    sys.exit(f"error: --config={value}: cannot load the config file: {one_line(cause)}")
+    sys.exit(f"error: --config={value}: cannot load the config file: "
+             f"{one_line(object.__getattribute__(config, '_error'))}")
   workdir = _FLAGS["workdir"].value
   start = dict(resume=_FLAGS["resume"].value, resume_from_step=_FLAGS["resume_from_step"].value,
                branch_from=_FLAGS["branch_from"].value, branch_round=_FLAGS["branch_round"].value)
@@ -186,12 +252,14 @@ def _main(argv: list[str]) -> None:
       traceback.print_exc()
     sys.exit(f"error: {one_line(e)}")
   try:
+    _log_to_workdir(held, workdir)
     summary = runner.run(config, workdir, **start)
   except (*_ONE_LINE_ERRORS, CheckpointDamaged, runner.Diverged) as e:
     sys.exit(f"error: {report_failure(e, workdir, verbose=verbose)}")
   except KeyboardInterrupt:
     sys.stderr.write(f"\ninterrupted; continue the run with --resume (workdir {workdir})\n")
     sys.exit(130)
+  print(_closing_line(summary, os.path.abspath(workdir)), flush=True)
   logging.info("rounds to target: %s; final aggregated accuracy: %s; wall time %.1fs",
                summary["rounds_to_target"], summary["final_test_acc"], summary["wall_time"])
 
