@@ -501,7 +501,7 @@ def test_cli_bad_requests_are_one_line_before_any_data(tmp_path):
   lines = _assert_one_error_line(_cli(toy, f"--workdir={run}", "--resume"), f"{run}/config.json",
                                  "not a readable config")
   assert len(lines) == 1
-  assert not (run / "error.log").exists()    # a bad request leaves the workdir alone
+  assert not (run / "log.txt").exists()    # a bad request leaves the workdir alone
 
 
 def test_pre_data_checks_name_the_fix(tmp_path, monkeypatch):
@@ -531,7 +531,7 @@ def test_pre_data_checks_name_the_fix(tmp_path, monkeypatch):
 def test_cli_data_file_and_divergence_errors_are_one_line(tmp_path):
   import json  # pylint: disable=g-import-not-at-top
   toy = "--config=tests/configs/toy.py:smoke"
-  # A crafted data file: refused (the marker is never written), one line, the traceback kept in error.log.
+  # A crafted data file: refused (the marker is never written), one line, the traceback kept in the workdir's log.txt.
   marker = tmp_path / "pwned"
   data_dir = tmp_path / "data"
   (data_dir / "mnist").mkdir(parents=True)
@@ -540,9 +540,9 @@ def test_cli_data_file_and_divergence_errors_are_one_line(tmp_path):
   workdir = tmp_path / "pickle_run"
   _assert_one_error_line(_cli(toy, f"--workdir={workdir}", "--config.data.name=mnist",
                               f"--config.data.data_dir={data_dir}"),
-                         "mnist.pkl.gz: refused to unpickle global", f"traceback in {workdir}/error.log")
+                         "mnist.pkl.gz: refused to unpickle global", f"traceback in {workdir}/log.txt")
   assert not marker.exists()
-  assert "Traceback" in (workdir / "error.log").read_text()
+  assert "Traceback" in (workdir / "log.txt").read_text()
   # Divergence: a non-zero exit, one line naming the round, the quantity and the learning rate.
   workdir = tmp_path / "diverged"
   _assert_one_error_line(_cli(toy, f"--workdir={workdir}", "--config.algorithm.lr=1e30"),
@@ -582,7 +582,7 @@ def test_disk_full_is_one_line_and_resume_is_exact(uninterrupted, tmp_path, monk
       runner.run(_toy_config(), workdir)
   message = cli.report_failure(err.value, workdir, verbose=False)
   assert message.startswith("disk full while writing") and "--resume" in message and "\n" not in message
-  assert "Traceback" in open(os.path.join(workdir, cli.ERROR_LOG)).read()
+  assert "Traceback" in open(os.path.join(workdir, cli.LOG_FILE)).read()
   summary = runner.run(_toy_config(), workdir, resume=True)
   assert summary["resumed_from"] == 2 and _results(workdir) == expected
 
