@@ -361,8 +361,20 @@ if where == "checkpoint":   # every file of checkpoint 4 written, the final rena
     await finalize(self)
   atomicity.AtomicRenameTemporaryPath.finalize = finalize_or_die
   runner.run(config, sys.argv[2])
-else:                       # round 3 logged, then killed before round 4 finishes
-  runner.run(config, sys.argv[2], on_round_end=lambda r, line: kill() if r == 3 else None)
+else:                       # killed inside round 3's step (rounds 1-2 logged, checkpoint 2 written)
+  from ntk_fl import algorithms, schema
+  schema.import_method_module(config.method_module)
+  method = algorithms.get_method("toy_gd")
+  def make(*args):
+    algorithm, calls = method.make(*args), []
+    def step(state, inputs):
+      calls.append(1)
+      if len(calls) == 3:
+        kill()
+      return algorithm.step(state, inputs)
+    return algorithm._replace(step=step)
+  algorithms.register("toy_gd", method._replace(make=make))
+  runner.run(config, sys.argv[2])
 """
 
 
@@ -378,6 +390,7 @@ def test_kill_9_then_resume_equals_the_uninterrupted_run(uninterrupted, tmp_path
   assert proc.returncode == -9, proc.stderr[-2000:]
   with Checkpoints(os.path.join(workdir, "checkpoints"), read_only=True) as ckpt:
     assert ckpt.steps() == [latest]
+  assert len(runner.read_metrics(workdir)) == (2 if where == "round" else 4)
   summary = runner.run(_toy_config(), workdir, resume=True)
   assert summary["resumed_from"] == latest and _results(workdir) == expected
 
