@@ -1,6 +1,6 @@
 """``ntk-fl``: runs one experiment from a config.
 
-  ntk-fl --config=ntk_dfl[:variant] --workdir=DIR \
+  ntk-fl --config=ntk_dfl[:variant] --workdir=DIR
       [--config.rounds=50 --config.data.alpha=0.5 ...] [--resume | --resume_from_step=N] [--distributed]
       [--branch_from=OTHER_WORKDIR [--branch_round=K]]
 
@@ -265,9 +265,17 @@ def _main(argv: list[str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-  """The ``ntk-fl`` console script (and ``experiments/main.py``)."""
+  """The ``ntk-fl`` console script (and ``experiments/main.py``, ``python -m ntk_fl``)."""
+  argv = list(sys.argv if argv is None else argv)
   _define_flags()
-  app.run(_main, argv=list(sys.argv if argv is None else argv), flags_parser=_parse_flags)
+  # --helpshort lists the key flags of the program being run (absl keys them by argv[0]) and prints its
+  # __main__ docstring; a console script has neither, so lend it this module's.
+  for holder in _FLAGS.values():
+    flags.FLAGS.register_key_flag_for_module(argv[0], flags.FLAGS[holder.name])
+  main_module = sys.modules.get("__main__")
+  if main_module is not None and not (getattr(main_module, "__doc__", None) or "").strip():
+    main_module.__doc__ = __doc__
+  app.run(_main, argv=argv, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":
