@@ -244,7 +244,7 @@ def make_decentralized(method: str, config, model: models.Model, federation) -> 
 
   round_inputs = graph_round_inputs(graph_source, config.topology.mixing, sizes, config.seed)
 
-  def gossip(trained, inputs, quant_key):
+  def gossip_step(trained, inputs, quant_key):
     """One gossip step on the trained weights (own term exact, neighbours' terms as sent)."""
     sent = None
     if bits != compression.FLOAT_BITS:
@@ -276,7 +276,7 @@ def make_decentralized(method: str, config, model: models.Model, federation) -> 
     else:
       per_client = lambda p, x, y, m, kk: local_update(p, x, y, m, kk, lr)
       result = parallel.for_each_client(per_client, chunk_size=chunk_size)(state.params, xs, ys, ms, client_keys)
-      params, loss = gossip(result.params, inputs, quant_key), result.loss
+      params, loss = gossip_step(result.params, inputs, quant_key), result.loss
     bits_sent = jnp.sum(inputs.neighbor_mask, axis=1).astype(jnp.float32) * payload       # [M]
     total = jnp.sum(bits_sent)
     cumulative = state.bits_cumulative + total
