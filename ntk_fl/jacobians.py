@@ -160,11 +160,13 @@ def jacobian_kernel(jac1, jac2=None, *, trace_outputs: bool = True) -> Array:
       or any(a.ndim < 3 or b.ndim < 3 or a.shape[1:] != b.shape[1:] for a, b in zip(leaves1, leaves2))):
     raise ValueError("jacobians must be [N, C, d] (or pytrees of [N, C, *leaf] leaves) with equal C and "
                      f"parameter shapes, got {[a.shape for a in leaves1]} and {[b.shape for b in leaves2]}")
-  spec = "icp,jcp->ij" if trace_outputs else "iap,jbp->ijab"
   flat = lambda a: a.reshape(a.shape[0], a.shape[1], -1)
-  terms = [jnp.einsum(spec, flat(a), flat(b), precision=_HIGHEST) for a, b in zip(leaves1, leaves2)]
-  total = functools.reduce(jnp.add, terms)
-  return total / leaves1[0].shape[1] if trace_outputs else total
+  if trace_outputs:     # each leaf's term is averaged over the outputs before the leaves are summed
+    terms = [jnp.einsum("icp,jcp->ij", flat(a), flat(b), precision=_HIGHEST) / a.shape[1]
+             for a, b in zip(leaves1, leaves2)]
+  else:
+    terms = [jnp.einsum("iap,jbp->ijab", flat(a), flat(b), precision=_HIGHEST) for a, b in zip(leaves1, leaves2)]
+  return functools.reduce(jnp.add, terms)
 
 
 # ----------------------------------------------------------------------------
