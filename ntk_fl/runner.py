@@ -54,6 +54,7 @@ should call :func:`ntk_fl.algorithms.register`.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -71,7 +72,7 @@ import ml_collections
 import numpy as np
 from tqdm.auto import tqdm
 
-from ntk_fl import parallel, topology, validation
+from ntk_fl import distributed, parallel, topology, validation
 from ntk_fl import metrics as metrics_lib
 from ntk_fl import plotting
 from ntk_fl.algorithms import Algorithm, get_method
@@ -212,6 +213,9 @@ def validate_config(config) -> None:
   if devices > jax.device_count():
     raise ValueError(f"config.devices = {devices} but only {jax.device_count()} device(s) exist; "
                      f"use 0 for all of them or a number in [1, {jax.device_count()}]")
+  if jax.process_count() > 1 and devices not in (0, jax.device_count()):
+    raise ValueError(f"config.devices = {devices} in a run of {jax.process_count()} processes: the clients are "
+                     f"split over every process's devices; use 0 (all {jax.device_count()} of them)")
 
   dataset = _choice(config, "data.name", data.DATASETS)
   if not isinstance(_get(config, "data.data_dir"), str):
@@ -360,6 +364,9 @@ def _jsonable(obj):
 
 
 def _write_atomic(path: str, text: str) -> None:
+  """Replaces ``path`` by ``text`` in one step; in a multi-process run only process 0 writes."""
+  if not distributed.is_primary():
+    return
   tmp = f"{path}.tmp"
   with open(tmp, "w") as f:
     f.write(text)
@@ -549,6 +556,16 @@ def _canonical(state):
   return jax.tree.map(_strong, state)
 
 
+def _initial_state(algorithm: Algorithm, config):
+  """``algorithm.init`` from the config seed; across processes, each keeps only its clients' part."""
+  key = jax.random.PRNGKey(config.seed)
+  if jax.process_count() == 1:
+    return _canonical(algorithm.init(key))
+  shardings = distributed.client_shardings(jax.eval_shape(algorithm.init, key), config.data.num_clients,
+                                           parallel.current_mesh())
+  return _canonical(jax.jit(algorithm.init, out_shardings=shardings)(key))
+
+
 def _due(round_: int, every: int, rounds: int) -> bool:
   """Whether a 1-based round gets an every-``every`` action (always the last round)."""
   return round_ == rounds or (every > 0 and round_ % every == 0)
@@ -557,7 +574,7 @@ def _due(round_: int, every: int, rounds: int) -> bool:
 def _algorithm_metrics(step_metrics: dict, num_clients: int) -> tuple[dict, dict]:
   """Scalars -> floats; ``[M, ...]`` per-client arrays -> mean/min/max plus the full values under ``clients``."""
   line, clients = {}, {}
-  for name, value in jax.device_get(step_metrics).items():
+  for name, value in distributed.to_host(step_metrics).items():
     if name in _RESERVED:
       raise ValueError(f"algorithm metric {name!r} clashes with a runner metric; reserved: {sorted(_RESERVED)}")
     value = np.asarray(value)
@@ -578,16 +595,16 @@ def _evaluate(evaluator: metrics_lib.Evaluator, stacked_params, round_: int, con
   """The round's evaluation line and per-client arrays; ``consensus_of(params)`` gives the consensus models."""
   line, clients = {}, {}
   if _due(round_, config.eval.every, config.rounds):
-    acc, loss, deviation, *extra = jax.device_get(evaluator.aggregate(stacked_params))
+    acc, loss, deviation, *extra = distributed.to_host(evaluator.aggregate(stacked_params))
     line.update(test_acc=float(acc), test_loss=float(loss), deviation=float(deviation))
     line.update((name, float(value)) for name, value in zip(evaluator.extra_names, extra))
   if config.eval.clients_every and _due(round_, config.eval.clients_every, config.rounds):
-    acc, loss = jax.device_get(evaluator.clients(stacked_params))
+    acc, loss = distributed.to_host(evaluator.clients(stacked_params))
     line.update(client_acc_mean=float(np.mean(acc)), client_acc_min=float(np.min(acc)),
                 client_acc_max=float(np.max(acc)), client_loss_mean=float(np.mean(loss)))
     clients["test_acc"] = acc.tolist()
     if consensus_of is not None:
-      acc, loss = jax.device_get(evaluator.clients(consensus_of(stacked_params)))
+      acc, loss = distributed.to_host(evaluator.clients(consensus_of(stacked_params)))
       line.update(consensus_acc_mean=float(np.mean(acc)), consensus_acc_min=float(np.min(acc)),
                   consensus_acc_max=float(np.max(acc)), consensus_loss_mean=float(np.mean(loss)))
       clients["consensus_acc"] = acc.tolist()
@@ -704,7 +721,7 @@ def _run(config, workdir: str, *, resume: bool, branch_from: str | None, branch_
                      "weight-averaging selection curves do not apply: set config.eval.selection = False")
   os.makedirs(workdir, exist_ok=True)
   metrics_path = os.path.join(workdir, METRICS_FILE)
-  state = _canonical(algorithm.init(jax.random.PRNGKey(config.seed)))
+  state = _initial_state(algorithm, config)
   num_clients = jax.tree_util.tree_leaves(algorithm.client_params(state))[0].shape[0]
   num_params = sum(math.prod(w.shape[1:]) for w in jax.tree_util.tree_leaves(algorithm.client_params(state)))
   consensus = None
@@ -717,6 +734,8 @@ def _run(config, workdir: str, *, resume: bool, branch_from: str | None, branch_
     consensus = jax.jit(topology.consensus)
   keep = tuple(int(r) for r in config.checkpoint_keep)
   ckpt = Checkpoints(os.path.join(workdir, CHECKPOINT_DIR), keep=keep) if config.checkpoint_every or keep else None
+  # Every process has checked the workdir (and, resuming, will read its metrics) before process 0 writes to it.
+  distributed.barrier("ntk_fl.runner: workdir checked")
 
   try:
     if resume:
@@ -743,9 +762,11 @@ def _run(config, workdir: str, *, resume: bool, branch_from: str | None, branch_
     evaluator = metrics_lib.make_evaluator(
         exp.model.apply, exp.dataset.x_test, exp.dataset.y_test,
         batch_size=config.eval.batch_size, chunk_size=config.chunk_size or None, aggregate=algorithm.aggregate)
-    bar = tqdm(total=rounds, initial=start, desc=config.method, unit="round", dynamic_ncols=True)
+    primary = distributed.is_primary()      # only process 0 writes files, logs and the progress bar
+    bar = tqdm(total=rounds, initial=start, desc=config.method, unit="round", dynamic_ncols=True,
+               disable=not primary)
     last_round = start
-    with bar, open(metrics_path, "a") as metrics_file:
+    with bar, (open(metrics_path, "a") if primary else contextlib.nullcontext()) as metrics_file:
       for r in range(start, rounds):
         if lines and _reached_stop(lines[-1], config):
           break
@@ -764,14 +785,15 @@ def _run(config, workdir: str, *, resume: bool, branch_from: str | None, branch_
         t2 = time.perf_counter()
         line = {"round": round_, "step_time": t1 - t0, "eval_time": t2 - t1, **eval_line, **algo_line,
                 "clients": {**eval_clients, **algo_clients}}
-        metrics_file.write(json.dumps(_jsonable(line), allow_nan=False) + "\n")
-        metrics_file.flush()
+        if primary:
+          metrics_file.write(json.dumps(_jsonable(line), allow_nan=False) + "\n")
+          metrics_file.flush()
         lines.append(_jsonable(line))   # exactly what was logged (NaN -> None), as a resumed run reads it
         if ckpt is not None and ((config.checkpoint_every and _due(round_, config.checkpoint_every, rounds))
                                  or round_ in keep):
           ckpt.save(round_, state)
         postfix = {"s/round": f"{t2 - t0:.2f}"}
-        if "test_acc" in line:
+        if "test_acc" in line and primary:
           postfix["acc"] = f"{line['test_acc']:.4f}"
           logging.info("round %d: aggregated acc %.4f, step %.2fs, eval %.2fs",
                        round_, line["test_acc"], t1 - t0, t2 - t1)
@@ -793,17 +815,21 @@ def _run(config, workdir: str, *, resume: bool, branch_from: str | None, branch_
         exp.model.apply, algorithm.client_params(state), exp.dataset.x_test, exp.dataset.y_test,
         seed=config.seed, batch_size=config.eval.batch_size, chunk_size=config.chunk_size or None)
     selection = {k: v.tolist() for k, v in curves.items()}
-    plotting.plot_selection_curves(curves, os.path.join(workdir, SELECTION_PLOT), title=title)
+    if distributed.is_primary():
+      plotting.plot_selection_curves(curves, os.path.join(workdir, SELECTION_PLOT), title=title)
   rounds_axis = [line["round"] for line in lines]
-  plotting.plot_accuracy(
+  if distributed.is_primary():
+    plotting.plot_accuracy(
       rounds_axis, [line.get("test_acc") for line in lines], [line.get("client_acc_mean") for line in lines],
-      [line.get("client_acc_min") for line in lines], [line.get("client_acc_max") for line in lines],
-      os.path.join(workdir, ACCURACY_PLOT), title=title)
+        [line.get("client_acc_min") for line in lines], [line.get("client_acc_max") for line in lines],
+        os.path.join(workdir, ACCURACY_PLOT), title=title)
 
   summary = _jsonable(_summarize(config, lines, num_params=num_params, selection=selection,
                                  wall_time=time.perf_counter() - started,
                                  resumed_from=start if resume else None,
                                  branched_from=_read_branch(workdir)))
   _write_json(os.path.join(workdir, SUMMARY_FILE), summary)
-  logging.info("Finished %s: %s", workdir, {k: summary[k] for k in ("rounds_to_target", "final_test_acc")})
+  distributed.barrier("ntk_fl.runner: run written")   # no process exits (and tears the run down) before the files are
+  if distributed.is_primary():
+    logging.info("Finished %s: %s", workdir, {k: summary[k] for k in ("rounds_to_target", "final_test_acc")})
   return summary

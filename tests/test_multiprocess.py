@@ -1,0 +1,126 @@
+"""Several JAX processes standing in for several hosts: ``experiments/main.py --num_processes=2``.
+
+Each distributed run is 2 processes x 2 forced CPU devices (``XLA_FLAGS=
+--xla_force_host_platform_device_count=2``), joined by ``jax.distributed`` with
+gloo collectives: 4 devices, 5 of the 20 smoke clients on each, each process
+computing and keeping its own 10. The reference is the same config run in this
+pytest process (one process, one device).
+
+Tolerance: the two runs compute the same float32 programs, but the distributed
+one is partitioned differently (the neighbour mixing gathers clients across
+devices, reductions over clients are split into per-device partial sums), so
+sums may be reordered: relative differences of a few float32 ulps per round,
+grown by three rounds of training. Losses, deviations and per-client values are
+compared with ``rtol = 1e-4``. Accuracies count correct predictions among 2,000
+test samples; a reordered sum can flip a prediction that sits on a tie, so they
+may differ by at most 2 samples (0.001).
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from ntk_fl import runner
+from ntk_fl.config import load_config
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+MAIN = REPO / "experiments" / "main.py"
+RTOL, ACC_ATOL = 1e-4, 1e-3
+TIMEOUT = 600
+
+
+def _reference(tmp_path, name: str, **overrides) -> list[dict]:
+  """The smoke run of ``name`` in this (one-device) process."""
+  config = load_config(str(REPO / "configs" / f"{name}.py"), "smoke")
+  for key, value in overrides.items():
+    config[key] = value
+  workdir = tmp_path / f"{name}_reference"
+  runner.run(config, str(workdir))
+  return runner.read_metrics(str(workdir))
+
+
+def _launch(workdir, name: str, *extra: str) -> subprocess.Popen:
+  """``main.py --num_processes=2`` on the smoke config, 2 devices per process; output in ``workdir.log``."""
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONPATH": str(REPO)}
+  log = open(f"{workdir}.log", "w")      # closed with the process (the launcher inherits it)
+  return subprocess.Popen(
+      [sys.executable, str(MAIN), f"--config={REPO / 'configs' / name}.py:smoke", f"--workdir={workdir}",
+       "--num_processes=2", *extra], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+
+
+def _wait(proc: subprocess.Popen, workdir) -> str:
+  proc.wait(timeout=TIMEOUT)
+  with open(f"{workdir}.log") as f:
+    return f.read()
+
+
+def _compare(lines: list[dict], reference: list[dict]) -> None:
+  assert [line["round"] for line in lines] == [line["round"] for line in reference]
+  for line, ref in zip(lines, reference):
+    keys = sorted(set(ref) - {"step_time", "eval_time", "clients"})
+    assert sorted(set(line) - {"step_time", "eval_time", "clients"}) == keys
+    for key in keys:
+      atol = ACC_ATOL if "acc" in key else 0.0
+      np.testing.assert_allclose(line[key], ref[key], rtol=RTOL, atol=atol, err_msg=f"round {ref['round']} {key}")
+    assert sorted(line["clients"]) == sorted(ref["clients"])
+    for key, values in ref["clients"].items():
+      atol = ACC_ATOL * 10 if "acc" in key else 0.0     # one client's accuracy: on 2,000 samples too
+      np.testing.assert_allclose(line["clients"][key], values, rtol=RTOL, atol=atol,
+                                 err_msg=f"round {ref['round']} clients.{key}")
+
+
+def _only_process_0_wrote(workdir, log: str, rounds: int) -> None:
+  # Both processes appending would double the lines; both logging would repeat the summary line.
+  assert len(runner.read_metrics(str(workdir))) == rounds
+  assert log.count("Finished ") == 1, log[-3000:]
+  for name in ("summary.json", "config.json", "accuracy.png", "selection.png"):
+    assert (workdir / name).is_file(), name
+
+
+def test_two_processes_equal_one_process_dfedavg(tmp_path):
+  reference = _reference(tmp_path, "dfedavg")
+  workdir = tmp_path / "dfedavg_2proc"
+  proc = _launch(workdir, "dfedavg")
+  log = _wait(proc, workdir)
+  assert proc.returncode == 0, log[-5000:]
+  _only_process_0_wrote(workdir, log, len(reference))
+  _compare(runner.read_metrics(str(workdir)), reference)
+
+
+def test_killed_process_resumes_to_the_same_numbers_ntk_dfl(tmp_path):
+  """NTK-DFL over 2 processes; process 1 is killed mid-run, the run is resumed by both: the one-process numbers."""
+  rounds = 6
+  reference = _reference(tmp_path, "ntk_dfl", rounds=rounds)
+  workdir = tmp_path / "ntk_dfl_2proc"
+  proc = _launch(workdir, "ntk_dfl", f"--config.rounds={rounds}")
+  metrics = workdir / runner.METRICS_FILE
+  deadline = time.monotonic() + TIMEOUT
+  # Two rounds logged: the checkpoint after round 1 is final (saved before round 2 starts).
+  while not (metrics.is_file() and len(runner.read_metrics(str(workdir))) >= 2):
+    assert proc.poll() is None, _wait(proc, workdir)[-5000:]
+    assert time.monotonic() < deadline
+    time.sleep(0.05)
+  children = psutil.Process(proc.pid).children()
+  rank_1 = [c for c in children if "--process_id=1" in c.cmdline()]
+  assert len(children) == 2 and len(rank_1) == 1, [c.cmdline() for c in children]
+  rank_1[0].send_signal(signal.SIGKILL)
+  log = _wait(proc, workdir)
+  assert proc.returncode != 0, "the launcher must report the killed process"
+  done = len(runner.read_metrics(str(workdir)))
+  assert done < rounds, "the run ended before the kill; nothing was resumed"
+  assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children), "a process outlived the launcher"
+
+  proc = _launch(workdir, "ntk_dfl", f"--config.rounds={rounds}", "--resume")
+  log = _wait(proc, workdir)
+  assert proc.returncode == 0, log[-5000:]
+  assert "Resuming" in log
+  _only_process_0_wrote(workdir, log, rounds)
+  _compare(runner.read_metrics(str(workdir)), reference)
