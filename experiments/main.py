@@ -9,11 +9,11 @@
 error). The config and the workdir are checked before any data is loaded; a bad
 value exits non-zero with the message naming it. The workdir receives
 ``metrics.jsonl``, ``summary.json``, ``config.json``, the PNG plots and
-``checkpoints/`` (see :mod:`ntk_fl.runner`); ``--resume`` continues a killed run
+``checkpoints/`` (see :mod:`ntk_fl.rundir`); ``--resume`` continues a killed run
 from its latest checkpoint with identical results. ``--branch_from`` starts a
 new run from another run's checkpoint when the two configs provably share those
 rounds (e.g. SPARK's ablation rows during the warm-up; see
-:func:`ntk_fl.runner.check_branch`).
+:func:`ntk_fl.rundir.check_branch`).
 
 Several processes (JAX's multi-controller runtime, :mod:`ntk_fl.distributed`):
 ``--num_processes=P`` alone starts ``P`` processes on this machine with the
@@ -34,7 +34,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-from ntk_fl import distributed, runner
+from ntk_fl import distributed, rundir, runner, schema
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file, e.g. configs/ntk_dfl.py or configs/ntk_dfl.py:smoke.", lock_config=True)
@@ -105,8 +105,8 @@ def main(argv: list[str]) -> None:
   config = _CONFIG.value
   try:
     # Everything that can be wrong with the request fails here, before any work.
-    runner.validate_config(config)
-    runner.check_start(config, _WORKDIR.value, resume=_RESUME.value, branch_from=_BRANCH_FROM.value,
+    schema.validate_config(config)
+    rundir.check_start(config, _WORKDIR.value, resume=_RESUME.value, branch_from=_BRANCH_FROM.value,
                        branch_round=_BRANCH_ROUND.value)
   except (ValueError, FileNotFoundError) as e:
     logging.error("%s", e)

@@ -9,6 +9,8 @@ Subpackages and modules (each documented in its own docstring):
 * :mod:`ntk_fl.evolve` -- function-space evolution and NTK weight updates.
 * :mod:`ntk_fl.parallel` -- the single "for each client" primitive.
 * :mod:`ntk_fl.algorithms` -- NTK-DFL and friends as ``Algorithm(init, step, ...)``.
+* :mod:`ntk_fl.schema` -- the config schema, checked once before any work.
+* :mod:`ntk_fl.rundir` -- the files of a run directory; resume and branch.
 * :mod:`ntk_fl.runner` -- the generic experiment loop (logging, checkpoints, plots).
 """
 __version__ = "0.1.0"

@@ -36,7 +36,7 @@ Field reference (all of them are validated by the runner before any work):
   two most recent are kept.
 * ``checkpoint_keep``: 1-based rounds whose checkpoints are also written and
   never deleted (branch points, e.g. the end of SPARK's warm-up for its
-  ablation rows; see ``runner.check_branch``). Results do not depend on it.
+  ablation rows; see ``rundir.check_branch``). Results do not depend on it.
 * ``chunk_size``: clients per ``vmap`` chunk (``0`` = all at once), per device.
 * ``devices``: devices the client axis is sharded over (:mod:`ntk_fl.parallel`):
   ``0`` = all (every host's after ``--distributed``), ``1`` = the single-device

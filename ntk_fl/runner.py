@@ -2,11 +2,12 @@
 
 ``run(config, workdir)`` does, in this order:
 
-1. :func:`validate_config` -- the shared schema of :mod:`ntk_fl.config` (names,
-   ranges, unknown keys) and the method's own ``validate_config``; then the
-   workdir is checked (a fresh run needs an empty one, ``resume`` needs a
-   matching ``config.json`` and a checkpoint). Nothing is loaded before that, so
-   a bad key or value fails in milliseconds with a message naming it.
+1. :func:`ntk_fl.schema.validate_config` -- the shared schema of
+   :mod:`ntk_fl.config` (names, ranges, unknown keys) and the method's own
+   ``validate_config``; then the workdir (:func:`ntk_fl.rundir.check_start`: a
+   fresh run needs an empty one, ``resume`` needs a matching ``config.json`` and
+   a checkpoint). Nothing is loaded before that, so a bad key or value fails in
+   milliseconds with a message naming it.
 2. :func:`build_experiment` -- dataset, partition, :class:`Federation`, model and
    :class:`Algorithm` (also the entry point of the functional API: build once,
    then drive ``algorithm.init`` / ``algorithm.step`` yourself).
@@ -17,6 +18,8 @@
    at the end.
 4. Final client-selection curves, PNG plots, ``summary.json``.
 
+The files of a workdir, resume and branching belong to :mod:`ntk_fl.rundir`.
+
 The aggregated model is what ``algorithm.aggregate`` says: the uniform mean of
 ``client_params`` (default), or, for an ensemble method (Fed-ensemble), the
 ensemble of those models with averaged probabilities/logits -- then the
@@ -24,71 +27,52 @@ per-client metrics are per-member metrics, the lines also carry the members'
 and the ensemble's mean predictive entropy, and selection curves (which average
 weights) are refused.
 
-Workdir layout::
-
-  config.json      the run's config (resume refuses a different one)
-  metrics.jsonl    one line per round (1-based ``round``)
-  summary.json     rounds to each target, final/best accuracies, timings, selection curves
-  accuracy.png     aggregated vs mean-client accuracy (client min-max band)
-  selection.png    best-to-worst / random / worst-to-best averaging curves
-  checkpoints/     orbax checkpoints, one directory per saved round count
-  branched_from.json  only for a branched run: the source workdir and the round it was taken after
-
 Determinism and resume: ``algorithm.init`` gets ``jax.random.PRNGKey(seed)``,
 ``algorithm.round_inputs(r)`` depends on ``r`` only, and the state is the whole
 carried pytree, so a run resumed from the checkpoint after round ``k`` repeats
 rounds ``k+1..R`` bit for bit: its ``metrics.jsonl`` and ``summary.json`` equal
-an uninterrupted run's except for wall-clock times.
-
-Branching (``run(..., branch_from=SOURCE)``, ``--branch_from``): a new run
-starts from the checkpoint of the run in ``SOURCE`` after ``k`` rounds and
-copies its metrics lines 1..k. The two configs must be equal, or the method's
-``shared_rounds`` must certify that they compute rounds 1..k identically (SPARK's
-ablation rows share the hard-label warm-up); the branched run then equals the
-run started from scratch.
-
-Methods outside :mod:`ntk_fl.algorithms` (a user's own, or a test double) are
-found through ``config.method_module``: a dotted module name or a path to a
-``.py`` file, imported before ``config.method`` is resolved; importing it
-should call :func:`ntk_fl.algorithms.register`.
+an uninterrupted run's except for wall-clock times. A branched run
+(``run(..., branch_from=SOURCE)``, ``--branch_from``) starts from the checkpoint
+of the run in ``SOURCE`` after ``k`` rounds and copies its metrics lines 1..k;
+it equals the run started from scratch.
 """
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.util
-import json
 import math
-import numbers
 import os
-import sys
 import time
 from typing import Any, Callable, NamedTuple
 
 from absl import logging
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from tqdm.auto import tqdm
 
-from ntk_fl import distributed, parallel, topology, validation
+from ntk_fl import distributed, parallel, rundir, topology
 from ntk_fl import metrics as metrics_lib
 from ntk_fl import plotting
 from ntk_fl.algorithms import Algorithm, get_method
-from ntk_fl.algorithms.base import config_without
 from ntk_fl.checkpoint import Checkpoints
-from ntk_fl.config import base_config
 from ntk_fl.rng import Stream, numpy_rng
+# The schema and the run directory, re-exported: scripts reach a run through the runner's names.
+from ntk_fl.rundir import (ACCURACY_PLOT, BRANCH_FILE, CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE, SELECTION_PLOT,
+                           SUMMARY_FILE, check_branch, check_start, check_workdir, load_run_config, read_metrics)
+from ntk_fl.schema import import_method_module, validate_config
 
 __all__ = [
     "Experiment",
     "build_experiment",
-    "import_method_module",
-    "read_metrics",
     "run",
-    "check_workdir",
+    # re-exported from ntk_fl.schema and ntk_fl.rundir
+    "import_method_module",
     "validate_config",
+    "read_metrics",
+    "load_run_config",
+    "check_workdir",
+    "check_branch",
+    "check_start",
     "CONFIG_FILE",
     "METRICS_FILE",
     "SUMMARY_FILE",
@@ -96,176 +80,13 @@ __all__ = [
     "ACCURACY_PLOT",
     "SELECTION_PLOT",
     "BRANCH_FILE",
-    "check_branch",
-    "check_start",
 ]
-
-CONFIG_FILE = "config.json"
-METRICS_FILE = "metrics.jsonl"
-SUMMARY_FILE = "summary.json"
-CHECKPOINT_DIR = "checkpoints"
-ACCURACY_PLOT = "accuracy.png"
-SELECTION_PLOT = "selection.png"
-BRANCH_FILE = "branched_from.json"
 
 # Keys the runner writes into every metrics line; an algorithm metric may not reuse them.
 _RESERVED = frozenset({
     "round", "step_time", "eval_time", "test_acc", "test_loss", "deviation", "client_acc_mean",
     "client_acc_min", "client_acc_max", "client_loss_mean", "consensus_acc_mean", "consensus_acc_min",
     "consensus_acc_max", "consensus_loss_mean", "clients", *metrics_lib.ENSEMBLE_METRICS})
-# Keys that do not change the trajectory (where clients run, which checkpoints are kept, whether the
-# consensus models are also scored); resume and branch ignore them.
-_RESULT_NEUTRAL_KEYS = ("devices", "checkpoint_keep", "eval.consensus")
-# Keys added to the schema after runs were stored, each with the value that reproduces those runs: a stored
-# config.json without one ran with that value (resume, branch and load_run_config fill it in).
-_ADDED_KEYS = {"data.max_test": 0, "eval.consensus": False}
-# Config keys beyond base_config(): the optional method module, and the free-form algorithm block.
-_EXTRA_TOP_LEVEL = frozenset({"method_module"})
-_SCHEMA_BLOCKS = ("data", "model", "topology", "eval")
-
-
-# ----------------------------------------------------------------------------- validation
-
-
-def _get(config, path: str):
-  node = config
-  for key in path.split("."):
-    if not isinstance(node, (ml_collections.ConfigDict, dict)) or key not in node:
-      raise ValueError(f"config is missing {path!r} (see ntk_fl.config.base_config for the schema)")
-    node = node[key]
-  return node
-
-
-def _int(config, path: str, low: int) -> int:
-  return validation.check_int(f"config.{path}", _get(config, path), low=low)
-
-
-def _choice(config, path: str, choices) -> str:
-  return validation.check_choice(f"config.{path}", _get(config, path), choices)
-
-
-def _check_keys(config) -> None:
-  """Rejects keys the shared schema does not know (a typo would otherwise be ignored)."""
-  schema = base_config()
-  unknown = set(config.keys()) - set(schema.keys()) - _EXTRA_TOP_LEVEL
-  if unknown:
-    raise ValueError(f"unknown config key(s) {sorted(unknown)}; known top-level keys: "
-                     f"{sorted(set(schema.keys()) | _EXTRA_TOP_LEVEL)}")
-  for block in _SCHEMA_BLOCKS:
-    unknown = set(_get(config, block).keys()) - set(schema[block].keys())
-    if unknown:
-      raise ValueError(f"unknown key(s) {sorted(f'{block}.{k}' for k in unknown)}; "
-                       f"config.{block} has: {sorted(schema[block].keys())}")
-
-
-def import_method_module(spec: str) -> None:
-  """Imports ``spec`` (a dotted module name, or a path to a ``.py`` file) for its registrations."""
-  if not spec:
-    return
-  try:
-    if spec.endswith(".py"):
-      path = os.path.abspath(spec)
-      if not os.path.isfile(path):
-        raise FileNotFoundError(f"no such file {path}")
-      name = f"_ntk_fl_method_{abs(hash(path)):x}"
-      if name not in sys.modules:  # execute a file once per process, like an import
-        module_spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[name] = module
-        try:
-          module_spec.loader.exec_module(module)
-        except BaseException:
-          del sys.modules[name]
-          raise
-    else:
-      importlib.import_module(spec)
-  except (ImportError, FileNotFoundError) as e:
-    raise ValueError(f"config.method_module = {spec!r} could not be imported: {e}") from e
-
-
-def validate_config(config) -> None:
-  """Checks ``config`` against the shared schema, then the method's own block.
-
-  Raises ``ValueError`` naming the bad key, its value and what is allowed. Loads
-  no data; the dataset/partition/topology/model name tuples are imported here.
-  """
-  from ntk_fl import data, models, topology  # pylint: disable=g-import-not-at-top
-
-  if not isinstance(config, ml_collections.ConfigDict):
-    raise ValueError(f"config must be an ml_collections.ConfigDict, got {type(config).__name__}")
-  _check_keys(config)
-  method = _get(config, "method")
-  if not isinstance(method, str) or not method:
-    raise ValueError(f"config.method must name a registered method, got {method!r}")
-  method_module = config.get("method_module", "")
-  if not isinstance(method_module, str):
-    raise ValueError(f"config.method_module must be a module name or .py path, got {method_module!r}")
-  _int(config, "seed", 0)
-  _int(config, "rounds", 1)
-  _int(config, "checkpoint_every", 0)
-  keep = _get(config, "checkpoint_keep")
-  if not isinstance(keep, (tuple, list)):
-    raise ValueError(f"config.checkpoint_keep must be a tuple of 1-based round numbers, got {keep!r}")
-  for r in keep:
-    validation.check_int("config.checkpoint_keep (1-based round numbers)", r, low=1)
-  _int(config, "chunk_size", 0)
-  devices = _int(config, "devices", 0)
-  if devices > jax.device_count():
-    raise ValueError(f"config.devices = {devices} but only {jax.device_count()} device(s) exist; "
-                     f"use 0 for all of them or a number in [1, {jax.device_count()}]")
-  if jax.process_count() > 1 and devices not in (0, jax.device_count()):
-    raise ValueError(f"config.devices = {devices} in a run of {jax.process_count()} processes: the clients are "
-                     f"split over every process's devices; use 0 (all {jax.device_count()} of them)")
-
-  dataset = _choice(config, "data.name", data.DATASETS)
-  if not isinstance(_get(config, "data.data_dir"), str):
-    raise ValueError(f"config.data.data_dir must be a string ('' = search path), got {config.data.data_dir!r}")
-  partition = _choice(config, "data.partition", data.PARTITIONS)
-  if partition == "by_writer" and dataset != "femnist":
-    raise ValueError(f"config.data.partition = 'by_writer' needs writer ids; only 'femnist' has them, "
-                     f"got data.name = {dataset!r}")
-  _int(config, "data.num_clients", 1)
-  alpha = _get(config, "data.alpha")
-  if not isinstance(alpha, numbers.Real) or not math.isfinite(alpha) or alpha <= 0:
-    raise ValueError(f"config.data.alpha must be a finite number > 0, got {alpha!r}")
-  _int(config, "data.samples_per_client", 0)
-  _int(config, "data.classes_per_client", 1)
-  _int(config, "data.max_train", 0)
-  _int(config, "data.max_test", 0)
-
-  _choice(config, "model.name", models.MODELS)
-  hidden = _get(config, "model.hidden")
-  if (not isinstance(hidden, (tuple, list))
-      or not all(isinstance(h, numbers.Integral) and not isinstance(h, bool) and h >= 1 for h in hidden)):
-    raise ValueError(f"config.model.hidden must be a tuple of positive ints, got {hidden!r}")
-  _choice(config, "model.activation", models.ACTIVATIONS)
-  _choice(config, "model.init", ("shared", "per_client"))
-
-  # Names only: whether the topology's numbers fit the client count is the
-  # business of the methods that use a topology (their validate_config).
-  _choice(config, "topology.name", topology.TOPOLOGIES)
-  _choice(config, "topology.mixing", topology.MIXING_SCHEMES)
-
-  _int(config, "eval.every", 1)
-  _int(config, "eval.clients_every", 0)
-  _int(config, "eval.batch_size", 1)
-  targets = _get(config, "eval.targets")
-  if not isinstance(targets, (tuple, list)) or not all(
-      isinstance(t, numbers.Real) and not isinstance(t, bool) and 0 < t <= 1 for t in targets):
-    raise ValueError(f"config.eval.targets must be a tuple of accuracies in (0, 1], got {targets!r}")
-  stop_at = _get(config, "eval.stop_at")
-  if not validation.is_real(stop_at) or not 0 <= stop_at <= 1:
-    raise ValueError(f"config.eval.stop_at must be an accuracy in [0, 1] (0 = run every round), got {stop_at!r}")
-  if stop_at and config.eval.every != 1:
-    raise ValueError(f"config.eval.stop_at = {stop_at} needs the aggregated accuracy every round: "
-                     f"config.eval.every must be 1, got {config.eval.every!r}")
-  if not isinstance(_get(config, "eval.consensus"), bool):
-    raise ValueError(f"config.eval.consensus must be a bool, got {config.eval.consensus!r}")
-  if not isinstance(_get(config, "eval.selection"), bool):
-    raise ValueError(f"config.eval.selection must be a bool, got {config.eval.selection!r}")
-
-  import_method_module(method_module)
-  get_method(method).validate_config(config)
 
 
 # ----------------------------------------------------------------------------- building
@@ -282,7 +103,7 @@ class Experiment(NamedTuple):
     model: the :class:`ntk_fl.models.Model`.
     algorithm: the method's :class:`Algorithm`.
   """
-  config: ml_collections.ConfigDict
+  config: Any
   dataset: Any
   client_indices: list
   federation: Any
@@ -339,206 +160,6 @@ def build_experiment(config) -> Experiment:
   algorithm = get_method(config.method).make(config, model, federation)
   return Experiment(config, dataset, client_indices, federation, model, algorithm)
 
-
-# ----------------------------------------------------------------------------- files
-
-
-def _jsonable(obj):
-  """Plain-python JSON value of ``obj`` (numpy/jax arrays and scalars, tuples, ConfigDicts).
-
-  Non-finite floats become ``None`` (JSON has no NaN/inf).
-  """
-  if isinstance(obj, ml_collections.ConfigDict):
-    obj = obj.to_dict()
-  if isinstance(obj, dict):
-    return {str(k): _jsonable(v) for k, v in obj.items()}
-  if isinstance(obj, (list, tuple)):
-    return [_jsonable(v) for v in obj]
-  if isinstance(obj, (jax.Array, np.ndarray, np.generic)):
-    return _jsonable(np.asarray(obj).tolist())
-  if isinstance(obj, float):
-    return obj if math.isfinite(obj) else None
-  if obj is None or isinstance(obj, (bool, int, str)):
-    return obj
-  raise TypeError(f"cannot write {type(obj).__name__} to JSON: {obj!r}")
-
-
-def _write_atomic(path: str, text: str) -> None:
-  """Replaces ``path`` by ``text`` in one step; in a multi-process run only process 0 writes."""
-  if not distributed.is_primary():
-    return
-  tmp = f"{path}.tmp"
-  with open(tmp, "w") as f:
-    f.write(text)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
-
-
-def _write_json(path: str, obj) -> None:
-  _write_atomic(path, json.dumps(_jsonable(obj), indent=2, allow_nan=False) + "\n")
-
-
-def read_metrics(workdir: str) -> list[dict]:
-  """The per-round metrics lines of ``workdir/metrics.jsonl`` (a trailing partial line is dropped)."""
-  path = os.path.join(workdir, METRICS_FILE)
-  lines = []
-  with open(path) as f:
-    raw = f.read().split("\n")
-  for i, text in enumerate(raw):
-    if not text.strip():
-      continue
-    try:
-      lines.append(json.loads(text))
-    except json.JSONDecodeError:
-      if i == len(raw) - 1:  # the process died mid-write; that round is redone anyway
-        break
-      raise ValueError(f"{path}: line {i + 1} is not valid JSON") from None
-  return lines
-
-
-def _config_diff(old, new, prefix: str = "") -> list[str]:
-  if isinstance(old, dict) and isinstance(new, dict):
-    return [d for k in sorted(set(old) | set(new))
-            for d in _config_diff(old.get(k, "<missing>"), new.get(k, "<missing>"), f"{prefix}{k}.")]
-  return [] if old == new else [f"{prefix[:-1]}: {old!r} -> {new!r}"]
-
-
-def _stored_config(workdir: str, action: str) -> dict:
-  """``workdir``'s ``config.json`` as a JSON dict, keys added to the schema since it was written filled in."""
-  config_path = os.path.join(workdir, CONFIG_FILE)
-  if not os.path.isfile(config_path):
-    raise FileNotFoundError(f"cannot {action}: {config_path} does not exist (no run was started in {workdir})")
-  with open(config_path) as f:
-    stored = json.load(f)
-  for path, value in _ADDED_KEYS.items():
-    *parents, leaf = path.split(".")
-    node = stored
-    for key in parents:
-      node = node.get(key) if isinstance(node, dict) else None
-    if isinstance(node, dict):
-      node.setdefault(leaf, value)
-  return stored
-
-
-def _tuples(value):
-  """JSON lists back to the tuples the config files use (``taus``, ``hidden``, ``targets``, ...)."""
-  if isinstance(value, dict):
-    return {k: _tuples(v) for k, v in value.items()}
-  if isinstance(value, list):
-    return tuple(_tuples(v) for v in value)
-  return value
-
-
-def load_run_config(workdir: str) -> ml_collections.ConfigDict:
-  """The config the run in ``workdir`` was started with (its ``config.json``), as a ``ConfigDict``.
-
-  For scripts that read a finished or running run (``experiments/consensus_accuracy.py``):
-  ``build_experiment(load_run_config(workdir))`` rebuilds its experiment.
-  """
-  return ml_collections.ConfigDict(_tuples(_stored_config(workdir, "read the run")))
-
-
-def _experiment_configs(config, workdir: str, action: str) -> tuple[dict, dict]:
-  """``workdir``'s stored config and ``config`` as JSON dicts, without the placement keys."""
-  stored = _stored_config(workdir, action)
-  current = json.loads(json.dumps(_jsonable(config)))
-  # Where clients run is not part of the experiment: a run may resume on another device count
-  # (results agree up to float rounding), and runs started before these keys existed lack them.
-  return config_without(stored, *_RESULT_NEUTRAL_KEYS), config_without(current, *_RESULT_NEUTRAL_KEYS)
-
-
-def check_workdir(config, workdir: str, *, resume: bool) -> int:
-  """Checks ``workdir`` before any work; returns the round count to start from.
-
-  A fresh run refuses a workdir that already holds a run (never overwrites one
-  silently). ``resume`` needs the same config (``config.json``) and a finalised
-  checkpoint.
-  """
-  workdir = os.path.abspath(workdir)
-  ckpt_dir = os.path.join(workdir, CHECKPOINT_DIR)
-  if not resume:
-    existing = [n for n in (CONFIG_FILE, METRICS_FILE, CHECKPOINT_DIR) if os.path.exists(os.path.join(workdir, n))]
-    if existing:
-      raise ValueError(f"workdir {workdir} already holds a run ({', '.join(existing)}); resume it "
-                       "(resume=True / --resume) or choose an empty workdir")
-    return 0
-  stored, current = _experiment_configs(config, workdir, "resume")
-  diff = _config_diff(stored, current)
-  if diff:
-    raise ValueError(f"cannot resume {workdir} with a different config; changed: {'; '.join(diff)}")
-  latest = None
-  if os.path.isdir(ckpt_dir):
-    with Checkpoints(ckpt_dir) as ckpt:
-      latest = ckpt.latest()
-  if latest is None:
-    raise FileNotFoundError(f"cannot resume: no finalised checkpoint in {ckpt_dir} "
-                            f"(config.checkpoint_every = {config.checkpoint_every})")
-  return latest
-
-
-def check_start(config, workdir: str, *, resume: bool = False, branch_from: str | None = None,
-                branch_round: int | None = None) -> int:
-  """Checks how a run of ``config`` in ``workdir`` may start; returns the round count to start from.
-
-  A fresh run (empty ``workdir``), ``resume`` (:func:`check_workdir`) or a
-  branch from another run (:func:`check_branch`); the options are checked
-  together here so the entry point and :func:`run` refuse the same requests.
-  """
-  if resume and branch_from is not None:
-    raise ValueError("resume and branch_from exclude each other (--resume, --branch_from; a branched run resumes "
-                     "from its own checkpoints)")
-  if branch_round is not None and branch_from is None:
-    raise ValueError(f"branch_round={branch_round} needs branch_from (--branch_round={branch_round} needs "
-                     "--branch_from: the run to branch from)")
-  start = check_workdir(config, workdir, resume=resume)
-  return start if branch_from is None else check_branch(config, branch_from, branch_round)
-
-
-def check_branch(config, source: str, branch_round: int | None = None) -> int:
-  """Checks that a new run of ``config`` may start from ``source``'s checkpoint; returns its round.
-
-  A branch reuses the first ``k`` rounds of the run in ``source`` (its
-  checkpoint after round ``k`` and its metrics lines 1..k) instead of
-  recomputing them. Allowed when ``source`` ran the same experiment (any
-  ``k``), or when the method's ``shared_rounds(stored, current)`` certifies
-  that the two configs compute the first ``k`` rounds identically (SPARK: the
-  ablation rows during the hard-label warm-up). ``branch_round`` (default: the
-  latest checkpoint of ``source`` inside the shared prefix) must be a finalised
-  checkpoint of ``source`` and leave at least one round to run.
-  """
-  source = os.path.abspath(source)
-  stored, current = _experiment_configs(config, source, "branch")
-  diff = _config_diff(stored, current)
-  shared = config.rounds
-  if diff:
-    method = get_method(config.method) if stored.get("method") == current["method"] else None
-    shared = method.shared_rounds(stored, current) if method and method.shared_rounds else 0
-    if shared < 1:
-      raise ValueError(f"cannot branch from {source}: its config differs ({'; '.join(diff)}) and method "
-                       f"{config.method!r} does not certify that any round is computed the same under both")
-  ckpt_dir = os.path.join(source, CHECKPOINT_DIR)
-  steps = []
-  if os.path.isdir(ckpt_dir):
-    with Checkpoints(ckpt_dir, read_only=True) as ckpt:
-      steps = ckpt.steps()
-  limit = min(shared, config.rounds - 1)
-  if branch_round is None:
-    usable = [s for s in steps if s <= limit]
-    if not usable:
-      raise FileNotFoundError(f"cannot branch from {source}: no finalised checkpoint within the {limit} rounds the "
-                              f"two configs share (checkpoints after rounds {steps})")
-    return usable[-1]
-  validation.check_int("branch_round", branch_round, low=1)
-  if branch_round > limit:
-    why = f"the two configs compute only rounds 1..{shared} identically" if shared < config.rounds \
-        else f"the new run has {config.rounds} rounds"
-    raise ValueError(f"cannot branch from {source} after round {branch_round}: {why}"
-                     + (f" (changed: {'; '.join(diff)})" if diff else ""))
-  if branch_round not in steps:
-    raise FileNotFoundError(f"cannot branch from {source} after round {branch_round}: no finalised checkpoint "
-                            f"for it (checkpoints after rounds {steps})")
-  return branch_round
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -687,29 +308,11 @@ def run(config, workdir: str, *, resume: bool = False, branch_from: str | None =
                 on_round_end=on_round_end, started=started)
 
 
-def _read_branch(workdir: str) -> dict | None:
-  """Where a branched run took its first rounds from (``BRANCH_FILE``), or ``None``."""
-  path = os.path.join(workdir, BRANCH_FILE)
-  if not os.path.isfile(path):
-    return None
-  with open(path) as f:
-    return json.load(f)
-
-
-def _metrics_up_to(workdir: str, rounds: int, action: str) -> list[dict]:
-  """The metrics lines of rounds ``1..rounds`` in ``workdir``."""
-  lines = read_metrics(workdir)[:rounds]
-  if [line.get("round") for line in lines] != list(range(1, rounds + 1)):
-    raise ValueError(f"{os.path.join(workdir, METRICS_FILE)} does not hold rounds 1..{rounds} of the checkpoint; "
-                     f"cannot {action}")
-  return lines
-
-
 def _run(config, workdir: str, *, resume: bool, branch_from: str | None, branch_round: int | None,
          on_round_end, started: float) -> dict:
   """:func:`run` after validation, inside the device mesh."""
   workdir = os.path.abspath(workdir)
-  start = check_start(config, workdir, resume=resume, branch_from=branch_from, branch_round=branch_round)
+  start = rundir.check_start(config, workdir, resume=resume, branch_from=branch_from, branch_round=branch_round)
   if branch_from is not None:
     branch_from = os.path.abspath(branch_from)
 
@@ -720,7 +323,7 @@ def _run(config, workdir: str, *, resume: bool, branch_from: str | None, branch_
     raise ValueError(f"method {config.method!r} evaluates an ensemble (aggregate = {algorithm.aggregate!r}); "
                      "weight-averaging selection curves do not apply: set config.eval.selection = False")
   os.makedirs(workdir, exist_ok=True)
-  metrics_path = os.path.join(workdir, METRICS_FILE)
+  metrics_path = os.path.join(workdir, rundir.METRICS_FILE)
   state = _initial_state(algorithm, config)
   num_clients = jax.tree_util.tree_leaves(algorithm.client_params(state))[0].shape[0]
   num_params = sum(math.prod(w.shape[1:]) for w in jax.tree_util.tree_leaves(algorithm.client_params(state)))
@@ -733,29 +336,29 @@ def _run(config, workdir: str, *, resume: bool, branch_from: str | None, branch_
                        f"does not have: {e}") from None
     consensus = jax.jit(topology.consensus)
   keep = tuple(int(r) for r in config.checkpoint_keep)
-  ckpt = Checkpoints(os.path.join(workdir, CHECKPOINT_DIR), keep=keep) if config.checkpoint_every or keep else None
+  ckpt = Checkpoints(rundir.checkpoint_dir(workdir), keep=keep) if config.checkpoint_every or keep else None
   # Every process has checked the workdir (and, resuming, will read its metrics) before process 0 writes to it.
   distributed.barrier("ntk_fl.runner: workdir checked")
 
   try:
     if resume:
       state = _canonical(ckpt.restore(start, state))
-      lines = _metrics_up_to(workdir, start, "resume")
+      lines = rundir.metrics_up_to(workdir, start, "resume")
       logging.info("Resuming %s from the checkpoint after round %d", workdir, start)
     elif branch_from is not None:
-      with Checkpoints(os.path.join(branch_from, CHECKPOINT_DIR), read_only=True) as source:
+      with Checkpoints(rundir.checkpoint_dir(branch_from), read_only=True) as source:
         state = _canonical(source.restore(start, state))
-      lines = _metrics_up_to(branch_from, start, "branch")
-      _write_json(os.path.join(workdir, CONFIG_FILE), config)
-      _write_json(os.path.join(workdir, BRANCH_FILE), {"source": branch_from, "round": start})
+      lines = rundir.metrics_up_to(branch_from, start, "branch")
+      rundir.write_config(workdir, config)
+      rundir.write_branch(workdir, branch_from, start)
       if ckpt is not None:
         ckpt.save(start, state)   # the branch resumes from its own workdir, whatever happens to the source
       logging.info("Branching %s from %s after round %d", workdir, branch_from, start)
     else:
-      _write_json(os.path.join(workdir, CONFIG_FILE), config)
+      rundir.write_config(workdir, config)
       lines = []
     # Rewrite (atomically) to exactly the checkpointed rounds, then append.
-    _write_atomic(metrics_path, "".join(json.dumps(_jsonable(line), allow_nan=False) + "\n" for line in lines))
+    rundir.write_metrics(workdir, lines)
 
     step = algorithm.step   # compiled by the method's factory (see Algorithm); re-jitting would bake
                             # the federation arrays it passes as arguments into the program as constants
@@ -786,9 +389,9 @@ def _run(config, workdir: str, *, resume: bool, branch_from: str | None, branch_
         line = {"round": round_, "step_time": t1 - t0, "eval_time": t2 - t1, **eval_line, **algo_line,
                 "clients": {**eval_clients, **algo_clients}}
         if primary:
-          metrics_file.write(json.dumps(_jsonable(line), allow_nan=False) + "\n")
+          metrics_file.write(rundir.metrics_line(line))
           metrics_file.flush()
-        lines.append(_jsonable(line))   # exactly what was logged (NaN -> None), as a resumed run reads it
+        lines.append(rundir.jsonable(line))   # exactly what was logged (NaN -> None), as a resumed run reads it
         if ckpt is not None and ((config.checkpoint_every and _due(round_, config.checkpoint_every, rounds))
                                  or round_ in keep):
           ckpt.save(round_, state)
@@ -816,20 +419,20 @@ def _run(config, workdir: str, *, resume: bool, branch_from: str | None, branch_
         seed=config.seed, batch_size=config.eval.batch_size, chunk_size=config.chunk_size or None)
     selection = {k: v.tolist() for k, v in curves.items()}
     if distributed.is_primary():
-      plotting.plot_selection_curves(curves, os.path.join(workdir, SELECTION_PLOT), title=title)
+      plotting.plot_selection_curves(curves, os.path.join(workdir, rundir.SELECTION_PLOT), title=title)
   rounds_axis = [line["round"] for line in lines]
   if distributed.is_primary():
     plotting.plot_accuracy(
-      rounds_axis, [line.get("test_acc") for line in lines], [line.get("client_acc_mean") for line in lines],
+        rounds_axis, [line.get("test_acc") for line in lines], [line.get("client_acc_mean") for line in lines],
         [line.get("client_acc_min") for line in lines], [line.get("client_acc_max") for line in lines],
-        os.path.join(workdir, ACCURACY_PLOT), title=title)
+        os.path.join(workdir, rundir.ACCURACY_PLOT), title=title)
 
-  summary = _jsonable(_summarize(config, lines, num_params=num_params, selection=selection,
+  summary = rundir.jsonable(_summarize(config, lines, num_params=num_params, selection=selection,
                                  wall_time=time.perf_counter() - started,
                                  resumed_from=start if resume else None,
-                                 branched_from=_read_branch(workdir)))
-  _write_json(os.path.join(workdir, SUMMARY_FILE), summary)
-  distributed.barrier("ntk_fl.runner: run written")   # no process exits (and tears the run down) before the files are
+                                 branched_from=rundir.read_branch(workdir)))
+  rundir.write_summary(workdir, summary)
+  distributed.barrier("ntk_fl.runner: run written")   # no process leaves before the run's files are written
   if distributed.is_primary():
     logging.info("Finished %s: %s", workdir, {k: summary[k] for k in ("rounds_to_target", "final_test_acc")})
   return summary

@@ -55,7 +55,7 @@ run() {  # name config[:variants] seed [extra --config.* flags...]
 }
 
 branch() {  # name config[:variants] seed source_name [extra flags...]: the run, started from the source run's
-            # checkpoint inside the rounds both compute identically (runner.check_branch), when it has one
+            # checkpoint inside the rounds both compute identically (rundir.check_branch), when it has one
   local name=$1 config=$2 seed=$3 source=$OUT/${4}_s$3; shift 4
   if [ ! -e "$OUT/${name}_s$seed" ] && compgen -G "$source/checkpoints/[0-9]*" > /dev/null; then
     run "$name" "$config" "$seed" --branch_from="$source" "$@"

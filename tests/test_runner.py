@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from ntk_fl import config as config_lib
-from ntk_fl import data, metrics, runner
+from ntk_fl import data, metrics, rundir, runner
 from ntk_fl.checkpoint import Checkpoints
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -191,7 +191,7 @@ def test_resume_refusals_fail_before_any_work(reference, tmp_path, monkeypatch):
   # A started run that never reached a checkpoint.
   os.makedirs(tmp_path / "nockpt")
   with open(tmp_path / "nockpt" / runner.CONFIG_FILE, "w") as f:
-    json.dump(runner._jsonable(toy_config()), f)
+    json.dump(rundir.jsonable(toy_config()), f)
   with pytest.raises(FileNotFoundError, match="no finalised checkpoint"):
     runner.run(toy_config(), str(tmp_path / "nockpt"), resume=True)
 
@@ -208,7 +208,7 @@ def test_a_run_stored_before_a_schema_key_existed_resumes_with_its_old_value(ref
   assert runner.check_workdir(toy_config(), old, resume=True) == ROUNDS
   # Scoring the consensus models too changes what is logged, not the trajectory: a resume may switch it on.
   assert runner.check_workdir(toy_config(**{"eval.consensus": True}), old, resume=True) == ROUNDS
-  loaded = runner.load_run_config(old)
+  loaded = runner.load_run_config(old, trust_method_module=toy_config().method_module)
   assert loaded.data.max_test == 0 and loaded == toy_config()
   # The filled-in value is the one the run used: a config that changes it is a different experiment.
   with pytest.raises(ValueError, match=r"different config.*max_test: 0 -> 100"):

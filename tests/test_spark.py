@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.flatten_util import ravel_pytree
 
-from ntk_fl import compression, evolve, models, projection, runner, topology
+from ntk_fl import compression, evolve, models, projection, rundir, runner, topology
 from ntk_fl.algorithms import ntk_dfl, spark
 from ntk_fl.config import load_config
 from federations import ragged_federation
@@ -348,7 +348,7 @@ def _json_config(variant: str, **algo) -> dict:
   config = load_config(str(REPO / "configs" / "spark.py"), variant)
   for key, value in algo.items():
     config.algorithm.distill[key] = value
-  return runner._jsonable(config)
+  return rundir.jsonable(config)
 
 
 def test_shared_rounds_are_the_warm_up_of_rows_that_differ_only_in_distillation():

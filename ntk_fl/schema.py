@@ -1,0 +1,185 @@
+"""The config schema: the one place a run config is checked.
+
+:func:`validate_config` checks a config built on :func:`ntk_fl.config.base_config`
+-- names, ranges, unknown keys of the shared blocks, then the method's own
+``config.algorithm`` block (its ``validate_config``). It loads no data, so a bad
+key or value fails in milliseconds with a message naming it, what is allowed
+and what it got.
+
+Methods outside :mod:`ntk_fl.algorithms` (a user's own, or a test double) are
+found through ``config.method_module``: a dotted module name or a path to a
+``.py`` file, imported (:func:`import_method_module`) before ``config.method``
+is resolved; importing it should call :func:`ntk_fl.algorithms.register`.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import numbers
+import os
+import sys
+
+import jax
+import ml_collections
+
+from ntk_fl import validation
+from ntk_fl.algorithms import get_method
+from ntk_fl.config import base_config
+
+__all__ = ["import_method_module", "method_module_imported", "validate_config"]
+
+# Config keys beyond base_config(): the optional method module, and the free-form algorithm block.
+_EXTRA_TOP_LEVEL = frozenset({"method_module"})
+_SCHEMA_BLOCKS = ("data", "model", "topology", "eval")
+
+
+def _get(config, path: str):
+  node = config
+  for key in path.split("."):
+    if not isinstance(node, (ml_collections.ConfigDict, dict)) or key not in node:
+      raise ValueError(f"config is missing {path!r} (see ntk_fl.config.base_config for the schema)")
+    node = node[key]
+  return node
+
+
+def _int(config, path: str, low: int) -> int:
+  return validation.check_int(f"config.{path}", _get(config, path), low=low)
+
+
+def _choice(config, path: str, choices) -> str:
+  return validation.check_choice(f"config.{path}", _get(config, path), choices)
+
+
+def _check_keys(config) -> None:
+  """Rejects keys the shared schema does not know (a typo would otherwise be ignored)."""
+  schema = base_config()
+  unknown = set(config.keys()) - set(schema.keys()) - _EXTRA_TOP_LEVEL
+  if unknown:
+    raise ValueError(f"unknown config key(s) {sorted(unknown)}; known top-level keys: "
+                     f"{sorted(set(schema.keys()) | _EXTRA_TOP_LEVEL)}")
+  for block in _SCHEMA_BLOCKS:
+    unknown = set(_get(config, block).keys()) - set(schema[block].keys())
+    if unknown:
+      raise ValueError(f"unknown key(s) {sorted(f'{block}.{k}' for k in unknown)}; "
+                       f"config.{block} has: {sorted(schema[block].keys())}")
+
+
+def _file_module_name(path: str) -> str:
+  return f"_ntk_fl_method_{abs(hash(os.path.abspath(path))):x}"
+
+
+def method_module_imported(spec: str) -> bool:
+  """Whether ``spec`` (a dotted name or ``.py`` path) was imported in this process already."""
+  return (_file_module_name(spec) if spec.endswith(".py") else spec) in sys.modules
+
+
+def import_method_module(spec: str) -> None:
+  """Imports ``spec`` (a dotted module name, or a path to a ``.py`` file) for its registrations."""
+  if not spec:
+    return
+  try:
+    if spec.endswith(".py"):
+      path = os.path.abspath(spec)
+      if not os.path.isfile(path):
+        raise FileNotFoundError(f"no such file {path}")
+      name = _file_module_name(path)
+      if name not in sys.modules:  # execute a file once per process, like an import
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        try:
+          module_spec.loader.exec_module(module)
+        except BaseException:
+          del sys.modules[name]
+          raise
+    else:
+      importlib.import_module(spec)
+  except (ImportError, FileNotFoundError) as e:
+    raise ValueError(f"config.method_module = {spec!r} could not be imported: {e}") from e
+
+
+def validate_config(config) -> None:
+  """Checks ``config`` against the shared schema, then the method's own block.
+
+  Raises ``ValueError`` naming the bad key, its value and what is allowed. Loads
+  no data; the dataset/partition/topology/model name tuples are imported here.
+  """
+  from ntk_fl import data, models, topology  # pylint: disable=g-import-not-at-top
+
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise ValueError(f"config must be an ml_collections.ConfigDict, got {type(config).__name__}")
+  _check_keys(config)
+  method = _get(config, "method")
+  if not isinstance(method, str) or not method:
+    raise ValueError(f"config.method must name a registered method, got {method!r}")
+  method_module = config.get("method_module", "")
+  if not isinstance(method_module, str):
+    raise ValueError(f"config.method_module must be a module name or .py path, got {method_module!r}")
+  _int(config, "seed", 0)
+  _int(config, "rounds", 1)
+  _int(config, "checkpoint_every", 0)
+  keep = _get(config, "checkpoint_keep")
+  if not isinstance(keep, (tuple, list)):
+    raise ValueError(f"config.checkpoint_keep must be a tuple of 1-based round numbers, got {keep!r}")
+  for r in keep:
+    validation.check_int("config.checkpoint_keep (1-based round numbers)", r, low=1)
+  _int(config, "chunk_size", 0)
+  devices = _int(config, "devices", 0)
+  if devices > jax.device_count():
+    raise ValueError(f"config.devices = {devices} but only {jax.device_count()} device(s) exist; "
+                     f"use 0 for all of them or a number in [1, {jax.device_count()}]")
+  if jax.process_count() > 1 and devices not in (0, jax.device_count()):
+    raise ValueError(f"config.devices = {devices} in a run of {jax.process_count()} processes: the clients are "
+                     f"split over every process's devices; use 0 (all {jax.device_count()} of them)")
+
+  dataset = _choice(config, "data.name", data.DATASETS)
+  if not isinstance(_get(config, "data.data_dir"), str):
+    raise ValueError(f"config.data.data_dir must be a string ('' = search path), got {config.data.data_dir!r}")
+  partition = _choice(config, "data.partition", data.PARTITIONS)
+  if partition == "by_writer" and dataset != "femnist":
+    raise ValueError(f"config.data.partition = 'by_writer' needs writer ids; only 'femnist' has them, "
+                     f"got data.name = {dataset!r}")
+  _int(config, "data.num_clients", 1)
+  alpha = _get(config, "data.alpha")
+  if not isinstance(alpha, numbers.Real) or not math.isfinite(alpha) or alpha <= 0:
+    raise ValueError(f"config.data.alpha must be a finite number > 0, got {alpha!r}")
+  _int(config, "data.samples_per_client", 0)
+  _int(config, "data.classes_per_client", 1)
+  _int(config, "data.max_train", 0)
+  _int(config, "data.max_test", 0)
+
+  _choice(config, "model.name", models.MODELS)
+  hidden = _get(config, "model.hidden")
+  if (not isinstance(hidden, (tuple, list))
+      or not all(isinstance(h, numbers.Integral) and not isinstance(h, bool) and h >= 1 for h in hidden)):
+    raise ValueError(f"config.model.hidden must be a tuple of positive ints, got {hidden!r}")
+  _choice(config, "model.activation", models.ACTIVATIONS)
+  _choice(config, "model.init", ("shared", "per_client"))
+
+  # Names only: whether the topology's numbers fit the client count is the
+  # business of the methods that use a topology (their validate_config).
+  _choice(config, "topology.name", topology.TOPOLOGIES)
+  _choice(config, "topology.mixing", topology.MIXING_SCHEMES)
+
+  _int(config, "eval.every", 1)
+  _int(config, "eval.clients_every", 0)
+  _int(config, "eval.batch_size", 1)
+  targets = _get(config, "eval.targets")
+  if not isinstance(targets, (tuple, list)) or not all(
+      isinstance(t, numbers.Real) and not isinstance(t, bool) and 0 < t <= 1 for t in targets):
+    raise ValueError(f"config.eval.targets must be a tuple of accuracies in (0, 1], got {targets!r}")
+  stop_at = _get(config, "eval.stop_at")
+  if not validation.is_real(stop_at) or not 0 <= stop_at <= 1:
+    raise ValueError(f"config.eval.stop_at must be an accuracy in [0, 1] (0 = run every round), got {stop_at!r}")
+  if stop_at and config.eval.every != 1:
+    raise ValueError(f"config.eval.stop_at = {stop_at} needs the aggregated accuracy every round: "
+                     f"config.eval.every must be 1, got {config.eval.every!r}")
+  if not isinstance(_get(config, "eval.consensus"), bool):
+    raise ValueError(f"config.eval.consensus must be a bool, got {config.eval.consensus!r}")
+  if not isinstance(_get(config, "eval.selection"), bool):
+    raise ValueError(f"config.eval.selection must be a bool, got {config.eval.selection!r}")
+
+  import_method_module(method_module)
+  get_method(method).validate_config(config)
+
