@@ -70,6 +70,8 @@ def run_one(spec: dict) -> dict:
   config.data.num_clients = spec["clients"]
   config.topology.degree = spec["kappa"]
   config.chunk_size = spec["chunk"]
+  if spec.get("samples"):
+    config.data.samples_per_client = spec["samples"]
   config.devices = spec["devices"]
   if spec["method"] == "ntk_dfl":
     config.algorithm.taus = tuple(range(100, spec["tau_max"] + 1, 100))
@@ -96,6 +98,8 @@ def run_one(spec: dict) -> dict:
 
 def _specs(args) -> list[dict]:
   base = dict(chunk=args.chunk, tau_max=args.tau_max, devices=args.devices, rounds=args.rounds)
+  if args.samples:
+    base["samples"] = args.samples
   specs = []
   methods = args.methods.split(",")
   if args.sweep in ("clients", "all"):
@@ -115,7 +119,7 @@ def _specs(args) -> list[dict]:
 
 def _key(row: dict) -> tuple:
   return (*(row[k] for k in ("sweep", "method", "clients", "kappa", "chunk", "tau_max", "devices")),
-          row.get("rounds", 2))
+          row.get("rounds", 2), row.get("samples", 0))
 
 
 def _read(path: str) -> list[dict]:
@@ -131,12 +135,12 @@ def _fmt(value) -> str:
 
 def table(rows: list[dict]) -> str:
   """Markdown table of the recorded rows (one per configuration)."""
-  lines = ["| sweep | method | clients M | κ | τ_max | chunk | devices | s/round | CPU s/round | ms/client | first round s "
+  lines = ["| sweep | method | clients M | samples/client | κ | τ_max | chunk | devices | s/round | CPU s/round | ms/client | first round s "
            "| RSS before step MB | peak RSS MB | load avg | rounds | commit |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
   for r in sorted(rows, key=lambda r: (r["sweep"], r["method"], r["clients"], r["kappa"], r["chunk"])):
     tau = r["tau_max"] if r["method"] == "ntk_dfl" else "–"
-    lines.append(f"| {r['sweep']} | {r['method']} | {r['clients']} | {r['kappa']} | {tau} | {r['chunk']} "
+    lines.append(f"| {r['sweep']} | {r['method']} | {r['clients']} | {r.get('samples') or 200} | {r['kappa']} | {tau} | {r['chunk']} "
                  f"| {r['num_devices'] if r['devices'] == 0 else r['devices']} {r['backend']} "
                  f"| {r['round_s']:.2f} | {_fmt(r.get('round_cpu_s'))} | {1000 * r['round_s'] / r['clients']:.1f} "
                  f"| {r['first_round_s']:.1f} "
@@ -188,6 +192,8 @@ def main() -> None:
   parser.add_argument("--memory-chunks", default="4,32")
   parser.add_argument("--footprint-clients", default="30,300,1000,3000,10000")
   parser.add_argument("--rounds", type=int, default=2, help="rounds per configuration; the last one is timed")
+  parser.add_argument("--samples", type=int, default=0,
+                      help="samples per client (0 = the config's, ≈200); the neighbourhood holds ≈ (κ+1)× as many")
   parser.add_argument("--chunk", type=int, default=4, help="clients per vmap chunk per device (0 = all)")
   parser.add_argument("--tau-max", type=int, default=800, help="NTK-DFL τ grid 100, 200, ..., τ_max")
   parser.add_argument("--devices", type=int, default=0, help="config.devices (0 = all)")
