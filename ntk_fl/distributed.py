@@ -95,17 +95,17 @@ def launch_local(command: Sequence[str], num_processes: int, *, env: dict | None
   procs = [subprocess.Popen([*command, f"--process_id={i}", f"--num_processes={num_processes}",
                              f"--coordinator_address={address}"], env=env)
            for i in range(num_processes)]
-  failed = None
   try:
-    while failed is None and any(p.poll() is None for p in procs):
-      failed = next((p.returncode for p in procs if p.returncode not in (None, 0)), None)
+    while True:
+      status = [p.poll() for p in procs]         # every process polled each time (no short circuit)
+      failed = next((rc for rc in status if rc not in (None, 0)), None)
+      if failed is not None or None not in status:
+        break
       time.sleep(poll_seconds)
-    if failed is None:
-      failed = next((p.returncode for p in procs if p.returncode != 0), 0)
   finally:
     _stop(procs)
     signal.signal(signal.SIGTERM, previous)
-  return failed
+  return failed or 0
 
 
 def _stop(procs: list[subprocess.Popen], grace_seconds: float = 10.0) -> None:

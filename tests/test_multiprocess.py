@@ -28,7 +28,7 @@ import numpy as np
 import psutil
 import pytest
 
-from ntk_fl import runner
+from ntk_fl import distributed, runner
 from ntk_fl.config import load_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -97,13 +97,13 @@ def test_two_processes_equal_one_process_dfedavg(tmp_path):
 
 def test_killed_process_resumes_to_the_same_numbers_ntk_dfl(tmp_path):
   """NTK-DFL over 2 processes; process 1 is killed mid-run, the run is resumed by both: the one-process numbers."""
-  rounds = 6
+  rounds, flags = 6, ("--config.rounds=6", "--config.checkpoint_every=1")
   reference = _reference(tmp_path, "ntk_dfl", rounds=rounds)
   workdir = tmp_path / "ntk_dfl_2proc"
-  proc = _launch(workdir, "ntk_dfl", f"--config.rounds={rounds}")
+  proc = _launch(workdir, "ntk_dfl", *flags)
   metrics = workdir / runner.METRICS_FILE
   deadline = time.monotonic() + TIMEOUT
-  # Two rounds logged: the checkpoint after round 1 is final (saved before round 2 starts).
+  # Two rounds logged: the checkpoint after round 1 (checkpoint_every = 1) is final, saved before round 2 ran.
   while not (metrics.is_file() and len(runner.read_metrics(str(workdir))) >= 2):
     assert proc.poll() is None, _wait(proc, workdir)[-5000:]
     assert time.monotonic() < deadline
@@ -118,9 +118,35 @@ def test_killed_process_resumes_to_the_same_numbers_ntk_dfl(tmp_path):
   assert done < rounds, "the run ended before the kill; nothing was resumed"
   assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children), "a process outlived the launcher"
 
-  proc = _launch(workdir, "ntk_dfl", f"--config.rounds={rounds}", "--resume")
+  proc = _launch(workdir, "ntk_dfl", *flags, "--resume")
   log = _wait(proc, workdir)
   assert proc.returncode == 0, log[-5000:]
   assert "Resuming" in log
   _only_process_0_wrote(workdir, log, rounds)
   _compare(runner.read_metrics(str(workdir)), reference)
+
+
+def test_launcher_stops_the_others_when_one_process_fails(tmp_path):
+  """Rank 1 fails at once; rank 0 (which would wait an hour) is stopped and rank 1's status returned."""
+  script = tmp_path / "rank.py"
+  script.write_text("import sys, time\n"
+                    "rank = int([a for a in sys.argv if a.startswith('--process_id=')][0].split('=')[1])\n"
+                    "open(sys.argv[1] + f'.{rank}', 'w').write(' '.join(sys.argv[2:]))\n"
+                    "if rank == 0:\n  time.sleep(3600)\n"
+                    "import os\n"
+                    "while not os.path.exists(sys.argv[1] + '.0'):  # fail once rank 0 is surely running\n"
+                    "  time.sleep(0.05)\n"
+                    "sys.exit(3)\n")
+  started = time.monotonic()
+  status = distributed.launch_local([sys.executable, str(script), str(tmp_path / "args")], 2)
+  assert status == 3
+  assert time.monotonic() - started < 60
+  for rank in (0, 1):
+    args = (tmp_path / f"args.{rank}").read_text().split()
+    assert args[:2] == [f"--process_id={rank}", "--num_processes=2"]
+    assert args[2].startswith("--coordinator_address=localhost:")
+
+
+def test_strip_flags_removes_only_the_named_flags():
+  argv = ["--config=c.py", "--num_processes=2", "--num_processes", "3", "--num_processes_x=1", "--workdir=w"]
+  assert distributed.strip_flags(argv, ["num_processes"]) == ["--config=c.py", "--num_processes_x=1", "--workdir=w"]
