@@ -13,9 +13,10 @@
    then drive ``algorithm.init`` / ``algorithm.step`` yourself).
 3. The round loop: ``algorithm.step`` (compiled once by its factory); after every round one
    JSON line in ``metrics.jsonl`` (aggregated-model and client accuracies,
-   inter-client deviation, the algorithm's own metrics, timings), a tqdm
-   progress bar, and an orbax checkpoint every ``checkpoint_every`` rounds and
-   at the end.
+   inter-client deviation, the algorithm's own metrics, timings), the same
+   numbers as TensorBoard scalars in the workdir (:mod:`ntk_fl.summaries`), a
+   tqdm progress bar, and an orbax checkpoint every ``checkpoint_every`` rounds
+   and at the end.
 4. Final client-selection curves, PNG plots, ``summary.json``.
 
 The files of a workdir, resume and branching belong to :mod:`ntk_fl.rundir`.
@@ -53,6 +54,7 @@ from tqdm.auto import tqdm
 from ntk_fl import distributed, parallel, rundir, topology
 from ntk_fl import metrics as metrics_lib
 from ntk_fl import plotting
+from ntk_fl import summaries
 from ntk_fl.algorithms import Algorithm, get_method
 from ntk_fl.checkpoint import Checkpoints
 from ntk_fl.rng import Stream, numpy_rng
@@ -154,7 +156,8 @@ def build_experiment(config) -> Experiment:
   client_indices = data.partition(
       dataset.y_train, config.data.partition, config.data.num_clients, seed=config.seed,
       alpha=config.data.alpha, samples_per_client=config.data.samples_per_client or None,
-      classes_per_client=config.data.classes_per_client, writers=dataset.writers_train)
+      classes_per_client=config.data.classes_per_client, writers=dataset.writers_train,
+      partition_file=config.data.partition_file or None)
   federation = data.make_federation(dataset.x_train, dataset.y_train, client_indices)
   model = models.make_model(config.model, dataset.x_train.shape[1:], dataset.num_classes)
   algorithm = get_method(config.method).make(config, model, federation)
@@ -175,6 +178,22 @@ def _strong(x):
 
 def _canonical(state):
   return jax.tree.map(_strong, state)
+
+
+class _NoEvents:
+  """The TensorBoard writer of the processes other than 0 (they write no files)."""
+
+  def write(self, line) -> None:
+    del line
+
+  def write_all(self, lines) -> None:
+    del lines
+
+  def __enter__(self) -> "_NoEvents":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    pass
 
 
 def _initial_state(algorithm: Algorithm, config):
@@ -366,10 +385,13 @@ def _run(config, workdir: str, *, resume: bool, branch_from: str | None, branch_
         exp.model.apply, exp.dataset.x_test, exp.dataset.y_test,
         batch_size=config.eval.batch_size, chunk_size=config.chunk_size or None, aggregate=algorithm.aggregate)
     primary = distributed.is_primary()      # only process 0 writes files, logs and the progress bar
+    events = summaries.EventWriter(workdir, first_round=start + 1) if primary else _NoEvents()
+    if branch_from is not None:
+      events.write_all(lines)   # the source's rounds, now this run's first ones (a resumed run has them already)
     bar = tqdm(total=rounds, initial=start, desc=config.method, unit="round", dynamic_ncols=True,
                disable=not primary)
     last_round = start
-    with bar, (open(metrics_path, "a") if primary else contextlib.nullcontext()) as metrics_file:
+    with events, bar, (open(metrics_path, "a") if primary else contextlib.nullcontext()) as metrics_file:
       for r in range(start, rounds):
         if lines and _reached_stop(lines[-1], config):
           break
@@ -392,14 +414,16 @@ def _run(config, workdir: str, *, resume: bool, branch_from: str | None, branch_
           metrics_file.write(rundir.metrics_line(line))
           metrics_file.flush()
         lines.append(rundir.jsonable(line))   # exactly what was logged (NaN -> None), as a resumed run reads it
+        events.write(lines[-1])
         if ckpt is not None and ((config.checkpoint_every and _due(round_, config.checkpoint_every, rounds))
                                  or round_ in keep):
           ckpt.save(round_, state)
-        postfix = {"s/round": f"{t2 - t0:.2f}"}
+        postfix = {}
         if "test_acc" in line and primary:
           postfix["acc"] = f"{line['test_acc']:.4f}"
           logging.info("round %d: aggregated acc %.4f, step %.2fs, eval %.2fs",
                        round_, line["test_acc"], t1 - t0, t2 - t1)
+        postfix["last round"] = f"{t2 - t0:.2f}s"
         bar.set_postfix(postfix)
         bar.update(1)
         last_round = round_

@@ -28,7 +28,7 @@ import numpy as np
 import psutil
 import pytest
 
-from ntk_fl import distributed, runner
+from ntk_fl import cli, distributed, runner
 from ntk_fl.config import load_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -77,9 +77,11 @@ def _compare(lines: list[dict], reference: list[dict]) -> None:
                                  err_msg=f"round {ref['round']} clients.{key}")
 
 
-def _only_process_0_wrote(workdir, log: str, rounds: int) -> None:
-  # Both processes appending would double the lines; both logging would repeat the summary line.
+def _only_process_0_wrote(workdir, console: str, rounds: int) -> None:
+  # Both processes appending would double the lines; both logging or printing would repeat the closing lines.
   assert len(runner.read_metrics(str(workdir))) == rounds
+  assert console.count("Outputs in ") == 1, console[-3000:]
+  log = (workdir / cli.LOG_FILE).read_text()
   assert log.count("Finished ") == 1, log[-3000:]
   for name in ("summary.json", "config.json", "accuracy.png", "selection.png"):
     assert (workdir / name).is_file(), name
@@ -121,7 +123,7 @@ def test_killed_process_resumes_to_the_same_numbers_ntk_dfl(tmp_path):
   proc = _launch(workdir, "ntk_dfl", *flags, "--resume")
   log = _wait(proc, workdir)
   assert proc.returncode == 0, log[-5000:]
-  assert "Resuming" in log
+  assert "Resuming" in (workdir / cli.LOG_FILE).read_text()
   _only_process_0_wrote(workdir, log, rounds)
   _compare(runner.read_metrics(str(workdir)), reference)
 

@@ -28,7 +28,7 @@ new random 5-regular graph every round, data-size-weighted averaging, τ ∈ {10
   compute at the receiver's weights; spark.md §5 items 4-5, Option A).
 * τ selection by the *hard-label* cross-entropy of the network ``w̄ + Δw_τ``
   (paper: ground-truth labels; NTK-DFL code: the real network).
-* Kernel: the output-traced ``(1/C) Σ_c J_c J_cᵀ`` (DESIGN.md convention 1, the
+* Kernel: the output-traced ``(1/C) Σ_c J_c J_cᵀ`` (docs/CONVENTIONS.md, convention 1: the
   kernel NTK-DFL was tuned with, so the ablation's "no momentum, no
   distillation" row *is* NTK-DFL); ``full_kernel`` is the paper's literal
   ``(N·C)²`` kernel (same ``η/N`` normalisation as the update, spark.md §5 item 8).
@@ -45,6 +45,7 @@ new random 5-regular graph every round, data-size-weighted averaging, τ ∈ {10
 
 Variants (comma-separated, e.g. ``:iid,abl_momentum``):
   paper / iid / alpha<float> / static / mnist   as every method (ntk_fl.config.COMMON_VARIANTS).
+  authors_alpha<float>[_d<k>] / authors_iid[_d<k>]   the authors' partition files (draw 0 unless _d<k>).
   abl_none      Table 4 row 1: no distillation, no momentum (= NTK-DFL).
   abl_distill   Table 4 row 2: distillation only (Variant A).
   abl_momentum  Table 4 row 3: momentum only (Variant B).
