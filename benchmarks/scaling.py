@@ -53,8 +53,9 @@ def _commit() -> str:
   try:
     head = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                           check=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True, check=True).stdout.strip()
+    # The sweep's own results file does not count: it changes as rows are appended.
+    dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no", "--", ".",
+                            ":!benchmarks/scaling"], capture_output=True, text=True, check=True).stdout.strip()
     return head + ("+" if dirty else "")
   except (OSError, subprocess.CalledProcessError):
     return "?"
@@ -169,7 +170,10 @@ def plot(rows: list[dict], path: str) -> None:
   mem = [r for r in rows if r["sweep"] in ("memory", "clients") and r["method"] == "ntk_dfl"]
   for chunk in sorted({r["chunk"] for r in mem}):
     pts = sorted((r["clients"], r["peak_rss_mb"]) for r in mem if r["chunk"] == chunk)
-    axes[2].plot(*zip(*pts), "o", label=f"ntk_dfl chunk {chunk}")
+    axes[2].plot(*zip(*pts), "o", label=f"ntk_dfl chunk {chunk}, padded federation")
+  footprint = sorted((r["clients"], r["peak_rss_mb"]) for r in rows if r["sweep"] == "footprint")
+  if footprint:
+    axes[2].plot(*zip(*footprint), "s-", label="ntk_dfl chunk 4, samples held once (footprint)")
   axes[0].set(xscale="log", yscale="log", xlabel="clients M (κ = 5)", ylabel="seconds per round",
               title="time vs clients")
   axes[1].set(xlabel="neighbourhood size κ", ylabel="seconds per round", title="time vs κ")

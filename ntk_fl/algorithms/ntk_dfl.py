@@ -199,8 +199,6 @@ def make_neighbourhood_round(config, model: models.Model, federation, *, lr: flo
 
   def run(params, inputs, data, client_fn, *client_args):
     rows, ms = data.index, data.mask
-    if per_round_averaging:
-      params = topology.mix(params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
     if m2 > 1:
       idx, keep = _subsample_indices(inputs.key, ms, n_sub, m2)
       rows = jnp.take_along_axis(rows, idx, axis=1)
@@ -212,21 +210,26 @@ def make_neighbourhood_round(config, model: models.Model, federation, *, lr: flo
       ms = jnp.pad(ms, [(0, 0), (0, pad)])
     round_lr = lr * jnp.exp(-lr_decay * inputs.round.astype(jnp.float32))
 
-    def per_client(p, idx, nbrs, nbr_mask, *args):
+    def per_client(p, idx, nbrs, nbr_mask, self_w, nbr_w, *args):
+      if per_round_averaging:
+        # w̄_i (eq. 1) from the round-start state captured whole: formed per chunk, so the round holds
+        # the state it starts from and the one it returns, never an [M, ...] copy of the averages.
+        p = topology.mix_one(params, p, nbrs, self_w, nbr_w)
       x, t, m = neighbourhood(idx, nbrs, nbr_mask, data, rows, ms)
       return client_fn(p, x, t, m, round_lr, *args)
 
     update = parallel.for_each_client(per_client, chunk_size=config.chunk_size or None)
     clients = jnp.arange(num_clients)
+    weights = (inputs.self_weight, inputs.neighbor_weights)
     if not share_cliques:
-      return update(params, clients, inputs.neighbors, inputs.neighbor_mask, *client_args), round_lr
+      return update(params, clients, inputs.neighbors, inputs.neighbor_mask, *weights, *client_args), round_lr
     if client_args:
       raise ValueError("share_cliques=True runs client_fn once per clique, so it takes no per-client arguments")
     # A clique's representative is its lowest-numbered member (padding slots hold the client's own index).
     representative = jnp.minimum(clients, inputs.neighbors.min(axis=1))
     leaders = jnp.unique(representative, size=num_cliques)
     outputs = update(jax.tree.map(lambda p: p[leaders], params), leaders, inputs.neighbors[leaders],
-                     inputs.neighbor_mask[leaders])
+                     inputs.neighbor_mask[leaders], *(w[leaders] for w in weights))
     slot = jnp.searchsorted(leaders, representative)
     return jax.tree.map(lambda o: o[slot], outputs), round_lr
 
