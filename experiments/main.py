@@ -1,6 +1,6 @@
 """Runs one experiment from a config: the ``ntk-fl`` command, from a checkout.
 
-  python experiments/main.py --config=configs/ntk_dfl.py[:variant] --workdir=DIR \
+  python experiments/main.py --config=configs/ntk_dfl.py[:variant] --workdir=DIR
       [--config.rounds=50 --config.data.alpha=0.5 ...] [--resume]
       [--branch_from=OTHER_WORKDIR [--branch_round=K]]
       [--num_processes=P | --distributed | --num_processes=P --process_id=I --coordinator_address=HOST:PORT]
