@@ -517,7 +517,7 @@ def mix_one(stacked_params, own, neighbors, self_weight, neighbor_weights):
   def one(stacked, w):
     total = jnp.asarray(self_weight).astype(w.dtype) * w
     for slot in range(neighbors.shape[0]):
-      total = total + neighbor_weights[slot].astype(w.dtype) * stacked[neighbors[slot]]
+      total = total + neighbor_weights[slot].astype(w.dtype) * jnp.asarray(stacked)[neighbors[slot]]
     return total
 
   return jax.tree.map(one, stacked_params, own)
