@@ -3,7 +3,8 @@
 The graphs and their mixing weights are generated host-side by :mod:`ntk_fl.topology`
 (``Graph(neighbors [M, k_max], mask)``, :func:`ntk_fl.topology.mixing_weights`); this module
 is what a jitted round does with them: :func:`mix` (NTK-DFL's eq. 1, every gossip baseline's
-averaging, SPARK's mixed velocity) and :func:`consensus` (the models a round starts from).
+averaging, SPARK's mixed velocity), its per-client row :func:`mix_one` (formed inside the mapped
+client function) and :func:`consensus` (the models a round starts from).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-__all__ = ["mix", "consensus"]
+__all__ = ["mix", "mix_one", "consensus"]
 
 
 def mix(stacked_params, neighbors, self_weight, neighbor_weights, *, sent=None):
@@ -55,6 +56,34 @@ def mix(stacked_params, neighbors, self_weight, neighbor_weights, *, sent=None):
     return total
 
   return jax.tree.map(one, stacked_params, sent)
+
+
+def mix_one(stacked_params, own, neighbors, self_weight, neighbor_weights):
+  """One client's row of :func:`mix`, for use inside the function ``for_each_client`` maps.
+
+  ``w̄_i = s_i w_i + Σ_k a_ik w_{n_ik}`` with the same operations in the same
+  order as :func:`mix`, so the result is the same; formed per chunk of clients,
+  no ``[M, ...]`` copy of the averages is ever held.
+
+  Args:
+    stacked_params: pytree with leaves ``[M, ...]`` (every client's weights).
+    own: the client's weights (``stacked_params``' leaves without the ``M`` axis).
+    neighbors: int ``[k]``; self_weight: scalar; neighbor_weights: ``[k]`` -- the
+      client's rows of :func:`ntk_fl.topology.mixing_weights`.
+
+  Returns:
+    Pytree like ``own``.
+  """
+  chex.assert_rank(neighbors, 1)
+  chex.assert_shape(neighbor_weights, neighbors.shape)
+
+  def one(stacked, w):
+    total = jnp.asarray(self_weight).astype(w.dtype) * w
+    for slot in range(neighbors.shape[0]):
+      total = total + neighbor_weights[slot].astype(w.dtype) * jnp.asarray(stacked)[neighbors[slot]]
+    return total
+
+  return jax.tree.map(one, stacked_params, own)
 
 
 def consensus(stacked_params, round_inputs):
