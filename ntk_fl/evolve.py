@@ -69,7 +69,7 @@ costs next to nothing, whereas the TF32 default of recent GPUs would inject
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp

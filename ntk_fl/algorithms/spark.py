@@ -83,7 +83,6 @@ _DISTILL_KEYS = ("enabled", "warmup_rounds", "anneal_rounds", "alpha_init", "alp
 _PROJECTION_KEYS = ("scheme", "k_proj", "skip_uncompressed")
 _COMPRESSION_KEYS = ("keep_fraction", "bits")
 _BOOST_KEYS = ("rounds", "factor")
-_HIGHEST = jax.lax.Precision.HIGHEST
 
 
 class SparkState(NamedTuple):
