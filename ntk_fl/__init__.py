@@ -12,5 +12,7 @@ Subpackages and modules (each documented in its own docstring):
 * :mod:`ntk_fl.schema` -- the config schema, checked once before any work.
 * :mod:`ntk_fl.rundir` -- the files of a run directory; resume and branch.
 * :mod:`ntk_fl.runner` -- the generic experiment loop (logging, checkpoints, plots).
+* :mod:`ntk_fl.summaries` -- TensorBoard event files of a run (tensorboardX).
+* :mod:`ntk_fl.cli` -- the ``ntk-fl`` command; :mod:`ntk_fl.configs` -- the packaged paper configs.
 """
 __version__ = "0.1.0"

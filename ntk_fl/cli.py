@@ -1,7 +1,7 @@
 """``ntk-fl``: runs one experiment from a config.
 
-  ntk-fl --config=ntk_dfl[:variant] --workdir=DIR \
-      [--config.rounds=50 --config.data.alpha=0.5 ...] [--resume] [--distributed]
+  ntk-fl --config=ntk_dfl[:variant] --workdir=DIR
+      [--config.rounds=50 --config.data.alpha=0.5 ...] [--resume | --resume_from_step=N] [--distributed]
       [--branch_from=OTHER_WORKDIR [--branch_round=K]]
 
 ``--config`` names a packaged config (``ntk_dfl``, ``spark:iid,alpha0.5``; see
@@ -16,20 +16,35 @@ starts a new run from another run's checkpoint when the two configs provably
 share those rounds (e.g. SPARK's ablation rows during the warm-up; see
 :func:`ntk_fl.rundir.check_branch`).
 
+Console: one progress bar (round, aggregated accuracy, seconds per round,
+ETA), warnings and errors above it, and a closing line with the result. The
+full absl log (INFO at the default ``--verbosity=0``; ``--verbosity=1`` adds
+DEBUG, ``-1`` keeps warnings only) goes to ``log.txt`` in the workdir;
+``--alsologtostderr`` also prints it, ``--logtostderr`` prints it instead of
+writing the file (absl's usual meaning of those flags).
+
 In a checkout, ``python experiments/main.py ...`` is the same command.
 """
 from __future__ import annotations
 
+import errno
+import io
 import logging as std_logging
+import os
 import sys
+import traceback
 from typing import Sequence
 
 from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
+from tqdm.auto import tqdm
 
-__all__ = ["main", "resolve_config_args"]
+__all__ = ["LOG_FILE", "main", "one_line", "report_failure", "resolve_config_args"]
+
+LOG_FILE = "log.txt"
+"""The run's absl log, in its workdir (appended to by ``--resume``)."""
 
 _FLAGS: dict = {}
 
@@ -42,7 +57,12 @@ def _define_flags() -> None:
       "config", None, "Config: a packaged config's name (ntk_dfl, spark:iid, ntk_dfl:smoke) or a config file "
       "(configs/ntk_dfl.py:smoke); text after ':' is the variant list.", lock_config=True)
   _FLAGS["workdir"] = flags.DEFINE_string("workdir", None, "Output directory of the run.")
-  _FLAGS["resume"] = flags.DEFINE_bool("resume", False, "Continue the run in --workdir from its latest checkpoint.")
+  _FLAGS["resume"] = flags.DEFINE_bool(
+      "resume", False, "Continue the run in --workdir from its newest good checkpoint (damaged or incomplete "
+      "ones are set aside: renamed, never deleted).")
+  _FLAGS["resume_from_step"] = flags.DEFINE_integer(
+      "resume_from_step", None, "Continue the run in --workdir from its checkpoint after this many rounds "
+      "(implies --resume); later checkpoints are set aside and their rounds recomputed.")
   _FLAGS["branch_from"] = flags.DEFINE_string(
       "branch_from", None, "Start from the checkpoint of the run in this workdir (its config must equal --config, "
       "or the method must certify the rounds they share).")
@@ -86,6 +106,10 @@ def _parse_flags(argv: list[str]) -> list[str]:
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
+    if "Error whilst parsing config file" in str(e):   # config_flags puts the config's traceback in the message
+      cause = [line for line in str(e).strip().splitlines() if line.strip()][-1]
+      value = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith("--config=")), "")
+      sys.exit(f"error: --config={value}: {cause}")
     sys.exit(f"FATAL Flags parsing error: {e}\nPass --helpshort or --helpfull to see help on flags.")
   except (AttributeError, KeyError) as e:
     key = str(e.args[0] if e.args else e).strip("'\"")
@@ -102,36 +126,156 @@ class _QuietLibraries(std_logging.Filter):
     return record.levelno >= std_logging.WARNING or not noisy
 
 
+class _AboveTheBar(std_logging.Handler):
+  """Writes records through ``tqdm.write``: printed above the progress bar instead of into it."""
+
+  def emit(self, record: std_logging.LogRecord) -> None:
+    try:
+      tqdm.write(self.format(record), file=sys.stderr)
+    except Exception:  # pylint: disable=broad-except -- logging must never raise
+      self.handleError(record)
+
+
+def _hold_log() -> io.StringIO | None:
+  """Keeps the absl log in memory until the workdir is known to be usable; warnings go to the console.
+
+  absl's handler writes to its stream and, when that stream is not stderr, also
+  echoes to stderr what ``--alsologtostderr`` or ``--stderrthreshold`` ask for,
+  so those flags keep their meaning; ``--logtostderr`` keeps absl's own
+  behaviour (everything to stderr, no file). Returns the buffer (None with
+  ``--logtostderr``).
+  """
+  if flags.FLAGS.logtostderr:
+    return None
+  absl_handler = logging.get_absl_handler()
+  buffer = io.StringIO()
+  absl_handler.python_handler.stream = buffer
+  if not flags.FLAGS.alsologtostderr:
+    console = _AboveTheBar(std_logging.WARNING)
+    console.setFormatter(absl_handler.python_handler.formatter or logging.PythonFormatter())
+    console.addFilter(_QuietLibraries())
+    std_logging.getLogger().addHandler(console)
+  return buffer
+
+
+def _log_to_workdir(buffer: io.StringIO | None, workdir: str) -> None:
+  """From now on the absl log goes to ``workdir/log.txt``, starting with what was held in memory."""
+  if buffer is None:
+    return
+  os.makedirs(workdir, exist_ok=True)
+  log = open(os.path.join(workdir, LOG_FILE), "a", encoding="utf-8")  # pylint: disable=consider-using-with
+  log.write(buffer.getvalue())
+  log.flush()
+  logging.get_absl_handler().python_handler.stream = log
+
+
+# What ends a run with one line: bad requests and data (ValueError, including unreadable or unsafe data
+# files and bad metrics.jsonl), missing or unwritable files and a full disk (OSError), damaged checkpoints,
+# divergence. Anything else is a bug and keeps its traceback.
+_ONE_LINE_ERRORS = (ValueError, OSError)
+
+
+def one_line(err: BaseException) -> str:
+  """The ``error:`` line of ``err``: its first line, with what to do for a full disk."""
+  if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+    where = f" while writing {err.filename}" if err.filename else ""
+    return (f"disk full{where} ({err.strerror}); free some space, then continue the run with --resume "
+            "(every completed checkpoint and metrics line is intact)")
+  lines = [line for line in str(err).strip().splitlines() if line.strip()]
+  return lines[0] if lines else type(err).__name__
+
+
+def report_failure(err: BaseException, workdir: str | None, *, verbose: bool) -> str:
+  """The one-line message for ``err``; its traceback is appended to ``workdir/log.txt`` (and printed if ``verbose``)."""
+  trace = "".join(traceback.format_exception(err))
+  message = one_line(err)
+  log_path = None
+  if workdir:
+    try:
+      stream = getattr(logging.get_absl_handler().python_handler, "stream", None)
+      if stream is not None and stream is not sys.stderr:
+        stream.flush()
+      os.makedirs(workdir, exist_ok=True)
+      log_path = os.path.join(os.path.abspath(workdir), LOG_FILE)
+      with open(log_path, "a", encoding="utf-8") as f:
+        f.write(f"error: {message}\n{trace}\n")
+    except OSError:          # e.g. the disk is full: the traceback then only goes to stderr on request
+      log_path = None
+  if verbose:
+    sys.stderr.write(trace)
+  elif log_path:
+    message += f" (traceback in {log_path}; --verbosity=1 prints it)"
+  return message
+
+
+def _closing_line(summary: dict, workdir: str) -> str:
+  """One line with the result of a run, for the console."""
+  acc = summary.get("final_test_acc")
+  targets = ", ".join(f"{float(t):.0%} at round {r}" if r is not None else f"{float(t):.0%} not reached"
+                      for t, r in (summary.get("rounds_to_target") or {}).items())
+  accuracy = "not evaluated" if acc is None else f"{acc:.4f}"
+  return (f"{summary.get('method')}: {summary.get('rounds_run')} rounds, final aggregated accuracy {accuracy}"
+          f"{'; ' + targets if targets else ''}; {summary.get('wall_time', 0.0):.1f} s. Outputs in {workdir}")
+
+
 def _main(argv: list[str]) -> None:
   import jax  # pylint: disable=import-outside-toplevel
 
   from ntk_fl import rundir, runner, schema  # pylint: disable=import-outside-toplevel
+  from ntk_fl.checkpoint import CheckpointDamaged  # pylint: disable=import-outside-toplevel
 
   logging.get_absl_handler().addFilter(_QuietLibraries())
+  held = _hold_log()   # before the first jax call: the backend probe's INFO lines belong in the log file
   if len(argv) > 1:
     raise app.UsageError(f"unexpected positional arguments: {argv[1:]}")
   if _FLAGS["distributed"].value:
     jax.distributed.initialize()   # before any jax call lists devices
   config = _FLAGS["config"].value
+  if type(config).__name__ == "_ErrorConfig":   # config_flags' stand-in for a config file it could not load
+    value = flags.FLAGS["config"].config_filename
+    path = value.split(":", 1)[0]
+    if not os.path.isfile(path):
+      sys.exit(f"error: --config={value}: no config file {os.path.abspath(path)} (and no packaged config of that "
+               "name); give a packaged config's name (e.g. ntk_dfl:smoke) or the path of a config file")
+    sys.exit(f"error: --config={value}: cannot load the config file: "
+             f"{one_line(object.__getattribute__(config, '_error'))}")
   workdir = _FLAGS["workdir"].value
-  start = dict(resume=_FLAGS["resume"].value, branch_from=_FLAGS["branch_from"].value,
-               branch_round=_FLAGS["branch_round"].value)
+  start = dict(resume=_FLAGS["resume"].value, resume_from_step=_FLAGS["resume_from_step"].value,
+               branch_from=_FLAGS["branch_from"].value, branch_round=_FLAGS["branch_round"].value)
+  verbose = logging.get_verbosity() >= 1
   try:
-    # Everything that can be wrong with the request fails here, before any work.
+    # Everything that can be wrong with the request fails here, before any data is loaded.
     schema.validate_config(config)
     rundir.check_start(config, workdir, **start)
-  except (ValueError, FileNotFoundError) as e:
-    logging.error("%s", e)
-    sys.exit(f"error: {e}")
-  summary = runner.run(config, workdir, **start)
+  except (*_ONE_LINE_ERRORS, CheckpointDamaged) as e:
+    if verbose:
+      traceback.print_exc()
+    sys.exit(f"error: {one_line(e)}")
+  try:
+    _log_to_workdir(held, workdir)
+    summary = runner.run(config, workdir, **start)
+  except (*_ONE_LINE_ERRORS, CheckpointDamaged, runner.Diverged) as e:
+    sys.exit(f"error: {report_failure(e, workdir, verbose=verbose)}")
+  except KeyboardInterrupt:
+    sys.stderr.write(f"\ninterrupted; continue the run with --resume (workdir {workdir})\n")
+    sys.exit(130)
+  print(_closing_line(summary, os.path.abspath(workdir)), flush=True)
   logging.info("rounds to target: %s; final aggregated accuracy: %s; wall time %.1fs",
                summary["rounds_to_target"], summary["final_test_acc"], summary["wall_time"])
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-  """The ``ntk-fl`` console script (and ``experiments/main.py``)."""
+  """The ``ntk-fl`` console script (and ``experiments/main.py``, ``python -m ntk_fl``)."""
+  argv = list(sys.argv if argv is None else argv)
   _define_flags()
-  app.run(_main, argv=list(sys.argv if argv is None else argv), flags_parser=_parse_flags)
+  # --helpshort lists the key flags of the program being run (absl keys them by argv[0]) and prints its
+  # __main__ docstring; a console script has neither, so lend it this module's.
+  for holder in _FLAGS.values():
+    flags.FLAGS.register_key_flag_for_module(argv[0], flags.FLAGS[holder.name])
+  main_module = sys.modules.get("__main__")
+  if main_module is not None and not (getattr(main_module, "__doc__", None) or "").strip():
+    main_module.__doc__ = __doc__
+  app.run(_main, argv=argv, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":
