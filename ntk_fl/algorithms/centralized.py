@@ -111,7 +111,7 @@ def _shared_set(federation, fraction: float, seed: int):
   size = max(1, int(round(fraction * slots.shape[0])))
   rng = numpy_rng(seed, Stream.SHARED_SET)
   pick = slots[np.sort(rng.choice(slots.shape[0], size=size, replace=False))]
-  return np.asarray(federation.x)[pick[:, 0], pick[:, 1]], np.asarray(federation.y)[pick[:, 0], pick[:, 1]]
+  return federation.samples(np.asarray(federation.index)[pick[:, 0], pick[:, 1]])
 
 
 def make_centralized(method: str, config, model: models.Model, federation) -> Algorithm:
@@ -128,12 +128,12 @@ def make_centralized(method: str, config, model: models.Model, federation) -> Al
   bits, stochastic = int(algo.quantize_bits), bool(algo.stochastic_rounding)
   chunk_size = config.chunk_size or None
   local_update = local.local_update_from_config(model.apply, algo)
-  sample_bits = compression.FLOAT_BITS * (math.prod(federation.x.shape[2:]) + 1)  # features + label
+  sample_bits = compression.FLOAT_BITS * (math.prod(federation.feature_shape) + 1)  # features + label
   if method == "datashare":
     shared = _shared_set(federation, float(algo.share_fraction), config.seed)
   else:
-    shared = (np.zeros((0, *federation.x.shape[2:]), np.float32), np.zeros((0,), np.int32))
-  data = jax.device_put(tuple(jnp.asarray(a) for a in (federation.x, federation.y, federation.mask, *shared)))
+    shared = (np.zeros((0, *federation.feature_shape), np.float32), np.zeros((0,), np.int32))
+  data = jax.device_put((federation, *shared))
   payload = compression.tree_payload_bits(jax.eval_shape(model.init, jax.random.PRNGKey(0)), bits)
 
   def init(key):
@@ -167,9 +167,9 @@ def make_centralized(method: str, config, model: models.Model, federation) -> Al
 
   @jax.jit
   def _step(state, inputs, data):
-    xs, ys, ms, shared_x, shared_y = data
+    fed, shared_x, shared_y = data
     lr = local.round_lr(algo, inputs.round)
-    x, y, mask = xs[inputs.clients], ys[inputs.clients], ms[inputs.clients]
+    (x, y), mask = fed.samples(fed.index[inputs.clients]), fed.mask[inputs.clients]
     sizes = jnp.sum(mask, axis=1).astype(jnp.float32)                                   # [K]
     train_key, quant_key = jax.random.split(inputs.key)
     if method == "centralized":

@@ -211,7 +211,7 @@ def make_decentralized(method: str, config, model: models.Model, federation) -> 
   local_update = local.local_update_from_config(model.apply, algo)
   graph_source = topology.make_topology_from_config(config.topology, num_clients, seed=config.seed)
   sizes = np.asarray(federation.n)
-  data = jax.device_put(tuple(jnp.asarray(a) for a in (federation.x, federation.y, federation.mask)))
+  data = jax.device_put(federation)
 
   shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0))
   sparse = sparse_leaves(shapes)
@@ -262,7 +262,7 @@ def make_decentralized(method: str, config, model: models.Model, federation) -> 
 
   @jax.jit
   def _step(state, inputs, data):
-    xs, ys, ms = data
+    rows, ms = data.index, data.mask        # each client's samples are gathered in its chunk (data.samples)
     lr = local.round_lr(algo, inputs.round)
     train_key, quant_key = jax.random.split(inputs.key)
     client_keys = jax.random.split(train_key, num_clients)
@@ -270,12 +270,12 @@ def make_decentralized(method: str, config, model: models.Model, federation) -> 
       sent = local.transmit(state.params, bits, key=quant_key, stochastic=stochastic, chunk_size=chunk_size)
       mixed = masked_neighbor_average(state.params, state.masks, sent, inputs.neighbors, inputs.neighbor_mask)
       fraction = mask_fraction(float(algo.anneal_factor), inputs.round, int(config.rounds))
-      per_client = lambda p, mk, x, y, m, kk: dispfl_client(p, mk, x, y, m, kk, lr, fraction)
+      per_client = lambda p, mk, r, m, kk: dispfl_client(p, mk, *data.samples(r), m, kk, lr, fraction)
       params, masks, loss = parallel.for_each_client(per_client, chunk_size=chunk_size)(
-          mixed, state.masks, xs, ys, ms, client_keys)
+          mixed, state.masks, rows, ms, client_keys)
     else:
-      per_client = lambda p, x, y, m, kk: local_update(p, x, y, m, kk, lr)
-      result = parallel.for_each_client(per_client, chunk_size=chunk_size)(state.params, xs, ys, ms, client_keys)
+      per_client = lambda p, r, m, kk: local_update(p, *data.samples(r), m, kk, lr)
+      result = parallel.for_each_client(per_client, chunk_size=chunk_size)(state.params, rows, ms, client_keys)
       params, loss = gossip(result.params, inputs, quant_key), result.loss
     bits_sent = jnp.sum(inputs.neighbor_mask, axis=1).astype(jnp.float32) * payload       # [M]
     total = jnp.sum(bits_sent)
