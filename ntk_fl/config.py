@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import ml_collections
 
-__all__ = ["base_config", "apply_variants", "COMMON_VARIANTS", "load_config", "smoke_slice"]
+__all__ = ["base_config", "apply_variants", "COMMON_VARIANTS", "load_config", "load_run_config", "smoke_slice"]
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -183,3 +183,22 @@ def load_config(path: str, variant: str | None = None) -> ml_collections.ConfigD
   if not hasattr(module, "get_config"):
     raise ValueError(f"config file {str(file)!r} defines no get_config(arg)")
   return module.get_config(variant)
+
+
+def _tuples(value):
+  """JSON lists back to the tuples the config files use (``taus``, ``hidden``, ``targets``, ...)."""
+  if isinstance(value, dict):
+    return {k: _tuples(v) for k, v in value.items()}
+  if isinstance(value, list):
+    return tuple(_tuples(v) for v in value)
+  return value
+
+
+def load_run_config(workdir: str) -> ml_collections.ConfigDict:
+  """The config the run in ``workdir`` was started with, as an editable ``ConfigDict``.
+
+  For scripts that rerun or rescore a stored run: ``build_experiment(load_run_config(workdir))``
+  rebuilds its experiment (:func:`ntk_fl.rundir.read_config` gives the same as a plain dict).
+  """
+  from ntk_fl import rundir  # pylint: disable=import-outside-toplevel -- config files import this module
+  return ml_collections.ConfigDict(_tuples(rundir.read_config(workdir)))

@@ -276,7 +276,7 @@ def init_clients(model: Model, key: jax.Array, num_clients: int, *, shared: bool
   if shared:
     params = model.init(key)
     return jax.tree.map(lambda a: jnp.broadcast_to(a, (num_clients, *a.shape)), params)
-  return parallel.for_each_client(model.init)(jax.random.split(key, num_clients))
+  return parallel.for_each_client(model.init, chunk_size=0)(jax.random.split(key, num_clients))
 
 
 def num_params(params) -> int:

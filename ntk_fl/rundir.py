@@ -23,15 +23,15 @@ identically (SPARK's ablation rows share the hard-label warm-up).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 
 import jax
-import ml_collections
 import numpy as np
 
-from ntk_fl import validation
+from ntk_fl import settings, validation
 from ntk_fl.algorithms import get_method
 from ntk_fl.algorithms.base import config_without
 from ntk_fl.checkpoint import Checkpoints
@@ -49,11 +49,13 @@ __all__ = [
     "check_workdir",
     "checkpoint_dir",
     "jsonable",
-    "load_run_config",
+    "is_run",
     "metrics_line",
     "metrics_up_to",
     "read_branch",
+    "read_config",
     "read_metrics",
+    "read_summary",
     "write_config",
     "write_branch",
     "write_metrics",
@@ -72,7 +74,7 @@ BRANCH_FILE = "branched_from.json"
 # consensus models are also scored); resume and branch ignore them.
 _RESULT_NEUTRAL_KEYS = ("devices", "checkpoint_keep", "eval.consensus")
 # Keys added to the schema after runs were stored, each with the value that reproduces those runs: a stored
-# config.json without one ran with that value (resume, branch and load_run_config fill it in).
+# config.json without one ran with that value (resume, branch and read_config fill it in).
 _ADDED_KEYS = {"data.max_test": 0, "eval.consensus": False}
 
 
@@ -82,11 +84,13 @@ def checkpoint_dir(workdir: str) -> str:
 
 
 def jsonable(obj):
-  """Plain-python JSON value of ``obj`` (numpy/jax arrays and scalars, tuples, ConfigDicts).
+  """Plain-python JSON value of ``obj`` (numpy/jax arrays and scalars, tuples, configs and settings).
 
   Non-finite floats become ``None`` (JSON has no NaN/inf).
   """
-  if isinstance(obj, ml_collections.ConfigDict):
+  if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+    obj = settings.to_dict(obj)
+  elif callable(getattr(obj, "to_dict", None)):     # an ml_collections.ConfigDict
     obj = obj.to_dict()
   if isinstance(obj, dict):
     return {str(k): jsonable(v) for k, v in obj.items()}
@@ -199,22 +203,29 @@ def _stored_config(workdir: str, action: str) -> dict:
   return stored
 
 
-def _tuples(value):
-  """JSON lists back to the tuples the config files use (``taus``, ``hidden``, ``targets``, ...)."""
-  if isinstance(value, dict):
-    return {k: _tuples(v) for k, v in value.items()}
-  if isinstance(value, list):
-    return tuple(_tuples(v) for v in value)
-  return value
+def read_config(workdir: str) -> dict:
+  """The config the run in ``workdir`` was started with (its ``config.json``) as a JSON dict.
 
-
-def load_run_config(workdir: str) -> ml_collections.ConfigDict:
-  """The config the run in ``workdir`` was started with (its ``config.json``), as a ``ConfigDict``.
-
-  For scripts that read a finished or running run (``experiments/consensus_accuracy.py``):
-  ``build_experiment(load_run_config(workdir))`` rebuilds its experiment.
+  Keys added to the schema since the run was written are filled in with the
+  values that reproduce it. :func:`ntk_fl.schema.validate_config` (and so
+  :func:`ntk_fl.runner.build_experiment`) takes this dict as it is;
+  :func:`ntk_fl.config.load_run_config` makes an editable ``ConfigDict`` of it.
   """
-  return ml_collections.ConfigDict(_tuples(_stored_config(workdir, "read the run")))
+  return _stored_config(workdir, "read the run")
+
+
+def read_summary(workdir: str) -> dict | None:
+  """``workdir/summary.json`` of a finished run, or ``None`` while the run has not finished."""
+  path = os.path.join(workdir, SUMMARY_FILE)
+  if not os.path.isfile(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def is_run(workdir: str) -> bool:
+  """Whether ``workdir`` holds a run (its ``config.json``)."""
+  return os.path.isfile(os.path.join(workdir, CONFIG_FILE))
 
 
 def _experiment_configs(config, workdir: str, action: str) -> tuple[dict, dict]:

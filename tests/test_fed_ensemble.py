@@ -268,15 +268,16 @@ def test_config_consistency_rules():
   config.eval.selection = True
   with pytest.raises(ValueError, match="selection"):
     runner.validate_config(config)
-  with pytest.raises(ValueError, match="toy"):
-    load("toy,k3")
+  with pytest.raises(ValueError, match="unknown config variant 'toy'"):
+    load("toy")
 
 
 def test_variants_validate():
   for arg in (None, "paper", "iid", "k1,data_size", "k1,data_size,fedprox", "k80", "ntk", "stratified", "logits",
               "cnn", "fmnist", "smoke"):
     runner.validate_config(load(arg))
-  assert load("toy").modes == (1, 2, 10, 20, 40)
+  toy = config_lib.load_config(str(REPO / "configs" / "fed_ensemble_toy.py"))
+  assert toy.method == "fed_ensemble_toy" and toy.modes == (1, 2, 10, 20, 40)
 
 
 def test_smoke_config_runs_through_the_runner(tmp_path):
@@ -306,7 +307,7 @@ def test_smoke_config_runs_through_the_runner(tmp_path):
 
 def test_toy_training_matches_the_closed_form_fedavg_bias_and_variance():
   toy = load_experiment("fed_ensemble_toy")
-  config = load("toy")
+  config = config_lib.load_config(str(REPO / "configs" / "fed_ensemble_toy.py"))
   config.num_clients, config.num_features, config.rounds, config.local_steps = 5, 12, 3, 2
   x, y, centres = toy.make_data(config)
   phi = toy.rbf_features(jnp.asarray(x.reshape(-1)), centres, config.bandwidth).reshape(*x.shape, -1)
