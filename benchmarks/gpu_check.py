@@ -179,7 +179,7 @@ def _format_row(row: dict) -> str:
   if "error" in row:
     return f"| {row['case']} | {row['setting']} | failed: {row['error']} | | |"
   memory = f"{row['peak_bytes'] / 2**30:.2f} GiB ({row['memory_kind']})"
-  return f"| {row['case']} | {row['setting']} | {row['first_s']:.2f} | {row['steady_s']:.3f} | {memory} |"
+  return f"| {row['case']} | {row['setting']} | {row['first_s']:.2f} | {row['steady_s']:.4g} | {memory} |"
 
 
 if __name__ == "__main__":

@@ -38,13 +38,13 @@ from ntk_fl import metrics, runner, topology  # noqa: E402
 from ntk_fl.checkpoint import Checkpoints  # noqa: E402
 
 
-def client_accuracies(workdir: str, round_: int | None = None) -> dict:
+def client_accuracies(workdir: str, round_: int | None = None, *, trust_method_module: str | None = None) -> dict:
   """Aggregated, own-model and consensus-model test accuracies after ``round_`` rounds of the run in ``workdir``.
 
   Returns:
     ``{"round", "aggregated", "own" [M], "consensus" [M]}`` (accuracies as floats / numpy arrays).
   """
-  config = runner.load_run_config(workdir)
+  config = runner.load_run_config(workdir, trust_method_module=trust_method_module)
   experiment = runner.build_experiment(config)
   algorithm = experiment.algorithm
   template = algorithm.init(jax.random.PRNGKey(config.seed))
@@ -73,11 +73,15 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("workdirs", nargs="+")
   parser.add_argument("--round", type=int, default=None, help="checkpoint to score (default: the latest)")
+  parser.add_argument("--method_module", default=None,
+                      help="a run whose config.json names a method_module (a user's own method) needs it named "
+                           "here too: a run directory is not trusted to import code on its own")
   args = parser.parse_args()
   print("| run | round | aggregated % | own models: mean (min–max) % | consensus models: mean (min–max) % |")
   print("|---|---:|---:|---:|---:|")
   for workdir in args.workdirs:
-    print(row(os.path.basename(os.path.normpath(workdir)), client_accuracies(workdir, args.round)), flush=True)
+    result = client_accuracies(workdir, args.round, trust_method_module=args.method_module)
+    print(row(os.path.basename(os.path.normpath(workdir)), result), flush=True)
 
 
 if __name__ == "__main__":

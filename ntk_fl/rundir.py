@@ -28,6 +28,7 @@ import json
 import math
 import os
 
+from absl import logging
 import jax
 import numpy as np
 
@@ -203,15 +204,46 @@ def _stored_config(workdir: str, action: str) -> dict:
   return stored
 
 
-def read_config(workdir: str) -> dict:
+def read_config(workdir: str, *, trust_method_module: str | None = None) -> dict:
   """The config the run in ``workdir`` was started with (its ``config.json``) as a JSON dict.
 
   Keys added to the schema since the run was written are filled in with the
   values that reproduce it. :func:`ntk_fl.schema.validate_config` (and so
   :func:`ntk_fl.runner.build_experiment`) takes this dict as it is;
   :func:`ntk_fl.config.load_run_config` makes an editable ``ConfigDict`` of it.
+
+  A run directory is data, and data must not run code: a stored
+  ``method_module`` (which :func:`ntk_fl.schema.validate_config` would import,
+  executing the file) is kept when the caller names that same module or file in
+  ``trust_method_module`` (``--method_module`` of the analysis scripts) or when
+  this process has imported it already. Otherwise the run's method must be
+  registered (a built-in method, or one the calling script registered itself):
+  the stored ``method_module`` is then dropped (with a warning) and the method
+  comes from the registry; with neither, the read is refused.
   """
-  return _stored_config(workdir, "read the run")
+  from ntk_fl.algorithms import available  # pylint: disable=g-import-not-at-top
+  from ntk_fl.schema import method_module_imported  # pylint: disable=g-import-not-at-top
+
+  path = os.path.join(workdir, CONFIG_FILE)
+  stored = _stored_config(workdir, "read the run")
+  spec = stored.get("method_module") or ""
+  trusted = bool(trust_method_module) and _same_module(spec, trust_method_module)
+  if spec and not (trusted or method_module_imported(spec)):
+    if stored.get("method") not in available():
+      raise ValueError(
+          f"{path} names method_module {spec!r} for method {stored.get('method')!r}; a run directory is not "
+          f"trusted to import code: pass --method_module={spec} (trust_method_module=...) to import it, or "
+          "register the method before reading the run")
+    logging.warning("%s: method %r is registered; not importing its stored method_module %r",
+                    path, stored.get("method"), spec)
+    stored["method_module"] = ""
+  return stored
+
+
+def _same_module(spec: str, trusted: str) -> bool:
+  if spec.endswith(".py") or trusted.endswith(".py"):
+    return os.path.realpath(spec) == os.path.realpath(trusted)
+  return spec == trusted
 
 
 def read_summary(workdir: str) -> dict | None:

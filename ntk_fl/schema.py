@@ -30,7 +30,7 @@ from ntk_fl.algorithms import get_method
 from ntk_fl.config import base_config
 from ntk_fl.settings import DataSettings, EvalSettings, ModelSettings, RunSettings, TopologySettings
 
-__all__ = ["import_method_module", "validate_config"]
+__all__ = ["import_method_module", "method_module_imported", "validate_config"]
 
 # Config keys beyond base_config(): the optional method module, and the free-form algorithm block.
 _EXTRA_TOP_LEVEL = frozenset({"method_module"})
@@ -68,6 +68,15 @@ def _check_keys(config) -> None:
                        f"config.{block} has: {sorted(schema[block].keys())}")
 
 
+def _file_module_name(path: str) -> str:
+  return f"_ntk_fl_method_{abs(hash(os.path.abspath(path))):x}"
+
+
+def method_module_imported(spec: str) -> bool:
+  """Whether ``spec`` (a dotted name or ``.py`` path) was imported in this process already."""
+  return (_file_module_name(spec) if spec.endswith(".py") else spec) in sys.modules
+
+
 def import_method_module(spec: str) -> None:
   """Imports ``spec`` (a dotted module name, or a path to a ``.py`` file) for its registrations."""
   if not spec:
@@ -77,7 +86,7 @@ def import_method_module(spec: str) -> None:
       path = os.path.abspath(spec)
       if not os.path.isfile(path):
         raise FileNotFoundError(f"no such file {path}")
-      name = f"_ntk_fl_method_{abs(hash(path)):x}"
+      name = _file_module_name(path)
       if name not in sys.modules:  # execute a file once per process, like an import
         module_spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(module_spec)

@@ -208,7 +208,7 @@ def test_a_run_stored_before_a_schema_key_existed_resumes_with_its_old_value(ref
   assert runner.check_workdir(toy_config(), old, resume=True) == ROUNDS
   # Scoring the consensus models too changes what is logged, not the trajectory: a resume may switch it on.
   assert runner.check_workdir(toy_config(**{"eval.consensus": True}), old, resume=True) == ROUNDS
-  loaded = runner.load_run_config(old)
+  loaded = runner.load_run_config(old, trust_method_module=toy_config().method_module)
   assert loaded.data.max_test == 0 and loaded == toy_config()
   # The filled-in value is the one the run used: a config that changes it is a different experiment.
   with pytest.raises(ValueError, match=r"different config.*max_test: 0 -> 100"):

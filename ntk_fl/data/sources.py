@@ -44,8 +44,11 @@ lookup table (one gather, float32 out, no float64 copy of the data).
   exact pixel grid (LEAF inverted, ``pixel = 255 - 255 v``, so digits look
   like MNIST); values off that grid are an error.
 
-The pickle-based formats (``mnist.pkl.gz``, CIFAR-10 batches) are unpickled:
-only point :func:`load` at files you trust.
+The pickle-based formats (``mnist.pkl.gz``, CIFAR-10 batches) are read with the
+restricted unpickler of :mod:`ntk_fl.data.safe_pickle`: it rebuilds numpy arrays
+of numbers in tuples, lists and dicts and refuses any other global a crafted file
+names (``os.system``, ``builtins.exec``, ...) before calling anything, so a data
+file cannot run code.
 """
 from __future__ import annotations
 
@@ -56,13 +59,13 @@ import json
 import logging
 import math
 import os
-import pickle
 import zlib
 from pathlib import Path
 from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
+from ntk_fl.data import safe_pickle
 from ntk_fl.rng import Stream, numpy_rng
 
 __all__ = ["Dataset", "DATASETS", "DATA_DIR_ENV", "load", "read_idx"]
@@ -281,7 +284,9 @@ def _read_mnist_pickle(path: Path) -> _Pixels:
   are its first 50k and last 10k images, in IDX order).
   """
   try:  # Python-2 pickle of numpy arrays: latin1 maps its byte strings back losslessly.
-    splits = pickle.loads(_read_bytes(path), encoding="latin1")
+    splits = safe_pickle.loads(_read_bytes(path), source=path, encoding="latin1")
+  except safe_pickle.UnsafePickleError:
+    raise
   except Exception as err:  # unpickling can fail with many exception types (see the pickle docs)
     raise ValueError(f"{path}: not a readable mnist.pkl.gz pickle ({type(err).__name__}: {err})") from err
   if not (isinstance(splits, (tuple, list)) and len(splits) == 3 and all(len(s) == 2 for s in splits)):
@@ -311,7 +316,9 @@ def _read_mnist_dir(directory: Path) -> _Pixels | None:
 def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
   """One CIFAR-10 python batch -> (uint8 [N, 32, 32, 3] HWC, int32 [N])."""
   try:  # Python-2 pickle with byte-string keys.
-    batch = pickle.loads(_read_bytes(path), encoding="bytes")
+    batch = safe_pickle.loads(_read_bytes(path), source=path, encoding="bytes")
+  except safe_pickle.UnsafePickleError:
+    raise
   except Exception as err:  # unpickling can fail with many exception types (see the pickle docs)
     raise ValueError(f"{path}: not a readable CIFAR-10 batch ({type(err).__name__}: {err})") from err
   if not isinstance(batch, dict):
