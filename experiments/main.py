@@ -1,92 +1,14 @@
-"""Runs one experiment from a config file.
+"""Runs one experiment from a config: the ``ntk-fl`` command, from a checkout.
 
   python experiments/main.py --config=configs/ntk_dfl.py[:variant] --workdir=DIR \
       [--config.rounds=50 --config.data.alpha=0.5 ...] [--resume] [--distributed]
       [--branch_from=OTHER_WORKDIR [--branch_round=K]]
 
-``--config.key=value`` overrides any config field (an unknown key is a flags
-error). The config and the workdir are checked before any data is loaded; a bad
-value exits non-zero with the message naming it. The workdir receives
-``metrics.jsonl``, ``summary.json``, ``config.json``, the PNG plots and
-``checkpoints/`` (see :mod:`ntk_fl.rundir`); ``--resume`` continues a killed run
-from its latest checkpoint with identical results. ``--branch_from`` starts a
-new run from another run's checkpoint when the two configs provably share those
-rounds (e.g. SPARK's ablation rows during the warm-up; see
-:func:`ntk_fl.rundir.check_branch`).
+Same flags and behaviour as the installed ``ntk-fl`` console script (see
+:mod:`ntk_fl.cli`); ``--config`` also takes a packaged config's name
+(``--config=ntk_dfl:smoke``).
 """
-from __future__ import annotations
-
-import logging as std_logging
-import sys
-
-from absl import app
-from absl import flags
-from absl import logging
-import jax
-from ml_collections import config_flags
-
-from ntk_fl import rundir, runner, schema
-
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Config file, e.g. configs/ntk_dfl.py or configs/ntk_dfl.py:smoke.", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory of the run.")
-_RESUME = flags.DEFINE_bool("resume", False, "Continue the run in --workdir from its latest checkpoint.")
-_BRANCH_FROM = flags.DEFINE_string(
-    "branch_from", None, "Start from the checkpoint of the run in this workdir (its config must equal --config, "
-    "or the method must certify the rounds they share).")
-_BRANCH_ROUND = flags.DEFINE_integer(
-    "branch_round", None, "The --branch_from checkpoint to start from (default: the latest one allowed).")
-_DISTRIBUTED = flags.DEFINE_bool(
-    "distributed", False, "Multi-host: call jax.distributed.initialize() before anything else, so "
-    "--config.devices=0 spans every host's devices.")
-flags.mark_flags_as_required(["config", "workdir"])
-
-
-def _parse_flags(argv: list[str]) -> list[str]:
-  """absl's parser, plus a clean exit for a ``--config.<key>`` override naming no config field.
-
-  (config_flags reports an unknown key as a bare ``AttributeError`` from inside
-  flag parsing, which would otherwise surface as a traceback.)
-  """
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:
-    sys.exit(f"FATAL Flags parsing error: {e}\nPass --helpshort or --helpfull to see help on flags.")
-  except (AttributeError, KeyError) as e:
-    key = str(e.args[0] if e.args else e).strip("'\"")
-    overrides = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")]
-    sys.exit(f"error: unknown config key {key!r} in the overrides {overrides}; "
-             "every --config.<key> must name a field of the config file")
-
-
-class _QuietLibraries(std_logging.Filter):
-  """Drops INFO/DEBUG records of orbax and etils (a dozen lines per checkpoint); warnings pass."""
-
-  def filter(self, record: std_logging.LogRecord) -> bool:
-    noisy = any(part in record.pathname for part in ("/orbax/", "/etils/"))
-    return record.levelno >= std_logging.WARNING or not noisy
-
-
-def main(argv: list[str]) -> None:
-  logging.get_absl_handler().addFilter(_QuietLibraries())
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected positional arguments: {argv[1:]}")
-  if _DISTRIBUTED.value:
-    jax.distributed.initialize()   # before any jax call lists devices
-  config = _CONFIG.value
-  try:
-    # Everything that can be wrong with the request fails here, before any work.
-    schema.validate_config(config)
-    rundir.check_start(config, _WORKDIR.value, resume=_RESUME.value, branch_from=_BRANCH_FROM.value,
-                       branch_round=_BRANCH_ROUND.value)
-  except (ValueError, FileNotFoundError) as e:
-    logging.error("%s", e)
-    sys.exit(f"error: {e}")
-  summary = runner.run(config, _WORKDIR.value, resume=_RESUME.value, branch_from=_BRANCH_FROM.value,
-                       branch_round=_BRANCH_ROUND.value)
-  logging.info("rounds to target: %s; final aggregated accuracy: %s; wall time %.1fs",
-               summary["rounds_to_target"], summary["final_test_acc"], summary["wall_time"])
-
+from ntk_fl import cli
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=_parse_flags)
+  cli.main()

@@ -87,9 +87,24 @@ def archive(workdir: str, out_root: str) -> str:
 
 
 def split_label(config: dict) -> str:
-  """The data split of a run's config: ``"IID"`` or ``"α=0.1"``."""
+  """The data split of a run's config: ``"IID"``, ``"α=0.1"``, ``"contiguous"`` or a map's name.
+
+  The authors' shipped maps read ``"authors α=0.1 d0"`` / ``"authors IID d0"``; any other
+  index map is labelled by its file name.
+  """
   data = config["data"]
-  return "IID" if data["partition"] == "iid" else f"α={data['alpha']:g}"
+  partition = data["partition"]
+  if partition == "iid":
+    return "IID"
+  if partition == "contiguous":
+    return "contiguous"
+  if partition == "index_map":
+    name = os.path.basename(data.get("partition_file", ""))
+    level, _, draw = name.removeprefix("fmnist_").rpartition("_")
+    if name.startswith("fmnist_") and draw.isdigit():
+      return f"authors {'IID' if level == 'iid' else 'α=' + level.removeprefix('alpha')} d{draw}"
+    return name
+  return f"α={data['alpha']:g}"
 
 
 def _describe(config: dict, with_seed: bool = True) -> str:

@@ -14,9 +14,13 @@ Field reference (all of them are validated by the runner before any work):
 * ``rounds``: communication rounds.
 * ``data``: ``name`` (see :func:`ntk_fl.data.load`), ``data_dir`` (``''`` = search
   path), ``partition`` (``iid`` | ``dirichlet`` | ``dirichlet_fixed_size`` |
-  ``shards`` | ``by_writer``), ``num_clients``, ``alpha``, ``samples_per_client``,
-  ``classes_per_client``, ``max_train`` / ``max_test`` (``0`` = all; otherwise a random
-  subset of that size drawn from the seed, for quick variants).
+  ``shards`` | ``by_writer`` | ``contiguous`` | ``index_map``), ``partition_file``
+  (``index_map`` only, and then required: a CSR ``.npz`` index map or the name of
+  a shipped one, see :mod:`ntk_fl.data.index_map`), ``num_clients``, ``alpha``,
+  ``samples_per_client``, ``classes_per_client``, ``max_train`` / ``max_test``
+  (``0`` = all; otherwise a random subset of that size drawn from the seed, for
+  quick variants; an index map needs ``max_train = 0``, its indices refer to the
+  whole training set).
 * ``model``: ``name`` (``mlp`` | ``cnn``), ``hidden`` (MLP widths),
   ``activation``, ``init`` (``shared`` | ``per_client``).
 * ``topology``: ``name`` (``regular`` | ``erdos_renyi`` | ``ring`` | ``line`` |
@@ -63,6 +67,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.data.name = "fashion_mnist"
   config.data.data_dir = ""
   config.data.partition = "dirichlet_fixed_size"
+  config.data.partition_file = ""
   config.data.num_clients = 300
   config.data.alpha = 0.1
   config.data.samples_per_client = 200
@@ -134,28 +139,62 @@ def _set_static(config) -> None:
   config.topology.dynamic = False
 
 
+def _set_contiguous(config) -> None:
+  config.data.partition = "contiguous"
+
+
+def _set_authors_map(config, token: str) -> None:
+  """``authors_alpha<α>[_d<draw>]`` / ``authors_iid[_d<draw>]``: the shipped map, draw 0 by default."""
+  from ntk_fl.data import index_map  # pylint: disable=import-outside-toplevel
+
+  level, _, draw = token[len("authors_"):].partition("_d")
+  if draw and not draw.isdigit():
+    raise ValueError(f"variant {token!r}: the draw must be a number, e.g. 'authors_alpha0.1_d3'")
+  if level != "iid" and not level.startswith("alpha"):
+    raise ValueError(f"variant {token!r}: expected authors_alpha<α>[_d<draw>] or authors_iid[_d<draw>]")
+  alpha = None if level == "iid" else level[len("alpha"):]
+  try:
+    name = index_map.authors_map_name("iid" if alpha is None else alpha, int(draw or 0))
+  except ValueError as e:
+    raise ValueError(f"variant {token!r}: {e}") from None
+  config.data.name = index_map.VENDORED_DATASET
+  config.data.partition = "index_map"
+  config.data.partition_file = name
+  config.data.num_clients = 300
+  if alpha is not None:
+    config.data.alpha = float(alpha)  # a label only: the map is the partition
+
+
 COMMON_VARIANTS = {
     "paper": lambda config: None,
     "iid": _set_iid,
     "static": _set_static,
     "mnist": lambda config: setattr(config.data, "name", "mnist"),
+    "contiguous": _set_contiguous,
 }
-"""Variant tokens every method's config understands (plus ``alpha<float>``, e.g. ``alpha0.5``)."""
+"""Variant tokens every method's config understands, plus ``alpha<float>`` (e.g. ``alpha0.5``) and the
+authors' shipped Fashion-MNIST partitions ``authors_alpha<α>[_d<draw>]`` (α ∈ {0.1, ..., 0.5}, draws
+0-4) and ``authors_iid[_d<draw>]`` (draws 0-2); without ``_d`` the draw is 0, the one the authors' code
+uses. ``contiguous``: client ``i`` holds samples ``[200 i, 200 i + 200)``, the NTK-FL code's fallback."""
 
 
 def apply_variants(config: ml_collections.ConfigDict, arg: str | None, method_variants=None):
   """Applies the comma-separated variant tokens of ``--config=file.py:tok1,tok2``.
 
   Tokens are applied left to right: ``COMMON_VARIANTS``, ``alpha<float>`` (the
-  authors' fixed-size Dirichlet partition with that concentration) and the
-  method's own ``method_variants`` (name -> ``fn(config)``, which win over common
-  ones of the same name). An unknown token raises ``ValueError`` listing the
+  authors' fixed-size Dirichlet generator with that concentration, a fresh draw
+  from the seed), ``authors_alpha<float>[_d<draw>]`` / ``authors_iid[_d<draw>]``
+  (the authors' own shipped partition files) and the method's own
+  ``method_variants`` (name -> ``fn(config)``, which win over common ones of the
+  same name). An unknown token raises ``ValueError`` listing the
   choices, so a typo never runs the default setting silently.
   """
   variants = {**COMMON_VARIANTS, **(method_variants or {})}
   for token in filter(None, (t.strip() for t in (arg or "").split(","))):
     if token in variants:
       variants[token](config)
+    elif token.startswith("authors_"):
+      _set_authors_map(config, token)
     elif token.startswith("alpha"):
       try:
         alpha = float(token[len("alpha"):])
@@ -165,16 +204,23 @@ def apply_variants(config: ml_collections.ConfigDict, arg: str | None, method_va
         raise ValueError(f"variant {token!r}: alpha must be a positive number, e.g. 'alpha0.5'")
       _set_alpha(config, alpha)
     else:
-      raise ValueError(f"unknown config variant {token!r}; known: {', '.join(sorted(variants))}, alpha<float>")
+      raise ValueError(f"unknown config variant {token!r}; known: {', '.join(sorted(variants))}, alpha<float>, "
+                       "authors_alpha<float>[_d<draw>], authors_iid[_d<draw>]")
   return config
 
 
 def load_config(path: str, variant: str | None = None) -> ml_collections.ConfigDict:
-  """``get_config(variant)`` of a config file -- what ``--config=path:variant`` gives, from Python."""
+  """``get_config(variant)`` of a config -- what ``--config=path:variant`` gives, from Python.
+
+  ``path`` is a config file or the name of a packaged config (``"ntk_dfl"``, see
+  :mod:`ntk_fl.configs`).
+  """
   import importlib.util  # pylint: disable=import-outside-toplevel
   import pathlib  # pylint: disable=import-outside-toplevel
 
-  file = pathlib.Path(path)
+  from ntk_fl import configs  # pylint: disable=import-outside-toplevel
+
+  file = pathlib.Path(configs.resolve(str(path)))
   if not file.is_file():
     raise FileNotFoundError(f"config file {str(file)!r} does not exist")
   spec = importlib.util.spec_from_file_location(f"ntk_fl_config_{file.stem}", file)

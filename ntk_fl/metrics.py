@@ -27,6 +27,7 @@ import functools
 import math
 from typing import Any, Callable, NamedTuple, Sequence
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -157,6 +158,7 @@ def evaluate_clients(apply_fn: Callable, stacked_params, x, y, *, batch_size: in
   Returns:
     ``(accuracy [M], loss [M])`` float32.
   """
+  chex.assert_equal_shape_prefix(jax.tree_util.tree_leaves(stacked_params), 1)   # one client axis M
   # Resolved here, not at trace time: the compiled program is cached per chunk size.
   chunk_size = policy_chunk_size() if chunk_size is None else chunk_size
   return _evaluate_clients_jit(apply_fn, stacked_params, batch_test_set(x, y, batch_size), chunk_size)
@@ -176,6 +178,7 @@ def average_params(stacked_params, weights=None):
   leaves = jax.tree_util.tree_leaves(stacked_params)
   if not leaves:
     raise ValueError("average_params needs at least one parameter array")
+  chex.assert_equal_shape_prefix(leaves, 1)   # every leaf has the same client axis M
   if weights is None:
     return jax.tree.map(lambda w: jnp.mean(w, axis=0), stacked_params)
   weights = jnp.asarray(weights, jnp.float32)
@@ -202,6 +205,7 @@ def model_deviation(stacked_params):
   leaves = jax.tree_util.tree_leaves(stacked_params)
   if not leaves:
     raise ValueError("model_deviation needs at least one parameter array")
+  chex.assert_equal_shape_prefix(leaves, 1)   # every leaf has the same client axis M
   # Per-leaf sums avoid concatenating all d parameters of all clients.
   total = sum(
       jnp.sum(jnp.sqrt(jnp.sum(jnp.square(w - jnp.mean(w, axis=0)), axis=0)), dtype=jnp.float32)

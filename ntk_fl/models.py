@@ -20,6 +20,7 @@ import math
 import numbers
 from typing import Any, Callable, NamedTuple, Sequence
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -129,6 +130,7 @@ def _pure(module: nn.Module, input_shape: tuple[int, ...], num_classes: int,
                        f"got {tuple(x.shape)}")
     batch = x.shape[:x.ndim - n_in]
     logits = module.apply(params, x.reshape(-1, *input_shape))
+    chex.assert_shape(logits, (None, num_classes))   # a module whose head disagrees with num_classes
     return logits.reshape(*batch, num_classes)
 
   # jit: one compiled program instead of one dispatch per flax op for eager callers
@@ -291,8 +293,11 @@ def init_clients(model: Model, key: jax.Array, num_clients: int, *, shared: bool
   num_clients = _check_positive_int("num_clients", num_clients)
   if shared:
     params = model.init(key)
-    return jax.tree.map(lambda a: jnp.broadcast_to(a, (num_clients, *a.shape)), params)
-  return parallel.for_each_client(model.init, chunk_size=0)(jax.random.split(key, num_clients))
+    stacked = jax.tree.map(lambda a: jnp.broadcast_to(a, (num_clients, *a.shape)), params)
+  else:
+    stacked = parallel.for_each_client(model.init, chunk_size=0)(jax.random.split(key, num_clients))
+  chex.assert_tree_shape_prefix(stacked, (num_clients,))
+  return stacked
 
 
 def num_params(params) -> int:

@@ -47,6 +47,7 @@ import contextlib
 import threading
 from typing import Any, Callable, Iterator, Sequence
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -198,7 +199,9 @@ def for_each_client(fn: Callable[..., Any], *, chunk_size: int | None = None) ->
     chunk = policy_chunk_size() if chunk_size is None else chunk_size
     shards = num_client_shards()
     if shards == 1:
-      return _chunked(fn, chunk, stacked_args)
+      out = _chunked(fn, chunk, stacked_args)
+      chex.assert_tree_shape_prefix(out, (num_clients,))
+      return out
     padded = -(-num_clients // shards) * shards
     sharded = jax.shard_map(
         lambda *args: _chunked(fn, chunk, args),
@@ -209,8 +212,9 @@ def for_each_client(fn: Callable[..., Any], *, chunk_size: int | None = None) ->
         # evolution); every output here is per-client and stacked, so there is nothing to check.
         check_vma=False)
     out = sharded(*_pad_clients(stacked_args, padded))
-    if padded == num_clients:
-      return out
-    return jax.tree.map(lambda leaf: leaf[:num_clients], out)
+    if padded != num_clients:
+      out = jax.tree.map(lambda leaf: leaf[:num_clients], out)
+    chex.assert_tree_shape_prefix(out, (num_clients,))
+    return out
 
   return mapped

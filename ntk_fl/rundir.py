@@ -76,7 +76,7 @@ BRANCH_FILE = "branched_from.json"
 _RESULT_NEUTRAL_KEYS = ("devices", "checkpoint_keep", "eval.consensus")
 # Keys added to the schema after runs were stored, each with the value that reproduces those runs: a stored
 # config.json without one ran with that value (resume, branch and read_config fill it in).
-_ADDED_KEYS = {"data.max_test": 0, "eval.consensus": False}
+_ADDED_KEYS = {"data.max_test": 0, "eval.consensus": False, "data.partition_file": ""}
 
 
 def checkpoint_dir(workdir: str) -> str:

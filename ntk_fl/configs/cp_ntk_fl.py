@@ -9,6 +9,7 @@ quantisation (the paper states none for Table 1); 50 rounds.
 
 Variants (comma-separated, e.g. ``:table1,shuffle``):
   paper | iid | alpha<float> | mnist   (common)
+  authors_alpha<float>[_d<k>] | authors_iid[_d<k>] | contiguous   as configs/ntk_fl.py.
   table1       + top-2 % per Jacobian row, 8-bit values: ≈ 0.46 bits per raw Jacobian entry with
                index overhead, the ≈ 0.5 implied by Table 1's 386 MB (docs/ntk_fl.md).
   stochastic   stochastic (unbiased) rounding in the quantiser.

@@ -11,6 +11,7 @@ script with momentum 0"). 200 rounds (the paper's rounds-to-85% table goes to
 authors logged every 5).
 
 Variants (comma-separated): paper | iid | alpha<float> | static | mnist |
+authors_alpha<float>[_d<k>] | authors_iid[_d<k>] (the authors' partition files) |
 q8, q4 (quantised weights; the authors' quantised baselines use 256 levels = 8
 bits) | smoke (seconds-long run on a slice of Fashion-MNIST).
 """

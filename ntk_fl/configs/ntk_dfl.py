@@ -12,7 +12,9 @@ constant, as the paper states.
 Variants (comma-separated, e.g. ``:iid`` or ``:alpha0.5,static``):
   paper         the default above.
   iid           IID split (200 samples per client).
-  alpha<float>  authors' Dirichlet generator with that α (``alpha0.5``, ``alpha0.1``).
+  alpha<float>  authors' Dirichlet generator with that α (``alpha0.5``, ``alpha0.1``), a fresh draw from the seed.
+  authors_alpha<float>[_d<k>] | authors_iid[_d<k>]
+                the authors' own partition files (draw 0 unless ``_d<k>``; ntk_fl/data/partitions/README.md).
   static        one graph for all rounds (Fig. 11).
   no_avg        ablation without per-round averaging (Fig. 7).
   code_decay    the authors' code's learning-rate decay η·exp(−0.07 r).

@@ -10,6 +10,9 @@ pooled training loss of the non-linear network; 50 rounds; no compression
 
 Variants (comma-separated, e.g. ``:busiest_node,iid``):
   paper | iid | alpha<float> | mnist   (common)
+  authors_alpha<float>[_d<k>] | authors_iid[_d<k>]   the authors' partition files (draw 0 unless _d<k>).
+  contiguous    client i holds samples [200 i, 200 i + 200): the split the authors' NTK-FL code falls
+                back to, because its configured partition file does not exist.
   smoke         seconds on a 6,000-sample slice, 5 of 20 clients per round, τ ∈ {50, 100, 200}.
   mse           half-MSE evolution in closed form (the paper's eq. 9a/10).
   ode           the authors' numerics: adaptive Dopri5 (rtol 1e-7, atol 1e-9), left Riemann sum.

@@ -45,6 +45,7 @@ new random 5-regular graph every round, data-size-weighted averaging, τ ∈ {10
 
 Variants (comma-separated, e.g. ``:iid,abl_momentum``):
   paper / iid / alpha<float> / static / mnist   as every method (ntk_fl.config.COMMON_VARIANTS).
+  authors_alpha<float>[_d<k>] / authors_iid[_d<k>]   the authors' partition files (draw 0 unless _d<k>).
   abl_none      Table 4 row 1: no distillation, no momentum (= NTK-DFL).
   abl_distill   Table 4 row 2: distillation only (Variant A).
   abl_momentum  Table 4 row 3: momentum only (Variant B).

@@ -1,6 +1,6 @@
 """Split a training set's indices over federated clients.
 
-One entry point, :func:`partition`, with five methods (``PARTITIONS``):
+One entry point, :func:`partition`, with seven methods (``PARTITIONS``):
 
 * ``iid``: a seeded random permutation cut into ``num_clients`` near-equal
   parts, or exactly ``samples_per_client`` each when given. Disjoint.
@@ -19,9 +19,18 @@ One entry point, :func:`partition`, with five methods (``PARTITIONS``):
   holds shards of exactly ``classes_per_client`` distinct classes. Disjoint.
 * ``by_writer``: the natural split of handwriting data (FEMNIST), one client per
   writer.
+* ``contiguous``: client ``i`` holds ``arange(s i, s i + s)`` in training-set
+  order (``s = samples_per_client``, default ``floor(N / M)``). No randomness.
+  This is the split the NTK-FL authors' code falls back to when its partition
+  file is missing (its shipped configuration names a file that does not exist,
+  so the code's default run uses this split: IID in effect, since the
+  Fashion-MNIST training files are not sorted by label).
+* ``index_map``: read from a file (:mod:`ntk_fl.data.index_map`), e.g. the
+  authors' own Fashion-MNIST partitions shipped with the package.
 
 Every method is deterministic in ``seed`` and runs in bounded time. Each
-client's indices are returned sorted ascending (local training shuffles them).
+client's indices are returned sorted ascending (local training shuffles them),
+except ``index_map``'s, which keep the file's order.
 """
 from __future__ import annotations
 
@@ -30,11 +39,13 @@ import numbers
 import numpy as np
 
 from ntk_fl import validation
+from ntk_fl.data import index_map
 from ntk_fl.rng import Stream, numpy_rng
 
 __all__ = ["partition", "PARTITIONS", "DIRICHLET_DRAWS", "SHARD_SWAPS_PER_EDGE"]
 
-PARTITIONS = ("iid", "dirichlet", "dirichlet_fixed_size", "shards", "by_writer")
+PARTITIONS = ("iid", "dirichlet", "dirichlet_fixed_size", "shards", "by_writer", "contiguous",
+              "index_map")
 
 # Full redraws of the disjoint Dirichlet split before empty clients are repaired.
 DIRICHLET_DRAWS = 10
@@ -52,6 +63,7 @@ def partition(
     samples_per_client: int | None = None,
     classes_per_client: int = 2,
     writers: np.ndarray | None = None,
+    partition_file: str | None = None,
 ) -> list[np.ndarray]:
   """Assign training-set indices to ``num_clients`` clients.
 
@@ -68,14 +80,18 @@ def partition(
     samples_per_client: ``iid``: exactly this many per client (``M * s <= N``;
       ``None`` = all samples, near-equal parts). ``dirichlet_fixed_size``: the
       target size (``None`` = ``floor(N / M)``; at most ``floor(N / C)``).
+      ``contiguous``: the block length (``None`` = ``floor(N / M)``; ``M * s <= N``).
       Ignored by the other methods.
     classes_per_client: ``shards`` only: distinct classes per client, between 1
       and the number of classes present.
     writers: ``by_writer`` only: ``[N]`` writer id of each sample.
+    partition_file: ``index_map`` only: a ``.npz`` index map or the name of a
+      shipped one (:func:`ntk_fl.data.index_map.resolve`); it must hold
+      ``num_clients`` clients with indices in ``[0, N)``.
 
   Returns:
-    ``M`` int64 arrays of indices into the training set, each sorted ascending
-    and non-empty.
+    ``M`` int64 arrays of indices into the training set, non-empty and sorted
+    ascending (``index_map``: in the file's order).
 
   Raises:
     ValueError: for an unknown method or a request that cannot be met, naming
@@ -92,6 +108,13 @@ def partition(
     raise ValueError(f"seed must be an int, got {seed!r}")
   if samples_per_client is not None:
     samples_per_client = _check_int("samples_per_client", samples_per_client, minimum=1)
+  if method == "index_map":
+    if partition_file is None:
+      raise ValueError("partition method 'index_map' needs partition_file (a .npz index map or a "
+                       "shipped map's name)")
+    return index_map.load_index_map(partition_file, num_clients=num_clients, num_samples=labels.size)
+  if method == "contiguous":
+    return _contiguous(labels.size, num_clients, samples_per_client)
   rng = numpy_rng(seed, Stream.PARTITION)
 
   if method == "iid":
@@ -144,6 +167,18 @@ def _iid(num_samples: int, num_clients: int, samples_per_client: int | None,
         f"samples_per_client={samples_per_client} too large for iid: {num_clients} disjoint clients "
         f"need {num_clients * samples_per_client} samples but there are {num_samples}")
   return np.split(perm[:num_clients * samples_per_client], num_clients)
+
+
+# --- contiguous (the NTK-FL code's fallback) --------------------------------------------------
+
+
+def _contiguous(num_samples: int, num_clients: int, samples_per_client: int | None) -> list[np.ndarray]:
+  size = num_samples // num_clients if samples_per_client is None else samples_per_client
+  if num_clients * size > num_samples:
+    raise ValueError(
+        f"samples_per_client={size} too large for contiguous: {num_clients} blocks of {size} need "
+        f"{num_clients * size} samples but there are {num_samples}")
+  return [np.arange(i * size, (i + 1) * size, dtype=np.int64) for i in range(num_clients)]
 
 
 # --- dirichlet (disjoint, Hsu et al. 2019) ----------------------------------------------------

