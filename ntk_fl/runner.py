@@ -64,6 +64,7 @@ from ntk_fl.settings import RunSettings
 __all__ = [
     "Experiment",
     "build_experiment",
+    "make_algorithm",
     "run",
     # re-exported from ntk_fl.schema and ntk_fl.rundir
     "import_method_module",
@@ -171,8 +172,19 @@ def build_experiment(config) -> Experiment:
       partition_file=data_settings.partition_file or None)
   federation = data.make_federation(dataset.x_train, dataset.y_train, client_indices)
   model = models.make_model(settings.model, dataset.x_train.shape[1:], dataset.num_classes)
-  algorithm = get_method(settings.method).make(model, federation, settings.graph, settings.algorithm, settings)
-  return Experiment(settings, dataset, client_indices, federation, model, algorithm)
+  return Experiment(settings, dataset, client_indices, federation, model, make_algorithm(settings, model, federation))
+
+
+def make_algorithm(config, model, federation) -> Algorithm:
+  """The method of ``config`` on a given ``model`` and ``federation`` (your own data, a test's tiny one).
+
+  What :func:`build_experiment` does after loading the data: the config is
+  checked (once; :class:`RunSettings` pass as they are) and the method's factory
+  gets the model, the federation, the run's topology (for a method that mixes
+  over a graph), its typed hyperparameters and the run settings.
+  """
+  settings = validate_config(config)
+  return get_method(settings.method).make(model, federation, settings.graph, settings.algorithm, settings)
 
 
 
