@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ntk_fl import config as config_lib
-from ntk_fl import evolve, models, runner, schema, topology
+from ntk_fl import evolve, models, parallel, runner, schema, topology
 from ntk_fl.algorithms import ntk_dfl
 from federations import ragged_federation
 from ntk_fl.data import Federation
@@ -162,9 +162,9 @@ def test_chunked_clients_equal_unchunked():
   config, model, federation = tiny_setup()
   outputs = []
   for chunk in (0, 4):
-    config.chunk_size = chunk
     algorithm = runner.make_algorithm(config, model, federation)
-    state, _ = algorithm.step(algorithm.init(jax.random.key(0)), algorithm.round_inputs(0))
+    with parallel.use_devices(1, chunk_size=chunk):    # the device policy is read when the step is traced
+      state, _ = algorithm.step(algorithm.init(jax.random.key(0)), algorithm.round_inputs(0))
     outputs.append(state.params)
   assert_trees_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-6)
 
