@@ -6,7 +6,7 @@ Usage::
 
 The authors' code integrates the cross-entropy gradient flow with an adaptive
 Dopri5 solver (rtol 1e-7, atol 1e-9) and reads it at ``t = sη``; ntk_fl's
-default is exact function-space gradient descent with step η (DESIGN.md §2).
+default is exact function-space gradient descent with step η (docs/CONVENTIONS.md, convention 2).
 The two differ at ``O(η λ/N)``, which is not small here: the top eigenvalue of
 the traced kernel at the Kaiming initialisation gives ``η λ_max / N ≈ 3–5``
 (the softmax's curvature ≤ 1/2 keeps Euler stable). This script measures the

@@ -16,11 +16,20 @@ starts a new run from another run's checkpoint when the two configs provably
 share those rounds (e.g. SPARK's ablation rows during the warm-up; see
 :func:`ntk_fl.rundir.check_branch`).
 
+Console: one progress bar (round, aggregated accuracy, seconds per round,
+ETA), warnings and errors above it, and a closing line with the result. The
+full absl log (INFO at the default ``--verbosity=0``; ``--verbosity=1`` adds
+DEBUG, ``-1`` keeps warnings only) goes to ``log.txt`` in the workdir;
+``--alsologtostderr`` also prints it, ``--logtostderr`` prints it instead of
+writing the file (absl's usual meaning of those flags).
+
 In a checkout, ``python experiments/main.py ...`` is the same command.
 """
 from __future__ import annotations
 
+import io
 import logging as std_logging
+import os
 import sys
 from typing import Sequence
 
@@ -28,8 +37,12 @@ from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
+from tqdm.auto import tqdm
 
-__all__ = ["main", "resolve_config_args"]
+__all__ = ["LOG_FILE", "main", "resolve_config_args"]
+
+LOG_FILE = "log.txt"
+"""The run's absl log, in its workdir (appended to by ``--resume``)."""
 
 _FLAGS: dict = {}
 
@@ -102,12 +115,66 @@ class _QuietLibraries(std_logging.Filter):
     return record.levelno >= std_logging.WARNING or not noisy
 
 
+class _AboveTheBar(std_logging.Handler):
+  """Writes records through ``tqdm.write``: printed above the progress bar instead of into it."""
+
+  def emit(self, record: std_logging.LogRecord) -> None:
+    try:
+      tqdm.write(self.format(record), file=sys.stderr)
+    except Exception:  # pylint: disable=broad-except -- logging must never raise
+      self.handleError(record)
+
+
+def _hold_log() -> io.StringIO | None:
+  """Keeps the absl log in memory until the workdir is known to be usable; warnings go to the console.
+
+  absl's handler writes to its stream and, when that stream is not stderr, also
+  echoes to stderr what ``--alsologtostderr`` or ``--stderrthreshold`` ask for,
+  so those flags keep their meaning; ``--logtostderr`` keeps absl's own
+  behaviour (everything to stderr, no file). Returns the buffer (None with
+  ``--logtostderr``).
+  """
+  if flags.FLAGS.logtostderr:
+    return None
+  absl_handler = logging.get_absl_handler()
+  buffer = io.StringIO()
+  absl_handler.python_handler.stream = buffer
+  if not flags.FLAGS.alsologtostderr:
+    console = _AboveTheBar(std_logging.WARNING)
+    console.setFormatter(absl_handler.python_handler.formatter or logging.PythonFormatter())
+    console.addFilter(_QuietLibraries())
+    std_logging.getLogger().addHandler(console)
+  return buffer
+
+
+def _log_to_workdir(buffer: io.StringIO | None, workdir: str) -> None:
+  """From now on the absl log goes to ``workdir/log.txt``, starting with what was held in memory."""
+  if buffer is None:
+    return
+  os.makedirs(workdir, exist_ok=True)
+  log = open(os.path.join(workdir, LOG_FILE), "a", encoding="utf-8")  # pylint: disable=consider-using-with
+  log.write(buffer.getvalue())
+  log.flush()
+  logging.get_absl_handler().python_handler.stream = log
+
+
+def _closing_line(summary: dict, workdir: str) -> str:
+  """One line with the result of a run, for the console."""
+  acc = summary.get("final_test_acc")
+  targets = ", ".join(f"{float(t):.0%} at round {r}" if r is not None else f"{float(t):.0%} not reached"
+                      for t, r in (summary.get("rounds_to_target") or {}).items())
+  accuracy = "not evaluated" if acc is None else f"{acc:.4f}"
+  return (f"{summary.get('method')}: {summary.get('rounds_run')} rounds, final aggregated accuracy {accuracy}"
+          f"{'; ' + targets if targets else ''}; {summary.get('wall_time', 0.0):.1f} s. Outputs in {workdir}")
+
+
 def _main(argv: list[str]) -> None:
   import jax  # pylint: disable=import-outside-toplevel
 
   from ntk_fl import rundir, runner, schema  # pylint: disable=import-outside-toplevel
 
   logging.get_absl_handler().addFilter(_QuietLibraries())
+  held = _hold_log()   # before the first jax call: the backend probe's INFO lines belong in the log file
   if len(argv) > 1:
     raise app.UsageError(f"unexpected positional arguments: {argv[1:]}")
   if _FLAGS["distributed"].value:
@@ -122,9 +189,10 @@ def _main(argv: list[str]) -> None:
     settings = schema.validate_config(config)
     rundir.check_start(settings, workdir, **start)
   except (ValueError, FileNotFoundError) as e:
-    logging.error("%s", e)
     sys.exit(f"error: {e}")
+  _log_to_workdir(held, workdir)
   summary = runner.run(settings, workdir, **start)
+  print(_closing_line(summary, os.path.abspath(workdir)), flush=True)
   logging.info("rounds to target: %s; final aggregated accuracy: %s; wall time %.1fs",
                summary["rounds_to_target"], summary["final_test_acc"], summary["wall_time"])
 

@@ -27,7 +27,7 @@ Layers (each pure, ``jit``/``vmap``-able; NTK-DFL vmaps the whole client update)
 * :func:`ntk_delta_from_kernel`, :func:`ntk_delta`, :func:`ntk_update` -- the
   whole client update.
 
-Conventions (DESIGN.md "Numerical conventions" 1-4):
+Conventions (docs/CONVENTIONS.md, conventions 1-4):
 
 * Kernel: ``[N, N]`` output-traced ``H = (1/C) Σ_c J_c J_cᵀ`` applied to every
   output column (default), or the full ``[N, N, C, C]`` kernel with

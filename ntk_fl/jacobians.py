@@ -4,7 +4,7 @@ Most of ``ntk_fl`` never forms a Jacobian: kernels come from the structured /
 NTK-vector-product implementations of :mod:`ntk_fl.ntk` and weight updates are
 VJPs (:mod:`ntk_fl.evolve`). A Jacobian has to exist only where it is
 *transmitted* and altered on the way -- CP-NTK-FL's sparsified and quantised
-uploads (Yue et al. 2022, §4.2; ../shared/papers/ntk_fl.md §2), SPARK's
+uploads (Yue et al. 2022, Sec. 4.2), SPARK's
 projected Jacobians, and the reconstruction attack that inverts them. This
 module holds those pieces as small pure functions (``jit``/``vmap``-able,
 no Python loops over samples):
@@ -144,7 +144,7 @@ def jacobian_kernel(jac1: Array, jac2: Array | None = None, *, trace_outputs: bo
     jac1: ``[N1, C, d]``.
     jac2: ``[N2, C, d]`` or ``None`` (``= jac1``).
     trace_outputs: ``True`` -> ``[N1, N2]`` ``(1/C) Σ_c <J1[i, c], J2[j, c]>``
-      (DESIGN.md convention 1, the same as :func:`ntk_fl.ntk.empirical_ntk`);
+      (docs/CONVENTIONS.md, convention 1; the same as :func:`ntk_fl.ntk.empirical_ntk`);
       ``False`` -> full ``[N1, N2, C, C]`` ``<J1[i, a], J2[j, b]>``.
   """
   jac2 = jac1 if jac2 is None else jac2

@@ -4,8 +4,7 @@ For a network ``f(w, x) -> [C]`` with per-output Jacobians ``J_c(x) = ∂f_c/∂
 
 * the **traced** kernel (default) is ``K[i, j] = (1/C) Σ_c <J_c(x1_i), J_c(x2_j)>``
   (``[N1, N2]``): one ``N×N`` kernel applied to every output column, as in both
-  reference codes (``../shared/papers/reference_implementations.md`` §1.4) and
-  DESIGN.md convention 1;
+  authors' reference codes (docs/CONVENTIONS.md, convention 1);
 * the **full** kernel is ``K[i, j, a, b] = <J_a(x1_i), J_b(x2_j)>``
   (``[N1, N2, C, C]``, neural-tangents' layout with ``trace_axes=()``);
   :func:`full_to_matrix` turns it into the ``(N1·C) × (N2·C)`` matrix.

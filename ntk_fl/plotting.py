@@ -12,11 +12,12 @@ from typing import Mapping, Sequence
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
-__all__ = ["plot_accuracy", "plot_selection_curves"]
+__all__ = ["accuracy_figure", "plot_accuracy", "plot_selection_curves", "selection_figure"]
 
 _SELECTION_STYLE = {  # NTK-DFL Fig. 6 colours: proposed order red, random green, lower bound blue
-    "best_to_worst": ("best to worst", "tab:red"),
+    "best_to_worst": ("best to worst (validation half)", "tab:red"),
     "random": ("random", "tab:green"),
     "worst_to_best": ("worst to best", "tab:blue"),
 }
@@ -35,13 +36,33 @@ def _as_float(values: Sequence[float | None]) -> np.ndarray:
 
 
 def _label_axes(ax, xlabel: str, ylabel: str, title: str) -> None:
-  """Axis labels, a light grid, the legend and the optional title of an accuracy plot."""
+  """Axis labels, integer x ticks, a light grid, the legend below the axes (never over a curve), the title."""
   ax.set_xlabel(xlabel)
   ax.set_ylabel(ylabel)
+  ax.xaxis.set_major_locator(MaxNLocator(integer=True))   # rounds and client counts are whole numbers
   ax.grid(alpha=0.3)
-  ax.legend(loc="lower right")
+  ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, frameon=False)
   if title:
     ax.set_title(title)
+
+
+def accuracy_figure(rounds: Sequence[int], aggregated: Sequence[float | None],
+                    client_mean: Sequence[float | None], client_min: Sequence[float | None],
+                    client_max: Sequence[float | None], *, title: str = "") -> Figure:
+  """The figure of :func:`plot_accuracy` (for callers that add to it or save it themselves)."""
+  rounds = np.asarray(rounds)
+  fig = Figure(figsize=(6, 4.4))
+  ax = fig.add_subplot()
+  agg = _as_float(aggregated)
+  ok = ~np.isnan(agg)
+  ax.plot(rounds[ok], agg[ok], "-o", ms=3, color="tab:blue", label="aggregated model (mean of client weights)")
+  mean, low, high = _as_float(client_mean), _as_float(client_min), _as_float(client_max)
+  ok = ~np.isnan(mean)
+  if ok.any():
+    ax.plot(rounds[ok], mean[ok], "--", color="tab:orange", label="mean over clients")
+    ax.fill_between(rounds[ok], low[ok], high[ok], color="tab:orange", alpha=0.2, label="client min to max")
+  _label_axes(ax, "communication round", "accuracy on the test set", title)
+  return fig
 
 
 def plot_accuracy(rounds: Sequence[int], aggregated: Sequence[float | None],
@@ -57,19 +78,27 @@ def plot_accuracy(rounds: Sequence[int], aggregated: Sequence[float | None],
     path: output PNG.
     title: optional figure title (e.g. method and config variant).
   """
-  rounds = np.asarray(rounds)
-  fig = Figure(figsize=(6, 4))
-  ax = fig.add_subplot()
-  agg = _as_float(aggregated)
-  ok = ~np.isnan(agg)
-  ax.plot(rounds[ok], agg[ok], "-o", ms=3, color="tab:blue", label="aggregated model")
-  mean, low, high = _as_float(client_mean), _as_float(client_min), _as_float(client_max)
-  ok = ~np.isnan(mean)
-  if ok.any():
-    ax.plot(rounds[ok], mean[ok], "--", color="tab:orange", label="mean client")
-    ax.fill_between(rounds[ok], low[ok], high[ok], color="tab:orange", alpha=0.2, label="client min-max")
-  _label_axes(ax, "round", "test accuracy", title)
-  _save(fig, path)
+  _save(accuracy_figure(rounds, aggregated, client_mean, client_min, client_max, title=title), path)
+
+
+def selection_figure(curves: Mapping[str, Sequence[float]], *, title: str = "") -> Figure:
+  """The figure of :func:`plot_selection_curves`."""
+  fig = Figure(figsize=(11, 4.4) if "test_accuracy" in curves else (6, 4.4))
+  ax = fig.add_subplot(1, 2 if "test_accuracy" in curves else 1, 1)
+  for name, (label, color) in _SELECTION_STYLE.items():
+    acc = np.asarray(curves[name], dtype=float)
+    ax.plot(np.arange(1, acc.size + 1), acc, color=color, label=label)
+  _label_axes(ax, "k clients averaged (ranked on the validation half of the test set)",
+              "accuracy of their average on the test half", title)
+  if "test_accuracy" in curves:
+    hist = fig.add_subplot(1, 2, 2)
+    hist.hist(np.asarray(curves["test_accuracy"], dtype=float), bins=20, color="tab:gray")
+    hist.set_xlabel("one client's own model: accuracy on the test half")
+    hist.set_ylabel("number of clients")
+    hist.yaxis.set_major_locator(MaxNLocator(integer=True))
+    hist.grid(alpha=0.3, axis="y")
+    hist.set_title("client models", fontsize="medium")
+  return fig
 
 
 def plot_selection_curves(curves: Mapping[str, Sequence[float]], path: str | os.PathLike, *,
@@ -83,15 +112,4 @@ def plot_selection_curves(curves: Mapping[str, Sequence[float]], path: str | os.
     path: output PNG.
     title: optional figure title.
   """
-  fig = Figure(figsize=(10, 4) if "test_accuracy" in curves else (6, 4))
-  ax = fig.add_subplot(1, 2 if "test_accuracy" in curves else 1, 1)
-  for name, (label, color) in _SELECTION_STYLE.items():
-    acc = np.asarray(curves[name], dtype=float)
-    ax.plot(np.arange(1, acc.size + 1), acc, color=color, label=label)
-  _label_axes(ax, "number of clients averaged", "test accuracy (test half)", title)
-  if "test_accuracy" in curves:
-    hist = fig.add_subplot(1, 2, 2)
-    hist.hist(np.asarray(curves["test_accuracy"], dtype=float), bins=20, color="tab:gray")
-    hist.set_xlabel("single-client test accuracy")
-    hist.set_ylabel("clients")
-  _save(fig, path)
+  _save(selection_figure(curves, title=title), path)

@@ -1,4 +1,4 @@
-"""Shared Gaussian random projections of Jacobians (SPARK, ../shared/papers/spark.md §1.4(b), App. A.2).
+"""Shared Gaussian random projections of Jacobians (SPARK, arXiv 2512.12737, App. A.2).
 
 A client sends ``J̃ = J P`` instead of its Jacobian ``J [N, C, d]``; the
 receiver evolves with the sketched kernel ``J̃ J̃ᵀ`` and maps the sketched update

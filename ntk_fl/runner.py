@@ -13,9 +13,10 @@
    then drive ``algorithm.init`` / ``algorithm.step`` yourself).
 3. The round loop: ``algorithm.step`` (compiled once by its factory); after every round one
    JSON line in ``metrics.jsonl`` (aggregated-model and client accuracies,
-   inter-client deviation, the algorithm's own metrics, timings), a tqdm
-   progress bar, and an orbax checkpoint every ``checkpoint_every`` rounds and
-   at the end.
+   inter-client deviation, the algorithm's own metrics, timings), the same
+   numbers as TensorBoard scalars in the workdir (:mod:`ntk_fl.summaries`), a
+   tqdm progress bar, and an orbax checkpoint every ``checkpoint_every`` rounds
+   and at the end.
 4. Final client-selection curves, PNG plots, ``summary.json``.
 
 The files of a workdir, resume and branching belong to :mod:`ntk_fl.rundir`.
@@ -52,6 +53,7 @@ from tqdm.auto import tqdm
 from ntk_fl import parallel, rundir, topology
 from ntk_fl import metrics as metrics_lib
 from ntk_fl import plotting
+from ntk_fl import summaries
 from ntk_fl.algorithms import Algorithm, get_method
 from ntk_fl.checkpoint import Checkpoints
 from ntk_fl.rng import Stream, numpy_rng
@@ -380,9 +382,12 @@ def _run(config, workdir: str, *, resume: bool, branch_from: str | None, branch_
     evaluator = metrics_lib.make_evaluator(
         exp.model.apply, exp.dataset.x_test, exp.dataset.y_test,
         batch_size=config.eval.batch_size, aggregate=algorithm.aggregate)
+    events = summaries.EventWriter(workdir, first_round=start + 1)
+    if branch_from is not None:
+      events.write_all(lines)   # the source's rounds, now this run's first ones (a resumed run has them already)
     bar = tqdm(total=rounds, initial=start, desc=config.method, unit="round", dynamic_ncols=True)
     last_round = start
-    with bar, open(metrics_path, "a") as metrics_file:
+    with events, bar, open(metrics_path, "a") as metrics_file:
       for r in range(start, rounds):
         if lines and _reached_stop(lines[-1], config):
           break
@@ -404,14 +409,16 @@ def _run(config, workdir: str, *, resume: bool, branch_from: str | None, branch_
         metrics_file.write(rundir.metrics_line(line))
         metrics_file.flush()
         lines.append(rundir.jsonable(line))   # exactly what was logged (NaN -> None), as a resumed run reads it
+        events.write(lines[-1])
         if ckpt is not None and ((config.checkpoint_every and _due(round_, config.checkpoint_every, rounds))
                                  or round_ in keep):
           ckpt.save(round_, state)
-        postfix = {"s/round": f"{t2 - t0:.2f}"}
+        postfix = {}
         if "test_acc" in line:
           postfix["acc"] = f"{line['test_acc']:.4f}"
           logging.info("round %d: aggregated acc %.4f, step %.2fs, eval %.2fs",
                        round_, line["test_acc"], t1 - t0, t2 - t1)
+        postfix["last round"] = f"{t2 - t0:.2f}s"
         bar.set_postfix(postfix)
         bar.update(1)
         last_round = round_

@@ -109,6 +109,10 @@ def test_wheel_contents(wheel):
   for name in configs.names():
     assert f"ntk_fl/configs/{name}.py" in names
   assert "ntk_fl/cli.py" in names and "ntk_fl/__main__.py" in names
+  from ntk_fl.data import index_map  # pylint: disable=import-outside-toplevel
+  for name in index_map.VENDORED_MAPS:   # the authors' partitions and their provenance ship with the package
+    assert f"ntk_fl/data/partitions/{name}.npz" in names
+  assert "ntk_fl/data/partitions/README.md" in names
   assert "ntk-fl = ntk_fl.cli:main" in entry_points
   assert "Apache License" in license_text and "END OF TERMS AND CONDITIONS" in license_text
   assert "Provides-Extra: cuda12" in metadata and 'jax[cuda12]==0.10.2; extra == "cuda12"' in metadata

@@ -2,7 +2,7 @@
 
 Every round ``r`` (0-based) is one synchronous "train locally, then one gossip
 step" on the round's graph, as in the NTK-DFL authors' baseline code
-(../shared/papers/reference_implementations.md §2.7):
+(docs/CONVENTIONS.md, "The decentralized baselines"):
 
 1. ``round_inputs(r)`` draws the round's graph (``config.topology``; a new
    random 5-regular graph every round in the paper setting) and its mixing

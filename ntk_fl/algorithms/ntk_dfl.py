@@ -1,6 +1,6 @@
 """NTK-DFL (Thompson, Yue, Wong, Dai; ICML 2025): decentralized NTK-based federated learning.
 
-One synchronous round ``r`` (paper Alg. 1-4; ../shared/papers/ntk_dfl.md §2):
+One synchronous round ``r`` (paper Sec. 3.2 and App. A, Alg. 1-4):
 
 1. **Graph.** ``round_inputs(r)`` draws the round's graph (deterministic in the
    config seed and ``r``) and its mixing weights.

@@ -1,6 +1,6 @@
 """NTK-FL and CP-NTK-FL (Yue et al., ICML 2022): server-side NTK evolution from client Jacobians.
 
-One synchronous round ``r`` (0-based; ../shared/papers/ntk_fl.md §1.3, §2):
+One synchronous round ``r`` (0-based; Yue et al. 2022, Sec. 4.1 and Fig. 1; CP-NTK-FL: Sec. 4.2):
 
 1. **Participants.** ``round_inputs(r)`` draws ``K = clients_per_round``
    clients uniformly without replacement (paper: 20 of 300) from

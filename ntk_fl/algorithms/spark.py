@@ -2,7 +2,7 @@
 
 SPARK keeps NTK-DFL's round (:func:`ntk_fl.algorithms.ntk_dfl.make_neighbourhood_round`:
 graph, per-round averaging, neighbourhood gather, optional sub-sampling) and
-changes the client update (../shared/papers/spark.md §1.6; every choice is
+changes the client update (paper Alg. 1-2; every choice is
 recorded in ``configs/spark.py`` and docs/spark.md):
 
 1. **Targets** (Alg. 2). Round ``k = r + 1`` (1-based) has mixing weight

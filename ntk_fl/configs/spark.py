@@ -28,7 +28,7 @@ new random 5-regular graph every round, data-size-weighted averaging, τ ∈ {10
   compute at the receiver's weights; spark.md §5 items 4-5, Option A).
 * τ selection by the *hard-label* cross-entropy of the network ``w̄ + Δw_τ``
   (paper: ground-truth labels; NTK-DFL code: the real network).
-* Kernel: the output-traced ``(1/C) Σ_c J_c J_cᵀ`` (DESIGN.md convention 1, the
+* Kernel: the output-traced ``(1/C) Σ_c J_c J_cᵀ`` (docs/CONVENTIONS.md, convention 1: the
   kernel NTK-DFL was tuned with, so the ablation's "no momentum, no
   distillation" row *is* NTK-DFL); ``full_kernel`` is the paper's literal
   ``(N·C)²`` kernel (same ``η/N`` normalisation as the update, spark.md §5 item 8).

@@ -10,8 +10,9 @@ import numpy as np
 # is touched, so this is safe on headless machines and inside other programs.
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
-__all__ = ["plot_label_distribution", "class_counts"]
+__all__ = ["class_counts", "label_distribution_figure", "plot_label_distribution"]
 
 
 def class_counts(labels: np.ndarray, client_indices: Sequence[np.ndarray],
@@ -37,13 +38,30 @@ def plot_label_distribution(
     *,
     max_clients: int = 50,
 ) -> None:
-  """Save a stacked bar chart of per-client class counts as a PNG.
+  """Save a stacked bar chart of per-client class counts as a PNG (:func:`label_distribution_figure`).
+
+  Args:
+    path: output file (parent directories are created); the other arguments as
+      in :func:`label_distribution_figure`.
+  """
+  fig = label_distribution_figure(labels, client_indices, num_classes, max_clients=max_clients)
+  os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
+  fig.savefig(path, format="png", dpi=100)
+
+
+def label_distribution_figure(
+    labels: np.ndarray,
+    client_indices: Sequence[np.ndarray],
+    num_classes: int,
+    *,
+    max_clients: int = 50,
+) -> Figure:
+  """A stacked bar chart of per-client class counts.
 
   Args:
     labels: ``[N]`` integer labels of the training set.
     client_indices: ``M`` index arrays into ``labels`` (a partition).
     num_classes: ``C``; labels must lie in ``[0, C)``.
-    path: output file (parent directories are created).
     max_clients: plot only the first ``max_clients`` clients (bars stay readable).
   """
   if isinstance(max_clients, bool) or not isinstance(max_clients, (int, np.integer)) \
@@ -63,16 +81,17 @@ def plot_label_distribution(
   for c in range(num_classes):
     ax.bar(clients, counts[:, c], bottom=bottom, width=0.85, color=colors[c], label=str(c))
     bottom += counts[:, c]
-  ax.set_xlabel("client")
-  ax.set_ylabel("samples")
+  ax.set_xlabel("client index")
+  ax.set_ylabel("training samples held (stacked by class)")
+  ax.xaxis.set_major_locator(MaxNLocator(integer=True))   # client indices and sample counts are whole numbers
+  ax.yaxis.set_major_locator(MaxNLocator(integer=True))
   shown = f"first {num_shown} of {len(client_indices)}" if num_shown < len(client_indices) \
       else f"{num_shown}"
   ax.set_title(f"Class counts per client ({shown} clients)")
   ax.set_xlim(-0.6, num_shown - 0.4)
   if num_classes <= 20:
     ax.legend(title="class", fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
-  os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
-  fig.savefig(path, format="png", dpi=100)
+  return fig
 
 
 def _class_colors(num_classes: int) -> list:

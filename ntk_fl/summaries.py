@@ -1,0 +1,118 @@
+"""TensorBoard event files of a run, written beside ``metrics.jsonl`` (tensorboardX: no TensorFlow needed).
+
+Every metrics line becomes scalars at ``step = round`` under a few groups, so
+``tensorboard --logdir runs/`` compares runs side by side:
+
+==================  ==========================================================
+``accuracy/``       ``aggregated`` (the aggregated model), ``client_mean|min|max``
+                    (each client's own model), ``consensus_mean|min|max``
+``loss/``           test cross-entropy: ``aggregated``, ``client_mean``, ``consensus_mean``
+``train_loss/``     the method's own per-client training loss: ``mean|min|max``
+``deviation/``      ``inter_client``: NTK-DFL eq. 12
+``tau/``            the chosen evolution time per client: ``mean|min|max``, and per
+                    value ``clients_at_<tau>`` (how many clients chose it)
+``communication/``  ``bits_sent_mean|min|max`` per client, ``bits_sent_total`` in the
+                    round, ``bits_cumulative`` since round 1
+``time/``           ``step_s``, ``eval_s``: seconds of the round's step and evaluation
+``algorithm/``      every other scalar the method reports (``lr``, ...)
+==================  ==========================================================
+
+and each per-client array of the line (``clients``: test accuracy, τ, loss,
+bits) a histogram under ``clients/``.
+"""
+from __future__ import annotations
+
+import collections
+import math
+import os
+from typing import Iterable, Mapping
+
+import numpy as np
+
+__all__ = ["EventWriter", "round_scalars"]
+
+_GROUPS = (  # metric-name prefix -> (tag group, tag name after the prefix is removed)
+    ("test_acc", "accuracy/aggregated"),
+    ("client_acc_", "accuracy/client_"),
+    ("consensus_acc_", "accuracy/consensus_"),
+    ("test_loss", "loss/aggregated"),
+    ("client_loss_", "loss/client_"),
+    ("consensus_loss_", "loss/consensus_"),
+    ("loss_", "train_loss/"),
+    ("deviation", "deviation/inter_client"),
+    ("tau_", "tau/"),
+    ("bits_", "communication/bits_"),
+    ("step_time", "time/step_s"),
+    ("eval_time", "time/eval_s"),
+)
+
+
+def _tag(name: str) -> str:
+  for prefix, tag in _GROUPS:
+    if name == prefix or (prefix.endswith("_") and name.startswith(prefix)):
+      return tag + name[len(prefix):] if prefix.endswith("_") else tag
+  return f"algorithm/{name}"
+
+
+def round_scalars(line: Mapping) -> dict[str, float]:
+  """The TensorBoard scalars of one metrics line: ``{tag: value}`` (finite numbers only).
+
+  ``line`` is what the runner writes to ``metrics.jsonl``; ``round`` is the step,
+  not a scalar, and ``None``/NaN entries (rounds that were not evaluated) are left out.
+  """
+  scalars = {}
+  for name, value in line.items():
+    if name in ("round", "clients") or isinstance(value, bool) or not isinstance(value, (int, float)):
+      continue
+    if math.isfinite(value):
+      scalars[_tag(name)] = float(value)
+  taus = (line.get("clients") or {}).get("tau")
+  if taus is not None:
+    for tau, count in sorted(collections.Counter(np.asarray(taus).ravel().tolist()).items()):
+      scalars[f"tau/clients_at_{tau:g}"] = float(count)
+  return scalars
+
+
+class EventWriter:
+  """Appends a run's rounds to TensorBoard event files in ``workdir``.
+
+  Args:
+    workdir: the run directory (event files ``events.out.tfevents.*`` go there).
+    first_round: the first round this writer will log (1-based). A resumed or
+      branched run starts after round ``k``; TensorBoard then discards the events
+      of rounds ``> k`` that an earlier, interrupted writer left (``purge_step``),
+      so every round appears once.
+  """
+
+  def __init__(self, workdir: str | os.PathLike, *, first_round: int = 1):
+    from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+
+    # The file name holds the time in seconds; the first round keeps a resumed run's file (same second,
+    # e.g. in tests) from replacing the interrupted one's.
+    self._writer = SummaryWriter(logdir=os.fspath(workdir), purge_step=first_round if first_round > 1 else None,
+                                 flush_secs=30, filename_suffix=f".from_round_{first_round}")
+
+  def write(self, line: Mapping) -> None:
+    """One metrics line (``round`` is the step)."""
+    step = int(line["round"])
+    for tag, value in round_scalars(line).items():
+      self._writer.add_scalar(tag, value, step)
+    for name, values in (line.get("clients") or {}).items():
+      values = np.asarray(values, dtype=np.float64).ravel()
+      values = values[np.isfinite(values)]
+      if values.size:
+        self._writer.add_histogram(f"clients/{name}", values, step)
+    self._writer.flush()
+
+  def write_all(self, lines: Iterable[Mapping]) -> None:
+    for line in lines:
+      self.write(line)
+
+  def close(self) -> None:
+    self._writer.close()
+
+  def __enter__(self) -> "EventWriter":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
