@@ -244,8 +244,8 @@ def load_run_config(workdir: str, *, trust_method_module: str | None = None) -> 
   """The config the run in ``workdir`` was started with, as an editable ``ConfigDict``.
 
   For scripts that rerun or rescore a stored run: ``build_experiment(load_run_config(workdir))``
-  rebuilds its experiment. :func:`ntk_fl.rundir.read_config` gives the same as a plain dict and
+  rebuilds its experiment. :func:`ntk_fl.rundir.rebuild_config` gives the same as a plain dict and
   says when a stored ``method_module`` is imported (``trust_method_module``).
   """
   from ntk_fl import rundir  # pylint: disable=import-outside-toplevel -- config files import this module
-  return ml_collections.ConfigDict(_tuples(rundir.read_config(workdir, trust_method_module=trust_method_module)))
+  return ml_collections.ConfigDict(_tuples(rundir.rebuild_config(workdir, trust_method_module=trust_method_module)))

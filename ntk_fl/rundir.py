@@ -27,6 +27,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 
 from absl import logging
 import jax
@@ -55,6 +56,10 @@ __all__ = [
     "metrics_up_to",
     "read_branch",
     "read_config",
+    "read_run",
+    "rebuild_config",
+    "copy_run",
+    "split_label",
     "read_metrics",
     "read_summary",
     "write_config",
@@ -204,13 +209,19 @@ def _stored_config(workdir: str, action: str) -> dict:
   return stored
 
 
-def read_config(workdir: str, *, trust_method_module: str | None = None) -> dict:
-  """The config the run in ``workdir`` was started with (its ``config.json``) as a JSON dict.
+def read_config(workdir: str) -> dict:
+  """The config the run in ``workdir`` was started with (its ``config.json``), as data: a JSON dict.
 
   Keys added to the schema since the run was written are filled in with the
-  values that reproduce it. :func:`ntk_fl.schema.validate_config` (and so
-  :func:`ntk_fl.runner.build_experiment`) takes this dict as it is;
-  :func:`ntk_fl.config.load_run_config` makes an editable ``ConfigDict`` of it.
+  values that reproduce it. Nothing is imported (a stored ``method_module`` is
+  just a string here): for tables and comparisons. To rebuild or rescore the
+  run, use :func:`rebuild_config`.
+  """
+  return _stored_config(workdir, "read the run")
+
+
+def rebuild_config(workdir: str, *, trust_method_module: str | None = None) -> dict:
+  """The stored config of ``workdir``, ready for :func:`ntk_fl.schema.validate_config` / ``build_experiment``.
 
   A run directory is data, and data must not run code: a stored
   ``method_module`` (which :func:`ntk_fl.schema.validate_config` would import,
@@ -220,6 +231,7 @@ def read_config(workdir: str, *, trust_method_module: str | None = None) -> dict
   registered (a built-in method, or one the calling script registered itself):
   the stored ``method_module`` is then dropped (with a warning) and the method
   comes from the registry; with neither, the read is refused.
+  :func:`ntk_fl.config.load_run_config` makes an editable ``ConfigDict`` of it.
   """
   from ntk_fl.algorithms import available  # pylint: disable=g-import-not-at-top
   from ntk_fl.schema import method_module_imported  # pylint: disable=g-import-not-at-top
@@ -256,8 +268,52 @@ def read_summary(workdir: str) -> dict | None:
 
 
 def is_run(workdir: str) -> bool:
-  """Whether ``workdir`` holds a run (its ``config.json``)."""
-  return os.path.isfile(os.path.join(workdir, CONFIG_FILE))
+  """Whether ``workdir`` holds a started run (its ``config.json`` and ``metrics.jsonl``)."""
+  return all(os.path.isfile(os.path.join(workdir, name)) for name in (CONFIG_FILE, METRICS_FILE))
+
+
+def read_run(workdir: str) -> dict:
+  """Everything a table needs of the run in ``workdir``, finished, running or archived.
+
+  Returns:
+    ``{"name", "workdir", "config", "lines", "summary"}``: the workdir's base
+    name, the path, :func:`read_config`, :func:`read_metrics` (a running run's
+    half-written last line is left out) and :func:`read_summary` (``None`` while
+    the run has not finished).
+  """
+  return {"name": os.path.basename(os.path.normpath(workdir)), "workdir": workdir, "config": read_config(workdir),
+          "lines": read_metrics(workdir), "summary": read_summary(workdir)}
+
+
+def copy_run(workdir: str, target: str, *, drop: tuple[str, ...] = ()) -> None:
+  """Copies the run's ``config.json`` and ``summary.json`` (when finished) verbatim, and its metrics lines
+  without the keys ``drop``, into the directory ``target`` (created). Checkpoints and plots are not copied."""
+  os.makedirs(target, exist_ok=True)
+  for name in (CONFIG_FILE, SUMMARY_FILE):
+    if os.path.isfile(os.path.join(workdir, name)):
+      shutil.copyfile(os.path.join(workdir, name), os.path.join(target, name))
+  write_metrics(target, [{k: v for k, v in line.items() if k not in drop} for line in read_metrics(workdir)])
+
+
+def split_label(config: dict) -> str:
+  """The data split of a stored config (JSON dict): ``"IID"``, ``"α=0.1"``, ``"contiguous"`` or a map's name.
+
+  The authors' shipped maps read ``"authors α=0.1 d0"`` / ``"authors IID d0"``; any other
+  index map is labelled by its file name.
+  """
+  data = config["data"]
+  partition = data["partition"]
+  if partition == "iid":
+    return "IID"
+  if partition == "contiguous":
+    return "contiguous"
+  if partition == "index_map":
+    name = os.path.basename(data.get("partition_file", ""))
+    level, _, draw = name.removeprefix("fmnist_").rpartition("_")
+    if name.startswith("fmnist_") and draw.isdigit():
+      return f"authors {'IID' if level == 'iid' else 'α=' + level.removeprefix('alpha')} d{draw}"
+    return name
+  return f"α={data['alpha']:g}"
 
 
 def _experiment_configs(config, workdir: str, action: str) -> tuple[dict, dict]:

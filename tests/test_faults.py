@@ -200,10 +200,10 @@ def test_run_directory_method_module_is_not_imported_unless_trusted(tmp_path):
 
   workdir, module, marker = _run_dir_naming_module(tmp_path, "unregistered_method")
   with pytest.raises(ValueError, match=rf"run/config.json names method_module '{module}'.*--method_module={module}"):
-    rundir.read_config(workdir)
+    rundir.rebuild_config(workdir)
   assert not marker.exists()
   # The explicit opt-in naming that file imports it (and only then).
-  config = rundir.read_config(workdir, trust_method_module=module)
+  config = rundir.rebuild_config(workdir, trust_method_module=module)
   assert config["method_module"] == module and not marker.exists()
   with pytest.raises(ValueError, match="unknown method 'unregistered_method'"):
     schema.validate_config(config)   # the file ran (it registers nothing)
@@ -214,7 +214,7 @@ def test_run_directory_of_a_registered_method_skips_its_method_module(tmp_path):
   from ntk_fl import rundir, schema  # pylint: disable=g-import-not-at-top
 
   workdir, _, marker = _run_dir_naming_module(tmp_path, "fedavg")
-  config = rundir.read_config(workdir)
+  config = rundir.rebuild_config(workdir)
   assert config["method"] == "fedavg" and config["method_module"] == ""
   schema.validate_config(config)
   assert not marker.exists()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from ntk_fl import stats
+from ntk_fl import rundir, stats
 from scripts import load_experiment
 
 
@@ -98,7 +98,7 @@ def _write_run(root, name: str, seed: int, accuracies: list[float], alpha: float
 
 
 def _read(module, dirs):
-  return [module.summarize_runs.read_run(d) for d in dirs]
+  return [rundir.read_run(d) for d in dirs]
 
 
 def test_pairs_by_split_and_seed_and_tests_each_split(paired_test, tmp_path):
