@@ -2,12 +2,14 @@
 
 ``run(config, workdir)`` does, in this order:
 
-1. :func:`ntk_fl.schema.validate_config` -- the shared schema of
-   :mod:`ntk_fl.config` (names, ranges, unknown keys) and the method's own
-   ``validate_config``; then the workdir (:func:`ntk_fl.rundir.check_start`: a
-   fresh run needs an empty one, ``resume`` needs a matching ``config.json`` and
-   a checkpoint). Nothing is loaded before that, so a bad key or value fails in
-   milliseconds with a message naming it.
+1. :func:`ntk_fl.schema.validate_config` -- the config is checked once (the
+   shared schema and the method's hyperparameters) and becomes frozen
+   :class:`RunSettings`, which is all the rest reads; then the workdir
+   (:func:`ntk_fl.rundir.check_start`: a fresh run needs an empty one, ``resume``
+   needs a matching ``config.json`` and a checkpoint). Nothing is loaded before
+   that, so a bad key or value fails in milliseconds with a message naming it.
+   Everything below runs inside the run's device policy
+   (:func:`ntk_fl.parallel.use_devices` with ``devices`` and ``chunk_size``).
 2. :func:`build_experiment` -- dataset, partition, :class:`Federation`, model and
    :class:`Algorithm` (also the entry point of the functional API: build once,
    then drive ``algorithm.init`` / ``algorithm.step`` yourself).

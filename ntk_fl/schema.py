@@ -1,10 +1,12 @@
-"""The config schema: the one place a run config is checked.
+"""The config schema: the one place a run config is checked, and where it stops.
 
 :func:`validate_config` checks a config built on :func:`ntk_fl.config.base_config`
 -- names, ranges, unknown keys of the shared blocks, then the method's own
-``config.algorithm`` block (its ``validate_config``). It loads no data, so a bad
-key or value fails in milliseconds with a message naming it, what is allowed
-and what it got.
+``config.algorithm`` block (turned into the method's hyperparameter dataclass,
+which checks its values) and the method's rules across blocks -- and returns
+frozen :class:`ntk_fl.settings.RunSettings`. It loads no data, so a bad key or
+value fails in milliseconds with a message naming it, what is allowed and what
+it got. Below this module nothing imports ``ml_collections`` or reads a config.
 
 Methods outside :mod:`ntk_fl.algorithms` (a user's own, or a test double) are
 found through ``config.method_module``: a dotted module name or a path to a
