@@ -9,10 +9,14 @@ For a network ``f(w, x) -> [C]`` with per-output Jacobians ``J_c(x) = ∂f_c/∂
   (``[N1, N2, C, C]``, neural-tangents' layout with ``trace_axes=()``);
   :func:`full_to_matrix` turns it into the ``(N1·C) × (N2·C)`` matrix.
 
-Difference from neural-tangents: its ``trace_axes=(-1,)`` *sums* over the output
-axis (``Σ_c``); ours is the *mean* (``(1/C) Σ_c``), so it equals neural-tangents'
-traced kernel divided by ``C``. The mean is what the NTK-FL/NTK-DFL evolution
-``df/dt = −(1/N) K (softmax(f) − Y)`` was written (and tuned) with.
+The traced kernel is neural-tangents' ``trace_axes=(-1,)`` kernel: neural-tangents
+normalises a trace by the number of traced entries, so its traced kernel is the
+*mean* over the outputs too (one ``C``-th of the summed trace of its full kernel;
+checked against kernels computed by neural-tangents 0.6.5 itself,
+``tests/test_neural_tangents_oracle.py``). The mean is also what the NTK-FL/NTK-DFL
+evolution ``df/dt = −(1/N) K (softmax(f) − Y)`` was written (and tuned) with.
+:func:`empirical_ntk_fn` offers neural-tangents' interface (``trace_axes``,
+``diagonal_axes``, ``vmap_axes``, ``NtkImplementation``) over these kernels;
 neural-tangents itself is not a dependency (it does not import on current JAX).
 
 Implementations (``implementation=``):
@@ -65,7 +69,8 @@ import jax.numpy as jnp
 from ntk_fl.models import DenseStack
 
 __all__ = ["IMPLEMENTATIONS", "empirical_ntk", "make_ntk_fn", "full_to_matrix", "DenseProjection",
-           "projected_dense_ntk", "DenseJacobianFactors", "dense_jacobian_factors"]
+           "projected_dense_ntk", "DenseJacobianFactors", "dense_jacobian_factors",
+           "NtkImplementation", "empirical_ntk_fn"]
 
 IMPLEMENTATIONS = ("auto", "jacobian", "ntvp", "structured")
 
@@ -569,8 +574,8 @@ def empirical_ntk(apply_fn: ApplyFn, params: Params, x1: jax.Array, x2: jax.Arra
     x1: ``[N1, *in]`` inputs.
     x2: ``[N2, *in]`` inputs, or ``None`` for ``x2 = x1`` (shares work).
     trace_outputs: ``True`` -> ``[N1, N2]`` kernel ``(1/C) Σ_c J_c(x1) J_c(x2)ᵀ``
-      (the *mean* over outputs; neural-tangents' ``trace_axes=(-1,)`` is the sum,
-      i.e. ``C`` times this); ``False`` -> full ``[N1, N2, C, C]`` kernel
+      (the *mean* over outputs, as neural-tangents' ``trace_axes=(-1,)``);
+      ``False`` -> full ``[N1, N2, C, C]`` kernel
       ``K[i, j, a, b] = <J_a(x1_i), J_b(x2_j)>``.
     implementation: one of :data:`IMPLEMENTATIONS` (module docstring).
     dense_stack: the model's :class:`~ntk_fl.models.DenseStack` (enables and,
@@ -629,3 +634,7 @@ def full_to_matrix(k: jax.Array) -> jax.Array:
     raise ValueError(f"full_to_matrix expects a [N1, N2, C, C] kernel, got shape {jnp.shape(k)}")
   n1, n2, c, _ = k.shape
   return jnp.transpose(k, (0, 2, 1, 3)).reshape(n1 * c, n2 * c)
+
+
+# neural-tangents' interface over the kernels above (its module imports this one lazily).
+from ntk_fl._neural_tangents_api import NtkImplementation, empirical_ntk_fn  # noqa: E402

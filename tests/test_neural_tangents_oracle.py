@@ -1,0 +1,302 @@
+"""ntk_fl.ntk.empirical_ntk_fn against neural-tangents 0.6.5 itself, and against brute-force Jacobians.
+
+tests/data/neural_tangents_reference.npz holds kernels that neural-tangents
+computed in its own environment (scripts/nt_oracle/build_references.sh; the
+versions are recorded in the file) for the library's 784-100-10 MLP, its small
+CNN and a fully convolutional net with ``[N, H, W, K]`` outputs, together with
+the parameters and inputs. The references are float64; the library's kernels
+are compared in float32 (relative to the kernel's largest entry) and, for a few
+cases, in float64. Settings the file does not cover (batch axes other than 0,
+``x1`` and ``x2`` of different shapes without a batch axis, a trace or diagonal
+over the batch axis with ``x2`` given, scalar outputs) are checked against a
+kernel contracted from ``jax.jacrev`` Jacobians of the whole batch.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.flatten_util import ravel_pytree
+
+from ntk_fl import models
+from ntk_fl.ntk import NtkImplementation, empirical_ntk, empirical_ntk_fn
+
+REFERENCE = os.path.join(os.path.dirname(__file__), "data", "neural_tangents_reference.npz")
+# float32 kernels are sums of up to ~10^5 products: measured errors are below 2e-6 of the kernel's
+# largest entry; the tolerance leaves a factor of ~10 for other CPUs' summation orders.
+RTOL32 = 200 * float(jnp.finfo(jnp.float32).eps)
+RTOL64 = 1e-11
+IMPL = NtkImplementation
+
+
+@functools.lru_cache(maxsize=None)
+def _reference():
+  data = np.load(REFERENCE)
+  return {k: data[k] for k in data.files}
+
+
+def _cases():
+  return json.loads(str(_reference()["cases"]))
+
+
+def _params(net, dtype=jnp.float32):
+  prefix = f"{net}/params/"
+  tree = {}
+  for key, value in _reference().items():
+    if key.startswith(prefix):
+      layer, name = key[len(prefix):].split("/")
+      tree.setdefault(layer, {})[name] = jnp.asarray(value, dtype)
+  return {"params": tree}
+
+
+def _conv_same(p, x):
+  y = jax.lax.conv_general_dilated(x, p["kernel"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  return y + p["bias"]
+
+
+def conv_features(params, x):
+  """conv3x3(1 -> 4)-relu-conv3x3(4 -> 2): ``[N, H, W, 1] -> [N, H, W, 2]`` (as the oracle script)."""
+  p = params["params"]
+  return _conv_same(p["conv_1"], jax.nn.relu(_conv_same(p["conv_0"], x)))
+
+
+MLP = models.mlp(784, (100,), 10)
+CNN = models.cnn((4, 4, 1), num_classes=5)
+NETWORKS = {"mlp": MLP.apply, "cnn": CNN.apply, "conv_features": conv_features}
+
+
+def _max_rel(actual, expected):
+  actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+  assert actual.shape == expected.shape, (actual.shape, expected.shape)
+  return float(np.max(np.abs(actual - expected)) / np.max(np.abs(expected)))
+
+
+def _kernel(case, implementation, vmap_axes=0, dtype=jnp.float32):
+  net = case["network"]
+  ref = _reference()
+  x1 = jnp.asarray(ref[f"{net}/x1"], dtype)
+  x2 = None if case["x2"] is None else jnp.asarray(ref[f"{net}/{case['x2']}"], dtype)
+  dense_stack = MLP.dense_stack if net == "mlp" else None
+  ntk_fn = empirical_ntk_fn(NETWORKS[net], case["trace_axes"], case["diagonal_axes"], vmap_axes,
+                            implementation, dense_stack=dense_stack)
+  return jax.jit(ntk_fn)(x1, x2, _params(net, dtype))
+
+
+# ----------------------------------------------------------------------------
+# The reference file.
+
+
+def test_reference_file_is_small_and_records_its_versions():
+  assert os.path.getsize(REFERENCE) < 600_000
+  versions = json.loads(str(_reference()["versions"]))
+  assert versions["neural_tangents"] == "0.6.5"
+  assert {"jax", "jaxlib", "tensorflow", "numpy", "python"} <= set(versions)
+  assert {c["network"] for c in _cases()} == {"mlp", "cnn", "conv_features"}
+
+
+@pytest.mark.parametrize("net", ["mlp", "cnn"])
+def test_references_were_computed_on_the_library_networks(net):
+  ref = _reference()
+  fx = NETWORKS[net](_params(net), jnp.asarray(ref[f"{net}/x1"]))
+  np.testing.assert_allclose(np.asarray(fx), ref[f"{net}/f_x1"], rtol=1e-5, atol=1e-5)
+
+
+def test_neural_tangents_trace_is_the_mean_over_outputs():
+  """neural-tangents' trace_axes=(-1,) is one C-th of the summed trace of its full kernel: this library's
+  traced kernel, which matches neural-tangents' own float32 result to float32 precision."""
+  ref = _reference()
+  full, traced = ref["mlp/full/kernel"], ref["mlp/trace_last/kernel"]
+  np.testing.assert_allclose(np.einsum("ijcc->ij", full) / 10, traced, rtol=1e-12)
+  traced_kernel = jax.jit(functools.partial(empirical_ntk, MLP.apply, trace_outputs=True,
+                                            implementation="jacobian"))
+  ours = traced_kernel(_params("mlp"), jnp.asarray(ref["mlp/x1"]), jnp.asarray(ref["mlp/x2"]))
+  assert _max_rel(ours, ref["mlp/trace_last/kernel_float32"]) < RTOL32
+  assert _max_rel(ours, traced) < RTOL32
+
+
+# ----------------------------------------------------------------------------
+# empirical_ntk_fn against the references.
+
+ORACLE_RUNS = (
+    # every case of the cheap networks with every implementation
+    [(c["name"], impl) for c in _cases() if c["network"] == "mlp"
+     for impl in (IMPL.JACOBIAN_CONTRACTION, IMPL.NTK_VECTOR_PRODUCTS, IMPL.STRUCTURED_DERIVATIVES)]
+    + [(c["name"], impl) for c in _cases() if c["network"] == "conv_features"
+       for impl in (IMPL.JACOBIAN_CONTRACTION, IMPL.NTK_VECTOR_PRODUCTS)]
+    # the CNN (slow to compile): each implementation once
+    + [("cnn/trace_last", IMPL.JACOBIAN_CONTRACTION), ("cnn/full", IMPL.NTK_VECTOR_PRODUCTS),
+       ("cnn/diag_batch", IMPL.AUTO)]
+    + [("mlp/trace_last", IMPL.AUTO), ("conv_features/trace_spatial", IMPL.AUTO)]
+)
+
+
+@pytest.mark.parametrize("name,implementation", ORACLE_RUNS, ids=[f"{n}-{i.name}" for n, i in ORACLE_RUNS])
+def test_matches_neural_tangents(name, implementation):
+  case = next(c for c in _cases() if c["name"] == name)
+  assert _max_rel(_kernel(case, implementation), _reference()[f"{name}/kernel"]) < RTOL32
+
+
+@pytest.mark.parametrize("name", ["mlp/full", "mlp/diag_batch", "conv_features/trace_spatial",
+                                  "conv_features/diag_batch_last_trace_rows"])
+def test_matches_neural_tangents_without_vmap_axes(name):
+  case = next(c for c in _cases() if c["name"] == name)
+  assert _max_rel(_kernel(case, IMPL.JACOBIAN_CONTRACTION, vmap_axes=None),
+                  _reference()[f"{name}/kernel"]) < RTOL32
+
+
+@pytest.mark.parametrize("name,implementation", [("mlp/full", IMPL.STRUCTURED_DERIVATIVES),
+                                                 ("mlp/diag_outputs", IMPL.NTK_VECTOR_PRODUCTS),
+                                                 ("conv_features/diag_spatial_trace_last",
+                                                  IMPL.JACOBIAN_CONTRACTION)])
+def test_matches_neural_tangents_in_float64(name, implementation):
+  case = next(c for c in _cases() if c["name"] == name)
+  with jax.enable_x64(True):
+    kernel = _kernel(case, implementation, dtype=jnp.float64)
+    assert kernel.dtype == jnp.float64
+    assert _max_rel(kernel, _reference()[f"{name}/kernel"]) < RTOL64
+
+
+# ----------------------------------------------------------------------------
+# Brute force: Jacobians of the whole batch, contracted entry by entry.
+
+
+def _brute_force(f, params, x1, x2, trace_axes, diagonal_axes):
+  """NTK from ``jax.jacrev`` of ``f`` on the whole batches, traces and diagonals taken entry by entry."""
+  x2 = x1 if x2 is None else x2
+  flat, unravel = ravel_pytree(params)
+  j1 = jax.jacrev(lambda w: f(unravel(w), x1))(flat)  # [*fx1, P]
+  j2 = jax.jacrev(lambda w: f(unravel(w), x2))(flat)
+  full = np.tensordot(np.asarray(j1, np.float64), np.asarray(j2, np.float64), axes=(-1, -1))
+  shape1, shape2 = j1.shape[:-1], j2.shape[:-1]
+  nd = len(shape1)
+  trace = {a % nd for a in trace_axes}
+  diagonal = {a % nd for a in diagonal_axes}
+  out_shape = []
+  for k in range(nd):
+    out_shape += [] if k in trace else [shape1[k]] if k in diagonal else [shape1[k], shape2[k]]
+  out = np.zeros(out_shape)
+  for i1 in itertools.product(*map(range, shape1)):
+    for i2 in itertools.product(*map(range, shape2)):
+      if any(i1[k] != i2[k] for k in trace | diagonal):
+        continue
+      index = []
+      for k in range(nd):
+        index += [] if k in trace else [i1[k]] if k in diagonal else [i1[k], i2[k]]
+      out[tuple(index)] += full[i1 + i2]
+  return out / math.prod(shape1[k] for k in trace)
+
+
+def _batch_last_mlp(params, x):
+  """A dense net on ``x [D, N]`` (samples along the last axis) returning ``[C, N]``."""
+  return (jnp.tanh(x.T @ params["w1"] + params["b1"]) @ params["w2"].T).T
+
+
+@functools.lru_cache(maxsize=None)
+def _small_problem():
+  k = jax.random.split(jax.random.PRNGKey(3), 6)
+  params = {"w1": jax.random.normal(k[0], (5, 7)) / 2, "b1": jax.random.normal(k[1], (7,)),
+            "w2": jax.random.normal(k[2], (3, 7)) / 2}
+  return params, jax.random.normal(k[3], (5, 4)), jax.random.normal(k[4], (5, 4)), jax.random.normal(k[5], (5, 2))
+
+
+@pytest.mark.parametrize("implementation", [IMPL.JACOBIAN_CONTRACTION, IMPL.NTK_VECTOR_PRODUCTS])
+@pytest.mark.parametrize("trace_axes,diagonal_axes,second", [
+    ((0,), (), "x2"),          # trace over outputs (axis 0 here), batch pairs kept
+    ((), (1,), "x2"),          # diagonal over the batch with x2 != x1
+    ((1,), (), "x2"),          # trace over the batch with x2 != x1: mean over i of K(x1_i, x2_i)
+    ((), (), "x3"),            # full kernel, N1 = 4, N2 = 2
+    ((-2, -1), (), None),      # negative axes: trace over everything
+])
+def test_batch_axis_elsewhere_matches_brute_force(implementation, trace_axes, diagonal_axes, second):
+  params, x1, x2, x3 = _small_problem()
+  other = {"x2": x2, "x3": x3, None: None}[second]
+  ntk_fn = empirical_ntk_fn(_batch_last_mlp, trace_axes, diagonal_axes, (1, 1, {}), implementation)
+  expected = _brute_force(_batch_last_mlp, params, x1, other, trace_axes, diagonal_axes)
+  assert _max_rel(jax.jit(ntk_fn)(x1, other, params), expected) < RTOL32
+
+
+@pytest.mark.parametrize("trace_axes,diagonal_axes", [((), ()), ((), (0,)), ((0,), ())])
+def test_unbatched_inputs_of_different_shapes_match_brute_force(trace_axes, diagonal_axes):
+  """vmap_axes=None with x1 [5, 4] and x2 [5, 2]: f's outputs [3, 4] and [3, 2] are one sample each."""
+  params, x1, _, x3 = _small_problem()
+  ntk_fn = empirical_ntk_fn(_batch_last_mlp, trace_axes, diagonal_axes, None, IMPL.NTK_VECTOR_PRODUCTS)
+  expected = _brute_force(_batch_last_mlp, params, x1, x3, trace_axes, diagonal_axes)
+  assert _max_rel(jax.jit(ntk_fn)(x1, x3, params), expected) < RTOL32
+
+
+def test_scalar_outputs_and_keyword_arguments_match_brute_force():
+  params, x1, x2, _ = _small_problem()
+
+  def f(p, x, scale):  # [N, D] -> [N]
+    return scale * _batch_last_mlp(p, x.T)[0]
+
+  ntk_fn = empirical_ntk_fn(f, trace_axes=(), implementation=IMPL.JACOBIAN_CONTRACTION)
+  expected = _brute_force(functools.partial(f, scale=2.0), params, x1.T, x2.T, (), ())
+  assert _max_rel(jax.jit(ntk_fn)(x1.T, x2.T, params, scale=2.0), expected) < RTOL32
+
+
+def test_default_is_the_library_traced_kernel():
+  ref = _reference()
+  x1, x2 = jnp.asarray(ref["mlp/x1"]), jnp.asarray(ref["mlp/x2"])
+  expected = jax.jit(functools.partial(empirical_ntk, MLP.apply, dense_stack=MLP.dense_stack))(
+      _params("mlp"), x1, x2)
+  kernel = jax.jit(empirical_ntk_fn(MLP.apply, dense_stack=MLP.dense_stack))(x1, x2, _params("mlp"))
+  assert _max_rel(kernel, expected) < RTOL32
+
+
+# ----------------------------------------------------------------------------
+# Errors, early and naming the bad value.
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(implementation=7), "unknown implementation 7"),
+    (dict(implementation="jacobian"), "must be an NtkImplementation"),
+    (dict(implementation=IMPL.STRUCTURED_DERIVATIVES), "needs dense_stack"),
+    (dict(trace_axes="last"), "trace_axes must be an int"),
+    (dict(diagonal_axes=(0.5,)), "diagonal_axes must be an int"),
+    (dict(vmap_axes=(0, 0, {"mask": 0})), "batched keyword arguments"),
+    (dict(vmap_axes="batch"), "vmap_axes must be None"),
+    (dict(chunk_size=0), "chunk_size must be"),
+])
+def test_bad_options_are_rejected_when_the_function_is_made(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    empirical_ntk_fn(MLP.apply, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,x2_rows,match", [
+    (dict(trace_axes=(-1,), diagonal_axes=(1,)), 3, "share an output axis"),
+    (dict(trace_axes=(2,)), 3, "out of range"),
+    (dict(trace_axes=(0,)), 3, r"must agree on it; got shapes \(4, 10\) and \(3, 10\)"),
+    (dict(diagonal_axes=(0,)), 3, "must agree on it"),
+    (dict(vmap_axes=(2, 0, {})), 3, "in_axis 2 is out of range"),
+])
+def test_bad_axes_are_rejected_when_called(kwargs, x2_rows, match):
+  ref = _reference()
+  ntk_fn = empirical_ntk_fn(MLP.apply, **kwargs)
+  with pytest.raises(ValueError, match=match):
+    ntk_fn(jnp.asarray(ref["mlp/x1"]), jnp.asarray(ref["mlp/x2"])[:x2_rows], _params("mlp"))
+
+
+def test_mismatched_inputs_and_pytrees_are_rejected():
+  ref = _reference()
+  ntk_fn = empirical_ntk_fn(MLP.apply)
+  x1 = jnp.asarray(ref["mlp/x1"])
+  with pytest.raises(ValueError, match="must agree on every axis but the batch axis"):
+    ntk_fn(x1, x1[:, :100], _params("mlp"))
+  with pytest.raises(ValueError, match="x1 must be an array"):
+    ntk_fn({"image": x1}, None, _params("mlp"))
+  two_outputs = lambda p, x: {"logits": MLP.apply(p, x), "probs": jax.nn.softmax(MLP.apply(p, x))}
+  for vmap_axes in (0, None):
+    with pytest.raises(ValueError, match="pytree outputs are not supported"):
+      empirical_ntk_fn(two_outputs, vmap_axes=vmap_axes)(x1, None, _params("mlp"))
+  structured = empirical_ntk_fn(conv_features, implementation=IMPL.STRUCTURED_DERIVATIVES,
+                                dense_stack=MLP.dense_stack)
+  with pytest.raises(ValueError, match=r"outputs \[C\] per sample"):
+    structured(jnp.asarray(ref["conv_features/x1"]), None, _params("conv_features"))
