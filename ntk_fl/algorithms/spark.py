@@ -384,7 +384,8 @@ def make_spark(model: models.Model, federation, graphs: topology.Topology, hpara
 
   def init(key):
     params = models.init_clients(model, key, num_clients, shared=shared_init)
-    return SparkState(params=params, momentum=parallel.for_each_client(tx.init, chunk_size=0)(params), bits_cumulative=jnp.float32(0))
+    return SparkState(params=params, momentum=parallel.for_each_client(tx.init, chunk_size=0)(params),
+                      bits_cumulative=jnp.float32(0))
 
   def client_delta(wbar, x, hard, mask, lr, alpha, temp, mats, opt_state):
     """SPARK's NTK step at ``w̄`` on the neighbourhood ``x [N, ...]``: ``(Δw, info)``."""

@@ -21,7 +21,7 @@ __all__ = ["local_config", "quantize_variants", "server_config", "gossip_config"
 def local_config(*, lr: float, epochs: int, batch_size: int, lr_gamma: float = 1.0, momentum: float = 0.0,
                  nesterov: bool = False, weight_decay: float = 0.0, quantize_bits: int = 32,
                  stochastic_rounding: bool = False, **extra):
-  """A ``config.algorithm`` block holding every field of :class:`ntk_fl.algorithms.local.LocalHParams` (plus a method's ``extra``)."""
+  """A ``config.algorithm`` block with every field of :class:`ntk_fl.algorithms.local.LocalHParams` (+ ``extra``)."""
   return ml_collections.ConfigDict(dict(
       lr=lr, lr_gamma=lr_gamma, epochs=epochs, batch_size=batch_size, momentum=momentum, nesterov=nesterov,
       weight_decay=weight_decay, quantize_bits=quantize_bits, stochastic_rounding=stochastic_rounding, **extra))
