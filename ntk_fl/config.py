@@ -4,7 +4,8 @@ A config file's ``get_config(arg)`` starts from :func:`base_config` and fills in
 ``config.method`` and the method's own ``config.algorithm`` block; ``arg`` picks
 a named variant (``smoke``, ``paper``, ``iid``, ``alpha0.5``, ...).
 
-Field reference (all of them are validated by the runner before any work):
+Field reference (all of them are checked once, by :func:`ntk_fl.schema.validate_config`, before any work;
+below it they travel as the frozen dataclasses of :mod:`ntk_fl.settings`):
 
 * ``method``: registry name of the algorithm (``ntk_dfl``, ``dfedavg``, ...).
 * ``method_module``: optional module (dotted name or ``.py`` path) imported before
@@ -41,7 +42,8 @@ Field reference (all of them are validated by the runner before any work):
 * ``checkpoint_keep``: 1-based rounds whose checkpoints are also written and
   never deleted (branch points, e.g. the end of SPARK's warm-up for its
   ablation rows; see ``rundir.check_branch``). Results do not depend on it.
-* ``chunk_size``: clients per ``vmap`` chunk (``0`` = all at once), per device.
+* ``chunk_size``: clients per ``vmap`` chunk (``0`` = all at once), per device; with ``devices`` it is
+  the run's device policy (:func:`ntk_fl.parallel.use_devices`).
 * ``devices``: devices the client axis is sharded over (:mod:`ntk_fl.parallel`):
   ``0`` = all (every host's after ``--distributed``), ``1`` = the single-device
   path, ``n`` = the first ``n``. Results agree across device counts up to float
