@@ -203,7 +203,8 @@ def validate_config(config) -> RunSettings:
   shared = {name: settings.from_mapping(cls, config[name], f"config.{name}")
             for name, cls in (("data", DataSettings), ("model", ModelSettings), ("topology", TopologySettings),
                               ("eval", EvalSettings))}
-  hyperparameters = settings.from_mapping(spec.hyperparameters, _get(config, "algorithm"), "config.algorithm")
+  hyperparameters = settings.from_mapping(spec.hyperparameters, _get(config, "algorithm"),
+                                          f"config.algorithm (method {method!r})")
   run = RunSettings(method=method, method_module=method_module, seed=config["seed"], rounds=config["rounds"],
                     checkpoint_every=config["checkpoint_every"], checkpoint_keep=tuple(keep),
                     chunk_size=config["chunk_size"], devices=devices, algorithm=hyperparameters, **shared)

@@ -125,7 +125,8 @@ def from_mapping(cls, mapping: Mapping[str, Any], path: str):
   missing = [f.name for f in fields if f.name not in mapping
              and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
   if unknown or missing:
-    raise ValueError(f"{path}: missing {missing}, unknown {unknown}; the keys are {names}")
+    problems = ([f"unknown key(s) {unknown}"] if unknown else []) + ([f"missing key(s) {missing}"] if missing else [])
+    raise ValueError(f"{path}: {', '.join(problems)}; the keys are {names}")
   hints = typing.get_type_hints(cls)
   values = {}
   for name in names:

@@ -67,7 +67,8 @@ def test_missing_and_unknown_algorithm_keys_are_named():
   config = config_lib.load_config(str(PACKAGE / "configs" / "ntk_dfl.py"))
   del config.algorithm["subsample"]
   config.algorithm.subsampel = 2
-  with pytest.raises(ValueError, match=r"config.algorithm: missing \['subsample'\], unknown \['subsampel'\]"):
+  message = r"config.algorithm \(method 'ntk_dfl'\): unknown key\(s\) \['subsampel'\], missing key\(s\) \['subsample'\]"
+  with pytest.raises(ValueError, match=message):
     schema.validate_config(config)
 
 

@@ -340,7 +340,7 @@ def test_validate_config_rejects_impossible_combinations():
     schema.validate_config(config)
   config, _ = tiny()
   config.algorithm.extra = 1
-  with pytest.raises(ValueError, match="unknown \\['extra'\\]"):
+  with pytest.raises(ValueError, match="unknown key\\(s\\) \\['extra'\\]"):
     schema.validate_config(config)
 
 
