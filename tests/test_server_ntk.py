@@ -27,7 +27,7 @@ from jax.flatten_util import ravel_pytree
 
 from ntk_fl import config as config_lib
 from ntk_fl import evolve, jacobians, models, ntk, rng, runner, schema
-from ntk_fl.configs import presets
+from ntk_fl.configs import _presets as presets
 from ntk_fl.data import Federation
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

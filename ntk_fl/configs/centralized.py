@@ -16,7 +16,7 @@ full (all 300 clients every round) | busiest_node (5 clients per round) | smoke.
 """
 import ml_collections
 
-from ntk_fl.configs import presets
+from ntk_fl.configs import _presets as presets
 from ntk_fl.config import apply_variants
 
 # No q<b> variants: the centralised reference sends raw data, not weights.

@@ -19,7 +19,7 @@ Variants (comma-separated, e.g. ``:table1,shuffle``):
 """
 import ml_collections
 
-from ntk_fl.configs import presets
+from ntk_fl.configs import _presets as presets
 from ntk_fl.config import apply_variants
 
 

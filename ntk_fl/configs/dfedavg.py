@@ -17,7 +17,7 @@ bits) | smoke (seconds-long run on a slice of Fashion-MNIST).
 """
 import ml_collections
 
-from ntk_fl.configs import presets
+from ntk_fl.configs import _presets as presets
 from ntk_fl.config import apply_variants
 
 

@@ -14,7 +14,7 @@ quantized (the authors' DFedAvgM-Q script: 8 bits, 5 epochs, momentum 0,
 """
 import ml_collections
 
-from ntk_fl.configs import presets
+from ntk_fl.configs import _presets as presets
 from ntk_fl.config import apply_variants
 
 

@@ -13,7 +13,7 @@ Variants: paper | iid | alpha<float> | static | mnist | sam (non-adaptive SAM)
 """
 import ml_collections
 
-from ntk_fl.configs import presets
+from ntk_fl.configs import _presets as presets
 from ntk_fl.config import apply_variants
 
 VARIANTS = {**presets.GOSSIP_VARIANTS, "sam": lambda c: setattr(c.algorithm, "sam_adaptive", False)}

@@ -17,7 +17,7 @@ Variants: paper | iid | alpha<float> | static | mnist | q8, q4 | smoke.
 """
 import ml_collections
 
-from ntk_fl.configs import presets
+from ntk_fl.configs import _presets as presets
 from ntk_fl.config import apply_variants
 
 

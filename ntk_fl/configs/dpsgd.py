@@ -13,7 +13,7 @@ smoke.
 """
 import ml_collections
 
-from ntk_fl.configs import presets
+from ntk_fl.configs import _presets as presets
 from ntk_fl.config import apply_variants
 
 VARIANTS = {**presets.GOSSIP_VARIANTS, "degree9": lambda c: setattr(c.topology, "degree", 9)}

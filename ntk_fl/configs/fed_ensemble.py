@@ -28,7 +28,7 @@ training and participants) are ``--config=configs/fed_ensemble.py:k1,data_size``
 import ml_collections
 
 from ntk_fl import config as config_lib
-from ntk_fl.configs import presets
+from ntk_fl.configs import _presets as presets
 
 
 def _mnist_two_labels(config):

@@ -1,16 +1,16 @@
 """FedAvg (McMahan et al. 2017) -- the NTK-FL comparison setting and its variants.
 
 Default (``--config=configs/fedavg.py``): the server-based setting of
-:func:`ntk_fl.configs.presets.server_config` (NTK-FL's comparison: FMNIST, 300
+:func:`ntk_fl.configs._presets.server_config` (NTK-FL's comparison: FMNIST, 300
 clients, α = 0.1, 20 clients per round, 20 full-batch epochs, lr 0.1, 300 rounds).
 Uplink bits are counted per round and cumulatively.
 
 Variants: paper | iid | alpha<float> | mnist, and
-:data:`ntk_fl.configs.presets.SERVER_VARIANTS` (full | busiest_node | q8, q4 | smoke).
+:data:`ntk_fl.configs._presets.SERVER_VARIANTS` (full | busiest_node | q8, q4 | smoke).
 """
 import ml_collections
 
-from ntk_fl.configs import presets
+from ntk_fl.configs import _presets as presets
 from ntk_fl.config import apply_variants
 
 
