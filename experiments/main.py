@@ -1,6 +1,6 @@
 """Runs one experiment from a config: the ``ntk-fl`` command, from a checkout.
 
-  python experiments/main.py --config=configs/ntk_dfl.py[:variant] --workdir=DIR \
+  python experiments/main.py --config=configs/ntk_dfl.py[:variant] --workdir=DIR
       [--config.rounds=50 --config.data.alpha=0.5 ...] [--resume] [--distributed]
       [--branch_from=OTHER_WORKDIR [--branch_round=K]]
 

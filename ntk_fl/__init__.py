@@ -14,7 +14,8 @@ the datasets). The modules behind them, each documented in its own docstring:
   ``ntk_fl/configs/`` (the paper configs and their presets), :mod:`ntk_fl.schema`
   (the one place a config is checked; it returns typed :mod:`ntk_fl.settings`).
 * runs: :mod:`ntk_fl.runner` (the loop, ``build_experiment``), :mod:`ntk_fl.rundir`
-  (the files of a run directory; resume and branch), :mod:`ntk_fl.cli` (``ntk-fl``).
+  (the files of a run directory; resume and branch), :mod:`ntk_fl.summaries`
+  (TensorBoard event files), :mod:`ntk_fl.cli` (``ntk-fl``).
 * methods: :mod:`ntk_fl.algorithms` (``Algorithm``, ``Method``, the registry and one
   module per method family, each with its typed hyperparameters).
 * building blocks: :mod:`ntk_fl.data`, :mod:`ntk_fl.models`, :mod:`ntk_fl.topology`,

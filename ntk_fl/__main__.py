@@ -1,5 +1,5 @@
-"""``python -m ntk_fl --config=ntk_dfl:smoke --workdir=runs/smoke``: the ``ntk-fl`` command."""
 from ntk_fl import cli
+from ntk_fl.cli import __doc__  # noqa: F401  (--help prints the command's docstring)
 
 if __name__ == "__main__":
   cli.main()

@@ -1,28 +1,58 @@
-"""Round checkpoints of an algorithm state with orbax-checkpoint.
+"""Round checkpoints of an algorithm state with orbax-checkpoint, verified and recoverable.
 
 A checkpoint is the state pytree saved under ``<directory>/<rounds_done>``
 (the orbax step is the number of completed rounds). Orbax writes each
 checkpoint into a ``<step>.orbax-checkpoint-tmp-*`` directory and renames it
 into place only when every file is written, so a process killed mid-save
-leaves a temporary directory that is never listed as a step. As a second
-guard, :meth:`Checkpoints.latest` only accepts step directories that also hold
-orbax's ``_CHECKPOINT_METADATA`` file (a bare ``<step>`` directory, e.g. from
-an interrupted copy, is ignored rather than half-restored).
+leaves a temporary directory that is never listed as a step (orbax removes it
+on the next start). A step directory also needs orbax's
+``_CHECKPOINT_METADATA`` file to count as finalised.
+
+Every checkpoint records a SHA-256 digest of its arrays in orbax's step
+metadata (``custom_metadata["ntk_fl"]["digest"]``, written inside the same
+atomic rename). A restore recomputes it, so damage that still decodes -- a
+flipped byte, a zero-filled block inside a data file -- is caught as surely as a
+truncated file, which TensorStore refuses to read. (Checkpoints written
+before digests existed, or of arrays spread over several processes, carry no
+digest and are checked by a complete restore only.)
+
+Recovery (:meth:`Checkpoints.recover`): step directories that are incomplete
+(no metadata file) or unreadable / failing their digest are *set aside* --
+renamed to ``<step>.set-aside-<why>-<UTC time>``, which orbax does not list
+and never deletes -- with a warning naming each, and the newest good
+checkpoint is returned. Nothing is deleted: a set-aside directory can be
+inspected or moved back by hand.
 
 Typed PRNG keys (``jax.random.key``) are stored as their raw key data and
 re-wrapped on restore, so states may hold either key flavour.
 """
 from __future__ import annotations
 
+import datetime
+import hashlib
 import os
 from typing import Any, Sequence
 
+from absl import logging
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
-__all__ = ["Checkpoints"]
+__all__ = ["CheckpointDamaged", "Checkpoints", "SET_ASIDE_MARK"]
 
 _METADATA_FILE = "_CHECKPOINT_METADATA"
+_CUSTOM_KEY = "ntk_fl"
+#: Part of the name of a set-aside checkpoint directory: ``<step>.set-aside-<why>-<UTC time>``.
+SET_ASIDE_MARK = ".set-aside-"
+
+
+class CheckpointDamaged(RuntimeError):
+  """A checkpoint that cannot be restored as written: incomplete, unreadable or failing its digest."""
+
+  def __init__(self, path: str, why: str):
+    super().__init__(f"checkpoint {path} is damaged: {why}")
+    self.path = path
+    self.why = why
 
 
 def _is_typed_key(x) -> bool:
@@ -39,6 +69,32 @@ def _from_storable(restored, template):
       restored, template)
 
 
+def state_digest(storable) -> str | None:
+  """SHA-256 over the leaves of a (key-data) state: each leaf's dtype, shape and bytes.
+
+  Leaf digests are sorted before they are combined, so a template-free restore
+  (dicts) and a templated one (NamedTuples) of the same checkpoint agree.
+  ``None`` when a leaf lives partly on other processes (not addressable here).
+  """
+  leaves = jax.tree_util.tree_leaves(storable)
+  if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
+    return None
+  parts = []
+  for leaf in jax.device_get(leaves):
+    array = np.ascontiguousarray(np.asarray(leaf))
+    h = hashlib.sha256(f"{array.dtype.str}{array.shape}".encode())
+    h.update(array.reshape(-1).view(np.uint8) if array.size else b"")
+    parts.append(h.hexdigest())
+  return hashlib.sha256("".join(sorted(parts)).encode()).hexdigest()
+
+
+def _first_line(err: BaseException) -> str:
+  """The gist of an orbax/TensorStore error (theirs run to a hundred lines)."""
+  text = str(err).strip().splitlines()
+  line = text[0].split(" See full TensorStore details")[0] if text else ""
+  return f"{type(err).__name__}: {line[:300]}"
+
+
 class Checkpoints:
   """Synchronous orbax checkpoints of a state pytree, keyed by completed rounds.
 
@@ -47,12 +103,14 @@ class Checkpoints:
     max_to_keep: how many most recent checkpoints to keep (older ones deleted).
     keep: round counts whose checkpoints are never deleted.
     read_only: only list and restore (another run's checkpoints, e.g. the source
-      of a branch, possibly still running): nothing is created, saved or cleaned up.
+      of a branch, possibly still running): nothing is created, saved, set aside
+      or cleaned up.
   """
 
   def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 2, keep: Sequence[int] = (),
                read_only: bool = False):
     self.directory = os.path.abspath(os.fspath(directory))
+    self.read_only = read_only
     preserve = ocp.checkpoint_managers
     policy = preserve.LatestN(n=max_to_keep)
     if keep:
@@ -64,31 +122,131 @@ class Checkpoints:
         cleanup_tmp_directories=not read_only, read_only=read_only)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
 
+  def path(self, rounds_done: int) -> str:
+    return os.path.join(self.directory, str(rounds_done))
+
   def save(self, rounds_done: int, state) -> None:
     """Saves ``state`` as the checkpoint after ``rounds_done`` rounds (blocks until final)."""
-    self._manager.save(rounds_done, args=ocp.args.StandardSave(_to_storable(state)), force=True)
+    storable = _to_storable(state)
+    self._manager.save(rounds_done, args=ocp.args.StandardSave(storable), force=True,
+                       custom_metadata={_CUSTOM_KEY: {"digest": state_digest(storable)}})
     self._manager.wait_until_finished()
 
-  def steps(self) -> list[int]:
-    """Completed-round indices of the finalised checkpoints, ascending."""
+  def _listed_steps(self) -> list[int]:
     self._manager.reload()  # another process may have written since this manager was made
-    return sorted(
-        s for s in self._manager.all_steps()
-        if os.path.isfile(os.path.join(self.directory, str(s), _METADATA_FILE)))
+    return sorted(self._manager.all_steps())
+
+  def steps(self) -> list[int]:
+    """Completed-round indices of the finalised checkpoints (metadata file present), ascending."""
+    return [s for s in self._listed_steps() if os.path.isfile(os.path.join(self.path(s), _METADATA_FILE))]
+
+  def incomplete_steps(self) -> list[int]:
+    """Step directories orbax lists that lack their metadata file (an interrupted copy, a deleted file)."""
+    return sorted(set(self._listed_steps()) - set(self.steps()))
 
   def latest(self) -> int | None:
-    """The most recent finalised checkpoint's round count, or ``None``."""
+    """The most recent finalised checkpoint's round count, or ``None`` (not verified: see :meth:`recover`)."""
     steps = self.steps()
     return steps[-1] if steps else None
 
+  def _recorded_digest(self, rounds_done: int) -> str | None:
+    custom = self._manager.metadata(rounds_done).custom_metadata or {}
+    return (custom.get(_CUSTOM_KEY) or {}).get("digest")
+
+  def _check_digest(self, rounds_done: int, storable) -> None:
+    recorded = self._recorded_digest(rounds_done)
+    if recorded is not None and state_digest(storable) != recorded:
+      raise CheckpointDamaged(self.path(rounds_done), "its arrays do not match the digest recorded when it was "
+                              "written (a data file was changed after the save)")
+
+  def verify(self, rounds_done: int) -> None:
+    """Restores checkpoint ``rounds_done`` without a template and checks its digest.
+
+    Raises:
+      CheckpointDamaged: the checkpoint is incomplete, unreadable or fails its digest.
+    """
+    path = self.path(rounds_done)
+    if not os.path.isfile(os.path.join(path, _METADATA_FILE)):
+      raise CheckpointDamaged(path, f"incomplete: no {_METADATA_FILE} file")
+    try:
+      restored = self._manager.restore(rounds_done, args=ocp.args.StandardRestore())
+    except Exception as err:  # orbax/TensorStore raise many types (JSON, DATA_LOSS, OSError, ...)
+      raise CheckpointDamaged(path, f"unreadable ({_first_line(err)})") from err
+    self._check_digest(rounds_done, restored)
+
   def restore(self, rounds_done: int, template) -> Any:
-    """Restores the checkpoint ``rounds_done`` into the structure/dtypes of ``template``."""
+    """Restores the checkpoint ``rounds_done`` into the structure/dtypes of ``template``.
+
+    Raises:
+      FileNotFoundError: no finalised checkpoint ``rounds_done``.
+      CheckpointDamaged: its arrays fail the digest recorded when it was written.
+    """
     if rounds_done not in self.steps():
       raise FileNotFoundError(
           f"no finalised checkpoint for round {rounds_done} in {self.directory}; have {self.steps()}")
     restored = self._manager.restore(
         rounds_done, args=ocp.args.StandardRestore(_to_storable(template)))
+    self._check_digest(rounds_done, restored)
     return _from_storable(restored, template)
+
+  def set_aside(self, rounds_done: int, why: str) -> str:
+    """Renames step directory ``rounds_done`` out of orbax's view (never deleted); returns the new path."""
+    if self.read_only:
+      raise PermissionError(f"cannot set aside {self.path(rounds_done)}: these checkpoints are opened read-only")
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+    target = f"{self.path(rounds_done)}{SET_ASIDE_MARK}{why}-{stamp}"
+    if jax.process_index() == 0:
+      os.rename(self.path(rounds_done), target)
+    if jax.process_count() > 1:
+      ocp.multihost.sync_global_processes(f"ntk_fl_set_aside_{rounds_done}_{stamp}")
+    self._manager.reload()
+    return target
+
+  def good_steps(self) -> tuple[list[int], dict[int, str]]:
+    """Finalised checkpoints that verify, and ``{step: why}`` of those that do not (read-only; nothing renamed)."""
+    good, damaged = [], {}
+    for step in self.steps():
+      try:
+        self.verify(step)
+        good.append(step)
+      except CheckpointDamaged as err:
+        damaged[step] = err.why
+    for step in self.incomplete_steps():
+      damaged[step] = f"incomplete: no {_METADATA_FILE} file"
+    return good, damaged
+
+  def recover(self, upto: int | None = None) -> int | None:
+    """Sets damaged checkpoints aside and returns the newest good one (``None``: none left).
+
+    Incomplete step directories are set aside (``...set-aside-incomplete-...``);
+    then, newest first, each finalised checkpoint is verified until one passes,
+    the failures set aside (``...set-aside-damaged-...``), each with a warning
+    naming it. With ``upto``, checkpoints after round ``upto`` are set aside first
+    (``...set-aside-superseded-...``: the resumed run recomputes those rounds), and
+    ``upto`` itself must be good (else :class:`CheckpointDamaged` /
+    ``FileNotFoundError``).
+    """
+    for step in self.incomplete_steps():
+      target = self.set_aside(step, "incomplete")
+      logging.warning("checkpoint %s is incomplete (no %s file); set aside as %s",
+                      self.path(step), _METADATA_FILE, target)
+    if upto is not None:
+      if upto not in self.steps():
+        raise FileNotFoundError(f"no finalised checkpoint after round {upto} in {self.directory}; "
+                                f"checkpoints after rounds {self.steps()}")
+      self.verify(upto)
+      for step in [s for s in self.steps() if s > upto]:
+        target = self.set_aside(step, "superseded")
+        logging.warning("resuming from round %d: checkpoint %s set aside as %s", upto, self.path(step), target)
+      return upto
+    for step in reversed(self.steps()):
+      try:
+        self.verify(step)
+        return step
+      except CheckpointDamaged as err:
+        target = self.set_aside(step, "damaged")
+        logging.warning("%s; set aside as %s", err, target)
+    return None
 
   def close(self) -> None:
     self._manager.close()

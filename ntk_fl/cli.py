@@ -1,7 +1,7 @@
 """``ntk-fl``: runs one experiment from a config.
 
-  ntk-fl --config=ntk_dfl[:variant] --workdir=DIR \
-      [--config.rounds=50 --config.data.alpha=0.5 ...] [--resume] [--distributed]
+  ntk-fl --config=ntk_dfl[:variant] --workdir=DIR
+      [--config.rounds=50 --config.data.alpha=0.5 ...] [--resume | --resume_from_step=N] [--distributed]
       [--branch_from=OTHER_WORKDIR [--branch_round=K]]
 
 ``--config`` names a packaged config (``ntk_dfl``, ``spark:iid,alpha0.5``; see
@@ -27,10 +27,12 @@ In a checkout, ``python experiments/main.py ...`` is the same command.
 """
 from __future__ import annotations
 
+import errno
 import io
 import logging as std_logging
 import os
 import sys
+import traceback
 from typing import Sequence
 
 from absl import app
@@ -39,7 +41,7 @@ from absl import logging
 from ml_collections import config_flags
 from tqdm.auto import tqdm
 
-__all__ = ["LOG_FILE", "main", "resolve_config_args"]
+__all__ = ["LOG_FILE", "main", "one_line", "report_failure", "resolve_config_args"]
 
 LOG_FILE = "log.txt"
 """The run's absl log, in its workdir (appended to by ``--resume``)."""
@@ -55,7 +57,12 @@ def _define_flags() -> None:
       "config", None, "Config: a packaged config's name (ntk_dfl, spark:iid, ntk_dfl:smoke) or a config file "
       "(configs/ntk_dfl.py:smoke); text after ':' is the variant list.", lock_config=True)
   _FLAGS["workdir"] = flags.DEFINE_string("workdir", None, "Output directory of the run.")
-  _FLAGS["resume"] = flags.DEFINE_bool("resume", False, "Continue the run in --workdir from its latest checkpoint.")
+  _FLAGS["resume"] = flags.DEFINE_bool(
+      "resume", False, "Continue the run in --workdir from its newest good checkpoint (damaged or incomplete "
+      "ones are set aside: renamed, never deleted).")
+  _FLAGS["resume_from_step"] = flags.DEFINE_integer(
+      "resume_from_step", None, "Continue the run in --workdir from its checkpoint after this many rounds "
+      "(implies --resume); later checkpoints are set aside and their rounds recomputed.")
   _FLAGS["branch_from"] = flags.DEFINE_string(
       "branch_from", None, "Start from the checkpoint of the run in this workdir (its config must equal --config, "
       "or the method must certify the rounds they share).")
@@ -99,6 +106,10 @@ def _parse_flags(argv: list[str]) -> list[str]:
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
+    if "Error whilst parsing config file" in str(e):   # config_flags puts the config's traceback in the message
+      cause = [line for line in str(e).strip().splitlines() if line.strip()][-1]
+      value = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith("--config=")), "")
+      sys.exit(f"error: --config={value}: {cause}")
     sys.exit(f"FATAL Flags parsing error: {e}\nPass --helpshort or --helpfull to see help on flags.")
   except (AttributeError, KeyError) as e:
     key = str(e.args[0] if e.args else e).strip("'\"")
@@ -158,6 +169,45 @@ def _log_to_workdir(buffer: io.StringIO | None, workdir: str) -> None:
   logging.get_absl_handler().python_handler.stream = log
 
 
+# What ends a run with one line: bad requests and data (ValueError, including unreadable or unsafe data
+# files and bad metrics.jsonl), missing or unwritable files and a full disk (OSError), damaged checkpoints,
+# divergence. Anything else is a bug and keeps its traceback.
+_ONE_LINE_ERRORS = (ValueError, OSError)
+
+
+def one_line(err: BaseException) -> str:
+  """The ``error:`` line of ``err``: its first line, with what to do for a full disk."""
+  if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+    where = f" while writing {err.filename}" if err.filename else ""
+    return (f"disk full{where} ({err.strerror}); free some space, then continue the run with --resume "
+            "(every completed checkpoint and metrics line is intact)")
+  lines = [line for line in str(err).strip().splitlines() if line.strip()]
+  return lines[0] if lines else type(err).__name__
+
+
+def report_failure(err: BaseException, workdir: str | None, *, verbose: bool) -> str:
+  """The one-line message for ``err``; its traceback is appended to ``workdir/log.txt`` (and printed if ``verbose``)."""
+  trace = "".join(traceback.format_exception(err))
+  message = one_line(err)
+  log_path = None
+  if workdir:
+    try:
+      stream = getattr(logging.get_absl_handler().python_handler, "stream", None)
+      if stream is not None and stream is not sys.stderr:
+        stream.flush()
+      os.makedirs(workdir, exist_ok=True)
+      log_path = os.path.join(os.path.abspath(workdir), LOG_FILE)
+      with open(log_path, "a", encoding="utf-8") as f:
+        f.write(f"error: {message}\n{trace}\n")
+    except OSError:          # e.g. the disk is full: the traceback then only goes to stderr on request
+      log_path = None
+  if verbose:
+    sys.stderr.write(trace)
+  elif log_path:
+    message += f" (traceback in {log_path}; --verbosity=1 prints it)"
+  return message
+
+
 def _closing_line(summary: dict, workdir: str) -> str:
   """One line with the result of a run, for the console."""
   acc = summary.get("final_test_acc")
@@ -172,6 +222,7 @@ def _main(argv: list[str]) -> None:
   import jax  # pylint: disable=import-outside-toplevel
 
   from ntk_fl import rundir, runner, schema  # pylint: disable=import-outside-toplevel
+  from ntk_fl.checkpoint import CheckpointDamaged  # pylint: disable=import-outside-toplevel
 
   logging.get_absl_handler().addFilter(_QuietLibraries())
   held = _hold_log()   # before the first jax call: the backend probe's INFO lines belong in the log file
@@ -180,27 +231,52 @@ def _main(argv: list[str]) -> None:
   if _FLAGS["distributed"].value:
     jax.distributed.initialize()   # before any jax call lists devices
   config = _FLAGS["config"].value
+  if type(config).__name__ == "_ErrorConfig":   # config_flags' stand-in for a config file it could not load
+    value = flags.FLAGS["config"].config_filename
+    path = value.split(":", 1)[0]
+    if not os.path.isfile(path):
+      sys.exit(f"error: --config={value}: no config file {os.path.abspath(path)} (and no packaged config of that "
+               "name); give a packaged config's name (e.g. ntk_dfl:smoke) or the path of a config file")
+    sys.exit(f"error: --config={value}: cannot load the config file: "
+             f"{one_line(object.__getattribute__(config, '_error'))}")
   workdir = _FLAGS["workdir"].value
-  start = dict(resume=_FLAGS["resume"].value, branch_from=_FLAGS["branch_from"].value,
-               branch_round=_FLAGS["branch_round"].value)
+  start = dict(resume=_FLAGS["resume"].value, resume_from_step=_FLAGS["resume_from_step"].value,
+               branch_from=_FLAGS["branch_from"].value, branch_round=_FLAGS["branch_round"].value)
+  verbose = logging.get_verbosity() >= 1
   try:
-    # Everything that can be wrong with the request fails here, before any work; the config is checked once
-    # and travels on as typed settings.
+    # Everything that can be wrong with the request fails here, before any data is loaded; the config is
+    # checked once and travels on as typed settings.
     settings = schema.validate_config(config)
     rundir.check_start(settings, workdir, **start)
-  except (ValueError, FileNotFoundError) as e:
-    sys.exit(f"error: {e}")
-  _log_to_workdir(held, workdir)
-  summary = runner.run(settings, workdir, **start)
+  except (*_ONE_LINE_ERRORS, CheckpointDamaged) as e:
+    if verbose:
+      traceback.print_exc()
+    sys.exit(f"error: {one_line(e)}")
+  try:
+    _log_to_workdir(held, workdir)
+    summary = runner.run(settings, workdir, **start)
+  except (*_ONE_LINE_ERRORS, CheckpointDamaged, runner.Diverged) as e:
+    sys.exit(f"error: {report_failure(e, workdir, verbose=verbose)}")
+  except KeyboardInterrupt:
+    sys.stderr.write(f"\ninterrupted; continue the run with --resume (workdir {workdir})\n")
+    sys.exit(130)
   print(_closing_line(summary, os.path.abspath(workdir)), flush=True)
   logging.info("rounds to target: %s; final aggregated accuracy: %s; wall time %.1fs",
                summary["rounds_to_target"], summary["final_test_acc"], summary["wall_time"])
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-  """The ``ntk-fl`` console script (and ``experiments/main.py``)."""
+  """The ``ntk-fl`` console script (and ``experiments/main.py``, ``python -m ntk_fl``)."""
+  argv = list(sys.argv if argv is None else argv)
   _define_flags()
-  app.run(_main, argv=list(sys.argv if argv is None else argv), flags_parser=_parse_flags)
+  # --helpshort lists the key flags of the program being run (absl keys them by argv[0]) and prints its
+  # __main__ docstring; a console script has neither, so lend it this module's.
+  for holder in _FLAGS.values():
+    flags.FLAGS.register_key_flag_for_module(argv[0], flags.FLAGS[holder.name])
+  main_module = sys.modules.get("__main__")
+  if main_module is not None and not (getattr(main_module, "__doc__", None) or "").strip():
+    main_module.__doc__ = __doc__
+  app.run(_main, argv=argv, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":

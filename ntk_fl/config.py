@@ -42,6 +42,11 @@ below it they travel as the frozen dataclasses of :mod:`ntk_fl.settings`):
 * ``checkpoint_keep``: 1-based rounds whose checkpoints are also written and
   never deleted (branch points, e.g. the end of SPARK's warm-up for its
   ablation rows; see ``rundir.check_branch``). Results do not depend on it.
+* ``on_divergence``: what a round whose client models, training loss or test
+  loss are not finite (NaN/inf) does: ``stop`` (default: the run ends at that
+  round with a message, a non-zero exit status, ``summary.json`` status
+  ``diverged``; the last good checkpoint is kept) or ``continue`` (for studies
+  of divergence: logged, recorded in the summary, the run goes on).
 * ``chunk_size``: clients per ``vmap`` chunk (``0`` = all at once), per device; with ``devices`` it is
   the run's device policy (:func:`ntk_fl.parallel.use_devices`).
 * ``devices``: devices the client axis is sharded over (:mod:`ntk_fl.parallel`):
@@ -104,6 +109,7 @@ def base_config() -> ml_collections.ConfigDict:
 
   config.checkpoint_every = 5
   config.checkpoint_keep = ()
+  config.on_divergence = "stop"
   config.chunk_size = 0
   config.devices = 0
   config.algorithm = ml_collections.ConfigDict()

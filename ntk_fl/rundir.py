@@ -16,7 +16,8 @@ Workdir layout::
 
 How a run may start in a workdir (:func:`check_start`): fresh (an empty
 workdir; a run is never overwritten silently), ``resume`` (the same config and
-a finalised checkpoint, :func:`check_workdir`) or a branch from another run's
+a good checkpoint, :func:`check_workdir`: damaged or incomplete checkpoints are
+set aside, renamed, and the newest good one is used) or a branch from another run's
 checkpoint (:func:`check_branch`): the two configs must be equal, or the
 method's ``shared_rounds`` must certify that they compute rounds 1..k
 identically (SPARK's ablation rows share the hard-label warm-up).
@@ -49,6 +50,7 @@ __all__ = [
     "check_branch",
     "check_start",
     "check_workdir",
+    "check_writable",
     "checkpoint_dir",
     "jsonable",
     "is_run",
@@ -78,10 +80,10 @@ BRANCH_FILE = "branched_from.json"
 
 # Keys that do not change the trajectory (where clients run, which checkpoints are kept, whether the
 # consensus models are also scored); resume and branch ignore them.
-_RESULT_NEUTRAL_KEYS = ("devices", "checkpoint_keep", "eval.consensus")
+_RESULT_NEUTRAL_KEYS = ("devices", "checkpoint_keep", "eval.consensus", "on_divergence")
 # Keys added to the schema after runs were stored, each with the value that reproduces those runs: a stored
 # config.json without one ran with that value (resume, branch and read_config fill it in).
-_ADDED_KEYS = {"data.max_test": 0, "eval.consensus": False, "data.partition_file": ""}
+_ADDED_KEYS = {"data.max_test": 0, "eval.consensus": False, "data.partition_file": "", "on_divergence": "stop"}
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -128,17 +130,23 @@ def read_metrics(workdir: str) -> list[dict]:
   """The per-round metrics lines of ``workdir/metrics.jsonl`` (a trailing partial line is dropped)."""
   path = os.path.join(workdir, METRICS_FILE)
   lines = []
-  with open(path) as f:
-    raw = f.read().split("\n")
+  try:
+    with open(path) as f:
+      raw = f.read().split("\n")
+  except UnicodeDecodeError as e:
+    raise ValueError(f"{path} is not a text file of JSON lines ({e})") from None
   for i, text in enumerate(raw):
     if not text.strip():
       continue
     try:
-      lines.append(json.loads(text))
+      line = json.loads(text)
     except json.JSONDecodeError:
       if i == len(raw) - 1:  # the process died mid-write; that round is redone anyway
         break
       raise ValueError(f"{path}: line {i + 1} is not valid JSON") from None
+    if not isinstance(line, dict):
+      raise ValueError(f"{path}: line {i + 1} is not a metrics record (a JSON object), got {text[:60]!r}")
+    lines.append(line)
   return lines
 
 
@@ -197,8 +205,14 @@ def _stored_config(workdir: str, action: str) -> dict:
   config_path = os.path.join(workdir, CONFIG_FILE)
   if not os.path.isfile(config_path):
     raise FileNotFoundError(f"cannot {action}: {config_path} does not exist (no run was started in {workdir})")
-  with open(config_path) as f:
-    stored = json.load(f)
+  try:
+    with open(config_path) as f:
+      stored = json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"cannot {action}: {config_path} is not a readable config ({e}); it is the run's record "
+                     "of its config: restore it from a copy, or start the run again in an empty workdir") from None
+  if not isinstance(stored, dict):
+    raise ValueError(f"cannot {action}: {config_path} holds {type(stored).__name__}, not a config object")
   for path, value in _ADDED_KEYS.items():
     *parents, leaf = path.split(".")
     node = stored
@@ -325,14 +339,38 @@ def _experiment_configs(config, workdir: str, action: str) -> tuple[dict, dict]:
   return config_without(stored, *_RESULT_NEUTRAL_KEYS), config_without(current, *_RESULT_NEUTRAL_KEYS)
 
 
-def check_workdir(config, workdir: str, *, resume: bool) -> int:
+def check_writable(workdir: str) -> None:
+  """``workdir`` is (or can be made) a directory this process may write: checked before any work.
+
+  Raises:
+    ValueError: ``workdir`` or a folder above it is a file, or the nearest existing
+      folder is not writable (permissions, a read-only file system).
+  """
+  workdir = os.path.abspath(workdir)
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise ValueError(f"workdir {workdir} is a file, not a directory; choose a directory (it is created if missing)")
+  existing = workdir
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise ValueError(f"workdir {workdir} cannot be created: {existing} is a file, not a directory")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise ValueError(f"workdir {workdir} cannot be written: {existing} is not writable by this user "
+                     "(or is on a read-only file system)")
+
+
+def check_workdir(config, workdir: str, *, resume: bool, resume_from_step: int | None = None) -> int:
   """Checks ``workdir`` before any work; returns the round count to start from.
 
   A fresh run refuses a workdir that already holds a run (never overwrites one
-  silently). ``resume`` needs the same config (``config.json``) and a finalised
-  checkpoint.
+  silently). ``resume`` needs the same config (``config.json``) and a good
+  checkpoint: damaged or incomplete checkpoints are set aside (renamed, see
+  :meth:`ntk_fl.checkpoint.Checkpoints.recover`) and the newest good one is
+  used, or checkpoint ``resume_from_step`` when given (later ones are set aside:
+  the resumed run recomputes those rounds).
   """
   workdir = os.path.abspath(workdir)
+  check_writable(workdir)
   ckpt_dir = checkpoint_dir(workdir)
   if not resume:
     existing = [n for n in (CONFIG_FILE, METRICS_FILE, CHECKPOINT_DIR) if os.path.exists(os.path.join(workdir, n))]
@@ -343,32 +381,41 @@ def check_workdir(config, workdir: str, *, resume: bool) -> int:
   stored, current = _experiment_configs(config, workdir, "resume")
   diff = _config_diff(stored, current)
   if diff:
-    raise ValueError(f"cannot resume {workdir} with a different config; changed: {'; '.join(diff)}")
-  latest = None
+    hint = ""
+    if [d.split(":")[0] for d in diff] == ["rounds"] and current["rounds"] > stored["rounds"]:
+      hint = (f"; to run more rounds, start a new run from this one's checkpoint: --workdir=NEW_DIR "
+              f"--branch_from={workdir} (branch_from=...; allowed where the method certifies the shared rounds)")
+    raise ValueError(f"cannot resume {workdir} with a different config; changed: {'; '.join(diff)}{hint}")
+  if resume_from_step is not None:
+    validation.check_int("resume_from_step", resume_from_step, low=1)
+  start = None
   if os.path.isdir(ckpt_dir):
     with Checkpoints(ckpt_dir) as ckpt:
-      latest = ckpt.latest()
-  if latest is None:
+      start = ckpt.recover(upto=resume_from_step)
+  if start is None:
     raise FileNotFoundError(f"cannot resume: no finalised checkpoint in {ckpt_dir} "
                             f"(config.checkpoint_every = {config.checkpoint_every})")
-  return latest
+  metrics_up_to(workdir, start, "resume")   # the lines the resumed run keeps must be readable: checked now
+  return start
 
 
-def check_start(config, workdir: str, *, resume: bool = False, branch_from: str | None = None,
-                branch_round: int | None = None) -> int:
+def check_start(config, workdir: str, *, resume: bool = False, resume_from_step: int | None = None,
+                branch_from: str | None = None, branch_round: int | None = None) -> int:
   """Checks how a run of ``config`` in ``workdir`` may start; returns the round count to start from.
 
-  A fresh run (empty ``workdir``), ``resume`` (:func:`check_workdir`) or a
+  A fresh run (empty ``workdir``), ``resume`` (:func:`check_workdir`; from
+  checkpoint ``resume_from_step`` when given, which implies ``resume``) or a
   branch from another run (:func:`check_branch`); the options are checked
   together here so the entry point and :func:`run` refuse the same requests.
   """
+  resume = resume or resume_from_step is not None
   if resume and branch_from is not None:
     raise ValueError("resume and branch_from exclude each other (--resume, --branch_from; a branched run resumes "
                      "from its own checkpoints)")
   if branch_round is not None and branch_from is None:
     raise ValueError(f"branch_round={branch_round} needs branch_from (--branch_round={branch_round} needs "
                      "--branch_from: the run to branch from)")
-  start = check_workdir(config, workdir, resume=resume)
+  start = check_workdir(config, workdir, resume=resume, resume_from_step=resume_from_step)
   return start if branch_from is None else check_branch(config, branch_from, branch_round)
 
 
@@ -397,8 +444,10 @@ def check_branch(config, source: str, branch_round: int | None = None) -> int:
   ckpt_dir = checkpoint_dir(source)
   steps = []
   if os.path.isdir(ckpt_dir):
-    with Checkpoints(ckpt_dir, read_only=True) as ckpt:
-      steps = ckpt.steps()
+    with Checkpoints(ckpt_dir, read_only=True) as ckpt:   # another run's: verified, never renamed
+      steps, damaged = ckpt.good_steps()
+    for step, why in damaged.items():
+      logging.warning("cannot branch from checkpoint %s: %s", os.path.join(ckpt_dir, str(step)), why)
   limit = min(shared, config.rounds - 1)
   if branch_round is None:
     usable = [s for s in steps if s <= limit]

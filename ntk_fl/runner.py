@@ -66,7 +66,9 @@ from ntk_fl.schema import import_method_module, validate_config
 from ntk_fl.settings import RunSettings
 
 __all__ = [
+    "Diverged",
     "Experiment",
+    "make_finite_check",
     "build_experiment",
     "make_algorithm",
     "run",
@@ -212,6 +214,76 @@ def _due(round_: int, every: int, rounds: int) -> bool:
   return round_ == rounds or (every > 0 and round_ % every == 0)
 
 
+class Diverged(ArithmeticError):
+  """A round produced non-finite client models or losses (``config.on_divergence = 'stop'``).
+
+  Raised by :func:`run` after ``summary.json`` (status ``diverged``) is written.
+  Attributes: ``round`` (1-based), ``quantities`` (what was not finite), ``summary``.
+  """
+
+  def __init__(self, message: str, round_: int, quantities: list[str], summary: dict | None = None):
+    super().__init__(message)
+    self.round = round_
+    self.quantities = quantities
+    self.summary = summary
+
+
+def _inexact(x) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def make_finite_check(client_params: Callable[[Any], Any]) -> Callable[[Any, dict], dict]:
+  """A jitted ``check(state, step_metrics)`` -> a few booleans saying what is finite.
+
+  One fused pass over the state on the device; only ``2 + M + #metrics`` booleans
+  come back to the host (with the step metrics the loop fetches anyway):
+  ``state`` (every float leaf finite), ``clients`` ``[M]`` (each client's model
+  finite) and ``metrics`` (per float metric, e.g. the training ``loss``). A
+  non-finite kernel shows up in the same round: the evolution and the weight
+  update consume it, so the losses and the models it produces are not finite.
+  """
+  def check(state, step_metrics):
+    floats = [x for x in jax.tree_util.tree_leaves(state) if _inexact(x)]
+    state_ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in floats])) if floats else jnp.array(True)
+    params = [x for x in jax.tree_util.tree_leaves(client_params(state)) if _inexact(x)]
+    num_clients = params[0].shape[0]
+    clients_ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x.reshape(num_clients, -1)), axis=1) for x in params]),
+                         axis=0)
+    metrics_ok = {name: jnp.all(jnp.isfinite(jnp.asarray(value)))
+                  for name, value in step_metrics.items() if _inexact(value)}
+    return {"state": state_ok, "clients": clients_ok, "metrics": metrics_ok}
+  return jax.jit(check)
+
+
+def _non_finite(flags: dict, line: dict) -> list[str]:
+  """What this round left non-finite, in words (empty: the round is sound)."""
+  found = []
+  bad_clients = np.flatnonzero(~np.asarray(flags["clients"])).tolist()
+  if bad_clients:
+    shown = ", ".join(map(str, bad_clients[:10])) + (", ..." if len(bad_clients) > 10 else "")
+    found.append(f"the models of {len(bad_clients)} of {len(flags['clients'])} clients ({shown})")
+  elif not flags["state"]:
+    found.append("the algorithm state (a non-parameter leaf, e.g. momentum or a server model)")
+  found += [f"the algorithm metric {name!r}" for name, ok in flags["metrics"].items() if not ok]
+  found += [f"the aggregated model's {key}" for key in ("test_loss",)
+            if key in line and not math.isfinite(line[key])]
+  return found
+
+
+def _divergence_message(config, round_: int, found: list[str], last_checkpoint: int | None, ckpt_dir: str | None,
+                        stop: bool) -> str:
+  lr = getattr(config.algorithm, "lr", None)
+  cause = (f"the learning rate is likely too large (config.algorithm.lr = {lr!r})" if lr is not None
+           else "the learning rate (config.algorithm) is likely too large")
+  text = f"round {round_}: the run diverged: non-finite {'; '.join(found)}; {cause}"
+  if not stop:
+    return text + " (config.on_divergence = 'continue': the run goes on)"
+  kept = (f"the last good checkpoint (after round {last_checkpoint}) is kept in {ckpt_dir}"
+          if last_checkpoint is not None else "no checkpoint was written before it")
+  return (f"{text}. Stopped at round {round_}; {kept}; summary.json has status 'diverged'. Lower the learning "
+          "rate, or set config.on_divergence='continue' to study the divergence")
+
+
 def _algorithm_metrics(step_metrics: dict, num_clients: int) -> tuple[dict, dict]:
   """Scalars -> floats; ``[M, ...]`` per-client arrays -> mean/min/max plus the full values under ``clients``."""
   line, clients = {}, {}
@@ -258,16 +330,23 @@ def _reached_stop(line: dict, config) -> bool:
 
 
 def _summarize(config, lines: list[dict], *, num_params: int, selection: dict | None,
-               wall_time: float, resumed_from: int | None, branched_from: dict | None) -> dict:
+               wall_time: float, resumed_from: int | None, branched_from: dict | None,
+               diverged: dict | None = None) -> dict:
   acc = [line.get("test_acc") for line in lines]
   evaluated = [(a, line["round"]) for a, line in zip(acc, lines) if a is not None]
   best_acc, best_round = max(evaluated, key=lambda p: (p[0], -p[1])) if evaluated else (None, None)
   last_with = lambda key: next((line[key] for line in reversed(lines) if line.get(key) is not None), None)
   step_times = [line["step_time"] for line in lines]
   round_times = [line["step_time"] + line["eval_time"] for line in lines]
+  stopped = diverged is not None and config.on_divergence == "stop"
+  if stopped:    # no "final" numbers: the run ended on a non-finite round, not after its last one
+    last_with = lambda key: None
   return {
       "method": config.method,
       "seed": config.seed,
+      "status": "diverged" if diverged is not None else "finished",
+      # {"round", "quantities", "message"} of the first non-finite round, or None
+      "diverged": diverged,
       "rounds": config.rounds,
       "rounds_run": len(lines),
       "stopped_early": bool(lines) and len(lines) < config.rounds and _reached_stop(lines[-1], config),
@@ -294,15 +373,19 @@ def _summarize(config, lines: list[dict], *, num_params: int, selection: dict | 
   }
 
 
-def run(config, workdir: str, *, resume: bool = False, branch_from: str | None = None,
-        branch_round: int | None = None, on_round_end: Callable[[int, dict], None] | None = None) -> dict:
+def run(config, workdir: str, *, resume: bool = False, resume_from_step: int | None = None,
+        branch_from: str | None = None, branch_round: int | None = None,
+        on_round_end: Callable[[int, dict], None] | None = None) -> dict:
   """Runs the experiment described by ``config`` in ``workdir``; returns the summary.
 
   Args:
     config: a config built on :func:`ntk_fl.config.base_config`, or
       :class:`RunSettings` (:func:`ntk_fl.schema.validate_config`).
     workdir: output directory (created); see the module docstring for its layout.
-    resume: continue from the latest checkpoint in ``workdir``.
+    resume: continue from the newest good checkpoint in ``workdir`` (damaged or
+      incomplete ones are set aside: renamed, never deleted).
+    resume_from_step: continue from the checkpoint after this many rounds
+      (implies ``resume``; later checkpoints are set aside).
     branch_from: start a new run in ``workdir`` from the checkpoint of the run in
       this directory after ``branch_round`` rounds, copying its metrics lines
       for those rounds (see :func:`check_branch` for when that is allowed).
@@ -325,15 +408,16 @@ def run(config, workdir: str, *, resume: bool = False, branch_from: str | None =
   settings = validate_config(config)
   # Every step/evaluation is traced inside the device policy, so for_each_client shards and chunks clients by it.
   with parallel.use_devices(settings.devices, chunk_size=settings.chunk_size):
-    return _run(settings, workdir, resume=resume, branch_from=branch_from, branch_round=branch_round,
-                on_round_end=on_round_end, started=started)
+    return _run(settings, workdir, resume=resume or resume_from_step is not None, resume_from_step=resume_from_step,
+                branch_from=branch_from, branch_round=branch_round, on_round_end=on_round_end, started=started)
 
 
-def _run(config, workdir: str, *, resume: bool, branch_from: str | None, branch_round: int | None,
-         on_round_end, started: float) -> dict:
+def _run(config, workdir: str, *, resume: bool, resume_from_step: int | None, branch_from: str | None,
+         branch_round: int | None, on_round_end, started: float) -> dict:
   """:func:`run` after validation, inside the device mesh."""
   workdir = os.path.abspath(workdir)
-  start = rundir.check_start(config, workdir, resume=resume, branch_from=branch_from, branch_round=branch_round)
+  start = rundir.check_start(config, workdir, resume=resume, resume_from_step=resume_from_step,
+                             branch_from=branch_from, branch_round=branch_round)
   if branch_from is not None:
     branch_from = os.path.abspath(branch_from)
 
@@ -358,6 +442,9 @@ def _run(config, workdir: str, *, resume: bool, branch_from: str | None, branch_
     consensus = jax.jit(topology.consensus)
   keep = tuple(int(r) for r in config.checkpoint_keep)
   ckpt = Checkpoints(rundir.checkpoint_dir(workdir), keep=keep) if config.checkpoint_every or keep else None
+  finite_check = make_finite_check(algorithm.client_params)
+  diverged = None     # {"round", "quantities", "message"} of the first non-finite round
+  stopped = lambda: diverged is not None and config.on_divergence == "stop"
 
   try:
     if resume:
@@ -398,6 +485,8 @@ def _run(config, workdir: str, *, resume: bool, branch_from: str | None, branch_
         t0 = time.perf_counter()
         state, step_metrics = step(state, inputs)
         state = _canonical(jax.block_until_ready(state))
+        # One transfer: the step metrics and the few finiteness flags of the state.
+        step_metrics, flags = jax.device_get((step_metrics, finite_check(state, step_metrics)))
         algo_line, algo_clients = _algorithm_metrics(step_metrics, num_clients)
         t1 = time.perf_counter()
         consensus_of = None
@@ -412,6 +501,17 @@ def _run(config, workdir: str, *, resume: bool, branch_from: str | None, branch_
         metrics_file.flush()
         lines.append(rundir.jsonable(line))   # exactly what was logged (NaN -> None), as a resumed run reads it
         events.write(lines[-1])
+        found = _non_finite(flags, line)
+        if found and diverged is None:
+          stop = config.on_divergence == "stop"
+          last_good = max((s for s in ckpt.steps() if s < round_), default=None) if ckpt is not None else None
+          message = _divergence_message(config, round_, found, last_good,
+                                        ckpt.directory if ckpt is not None else None, stop)
+          diverged = {"round": round_, "quantities": found, "message": message}
+          if stop:           # the non-finite state is not checkpointed: the last good checkpoint stays the newest
+            logging.info("%s", message)   # to the log; the caller reports the Diverged it raises below
+            break
+          logging.warning("%s", message)
         if ckpt is not None and ((config.checkpoint_every and _due(round_, config.checkpoint_every, rounds))
                                  or round_ in keep):
           ckpt.save(round_, state)
@@ -426,7 +526,7 @@ def _run(config, workdir: str, *, resume: bool, branch_from: str | None, branch_
         last_round = round_
         if on_round_end is not None:
           on_round_end(round_, line)
-    if ckpt is not None and config.checkpoint_every and last_round not in ckpt.steps():
+    if ckpt is not None and config.checkpoint_every and last_round not in ckpt.steps() and not stopped():
       ckpt.save(last_round, state)  # e.g. a resumed run whose last checkpoint was deleted
   finally:
     if ckpt is not None:
@@ -434,7 +534,7 @@ def _run(config, workdir: str, *, resume: bool, branch_from: str | None, branch_
 
   selection = None
   title = f"{config.method} ({config.data.name}, seed {config.seed})"
-  if config.eval.selection:
+  if config.eval.selection and diverged is None:   # curves of non-finite models would say nothing
     curves = metrics_lib.selection_curves(
         exp.model.apply, algorithm.client_params(state), exp.dataset.x_test, exp.dataset.y_test,
         seed=config.seed, batch_size=config.eval.batch_size)
@@ -449,7 +549,9 @@ def _run(config, workdir: str, *, resume: bool, branch_from: str | None, branch_
   summary = rundir.jsonable(_summarize(config, lines, num_params=num_params, selection=selection,
                                  wall_time=time.perf_counter() - started,
                                  resumed_from=start if resume else None,
-                                 branched_from=rundir.read_branch(workdir)))
+                                 branched_from=rundir.read_branch(workdir), diverged=diverged))
   rundir.write_summary(workdir, summary)
+  if stopped():
+    raise Diverged(diverged["message"], diverged["round"], diverged["quantities"], summary)
   logging.info("Finished %s: %s", workdir, {k: summary[k] for k in ("rounds_to_target", "final_test_acc")})
   return summary

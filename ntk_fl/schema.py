@@ -32,7 +32,10 @@ from ntk_fl.algorithms import get_method
 from ntk_fl.config import base_config
 from ntk_fl.settings import DataSettings, EvalSettings, ModelSettings, RunSettings, TopologySettings
 
-__all__ = ["import_method_module", "method_module_imported", "validate_config"]
+__all__ = ["DIVERGENCE_POLICIES", "import_method_module", "method_module_imported", "validate_config"]
+
+#: ``config.on_divergence``: end the run at a non-finite round, or log it and go on.
+DIVERGENCE_POLICIES = ("stop", "continue")
 
 # Config keys beyond base_config(): the optional method module, and the free-form algorithm block.
 _EXTRA_TOP_LEVEL = frozenset({"method_module"})
@@ -145,6 +148,7 @@ def validate_config(config) -> RunSettings:
     raise ValueError(f"config.checkpoint_keep must be a tuple of 1-based round numbers, got {keep!r}")
   for r in keep:
     validation.check_int("config.checkpoint_keep (1-based round numbers)", r, low=1)
+  _choice(config, "on_divergence", DIVERGENCE_POLICIES)
   _int(config, "chunk_size", 0)
   devices = _int(config, "devices", 0)
   if devices > jax.device_count():
@@ -167,6 +171,7 @@ def validate_config(config) -> RunSettings:
   _int(config, "data.max_train", 0)
   _int(config, "data.max_test", 0)
   _check_partition_file(config, partition, dataset, num_clients)
+  _check_partition_fits(config, partition, dataset, num_clients)
 
   _choice(config, "model.name", models.MODELS)
   hidden = _get(config, "model.hidden")
@@ -207,7 +212,8 @@ def validate_config(config) -> RunSettings:
                                           f"config.algorithm (method {method!r})")
   run = RunSettings(method=method, method_module=method_module, seed=config["seed"], rounds=config["rounds"],
                     checkpoint_every=config["checkpoint_every"], checkpoint_keep=tuple(keep),
-                    chunk_size=config["chunk_size"], devices=devices, algorithm=hyperparameters, **shared)
+                    on_divergence=config["on_divergence"], chunk_size=config["chunk_size"], devices=devices,
+                    algorithm=hyperparameters, **shared)
   if spec.graph:
     t = run.topology
     graph = topology.make_topology(t.name, run.data.num_clients, seed=run.seed, degree=t.degree, p=t.p,
@@ -217,6 +223,36 @@ def validate_config(config) -> RunSettings:
   if spec.check is not None:
     spec.check(hyperparameters, run)
   return run
+
+
+def _check_partition_fits(config, partition: str, dataset: str, num_clients: int) -> None:
+  """The partition's numbers against the training-set size, where that is known without loading the data.
+
+  The size is ``data.max_train`` or, for datasets with one standard file set,
+  their training-set size (``data.index_map.TRAIN_SIZES``); the same conditions
+  are checked again on the loaded labels (``data.partition``), so this only
+  moves the failure before the data load.
+  """
+  from ntk_fl.data import index_map  # pylint: disable=g-import-not-at-top
+
+  standard = index_map.TRAIN_SIZES.get(dataset)
+  max_train, per_client = config.data.max_train, config.data.samples_per_client
+  if standard is not None and max_train > standard:
+    raise ValueError(f"config.data.max_train = {max_train} exceeds the {standard} training samples of "
+                     f"{dataset!r}; use at most {standard}, or 0 for all of them")
+  n = max_train or standard
+  if n is None or partition in ("by_writer", "index_map"):
+    return
+  where = f"the {n} training samples" + (" (data.max_train)" if max_train else f" of {dataset!r}")
+  if num_clients > n:
+    raise ValueError(f"config.data.num_clients = {num_clients} exceeds {where}: every client needs at least one")
+  if partition == "iid" and per_client and num_clients * per_client > n:
+    raise ValueError(f"config.data.samples_per_client = {per_client} too large for iid: {num_clients} disjoint "
+                     f"clients need {num_clients * per_client} samples, more than {where}")
+  num_classes = 10   # every dataset but FEMNIST (62 classes, of which a max_train subset may lack some)
+  if partition == "dirichlet_fixed_size" and dataset != "femnist" and per_client and per_client > n // num_classes:
+    raise ValueError(f"config.data.samples_per_client = {per_client} too large for dirichlet_fixed_size: at most "
+                     f"the class-pool size floor(N / C) = {n} // {num_classes} = {n // num_classes} for {where}")
 
 
 def _check_partition_file(config, partition: str, dataset: str, num_clients: int) -> None:

@@ -93,6 +93,7 @@ class RunSettings:
   eval: EvalSettings
   checkpoint_every: int
   checkpoint_keep: tuple[int, ...]
+  on_divergence: str
   chunk_size: int
   devices: int
   algorithm: Any

@@ -25,8 +25,9 @@
 #
 # OUT defaults to runs/<suite>; SEEDS to "0 1 2". A finished run (its summary.json exists) is skipped and an
 # interrupted one resumes from its last checkpoint (one killed before its first checkpoint is moved aside and
-# started again), so the same command continues a killed queue. Every run
-# logs to OUT/<name>.log; the table and the curves come from experiments/summarize_runs.py at the end, which
+# started again), so the same command continues a killed queue. Every run writes its console (progress,
+# warnings, result) to OUT/<name>.log and its full log to OUT/<name>/log.txt; the table and the curves come
+# from experiments/summarize_runs.py at the end, which
 # also archives the finished runs' per-round scalars to ARCHIVE (default docs/runs/<OUT's name>; ARCHIVE= skips
 # it): runs/ does not outlive the machine, the archive is committed with the results it backs.
 set -u

@@ -1,6 +1,9 @@
 """Top-k sparsification and sparse payload accounting (quantisation is covered in test_baselines)."""
 import math
 
+import functools
+
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +28,19 @@ def test_topk_whole_array_keeps_the_largest_magnitudes(fraction):
   assert k == max(1, math.ceil(fraction * flat.size - 1e-9))
   np.testing.assert_array_equal(np.asarray(mask).ravel(), _brute_topk_mask(flat, k))
   np.testing.assert_array_equal(np.asarray(sparse).ravel(), np.where(_brute_topk_mask(flat, k), flat, 0))
+
+
+class SparsifyTest(chex.TestCase):
+  """Top-k sparsification against a brute-force mask, called directly and under jit (chex.variants)."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_topk_keeps_the_largest_magnitudes_with_and_without_jit(self):
+    x = jax.random.normal(jax.random.key(3), (6, 11), jnp.float32)
+    sparse, mask = self.variant(functools.partial(compression.sparsify_topk, keep_fraction=0.2))(x)
+    flat = np.asarray(x).ravel()
+    want_mask = _brute_topk_mask(flat, compression.num_kept(flat.size, 0.2)).reshape(x.shape)
+    chex.assert_trees_all_equal((sparse, mask), (np.where(want_mask, np.asarray(x), 0), want_mask))
+    chex.assert_trees_all_equal_shapes_and_dtypes((sparse, mask), (x, jnp.zeros(x.shape, bool)))
 
 
 def test_topk_along_an_axis_selects_per_row():

@@ -139,12 +139,20 @@ def test_wheel_runs_the_smoke_config_outside_the_repository(wheel, tmp_path):
                          env=_clean_env(), check=True, capture_output=True, text=True).stdout.strip()
   assert where.startswith(site), f"ntk_fl imported from {where}, not from the wheel in {site}"
 
+  helpshort = subprocess.run([str(venv / "bin" / "ntk-fl"), "--helpshort"], cwd=elsewhere, env=_clean_env(),
+                             capture_output=True, text=True, timeout=120)
+  assert "runs one experiment from a config" in helpshort.stdout     # (absl exits 1 after help)
+  for flag in ("--config:", "--workdir:", "--[no]resume:", "--branch_from:"):
+    assert flag in helpshort.stdout, helpshort.stdout
+
   proc = subprocess.run([str(venv / "bin" / "ntk-fl"), "--config=ntk_dfl:smoke", "--workdir=runs/smoke"],
                         cwd=elsewhere, env=_clean_env(), capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   run = elsewhere / "runs" / "smoke"
-  for name in ("metrics.jsonl", "summary.json", "config.json", "accuracy.png"):
+  for name in ("metrics.jsonl", "summary.json", "config.json", "accuracy.png", "selection.png", "log.txt"):
     assert (run / name).is_file(), sorted(p.name for p in run.iterdir())
+  assert list(run.glob("events.out.tfevents.*")), "no TensorBoard event file"
+  assert "final aggregated accuracy" in proc.stdout
   summary = json.loads((run / "summary.json").read_text())
   lines = (run / "metrics.jsonl").read_text().splitlines()
   rounds = config_lib.load_config("ntk_dfl", "smoke").rounds

@@ -1,6 +1,9 @@
 """Jacobian random projections: unbiasedness, kernel convergence, back-projection, seeds, paper sizes."""
 from __future__ import annotations
 
+import functools
+
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -116,6 +119,26 @@ def test_back_projection_is_the_dense_matrix_product():
     expected = p @ np.concatenate([np.asarray(v[t]).ravel() for v in tilde])
     np.testing.assert_allclose(np.concatenate([np.asarray(f[t]).ravel() for f in full]), expected,
                                rtol=1e-5, atol=1e-5)
+
+
+class BackProjectionTest(chex.TestCase):
+  """Back-projection as a pytree function, called directly and under jit (chex.variants)."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_back_projection_tree_matches_the_dense_matrix_product(self):
+    _, params, _ = tiny_model()
+    plan = projection.make_plan(params, "flattened", 6)
+    mats = projection.sample_matrices(plan, seed=2)
+    rng = np.random.default_rng(1)
+    tilde = tuple(jnp.asarray(rng.normal(size=(3,) + s.projected_shape), jnp.float32) for s in plan)
+    full = self.variant(functools.partial(projection.back_project, plan, lead=1))(mats, tilde)
+    p = np.asarray(projection.dense_matrix(plan, mats), np.float64)
+    flat = p @ np.stack([np.concatenate([np.asarray(v[t], np.float64).ravel() for v in tilde]) for t in range(3)]).T
+    # The same numbers as a tree of the parameters' shapes (one leading axis of 3).
+    sizes = np.cumsum([0] + [int(np.prod(f.shape[1:])) for f in full])
+    want = tuple(flat[a:b].T.reshape(f.shape) for a, b, f in zip(sizes[:-1], sizes[1:], full))
+    chex.assert_trees_all_close(tuple(full), want, rtol=1e-5, atol=1e-5)
+    chex.assert_tree_shape_prefix(tuple(full), (3,))
 
 
 def test_layerwise_projects_the_input_axis_and_skips_uncompressed_tensors():

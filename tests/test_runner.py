@@ -18,6 +18,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 
+import events
 from ntk_fl import config as config_lib
 from ntk_fl import data, metrics, rundir, runner
 from ntk_fl.checkpoint import Checkpoints
@@ -174,6 +175,13 @@ def test_resume_after_interruption_equals_uninterrupted(reference, tmp_path):
   assert [without(line, TIMES) for line in lines] == [without(line, TIMES) for line in ref_lines]
   assert without(summary, SUMMARY_TIMES) == without(ref_summary, SUMMARY_TIMES)
   assert summary["resumed_from"] == 2
+  # TensorBoard: the interrupted writer logged rounds 1-3, the resumed one purges from round 3 and logs 3-5.
+  first, second = (events.read_event_file(path) for path in events.event_files(workdir))
+  assert sorted(events.scalars_by_step(first)) == [1, 2, 3] and events.purge_steps(second) == [3]
+  resumed = events.scalars_by_step(second)
+  assert sorted(resumed) == [3, 4, 5]
+  assert [resumed[r]["accuracy/aggregated"] for r in (3, 4, 5)] == pytest.approx(
+      [line["test_acc"] for line in lines[2:]], rel=1e-6)
   with open(os.path.join(workdir, runner.SUMMARY_FILE)) as f:
     assert json.load(f) == summary
 
@@ -224,6 +232,10 @@ def test_branch_of_the_same_experiment_equals_the_uninterrupted_run(reference, t
   lines = runner.read_metrics(workdir)
   assert [without(line, TIMES) for line in lines] == [without(line, TIMES) for line in ref_lines]
   assert lines[:4] == ref_lines[:4]                            # copied, timings included
+  by_step = events.scalars_by_step(events.read_events(workdir))   # the copied rounds are this run's too
+  assert sorted(by_step) == [1, 2, 3, 4, 5]
+  assert [by_step[r]["accuracy/aggregated"] for r in range(1, 6)] == pytest.approx(
+      [line["test_acc"] for line in lines], rel=1e-6)
   assert summary["branched_from"] == {"source": ref_workdir, "round": 4}
   skip = SUMMARY_TIMES + ("branched_from",)
   assert without(summary, skip) == without(ref_summary, skip)

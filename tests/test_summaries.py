@@ -1,49 +1,22 @@
 """TensorBoard event files (ntk_fl.summaries) and the command's console and log file (ntk_fl.cli).
 
-The event files are read back here with a small TFRecord reader and
-tensorboardX's protobuf classes (no TensorFlow or TensorBoard needed), and every
+The event files are read back with tests/events.py (a small TFRecord reader and
+tensorboardX's protobuf classes: no TensorFlow or TensorBoard needed), and every
 scalar is compared with the run's ``metrics.jsonl``.
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
-import struct
 import subprocess
 import sys
 
 import pytest
-from tensorboardX.proto import event_pb2
-
+from events import purge_steps, read_events, scalars_by_step
 from ntk_fl import cli, rundir, summaries
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY_CONFIG = os.path.join(REPO, "tests", "configs", "toy.py")
-
-
-def read_events(workdir: str) -> list[event_pb2.Event]:
-  """Every event of every ``events.out.tfevents.*`` file in ``workdir``, in file order."""
-  events = []
-  for path in sorted(glob.glob(os.path.join(workdir, "events.out.tfevents.*"))):
-    with open(path, "rb") as f:
-      data = f.read()
-    pos = 0
-    while pos < len(data):
-      (length,) = struct.unpack("<Q", data[pos:pos + 8])
-      payload = data[pos + 12:pos + 12 + length]        # 8 length + 4 length-crc, then data, then 4 data-crc
-      events.append(event_pb2.Event.FromString(payload))
-      pos += 12 + length + 4
-  return events
-
-
-def scalars_by_step(events) -> dict[int, dict[str, float]]:
-  out: dict[int, dict[str, float]] = {}
-  for event in events:
-    for value in event.summary.value:
-      if value.HasField("simple_value"):
-        out.setdefault(event.step, {})[value.tag] = value.simple_value
-  return out
 
 
 def test_round_scalars_groups_and_skips_missing_values():
@@ -67,8 +40,7 @@ def test_a_later_first_round_purges_the_earlier_writers_rounds(tmp_path):
   with summaries.EventWriter(tmp_path, first_round=3) as writer:     # a run resumed after round 2
     writer.write({"round": 3, "test_acc": 0.35})
   events = read_events(str(tmp_path))
-  starts = [e.step for e in events if e.HasField("session_log") and e.session_log.status == e.session_log.START]
-  assert starts == [3]      # TensorBoard drops the first writer's events from step 3 on
+  assert purge_steps(events) == [3]      # TensorBoard drops the first writer's events from step 3 on
   assert [e.step for e in events if e.summary.value] == [1, 2, 3, 3]
 
 

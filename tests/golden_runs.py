@@ -1,0 +1,122 @@
+"""Golden smoke runs: every method's ``smoke`` run reduced to a small record, stored under ``tests/golden/``.
+
+The record of a run keeps, per round, what a change to the numerics would move: the aggregated
+model's test accuracy and loss, the mean (and consensus) client accuracy, the mean training loss
+and communicated bits, and each client's chosen τ and training loss where the method reports them.
+``tests/test_golden.py`` reruns every smoke config in-process and compares with these files.
+
+Regenerate (only when a change is *meant* to move results, and say so in the commit):
+
+  PYTHONPATH=$PWD python tests/golden_runs.py            # every config with a smoke variant
+  PYTHONPATH=$PWD python tests/golden_runs.py spark      # one config (all its runs)
+  PYTHONPATH=$PWD python tests/golden_runs.py spark-proj500-compressed   # one run
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+import tempfile
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+GOLDEN_DIR = REPO / "tests" / "golden"
+CONFIG_DIR = REPO / "ntk_fl" / "configs"
+
+# Per round: scalars kept from the metrics line (absent ones are skipped), and per-client arrays kept from
+# its "clients" block. The rest (timings, min/max of the kept arrays, per-client test accuracy) follows from
+# these or from the wall clock.
+ROUND_SCALARS = ("test_acc", "test_loss", "client_acc_mean", "client_loss_mean", "consensus_acc_mean",
+                 "loss_mean", "bits_cumulative", "lr")
+CLIENT_ARRAYS = ("tau", "loss")
+
+
+# Beyond each method's smoke run, the smoke runs of the variants that take the NTK step's other branches:
+# Jacobian batching and data subsampling, the MSE closed form, SPARK's layer-wise sketch (structured kernel in
+# sketch coordinates) and that sketch with the compression stack (explicit J̃ from the dense stack's factors,
+# sparsified and quantised per package) and sub-sampling, the server materialising J with linearised τ
+# selection, CP-NTK-FL's compression, Fed-ensemble's NTK modes. (SPARK's ``full_stack`` itself holds a
+# 79,510 x 10,000 flattened sketch, 3.2 GB: too big for a test.)
+EXTRA_VARIANTS = (
+    ("ntk_dfl", "smoke,batched,subsample"),
+    ("ntk_dfl", "smoke,mse"),
+    ("spark", "smoke,proj500"),
+    ("spark", "smoke,proj500,compressed"),
+    ("ntk_fl", "smoke,explicit,linearized"),
+    ("cp_ntk_fl", "smoke,table1"),
+    ("fed_ensemble", "smoke,ntk"),
+)
+
+
+# Variant tokens of these runs that no config file defines: config fields set after loading.
+OVERRIDES = {
+    "compressed": {"algorithm.compression.keep_fraction": 0.5, "algorithm.compression.bits": 6,
+                   "algorithm.subsample": 5},
+}
+
+
+def smoke_configs() -> list[str]:
+  """The method config files (names without ``.py``); every one has a ``smoke`` variant."""
+  return sorted(p.stem for p in CONFIG_DIR.glob("*.py") if not p.stem.startswith("_"))
+
+
+def golden_runs() -> list[tuple[str, str]]:
+  """Every (config name, variant) with a golden file."""
+  return [(name, "smoke") for name in smoke_configs()] + list(EXTRA_VARIANTS)
+
+
+def record(name: str, variant: str = "smoke") -> dict:
+  """Runs ``configs/<name>.py:<variant>`` through the runner in a temporary workdir; returns its record."""
+  from ntk_fl import runner
+  from ntk_fl.config import load_config
+
+  tokens = variant.split(",")
+  config = load_config(str(CONFIG_DIR / f"{name}.py"), ",".join(t for t in tokens if t not in OVERRIDES))
+  for token in tokens:
+    for path_, value in OVERRIDES.get(token, {}).items():
+      *parents, leaf = path_.split(".")
+      block = config
+      for parent in parents:
+        block = block[parent]
+      block[leaf] = value
+  # Neither changes a metric: checkpoints are written after the round's line, selection curves after the run.
+  config.checkpoint_every = 0
+  config.checkpoint_keep = ()
+  config.eval.selection = False
+  with tempfile.TemporaryDirectory(prefix=f"golden-{name}-") as workdir:
+    runner.run(config, workdir)
+    lines = runner.read_metrics(workdir)
+  rounds = []
+  for line in lines:
+    kept = {"round": line["round"]}
+    kept.update((k, line[k]) for k in ROUND_SCALARS if k in line)
+    clients = line.get("clients", {})
+    kept.update((f"clients_{k}", clients[k]) for k in CLIENT_ARRAYS if k in clients)
+    rounds.append(kept)
+  return {"config": f"{name}.py:{variant}", "rounds": rounds}
+
+
+def path(name: str, variant: str = "smoke") -> pathlib.Path:
+  suffix = "" if variant == "smoke" else "-" + variant.removeprefix("smoke,").replace(",", "-")
+  return GOLDEN_DIR / f"{name}{suffix}.json"
+
+
+def dumps(rec: dict) -> str:
+  """One round per line: small files whose diffs show which round moved."""
+  rounds = ",\n  ".join(json.dumps(r) for r in rec["rounds"])
+  return f'{{"config": {json.dumps(rec["config"])},\n "rounds": [\n  {rounds}\n ]}}\n'
+
+
+def main(names: list[str]) -> None:
+  """Regenerates the golden files of ``names`` (config names or file stems; all when empty)."""
+  GOLDEN_DIR.mkdir(exist_ok=True)
+  for name, variant in golden_runs():
+    if names and name not in names and path(name, variant).stem not in names:
+      continue
+    rec = record(name, variant)
+    assert json.loads(dumps(rec)) == rec
+    path(name, variant).write_text(dumps(rec))
+    print(f"wrote {path(name, variant).relative_to(REPO)}")
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

@@ -1,0 +1,61 @@
+"""Golden smoke runs: every method's smoke run (and the variants that take the NTK step's other branches)
+still gives the recorded per-round metrics (tests/golden/*.json, written by tests/golden_runs.py).
+
+What must agree, and how closely:
+
+* ``round``, ``bits_cumulative`` (communication accounting is integer arithmetic held exactly in float32)
+  and every client's chosen ``τ`` (a discrete choice: a changed τ is a changed result, not rounding) --
+  exactly.
+* Accuracies, losses and ``lr`` -- to float32 rounding, amplified by the run. A refactor may reorder a
+  float32 reduction (e.g. a kernel contraction summed in another leaf order), which moves a value by a few
+  units in the last place (eps = 1.2e-7). Inside a round that error is carried through up to τ_max = 200
+  Euler steps of ``f ← f − (η/N) K r`` (a stable, non-expanding map at these step sizes: the error grows at
+  most linearly, ≲ 200 · few eps ≈ 1e-5) and then through the 2-4 rounds of the smoke run, each starting
+  from the last one's weights. ``RTOL = 1e-4`` covers that with margin and is still three orders of
+  magnitude below any real change (a changed τ, target or kernel moves losses by > 1e-2 relative).
+  Test accuracy counts correct predictions out of 2,000; a rounding-level change can flip a sample whose
+  two top logits tie to within rounding, so accuracies may differ by at most ``ACC_ATOL`` = 2 samples.
+
+Where the computation order is unchanged the values are bit-identical (the runs are deterministic on one
+machine); the tolerances only admit reordered float32 arithmetic.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import golden_runs
+
+RTOL = 1e-4
+ACC_ATOL = 2 / 2_000
+EXACT = ("round", "bits_cumulative", "clients_tau")
+ACCURACIES = ("test_acc", "client_acc_mean", "consensus_acc_mean")
+
+
+def _compare(name: str, expected: dict, actual: dict) -> None:
+  assert [r["round"] for r in actual["rounds"]] == [r["round"] for r in expected["rounds"]], name
+  for want, got in zip(expected["rounds"], actual["rounds"]):
+    where = f"{name}, round {want['round']}"
+    assert sorted(got) == sorted(want), f"{where}: recorded fields {sorted(want)}, now {sorted(got)}"
+    for key, value in want.items():
+      if key in EXACT:
+        np.testing.assert_array_equal(got[key], value, err_msg=f"{where}: {key}")
+      elif key in ACCURACIES:
+        np.testing.assert_allclose(got[key], value, rtol=0, atol=ACC_ATOL, err_msg=f"{where}: {key}")
+      else:
+        np.testing.assert_allclose(got[key], value, rtol=RTOL, atol=0, err_msg=f"{where}: {key}")
+
+
+def test_every_config_has_a_golden_file():
+  recorded = sorted(p.name for p in golden_runs.GOLDEN_DIR.glob("*.json"))
+  expected = sorted(golden_runs.path(name, variant).name for name, variant in golden_runs.golden_runs())
+  assert recorded == expected
+
+
+@pytest.mark.parametrize("name,variant", golden_runs.golden_runs(),
+                         ids=[golden_runs.path(n, v).stem for n, v in golden_runs.golden_runs()])
+def test_smoke_run_matches_golden(name, variant):
+  expected = json.loads(golden_runs.path(name, variant).read_text())
+  _compare(f"{name}:{variant}", expected, golden_runs.record(name, variant))
