@@ -236,7 +236,7 @@ def _check_partition_fits(config, partition: str, dataset: str, num_clients: int
   from ntk_fl.data import index_map  # pylint: disable=g-import-not-at-top
 
   standard = index_map.TRAIN_SIZES.get(dataset)
-  max_train, per_client = config.data.max_train, config.data.samples_per_client
+  max_train, per_client = _get(config, "data.max_train"), _get(config, "data.samples_per_client")
   if standard is not None and max_train > standard:
     raise ValueError(f"config.data.max_train = {max_train} exceeds the {standard} training samples of "
                      f"{dataset!r}; use at most {standard}, or 0 for all of them")
