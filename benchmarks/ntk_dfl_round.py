@@ -82,25 +82,24 @@ def main():
   with experiment.device_policy():     # the config's devices and chunk size, read when a step is traced
     step_time = _timed(algorithm.step, state, inputs, repeats=args.repeats)
     if not args.skip_stages:
-      data = jax.device_put((jnp.asarray(fed.x), jnp.asarray(fed.y), jnp.asarray(fed.mask)))
+      data = jax.device_put(fed)
 
       @jax.jit
       def average(params, inputs):
         return topology.mix(params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
 
-      def neighbourhood(idx, nbrs, nbr_mask, xs, ys, ms):
+      def neighbourhood(idx, nbrs, nbr_mask, data):
         members = jnp.concatenate([idx[None], nbrs])
-        mask = ms[members] & jnp.concatenate([jnp.ones((1,), bool), nbr_mask])[:, None]
-        x = xs[members].reshape(-1, *xs.shape[2:])
-        targets = jax.nn.one_hot(ys[members].reshape(-1), model.num_classes)
+        mask = data.mask[members] & jnp.concatenate([jnp.ones((1,), bool), nbr_mask])[:, None]
+        x, y = data.samples(data.index[members].reshape(-1))
+        targets = jax.nn.one_hot(y, model.num_classes)
         return x, targets, mask.reshape(-1)
 
       def make_stage(with_evolution):
         @jax.jit
         def stage(params, inputs, data):
-          xs, ys, ms = data
           def per_client(p, idx, nbrs, nbr_mask):
-            x, targets, mask = neighbourhood(idx, nbrs, nbr_mask, xs, ys, ms)
+            x, targets, mask = neighbourhood(idx, nbrs, nbr_mask, data)
             x = jnp.where(mask[:, None], x, 0.0)
             kernel = ntk.empirical_ntk(model.apply, p, x, dense_stack=model.dense_stack)
             if not with_evolution:
@@ -127,7 +126,7 @@ def main():
                         state.params, repeats=args.repeats)))
 
   peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-  print(f"NTK-DFL round: {args.clients} clients, κ={args.degree}, N≈{(args.degree + 1) * fed.x.shape[1]} "
+  print(f"NTK-DFL round: {args.clients} clients, κ={args.degree}, N≈{(args.degree + 1) * fed.index.shape[1]} "
         f"per neighbourhood, τ ≤ {args.tau_max}, chunk {config.chunk_size}, solver {algo.solver}")
   print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__} "
         f"{jax.devices()[0].platform}; peak RSS {peak_mb:.0f} MB\n")

@@ -3,6 +3,7 @@
   .venv/bin/python benchmarks/scaling.py                      # the full sweep (hours on 2 CPU cores)
   .venv/bin/python benchmarks/scaling.py --sweep memory       # 300-client NTK-DFL round, chunk 4 vs 32
   .venv/bin/python benchmarks/scaling.py --sweep clients --clients 30,100 --tau-max 200
+  .venv/bin/python benchmarks/scaling.py --sweep footprint --tau-max 100 --rounds 1
   .venv/bin/python benchmarks/scaling.py --table              # table + plot of what is recorded
 
 Sweeps (each configuration in its own subprocess, so ``ru_maxrss`` is that
@@ -10,7 +11,10 @@ configuration's peak resident memory):
 
 * ``clients``: M ∈ --clients (30 … 3,000) at κ = 5, both methods;
 * ``kappa``:   κ ∈ --kappas (2 … 10) at --kappa-clients clients, both methods;
-* ``memory``:  NTK-DFL at --memory-clients clients for each --memory-chunks chunk size.
+* ``memory``:  NTK-DFL at --memory-clients clients for each --memory-chunks chunk size;
+* ``footprint``: NTK-DFL at M ∈ --footprint-clients (30 … 10,000) clients, the peak
+  memory against M (what grows per client) -- with ``--rounds 1`` the timed round
+  is the first one and includes compilation (seconds, small next to 1,000+ clients).
 
 A configuration builds the experiment from ``configs/<method>.py`` (Fashion-MNIST,
 the authors' fixed-size Dirichlet split, α = 0.1, ≈200 samples per client, MLP
@@ -44,6 +48,19 @@ def _rss_mb() -> float:
     return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def _commit() -> str:
+  """The repository's commit (``+`` if the work tree differs from it), or ``?``."""
+  try:
+    head = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    # The sweep's own results file does not count: it changes as rows are appended.
+    dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no", "--", ".",
+                            ":!benchmarks/scaling"], capture_output=True, text=True, check=True).stdout.strip()
+    return head + ("+" if dirty else "")
+  except (OSError, subprocess.CalledProcessError):
+    return "?"
+
+
 def run_one(spec: dict) -> dict:
   """Builds and times one configuration in this process; returns its result row."""
   import jax  # pylint: disable=import-outside-toplevel
@@ -54,6 +71,8 @@ def run_one(spec: dict) -> dict:
   config.data.num_clients = spec["clients"]
   config.topology.degree = spec["kappa"]
   config.chunk_size = spec["chunk"]
+  if spec.get("samples"):
+    config.data.samples_per_client = spec["samples"]
   config.devices = spec["devices"]
   if spec["method"] == "ntk_dfl":
     config.algorithm.taus = tuple(range(100, spec["tau_max"] + 1, 100))
@@ -63,7 +82,7 @@ def run_one(spec: dict) -> dict:
     state = jax.block_until_ready(algorithm.init(jax.random.PRNGKey(config.seed)))
     rss_before = _rss_mb()
     times, cpu_times = [], []
-    for r in range(2):
+    for r in range(spec.get("rounds", 2)):
       inputs = algorithm.round_inputs(r)
       t0, c0 = time.perf_counter(), time.process_time()
       state, _ = jax.block_until_ready(algorithm.step(state, inputs))
@@ -75,11 +94,13 @@ def run_one(spec: dict) -> dict:
   return {**spec, "round_s": times[-1], "round_cpu_s": cpu_times[-1], "first_round_s": times[0], "rss_before_step_mb": rss_before,
           "peak_rss_mb": peak_mb, "total_s": time.perf_counter() - started,
           "backend": jax.devices()[0].platform, "num_devices": jax.device_count(),
-          "load_avg": os.getloadavg()[0]}
+          "load_avg": os.getloadavg()[0], "commit": _commit()}
 
 
 def _specs(args) -> list[dict]:
-  base = dict(chunk=args.chunk, tau_max=args.tau_max, devices=args.devices)
+  base = dict(chunk=args.chunk, tau_max=args.tau_max, devices=args.devices, rounds=args.rounds)
+  if args.samples:
+    base["samples"] = args.samples
   specs = []
   methods = args.methods.split(",")
   if args.sweep in ("clients", "all"):
@@ -91,11 +112,15 @@ def _specs(args) -> list[dict]:
   if args.sweep in ("memory", "all"):
     specs += [dict(base, sweep="memory", method="ntk_dfl", clients=args.memory_clients, kappa=5, chunk=int(c))
               for c in args.memory_chunks.split(",")]
+  if args.sweep in ("footprint", "all"):
+    specs += [dict(base, sweep="footprint", method="ntk_dfl", clients=int(c), kappa=5)
+              for c in args.footprint_clients.split(",")]
   return specs
 
 
 def _key(row: dict) -> tuple:
-  return tuple(row[k] for k in ("sweep", "method", "clients", "kappa", "chunk", "tau_max", "devices"))
+  return (*(row[k] for k in ("sweep", "method", "clients", "kappa", "chunk", "tau_max", "devices")),
+          row.get("rounds", 2), row.get("samples", 0))
 
 
 def _read(path: str) -> list[dict]:
@@ -111,16 +136,17 @@ def _fmt(value) -> str:
 
 def table(rows: list[dict]) -> str:
   """Markdown table of the recorded rows (one per configuration)."""
-  lines = ["| sweep | method | clients M | κ | τ_max | chunk | devices | s/round | CPU s/round | ms/client | first round s "
-           "| RSS before step MB | peak RSS MB | load avg |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  lines = ["| sweep | method | clients M | samples/client | κ | τ_max | chunk | devices | s/round | CPU s/round | ms/client | first round s "
+           "| RSS before step MB | peak RSS MB | load avg | rounds | commit |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
   for r in sorted(rows, key=lambda r: (r["sweep"], r["method"], r["clients"], r["kappa"], r["chunk"])):
     tau = r["tau_max"] if r["method"] == "ntk_dfl" else "–"
-    lines.append(f"| {r['sweep']} | {r['method']} | {r['clients']} | {r['kappa']} | {tau} | {r['chunk']} "
+    lines.append(f"| {r['sweep']} | {r['method']} | {r['clients']} | {r.get('samples') or 200} | {r['kappa']} | {tau} | {r['chunk']} "
                  f"| {r['num_devices'] if r['devices'] == 0 else r['devices']} {r['backend']} "
                  f"| {r['round_s']:.2f} | {_fmt(r.get('round_cpu_s'))} | {1000 * r['round_s'] / r['clients']:.1f} "
                  f"| {r['first_round_s']:.1f} "
-                 f"| {r['rss_before_step_mb']:.0f} | {r['peak_rss_mb']:.0f} | {r['load_avg']:.1f} |")
+                 f"| {r['rss_before_step_mb']:.0f} | {r['peak_rss_mb']:.0f} | {r['load_avg']:.1f} "
+                 f"| {r.get('rounds', 2)} | {r.get('commit', '–')} |")
   return "\n".join(lines)
 
 
@@ -144,7 +170,10 @@ def plot(rows: list[dict], path: str) -> None:
   mem = [r for r in rows if r["sweep"] in ("memory", "clients") and r["method"] == "ntk_dfl"]
   for chunk in sorted({r["chunk"] for r in mem}):
     pts = sorted((r["clients"], r["peak_rss_mb"]) for r in mem if r["chunk"] == chunk)
-    axes[2].plot(*zip(*pts), "o", label=f"ntk_dfl chunk {chunk}")
+    axes[2].plot(*zip(*pts), "o", label=f"ntk_dfl chunk {chunk}, padded federation")
+  footprint = sorted((r["clients"], r["peak_rss_mb"]) for r in rows if r["sweep"] == "footprint")
+  if footprint:
+    axes[2].plot(*zip(*footprint), "s-", label="ntk_dfl chunk 4, samples held once (footprint)")
   axes[0].set(xscale="log", yscale="log", xlabel="clients M (κ = 5)", ylabel="seconds per round",
               title="time vs clients")
   axes[1].set(xlabel="neighbourhood size κ", ylabel="seconds per round", title="time vs κ")
@@ -158,13 +187,17 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--sweep", choices=("clients", "kappa", "memory", "all"), default="all")
+  parser.add_argument("--sweep", choices=("clients", "kappa", "memory", "footprint", "all"), default="all")
   parser.add_argument("--methods", default=",".join(METHODS))
   parser.add_argument("--clients", default="30,100,300,1000,3000")
   parser.add_argument("--kappas", default="2,4,6,8,10")
   parser.add_argument("--kappa-clients", type=int, default=100)
   parser.add_argument("--memory-clients", type=int, default=300)
   parser.add_argument("--memory-chunks", default="4,32")
+  parser.add_argument("--footprint-clients", default="30,300,1000,3000,10000")
+  parser.add_argument("--rounds", type=int, default=2, help="rounds per configuration; the last one is timed")
+  parser.add_argument("--samples", type=int, default=0,
+                      help="samples per client (0 = the config's, ≈200); the neighbourhood holds ≈ (κ+1)× as many")
   parser.add_argument("--chunk", type=int, default=4, help="clients per vmap chunk per device (0 = all)")
   parser.add_argument("--tau-max", type=int, default=800, help="NTK-DFL τ grid 100, 200, ..., τ_max")
   parser.add_argument("--devices", type=int, default=0, help="config.devices (0 = all)")

@@ -1,8 +1,9 @@
 """``ntk-fl``: runs one experiment from a config.
 
   ntk-fl --config=ntk_dfl[:variant] --workdir=DIR
-      [--config.rounds=50 --config.data.alpha=0.5 ...] [--resume | --resume_from_step=N] [--distributed]
+      [--config.rounds=50 --config.data.alpha=0.5 ...] [--resume | --resume_from_step=N]
       [--branch_from=OTHER_WORKDIR [--branch_round=K]]
+      [--num_processes=P | --distributed | --num_processes=P --process_id=I --coordinator_address=HOST:PORT]
 
 ``--config`` names a packaged config (``ntk_dfl``, ``spark:iid,alpha0.5``; see
 :mod:`ntk_fl.configs`) or a config file (``configs/ntk_dfl.py:smoke``,
@@ -22,6 +23,15 @@ full absl log (INFO at the default ``--verbosity=0``; ``--verbosity=1`` adds
 DEBUG, ``-1`` keeps warnings only) goes to ``log.txt`` in the workdir;
 ``--alsologtostderr`` also prints it, ``--logtostderr`` prints it instead of
 writing the file (absl's usual meaning of those flags).
+
+Several processes (JAX's multi-controller runtime, :mod:`ntk_fl.distributed`):
+``--num_processes=P`` alone starts ``P`` processes on this machine with the
+coordinator on localhost, each owning a slice of the clients (a stand-in for
+``P`` hosts); ``--distributed`` joins a run whose coordinator, process count and
+rank JAX detects (SLURM, Open MPI, ...); ``--process_id`` with
+``--num_processes`` and ``--coordinator_address`` names them explicitly (one
+command per host). Only process 0 writes metrics, summary, plots, the log and the
+console output; every process writes and restores its part of the checkpoints.
 
 In a checkout, ``python experiments/main.py ...`` is the same command.
 """
@@ -47,6 +57,7 @@ LOG_FILE = "log.txt"
 """The run's absl log, in its workdir (appended to by ``--resume``)."""
 
 _FLAGS: dict = {}
+_ARGV: list = []     # the command line main() was given
 
 
 def _define_flags() -> None:
@@ -69,8 +80,17 @@ def _define_flags() -> None:
   _FLAGS["branch_round"] = flags.DEFINE_integer(
       "branch_round", None, "The --branch_from checkpoint to start from (default: the latest one allowed).")
   _FLAGS["distributed"] = flags.DEFINE_bool(
-      "distributed", False, "Multi-host: call jax.distributed.initialize() before anything else, so "
-      "--config.devices=0 spans every host's devices.")
+      "distributed", False, "Multi-host: join a multi-process run whose coordinator, process count and rank JAX "
+      "detects (SLURM, Open MPI, ...) before anything else, so --config.devices=0 spans every host's devices.")
+  _FLAGS["num_processes"] = flags.DEFINE_integer(
+      "num_processes", 1, "Processes of the run. Alone: start that many processes on this machine (coordinator "
+      "on localhost), each owning a slice of the clients. With --process_id: the run's process count.",
+      lower_bound=1)
+  _FLAGS["process_id"] = flags.DEFINE_integer(
+      "process_id", None, "This process's rank in a multi-process run (with --num_processes and "
+      "--coordinator_address; set by the local launcher).", lower_bound=0)
+  _FLAGS["coordinator_address"] = flags.DEFINE_string(
+      "coordinator_address", None, "host:port of process 0's coordinator in a multi-process run.")
   flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -218,18 +238,36 @@ def _closing_line(summary: dict, workdir: str) -> str:
           f"{'; ' + targets if targets else ''}; {summary.get('wall_time', 0.0):.1f} s. Outputs in {workdir}")
 
 
-def _main(argv: list[str]) -> None:
-  import jax  # pylint: disable=import-outside-toplevel
+def _join_processes() -> bool:
+  """Joins a multi-process run when the flags ask for one; returns whether this process is process 0."""
+  from ntk_fl import distributed  # pylint: disable=import-outside-toplevel
 
-  from ntk_fl import rundir, runner, schema  # pylint: disable=import-outside-toplevel
+  rank, count, address = (_FLAGS[k].value for k in ("process_id", "num_processes", "coordinator_address"))
+  if rank is None and not _FLAGS["distributed"].value:
+    return True
+  if rank is not None and (rank >= count or not address):
+    sys.exit(f"error: --process_id={rank} needs --num_processes > {rank} and --coordinator_address=HOST:PORT "
+             f"(got --num_processes={count}, --coordinator_address={address!r})")
+  distributed.initialize(address, count if rank is not None else None, rank)  # before any jax call lists devices
+  return distributed.is_primary()
+
+
+def _main(argv: list[str]) -> None:
+  from ntk_fl import distributed, rundir, runner, schema  # pylint: disable=import-outside-toplevel
   from ntk_fl.checkpoint import CheckpointDamaged  # pylint: disable=import-outside-toplevel
 
-  logging.get_absl_handler().addFilter(_QuietLibraries())
-  held = _hold_log()   # before the first jax call: the backend probe's INFO lines belong in the log file
   if len(argv) > 1:
     raise app.UsageError(f"unexpected positional arguments: {argv[1:]}")
-  if _FLAGS["distributed"].value:
-    jax.distributed.initialize()   # before any jax call lists devices
+  if _FLAGS["process_id"].value is None and _FLAGS["num_processes"].value > 1 and not _FLAGS["distributed"].value:
+    # The local launcher: P copies of this command, each told its rank and the coordinator.
+    command = [sys.executable, "-m", "ntk_fl", *distributed.strip_flags(_ARGV[1:], ["num_processes"])]
+    status = distributed.launch_local(command, _FLAGS["num_processes"].value)
+    sys.exit(status if status >= 0 else 128 - status)
+  logging.get_absl_handler().addFilter(_QuietLibraries())
+  primary = _join_processes()
+  if not primary:
+    logging.set_verbosity(logging.WARNING)    # process 0 logs the run; the others only their warnings
+  held = _hold_log() if primary else None   # before the first jax call: the backend probe's INFO lines belong in the log file
   config = _FLAGS["config"].value
   if type(config).__name__ == "_ErrorConfig":   # config_flags' stand-in for a config file it could not load
     value = flags.FLAGS["config"].config_filename
@@ -260,15 +298,18 @@ def _main(argv: list[str]) -> None:
   except KeyboardInterrupt:
     sys.stderr.write(f"\ninterrupted; continue the run with --resume (workdir {workdir})\n")
     sys.exit(130)
-  print(_closing_line(summary, os.path.abspath(workdir)), flush=True)
-  logging.info("rounds to target: %s; final aggregated accuracy: %s; wall time %.1fs",
-               summary["rounds_to_target"], summary["final_test_acc"], summary["wall_time"])
+  if primary:
+    print(_closing_line(summary, os.path.abspath(workdir)), flush=True)
+    logging.info("rounds to target: %s; final aggregated accuracy: %s; wall time %.1fs",
+                 summary["rounds_to_target"], summary["final_test_acc"], summary["wall_time"])
+  distributed.shutdown()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
   """The ``ntk-fl`` console script (and ``experiments/main.py``, ``python -m ntk_fl``)."""
   argv = list(sys.argv if argv is None else argv)
   _define_flags()
+  _ARGV[:] = argv      # the launcher of a multi-process run repeats them for each process
   # --helpshort lists the key flags of the program being run (absl keys them by argv[0]) and prints its
   # __main__ docstring; a console script has neither, so lend it this module's.
   for holder in _FLAGS.values():

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ntk_fl.distributed import to_host
 from ntk_fl.parallel import for_each_client, policy_chunk_size
 from ntk_fl.rng import Stream, numpy_rng
 
@@ -365,8 +366,8 @@ def selection_curves(apply_fn: Callable, stacked_params, x_test, y_test, *, seed
   eval_clients = functools.partial(evaluate_clients, apply_fn, batch_size=batch_size,
                                    chunk_size=chunk_size)
 
-  val_acc = np.asarray(eval_clients(stacked_params, x_test[val_idx], y_test[val_idx])[0])
-  test_acc = np.asarray(eval_clients(stacked_params, x_test[test_idx], y_test[test_idx])[0])
+  val_acc = to_host(eval_clients(stacked_params, x_test[val_idx], y_test[val_idx])[0])
+  test_acc = to_host(eval_clients(stacked_params, x_test[test_idx], y_test[test_idx])[0])
   num_clients = val_acc.shape[0]
   best_to_worst = np.argsort(-val_acc, kind="stable")
   orders = {
@@ -377,6 +378,6 @@ def selection_curves(apply_fn: Callable, stacked_params, x_test, y_test, *, seed
   result = {"validation_accuracy": val_acc, "test_accuracy": test_acc}
   for name, order in orders.items():
     averages = _running_means(stacked_params, jnp.asarray(order))
-    result[name] = np.asarray(eval_clients(averages, x_test[test_idx], y_test[test_idx])[0])
+    result[name] = to_host(eval_clients(averages, x_test[test_idx], y_test[test_idx])[0])
     result[f"{name}_order"] = order
   return result

@@ -35,11 +35,13 @@ mesh ... should match the mesh of sharding"). A ``for_each_client`` nested in
 another one's per-client function (the ``'clients'`` axis already manual) is
 not split again.
 
-Multi-host: call ``jax.distributed.initialize()`` first (``experiments/main.py
---distributed``); ``jax.devices()`` then lists every process's devices and
-:func:`make_client_mesh` spans them all. Every process must run the same program
-on the same inputs (the runner's data and round inputs are deterministic in the
-config seed, so they are).
+Several processes (hosts): after :func:`ntk_fl.distributed.initialize`
+(``experiments/main.py --num_processes=P`` or ``--distributed``) ``jax.devices()``
+lists every process's devices and :func:`make_client_mesh` spans them all, so the
+``'clients'`` axis is split over processes too and each process computes the
+clients on its own devices. Every process runs the same program on the same inputs
+(the runner's data and round inputs are deterministic in the config seed); inputs
+passed as numpy or uncommitted arrays count as replicated.
 """
 from __future__ import annotations
 
@@ -55,7 +57,8 @@ from jax.sharding import AxisType, Mesh, PartitionSpec
 
 from ntk_fl import validation
 
-__all__ = ["CLIENTS", "for_each_client", "make_client_mesh", "use_devices", "num_client_shards", "policy_chunk_size"]
+__all__ = ["CLIENTS", "for_each_client", "make_client_mesh", "use_devices", "num_client_shards", "current_mesh",
+           "policy_chunk_size"]
 
 CLIENTS = "clients"
 """Name of the mesh axis the client axis is sharded over."""
@@ -75,6 +78,11 @@ def _current_mesh() -> Mesh | None:
 def policy_chunk_size() -> int:
   """Clients per chunk of the innermost :func:`use_devices` (``0`` = all at once, also outside any)."""
   return _current_policy()[1]
+
+
+def current_mesh() -> Mesh | None:
+  """The mesh of the innermost :func:`use_devices` context (``None``: single-device path or no context)."""
+  return _current_mesh()
 
 
 def make_client_mesh(devices: int | Sequence[jax.Device] = 0) -> Mesh:

@@ -34,7 +34,7 @@ from absl import logging
 import jax
 import numpy as np
 
-from ntk_fl import settings, validation
+from ntk_fl import distributed, settings, validation
 from ntk_fl.algorithms import get_method
 from ntk_fl.algorithms.base import config_without
 from ntk_fl.checkpoint import Checkpoints
@@ -114,6 +114,9 @@ def jsonable(obj):
 
 
 def _write_atomic(path: str, text: str) -> None:
+  """Replaces ``path`` by ``text`` in one step; in a multi-process run only process 0 writes."""
+  if not distributed.is_primary():
+    return
   tmp = f"{path}.tmp"
   with open(tmp, "w") as f:
     f.write(text)

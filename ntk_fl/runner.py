@@ -41,6 +41,7 @@ it equals the run started from scratch.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -52,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from ntk_fl import parallel, rundir, topology
+from ntk_fl import distributed, parallel, rundir, topology
 from ntk_fl import metrics as metrics_lib
 from ntk_fl import plotting
 from ntk_fl import summaries
@@ -209,6 +210,32 @@ def _canonical(state):
   return jax.tree.map(_strong, state)
 
 
+class _NoEvents:
+  """The TensorBoard writer of the processes other than 0 (they write no files)."""
+
+  def write(self, line) -> None:
+    del line
+
+  def write_all(self, lines) -> None:
+    del lines
+
+  def __enter__(self) -> "_NoEvents":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    pass
+
+
+def _initial_state(algorithm: Algorithm, config):
+  """``algorithm.init`` from the config seed; across processes, each keeps only its clients' part."""
+  key = jax.random.PRNGKey(config.seed)
+  if jax.process_count() == 1:
+    return _canonical(algorithm.init(key))
+  shardings = distributed.client_shardings(jax.eval_shape(algorithm.init, key), config.data.num_clients,
+                                           parallel.current_mesh())
+  return _canonical(jax.jit(algorithm.init, out_shardings=shardings)(key))
+
+
 def _due(round_: int, every: int, rounds: int) -> bool:
   """Whether a 1-based round gets an every-``every`` action (always the last round)."""
   return round_ == rounds or (every > 0 and round_ % every == 0)
@@ -287,7 +314,7 @@ def _divergence_message(config, round_: int, found: list[str], last_checkpoint: 
 def _algorithm_metrics(step_metrics: dict, num_clients: int) -> tuple[dict, dict]:
   """Scalars -> floats; ``[M, ...]`` per-client arrays -> mean/min/max plus the full values under ``clients``."""
   line, clients = {}, {}
-  for name, value in jax.device_get(step_metrics).items():
+  for name, value in distributed.to_host(step_metrics).items():
     if name in _RESERVED:
       raise ValueError(f"algorithm metric {name!r} clashes with a runner metric; reserved: {sorted(_RESERVED)}")
     value = np.asarray(value)
@@ -308,16 +335,16 @@ def _evaluate(evaluator: metrics_lib.Evaluator, stacked_params, round_: int, con
   """The round's evaluation line and per-client arrays; ``consensus_of(params)`` gives the consensus models."""
   line, clients = {}, {}
   if _due(round_, config.eval.every, config.rounds):
-    acc, loss, deviation, *extra = jax.device_get(evaluator.aggregate(stacked_params))
+    acc, loss, deviation, *extra = distributed.to_host(evaluator.aggregate(stacked_params))
     line.update(test_acc=float(acc), test_loss=float(loss), deviation=float(deviation))
     line.update((name, float(value)) for name, value in zip(evaluator.extra_names, extra))
   if config.eval.clients_every and _due(round_, config.eval.clients_every, config.rounds):
-    acc, loss = jax.device_get(evaluator.clients(stacked_params))
+    acc, loss = distributed.to_host(evaluator.clients(stacked_params))
     line.update(client_acc_mean=float(np.mean(acc)), client_acc_min=float(np.min(acc)),
                 client_acc_max=float(np.max(acc)), client_loss_mean=float(np.mean(loss)))
     clients["test_acc"] = acc.tolist()
     if consensus_of is not None:
-      acc, loss = jax.device_get(evaluator.clients(consensus_of(stacked_params)))
+      acc, loss = distributed.to_host(evaluator.clients(consensus_of(stacked_params)))
       line.update(consensus_acc_mean=float(np.mean(acc)), consensus_acc_min=float(np.min(acc)),
                   consensus_acc_max=float(np.max(acc)), consensus_loss_mean=float(np.mean(loss)))
       clients["consensus_acc"] = acc.tolist()
@@ -429,7 +456,7 @@ def _run(config, workdir: str, *, resume: bool, resume_from_step: int | None, br
                      "weight-averaging selection curves do not apply: set config.eval.selection = False")
   os.makedirs(workdir, exist_ok=True)
   metrics_path = os.path.join(workdir, rundir.METRICS_FILE)
-  state = _canonical(algorithm.init(jax.random.PRNGKey(config.seed)))
+  state = _initial_state(algorithm, config)
   num_clients = jax.tree_util.tree_leaves(algorithm.client_params(state))[0].shape[0]
   num_params = sum(math.prod(w.shape[1:]) for w in jax.tree_util.tree_leaves(algorithm.client_params(state)))
   consensus = None
@@ -442,6 +469,8 @@ def _run(config, workdir: str, *, resume: bool, resume_from_step: int | None, br
     consensus = jax.jit(topology.consensus)
   keep = tuple(int(r) for r in config.checkpoint_keep)
   ckpt = Checkpoints(rundir.checkpoint_dir(workdir), keep=keep) if config.checkpoint_every or keep else None
+  # Every process has checked the workdir (and, resuming, will read its metrics) before process 0 writes to it.
+  distributed.barrier("ntk_fl.runner: workdir checked")
   finite_check = make_finite_check(algorithm.client_params)
   diverged = None     # {"round", "quantities", "message"} of the first non-finite round
   stopped = lambda: diverged is not None and config.on_divergence == "stop"
@@ -471,12 +500,14 @@ def _run(config, workdir: str, *, resume: bool, resume_from_step: int | None, br
     evaluator = metrics_lib.make_evaluator(
         exp.model.apply, exp.dataset.x_test, exp.dataset.y_test,
         batch_size=config.eval.batch_size, aggregate=algorithm.aggregate)
-    events = summaries.EventWriter(workdir, first_round=start + 1)
+    primary = distributed.is_primary()      # only process 0 writes files, logs and the progress bar
+    events = summaries.EventWriter(workdir, first_round=start + 1) if primary else _NoEvents()
     if branch_from is not None:
       events.write_all(lines)   # the source's rounds, now this run's first ones (a resumed run has them already)
-    bar = tqdm(total=rounds, initial=start, desc=config.method, unit="round", dynamic_ncols=True)
+    bar = tqdm(total=rounds, initial=start, desc=config.method, unit="round", dynamic_ncols=True,
+               disable=not primary)
     last_round = start
-    with events, bar, open(metrics_path, "a") as metrics_file:
+    with events, bar, (open(metrics_path, "a") if primary else contextlib.nullcontext()) as metrics_file:
       for r in range(start, rounds):
         if lines and _reached_stop(lines[-1], config):
           break
@@ -486,7 +517,7 @@ def _run(config, workdir: str, *, resume: bool, resume_from_step: int | None, br
         state, step_metrics = step(state, inputs)
         state = _canonical(jax.block_until_ready(state))
         # One transfer: the step metrics and the few finiteness flags of the state.
-        step_metrics, flags = jax.device_get((step_metrics, finite_check(state, step_metrics)))
+        step_metrics, flags = distributed.to_host((step_metrics, finite_check(state, step_metrics)))
         algo_line, algo_clients = _algorithm_metrics(step_metrics, num_clients)
         t1 = time.perf_counter()
         consensus_of = None
@@ -497,8 +528,9 @@ def _run(config, workdir: str, *, resume: bool, resume_from_step: int | None, br
         t2 = time.perf_counter()
         line = {"round": round_, "step_time": t1 - t0, "eval_time": t2 - t1, **eval_line, **algo_line,
                 "clients": {**eval_clients, **algo_clients}}
-        metrics_file.write(rundir.metrics_line(line))
-        metrics_file.flush()
+        if primary:
+          metrics_file.write(rundir.metrics_line(line))
+          metrics_file.flush()
         lines.append(rundir.jsonable(line))   # exactly what was logged (NaN -> None), as a resumed run reads it
         events.write(lines[-1])
         found = _non_finite(flags, line)
@@ -516,7 +548,7 @@ def _run(config, workdir: str, *, resume: bool, resume_from_step: int | None, br
                                  or round_ in keep):
           ckpt.save(round_, state)
         postfix = {}
-        if "test_acc" in line:
+        if "test_acc" in line and primary:
           postfix["acc"] = f"{line['test_acc']:.4f}"
           logging.info("round %d: aggregated acc %.4f, step %.2fs, eval %.2fs",
                        round_, line["test_acc"], t1 - t0, t2 - t1)
@@ -539,19 +571,23 @@ def _run(config, workdir: str, *, resume: bool, resume_from_step: int | None, br
         exp.model.apply, algorithm.client_params(state), exp.dataset.x_test, exp.dataset.y_test,
         seed=config.seed, batch_size=config.eval.batch_size)
     selection = {k: v.tolist() for k, v in curves.items()}
-    plotting.plot_selection_curves(curves, os.path.join(workdir, rundir.SELECTION_PLOT), title=title)
+    if distributed.is_primary():
+      plotting.plot_selection_curves(curves, os.path.join(workdir, rundir.SELECTION_PLOT), title=title)
   rounds_axis = [line["round"] for line in lines]
-  plotting.plot_accuracy(
-      rounds_axis, [line.get("test_acc") for line in lines], [line.get("client_acc_mean") for line in lines],
-      [line.get("client_acc_min") for line in lines], [line.get("client_acc_max") for line in lines],
-      os.path.join(workdir, rundir.ACCURACY_PLOT), title=title)
+  if distributed.is_primary():
+    plotting.plot_accuracy(
+        rounds_axis, [line.get("test_acc") for line in lines], [line.get("client_acc_mean") for line in lines],
+        [line.get("client_acc_min") for line in lines], [line.get("client_acc_max") for line in lines],
+        os.path.join(workdir, rundir.ACCURACY_PLOT), title=title)
 
   summary = rundir.jsonable(_summarize(config, lines, num_params=num_params, selection=selection,
                                  wall_time=time.perf_counter() - started,
                                  resumed_from=start if resume else None,
                                  branched_from=rundir.read_branch(workdir), diverged=diverged))
   rundir.write_summary(workdir, summary)
+  distributed.barrier("ntk_fl.runner: run written")   # no process leaves before the run's files are written
   if stopped():
     raise Diverged(diverged["message"], diverged["round"], diverged["quantities"], summary)
-  logging.info("Finished %s: %s", workdir, {k: summary[k] for k in ("rounds_to_target", "final_test_acc")})
+  if distributed.is_primary():
+    logging.info("Finished %s: %s", workdir, {k: summary[k] for k in ("rounds_to_target", "final_test_acc")})
   return summary

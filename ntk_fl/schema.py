@@ -154,6 +154,9 @@ def validate_config(config) -> RunSettings:
   if devices > jax.device_count():
     raise ValueError(f"config.devices = {devices} but only {jax.device_count()} device(s) exist; "
                      f"use 0 for all of them or a number in [1, {jax.device_count()}]")
+  if jax.process_count() > 1 and devices not in (0, jax.device_count()):
+    raise ValueError(f"config.devices = {devices} in a run of {jax.process_count()} processes: the clients are "
+                     f"split over every process's devices; use 0 (all {jax.device_count()} of them)")
 
   dataset = _choice(config, "data.name", data.DATASETS)
   if not isinstance(_get(config, "data.data_dir"), str):

@@ -62,6 +62,7 @@ from ntk_fl.rng import Stream, numpy_rng
 
 __all__ = [
     "mix",
+    "mix_one",
     "consensus",
     "Graph",
     "Topology",
@@ -482,6 +483,34 @@ def mix(stacked_params, neighbors, self_weight, neighbor_weights, *, sent=None):
     return total
 
   return jax.tree.map(one, stacked_params, sent)
+
+
+def mix_one(stacked_params, own, neighbors, self_weight, neighbor_weights):
+  """One client's row of :func:`mix`, for use inside the function ``for_each_client`` maps.
+
+  ``w̄_i = s_i w_i + Σ_k a_ik w_{n_ik}`` with the same operations in the same
+  order as :func:`mix`, so the result is the same; formed per chunk of clients,
+  no ``[M, ...]`` copy of the averages is ever held.
+
+  Args:
+    stacked_params: pytree with leaves ``[M, ...]`` (every client's weights).
+    own: the client's weights (``stacked_params``' leaves without the ``M`` axis).
+    neighbors: int ``[k]``; self_weight: scalar; neighbor_weights: ``[k]`` -- the
+      client's rows of :func:`mixing_weights`.
+
+  Returns:
+    Pytree like ``own``.
+  """
+  chex.assert_rank(neighbors, 1)
+  chex.assert_shape(neighbor_weights, neighbors.shape)
+
+  def one(stacked, w):
+    total = jnp.asarray(self_weight).astype(w.dtype) * w
+    for slot in range(neighbors.shape[0]):
+      total = total + neighbor_weights[slot].astype(w.dtype) * jnp.asarray(stacked)[neighbors[slot]]
+    return total
+
+  return jax.tree.map(one, stacked_params, own)
 
 
 def consensus(stacked_params, round_inputs):

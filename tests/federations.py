@@ -1,7 +1,7 @@
 """A tiny random federation shared by the algorithm tests (ragged clients, so padding is exercised)."""
 import numpy as np
 
-from ntk_fl.data import Federation
+from ntk_fl.data import Federation, federation_from_padded
 
 
 def ragged_federation(rng: np.random.Generator, sizes, n_max: int | None = None, *, dim: int = 5,
@@ -19,4 +19,4 @@ def ragged_federation(rng: np.random.Generator, sizes, n_max: int | None = None,
     x[i, :n] = rng.normal(size=(n, dim))
     y[i, :n] = rng.integers(0, num_classes, size=n)
   mask = np.arange(n_max)[None] < sizes[:, None]
-  return Federation(x=x, y=y, mask=mask, n=sizes.astype(np.int32))
+  return federation_from_padded(x, y, mask)

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 
 from ntk_fl import models, parallel, runner  # noqa: E402
 from ntk_fl.config import load_config  # noqa: E402
-from ntk_fl.data import Federation  # noqa: E402
+from ntk_fl.data import Federation, federation_from_padded  # noqa: E402
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
 NUM_DEVICES = 4
@@ -85,7 +85,7 @@ def _tiny_federation(num_clients: int, n_max: int = 8, seed: int = 0) -> Federat
     x[i, :n] = rng.normal(size=(n, 5))
     y[i, :n] = rng.integers(0, 3, size=n)
   mask = np.arange(n_max)[None] < sizes[:, None]
-  return Federation(x=x, y=y, mask=mask, n=sizes.astype(np.int32))
+  return federation_from_padded(x, y, mask)
 
 
 def algorithm_case(method: str, num_clients: int, chunk_size: int, rounds: int = 2):

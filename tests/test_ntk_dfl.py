@@ -18,7 +18,7 @@ from ntk_fl import config as config_lib
 from ntk_fl import evolve, models, parallel, runner, schema, topology
 from ntk_fl.algorithms import ntk_dfl
 from federations import ragged_federation
-from ntk_fl.data import Federation
+from ntk_fl.data import federation_from_padded
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -118,10 +118,10 @@ def test_step_equals_client_by_client_reference(average):
 
 def test_padding_does_not_change_the_round():
   config, model, federation = tiny_setup()
-  wide = Federation(
-      x=np.pad(federation.x, [(0, 0), (0, 5), (0, 0)], constant_values=7.0),
-      y=np.pad(federation.y, [(0, 0), (0, 5)], constant_values=2),
-      mask=np.pad(federation.mask, [(0, 0), (0, 5)]), n=federation.n)
+  wide = federation_from_padded(
+      np.pad(federation.x, [(0, 0), (0, 5), (0, 0)], constant_values=7.0),
+      np.pad(federation.y, [(0, 0), (0, 5)], constant_values=2),
+      np.pad(federation.mask, [(0, 0), (0, 5)]))
   results = []
   for fed in (federation, wide):
     algorithm = runner.make_algorithm(config, model, fed)
@@ -194,8 +194,8 @@ def test_subsampled_round_uses_only_the_drawn_samples():
   n_sub = -(-federation.x.shape[1] // 2)
   idx, keep = ntk_dfl._subsample_indices(inputs.key, jnp.asarray(federation.mask), n_sub, 2)
   idx, keep = np.asarray(idx), np.asarray(keep)
-  reduced = Federation(x=np.take_along_axis(federation.x, idx[..., None], axis=1),
-                       y=np.take_along_axis(federation.y, idx, axis=1), mask=keep, n=keep.sum(1).astype(np.int32))
+  reduced = federation_from_padded(np.take_along_axis(federation.x, idx[..., None], axis=1),
+                                   np.take_along_axis(federation.y, idx, axis=1), keep)
   config.algorithm.subsample = 1
   expected, _ = reference_round(config, model, reduced, state.params, inputs)
   assert_trees_close(new_state.params, expected)

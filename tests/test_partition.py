@@ -1,4 +1,4 @@
-"""Partitions, the padded Federation and the label-distribution plot."""
+"""Partitions, the Federation (index lists into one copy of the samples) and the label-distribution plot."""
 from __future__ import annotations
 
 import gzip
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ntk_fl.data.federation import Federation, make_federation
+from ntk_fl.data.federation import Federation, federation_from_padded, make_federation
 from ntk_fl.data.partition import PARTITIONS, partition
 from ntk_fl.data.plots import class_counts, plot_label_distribution
 
@@ -353,14 +353,42 @@ def test_federation_padding_and_round_trip(sizes, extra, seed):
     assert not fed.x[i, idx.size:].any() and not fed.y[i, idx.size:].any()
   # Round trip: the masked rows, in order, are exactly the partitioned samples.
   np.testing.assert_array_equal(fed.x[fed.mask], x[np.concatenate(clients)].astype(np.float32))
+  # One copy of the samples (plus the zero row padding points at), whatever the number of clients.
+  assert fed.samples_x.shape == (n + 1, 3, 2) and not fed.samples_x[n].any() and fed.samples_y[n] == 0
+  np.testing.assert_array_equal(fed.samples_x[:n], x.astype(np.float32))
+  assert fed.index.shape == (m, n_max) and fed.index.dtype == np.int32 and (fed.index[~fed.mask] == n).all()
+
+
+def test_federation_shares_samples_between_clients():
+  """Clients holding the same samples point at the same rows; the dataset is not copied per client."""
+  x = np.arange(12, dtype=np.float32).reshape(6, 2)
+  fed = make_federation(x, np.arange(6), [np.array([0, 1, 2]), np.array([2, 1]), np.array([1, 2, 0])])
+  assert fed.samples_x.shape == (7, 2)
+  np.testing.assert_array_equal(fed.index, [[0, 1, 2], [2, 1, 6], [1, 2, 0]])
+  gathered_x, gathered_y = fed.samples(fed.index[1])
+  np.testing.assert_array_equal(gathered_x, [[4, 5], [2, 3], [0, 0]])
+  np.testing.assert_array_equal(gathered_y, [2, 1, 0])
+
+
+def test_federation_from_padded_keeps_every_slot():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(3, 4, 2)).astype(np.float32)
+  y = rng.integers(5, size=(3, 4)).astype(np.int32)
+  mask = np.arange(4)[None] < np.array([[4], [1], [2]])
+  fed = federation_from_padded(x, y, mask)
+  np.testing.assert_array_equal(fed.x, x)        # padding slots keep their values
+  np.testing.assert_array_equal(fed.y, y)
+  np.testing.assert_array_equal(fed.n, [4, 1, 2])
+  with pytest.raises(ValueError, match=r"share their first two axes"):
+    federation_from_padded(x, y[:, :3], mask)
 
 
 def test_federation_is_a_pytree():
   fed = make_federation(np.ones((4, 2)), np.arange(4), [np.array([0, 1]), np.array([3])])
   leaves = jax.tree_util.tree_leaves(fed)
-  assert len(leaves) == 4
+  assert len(leaves) == 5
   doubled = jax.tree_util.tree_map(lambda a: a.shape[0], fed)
-  assert isinstance(doubled, Federation) and doubled == Federation(2, 2, 2, 2)
+  assert isinstance(doubled, Federation) and doubled == Federation(5, 5, 2, 2, 2)
 
 
 @pytest.mark.parametrize("clients, kwargs, match", [

@@ -28,7 +28,7 @@ from jax.flatten_util import ravel_pytree
 from ntk_fl import config as config_lib
 from ntk_fl import evolve, jacobians, models, ntk, rng, runner, schema
 from ntk_fl.configs import _presets as presets
-from ntk_fl.data import Federation
+from ntk_fl.data import federation_from_padded
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 D_IN, HIDDEN, C = 8, (6,), 3
@@ -51,7 +51,7 @@ def tiny(*, sizes=(7, 5, 6, 7, 4), clients_per_round=3, seed=0, **algo):
     x[i, :n] = data_rng.normal(size=(n, D_IN))
     y[i, :n] = data_rng.integers(0, C, size=n)
   mask = np.arange(n_max)[None] < np.asarray(sizes)[:, None]
-  return config, Federation(x=x, y=y, mask=mask, n=np.asarray(sizes, np.int32))
+  return config, federation_from_padded(x, y, mask)
 
 
 def one_round(config, federation, round_index=0):

@@ -400,3 +400,23 @@ def test_mix_does_not_materialise_the_gathered_neighbour_slots():
   gathered_bytes = clients * degree * 784 * 100 * 4
   assert result["before_temp"] >= gathered_bytes
   assert result["after_temp"] < gathered_bytes // 4
+
+
+def test_mix_one_is_a_row_of_mix_inside_for_each_client():
+  """Each client's average formed in its own chunk (mix_one under for_each_client) equals mix's row."""
+  from ntk_fl import parallel  # pylint: disable=import-outside-toplevel
+  graph = T.make_topology("erdos_renyi", 9, seed=3, mean_degree=3).sample(2)   # ragged degrees: padded slots
+  sizes = np.arange(1, 10, dtype=np.float32)
+  self_w, nbr_w = T.mixing_weights(graph, "data_size", sizes)
+  rng = np.random.default_rng(0)
+  w = {"a": rng.normal(size=(9, 4, 3)).astype(np.float32), "b": rng.normal(size=(9,)).astype(np.float32)}
+  want = T.mix(w, graph.neighbors, self_w, nbr_w)
+  one = lambda own, nbrs, s, a: T.mix_one(w, own, nbrs, s, a)
+  for chunk in (None, 2):
+    got = jax.jit(parallel.for_each_client(one, chunk_size=chunk))(w, graph.neighbors, self_w, nbr_w)
+    chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)
+  # and against the definition, client by client
+  for i in range(9):
+    expected = jax.tree.map(lambda a: self_w[i] * a[i] + sum(nbr_w[i, k] * a[graph.neighbors[i, k]]
+                                                             for k in range(graph.neighbors.shape[1])), w)
+    chex.assert_trees_all_close(jax.tree.map(lambda a: a[i], want), expected, rtol=1e-6, atol=1e-7)

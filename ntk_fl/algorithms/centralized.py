@@ -135,7 +135,7 @@ def _shared_set(federation, fraction: float, seed: int):
   size = max(1, int(round(fraction * slots.shape[0])))
   rng = numpy_rng(seed, Stream.SHARED_SET)
   pick = slots[np.sort(rng.choice(slots.shape[0], size=size, replace=False))]
-  return np.asarray(federation.x)[pick[:, 0], pick[:, 1]], np.asarray(federation.y)[pick[:, 0], pick[:, 1]]
+  return federation.samples(np.asarray(federation.index)[pick[:, 0], pick[:, 1]])
 
 
 def make_centralized(method: str, model: models.Model, federation, hparams: ServerHParams, *,
@@ -160,12 +160,12 @@ def make_centralized(method: str, model: models.Model, federation, hparams: Serv
   k = int(algo.clients_per_round) or num_clients
   bits, stochastic = int(algo.quantize_bits), bool(algo.stochastic_rounding)
   local_update = local.local_update_from_hparams(model.apply, algo)
-  sample_bits = compression.FLOAT_BITS * (math.prod(federation.x.shape[2:]) + 1)  # features + label
+  sample_bits = compression.FLOAT_BITS * (math.prod(federation.feature_shape) + 1)  # features + label
   if method == "datashare":
     shared = _shared_set(federation, float(algo.share_fraction), seed)
   else:
-    shared = (np.zeros((0, *federation.x.shape[2:]), np.float32), np.zeros((0,), np.int32))
-  data = jax.device_put(tuple(jnp.asarray(a) for a in (federation.x, federation.y, federation.mask, *shared)))
+    shared = (np.zeros((0, *federation.feature_shape), np.float32), np.zeros((0,), np.int32))
+  data = jax.device_put((federation, *shared))
   payload = compression.tree_payload_bits(jax.eval_shape(model.init, jax.random.PRNGKey(0)), bits)
 
   def init(key):
@@ -199,9 +199,9 @@ def make_centralized(method: str, model: models.Model, federation, hparams: Serv
 
   @jax.jit
   def _step(state, inputs, data):
-    xs, ys, ms, shared_x, shared_y = data
+    fed, shared_x, shared_y = data
     lr = local.round_lr(algo, inputs.round)
-    x, y, mask = xs[inputs.clients], ys[inputs.clients], ms[inputs.clients]
+    (x, y), mask = fed.samples(fed.index[inputs.clients]), fed.mask[inputs.clients]
     sizes = jnp.sum(mask, axis=1).astype(jnp.float32)                                   # [K]
     train_key, quant_key = jax.random.split(inputs.key)
     if method == "centralized":

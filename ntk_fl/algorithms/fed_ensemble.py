@@ -327,7 +327,7 @@ def make_fed_ensemble(model: models.Model, federation, hparams: FedEnsembleHPara
   k = int(algo.clients_per_round) or num_clients
   bits, stochastic = int(algo.quantize_bits), bool(algo.stochastic_rounding)
   strata = make_strata(num_clients, int(algo.num_strata), seed)
-  data = jax.device_put(tuple(jnp.asarray(a) for a in (federation.x, federation.y, federation.mask)))
+  data = jax.device_put(federation)
   payload = compression.tree_payload_bits(jax.eval_shape(model.init, jax.random.PRNGKey(0)), bits)
   uniform_weights = algo.aggregation_weights == "uniform"
 
@@ -345,7 +345,7 @@ def make_fed_ensemble(model: models.Model, federation, hparams: FedEnsembleHPara
 
   if algo.local_training == "ntk":
     num_classes = int(jax.eval_shape(model.apply, jax.eval_shape(model.init, jax.random.PRNGKey(0)),
-                                     jax.ShapeDtypeStruct((1, *federation.x.shape[2:]), jnp.float32)).shape[-1])
+                                     jax.ShapeDtypeStruct((1, *federation.feature_shape), jnp.float32)).shape[-1])
     evolve_options = dict(taus=tuple(algo.taus), loss="ce", solver=algo.solver, select=algo.select,
                           dense_stack=model.dense_stack)
 
@@ -387,9 +387,8 @@ def make_fed_ensemble(model: models.Model, federation, hparams: FedEnsembleHPara
 
   @jax.jit
   def _step(state, inputs, data):
-    xs, ys, ms = data
     lr = local.round_lr(algo, inputs.round)
-    x, y, mask = xs[inputs.clients], ys[inputs.clients], ms[inputs.clients]
+    (x, y), mask = data.samples(data.index[inputs.clients]), data.mask[inputs.clients]
     new_modes, counts, extra = train(state.modes, inputs, x, y, mask, lr)
     total = jnp.float32(payload) * k
     new_state = EnsembleState(modes=new_modes, bits_cumulative=state.bits_cumulative + total)

@@ -133,8 +133,9 @@ class NeighbourhoodRound(NamedTuple):
   """The reusable core of an NTK-DFL round (SPARK builds on it).
 
   Attributes:
-    data: the federation's device arrays ``(x [M, n, ...], y [M, n], mask [M, n])``;
-      pass them to ``run`` as an argument (never bake them into a jitted program).
+    data: the federation on device (:class:`ntk_fl.data.Federation`: one copy of
+      the samples, ``index``/``mask [M, n]``); pass it to ``run`` as an argument
+      (never bake it into a jitted program).
     samples_sent: numpy int ``[M]``, the samples each client's package covers in a
       round: ``n_i``, or ``max(⌊n_i/m2⌋, 1)`` when sub-sampling (static).
     round_inputs: ``round_inputs(r) -> GraphRound`` (graph, mixing weights, key of round ``r``).
@@ -197,14 +198,19 @@ def make_neighbourhood_round(model: models.Model, federation, graphs: topology.T
                      f"averaging (got topology {graphs.name!r}, per_round_averaging={per_round_averaging}): "
                      "only then do the members of a closed neighbourhood hold the same averaged weights")
   sizes = np.asarray(federation.n)
-  data = jax.device_put((jnp.asarray(federation.x), jnp.asarray(federation.y), jnp.asarray(federation.mask)))
+  data = jax.device_put(federation)
   round_inputs = graph_round_inputs(graphs, mixing, sizes, seed)
 
-  def neighbourhood(idx, nbrs, nbr_mask, xs, ys, ms):
-    """Stacks client ``idx``'s and its neighbours' (sub-sampled) data into ``m1`` blocks."""
+  def neighbourhood(idx, nbrs, nbr_mask, data, rows, ms):
+    """Gathers client ``idx``'s and its neighbours' (sub-sampled) data into ``m1`` blocks.
+
+    ``rows``/``ms`` ``[M, n]`` are every client's sample rows (into ``data``) and mask
+    this round; only the ``k+1`` members' samples are gathered, so memory follows
+    the chunk of clients being processed, not ``M``.
+    """
     members = jnp.concatenate([idx[None], nbrs])                       # [k+1]
     member_mask = jnp.concatenate([jnp.ones((1,), bool), nbr_mask])
-    x, y = xs[members], ys[members]                                    # [k+1, n, ...]
+    x, y = data.samples(rows[members])                                 # [k+1, n, ...]
     mask = ms[members] & member_mask[:, None]
     def blocks(a):                                                     # [k+1, nb*m1, ...] -> [m1, (k+1)*nb, ...]
       # Strided, not contiguous: real samples come first in every member's slots, so slot s goes to block
@@ -216,36 +222,38 @@ def make_neighbourhood_round(model: models.Model, federation, graphs: topology.T
     return blocks(x), blocks(targets), blocks(mask)
 
   def run(params, inputs, data, client_fn, *client_args):
-    xs, ys, ms = data
-    if per_round_averaging:
-      params = topology.mix(params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
+    rows, ms = data.index, data.mask
     if m2 > 1:
       idx, keep = _subsample_indices(inputs.key, ms, n_sub, m2)
-      xs = jnp.take_along_axis(xs, idx.reshape(*idx.shape, *([1] * (xs.ndim - 2))), axis=1)
-      ys = jnp.take_along_axis(ys, idx, axis=1)
+      rows = jnp.take_along_axis(rows, idx, axis=1)
       ms = keep
-    if n_sub_padded != xs.shape[1]:
-      pad = n_sub_padded - xs.shape[1]
-      xs = jnp.pad(xs, [(0, 0), (0, pad)] + [(0, 0)] * (xs.ndim - 2))
-      ys = jnp.pad(ys, [(0, 0), (0, pad)])
+    if n_sub_padded != rows.shape[1]:
+      pad = n_sub_padded - rows.shape[1]
+      zero_row = data.samples_y.shape[0] - 1                           # the federation's all-zero sample
+      rows = jnp.pad(rows, [(0, 0), (0, pad)], constant_values=zero_row)
       ms = jnp.pad(ms, [(0, 0), (0, pad)])
     round_lr = lr * jnp.exp(-lr_decay * inputs.round.astype(jnp.float32))
 
-    def per_client(p, idx, nbrs, nbr_mask, *args):
-      x, t, m = neighbourhood(idx, nbrs, nbr_mask, xs, ys, ms)
+    def per_client(p, idx, nbrs, nbr_mask, self_w, nbr_w, *args):
+      if per_round_averaging:
+        # w̄_i (eq. 1) from the round-start state captured whole: formed per chunk, so the round holds
+        # the state it starts from and the one it returns, never an [M, ...] copy of the averages.
+        p = topology.mix_one(params, p, nbrs, self_w, nbr_w)
+      x, t, m = neighbourhood(idx, nbrs, nbr_mask, data, rows, ms)
       return client_fn(p, x, t, m, round_lr, *args)
 
     update = parallel.for_each_client(per_client)
     clients = jnp.arange(num_clients)
+    weights = (inputs.self_weight, inputs.neighbor_weights)
     if not share_cliques:
-      return update(params, clients, inputs.neighbors, inputs.neighbor_mask, *client_args), round_lr
+      return update(params, clients, inputs.neighbors, inputs.neighbor_mask, *weights, *client_args), round_lr
     if client_args:
       raise ValueError("share_cliques=True runs client_fn once per clique, so it takes no per-client arguments")
     # A clique's representative is its lowest-numbered member (padding slots hold the client's own index).
     representative = jnp.minimum(clients, inputs.neighbors.min(axis=1))
     leaders = jnp.unique(representative, size=graphs.cliques)
     outputs = update(jax.tree.map(lambda p: p[leaders], params), leaders, inputs.neighbors[leaders],
-                     inputs.neighbor_mask[leaders])
+                     inputs.neighbor_mask[leaders], *(w[leaders] for w in weights))
     slot = jnp.searchsorted(leaders, representative)
     return jax.tree.map(lambda o: o[slot], outputs), round_lr
 

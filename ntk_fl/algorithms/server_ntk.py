@@ -243,9 +243,10 @@ def make_server_ntk(model: models.Model, federation, hparams: NTKFLHParams, *, s
   projection = None
   net = model
   if proj_dim:
-    input_dim = math.prod(federation.x.shape[2:])
-    if federation.x.ndim != 3:
-      raise ValueError(f"config.algorithm.projection_dim needs flattened inputs [M, n, d1], got {federation.x.shape}")
+    input_dim = math.prod(federation.feature_shape)
+    if len(federation.feature_shape) != 1:
+      raise ValueError("config.algorithm.projection_dim needs flattened inputs [M, n, d1], got samples of shape "
+                       f"{federation.feature_shape}")
     projection = jacobians.projection_matrix(jax_key(seed, Stream.INPUT_PROJECTION), input_dim, proj_dim,
                                              scale=algo.projection_scale)
     net = models.mlp_on_inputs(model, proj_dim)
@@ -253,8 +254,7 @@ def make_server_ntk(model: models.Model, federation, hparams: NTKFLHParams, *, s
   num_params = models.num_params(jax.eval_shape(net.init, jax.random.PRNGKey(0)))
   model_bits = num_params * compression.FLOAT_BITS
   n_slots = jacobians.num_subsampled(n_max, beta) if beta < 1 else n_max
-  data = jax.device_put((jnp.asarray(federation.x), jnp.asarray(federation.y), jnp.asarray(federation.mask),
-                         projection if projection is not None else jnp.zeros((0,), jnp.float32)))
+  data = jax.device_put((federation, projection if projection is not None else jnp.zeros((0,), jnp.float32)))
 
   def init(key):
     return ServerNTKState(params=net.init(key), uplink_bits=jnp.float32(0), downlink_bits=jnp.float32(0))
@@ -265,9 +265,9 @@ def make_server_ntk(model: models.Model, federation, hparams: NTKFLHParams, *, s
     return ServerNTKRound(round=np.int32(round_index), clients=clients,
                           key=jax_key(seed, Stream.ROUND_KEYS, round_index))
 
-  def client_data(xs, ys, ms, proj, clients, key):
+  def client_data(fed, proj, clients, key):
     """Participants' (subsampled, projected) data ``[K, n_slots, ...]``; padded rows zeroed."""
-    x, y, mask = xs[clients], ys[clients], ms[clients]
+    (x, y), mask = fed.samples(fed.index[clients]), fed.mask[clients]
     if beta < 1:
       idx, mask = parallel.for_each_client(lambda kk, m: jacobians.subsample(kk, m, beta), chunk_size=0)(
           jax.random.split(key, k), mask)
@@ -280,10 +280,10 @@ def make_server_ntk(model: models.Model, federation, hparams: NTKFLHParams, *, s
 
   @jax.jit
   def _step(state, inputs, data):
-    xs, ys, ms, proj = data
+    fed, proj = data
     sub_key, quant_key, shuffle_key = jax.random.split(inputs.key, 3)
     lr = algo.lr * jnp.exp(-algo.lr_decay * inputs.round.astype(jnp.float32))
-    x, targets, mask = client_data(xs, ys, ms, proj, inputs.clients, sub_key)      # [K, n_slots, ...]
+    x, targets, mask = client_data(fed, proj, inputs.clients, sub_key)      # [K, n_slots, ...]
     pool = lambda a: a.reshape(k * n_slots, *a.shape[2:])
     evolve_kwargs = dict(lr=lr, taus=taus, loss=algo.loss, solver=algo.solver, select=algo.select,
                          kernel=algo.kernel)

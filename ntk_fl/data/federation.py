@@ -1,9 +1,18 @@
-"""The clients' data as one stacked, padded pytree, ready for ``vmap`` over clients.
+"""The clients' data: one copy of the samples plus each client's padded index list.
 
 Clients hold different numbers of samples, but ``vmap``/``jit`` need one shape.
-:func:`make_federation` pads every client to ``n_max`` rows and records which
-rows are real in ``mask``; per-client computations weight by ``mask`` and
+A :class:`Federation` keeps the training samples **once** (``samples_x``,
+``samples_y``; partitions may give a sample to several clients) and, per client,
+``n_max`` row numbers into them (``index``) with a ``mask`` saying which rows
+are real. Padding slots point at an all-zero sample appended after the real
+ones, so a gathered client (:meth:`Federation.samples`) equals a zero-padded
+``[n_max, ...]`` copy of its data; per-client computations weight by ``mask`` and
 normalise by ``n`` so padding never changes a result.
+
+Algorithms gather a client's inputs where the client is processed -- inside the
+function that :func:`ntk_fl.parallel.for_each_client` maps, so per chunk of
+clients -- and never hold a ``[M, n_max, ...]`` copy of every client's inputs:
+memory grows with the dataset and the chunk, not with the number of clients.
 """
 from __future__ import annotations
 
@@ -11,22 +20,49 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-__all__ = ["Federation", "make_federation"]
+__all__ = ["Federation", "make_federation", "federation_from_padded"]
 
 
 class Federation(NamedTuple):
-  """Stacked client data (a pytree; leaves are numpy or jax arrays).
+  """Client data as index lists into one copy of the samples (a pytree; numpy or jax leaves).
 
   Attributes:
-    x: ``[M, n_max, *feature_shape]`` float32 inputs; padding rows are zeros.
-    y: ``[M, n_max]`` int32 labels; padding entries are 0.
-    mask: ``[M, n_max]`` bool, True for real samples (the first ``n[m]`` rows).
+    samples_x: ``[S + 1, *feature_shape]`` float32 samples; the last row is zeros
+      (where padding slots point).
+    samples_y: ``[S + 1]`` int32 labels; the last entry is 0.
+    index: ``[M, n_max]`` int32 rows of ``samples_*``: client ``m``'s samples in
+      slots ``0 .. n[m]-1``, the zero row ``S`` after them.
+    mask: ``[M, n_max]`` bool, True for real samples (the first ``n[m]`` slots).
     n: ``[M]`` int32 number of real samples per client.
   """
-  x: Any
-  y: Any
+  samples_x: Any
+  samples_y: Any
+  index: Any
   mask: Any
   n: Any
+
+  @property
+  def feature_shape(self) -> tuple[int, ...]:
+    """The shape of one input sample."""
+    return tuple(self.samples_x.shape[1:])
+
+  def samples(self, index):
+    """The inputs and labels at ``index`` (any shape ``[...]``): ``(x [..., *feature_shape], y [...])``.
+
+    Works on numpy and on jax arrays (inside ``jit``): a client's data is
+    ``federation.samples(federation.index[m])``, zero in its padding slots.
+    """
+    return self.samples_x[index], self.samples_y[index]
+
+  @property
+  def x(self):
+    """Every client's inputs ``[M, n_max, *feature_shape]``, gathered on each access (tests, small federations)."""
+    return self.samples_x[self.index]
+
+  @property
+  def y(self):
+    """Every client's labels ``[M, n_max]``, gathered on each access."""
+    return self.samples_y[self.index]
 
 
 def make_federation(
@@ -36,19 +72,20 @@ def make_federation(
     *,
     n_max: int | None = None,
 ) -> Federation:
-  """Gather each client's samples and pad them to a common length.
+  """Index lists of every client into one copy of ``x``/``y``, padded to a common length.
 
   Args:
     x: ``[N, *feature_shape]`` training inputs.
     y: ``[N]`` integer training labels.
     client_indices: ``M`` non-empty 1-D integer arrays of indices into ``x``/``y``
       (e.g. from :func:`ntk_fl.data.partition`); client ``m``'s samples keep
-      this order in rows ``0 .. n[m]-1``.
+      this order in slots ``0 .. n[m]-1``.
     n_max: padded length; defaults to the largest client. Must be at least the
       largest client (a fixed value keeps shapes equal across partitions).
 
   Returns:
-    A :class:`Federation` of numpy arrays (the runner moves them to device).
+    A :class:`Federation` of numpy arrays: ``samples_x`` is ``x`` as float32 with
+    one zero row appended (``S = N``), ``samples_y`` likewise.
 
   Raises:
     ValueError: mismatched ``x``/``y``, no clients, an empty client, an index
@@ -71,13 +108,36 @@ def make_federation(
                      f"client {int(n.argmax())}), got {n_max!r}")
 
   mask = np.arange(n_max)[None, :] < n[:, None]                           # [M, n_max]
-  # Padding slots point at sample 0 so the gather stays in range; the mask then zeroes them.
-  gather = np.zeros((len(indices), n_max), dtype=np.int64)
-  gather[mask] = np.concatenate(indices)
-  expand = mask.reshape(mask.shape + (1,) * (x.ndim - 1))
-  x_fed = np.where(expand, x[gather], 0).astype(np.float32)
-  y_fed = np.where(mask, y[gather], 0).astype(np.int32)
-  return Federation(x=x_fed, y=y_fed, mask=mask, n=n)
+  zero_row = x.shape[0]
+  index = np.full((len(indices), n_max), zero_row, dtype=np.int32)
+  index[mask] = np.concatenate(indices)
+  samples_x = np.concatenate([x.astype(np.float32, copy=False), np.zeros((1, *x.shape[1:]), np.float32)])
+  samples_y = np.concatenate([y.astype(np.int32, copy=False), np.zeros((1,), np.int32)])
+  return Federation(samples_x=samples_x, samples_y=samples_y, index=index, mask=mask, n=n)
+
+
+def federation_from_padded(x, y, mask) -> Federation:
+  """A :class:`Federation` holding already padded client arrays as they are (tests, hand-built federations).
+
+  Args:
+    x: ``[M, n_max, *feature_shape]`` inputs (padding rows may hold anything).
+    y: ``[M, n_max]`` integer labels.
+    mask: ``[M, n_max]`` bool, True for real samples.
+
+  Returns:
+    A federation whose :attr:`Federation.x`/``y`` equal ``x``/``y`` exactly (every
+    slot, padding included, gets its own sample row) and ``n = mask.sum(1)``.
+  """
+  x, y, mask = np.asarray(x, np.float32), np.asarray(y, np.int32), np.asarray(mask, bool)
+  if x.shape[:2] != y.shape or y.shape != mask.shape:
+    raise ValueError(f"x [M, n_max, ...], y and mask [M, n_max] must share their first two axes, got "
+                     f"{x.shape}, {y.shape}, {mask.shape}")
+  num_clients, n_max = mask.shape
+  samples_x = np.concatenate([x.reshape(num_clients * n_max, *x.shape[2:]), np.zeros((1, *x.shape[2:]), np.float32)])
+  samples_y = np.concatenate([y.reshape(-1), np.zeros((1,), np.int32)])
+  index = np.arange(num_clients * n_max, dtype=np.int32).reshape(num_clients, n_max)
+  return Federation(samples_x=samples_x, samples_y=samples_y, index=index, mask=mask,
+                    n=mask.sum(axis=1).astype(np.int32))
 
 
 def _check_client(m: int, idx, num_samples: int) -> np.ndarray:

@@ -1,0 +1,180 @@
+"""One experiment over several JAX processes (hosts): start-up, a local launcher, host-side helpers.
+
+JAX's multi-controller model: every process runs the same program; after
+:func:`initialize`, ``jax.devices()`` lists every process's devices, the
+``'clients'`` mesh of :mod:`ntk_fl.parallel` spans them all, and each process
+computes (and keeps) the clients that fall on its own devices. Collectives between
+processes are XLA's (gloo on CPU, NCCL on GPU); there is no messaging of our own.
+
+* :func:`initialize` -- ``jax.distributed.initialize`` with CPU collectives
+  switched to gloo. Without arguments JAX finds the coordinator, process count and
+  id in a SLURM / Open MPI / Kubernetes environment (or ``JAX_COORDINATOR_ADDRESS``
+  with explicit counts).
+* :func:`launch_local` -- ``P`` copies of a command on this machine with the
+  coordinator on localhost (what ``--num_processes=P`` runs): each process stands in
+  for a host. If one dies the others are stopped and its exit status returned.
+* :func:`is_primary`, :func:`barrier`, :func:`to_host`,
+  :func:`client_shardings` -- what the runner needs to write files once, keep the
+  processes in step, read sharded results and place client-stacked state.
+
+What runs where: the clients' models and per-client state are sharded over the
+processes (a process holds only its own clients'); the dataset (one copy of the
+samples plus every client's index list, a few bytes per sample) is held by every
+process, because a decentralized method's neighbourhoods cross process boundaries
+and change every round.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
+
+__all__ = ["initialize", "shutdown", "launch_local", "is_primary", "barrier", "to_host", "client_shardings", "free_port"]
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None) -> None:
+  """Joins this process to a multi-process JAX run (before any JAX computation).
+
+  Args:
+    coordinator_address: ``host:port`` of process 0's coordinator service; ``None``
+      lets JAX detect it (SLURM, Open MPI, ...; or ``JAX_COORDINATOR_ADDRESS``).
+    num_processes, process_id: the run's process count and this process's rank;
+      ``None`` lets JAX detect them.
+  """
+  # CPU devices of different processes talk through gloo (the default CPU client has no
+  # cross-process collectives); GPU/TPU backends ignore this option.
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                             process_id=process_id)
+
+
+def shutdown() -> None:
+  """Leaves the multi-process run together with the others (no-op in a one-process run).
+
+  Every process calling it before exiting avoids the stragglers waiting out JAX's
+  shutdown timeout for a coordinator that has already gone.
+  """
+  if jax.process_count() > 1:
+    jax.distributed.shutdown()
+
+
+def free_port() -> int:
+  """A TCP port on localhost that was free a moment ago (for a local coordinator)."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def launch_local(command: Sequence[str], num_processes: int, *, env: dict | None = None,
+                 poll_seconds: float = 0.2) -> int:
+  """Runs ``num_processes`` copies of ``command`` on this machine as one multi-process JAX run.
+
+  Process ``i`` gets ``--process_id=i --num_processes=P --coordinator_address=localhost:PORT``
+  appended (the flags of ``experiments/main.py``) and inherits stdout/stderr.
+
+  Returns:
+    ``0`` when every process succeeded; otherwise the exit status of the first
+    process that failed (negative: killed by that signal), after stopping the others
+    (they would wait for it in a collective until JAX's heartbeat timeout).
+  """
+  if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
+    raise ValueError(f"num_processes must be an int >= 1, got {num_processes!r}")
+  address = f"localhost:{free_port()}"
+  # A launcher stopped by SIGTERM (a job scheduler, a test) stops its processes too (via the finally below).
+  previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+  procs = [subprocess.Popen([*command, f"--process_id={i}", f"--num_processes={num_processes}",
+                             f"--coordinator_address={address}"], env=env)
+           for i in range(num_processes)]
+  try:
+    while True:
+      status = [p.poll() for p in procs]         # every process polled each time (no short circuit)
+      failed = next((rc for rc in status if rc not in (None, 0)), None)
+      if failed is not None or None not in status:
+        break
+      time.sleep(poll_seconds)
+  finally:
+    _stop(procs)
+    signal.signal(signal.SIGTERM, previous)
+  return failed or 0
+
+
+def _stop(procs: list[subprocess.Popen], grace_seconds: float = 10.0) -> None:
+  """SIGTERM, then SIGKILL after ``grace_seconds``, for each launched process still running."""
+  running = [p for p in procs if p.poll() is None]
+  for p in running:
+    p.send_signal(signal.SIGTERM)
+  deadline = time.monotonic() + grace_seconds
+  for p in running:
+    try:
+      p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+    except subprocess.TimeoutExpired:
+      p.kill()
+      p.wait()
+
+
+def is_primary() -> bool:
+  """Whether this is process 0, the one that writes files and logs."""
+  return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+  """Waits until every process reached the barrier ``name`` (no-op in a one-process run)."""
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
+
+
+def to_host(tree: Any) -> Any:
+  """``tree``'s arrays as numpy, gathered from every process when they are sharded across processes."""
+  if jax.process_count() == 1:
+    return jax.device_get(tree)
+  def fetch(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x) if isinstance(x, jax.Array) else x
+  return jax.tree.map(fetch, tree)
+
+
+def client_shardings(shapes: Any, num_clients: int, mesh) -> Any:
+  """Per-leaf shardings for a client-stacked state on ``mesh`` (``None`` = single device).
+
+  Leaves whose leading axis is ``num_clients`` (and divides evenly over the mesh) are split
+  over the ``'clients'`` axis; everything else (scalars, the server's model) is replicated.
+  """
+  if mesh is None:
+    return None
+  from ntk_fl.parallel import CLIENTS  # pylint: disable=g-import-not-at-top
+  size = mesh.shape[CLIENTS]
+  def sharding(leaf):
+    split = leaf.ndim >= 1 and leaf.shape[0] == num_clients and num_clients % size == 0
+    return NamedSharding(mesh, PartitionSpec(CLIENTS) if split else PartitionSpec())
+  return jax.tree.map(sharding, shapes)
+
+
+def strip_flags(argv: Sequence[str], names: Sequence[str]) -> list[str]:
+  """``argv`` without ``--name=value`` / ``--name value`` occurrences of the given flag names."""
+  out, skip = [], False
+  for arg in argv:
+    if skip:
+      skip = False
+      continue
+    name = arg.split("=", 1)[0].lstrip("-")
+    if arg.startswith("--") and name in names:
+      skip = "=" not in arg
+      continue
+    out.append(arg)
+  return out
+
+
+def python_command(script: str, argv: Sequence[str]) -> list[str]:
+  """The command that runs ``script`` with ``argv`` under this interpreter."""
+  return [sys.executable, os.path.abspath(script), *argv]
