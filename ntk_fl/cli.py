@@ -42,6 +42,7 @@ import io
 import logging as std_logging
 import os
 import sys
+import threading
 import traceback
 from typing import Sequence
 
@@ -146,6 +147,23 @@ class _QuietLibraries(std_logging.Filter):
     return record.levelno >= std_logging.WARNING or not noisy
 
 
+class _LibraryFailuresToTheLog(std_logging.Filter):
+  """Keeps orbax's and etils' own error reports (a traceback from a writer thread) off the console.
+
+  They stay in ``log.txt``; the failure they report reaches the command as an
+  exception and is printed as its one ``error:`` line.
+  """
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    return record.levelno < std_logging.ERROR or not any(part in record.pathname for part in ("/orbax/", "/etils/"))
+
+
+def _thread_failure_to_the_log(args) -> None:
+  """An exception left in a library's helper thread (after the failure the main thread reports) goes to the log."""
+  logging.info("exception in thread %s", getattr(args.thread, "name", "?"),
+               exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
+
+
 class _AboveTheBar(std_logging.Handler):
   """Writes records through ``tqdm.write``: printed above the progress bar instead of into it."""
 
@@ -174,7 +192,9 @@ def _hold_log() -> io.StringIO | None:
     console = _AboveTheBar(std_logging.WARNING)
     console.setFormatter(absl_handler.python_handler.formatter or logging.PythonFormatter())
     console.addFilter(_QuietLibraries())
+    console.addFilter(_LibraryFailuresToTheLog())
     std_logging.getLogger().addHandler(console)
+    threading.excepthook = _thread_failure_to_the_log
   return buffer
 
 
@@ -197,9 +217,11 @@ _ONE_LINE_ERRORS = (ValueError, OSError)
 
 def one_line(err: BaseException) -> str:
   """The ``error:`` line of ``err``: its first line, with what to do for a full disk."""
-  if isinstance(err, OSError) and err.errno == errno.ENOSPC:
-    where = f" while writing {err.filename}" if err.filename else ""
-    return (f"disk full{where} ({err.strerror}); free some space, then continue the run with --resume "
+  # TensorStore (orbax's array writer) reports a full disk as a ValueError with the OS's text.
+  if (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "No space left on device" in str(err):
+    filename = getattr(err, "filename", None)
+    where = f" while writing {filename}" if filename else ""
+    return (f"disk full{where} (No space left on device); free some space, then continue the run with --resume "
             "(every completed checkpoint and metrics line is intact)")
   lines = [line for line in str(err).strip().splitlines() if line.strip()]
   return lines[0] if lines else type(err).__name__
@@ -293,7 +315,9 @@ def _main(argv: list[str]) -> None:
   try:
     _log_to_workdir(held, workdir)
     summary = runner.run(settings, workdir, **start)
-  except (*_ONE_LINE_ERRORS, CheckpointDamaged, runner.Diverged) as e:
+  except runner.Diverged as e:   # an outcome of the experiment, not a failure of the code: no traceback
+    sys.exit(f"error: {e}")
+  except (*_ONE_LINE_ERRORS, CheckpointDamaged) as e:
     sys.exit(f"error: {report_failure(e, workdir, verbose=verbose)}")
   except KeyboardInterrupt:
     sys.stderr.write(f"\ninterrupted; continue the run with --resume (workdir {workdir})\n")

@@ -73,6 +73,9 @@ def round_scalars(line: Mapping) -> dict[str, float]:
   return scalars
 
 
+_TENSORBOARD_BUCKET_END = 1e20
+
+
 class EventWriter:
   """Appends a run's rounds to TensorBoard event files in ``workdir``.
 
@@ -101,7 +104,9 @@ class EventWriter:
       values = np.asarray(values, dtype=np.float64).ravel()
       values = values[np.isfinite(values)]
       if values.size:
-        self._writer.add_histogram(f"clients/{name}", values, step)
+        # TensorBoard's buckets end at 1e20: a run on its way to diverging (losses of 1e26) gets numpy's bins.
+        bins = "tensorflow" if np.abs(values).max() < _TENSORBOARD_BUCKET_END else "auto"
+        self._writer.add_histogram(f"clients/{name}", values, step, bins=bins)
     self._writer.flush()
 
   def write_all(self, lines: Iterable[Mapping]) -> None:

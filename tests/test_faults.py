@@ -612,3 +612,24 @@ def test_bad_metrics_file_is_found_before_data(uninterrupted, tmp_path, monkeypa
   monkeypatch.setattr(data, "load", lambda *a, **k: pytest.fail("data loaded"))
   with pytest.raises(ValueError, match=r"metrics.jsonl: line 2 is not valid JSON"):
     runner.run(_toy_config(), workdir, resume=True)
+
+
+def test_event_file_takes_the_huge_values_of_a_diverging_round(tmp_path):
+  # Losses of 1e26 (NTK-DFL at lr = 1e6, one round before they overflow) are outside TensorBoard's
+  # histogram buckets; the event writer must log them rather than end the run.
+  from ntk_fl import summaries  # pylint: disable=g-import-not-at-top
+  with summaries.EventWriter(tmp_path) as events:
+    events.write({"round": 2, "step_time": 0.1, "eval_time": 0.1, "loss_mean": 2.7e26,
+                  "clients": {"loss": [2.7e26, 1e25, None, -4e22]}})
+  assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path))
+
+
+def test_a_full_disk_reported_by_tensorstore_is_recognised():
+  # The error orbax raised when a checkpoint filled a 1.1 MB tmpfs (orbax-checkpoint 0.12.8, TensorStore).
+  from ntk_fl import cli  # pylint: disable=g-import-not-at-top
+  err = ValueError('RESOURCE_EXHAUSTED: Error writing "params.params.dense_0.kernel/0.0.0" in OCDBT database at '
+                   'local file "/mnt/run/checkpoints/5.orbax-checkpoint-tmp/default.orbax-checkpoint-tmp/'
+                   'ocdbt.process_0/": Failed to write 466763 bytes to file 13: No space left on device '
+                   "[os_error_code='28']")
+  assert cli.one_line(err).startswith("disk full (No space left on device); free some space, then continue "
+                                      "the run with --resume")
