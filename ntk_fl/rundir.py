@@ -313,7 +313,7 @@ def copy_run(workdir: str, target: str, *, drop: tuple[str, ...] = ()) -> None:
 
 
 def split_label(config: dict) -> str:
-  """The data split of a stored config (JSON dict): ``"IID"``, ``"α=0.1"``, ``"contiguous"`` or a map's name.
+  """A stored config's data split: ``"IID"``, ``"α=0.1"``, ``"2 labels/client"``, ``"contiguous"`` or a map's name.
 
   The authors' shipped maps read ``"authors α=0.1 d0"`` / ``"authors IID d0"``; any other
   index map is labelled by its file name.
@@ -324,6 +324,8 @@ def split_label(config: dict) -> str:
     return "IID"
   if partition == "contiguous":
     return "contiguous"
+  if partition == "shards":
+    return f"{data['classes_per_client']} labels/client"
   if partition == "index_map":
     name = os.path.basename(data.get("partition_file", ""))
     level, _, draw = name.removeprefix("fmnist_").rpartition("_")

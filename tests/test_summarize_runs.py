@@ -165,3 +165,16 @@ def test_spark_variants_are_told_apart(summarize):
       "spark fashion_mnist IID layerwise k=500"
   assert summarize._describe(config(compression={"keep_fraction": 0.5, "bits": 6})) == \
       "spark fashion_mnist IID top 0.5, 6 bits seed 0"
+
+
+@pytest.mark.parametrize("data,label", [
+    ({"partition": "iid", "alpha": 0.1}, "IID"),
+    ({"partition": "dirichlet_fixed_size", "alpha": 0.5}, "α=0.5"),
+    ({"partition": "shards", "alpha": 0.1, "classes_per_client": 2}, "2 labels/client"),
+    ({"partition": "contiguous", "alpha": 0.1}, "contiguous"),
+    ({"partition": "index_map", "alpha": 0.1, "partition_file": "fmnist_alpha0.1_3"}, "authors α=0.1 d3"),
+    ({"partition": "index_map", "alpha": 0.1, "partition_file": "fmnist_iid_0"}, "authors IID d0"),
+    ({"partition": "index_map", "alpha": 0.1, "partition_file": "/maps/mine.npz"}, "mine.npz"),
+])
+def test_split_labels_name_the_partition(summarize, data, label):
+  assert summarize.split_label({"data": data}) == label
