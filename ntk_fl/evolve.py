@@ -97,7 +97,6 @@ __all__ = [
     "MSE_FORMS",
     "check_taus",
     "check_loss_solver",
-    "validate_evolution_config",
     "evolve",
     "evolve_ce_euler",
     "evolve_ce_ode",
@@ -124,30 +123,4 @@ def ntk_update(apply_fn, params, x: jax.Array, targets, mask: jax.Array, **step_
   return jax.tree_util.tree_map(jnp.add, params if step_options.get("start") is None else step_options["start"],
                                 delta), info
 
-
-def validate_evolution_config(algo: Any, path: str = "config.algorithm") -> None:
-  """Checks the NTK-evolution keys every NTK method's config shares (before any work).
-
-  ``lr`` (> 0), ``lr_decay`` (>= 0, ``η_r = η·exp(−decay·r)``), ``taus`` (see
-  :func:`check_taus`), ``solver``, ``select``, ``kernel`` and, where the block
-  has it, ``loss`` (the ODE solver is for cross-entropy only).
-  """
-  from ntk_fl import validation  # pylint: disable=import-outside-toplevel -- evolve stays free of config code
-
-  validation.check_real(f"{path}.lr", algo.lr, low=0, low_open=True)
-  validation.check_real(f"{path}.lr_decay (η_r = η·exp(−decay·r))", algo.lr_decay, low=0)
-  try:
-    check_taus(tuple(algo.taus))
-  except (TypeError, ValueError) as e:
-    raise ValueError(f"{path}.taus: {e}") from e
-  choices = (("solver", SOLVERS), ("select", SELECTS), ("kernel", KERNELS))
-  if "loss" in algo:
-    choices = (("loss", LOSSES),) + choices
-  for name, allowed in choices:
-    validation.check_choice(f"{path}.{name}", algo[name], allowed)
-  if "loss" in algo:
-    try:
-      check_loss_solver(Loss(algo.loss), Solver(algo.solver))
-    except ValueError as e:
-      raise ValueError(f"{path}: {e}") from None
 
