@@ -127,6 +127,8 @@ def check_evolution(hparams: Any, path: str = "config.algorithm") -> None:
     choices = (("loss", evolve.LOSSES),) + choices
   for name, allowed in choices:
     validation.check_choice(f"{path}.{name}", getattr(hparams, name), allowed)
-  if has_loss and hparams.loss == "mse" and hparams.solver != "euler":
-    raise ValueError(f"{path}.solver applies to the cross-entropy loss only; the MSE evolution is the "
-                     f"closed form -- leave solver='euler' with loss='mse' (got solver={hparams.solver!r})")
+  if has_loss:
+    try:
+      evolve.check_loss_solver(evolve.Loss(hparams.loss), evolve.Solver(hparams.solver))
+    except ValueError as e:
+      raise ValueError(f"{path}: {e}") from None
