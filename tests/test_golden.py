@@ -16,6 +16,12 @@ What must agree, and how closely:
   Test accuracy counts correct predictions out of 2,000; a rounding-level change can flip a sample whose
   two top logits tie to within rounding, so accuracies may differ by at most ``ACC_ATOL`` = 2 samples.
 
+Runs with 6- or 8-bit quantisation of the Jacobians (SPARK's compression stack, CP-NTK-FL's ``table1``) are
+discontinuous in their inputs: a rounding-level change of a weight can move one Jacobian entry across a
+quantisation level, i.e. by one step (its package's range / 63), which moves that client's selected loss by
+~1e-4 relative (measured: 2e-4 at most, on one client of twenty, in rounds 3-4). For them the loss tolerance
+is ``QUANTIZED_RTOL = 1e-3``; τ, bits and accuracies keep their checks.
+
 Where the computation order is unchanged the values are bit-identical (the runs are deterministic on one
 machine); the tolerances only admit reordered float32 arithmetic.
 """
@@ -29,6 +35,8 @@ import pytest
 import golden_runs
 
 RTOL = 1e-4
+QUANTIZED_RTOL = 1e-3
+QUANTIZED_RUNS = ("spark:smoke,proj500,compressed", "cp_ntk_fl:smoke,table1")
 ACC_ATOL = 2 / 2_000
 EXACT = ("round", "bits_cumulative", "clients_tau")
 ACCURACIES = ("test_acc", "client_acc_mean", "consensus_acc_mean")
@@ -45,7 +53,8 @@ def _compare(name: str, expected: dict, actual: dict) -> None:
       elif key in ACCURACIES:
         np.testing.assert_allclose(got[key], value, rtol=0, atol=ACC_ATOL, err_msg=f"{where}: {key}")
       else:
-        np.testing.assert_allclose(got[key], value, rtol=RTOL, atol=0, err_msg=f"{where}: {key}")
+        rtol = QUANTIZED_RTOL if name in QUANTIZED_RUNS else RTOL
+        np.testing.assert_allclose(got[key], value, rtol=rtol, atol=0, err_msg=f"{where}: {key}")
 
 
 def test_every_config_has_a_golden_file():

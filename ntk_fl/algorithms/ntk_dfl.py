@@ -283,7 +283,7 @@ def make_ntk_dfl(model: models.Model, federation, graphs: topology.Topology, hpa
                                   lr_decay=algo.lr_decay, per_round_averaging=algo.per_round_averaging,
                                   jacobian_batches=m1, subsample=int(algo.subsample))
   # The step's options, parsed (and the τ grid checked) once here rather than on every trace.
-  evolve_kwargs = dict(taus=evolve.check_taus(taus), loss=evolve.Loss(algo.loss),
+  evolve_kwargs = dict(taus=evolve.check_taus(tuple(algo.taus)), loss=evolve.Loss(algo.loss),
                        solver=evolve.Solver(algo.solver), dense_stack=model.dense_stack,
                        kernel=evolve.Kernel(algo.kernel), select=evolve.Select(algo.select))
 
