@@ -53,7 +53,6 @@ def _config(method: str, variant: str):
 def _algorithm(config, data_kind: str):
   import numpy as np  # pylint: disable=import-outside-toplevel
   from ntk_fl import data, models, runner  # pylint: disable=import-outside-toplevel
-  from ntk_fl.algorithms import get_method  # pylint: disable=import-outside-toplevel
   if data_kind == "fashion_mnist":
     return runner.build_experiment(config).algorithm
   rng = np.random.default_rng(config.seed)
@@ -62,12 +61,13 @@ def _algorithm(config, data_kind: str):
   federation = data.make_federation(rng.standard_normal((m * n, 784), dtype=np.float32),
                                     rng.integers(0, 10, m * n).astype(np.int32), indices)
   model = models.make_model(config.model, (784,), 10)
-  return get_method(config.method).make(config, model, federation)
+  return runner.make_algorithm(config, model, federation)
 
 
 def main(argv=None):
   args = _parse(argv)
   import jax  # pylint: disable=import-outside-toplevel
+  from ntk_fl import parallel  # pylint: disable=import-outside-toplevel
   rows = []
   for chunk in (int(c) for c in args.chunk_sizes.split(",")):
     config = _config(args.method, args.variant)
@@ -75,16 +75,17 @@ def main(argv=None):
     algorithm = _algorithm(config, args.data)
     state = algorithm.init(jax.random.PRNGKey(config.seed))
     step = algorithm.step  # already compiled by the factory
-    t0 = time.perf_counter()
-    state, _ = step(state, algorithm.round_inputs(0))
-    jax.block_until_ready(state)
-    compile_s = time.perf_counter() - t0
-    times = []
-    for r in range(1, args.rounds + 1):
+    with parallel.use_devices(config.devices, chunk_size=chunk):    # read when the step is traced
       t0 = time.perf_counter()
-      state, metrics = step(state, algorithm.round_inputs(r))
+      state, _ = step(state, algorithm.round_inputs(0))
       jax.block_until_ready(state)
-      times.append(time.perf_counter() - t0)
+      compile_s = time.perf_counter() - t0
+      times = []
+      for r in range(1, args.rounds + 1):
+        t0 = time.perf_counter()
+        state, metrics = step(state, algorithm.round_inputs(r))
+        jax.block_until_ready(state)
+        times.append(time.perf_counter() - t0)
     steady = statistics.median(times)
     samples = config.data.num_clients * config.algorithm.epochs * config.data.samples_per_client
     rows.append((chunk, compile_s, steady, samples / steady, float(metrics["loss"].mean())))

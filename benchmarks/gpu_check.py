@@ -79,7 +79,8 @@ def _round_case(method: str, args) -> dict:
   config = load_config(os.path.join(REPO, "configs", f"{method}.py"), "smoke" if args.quick else None)
   if method == "ntk_dfl":
     config.chunk_size = args.size
-  algorithm = runner.build_experiment(config).algorithm
+  experiment = runner.build_experiment(config)
+  algorithm = experiment.algorithm
   holder = {"state": algorithm.init(jax.random.key(config.seed)), "round": 0}
 
   def one_round():
@@ -87,7 +88,8 @@ def _round_case(method: str, args) -> dict:
     jax.block_until_ready(state)
     holder["state"], holder["round"] = state, holder["round"] + 1
 
-  first, steady = _time_calls(one_round, args.repeats)
+  with experiment.device_policy():     # the config's devices and chunk size, read when the step is traced
+    first, steady = _time_calls(one_round, args.repeats)
   data = config.data
   setting = f"{data.num_clients} clients, κ = {config.topology.degree}"
   if method == "ntk_dfl":

@@ -79,50 +79,51 @@ def main():
   algo = config.algorithm
   rows = []
 
-  step_time = _timed(algorithm.step, state, inputs, repeats=args.repeats)
-  if not args.skip_stages:
-    data = jax.device_put(fed)
+  with experiment.device_policy():     # the config's devices and chunk size, read when a step is traced
+    step_time = _timed(algorithm.step, state, inputs, repeats=args.repeats)
+    if not args.skip_stages:
+      data = jax.device_put(fed)
 
-    @jax.jit
-    def average(params, inputs):
-      return topology.mix(params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
-
-    def neighbourhood(idx, nbrs, nbr_mask, data):
-      members = jnp.concatenate([idx[None], nbrs])
-      mask = data.mask[members] & jnp.concatenate([jnp.ones((1,), bool), nbr_mask])[:, None]
-      x, y = data.samples(data.index[members].reshape(-1))
-      targets = jax.nn.one_hot(y, model.num_classes)
-      return x, targets, mask.reshape(-1)
-
-    def make_stage(with_evolution):
       @jax.jit
-      def stage(params, inputs, data):
-        def per_client(p, idx, nbrs, nbr_mask):
-          x, targets, mask = neighbourhood(idx, nbrs, nbr_mask, data)
-          x = jnp.where(mask[:, None], x, 0.0)
-          kernel = ntk.empirical_ntk(model.apply, p, x, dense_stack=model.dense_stack)
-          if not with_evolution:
-            return kernel[0, :4]
-          evo = evolve.evolve(kernel, model.apply(p, x), targets, mask, lr=algo.lr, taus=tuple(algo.taus),
-                              loss="ce", solver=algo.solver)
-          return evo.residual_sums[:, 0, :]
-        return parallel.for_each_client(per_client, chunk_size=config.chunk_size or None)(
-            params, jnp.arange(fed.n.shape[0]), inputs.neighbors, inputs.neighbor_mask)
-      return stage
+      def average(params, inputs):
+        return topology.mix(params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
 
-    rows.append(("average (eq. 1)", _timed(average, state.params, inputs, repeats=args.repeats)))
-    kernel_time = _timed(make_stage(False), state.params, inputs, data, repeats=args.repeats)
-    evolve_time = _timed(make_stage(True), state.params, inputs, data, repeats=args.repeats)
-    rows.append(("neighbourhood gather + structured NTK", kernel_time))
-    rows.append(("Euler CE evolution (τ_max steps)", evolve_time - kernel_time))
-    rows.append(("VJP updates + τ selection (step − the above)", step_time - evolve_time - rows[0][1]))
-  rows.append(("**whole step**", step_time))
+      def neighbourhood(idx, nbrs, nbr_mask, data):
+        members = jnp.concatenate([idx[None], nbrs])
+        mask = data.mask[members] & jnp.concatenate([jnp.ones((1,), bool), nbr_mask])[:, None]
+        x, y = data.samples(data.index[members].reshape(-1))
+        targets = jax.nn.one_hot(y, model.num_classes)
+        return x, targets, mask.reshape(-1)
 
-  evaluator = metrics_lib.make_evaluator(model.apply, experiment.dataset.x_test, experiment.dataset.y_test,
-                                         batch_size=config.eval.batch_size, chunk_size=config.chunk_size or None)
-  rows.append(("evaluation (aggregated + all clients)",
-               _timed(lambda p: (evaluator.aggregate(p), evaluator.clients(p)),
-                      state.params, repeats=args.repeats)))
+      def make_stage(with_evolution):
+        @jax.jit
+        def stage(params, inputs, data):
+          def per_client(p, idx, nbrs, nbr_mask):
+            x, targets, mask = neighbourhood(idx, nbrs, nbr_mask, data)
+            x = jnp.where(mask[:, None], x, 0.0)
+            kernel = ntk.empirical_ntk(model.apply, p, x, dense_stack=model.dense_stack)
+            if not with_evolution:
+              return kernel[0, :4]
+            evo = evolve.evolve(kernel, model.apply(p, x), targets, mask, lr=algo.lr, taus=tuple(algo.taus),
+                                loss="ce", solver=algo.solver)
+            return evo.residual_sums[:, 0, :]
+          return parallel.for_each_client(per_client)(
+              params, jnp.arange(fed.n.shape[0]), inputs.neighbors, inputs.neighbor_mask)
+        return stage
+
+      rows.append(("average (eq. 1)", _timed(average, state.params, inputs, repeats=args.repeats)))
+      kernel_time = _timed(make_stage(False), state.params, inputs, data, repeats=args.repeats)
+      evolve_time = _timed(make_stage(True), state.params, inputs, data, repeats=args.repeats)
+      rows.append(("neighbourhood gather + structured NTK", kernel_time))
+      rows.append(("Euler CE evolution (τ_max steps)", evolve_time - kernel_time))
+      rows.append(("VJP updates + τ selection (step − the above)", step_time - evolve_time - rows[0][1]))
+    rows.append(("**whole step**", step_time))
+
+    evaluator = metrics_lib.make_evaluator(model.apply, experiment.dataset.x_test, experiment.dataset.y_test,
+                                           batch_size=config.eval.batch_size)
+    rows.append(("evaluation (aggregated + all clients)",
+                 _timed(lambda p: (evaluator.aggregate(p), evaluator.clients(p)),
+                        state.params, repeats=args.repeats)))
 
   peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
   print(f"NTK-DFL round: {args.clients} clients, κ={args.degree}, N≈{(args.degree + 1) * fed.index.shape[1]} "

@@ -77,7 +77,7 @@ def run_one(spec: dict) -> dict:
   if spec["method"] == "ntk_dfl":
     config.algorithm.taus = tuple(range(100, spec["tau_max"] + 1, 100))
   started = time.perf_counter()
-  with parallel.use_devices(config.devices):    # what runner.run does: shard clients when devices exist
+  with parallel.use_devices(config.devices, chunk_size=config.chunk_size):    # what runner.run does
     algorithm = runner.build_experiment(config).algorithm
     state = jax.block_until_ready(algorithm.init(jax.random.PRNGKey(config.seed)))
     rss_before = _rss_mb()

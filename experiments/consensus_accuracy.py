@@ -27,15 +27,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from ntk_fl import metrics, runner, topology  # noqa: E402
-from ntk_fl.checkpoint import Checkpoints  # noqa: E402
+from ntk_fl import metrics, rundir, runner, topology
+from ntk_fl.checkpoint import Checkpoints
 
 
 def client_accuracies(workdir: str, round_: int | None = None, *, trust_method_module: str | None = None) -> dict:
@@ -44,22 +41,22 @@ def client_accuracies(workdir: str, round_: int | None = None, *, trust_method_m
   Returns:
     ``{"round", "aggregated", "own" [M], "consensus" [M]}`` (accuracies as floats / numpy arrays).
   """
-  config = runner.load_run_config(workdir, trust_method_module=trust_method_module)
-  experiment = runner.build_experiment(config)
-  algorithm = experiment.algorithm
-  template = algorithm.init(jax.random.PRNGKey(config.seed))
-  with Checkpoints(os.path.join(workdir, runner.CHECKPOINT_DIR), read_only=True) as checkpoints:
+  experiment = runner.build_experiment(rundir.rebuild_config(workdir, trust_method_module=trust_method_module))
+  algorithm, settings = experiment.algorithm, experiment.settings
+  template = algorithm.init(jax.random.PRNGKey(settings.seed))
+  with Checkpoints(rundir.checkpoint_dir(workdir), read_only=True) as checkpoints:
     round_ = checkpoints.latest() if round_ is None else round_
     if round_ is None:
       raise FileNotFoundError(f"{workdir} has no finalised checkpoint")
     state = checkpoints.restore(round_, template)
   own = algorithm.client_params(state)
   consensus = topology.consensus(own, algorithm.round_inputs(round_))
-  evaluator = metrics.make_evaluator(experiment.model.apply, experiment.dataset.x_test, experiment.dataset.y_test,
-                                     batch_size=config.eval.batch_size, chunk_size=config.chunk_size or None)
-  aggregated = float(evaluator.aggregate(own)[0])
-  own_acc = np.asarray(evaluator.clients(own)[0])
-  consensus_acc = np.asarray(evaluator.clients(consensus)[0])
+  with experiment.device_policy():     # the run's devices and chunk size, as the runner evaluated
+    evaluator = metrics.make_evaluator(experiment.model.apply, experiment.dataset.x_test, experiment.dataset.y_test,
+                                       batch_size=settings.eval.batch_size)
+    aggregated = float(evaluator.aggregate(own)[0])
+    own_acc = np.asarray(evaluator.clients(own)[0])
+    consensus_acc = np.asarray(evaluator.clients(consensus)[0])
   return {"round": round_, "aggregated": aggregated, "own": own_acc, "consensus": consensus_acc}
 
 

@@ -2,9 +2,9 @@
 
 Usage::
 
-  python experiments/fed_ensemble_toy.py --config=configs/fed_ensemble.py:toy --out=runs/fed_ensemble_toy
+  python experiments/fed_ensemble_toy.py --config=configs/fed_ensemble_toy.py --out=runs/fed_ensemble_toy
 
-Setting (``configs/fed_ensemble.py:toy``): 50 clients with 2 points each,
+Setting (``configs/fed_ensemble_toy.py``): 50 clients with 2 points each,
 ``x ~ U[-1, 1]``, ``y = a_i sin(2 pi x) + eps`` (``a_i ~ N(1, 0.2^2)`` per client,
 ``eps ~ N(0, 0.2^2)``), so ``E[y | x] = sin(2 pi x)``; a linear model on 100
 fixed RBF features ``exp(-(x - nu_k)^2 / (2 b^2))``, ``b = 0.08``, ``nu_k ~ U[-1, 1]``.
@@ -45,7 +45,7 @@ import numpy as np
 from ntk_fl.algorithms import fed_ensemble
 from ntk_fl.rng import Stream, jax_key, numpy_rng
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/fed_ensemble.py:toy", "toy regression config")
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/fed_ensemble_toy.py", "toy regression config")
 _OUT = flags.DEFINE_string("out", "runs/fed_ensemble_toy", "output directory")
 
 # Table 1 of the paper, verbatim (bias, variance) for K = 1 (FedAvg), 2, 10, 20, 40.
@@ -229,7 +229,7 @@ def main(argv):
   del argv
   config = _CONFIG.value
   if config.method != "fed_ensemble_toy":
-    raise ValueError(f"expected the toy config (configs/fed_ensemble.py:toy), got method {config.method!r}")
+    raise ValueError(f"expected the toy config (configs/fed_ensemble_toy.py), got method {config.method!r}")
   run(config, _OUT.value)
 
 

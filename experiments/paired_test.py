@@ -18,20 +18,15 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
-
-from ntk_fl import stats  # noqa: E402
-import summarize_runs  # noqa: E402
+from ntk_fl import rundir, stats
 
 
 def setting_key(config: dict) -> str:
   """What two paired runs must share besides the seed: dataset, clients and split."""
   data = config["data"]
-  return f"{data['name']}, {data['num_clients']} clients, {summarize_runs.split_label(config)}"
+  return f"{data['name']}, {data['num_clients']} clients, {rundir.split_label(config)}"
 
 
 def accuracy_at(run: dict, round_: int) -> float:
@@ -101,7 +96,7 @@ def main() -> None:
   args = parser.parse_args()
   if args.round < 1:
     parser.error(f"--round must be >= 1; got {args.round}")
-  read = lambda dirs: [summarize_runs.read_run(d) for d in dirs]   # noqa: E731
+  read = lambda dirs: [rundir.read_run(d) for d in dirs]   # noqa: E731
   try:
     rows = paired_rows(read(args.method), read(args.baseline), args.round)
   except ValueError as error:

@@ -31,32 +31,15 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import shutil
 import statistics
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from ntk_fl import metrics  # noqa: E402
+from ntk_fl import metrics, rundir
+from ntk_fl.rundir import read_run, split_label
 
 
 DETAIL_ROUNDS = (1, 2, 3, 5, 8, 10, 12, 15, 18, 20, 25, 30, 40, 50, 75, 100, 150, 200)
-
-
-def read_run(workdir: str) -> dict:
-  """``{"name", "workdir", "config", "lines", "summary"}``; ``summary`` is ``None`` while the run is unfinished."""
-  with open(os.path.join(workdir, "config.json")) as f:
-    config = json.load(f)
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    lines = [json.loads(line) for line in f if line.strip()]
-  summary = None
-  if os.path.isfile(os.path.join(workdir, "summary.json")):
-    with open(os.path.join(workdir, "summary.json")) as f:
-      summary = json.load(f)
-  return {"name": os.path.basename(os.path.normpath(workdir)), "workdir": workdir, "config": config, "lines": lines,
-          "summary": summary}
 
 
 ARCHIVE_DROPPED = ("clients",)     # per-client arrays of a metrics line: [M] values per round, never read here
@@ -72,41 +55,10 @@ def archive(workdir: str, out_root: str) -> str:
   target = os.path.join(out_root, name)
   staging = target + ".partial"
   shutil.rmtree(staging, ignore_errors=True)
-  os.makedirs(staging)
-  for filename in ("config.json", "summary.json"):
-    if os.path.isfile(os.path.join(workdir, filename)):
-      shutil.copyfile(os.path.join(workdir, filename), os.path.join(staging, filename))
-  with open(os.path.join(workdir, "metrics.jsonl")) as src, open(os.path.join(staging, "metrics.jsonl"), "w") as dst:
-    for line in src:
-      if line.strip():
-        record = json.loads(line)
-        dst.write(json.dumps({k: v for k, v in record.items() if k not in ARCHIVE_DROPPED}) + "\n")
+  rundir.copy_run(workdir, staging, drop=ARCHIVE_DROPPED)
   shutil.rmtree(target, ignore_errors=True)
   os.rename(staging, target)
   return target
-
-
-def split_label(config: dict) -> str:
-  """The data split of a run's config: ``"IID"``, ``"α=0.1"``, ``"2 labels/client"``, ``"contiguous"`` or a map's name.
-
-  The authors' shipped maps read ``"authors α=0.1 d0"`` / ``"authors IID d0"``; any other
-  index map is labelled by its file name.
-  """
-  data = config["data"]
-  partition = data["partition"]
-  if partition == "iid":
-    return "IID"
-  if partition == "contiguous":
-    return "contiguous"
-  if partition == "shards":
-    return f"{data['classes_per_client']} labels/client"
-  if partition == "index_map":
-    name = os.path.basename(data.get("partition_file", ""))
-    level, _, draw = name.removeprefix("fmnist_").rpartition("_")
-    if name.startswith("fmnist_") and draw.isdigit():
-      return f"authors {'IID' if level == 'iid' else 'α=' + level.removeprefix('alpha')} d{draw}"
-    return name
-  return f"α={data['alpha']:g}"
 
 
 def _describe(config: dict, with_seed: bool = True) -> str:
@@ -312,10 +264,10 @@ def main() -> None:
   parser.add_argument("--detail", action="store_true", help="per-run curve points, gap and selection curves")
   parser.add_argument("--archive", default="", help="copy each run's scalars to ARCHIVE/<workdir name>/")
   args = parser.parse_args()
-  runs = [read_run(w) for w in args.workdirs if os.path.isfile(os.path.join(w, "metrics.jsonl"))]
+  runs = [read_run(w) for w in args.workdirs if rundir.is_run(w)]
   runs = [run for run in runs if run["lines"]]          # skip runs that have not finished a round yet
   if not runs:
-    sys.exit("no runs with a metrics.jsonl among the given workdirs")
+    raise SystemExit(f"no runs with a {rundir.METRICS_FILE} among the given workdirs")
   print(table(runs))
   print()
   print(seed_table(runs))

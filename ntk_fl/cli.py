@@ -304,16 +304,17 @@ def _main(argv: list[str]) -> None:
                branch_from=_FLAGS["branch_from"].value, branch_round=_FLAGS["branch_round"].value)
   verbose = logging.get_verbosity() >= 1
   try:
-    # Everything that can be wrong with the request fails here, before any data is loaded.
-    schema.validate_config(config)
-    rundir.check_start(config, workdir, **start)
+    # Everything that can be wrong with the request fails here, before any data is loaded; the config is
+    # checked once and travels on as typed settings.
+    settings = schema.validate_config(config)
+    rundir.check_start(settings, workdir, **start)
   except (*_ONE_LINE_ERRORS, CheckpointDamaged) as e:
     if verbose:
       traceback.print_exc()
     sys.exit(f"error: {one_line(e)}")
   try:
     _log_to_workdir(held, workdir)
-    summary = runner.run(config, workdir, **start)
+    summary = runner.run(settings, workdir, **start)
   except runner.Diverged as e:   # an outcome of the experiment, not a failure of the code: no traceback
     sys.exit(f"error: {e}")
   except (*_ONE_LINE_ERRORS, CheckpointDamaged) as e:

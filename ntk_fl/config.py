@@ -4,7 +4,8 @@ A config file's ``get_config(arg)`` starts from :func:`base_config` and fills in
 ``config.method`` and the method's own ``config.algorithm`` block; ``arg`` picks
 a named variant (``smoke``, ``paper``, ``iid``, ``alpha0.5``, ...).
 
-Field reference (all of them are validated by the runner before any work):
+Field reference (all of them are checked once, by :func:`ntk_fl.schema.validate_config`, before any work;
+below it they travel as the frozen dataclasses of :mod:`ntk_fl.settings`):
 
 * ``method``: registry name of the algorithm (``ntk_dfl``, ``dfedavg``, ...).
 * ``method_module``: optional module (dotted name or ``.py`` path) imported before
@@ -46,7 +47,8 @@ Field reference (all of them are validated by the runner before any work):
   round with a message, a non-zero exit status, ``summary.json`` status
   ``diverged``; the last good checkpoint is kept) or ``continue`` (for studies
   of divergence: logged, recorded in the summary, the run goes on).
-* ``chunk_size``: clients per ``vmap`` chunk (``0`` = all at once), per device.
+* ``chunk_size``: clients per ``vmap`` chunk (``0`` = all at once), per device; with ``devices`` it is
+  the run's device policy (:func:`ntk_fl.parallel.use_devices`).
 * ``devices``: devices the client axis is sharded over (:mod:`ntk_fl.parallel`):
   ``0`` = all (every host's after ``--distributed``), ``1`` = the single-device
   path, ``n`` = the first ``n``. Results agree across device counts up to float
@@ -57,7 +59,7 @@ from __future__ import annotations
 
 import ml_collections
 
-__all__ = ["base_config", "apply_variants", "COMMON_VARIANTS", "load_config", "smoke_slice"]
+__all__ = ["base_config", "apply_variants", "COMMON_VARIANTS", "load_config", "load_run_config", "smoke_slice"]
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -235,3 +237,23 @@ def load_config(path: str, variant: str | None = None) -> ml_collections.ConfigD
   if not hasattr(module, "get_config"):
     raise ValueError(f"config file {str(file)!r} defines no get_config(arg)")
   return module.get_config(variant)
+
+
+def _tuples(value):
+  """JSON lists back to the tuples the config files use (``taus``, ``hidden``, ``targets``, ...)."""
+  if isinstance(value, dict):
+    return {k: _tuples(v) for k, v in value.items()}
+  if isinstance(value, list):
+    return tuple(_tuples(v) for v in value)
+  return value
+
+
+def load_run_config(workdir: str, *, trust_method_module: str | None = None) -> ml_collections.ConfigDict:
+  """The config the run in ``workdir`` was started with, as an editable ``ConfigDict``.
+
+  For scripts that rerun or rescore a stored run: ``build_experiment(load_run_config(workdir))``
+  rebuilds its experiment. :func:`ntk_fl.rundir.rebuild_config` gives the same as a plain dict and
+  says when a stored ``method_module`` is imported (``trust_method_module``).
+  """
+  from ntk_fl import rundir  # pylint: disable=import-outside-toplevel -- config files import this module
+  return ml_collections.ConfigDict(_tuples(rundir.rebuild_config(workdir, trust_method_module=trust_method_module)))

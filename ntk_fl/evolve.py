@@ -79,7 +79,6 @@ __all__ = [
     "KERNELS",
     "MSE_FORMS",
     "check_taus",
-    "validate_evolution_config",
     "evolve",
     "evolve_ce_euler",
     "evolve_ce_ode",
@@ -558,31 +557,6 @@ def mean_loss(logits: Array, targets: Array, mask: Array, loss: str = "ce") -> A
   mask = mask.astype(bool)
   n = jnp.maximum(mask.sum(), 1).astype(per_sample.dtype)
   return jnp.where(mask, per_sample, 0).sum() / n
-
-
-def validate_evolution_config(algo: Any, path: str = "config.algorithm") -> None:
-  """Checks the NTK-evolution keys every NTK method's config shares (before any work).
-
-  ``lr`` (> 0), ``lr_decay`` (>= 0, ``η_r = η·exp(−decay·r)``), ``taus`` (see
-  :func:`check_taus`), ``solver``, ``select``, ``kernel`` and, where the block
-  has it, ``loss`` (the ODE solver is for cross-entropy only).
-  """
-  from ntk_fl import validation  # pylint: disable=import-outside-toplevel -- evolve stays free of config code
-
-  validation.check_real(f"{path}.lr", algo.lr, low=0, low_open=True)
-  validation.check_real(f"{path}.lr_decay (η_r = η·exp(−decay·r))", algo.lr_decay, low=0)
-  try:
-    check_taus(tuple(algo.taus))
-  except (TypeError, ValueError) as e:
-    raise ValueError(f"{path}.taus: {e}") from e
-  choices = (("solver", SOLVERS), ("select", SELECTS), ("kernel", KERNELS))
-  if "loss" in algo:
-    choices = (("loss", LOSSES),) + choices
-  for name, allowed in choices:
-    validation.check_choice(f"{path}.{name}", algo[name], allowed)
-  if "loss" in algo and algo.loss == "mse" and algo.solver != "euler":
-    raise ValueError(f"{path}.solver applies to the cross-entropy loss only; the MSE evolution is the "
-                     f"closed form -- leave solver='euler' with loss='mse' (got solver={algo.solver!r})")
 
 
 def select_tau(losses: Array, taus: Sequence[int]) -> TauChoice:

@@ -3,7 +3,7 @@
 Evaluation runs over the test set in fixed-size batches (one compiled program
 however large the set; the last batch is padded and masked), and per-client
 evaluation lifts the single-model evaluation with
-:func:`ntk_fl.parallel.for_each_client`, so ``chunk_size`` bounds its memory.
+:func:`ntk_fl.parallel.for_each_client`, so the device policy's ``chunk_size`` bounds its memory.
 
 * :func:`evaluate` / :func:`evaluate_clients`: accuracy and mean cross-entropy.
 * :func:`make_evaluator`: the same, as jit-compiled closures over a fixed test
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ntk_fl.distributed import to_host
-from ntk_fl.parallel import for_each_client
+from ntk_fl.parallel import for_each_client, policy_chunk_size
 from ntk_fl.rng import Stream, numpy_rng
 
 __all__ = [
@@ -152,15 +152,17 @@ def evaluate_clients(apply_fn: Callable, stacked_params, x, y, *, batch_size: in
     stacked_params: parameters with a leading client axis ``M``.
     x, y: ``[N, *input_shape]`` inputs and ``[N]`` labels.
     batch_size: test rows per batch.
-    chunk_size: clients evaluated at once (``None``/0 = all ``M``); peak memory
-      is about ``chunk_size * batch_size`` activations.
+    chunk_size: clients evaluated at once (``0`` = all ``M``; ``None`` = the
+      device policy's, :func:`ntk_fl.parallel.use_devices`); peak memory is about
+      ``chunk_size * batch_size`` activations.
 
   Returns:
     ``(accuracy [M], loss [M])`` float32.
   """
   chex.assert_equal_shape_prefix(jax.tree_util.tree_leaves(stacked_params), 1)   # one client axis M
-  return _evaluate_clients_jit(apply_fn, stacked_params, batch_test_set(x, y, batch_size),
-                               chunk_size or None)
+  # Resolved here, not at trace time: the compiled program is cached per chunk size.
+  chunk_size = policy_chunk_size() if chunk_size is None else chunk_size
+  return _evaluate_clients_jit(apply_fn, stacked_params, batch_test_set(x, y, batch_size), chunk_size)
 
 
 def average_params(stacked_params, weights=None):
@@ -292,13 +294,13 @@ def make_evaluator(apply_fn: Callable, x, y, *, batch_size: int = 10_000,
     apply_fn: ``apply(params, x [B, ...]) -> logits [B, C]``.
     x, y: the test set, ``[N, ...]`` and ``[N]``.
     batch_size: test rows per batch.
-    chunk_size: clients (ensemble members) evaluated at once (``None``/0 = all).
+    chunk_size: clients (ensemble members) evaluated at once (``0`` = all;
+      ``None`` = the device policy's when the evaluator is first called).
     aggregate: one of :data:`AGGREGATES` (see the module docstring).
   """
   if aggregate not in AGGREGATES:
     raise ValueError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
   batches = jax.device_put(batch_test_set(x, y, batch_size))
-  chunk_size = chunk_size or None
 
   @jax.jit
   def _aggregate(stacked_params, batches):

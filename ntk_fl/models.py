@@ -33,6 +33,7 @@ __all__ = [
     "ACTIVATIONS",
     "MODELS",
     "mlp",
+    "mlp_on_inputs",
     "cnn",
     "make_model",
     "init_clients",
@@ -181,6 +182,21 @@ def mlp(input_dim: int = 784, hidden: Sequence[int] = (100,), num_classes: int =
   return _pure(_MLP(features=features, activation=act), (input_dim,), num_classes, stack)
 
 
+def mlp_on_inputs(model: Model, input_dim: int) -> Model:
+  """The MLP ``model`` (same layer widths, activation and initialisation) on ``input_dim`` inputs.
+
+  CP-NTK-FL trains the network on secretly projected inputs ``x P`` of width
+  ``d1'``: the same architecture with a narrower first layer.
+  """
+  if model.dense_stack is None:
+    raise ValueError("mlp_on_inputs needs an MLP (a model with a dense_stack), e.g. model.name='mlp'")
+  input_dim = _check_positive_int("input_dim", input_dim)
+  shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0))["params"]
+  features = tuple(int(shapes[name]["kernel"].shape[-1]) for name in model.dense_stack.layers)
+  return _pure(_MLP(features=features, activation=model.dense_stack.activation), (input_dim,), model.num_classes,
+               model.dense_stack)
+
+
 # ---------------------------------------------------------------------- CNN
 
 
@@ -235,10 +251,10 @@ def cnn(input_shape: Sequence[int] = (32, 32, 3), num_classes: int = 10, *,
 
 
 def make_model(model_config: Any, input_shape: Sequence[int], num_classes: int) -> Model:
-  """The model of ``config.model`` (``name``, ``hidden``, ``activation``; see :mod:`ntk_fl.config`).
+  """The model of :class:`ntk_fl.settings.ModelSettings` (``name``, ``hidden``, ``activation``).
 
   Args:
-    model_config: ``config.model``; ``name`` in :data:`MODELS`. ``init`` (when
+    model_config: the run's model settings; ``name`` in :data:`MODELS`. ``init`` (when
       present) is checked against ``('shared', 'per_client')`` for
       :func:`init_clients`.
     input_shape: shape of one input sample as the data provides it. ``mlp`` uses
@@ -279,7 +295,7 @@ def init_clients(model: Model, key: jax.Array, num_clients: int, *, shared: bool
     params = model.init(key)
     stacked = jax.tree.map(lambda a: jnp.broadcast_to(a, (num_clients, *a.shape)), params)
   else:
-    stacked = parallel.for_each_client(model.init)(jax.random.split(key, num_clients))
+    stacked = parallel.for_each_client(model.init, chunk_size=0)(jax.random.split(key, num_clients))
   chex.assert_tree_shape_prefix(stacked, (num_clients,))
   return stacked
 

@@ -9,9 +9,11 @@ Two layers, chosen when the lifted function is *traced*:
 
 * **Chunked ``vmap``** (always, per device): ``chunk_size`` clients at a time
   (``lax.map`` with ``batch_size``), so peak memory grows with the chunk, not
-  with ``M``. ``chunk_size`` ``None``/``0`` maps all local clients at once.
-* **Sharding over devices**, inside :func:`use_devices` (the runner enters it
-  with ``config.devices``) when it spans more than one device: the mapped
+  with ``M``. ``0`` maps all local clients at once. The chunk size is part of
+  the device policy: :func:`use_devices` sets it (the runner enters it with
+  ``config.devices`` and ``config.chunk_size``), and a :func:`for_each_client`
+  without an explicit ``chunk_size`` uses it (all at once outside any policy).
+* **Sharding over devices**, inside :func:`use_devices` when it spans more than one device: the mapped
   arguments are split along their client axis over a mesh with one axis
   ``'clients'`` (:data:`CLIENTS`) by ``jax.shard_map`` (``P('clients')``), every
   array the function *captures* (closure constants, e.g. the whole federation's
@@ -55,17 +57,27 @@ from jax.sharding import AxisType, Mesh, PartitionSpec
 
 from ntk_fl import validation
 
-__all__ = ["CLIENTS", "for_each_client", "make_client_mesh", "use_devices", "num_client_shards", "current_mesh"]
+__all__ = ["CLIENTS", "for_each_client", "make_client_mesh", "use_devices", "num_client_shards", "current_mesh",
+           "policy_chunk_size"]
 
 CLIENTS = "clients"
 """Name of the mesh axis the client axis is sharded over."""
 
-_STATE = threading.local()   # .meshes: the stack of use_devices meshes (None = single-device path)
+_STATE = threading.local()   # .policies: the stack of use_devices (mesh or None = single device, chunk_size)
+
+
+def _current_policy() -> tuple[Mesh | None, int]:
+  policies = getattr(_STATE, "policies", None)
+  return policies[-1] if policies else (None, 0)
 
 
 def _current_mesh() -> Mesh | None:
-  meshes = getattr(_STATE, "meshes", None)
-  return meshes[-1] if meshes else None
+  return _current_policy()[0]
+
+
+def policy_chunk_size() -> int:
+  """Clients per chunk of the innermost :func:`use_devices` (``0`` = all at once, also outside any)."""
+  return _current_policy()[1]
 
 
 def current_mesh() -> Mesh | None:
@@ -100,26 +112,29 @@ def make_client_mesh(devices: int | Sequence[jax.Device] = 0) -> Mesh:
 
 
 @contextlib.contextmanager
-def use_devices(devices: int | Sequence[jax.Device] = 0) -> Iterator[Mesh | None]:
-  """Context in which every :func:`for_each_client` *traced* shards clients over ``devices``.
+def use_devices(devices: int | Sequence[jax.Device] = 0, *, chunk_size: int = 0) -> Iterator[Mesh | None]:
+  """The device policy: every :func:`for_each_client` *traced* inside shards clients over ``devices``.
 
   Args:
     devices: as in :func:`make_client_mesh`. ``1`` (or ``0`` on a one-device
       machine) is the single-device path: no mesh.
+    chunk_size: clients per ``vmap`` chunk on each device for every
+      :func:`for_each_client` that does not name its own (``0`` = all at once).
 
   Yields:
     The mesh, or ``None`` on the single-device path.
 
   Contexts nest (the innermost wins) and are per thread.
   """
+  chunk_size = validation.check_int("chunk_size (0 = all clients at once)", chunk_size, low=0)
   mesh = make_client_mesh(devices)
-  if not hasattr(_STATE, "meshes"):
-    _STATE.meshes = []
-  _STATE.meshes.append(mesh if mesh.size > 1 else None)
+  if not hasattr(_STATE, "policies"):
+    _STATE.policies = []
+  _STATE.policies.append((mesh if mesh.size > 1 else None, chunk_size))
   try:
-    yield _STATE.meshes[-1]
+    yield _STATE.policies[-1][0]
   finally:
-    _STATE.meshes.pop()
+    _STATE.policies.pop()
 
 
 def num_client_shards() -> int:
@@ -167,10 +182,12 @@ def for_each_client(fn: Callable[..., Any], *, chunk_size: int | None = None) ->
     fn: a pure function of one client's arguments (pytrees without the client
       axis). Arrays it captures (closures, ``functools.partial``) are shared by
       all clients -- replicated on every device when clients are sharded.
-    chunk_size: ``None`` or ``0`` maps all (local) clients at once (plain
-      ``vmap``); a positive value maps ``chunk_size`` clients at a time per
-      device (``lax.map`` with ``batch_size``), bounding peak memory by the chunk
-      instead of ``M``.
+    chunk_size: ``None`` (default) takes the device policy's chunk size
+      (:func:`use_devices`; all at once outside any) when the function is
+      traced; ``0`` maps all (local) clients at once (plain ``vmap``; for cheap
+      elementwise maps); a positive value maps ``chunk_size`` clients at a time
+      per device (``lax.map`` with ``batch_size``), bounding peak memory by the
+      chunk instead of ``M``.
 
   Returns:
     ``mapped(*stacked_args)``: every leaf of every argument has leading axis
@@ -187,14 +204,15 @@ def for_each_client(fn: Callable[..., Any], *, chunk_size: int | None = None) ->
 
   def mapped(*stacked_args):
     num_clients = _num_clients(stacked_args)
+    chunk = policy_chunk_size() if chunk_size is None else chunk_size
     shards = num_client_shards()
     if shards == 1:
-      out = _chunked(fn, chunk_size, stacked_args)
+      out = _chunked(fn, chunk, stacked_args)
       chex.assert_tree_shape_prefix(out, (num_clients,))
       return out
     padded = -(-num_clients // shards) * shards
     sharded = jax.shard_map(
-        lambda *args: _chunked(fn, chunk_size, args),
+        lambda *args: _chunked(fn, chunk, args),
         mesh=_current_mesh(), in_specs=PartitionSpec(CLIENTS), out_specs=PartitionSpec(CLIENTS),
         axis_names=frozenset({CLIENTS}),
         # No replication (vma) checking: per-client code carries loops whose initial values are

@@ -24,16 +24,17 @@ identically (SPARK's ablation rows share the hard-label warm-up).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+import shutil
 
 from absl import logging
 import jax
-import ml_collections
 import numpy as np
 
-from ntk_fl import distributed, validation
+from ntk_fl import distributed, settings, validation
 from ntk_fl.algorithms import get_method
 from ntk_fl.algorithms.base import config_without
 from ntk_fl.checkpoint import Checkpoints
@@ -52,11 +53,17 @@ __all__ = [
     "check_writable",
     "checkpoint_dir",
     "jsonable",
-    "load_run_config",
+    "is_run",
     "metrics_line",
     "metrics_up_to",
     "read_branch",
+    "read_config",
+    "read_run",
+    "rebuild_config",
+    "copy_run",
+    "split_label",
     "read_metrics",
+    "read_summary",
     "write_config",
     "write_branch",
     "write_metrics",
@@ -75,7 +82,7 @@ BRANCH_FILE = "branched_from.json"
 # consensus models are also scored); resume and branch ignore them.
 _RESULT_NEUTRAL_KEYS = ("devices", "checkpoint_keep", "eval.consensus", "on_divergence")
 # Keys added to the schema after runs were stored, each with the value that reproduces those runs: a stored
-# config.json without one ran with that value (resume, branch and load_run_config fill it in).
+# config.json without one ran with that value (resume, branch and read_config fill it in).
 _ADDED_KEYS = {"data.max_test": 0, "eval.consensus": False, "data.partition_file": "", "on_divergence": "stop"}
 
 
@@ -85,11 +92,13 @@ def checkpoint_dir(workdir: str) -> str:
 
 
 def jsonable(obj):
-  """Plain-python JSON value of ``obj`` (numpy/jax arrays and scalars, tuples, ConfigDicts).
+  """Plain-python JSON value of ``obj`` (numpy/jax arrays and scalars, tuples, configs and settings).
 
   Non-finite floats become ``None`` (JSON has no NaN/inf).
   """
-  if isinstance(obj, ml_collections.ConfigDict):
+  if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+    obj = settings.to_dict(obj)
+  elif callable(getattr(obj, "to_dict", None)):     # an ml_collections.ConfigDict
     obj = obj.to_dict()
   if isinstance(obj, dict):
     return {str(k): jsonable(v) for k, v in obj.items()}
@@ -217,26 +226,19 @@ def _stored_config(workdir: str, action: str) -> dict:
   return stored
 
 
-def _tuples(value):
-  """JSON lists back to the tuples the config files use (``taus``, ``hidden``, ``targets``, ...)."""
-  if isinstance(value, dict):
-    return {k: _tuples(v) for k, v in value.items()}
-  if isinstance(value, list):
-    return tuple(_tuples(v) for v in value)
-  return value
+def read_config(workdir: str) -> dict:
+  """The config the run in ``workdir`` was started with (its ``config.json``), as data: a JSON dict.
+
+  Keys added to the schema since the run was written are filled in with the
+  values that reproduce it. Nothing is imported (a stored ``method_module`` is
+  just a string here): for tables and comparisons. To rebuild or rescore the
+  run, use :func:`rebuild_config`.
+  """
+  return _stored_config(workdir, "read the run")
 
 
-def _same_module(spec: str, trusted: str) -> bool:
-  if spec.endswith(".py") or trusted.endswith(".py"):
-    return os.path.realpath(spec) == os.path.realpath(trusted)
-  return spec == trusted
-
-
-def load_run_config(workdir: str, *, trust_method_module: str | None = None) -> ml_collections.ConfigDict:
-  """The config the run in ``workdir`` was started with (its ``config.json``), as a ``ConfigDict``.
-
-  For scripts that read a finished or running run (``experiments/consensus_accuracy.py``):
-  ``build_experiment(load_run_config(workdir))`` rebuilds its experiment.
+def rebuild_config(workdir: str, *, trust_method_module: str | None = None) -> dict:
+  """The stored config of ``workdir``, ready for :func:`ntk_fl.schema.validate_config` / ``build_experiment``.
 
   A run directory is data, and data must not run code: a stored
   ``method_module`` (which :func:`ntk_fl.schema.validate_config` would import,
@@ -246,6 +248,7 @@ def load_run_config(workdir: str, *, trust_method_module: str | None = None) -> 
   registered (a built-in method, or one the calling script registered itself):
   the stored ``method_module`` is then dropped (with a warning) and the method
   comes from the registry; with neither, the read is refused.
+  :func:`ntk_fl.config.load_run_config` makes an editable ``ConfigDict`` of it.
   """
   from ntk_fl.algorithms import available  # pylint: disable=g-import-not-at-top
   from ntk_fl.schema import method_module_imported  # pylint: disable=g-import-not-at-top
@@ -263,7 +266,73 @@ def load_run_config(workdir: str, *, trust_method_module: str | None = None) -> 
     logging.warning("%s: method %r is registered; not importing its stored method_module %r",
                     path, stored.get("method"), spec)
     stored["method_module"] = ""
-  return ml_collections.ConfigDict(_tuples(stored))
+  return stored
+
+
+def _same_module(spec: str, trusted: str) -> bool:
+  if spec.endswith(".py") or trusted.endswith(".py"):
+    return os.path.realpath(spec) == os.path.realpath(trusted)
+  return spec == trusted
+
+
+def read_summary(workdir: str) -> dict | None:
+  """``workdir/summary.json`` of a finished run, or ``None`` while the run has not finished."""
+  path = os.path.join(workdir, SUMMARY_FILE)
+  if not os.path.isfile(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def is_run(workdir: str) -> bool:
+  """Whether ``workdir`` holds a started run (its ``config.json`` and ``metrics.jsonl``)."""
+  return all(os.path.isfile(os.path.join(workdir, name)) for name in (CONFIG_FILE, METRICS_FILE))
+
+
+def read_run(workdir: str) -> dict:
+  """Everything a table needs of the run in ``workdir``, finished, running or archived.
+
+  Returns:
+    ``{"name", "workdir", "config", "lines", "summary"}``: the workdir's base
+    name, the path, :func:`read_config`, :func:`read_metrics` (a running run's
+    half-written last line is left out) and :func:`read_summary` (``None`` while
+    the run has not finished).
+  """
+  return {"name": os.path.basename(os.path.normpath(workdir)), "workdir": workdir, "config": read_config(workdir),
+          "lines": read_metrics(workdir), "summary": read_summary(workdir)}
+
+
+def copy_run(workdir: str, target: str, *, drop: tuple[str, ...] = ()) -> None:
+  """Copies the run's ``config.json`` and ``summary.json`` (when finished) verbatim, and its metrics lines
+  without the keys ``drop``, into the directory ``target`` (created). Checkpoints and plots are not copied."""
+  os.makedirs(target, exist_ok=True)
+  for name in (CONFIG_FILE, SUMMARY_FILE):
+    if os.path.isfile(os.path.join(workdir, name)):
+      shutil.copyfile(os.path.join(workdir, name), os.path.join(target, name))
+  write_metrics(target, [{k: v for k, v in line.items() if k not in drop} for line in read_metrics(workdir)])
+
+
+def split_label(config: dict) -> str:
+  """A stored config's data split: ``"IID"``, ``"α=0.1"``, ``"2 labels/client"``, ``"contiguous"`` or a map's name.
+
+  The authors' shipped maps read ``"authors α=0.1 d0"`` / ``"authors IID d0"``; any other
+  index map is labelled by its file name.
+  """
+  data = config["data"]
+  partition = data["partition"]
+  if partition == "iid":
+    return "IID"
+  if partition == "contiguous":
+    return "contiguous"
+  if partition == "shards":
+    return f"{data['classes_per_client']} labels/client"
+  if partition == "index_map":
+    name = os.path.basename(data.get("partition_file", ""))
+    level, _, draw = name.removeprefix("fmnist_").rpartition("_")
+    if name.startswith("fmnist_") and draw.isdigit():
+      return f"authors {'IID' if level == 'iid' else 'α=' + level.removeprefix('alpha')} d{draw}"
+    return name
+  return f"α={data['alpha']:g}"
 
 
 def _experiment_configs(config, workdir: str, action: str) -> tuple[dict, dict]:

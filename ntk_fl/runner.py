@@ -2,12 +2,14 @@
 
 ``run(config, workdir)`` does, in this order:
 
-1. :func:`ntk_fl.schema.validate_config` -- the shared schema of
-   :mod:`ntk_fl.config` (names, ranges, unknown keys) and the method's own
-   ``validate_config``; then the workdir (:func:`ntk_fl.rundir.check_start`: a
-   fresh run needs an empty one, ``resume`` needs a matching ``config.json`` and
-   a checkpoint). Nothing is loaded before that, so a bad key or value fails in
-   milliseconds with a message naming it.
+1. :func:`ntk_fl.schema.validate_config` -- the config is checked once (the
+   shared schema and the method's hyperparameters) and becomes frozen
+   :class:`RunSettings`, which is all the rest reads; then the workdir
+   (:func:`ntk_fl.rundir.check_start`: a fresh run needs an empty one, ``resume``
+   needs a matching ``config.json`` and a checkpoint). Nothing is loaded before
+   that, so a bad key or value fails in milliseconds with a message naming it.
+   Everything below runs inside the run's device policy
+   (:func:`ntk_fl.parallel.use_devices` with ``devices`` and ``chunk_size``).
 2. :func:`build_experiment` -- dataset, partition, :class:`Federation`, model and
    :class:`Algorithm` (also the entry point of the functional API: build once,
    then drive ``algorithm.init`` / ``algorithm.step`` yourself).
@@ -60,20 +62,21 @@ from ntk_fl.checkpoint import Checkpoints
 from ntk_fl.rng import Stream, numpy_rng
 # The schema and the run directory, re-exported: scripts reach a run through the runner's names.
 from ntk_fl.rundir import (ACCURACY_PLOT, BRANCH_FILE, CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE, SELECTION_PLOT,
-                           SUMMARY_FILE, check_branch, check_start, check_workdir, load_run_config, read_metrics)
+                           SUMMARY_FILE, check_branch, check_start, check_workdir, read_metrics)
 from ntk_fl.schema import import_method_module, validate_config
+from ntk_fl.settings import RunSettings
 
 __all__ = [
     "Diverged",
     "Experiment",
     "make_finite_check",
     "build_experiment",
+    "make_algorithm",
     "run",
     # re-exported from ntk_fl.schema and ntk_fl.rundir
     "import_method_module",
     "validate_config",
     "read_metrics",
-    "load_run_config",
     "check_workdir",
     "check_branch",
     "check_start",
@@ -100,19 +103,27 @@ class Experiment(NamedTuple):
   """Everything a run is made of, built from a config by :func:`build_experiment`.
 
   Attributes:
-    config: the config it was built from.
+    settings: the checked :class:`ntk_fl.settings.RunSettings` it was built from.
     dataset: the (optionally subsampled) :class:`ntk_fl.data.Dataset`.
     client_indices: ``M`` index arrays into ``dataset.x_train``.
     federation: the stacked client data :class:`ntk_fl.data.Federation`.
     model: the :class:`ntk_fl.models.Model`.
     algorithm: the method's :class:`Algorithm`.
   """
-  config: Any
+  settings: RunSettings
   dataset: Any
   client_indices: list
   federation: Any
   model: Any
   algorithm: Algorithm
+
+  def device_policy(self):
+    """``with experiment.device_policy():`` -- the run's devices and chunk size (:func:`ntk_fl.parallel.use_devices`).
+
+    The policy is read when a step is first traced: call ``algorithm.step`` (and
+    the evaluators) inside it to get what the runner does.
+    """
+    return parallel.use_devices(self.settings.devices, chunk_size=self.settings.chunk_size)
 
 
 def _keep(n: int, size: int, rng: np.random.Generator) -> np.ndarray:
@@ -143,27 +154,44 @@ def _subsample(dataset, max_train: int, max_test: int, seed: int):
 
 
 def build_experiment(config) -> Experiment:
-  """Validates ``config`` and builds dataset, partition, federation, model and algorithm.
+  """Checks ``config`` (once) and builds dataset, partition, federation, model and algorithm.
 
-  The functional API: ``exp = build_experiment(config)``, then
-  ``state = exp.algorithm.init(jax.random.PRNGKey(config.seed))`` and
-  ``state, metrics = exp.algorithm.step(state, exp.algorithm.round_inputs(r))``.
+  Args:
+    config: a run config (``ml_collections.ConfigDict``, or the plain dict of a
+      run's ``config.json``) or :class:`RunSettings` already checked by
+      :func:`ntk_fl.schema.validate_config`.
+
+  The functional API: ``exp = build_experiment(config)``, then, inside
+  ``exp.device_policy()``, ``state = exp.algorithm.init(jax.random.PRNGKey(seed))``
+  and ``state, metrics = exp.algorithm.step(state, exp.algorithm.round_inputs(r))``.
   """
   from ntk_fl import data, models  # pylint: disable=g-import-not-at-top
 
-  validate_config(config)
-  dataset = data.load(config.data.name, config.data.data_dir or None,
-                      flatten=config.model.name != "cnn", seed=config.seed)
-  dataset = _subsample(dataset, config.data.max_train, config.data.max_test, config.seed)
+  settings = validate_config(config)
+  data_settings = settings.data
+  dataset = data.load(data_settings.name, data_settings.data_dir or None,
+                      flatten=settings.model.name != "cnn", seed=settings.seed)
+  dataset = _subsample(dataset, data_settings.max_train, data_settings.max_test, settings.seed)
   client_indices = data.partition(
-      dataset.y_train, config.data.partition, config.data.num_clients, seed=config.seed,
-      alpha=config.data.alpha, samples_per_client=config.data.samples_per_client or None,
-      classes_per_client=config.data.classes_per_client, writers=dataset.writers_train,
-      partition_file=config.data.partition_file or None)
+      dataset.y_train, data_settings.partition, data_settings.num_clients, seed=settings.seed,
+      alpha=data_settings.alpha, samples_per_client=data_settings.samples_per_client or None,
+      classes_per_client=data_settings.classes_per_client, writers=dataset.writers_train,
+      partition_file=data_settings.partition_file or None)
   federation = data.make_federation(dataset.x_train, dataset.y_train, client_indices)
-  model = models.make_model(config.model, dataset.x_train.shape[1:], dataset.num_classes)
-  algorithm = get_method(config.method).make(config, model, federation)
-  return Experiment(config, dataset, client_indices, federation, model, algorithm)
+  model = models.make_model(settings.model, dataset.x_train.shape[1:], dataset.num_classes)
+  return Experiment(settings, dataset, client_indices, federation, model, make_algorithm(settings, model, federation))
+
+
+def make_algorithm(config, model, federation) -> Algorithm:
+  """The method of ``config`` on a given ``model`` and ``federation`` (your own data, a test's tiny one).
+
+  What :func:`build_experiment` does after loading the data: the config is
+  checked (once; :class:`RunSettings` pass as they are) and the method's factory
+  gets the model, the federation, the run's topology (for a method that mixes
+  over a graph), its typed hyperparameters and the run settings.
+  """
+  settings = validate_config(config)
+  return get_method(settings.method).make(model, federation, settings.graph, settings.algorithm, settings)
 
 
 
@@ -271,7 +299,7 @@ def _non_finite(flags: dict, line: dict) -> list[str]:
 
 def _divergence_message(config, round_: int, found: list[str], last_checkpoint: int | None, ckpt_dir: str | None,
                         stop: bool) -> str:
-  lr = config.algorithm.get("lr") if hasattr(config.algorithm, "get") else None
+  lr = getattr(config.algorithm, "lr", None)
   cause = (f"the learning rate is likely too large (config.algorithm.lr = {lr!r})" if lr is not None
            else "the learning rate (config.algorithm) is likely too large")
   text = f"round {round_}: the run diverged: non-finite {'; '.join(found)}; {cause}"
@@ -378,7 +406,8 @@ def run(config, workdir: str, *, resume: bool = False, resume_from_step: int | N
   """Runs the experiment described by ``config`` in ``workdir``; returns the summary.
 
   Args:
-    config: a config built on :func:`ntk_fl.config.base_config`.
+    config: a config built on :func:`ntk_fl.config.base_config`, or
+      :class:`RunSettings` (:func:`ntk_fl.schema.validate_config`).
     workdir: output directory (created); see the module docstring for its layout.
     resume: continue from the newest good checkpoint in ``workdir`` (damaged or
       incomplete ones are set aside: renamed, never deleted).
@@ -403,10 +432,10 @@ def run(config, workdir: str, *, resume: bool = False, resume_from_step: int | N
       missing data files.
   """
   started = time.perf_counter()
-  validate_config(config)
-  # Every step/evaluation is traced inside the mesh, so for_each_client shards clients over it.
-  with parallel.use_devices(config.devices):
-    return _run(config, workdir, resume=resume or resume_from_step is not None, resume_from_step=resume_from_step,
+  settings = validate_config(config)
+  # Every step/evaluation is traced inside the device policy, so for_each_client shards and chunks clients by it.
+  with parallel.use_devices(settings.devices, chunk_size=settings.chunk_size):
+    return _run(settings, workdir, resume=resume or resume_from_step is not None, resume_from_step=resume_from_step,
                 branch_from=branch_from, branch_round=branch_round, on_round_end=on_round_end, started=started)
 
 
@@ -470,7 +499,7 @@ def _run(config, workdir: str, *, resume: bool, resume_from_step: int | None, br
                             # the federation arrays it passes as arguments into the program as constants
     evaluator = metrics_lib.make_evaluator(
         exp.model.apply, exp.dataset.x_test, exp.dataset.y_test,
-        batch_size=config.eval.batch_size, chunk_size=config.chunk_size or None, aggregate=algorithm.aggregate)
+        batch_size=config.eval.batch_size, aggregate=algorithm.aggregate)
     primary = distributed.is_primary()      # only process 0 writes files, logs and the progress bar
     events = summaries.EventWriter(workdir, first_round=start + 1) if primary else _NoEvents()
     if branch_from is not None:
@@ -540,7 +569,7 @@ def _run(config, workdir: str, *, resume: bool, resume_from_step: int | None, br
   if config.eval.selection and diverged is None:   # curves of non-finite models would say nothing
     curves = metrics_lib.selection_curves(
         exp.model.apply, algorithm.client_params(state), exp.dataset.x_test, exp.dataset.y_test,
-        seed=config.seed, batch_size=config.eval.batch_size, chunk_size=config.chunk_size or None)
+        seed=config.seed, batch_size=config.eval.batch_size)
     selection = {k: v.tolist() for k, v in curves.items()}
     if distributed.is_primary():
       plotting.plot_selection_curves(curves, os.path.join(workdir, rundir.SELECTION_PLOT), title=title)

@@ -1,10 +1,12 @@
-"""The config schema: the one place a run config is checked.
+"""The config schema: the one place a run config is checked, and where it stops.
 
 :func:`validate_config` checks a config built on :func:`ntk_fl.config.base_config`
 -- names, ranges, unknown keys of the shared blocks, then the method's own
-``config.algorithm`` block (its ``validate_config``). It loads no data, so a bad
-key or value fails in milliseconds with a message naming it, what is allowed
-and what it got.
+``config.algorithm`` block (turned into the method's hyperparameter dataclass,
+which checks its values) and the method's rules across blocks -- and returns
+frozen :class:`ntk_fl.settings.RunSettings`. It loads no data, so a bad key or
+value fails in milliseconds with a message naming it, what is allowed and what
+it got. Below this module nothing imports ``ml_collections`` or reads a config.
 
 Methods outside :mod:`ntk_fl.algorithms` (a user's own, or a test double) are
 found through ``config.method_module``: a dotted module name or a path to a
@@ -13,19 +15,22 @@ is resolved; importing it should call :func:`ntk_fl.algorithms.register`.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import math
 import numbers
 import os
 import sys
+from typing import Mapping
 
 import jax
 import ml_collections
 
-from ntk_fl import validation
+from ntk_fl import settings, validation
 from ntk_fl.algorithms import get_method
 from ntk_fl.config import base_config
+from ntk_fl.settings import DataSettings, EvalSettings, ModelSettings, RunSettings, TopologySettings
 
 __all__ = ["DIVERGENCE_POLICIES", "import_method_module", "method_module_imported", "validate_config"]
 
@@ -40,7 +45,7 @@ _SCHEMA_BLOCKS = ("data", "model", "topology", "eval")
 def _get(config, path: str):
   node = config
   for key in path.split("."):
-    if not isinstance(node, (ml_collections.ConfigDict, dict)) or key not in node:
+    if not isinstance(node, Mapping) or key not in node:
       raise ValueError(f"config is missing {path!r} (see ntk_fl.config.base_config for the schema)")
     node = node[key]
   return node
@@ -102,15 +107,31 @@ def import_method_module(spec: str) -> None:
     raise ValueError(f"config.method_module = {spec!r} could not be imported: {e}") from e
 
 
-def validate_config(config) -> None:
-  """Checks ``config`` against the shared schema, then the method's own block.
+def validate_config(config) -> RunSettings:
+  """Checks ``config`` once and returns it as typed, immutable :class:`RunSettings`.
+
+  The shared schema first (names, ranges, unknown keys of every block), then the
+  method's own block: ``config.algorithm`` becomes the method's hyperparameter
+  dataclass (whose construction checks each value), the method's ``check``
+  sees the typed settings for rules that span blocks, and the topology of a
+  method that mixes over a graph is built here (its numbers checked against the
+  client count) and handed on as ``RunSettings.graph``.
+
+  Args:
+    config: an ``ml_collections.ConfigDict`` built on :func:`ntk_fl.config.base_config`,
+      a plain dict of the same shape (a run's ``config.json``), or settings this
+      function returned already (returned as they are).
 
   Raises ``ValueError`` naming the bad key, its value and what is allowed. Loads
-  no data; the dataset/partition/topology/model name tuples are imported here.
+  no data.
   """
   from ntk_fl import data, models, topology  # pylint: disable=g-import-not-at-top
 
-  if not isinstance(config, ml_collections.ConfigDict):
+  if isinstance(config, RunSettings):
+    return config
+  if isinstance(config, ml_collections.ConfigDict):
+    config = config.to_dict()
+  elif not isinstance(config, Mapping):
     raise ValueError(f"config must be an ml_collections.ConfigDict, got {type(config).__name__}")
   _check_keys(config)
   method = _get(config, "method")
@@ -139,7 +160,7 @@ def validate_config(config) -> None:
 
   dataset = _choice(config, "data.name", data.DATASETS)
   if not isinstance(_get(config, "data.data_dir"), str):
-    raise ValueError(f"config.data.data_dir must be a string ('' = search path), got {config.data.data_dir!r}")
+    raise ValueError(f"config.data.data_dir must be a string ('' = search path), got {_get(config, 'data.data_dir')!r}")
   partition = _choice(config, "data.partition", data.PARTITIONS)
   if partition == "by_writer" and dataset != "femnist":
     raise ValueError(f"config.data.partition = 'by_writer' needs writer ids; only 'femnist' has them, "
@@ -163,8 +184,8 @@ def validate_config(config) -> None:
   _choice(config, "model.activation", models.ACTIVATIONS)
   _choice(config, "model.init", ("shared", "per_client"))
 
-  # Names only: whether the topology's numbers fit the client count is the
-  # business of the methods that use a topology (their validate_config).
+  # Names here; whether the topology's numbers fit the client count is checked below, by building it,
+  # for the methods that mix over a graph.
   _choice(config, "topology.name", topology.TOPOLOGIES)
   _choice(config, "topology.mixing", topology.MIXING_SCHEMES)
 
@@ -178,16 +199,33 @@ def validate_config(config) -> None:
   stop_at = _get(config, "eval.stop_at")
   if not validation.is_real(stop_at) or not 0 <= stop_at <= 1:
     raise ValueError(f"config.eval.stop_at must be an accuracy in [0, 1] (0 = run every round), got {stop_at!r}")
-  if stop_at and config.eval.every != 1:
+  if stop_at and _get(config, "eval.every") != 1:
     raise ValueError(f"config.eval.stop_at = {stop_at} needs the aggregated accuracy every round: "
-                     f"config.eval.every must be 1, got {config.eval.every!r}")
-  if not isinstance(_get(config, "eval.consensus"), bool):
-    raise ValueError(f"config.eval.consensus must be a bool, got {config.eval.consensus!r}")
-  if not isinstance(_get(config, "eval.selection"), bool):
-    raise ValueError(f"config.eval.selection must be a bool, got {config.eval.selection!r}")
+                     f"config.eval.every must be 1, got {_get(config, 'eval.every')!r}")
+  for flag in ("eval.consensus", "eval.selection", "topology.dynamic"):
+    if not isinstance(_get(config, flag), bool):
+      raise ValueError(f"config.{flag} must be a bool, got {_get(config, flag)!r}")
 
   import_method_module(method_module)
-  get_method(method).validate_config(config)
+  spec = get_method(method)
+  shared = {name: settings.from_mapping(cls, config[name], f"config.{name}")
+            for name, cls in (("data", DataSettings), ("model", ModelSettings), ("topology", TopologySettings),
+                              ("eval", EvalSettings))}
+  hyperparameters = settings.from_mapping(spec.hyperparameters, _get(config, "algorithm"),
+                                          f"config.algorithm (method {method!r})")
+  run = RunSettings(method=method, method_module=method_module, seed=config["seed"], rounds=config["rounds"],
+                    checkpoint_every=config["checkpoint_every"], checkpoint_keep=tuple(keep),
+                    on_divergence=config["on_divergence"], chunk_size=config["chunk_size"], devices=devices,
+                    algorithm=hyperparameters, **shared)
+  if spec.graph:
+    t = run.topology
+    graph = topology.make_topology(t.name, run.data.num_clients, seed=run.seed, degree=t.degree, p=t.p,
+                                   mean_degree=t.mean_degree, cluster_size=t.cluster_size, dynamic=t.dynamic,
+                                   k_max=t.k_max)
+    run = dataclasses.replace(run, graph=graph)
+  if spec.check is not None:
+    spec.check(hyperparameters, run)
+  return run
 
 
 def _check_partition_fits(config, partition: str, dataset: str, num_clients: int) -> None:
@@ -201,7 +239,7 @@ def _check_partition_fits(config, partition: str, dataset: str, num_clients: int
   from ntk_fl.data import index_map  # pylint: disable=g-import-not-at-top
 
   standard = index_map.TRAIN_SIZES.get(dataset)
-  max_train, per_client = config.data.max_train, config.data.samples_per_client
+  max_train, per_client = _get(config, "data.max_train"), _get(config, "data.samples_per_client")
   if standard is not None and max_train > standard:
     raise ValueError(f"config.data.max_train = {max_train} exceeds the {standard} training samples of "
                      f"{dataset!r}; use at most {standard}, or 0 for all of them")
@@ -235,8 +273,9 @@ def _check_partition_file(config, partition: str, dataset: str, num_clients: int
   if index_map.is_vendored(partition_file) and dataset != index_map.VENDORED_DATASET:
     raise ValueError(f"config.data.partition_file = {partition_file!r} is a {index_map.VENDORED_DATASET} "
                      f"partition, but data.name = {dataset!r}")
-  if config.data.max_train:
-    raise ValueError(f"config.data.max_train = {config.data.max_train}: an index map's indices refer to "
+  max_train = _get(config, "data.max_train")
+  if max_train:
+    raise ValueError(f"config.data.max_train = {max_train}: an index map's indices refer to "
                      "the whole training set, so data.partition = 'index_map' needs max_train = 0")
   index_map.load_index_map(partition_file, num_clients=num_clients,
                            num_samples=index_map.TRAIN_SIZES.get(dataset))

@@ -69,7 +69,6 @@ __all__ = [
     "TOPOLOGIES",
     "MIXING_SCHEMES",
     "make_topology",
-    "make_topology_from_config",
     "graph_from_networkx",
     "graph_to_networkx",
     "degrees",
@@ -108,12 +107,16 @@ class Topology(NamedTuple):
     k_max: neighbour slots of every sampled :class:`Graph`.
     dynamic: whether :attr:`sample` re-draws the graph every round.
     sample: ``sample(round) -> Graph``, deterministic in ``(seed, round)``.
+    cliques: how many disjoint cliques every sampled graph consists of (the
+      ``clustered`` family: every closed neighbourhood is a whole clique); 0 for
+      the other families.
   """
   name: str
   num_clients: int
   k_max: int
   dynamic: bool
   sample: Callable[[int], Graph]
+  cliques: int = 0
 
 
 # --------------------------------------------------------------------------- graphs
@@ -273,6 +276,7 @@ def make_topology(name: str, num_clients: int, *, seed: int, degree: int = 5, p:
     raise ValueError(f"dynamic must be a bool (re-draw the graph every round or not), got {dynamic!r}")
   dynamic = bool(dynamic)
 
+  cliques = 0
   if name == "regular":
     degree = _check_int("degree", degree, 1, m - 1)
     if (m * degree) % 2:
@@ -293,7 +297,8 @@ def make_topology(name: str, num_clients: int, *, seed: int, degree: int = 5, p:
   else:  # clustered
     cluster_size = _check_int("cluster_size", cluster_size, 2, m)
     generate = _clustered(cluster_size)
-    max_degree = math.ceil(m / (m // cluster_size)) - 1  # largest clique after array_split
+    cliques = m // cluster_size
+    max_degree = math.ceil(m / cliques) - 1  # largest clique after array_split
 
   if max_degree is None:
     derived = _erdos_renyi_k_max(m, prob)
@@ -313,23 +318,8 @@ def make_topology(name: str, num_clients: int, *, seed: int, degree: int = 5, p:
     r = _check_int("round", round, 0)
     return draw(r if dynamic else 0)
 
-  return Topology(name=name, num_clients=m, k_max=slots, dynamic=dynamic, sample=sample)
-
-
-def make_topology_from_config(topology_config: Any, num_clients: int, seed: int) -> Topology:
-  """:func:`make_topology` from ``config.topology`` (see :mod:`ntk_fl.config`).
-
-  Also checks ``topology_config.mixing`` (when present) against :data:`MIXING_SCHEMES`,
-  so a bad scheme fails before any work.
-  """
-  mixing = getattr(topology_config, "mixing", None)
-  if mixing is not None:
-    _check_scheme(mixing)
-  return make_topology(
-      topology_config.name, num_clients, seed=seed, degree=topology_config.degree,
-      p=topology_config.p, mean_degree=topology_config.mean_degree,
-      cluster_size=topology_config.cluster_size, dynamic=topology_config.dynamic,
-      k_max=topology_config.k_max)
+  return Topology(name=name, num_clients=m, k_max=slots, dynamic=dynamic, sample=sample,
+                  cliques=cliques)
 
 
 # -------------------------------------------------------------- mixing weights

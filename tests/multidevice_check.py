@@ -28,7 +28,6 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
 from ntk_fl import models, parallel, runner  # noqa: E402
-from ntk_fl.algorithms import get_method  # noqa: E402
 from ntk_fl.config import load_config  # noqa: E402
 from ntk_fl.data import Federation, federation_from_padded  # noqa: E402
 
@@ -94,7 +93,6 @@ def algorithm_case(method: str, num_clients: int, chunk_size: int, rounds: int =
   config = load_config(os.path.join(REPO, "configs", f"{method}.py"))
   config.data.num_clients = num_clients
   config.topology.degree = 2
-  config.chunk_size = chunk_size
   if method == "ntk_dfl":
     config.algorithm.lr = 0.05
     config.algorithm.taus = (5, 10)
@@ -102,12 +100,14 @@ def algorithm_case(method: str, num_clients: int, chunk_size: int, rounds: int =
     config.algorithm.epochs = 1
     config.algorithm.batch_size = 4
   model = models.mlp(input_dim=5, hidden=(8,), num_classes=3)
-  algorithm = get_method(method).make(config, model, _tiny_federation(num_clients))
+  algorithm = runner.make_algorithm(config, model, _tiny_federation(num_clients))
 
   def run():
-    state = algorithm.init(jax.random.PRNGKey(0))
-    for r in range(rounds):
-      state, metrics = algorithm.step(state, algorithm.round_inputs(r))
+    # The chunk size travels with the device policy: the same devices as the caller's, chunk_size clients a chunk.
+    with parallel.use_devices(parallel.num_client_shards(), chunk_size=chunk_size):
+      state = algorithm.init(jax.random.PRNGKey(0))
+      for r in range(rounds):
+        state, metrics = algorithm.step(state, algorithm.round_inputs(r))
     return {"params": algorithm.client_params(state), "metrics": metrics}
   return run, [None]
 

@@ -23,9 +23,9 @@ import numpy as np
 import optax
 import pytest
 
-from ntk_fl import compression, models, runner, topology
+from ntk_fl import compression, models, runner, schema, topology
 from ntk_fl import config as config_lib
-from ntk_fl.algorithms import centralized, decentralized, get_method, local
+from ntk_fl.algorithms import centralized, decentralized, local
 from federations import ragged_federation
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -58,7 +58,7 @@ def tiny(name, *, sizes=(6, 6, 6, 6), seed=0, topology_name="regular", degree=2,
 
 
 def build(name, config, federation):
-  return get_method(name).make(config, MODEL, federation)
+  return runner.make_algorithm(config, MODEL, federation)
 
 
 def run_rounds(algorithm, rounds, key=0):
@@ -126,7 +126,7 @@ def test_fednova_normalises_by_step_counts():
   state0 = algorithm.init(jax.random.PRNGKey(0))
   inputs = algorithm.round_inputs(0)
   state, _ = algorithm.step(state0, inputs)
-  update = jax.jit(local.local_update_from_config(MODEL.apply, config.algorithm))
+  update = jax.jit(local.local_update_from_hparams(MODEL.apply, schema.validate_config(config).algorithm))
   keys = jax.random.split(jax.random.split(inputs.key)[0], len(sizes))  # the step's key derivation
   w = state0.params
   trained = [update(w, fed.x[i], fed.y[i], fed.mask[i], keys[i], lr).params for i in range(len(sizes))]
@@ -180,7 +180,7 @@ def test_participants_are_drawn_per_round_reproducibly():
 
 def trained_clients(config, fed, state, inputs):
   """Every client's local training, one by one, with the step's key derivation."""
-  update = jax.jit(local.local_update_from_config(MODEL.apply, config.algorithm))
+  update = jax.jit(local.local_update_from_hparams(MODEL.apply, schema.validate_config(config).algorithm))
   m = fed.x.shape[0]
   keys = jax.random.split(jax.random.split(inputs.key)[0], m)
   lr = config.algorithm.lr * config.algorithm.lr_gamma ** int(inputs.round)
@@ -426,4 +426,4 @@ def test_fednova_rejects_nesterov_momentum():
   config = load_config("fednova", "smoke")
   config.algorithm.momentum, config.algorithm.nesterov = 0.9, True
   with pytest.raises(ValueError, match="nesterov"):
-    centralized.validate_config(config, "fednova")
+    schema.validate_config(config)

@@ -41,7 +41,7 @@ def test_own_and_consensus_accuracies_match_an_independent_computation(finished_
     state = checkpoints.restore(ROUNDS, experiment.algorithm.init(jax.random.PRNGKey(config.seed)))
   own = experiment.algorithm.client_params(state)
   num_clients = int(experiment.federation.n.shape[0])
-  graph = topology.make_topology_from_config(config.topology, num_clients, seed=config.seed).sample(ROUNDS)
+  graph = experiment.settings.graph.sample(ROUNDS)
   mixing = topology.mixing_matrix(graph, config.topology.mixing, np.asarray(experiment.federation.n))
   flat = [ravel_pytree(jax.tree.map(lambda leaf, i=i: leaf[i], own)) for i in range(num_clients)]
   unravel = flat[0][1]

@@ -196,27 +196,27 @@ def _run_dir_naming_module(tmp_path, method: str):
 
 
 def test_run_directory_method_module_is_not_imported_unless_trusted(tmp_path):
-  from ntk_fl import runner  # pylint: disable=g-import-not-at-top
+  from ntk_fl import rundir, schema  # pylint: disable=g-import-not-at-top
 
   workdir, module, marker = _run_dir_naming_module(tmp_path, "unregistered_method")
   with pytest.raises(ValueError, match=rf"run/config.json names method_module '{module}'.*--method_module={module}"):
-    runner.load_run_config(workdir)
+    rundir.rebuild_config(workdir)
   assert not marker.exists()
   # The explicit opt-in naming that file imports it (and only then).
-  config = runner.load_run_config(workdir, trust_method_module=module)
-  assert config.method_module == module and not marker.exists()
+  config = rundir.rebuild_config(workdir, trust_method_module=module)
+  assert config["method_module"] == module and not marker.exists()
   with pytest.raises(ValueError, match="unknown method 'unregistered_method'"):
-    runner.validate_config(config)   # the file ran (it registers nothing)
+    schema.validate_config(config)   # the file ran (it registers nothing)
   assert marker.exists()
 
 
 def test_run_directory_of_a_registered_method_skips_its_method_module(tmp_path):
-  from ntk_fl import runner  # pylint: disable=g-import-not-at-top
+  from ntk_fl import rundir, schema  # pylint: disable=g-import-not-at-top
 
   workdir, _, marker = _run_dir_naming_module(tmp_path, "fedavg")
-  config = runner.load_run_config(workdir)
-  assert config.method == "fedavg" and config.method_module == ""
-  runner.validate_config(config)
+  config = rundir.rebuild_config(workdir)
+  assert config["method"] == "fedavg" and config["method_module"] == ""
+  schema.validate_config(config)
   assert not marker.exists()
 
 
@@ -407,8 +407,8 @@ def _poison_client_at_round(monkeypatch, round_: int, client: int):
   schema.import_method_module(_toy_config().method_module)
   method = algorithms.get_method("toy_gd")
 
-  def make(config, model, federation):
-    algorithm = method.make(config, model, federation)
+  def make(model, federation, topology, hparams, run):
+    algorithm = method.make(model, federation, topology, hparams, run)
     calls = []
 
     def step(state, inputs):

@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 
 from ntk_fl import config as config_lib
-from ntk_fl import evolve, metrics, models, runner
-from ntk_fl.algorithms import fed_ensemble, get_method, local
+from ntk_fl import evolve, metrics, models, runner, schema
+from ntk_fl.algorithms import fed_ensemble, local
 from federations import ragged_federation
 from scripts import load_experiment
 
@@ -106,7 +106,7 @@ def test_participant_sampling():
   assert len(set(chosen.tolist())) == 8
   # 'uniform' is the FedAvg family's draw of the same round.
   config, fed = tiny("fedavg", sizes=(4,) * 12, clients_per_round=5)
-  fedavg = get_method("fedavg").make(config, MODEL, fed)
+  fedavg = runner.make_algorithm(config, MODEL, fed)
   for r in range(3):
     np.testing.assert_array_equal(fed_ensemble.sample_participants(strata, 5, "uniform", 0, r),
                                   fedavg.round_inputs(r).clients)
@@ -120,9 +120,9 @@ def test_one_mode_is_fedavg_bit_for_bit(base, extra):
   common = dict(epochs=2, batch_size=4, lr=0.2, lr_gamma=0.9, clients_per_round=4, **extra)  # minibatches, partial
   sizes = (6, 3, 5, 6, 2, 6)
   base_config, base_fed = tiny(base, sizes=sizes, **common)
-  reference, ref_metrics = run_rounds(get_method(base).make(base_config, MODEL, base_fed), 3)
+  reference, ref_metrics = run_rounds(runner.make_algorithm(base_config, MODEL, base_fed), 3)
   config, fed = tiny(sizes=sizes, num_modes=1, aggregation_weights="data_size", local_training=base, **common)
-  ensemble = get_method("fed_ensemble").make(config, MODEL, fed)
+  ensemble = runner.make_algorithm(config, MODEL, fed)
   state, step_metrics = run_rounds(ensemble, 3)
   for got, want in zip(leaves(state.modes), leaves(reference.params), strict=True):
     np.testing.assert_array_equal(got[0], want)
@@ -136,12 +136,12 @@ def test_each_mode_averages_exactly_the_clients_that_trained_it():
   for weights in ("uniform", "data_size"):
     config, fed = tiny(sizes=sizes, num_modes=3, epochs=2, batch_size=4, lr=0.3, aggregation_weights=weights,
                        clients_per_round=5, seed=2)
-    algorithm = get_method("fed_ensemble").make(config, MODEL, fed)
+    algorithm = runner.make_algorithm(config, MODEL, fed)
     state0 = algorithm.init(jax.random.PRNGKey(0))
     for r in range(2):  # two rounds, so round 1 starts from three distinct trained modes
       inputs = algorithm.round_inputs(r)
       state1, step_metrics = algorithm.step(state0, inputs)
-      update = update or jax.jit(local.local_update_from_config(MODEL.apply, config.algorithm))  # one client
+      update = update or jax.jit(local.local_update_from_hparams(MODEL.apply, schema.validate_config(config).algorithm))  # one client
       lr = float(local.round_lr(config.algorithm, r))
       client_keys = jax.random.split(jax.random.split(inputs.key)[0], len(inputs.clients))
       trained = {}
@@ -166,7 +166,7 @@ def test_each_mode_averages_exactly_the_clients_that_trained_it():
 
 def test_idle_modes_stay_and_modes_start_independent():
   config, fed = tiny(num_modes=5, clients_per_round=2)  # 2 participants: >= 3 modes idle every round
-  algorithm = get_method("fed_ensemble").make(config, MODEL, fed)
+  algorithm = runner.make_algorithm(config, MODEL, fed)
   state0 = algorithm.init(jax.random.PRNGKey(0))
   kernel = np.asarray(state0.modes["params"]["dense_0"]["kernel"])             # (biases start at zero)
   assert all(not np.array_equal(kernel[0], kernel[k]) for k in range(1, 5))
@@ -181,7 +181,7 @@ def test_idle_modes_stay_and_modes_start_independent():
 def test_ntk_local_training_evolves_each_mode_on_its_pooled_participants():
   config, fed = tiny(sizes=(5, 3, 5, 4, 5, 2), num_modes=2, local_training="ntk", aggregation_weights="data_size",
                      lr=0.5, taus=(2, 5, 9), seed=1)
-  algorithm = get_method("fed_ensemble").make(config, MODEL, fed)
+  algorithm = runner.make_algorithm(config, MODEL, fed)
   state0 = algorithm.init(jax.random.PRNGKey(0))
   inputs = algorithm.round_inputs(0)
   state1, step_metrics = algorithm.step(state0, inputs)
@@ -268,15 +268,16 @@ def test_config_consistency_rules():
   config.eval.selection = True
   with pytest.raises(ValueError, match="selection"):
     runner.validate_config(config)
-  with pytest.raises(ValueError, match="toy"):
-    load("toy,k3")
+  with pytest.raises(ValueError, match="unknown config variant 'toy'"):
+    load("toy")
 
 
 def test_variants_validate():
   for arg in (None, "paper", "iid", "k1,data_size", "k1,data_size,fedprox", "k80", "ntk", "stratified", "logits",
               "cnn", "fmnist", "smoke"):
     runner.validate_config(load(arg))
-  assert load("toy").modes == (1, 2, 10, 20, 40)
+  toy = config_lib.load_config(str(REPO / "configs" / "fed_ensemble_toy.py"))
+  assert toy.method == "fed_ensemble_toy" and toy.modes == (1, 2, 10, 20, 40)
 
 
 def test_smoke_config_runs_through_the_runner(tmp_path):
@@ -306,7 +307,7 @@ def test_smoke_config_runs_through_the_runner(tmp_path):
 
 def test_toy_training_matches_the_closed_form_fedavg_bias_and_variance():
   toy = load_experiment("fed_ensemble_toy")
-  config = load("toy")
+  config = config_lib.load_config(str(REPO / "configs" / "fed_ensemble_toy.py"))
   config.num_clients, config.num_features, config.rounds, config.local_steps = 5, 12, 3, 2
   x, y, centres = toy.make_data(config)
   phi = toy.rbf_features(jnp.asarray(x.reshape(-1)), centres, config.bandwidth).reshape(*x.shape, -1)

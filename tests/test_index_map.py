@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ntk_fl import config as config_lib
-from ntk_fl import data, runner
+from ntk_fl import data, rundir, runner
 from ntk_fl.data import index_map
 from ntk_fl.data.partition import partition
 
@@ -244,7 +244,7 @@ def test_smoke_run_uses_the_map_in_its_order(tmp_path):
   with open(os.path.join(workdir, runner.CONFIG_FILE)) as f:
     assert json.load(f)["data"]["partition_file"] == str(path)
   assert len(runner.read_metrics(workdir)) == 2
-  exp = runner.build_experiment(runner.load_run_config(workdir))
+  exp = runner.build_experiment(rundir.rebuild_config(workdir))
   np.testing.assert_array_equal(exp.federation.n, [c.size for c in clients])
   for m, c in enumerate(clients):   # client m's rows are its map entries, in the map's order
     np.testing.assert_array_equal(exp.federation.y[m, :c.size], exp.dataset.y_train[c])

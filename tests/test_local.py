@@ -173,8 +173,9 @@ def test_sgd_matches_torch_semantics_with_lr_gamma_and_weight_decay():
     buf = d if buf is None else 0.9 * buf + d
     w_ref = w_ref - 0.1 * buf
   np.testing.assert_allclose(w_opt, w_ref, rtol=1e-6)
-  np.testing.assert_allclose(local.round_lr(local.local_config(lr=0.01, lr_gamma=0.95, epochs=1,
-                                                                batch_size=1), 3), 0.01 * 0.95**3, rtol=1e-6)
+  hparams = local.LocalHParams(lr=0.01, lr_gamma=0.95, epochs=1, batch_size=1, momentum=0.0, nesterov=False,
+                               weight_decay=0.0, quantize_bits=32, stochastic_rounding=False)
+  np.testing.assert_allclose(local.round_lr(hparams, 3), 0.01 * 0.95**3, rtol=1e-6)
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ntk_fl import config as config_lib
-from ntk_fl import evolve, models, topology
+from ntk_fl import evolve, models, parallel, runner, schema, topology
 from ntk_fl.algorithms import ntk_dfl
 from federations import ragged_federation
 from ntk_fl.data import federation_from_padded
@@ -104,7 +104,7 @@ def test_neighbor_average_equals_dense_mixing_matrix(scheme):
 def test_step_equals_client_by_client_reference(average):
   config, model, federation = tiny_setup(per_round_averaging=average)
   config.model.init = "per_client"                      # distinct clients make averaging visible
-  algorithm = ntk_dfl.make_ntk_dfl(config, model, federation)
+  algorithm = runner.make_algorithm(config, model, federation)
   state = algorithm.init(jax.random.key(0))
   for round_index in range(2):
     inputs = algorithm.round_inputs(round_index)
@@ -124,7 +124,7 @@ def test_padding_does_not_change_the_round():
       np.pad(federation.mask, [(0, 0), (0, 5)]))
   results = []
   for fed in (federation, wide):
-    algorithm = ntk_dfl.make_ntk_dfl(config, model, fed)
+    algorithm = runner.make_algorithm(config, model, fed)
     state = algorithm.init(jax.random.key(0))
     state, metrics = algorithm.step(state, algorithm.round_inputs(0))
     results.append((state.params, np.asarray(metrics["tau"])))
@@ -142,7 +142,7 @@ def test_rounds_compile_once(monkeypatch):
 
   monkeypatch.setattr(evolve, "ntk_update", counting)
   config, model, federation = tiny_setup()
-  algorithm = ntk_dfl.make_ntk_dfl(config, model, federation)
+  algorithm = runner.make_algorithm(config, model, federation)
   state = algorithm.init(jax.random.key(0))
   for round_index in range(3):                    # a new random graph every round, same shapes
     state, _ = algorithm.step(state, algorithm.round_inputs(round_index))
@@ -151,7 +151,7 @@ def test_rounds_compile_once(monkeypatch):
 
 def test_round_inputs_are_a_function_of_the_round():
   config, model, federation = tiny_setup()
-  algorithm = ntk_dfl.make_ntk_dfl(config, model, federation)
+  algorithm = runner.make_algorithm(config, model, federation)
   a, b = algorithm.round_inputs(4), algorithm.round_inputs(4)
   np.testing.assert_array_equal(a.neighbors, b.neighbors)
   np.testing.assert_array_equal(jax.random.key_data(a.key), jax.random.key_data(b.key))
@@ -162,9 +162,9 @@ def test_chunked_clients_equal_unchunked():
   config, model, federation = tiny_setup()
   outputs = []
   for chunk in (0, 4):
-    config.chunk_size = chunk
-    algorithm = ntk_dfl.make_ntk_dfl(config, model, federation)
-    state, _ = algorithm.step(algorithm.init(jax.random.key(0)), algorithm.round_inputs(0))
+    algorithm = runner.make_algorithm(config, model, federation)
+    with parallel.use_devices(1, chunk_size=chunk):    # the device policy is read when the step is traced
+      state, _ = algorithm.step(algorithm.init(jax.random.key(0)), algorithm.round_inputs(0))
     outputs.append(state.params)
   assert_trees_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-6)
 
@@ -186,7 +186,7 @@ def test_subsample_indices_draw_a_fraction_of_real_samples():
 
 def test_subsampled_round_uses_only_the_drawn_samples():
   config, model, federation = tiny_setup(subsample=2)
-  algorithm = ntk_dfl.make_ntk_dfl(config, model, federation)
+  algorithm = runner.make_algorithm(config, model, federation)
   state = algorithm.init(jax.random.key(0))
   inputs = algorithm.round_inputs(0)
   new_state, _ = algorithm.step(state, inputs)
@@ -203,7 +203,7 @@ def test_subsampled_round_uses_only_the_drawn_samples():
 
 def test_learning_rate_schedule_and_metrics():
   config, model, federation = tiny_setup()
-  algorithm = ntk_dfl.make_ntk_dfl(config, model, federation)
+  algorithm = runner.make_algorithm(config, model, federation)
   state = algorithm.init(jax.random.key(0))
   _, metrics = algorithm.step(state, algorithm.round_inputs(3))
   np.testing.assert_allclose(float(metrics["lr"]), 0.05 * np.exp(-0.3), rtol=1e-6)
@@ -214,7 +214,7 @@ def test_learning_rate_schedule_and_metrics():
 def test_communication_is_recorded_per_client_and_accumulated(average, subsample):
   """Bits by hand: κ_i·d·32 weights out, κ_i·d·32 consensus back (with averaging) and κ_i float32 packages."""
   config, model, federation = tiny_setup(per_round_averaging=average, subsample=subsample)
-  algorithm = ntk_dfl.make_ntk_dfl(config, model, federation)
+  algorithm = runner.make_algorithm(config, model, federation)
   state = algorithm.init(jax.random.key(0))
   d = 5 * 8 + 8 + 8 * 3 + 3
   n = np.maximum(np.asarray(federation.n) // subsample, 1)
@@ -248,7 +248,7 @@ def test_validate_config_rejects_bad_values(field, value, message):
   config = ntk_dfl_config()
   setattr(config.algorithm, field, value)
   with pytest.raises(ValueError, match=message):
-    ntk_dfl.validate_config(config)
+    schema.validate_config(config)
 
 
 def test_config_variants_apply_and_unknown_variant_fails():
@@ -259,12 +259,12 @@ def test_config_variants_apply_and_unknown_variant_fails():
   assert ntk_dfl_config("alpha0.5").data.alpha == 0.5
   with pytest.raises(ValueError, match="unknown config variant"):
     ntk_dfl_config("alhpa0.5")
-  ntk_dfl.validate_config(ntk_dfl_config())
+  schema.validate_config(ntk_dfl_config())
 
 
 def test_jacobian_batching_is_sequential_block_evolution_at_a_fixed_linearisation_point():
   config, model, federation = tiny_setup(jacobian_batches=2)
-  algorithm = ntk_dfl.make_ntk_dfl(config, model, federation)
+  algorithm = runner.make_algorithm(config, model, federation)
   state = algorithm.init(jax.random.key(0))
   inputs = algorithm.round_inputs(0)
   new_state, metrics = algorithm.step(state, inputs)
@@ -354,14 +354,14 @@ def test_validate_config_rejects_unknown_keys_and_bad_topology_before_any_data()
   config = ntk_dfl_config()
   config.algorithm.mse_form = "continuous"               # not an NTK-DFL option: never silently ignored
   with pytest.raises(ValueError, match="unknown"):
-    ntk_dfl.validate_config(config)
+    schema.validate_config(config)
   config = ntk_dfl_config()
   config.data.num_clients = 301                          # 301 · 5 is odd: no 5-regular graph exists
   with pytest.raises(ValueError, match="even"):
-    ntk_dfl.validate_config(config)
+    schema.validate_config(config)
 
 
 def test_too_many_jacobian_batches_for_the_data_fails_clearly():
   config, model, federation = tiny_setup(jacobian_batches=9)
   with pytest.raises(ValueError, match="jacobian_batches"):
-    ntk_dfl.make_ntk_dfl(config, model, federation)
+    runner.make_algorithm(config, model, federation)

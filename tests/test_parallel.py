@@ -99,6 +99,29 @@ def test_bad_chunk_size_raises_at_once(chunk):
     parallel.for_each_client(_client_fn, chunk_size=chunk)
 
 
+def test_the_device_policy_sets_the_chunk_size_of_maps_that_name_none():
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(rng.normal(size=(7, 4, 3)), jnp.float32),
+            "b": jnp.asarray(rng.normal(size=(7, 3)), jnp.float32)}
+  x = jnp.asarray(rng.normal(size=(7, 5, 4)), jnp.float32)
+  by_policy = parallel.for_each_client(_client_fn)            # no chunk size of its own
+  all_at_once = parallel.for_each_client(_client_fn, chunk_size=0)
+  # lax.map over chunks traces a scan. A fresh wrapper per check: jax reuses the trace of a function it has seen,
+  # which is why the policy must be in force when a step is first traced.
+  chunked = lambda fn: "scan" in str(jax.make_jaxpr(lambda *args: fn(*args))(params, x))
+  assert parallel.policy_chunk_size() == 0 and not chunked(by_policy)  # outside any policy: plain vmap
+  with parallel.use_devices(1, chunk_size=3):
+    assert parallel.policy_chunk_size() == 3
+    assert chunked(by_policy) and not chunked(all_at_once)
+    with parallel.use_devices(1):                               # the innermost policy wins
+      assert not chunked(by_policy)
+    np.testing.assert_allclose(by_policy(params, x)["y"], all_at_once(params, x)["y"], rtol=1e-6, atol=1e-6)
+  assert parallel.policy_chunk_size() == 0
+  with pytest.raises(ValueError, match="chunk_size"):
+    with parallel.use_devices(1, chunk_size=-1):
+      pass
+
+
 def test_mismatched_or_missing_client_axes_raise():
   mapped = parallel.for_each_client(lambda a, b: a + b)
   with pytest.raises(ValueError, match="same leading client axis"):

@@ -125,8 +125,9 @@ def test_logged_numbers_match_an_independent_evaluation(reference):
   algorithm = exp.algorithm
   state = algorithm.init(jax.random.PRNGKey(config.seed))
   step = algorithm.step
-  for r in range(ROUNDS):
-    state, _ = step(state, algorithm.round_inputs(r))
+  with exp.device_policy():     # the run's chunk size (4 clients at a time), as the runner traces the step
+    for r in range(ROUNDS):
+      state, _ = step(state, algorithm.round_inputs(r))
   with Checkpoints(os.path.join(workdir, runner.CHECKPOINT_DIR)) as ckpt:
     restored = ckpt.restore(ROUNDS, state)
   # The functional API reproduces the runner's state bit for bit (the runner adds nothing).
@@ -216,7 +217,7 @@ def test_a_run_stored_before_a_schema_key_existed_resumes_with_its_old_value(ref
   assert runner.check_workdir(toy_config(), old, resume=True) == ROUNDS
   # Scoring the consensus models too changes what is logged, not the trajectory: a resume may switch it on.
   assert runner.check_workdir(toy_config(**{"eval.consensus": True}), old, resume=True) == ROUNDS
-  loaded = runner.load_run_config(old, trust_method_module=toy_config().method_module)
+  loaded = config_lib.load_run_config(old, trust_method_module=toy_config().method_module)
   assert loaded.data.max_test == 0 and loaded == toy_config()
   # The filled-in value is the one the run used: a config that changes it is a different experiment.
   with pytest.raises(ValueError, match=r"different config.*max_test: 0 -> 100"):

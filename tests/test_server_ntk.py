@@ -26,8 +26,8 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 from ntk_fl import config as config_lib
-from ntk_fl import evolve, jacobians, models, ntk, rng, runner
-from ntk_fl.algorithms import server_ntk
+from ntk_fl import evolve, jacobians, models, ntk, rng, runner, schema
+from ntk_fl.configs import _presets as presets
 from ntk_fl.data import federation_from_padded
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ RTOL, ATOL = 2e-4, 2e-5
 
 def tiny(*, sizes=(7, 5, 6, 7, 4), clients_per_round=3, seed=0, **algo):
   """A 5-client federation (8 features, 3 classes, unequal sizes) and a matching NTK-FL config."""
-  config = server_ntk.server_ntk_config(clients_per_round=clients_per_round, taus=TAUS, lr=0.5, **algo)
+  config = presets.server_ntk_config(clients_per_round=clients_per_round, taus=TAUS, lr=0.5, **algo)
   config.seed = seed
   config.data.num_clients = len(sizes)
   config.model.hidden = HIDDEN
@@ -55,7 +55,7 @@ def tiny(*, sizes=(7, 5, 6, 7, 4), clients_per_round=3, seed=0, **algo):
 
 
 def one_round(config, federation, round_index=0):
-  algorithm = server_ntk.make_server_ntk(config, MODEL, federation)
+  algorithm = runner.make_algorithm(config, MODEL, federation)
   state = algorithm.init(jax.random.PRNGKey(config.seed))
   inputs = algorithm.round_inputs(round_index)
   new_state, metrics = algorithm.step(state, inputs)
@@ -279,7 +279,7 @@ def test_compressed_round_equals_a_numpy_reference():
 def test_bit_accounting_matches_a_hand_count_and_accumulates():
   keep, bits = 0.25, 6
   config, fed = tiny(sparsify_keep=keep, quantize_bits=bits)
-  algorithm = server_ntk.make_server_ntk(config, MODEL, fed)
+  algorithm = runner.make_algorithm(config, MODEL, fed)
   state = algorithm.init(jax.random.PRNGKey(0))
   d = models.num_params(state.params)                          # 8*6 + 6 + 6*3 + 3 = 75
   k = math.ceil(keep * d)
@@ -302,7 +302,7 @@ def test_bit_accounting_matches_a_hand_count_and_accumulates():
 
 def test_round_inputs_sample_clients_from_the_participation_stream():
   config, fed = tiny()
-  algorithm = server_ntk.make_server_ntk(config, MODEL, fed)
+  algorithm = runner.make_algorithm(config, MODEL, fed)
   a, b = algorithm.round_inputs(3), algorithm.round_inputs(3)
   np.testing.assert_array_equal(a.clients, b.clients)
   expected = np.sort(rng.numpy_rng(0, rng.Stream.PARTICIPATION, 3).choice(5, size=3, replace=False))
@@ -327,21 +327,21 @@ def test_validate_config_rejects_bad_values(field, value, message):
   config, _ = tiny()
   config.algorithm[field] = value
   with pytest.raises(ValueError, match=message):
-    server_ntk.validate_config(config)
+    schema.validate_config(config)
 
 
 def test_validate_config_rejects_impossible_combinations():
   config, _ = tiny(jacobian="implicit", sparsify_keep=0.5)
   with pytest.raises(ValueError, match="must be materialised"):
-    server_ntk.validate_config(config)
+    schema.validate_config(config)
   config, _ = tiny(projection_dim=4)
   config.model.name = "cnn"
   with pytest.raises(ValueError, match="needs model.name='mlp'"):
-    server_ntk.validate_config(config)
+    schema.validate_config(config)
   config, _ = tiny()
   config.algorithm.extra = 1
-  with pytest.raises(ValueError, match="unknown \\['extra'\\]"):
-    server_ntk.validate_config(config)
+  with pytest.raises(ValueError, match="unknown key\\(s\\) \\['extra'\\]"):
+    schema.validate_config(config)
 
 
 @pytest.mark.parametrize("name,variant", [("ntk_fl", None), ("ntk_fl", "busiest_node,iid"), ("ntk_fl", "mse"),

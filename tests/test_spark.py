@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.flatten_util import ravel_pytree
 
-from ntk_fl import compression, evolve, models, projection, rundir, runner, topology
+from ntk_fl import compression, evolve, models, projection, rundir, runner, schema, topology
 from ntk_fl.algorithms import ntk_dfl, spark
 from ntk_fl.config import load_config
 from federations import ragged_federation
@@ -87,8 +87,8 @@ def test_without_momentum_and_distillation_spark_is_ntk_dfl(jacobian):
                                                                        config.chunk_size, config.rounds)
   for key in ("lr", "lr_decay", "taus"):
     base.algorithm[key] = config.algorithm[key]
-  a = spark.make_spark(config, model, federation)
-  b = ntk_dfl.make_ntk_dfl(base, model, federation)
+  a = runner.make_algorithm(config, model, federation)
+  b = runner.make_algorithm(base, model, federation)
   sa, sb = a.init(jax.random.key(0)), b.init(jax.random.key(0))
   for r in range(2):
     sa, ma = a.step(sa, a.round_inputs(r))
@@ -160,7 +160,7 @@ def test_projected_round_equals_brute_force_reference(projected_kernel, select_m
   config, model, federation = tiny_setup(projection__scheme="layerwise", projection__k_proj=3,
                                          projected_kernel=projected_kernel, select_momentum=select_momentum,
                                          velocity=velocity, lr=lr)
-  algorithm = spark.make_spark(config, model, federation)
+  algorithm = runner.make_algorithm(config, model, federation)
   template = jax.eval_shape(model.init, jax.random.key(0))
   plan = projection.make_plan(template, "layerwise", 3)
   mats = projection.sample_matrices(plan, config.seed)
@@ -179,7 +179,7 @@ def test_explicit_and_matrix_free_sketched_paths_agree():
   outputs = []
   for mode in ("implicit", "explicit"):
     config, model, federation = tiny_setup(projection__scheme="flattened", projection__k_proj=8, jacobian=mode)
-    algorithm = spark.make_spark(config, model, federation)
+    algorithm = runner.make_algorithm(config, model, federation)
     state = algorithm.init(jax.random.key(0))
     for r in range(2):
       state, _ = algorithm.step(state, algorithm.round_inputs(r))
@@ -197,7 +197,7 @@ def test_one_update_per_clique_equals_every_member_evolving():
     config, model, federation = tiny_setup(num_clients=7, share_cliques=share, projection__scheme="flattened",
                                            projection__k_proj=8, compression__keep_fraction=0.5, subsample=2)
     config.topology.name, config.topology.cluster_size = "clustered", 3
-    algorithm = spark.make_spark(config, model, federation)
+    algorithm = runner.make_algorithm(config, model, federation)
     state, taus = algorithm.init(jax.random.key(0)), []
     for r in range(3):
       state, metrics = algorithm.step(state, algorithm.round_inputs(r))
@@ -214,14 +214,15 @@ def test_one_update_per_clique_equals_every_member_evolving():
 
 def test_clique_sharing_needs_the_clustered_topology_and_plain_selection():
   config, model, federation = tiny_setup()
+  graphs = schema.validate_config(config).graph           # a regular graph: no cliques to share
   with pytest.raises(ValueError, match="topology.name='clustered'"):
-    ntk_dfl.make_neighbourhood_round(config, model, federation, lr=0.1, lr_decay=0.0, per_round_averaging=True,
-                                     share_cliques=True)
+    ntk_dfl.make_neighbourhood_round(model, federation, graphs, seed=config.seed, lr=0.1, lr_decay=0.0,
+                                     per_round_averaging=True, share_cliques=True)
   config.topology.name, config.algorithm.select_momentum = "clustered", True
   with pytest.raises(ValueError, match="share_cliques=False"):
-    spark.validate_config(config)
+    schema.validate_config(config)
   config.algorithm.share_cliques = False
-  spark.validate_config(config)
+  schema.validate_config(config)
 
 
 def test_package_compression_keeps_top_k_and_quantises():
@@ -271,16 +272,16 @@ def test_validate_config_rejects_bad_values(field, value, match):
     block = block[parent]
   block[leaf] = value
   with pytest.raises(ValueError, match=match):
-    spark.validate_config(config)
+    schema.validate_config(config)
 
 
 def test_structured_flattened_sketch_needs_explicit_jacobians():
   config = load_config(str(REPO / "configs" / "spark.py"), "flat10000")
   config.algorithm.projected_kernel = "structured"
-  spark.validate_config(config)                        # J̃ from the dense stack's factors
+  schema.validate_config(config)                        # J̃ from the dense stack's factors
   config.algorithm.jacobian = "implicit"
   with pytest.raises(ValueError, match="no per-layer factorisation"):
-    spark.validate_config(config)
+    schema.validate_config(config)
 
 
 @pytest.mark.parametrize("compression", [{}, {"compression__keep_fraction": 0.5}])
@@ -291,7 +292,7 @@ def test_flattened_sketch_from_factors_equals_the_lifted_network(compression):
   for kernel in ("auto", "generic"):
     config, model, federation = tiny_setup(projection__scheme="flattened", projection__k_proj=8,
                                            projected_kernel=kernel, **compression)
-    algorithm = spark.make_spark(config, model, federation)
+    algorithm = runner.make_algorithm(config, model, federation)
     state = algorithm.init(jax.random.key(0))
     for r in range(2):
       state, metrics = algorithm.step(state, algorithm.round_inputs(r))
@@ -306,12 +307,12 @@ def test_momentum_aware_selection_needs_the_network_score():
   config = load_config(str(REPO / "configs" / "spark.py"))
   config.algorithm.select_momentum, config.algorithm.select = True, "linearized"
   with pytest.raises(ValueError, match="needs select='network'"):
-    spark.validate_config(config)
+    schema.validate_config(config)
 
 
 def test_config_variants():
   cfg = lambda v: load_config(str(REPO / "configs" / "spark.py"), v)
-  spark.validate_config(cfg(None))
+  schema.validate_config(cfg(None))
   assert cfg("iid,abl_momentum").algorithm.distill.enabled is False
   assert cfg("abl_distill").algorithm.momentum == 0.0
   stack = cfg("full_stack")
@@ -327,7 +328,7 @@ def test_config_variants():
 
 def test_lr_boost_scales_the_round_rate():
   config, model, federation = tiny_setup(lr_boost__rounds=(2,), lr_boost__factor=3.0)
-  algorithm = spark.make_spark(config, model, federation)
+  algorithm = runner.make_algorithm(config, model, federation)
   state = algorithm.init(jax.random.key(0))
   state, m1 = algorithm.step(state, algorithm.round_inputs(0))
   _, m2 = algorithm.step(state, algorithm.round_inputs(1))

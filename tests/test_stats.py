@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from ntk_fl import stats
+from ntk_fl import rundir, stats
 from scripts import load_experiment
 
 
@@ -97,8 +97,8 @@ def _write_run(root, name: str, seed: int, accuracies: list[float], alpha: float
   return workdir
 
 
-def _read(module, dirs):
-  return [module.summarize_runs.read_run(d) for d in dirs]
+def _read(dirs):
+  return [rundir.read_run(d) for d in dirs]
 
 
 def test_pairs_by_split_and_seed_and_tests_each_split(paired_test, tmp_path):
@@ -107,7 +107,7 @@ def test_pairs_by_split_and_seed_and_tests_each_split(paired_test, tmp_path):
   baseline = [_write_run(tmp_path, f"ntk_a01_s{s}", s, [0.79, acc], method="ntk_dfl")
               for s, acc in ((0, 0.854), (1, 0.855), (2, 0.853), (3, 0.850))]          # seed 3 has no partner
   baseline.append(_write_run(tmp_path, "ntk_iid_s0", 0, [0.79, 0.860], alpha=None))
-  rows = paired_test.paired_rows(_read(paired_test, method), _read(paired_test, baseline), 2)
+  rows = paired_test.paired_rows(_read(method), _read(baseline), 2)
   assert [row["setting"] for row in rows] == ["fashion_mnist, 300 clients, α=0.1", "fashion_mnist, 300 clients, IID"]
   dirichlet, iid = rows
   assert dirichlet["seeds"] == [0, 1, 2]
@@ -124,14 +124,14 @@ def test_pairs_by_split_and_seed_and_tests_each_split(paired_test, tmp_path):
 
 
 def test_refuses_missing_rounds_duplicates_and_disjoint_sides(paired_test, tmp_path):
-  short = _read(paired_test, [_write_run(tmp_path, "short_s0", 0, [0.8]), _write_run(tmp_path, "short_s1", 1, [0.8])])
-  full = _read(paired_test, [_write_run(tmp_path, "full_s0", 0, [0.8, 0.85]),
+  short = _read([_write_run(tmp_path, "short_s0", 0, [0.8]), _write_run(tmp_path, "short_s1", 1, [0.8])])
+  full = _read([_write_run(tmp_path, "full_s0", 0, [0.8, 0.85]),
                              _write_run(tmp_path, "full_s1", 1, [0.8, 0.85])])
   with pytest.raises(ValueError, match=r"short_s0 has no aggregated accuracy for round 2 \(logged through round 1\)"):
     paired_test.paired_rows(short, full, 2)
-  twin = _read(paired_test, [_write_run(tmp_path, "twin_s0", 0, [0.8, 0.85])])
+  twin = _read([_write_run(tmp_path, "twin_s0", 0, [0.8, 0.85])])
   with pytest.raises(ValueError, match="two --baseline runs for fashion_mnist, 300 clients, α=0.1, seed 0"):
     paired_test.paired_rows(short, full + twin, 1)
-  other = _read(paired_test, [_write_run(tmp_path, "iid_s0", 0, [0.8], alpha=None)])
+  other = _read([_write_run(tmp_path, "iid_s0", 0, [0.8], alpha=None)])
   with pytest.raises(ValueError, match="no setting and seed is on both sides"):
     paired_test.paired_rows(short, other, 1)

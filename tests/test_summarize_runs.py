@@ -124,6 +124,22 @@ def test_archive_keeps_every_scalar_and_drops_the_per_client_arrays(summarize, t
   assert [line["round"] for line in summarize.read_run(target)["lines"]] == [1, 2, 3]
 
 
+def test_a_running_run_with_a_half_written_last_line_is_read_up_to_its_last_round(summarize, tmp_path):
+  workdir = _write_run(tmp_path, "h_s0", 0, [0.70, 0.86], [0.6, 0.7])
+  with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+    f.write('{"round": 3, "step_time": 30.0, "test_a')          # the runner is writing round 3 right now
+  run = summarize.read_run(workdir)
+  assert [line["round"] for line in run["lines"]] == [1, 2] and run["summary"] is None
+  assert "| 2 | 2 | 0.8600 | 0.7000 |" in summarize.table([run])
+  target = summarize.archive(workdir, str(tmp_path / "archive"))       # the archive holds the two whole rounds
+  assert [line["round"] for line in summarize.read_run(target)["lines"]] == [1, 2]
+  # A broken line that is not the last one is not a write in progress: it is an error naming the line.
+  with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+    f.write("\n" + json.dumps({"round": 4, "step_time": 40.0, "eval_time": 1.0, "test_acc": 0.87}) + "\n")
+  with pytest.raises(ValueError, match="line 3 is not valid JSON"):
+    summarize.read_run(workdir)
+
+
 def test_detail_reports_the_consensus_models_when_logged(summarize, tmp_path):
   workdir = _write_run(tmp_path, "f_s0", 0, [0.70, 0.86], [0.6, 0.8])
   with open(os.path.join(workdir, "metrics.jsonl")) as f:

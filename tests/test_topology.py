@@ -11,7 +11,6 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from ntk_fl import config as config_lib
 from ntk_fl import topology as T
 
 _SETTINGS = settings(max_examples=25, deadline=None, derandomize=True)
@@ -103,7 +102,7 @@ def test_clustered_is_disjoint_cliques_of_at_least_cluster_size(m, cluster_size)
   g = T.graph_to_networkx(top.sample(1))
   components = [sorted(c) for c in nx.connected_components(g)]
   sizes = sorted(len(c) for c in components)
-  assert len(components) == m // cluster_size
+  assert len(components) == m // cluster_size == top.cliques
   assert sizes[0] >= cluster_size and sizes[-1] - sizes[0] <= 1
   for c in components:  # each component is a clique
     assert g.subgraph(c).number_of_edges() == len(c) * (len(c) - 1) // 2
@@ -185,19 +184,12 @@ def test_draws_ignore_global_numpy_state():
   np.testing.assert_array_equal(top.sample(3).neighbors, a)
 
 
-# ------------------------------------------------------------------- config
+# ------------------------------------------------------------------- families
 
 
-def test_make_topology_from_config():
-  cfg = config_lib.base_config().topology
-  top = T.make_topology_from_config(cfg, 300, seed=0)
-  assert (top.name, top.k_max, top.dynamic) == ("regular", 5, True)
-  assert np.all(T.degrees(top.sample(0)) == 5)
-  cfg.name = "erdos_renyi"  # base config sets mean_degree = 5 and p = 0
-  assert T.make_topology_from_config(cfg, 300, seed=0).k_max >= 5
-  cfg.mixing = "average"
-  with pytest.raises(ValueError, match="unknown mixing scheme 'average'"):
-    T.make_topology_from_config(cfg, 300, seed=0)
+def test_only_the_clustered_family_declares_cliques():
+  for name in ("regular", "erdos_renyi", "ring", "line", "complete"):
+    assert T.make_topology(name, 12, seed=0, degree=3, mean_degree=3.0).cliques == 0
 
 
 # ------------------------------------------------------------------- errors

@@ -8,6 +8,7 @@ registers it; configs name it through ``config.method_module``.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -18,7 +19,7 @@ from ntk_fl import algorithms, models, topology
 from ntk_fl.algorithms import Algorithm, Method
 from ntk_fl.parallel import for_each_client
 
-__all__ = ["METHOD", "ToyState"]
+__all__ = ["METHOD", "ToyHParams", "ToyState"]
 
 
 class ToyState(NamedTuple):
@@ -34,16 +35,17 @@ class ToyInputs(NamedTuple):
   key: Any  # PRNG key of the round
 
 
-def validate_config(config) -> None:
-  lr = config.algorithm.get("lr", None)
-  if not isinstance(lr, float) or not lr > 0:
-    raise ValueError(f"config.algorithm.lr must be a float > 0, got {lr!r}")
-  topology.make_topology_from_config(config.topology, config.data.num_clients, config.seed)
+@dataclasses.dataclass(frozen=True)
+class ToyHParams:
+  lr: float  # round r uses lr * 0.9**r
+
+  def __post_init__(self):
+    if not isinstance(self.lr, float) or not self.lr > 0:
+      raise ValueError(f"config.algorithm.lr must be a float > 0, got {self.lr!r}")
 
 
-def make(config, model: models.Model, federation) -> Algorithm:
+def make(model: models.Model, federation, topo: topology.Topology, hparams: ToyHParams, run) -> Algorithm:
   num_clients = federation.x.shape[0]
-  topo = topology.make_topology_from_config(config.topology, num_clients, config.seed)
   x, y, mask = (jnp.asarray(a) for a in (federation.x, federation.y, federation.mask))
 
   def init(key):
@@ -51,9 +53,9 @@ def make(config, model: models.Model, federation) -> Algorithm:
 
   def round_inputs(r: int) -> ToyInputs:
     graph = topo.sample(r)
-    self_w, nbr_w = topology.mixing_weights(graph, config.topology.mixing)
-    lr = np.float32(config.algorithm.lr * 0.9 ** r)
-    return ToyInputs(graph.neighbors, self_w, nbr_w, lr, jax.random.fold_in(jax.random.PRNGKey(config.seed), r))
+    self_w, nbr_w = topology.mixing_weights(graph, run.topology.mixing)
+    lr = np.float32(hparams.lr * 0.9 ** r)
+    return ToyInputs(graph.neighbors, self_w, nbr_w, lr, jax.random.fold_in(jax.random.PRNGKey(run.seed), r))
 
   def local(params, x, y, mask, key, lr):
     keep = mask & jax.random.bernoulli(key, 0.8, mask.shape)
@@ -69,7 +71,7 @@ def make(config, model: models.Model, federation) -> Algorithm:
   def step(state: ToyState, inputs: ToyInputs):
     keys = jax.random.split(inputs.key, num_clients)
     lr = jnp.broadcast_to(inputs.lr, (num_clients,))
-    params, loss, kept = for_each_client(local, chunk_size=config.chunk_size)(
+    params, loss, kept = for_each_client(local)(
         state.params, x, y, mask, keys, lr)
 
     def mix(w):
@@ -84,5 +86,5 @@ def make(config, model: models.Model, federation) -> Algorithm:
   return Algorithm(init=init, round_inputs=round_inputs, step=jax.jit(step), client_params=lambda s: s.params)
 
 
-METHOD = Method(make=make, validate_config=validate_config)
+METHOD = Method(make=make, hyperparameters=ToyHParams, graph=True)
 algorithms.register("toy_gd", METHOD)

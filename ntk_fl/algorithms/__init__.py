@@ -1,12 +1,25 @@
 """Federated methods, registered by name.
 
-Each method module defines ``METHOD = Method(make=..., validate_config=...)``:
+Each method module defines ``METHOD = Method(make=..., hyperparameters=...)``:
 
-* ``make(config, model, federation) -> Algorithm`` builds the pure functions;
-* ``validate_config(config)`` checks the method's own ``config.algorithm`` block
-  (and any base fields it depends on) and raises ``ValueError`` naming the bad
-  value -- the runner calls it before loading any data, so a bad value fails
-  before any work;
+* ``hyperparameters``: a frozen dataclass, the typed form of the method's
+  ``config.algorithm`` block. :func:`ntk_fl.schema.validate_config` builds it
+  from the block (a missing or unknown key is an error naming it) and its
+  ``__post_init__`` checks each value, so a bad value fails before any data is
+  loaded -- and a hyperparameter object built in Python is checked the same way.
+* ``make(model, federation, topology, hparams, run) -> Algorithm`` builds the
+  pure functions from the model, the stacked client data, the run's
+  :class:`ntk_fl.topology.Topology` (``None`` unless ``graph``), the
+  hyperparameters and the typed :class:`ntk_fl.settings.RunSettings` (for the
+  seed, the round count and the initialisation mode). Clients are mapped with
+  :func:`ntk_fl.parallel.for_each_client`, whose chunk size and devices come
+  from the device policy (:func:`ntk_fl.parallel.use_devices`).
+* optionally ``check(hparams, run)``: rules that span the method's block and
+  the shared ones (e.g. "clients_per_round <= data.num_clients"), run once by
+  the schema; raises ``ValueError`` naming the values.
+* ``graph``: the method mixes over ``config.topology``; the schema builds the
+  topology once (checking its numbers against the client count) and ``make``
+  receives it.
 * optionally ``shared_rounds(stored, current) -> int``: for two of the method's
   configs (plain JSON dicts, as in a run's ``config.json``) that differ, how
   many leading rounds they provably compute identically (0 when not known).
@@ -28,8 +41,10 @@ __all__ = ["Algorithm", "Method", "get_method", "register", "available"]
 
 
 class Method(NamedTuple):
-  make: Callable[[Any, Any, Any], Algorithm]
-  validate_config: Callable[[Any], None]
+  make: Callable[[Any, Any, Any, Any, Any], Algorithm]
+  hyperparameters: type
+  check: Callable[[Any, Any], None] | None = None
+  graph: bool = False
   shared_rounds: Callable[[dict, dict], int] | None = None
 
 
@@ -55,7 +70,7 @@ _REGISTRY: dict[str, str | Method] = {
 def register(name: str, method: Method) -> None:
   """Registers ``method`` under ``name`` (overwrites an existing entry)."""
   if not isinstance(method, Method):
-    raise TypeError(f"register expects a Method(make, validate_config), got {type(method).__name__}")
+    raise TypeError(f"register expects a Method(make, hyperparameters, ...), got {type(method).__name__}")
   _REGISTRY[name] = method
 
 

@@ -34,7 +34,7 @@ import numpy as np
 
 from ntk_fl.metrics import AGGREGATES  # the evaluator owns the choices; re-exported for methods
 
-__all__ = ["AGGREGATES", "Algorithm", "GraphRound", "config_without", "graph_round_inputs"]
+__all__ = ["AGGREGATES", "Algorithm", "GraphRound", "check_evolution", "config_without", "graph_round_inputs"]
 
 
 class Algorithm(NamedTuple):
@@ -104,3 +104,29 @@ def config_without(config: dict, *paths: str) -> dict:
     elif "" not in rests:             # drop below this key, keep the key
       out[key] = config_without(value, *rests)
   return out
+
+
+def check_evolution(hparams: Any, path: str = "config.algorithm") -> None:
+  """Checks the NTK-evolution fields every NTK method's hyperparameters share (once, on construction).
+
+  ``lr`` (> 0), ``lr_decay`` (>= 0, ``η_r = η·exp(−decay·r)``), ``taus`` (see
+  :func:`ntk_fl.evolve.check_taus`), ``solver``, ``select``, ``kernel`` and, where
+  the dataclass has it, ``loss`` (the ODE solver is for cross-entropy only).
+  """
+  from ntk_fl import evolve, validation  # pylint: disable=import-outside-toplevel -- base stays light to import
+
+  validation.check_real(f"{path}.lr", hparams.lr, low=0, low_open=True)
+  validation.check_real(f"{path}.lr_decay (η_r = η·exp(−decay·r))", hparams.lr_decay, low=0)
+  try:
+    evolve.check_taus(tuple(hparams.taus))
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{path}.taus: {e}") from e
+  choices = (("solver", evolve.SOLVERS), ("select", evolve.SELECTS), ("kernel", evolve.KERNELS))
+  has_loss = hasattr(hparams, "loss")
+  if has_loss:
+    choices = (("loss", evolve.LOSSES),) + choices
+  for name, allowed in choices:
+    validation.check_choice(f"{path}.{name}", getattr(hparams, name), allowed)
+  if has_loss and hparams.loss == "mse" and hparams.solver != "euler":
+    raise ValueError(f"{path}.solver applies to the cross-entropy loss only; the MSE evolution is the "
+                     f"closed form -- leave solver='euler' with loss='mse' (got solver={hparams.solver!r})")

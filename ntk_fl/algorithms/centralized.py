@@ -38,6 +38,7 @@ aggregated model the runner scores is then exactly the global model).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, NamedTuple
 
@@ -51,7 +52,8 @@ from ntk_fl.algorithms import local
 from ntk_fl.algorithms.base import Algorithm
 from ntk_fl.rng import Stream, jax_key, numpy_rng
 
-__all__ = ["ServerState", "ServerRound", "METHODS", "make_centralized", "validate_config", "nova_coefficient",
+__all__ = ["ServerState", "ServerRound", "METHODS", "make_centralized", "check", "nova_coefficient",
+           "ServerHParams", "FedProxHParams", "DataShareHParams", "HPARAMS",
            "FEDAVG", "FEDPROX", "FEDNOVA", "DATASHARE", "CENTRALIZED"]
 
 METHODS = ("fedavg", "fedprox", "fednova", "datashare", "centralized")
@@ -79,30 +81,52 @@ def nova_coefficient(steps, momentum: float):
   return (steps - rho * (1.0 - rho ** steps) / (1.0 - rho)) / (1.0 - rho)
 
 
-def _extra_checks(method: str) -> dict:
-  extra = {"clients_per_round": local.check_int(0)}
-  if method == "fedprox":
-    extra["prox_mu"] = local.check_nonnegative
-  if method == "datashare":
-    extra["share_fraction"] = local.check_fraction
-  return extra
+@dataclasses.dataclass(frozen=True)
+class ServerHParams(local.LocalHParams):
+  """FedAvg, FedNova and centralised training: local SGD plus ``clients_per_round`` (0 = all clients)."""
+  clients_per_round: int
+
+  def __post_init__(self):
+    super().__post_init__()
+    local.check_fields(self, {"clients_per_round": local.int_at_least(0)})
 
 
-def validate_config(config, method: str) -> None:
-  """Checks ``config.algorithm`` for ``method`` (one of :data:`METHODS`); raises ``ValueError``."""
-  if method not in METHODS:
-    raise ValueError(f"unknown centralized method {method!r}; choose one of {METHODS}")
-  local.validate_local_config(config, method, _extra_checks(method))
-  algo = config.algorithm
-  if algo.clients_per_round > config.data.num_clients:
-    raise ValueError(f"config.algorithm.clients_per_round = {algo.clients_per_round} exceeds "
-                     f"config.data.num_clients = {config.data.num_clients} (0 = all clients)")
-  if method == "fednova" and algo.nesterov:
+@dataclasses.dataclass(frozen=True)
+class FedProxHParams(ServerHParams):
+  """FedProx: plus the proximal coefficient ``prox_mu`` (>= 0)."""
+  prox_mu: float
+
+  def __post_init__(self):
+    super().__post_init__()
+    local.check_fields(self, {"prox_mu": local.nonnegative})
+
+
+@dataclasses.dataclass(frozen=True)
+class DataShareHParams(ServerHParams):
+  """DataShare: plus ``share_fraction`` in (0, 1], the global set's size relative to all local data."""
+  share_fraction: float
+
+  def __post_init__(self):
+    super().__post_init__()
+    local.check_fields(self, {"share_fraction": local.fraction})
+
+
+HPARAMS = {"fedavg": ServerHParams, "fedprox": FedProxHParams, "fednova": ServerHParams,
+           "datashare": DataShareHParams, "centralized": ServerHParams}
+"""The hyperparameter dataclass of each method of :data:`METHODS`."""
+
+
+def check(method: str, hparams: ServerHParams, run) -> None:
+  """Rules across blocks for ``method`` (one of :data:`METHODS`); raises ``ValueError`` naming the values."""
+  if hparams.clients_per_round > run.data.num_clients:
+    raise ValueError(f"config.algorithm.clients_per_round = {hparams.clients_per_round} exceeds "
+                     f"config.data.num_clients = {run.data.num_clients} (0 = all clients)")
+  if method == "fednova" and hparams.nesterov:
     raise ValueError("method 'fednova' normalises by the heavy-ball momentum coefficient; "
                      "config.algorithm.nesterov must be False")
-  if method == "centralized" and algo.quantize_bits != compression.FLOAT_BITS:
+  if method == "centralized" and hparams.quantize_bits != compression.FLOAT_BITS:
     raise ValueError("method 'centralized' sends raw data, not weights: config.algorithm.quantize_bits must be "
-                     f"32, got {algo.quantize_bits!r}")
+                     f"32, got {hparams.quantize_bits!r}")
 
 
 def _shared_set(federation, fraction: float, seed: int):
@@ -114,23 +138,31 @@ def _shared_set(federation, fraction: float, seed: int):
   return federation.samples(np.asarray(federation.index)[pick[:, 0], pick[:, 1]])
 
 
-def make_centralized(method: str, config, model: models.Model, federation) -> Algorithm:
+def make_centralized(method: str, model: models.Model, federation, hparams: ServerHParams, *,
+                     seed: int) -> Algorithm:
   """Builds ``method`` (one of :data:`METHODS`) for ``federation`` and ``model``.
+
+  Args:
+    method: one of :data:`METHODS`.
+    model: the model (one global copy).
+    federation: a :class:`ntk_fl.data.Federation`.
+    hparams: the method's :data:`HPARAMS` dataclass.
+    seed: the run seed (participants, round keys, DataShare's global set).
 
   Returns:
     An :class:`Algorithm` whose ``step`` is jit-compiled with the federation's
     arrays passed as arguments.
   """
-  validate_config(config, method)
-  algo = config.algorithm
+  if method not in METHODS:
+    raise ValueError(f"unknown centralized method {method!r}; choose one of {METHODS}")
+  algo = hparams
   num_clients, n_max = federation.mask.shape
   k = int(algo.clients_per_round) or num_clients
   bits, stochastic = int(algo.quantize_bits), bool(algo.stochastic_rounding)
-  chunk_size = config.chunk_size or None
-  local_update = local.local_update_from_config(model.apply, algo)
+  local_update = local.local_update_from_hparams(model.apply, algo)
   sample_bits = compression.FLOAT_BITS * (math.prod(federation.feature_shape) + 1)  # features + label
   if method == "datashare":
-    shared = _shared_set(federation, float(algo.share_fraction), config.seed)
+    shared = _shared_set(federation, float(algo.share_fraction), seed)
   else:
     shared = (np.zeros((0, *federation.feature_shape), np.float32), np.zeros((0,), np.int32))
   data = jax.device_put((federation, *shared))
@@ -141,10 +173,10 @@ def make_centralized(method: str, config, model: models.Model, federation) -> Al
     return ServerState(params=params, bits_cumulative=jnp.float32(0))
 
   def round_inputs(round_index: int) -> ServerRound:
-    rng = numpy_rng(config.seed, Stream.PARTICIPATION, round_index)
+    rng = numpy_rng(seed, Stream.PARTICIPATION, round_index)
     clients = np.sort(rng.choice(num_clients, size=k, replace=False)).astype(np.int32)
     return ServerRound(round=np.int32(round_index), clients=clients,
-                       key=jax_key(config.seed, Stream.ROUND_KEYS, round_index))
+                       key=jax_key(seed, Stream.ROUND_KEYS, round_index))
 
   def train_clients(params, x, y, mask, key, lr, shared_x, shared_y):
     """All participants' local training; DataShare appends ``G`` to every client's data."""
@@ -153,7 +185,7 @@ def make_centralized(method: str, config, model: models.Model, federation) -> Al
       y = jnp.concatenate([y, jnp.broadcast_to(shared_y, (k, *shared_y.shape))], axis=1)
       mask = jnp.concatenate([mask, jnp.ones((k, shared_y.shape[0]), bool)], axis=1)
     per_client = lambda xc, yc, mc, kc: local_update(params, xc, yc, mc, kc, lr, anchor=params)
-    return parallel.for_each_client(per_client, chunk_size=chunk_size)(x, y, mask, jax.random.split(key, k))
+    return parallel.for_each_client(per_client)(x, y, mask, jax.random.split(key, k))
 
   def aggregate(params, result, sent, sizes):
     p = sizes / jnp.sum(sizes)
@@ -179,7 +211,7 @@ def make_centralized(method: str, config, model: models.Model, federation) -> Al
       bits_per_client = jnp.mean(sizes) * sample_bits
     else:
       result = train_clients(state.params, x, y, mask, train_key, lr, shared_x, shared_y)
-      sent = local.transmit(result.params, bits, key=quant_key, stochastic=stochastic, chunk_size=chunk_size)
+      sent = local.transmit(result.params, bits, key=quant_key, stochastic=stochastic)
       new_params, loss = aggregate(state.params, result, sent, sizes), jnp.mean(result.loss)
       bits_per_client = jnp.float32(payload)
     total = bits_per_client * k
@@ -196,8 +228,9 @@ def make_centralized(method: str, config, model: models.Model, federation) -> Al
 
 
 def _method(name: str) -> Method:
-  return Method(make=lambda config, model, federation: make_centralized(name, config, model, federation),
-                validate_config=lambda config: validate_config(config, name))
+  return Method(make=lambda model, federation, topology, hparams, run: make_centralized(
+                    name, model, federation, hparams, seed=run.seed),
+                hyperparameters=HPARAMS[name], check=lambda hparams, run: check(name, hparams, run))
 
 
 FEDAVG, FEDPROX, FEDNOVA, DATASHARE, CENTRALIZED = (_method(name) for name in METHODS)

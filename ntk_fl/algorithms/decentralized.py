@@ -55,6 +55,7 @@ values plus a 1-bit mask per matrix coordinate.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, NamedTuple
 
@@ -62,13 +63,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ntk_fl import compression, models, parallel, topology
+from ntk_fl import compression, models, parallel, topology, validation
 from ntk_fl.algorithms import Method
 from ntk_fl.algorithms import local
 from ntk_fl.algorithms.base import Algorithm, graph_round_inputs
 from ntk_fl.rng import Stream
 
-__all__ = ["GossipState", "DisPFLState", "METHODS", "make_decentralized", "validate_config",
+__all__ = ["GossipState", "DisPFLState", "METHODS", "make_decentralized", "check", "GossipHParams", "DFedSAMHParams",
+           "DisPFLHParams", "HPARAMS",
            "masked_neighbor_average", "evolve_mask", "random_mask", "sparse_leaves", "mask_fraction",
            "DPSGD", "DFEDAVG", "DFEDAVGM", "DFEDSAM", "DISPFL"]
 
@@ -89,30 +91,50 @@ class DisPFLState(NamedTuple):
   bits_cumulative: Any
 
 
-def _extra_checks(method: str) -> dict:
-  if method == "dfedsam":
-    return {"sam_rho": local.check_nonnegative, "sam_adaptive": local.check_bool}
-  if method == "dispfl":
-    def check_anneal(name, value):
-      if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1):
-        raise ValueError(f"config.algorithm.{name} must be in [0, 1], got {value!r}")
-    return {"dense_ratio": local.check_fraction, "anneal_factor": check_anneal}
-  return {}
+@dataclasses.dataclass(frozen=True)
+class GossipHParams(local.LocalHParams):
+  """D-PSGD, DFedAvg and DFedAvgM: local SGD (:class:`ntk_fl.algorithms.local.LocalHParams`), then gossip."""
 
 
-def validate_config(config, method: str) -> None:
-  """Checks ``config.algorithm`` and the topology for ``method``; raises ``ValueError`` naming the value."""
-  if method not in METHODS:
-    raise ValueError(f"unknown decentralized method {method!r}; choose one of {METHODS}")
-  local.validate_local_config(config, method, _extra_checks(method))
-  if method in ("dpsgd", "dfedavg") and config.algorithm.momentum:
+@dataclasses.dataclass(frozen=True)
+class DFedSAMHParams(GossipHParams):
+  """DFedSAM: plus SAM's radius ``sam_rho`` (>= 0) and ``sam_adaptive`` (ASAM)."""
+  sam_rho: float
+  sam_adaptive: bool
+
+  def __post_init__(self):
+    super().__post_init__()
+    local.check_fields(self, {"sam_rho": local.nonnegative, "sam_adaptive": local.flag})
+
+
+def _check_anneal(name, value):
+  validation.check_real(f"config.algorithm.{name}", value, low=0, high=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class DisPFLHParams(GossipHParams):
+  """DisPFL: plus the mask density ``dense_ratio`` in (0, 1] and the mask-update ``anneal_factor`` in [0, 1]."""
+  dense_ratio: float
+  anneal_factor: float
+
+  def __post_init__(self):
+    super().__post_init__()
+    local.check_fields(self, {"dense_ratio": local.fraction, "anneal_factor": _check_anneal})
+
+
+HPARAMS = {"dpsgd": GossipHParams, "dfedavg": GossipHParams, "dfedavgm": GossipHParams, "dfedsam": DFedSAMHParams,
+           "dispfl": DisPFLHParams}
+"""The hyperparameter dataclass of each method of :data:`METHODS`."""
+
+
+def check(method: str, hparams: GossipHParams, run) -> None:
+  """Rules across blocks for ``method`` (one of :data:`METHODS`); raises ``ValueError`` naming the values."""
+  if method in ("dpsgd", "dfedavg") and hparams.momentum:
     raise ValueError(f"method {method!r} uses plain SGD: config.algorithm.momentum must be 0, got "
-                     f"{config.algorithm.momentum!r} (use 'dfedavgm' for momentum)")
-  if method == "dispfl" and config.topology.mixing != "uniform":
+                     f"{hparams.momentum!r} (use 'dfedavgm' for momentum)")
+  if method == "dispfl" and run.topology.mixing != "uniform":
     raise ValueError("DisPFL averages each coordinate uniformly over the neighbours holding it: "
-                     f"config.topology.mixing must be 'uniform', got {config.topology.mixing!r}")
-  # Builds (does not draw) the topology, so a bad degree / client count fails before any data is loaded.
-  topology.make_topology_from_config(config.topology, config.data.num_clients, config.seed)
+                     f"config.topology.mixing must be 'uniform', got {run.topology.mixing!r}")
 
 
 # ----------------------------------------------------------------------------- DisPFL pieces
@@ -195,21 +217,35 @@ def masked_neighbor_average(params, masks, sent, neighbors, neighbor_mask):
 # ----------------------------------------------------------------------------- the algorithm
 
 
-def make_decentralized(method: str, config, model: models.Model, federation) -> Algorithm:
+def make_decentralized(method: str, model: models.Model, federation, graphs: topology.Topology,
+                       hparams: GossipHParams, *, seed: int, rounds: int, mixing: str = "uniform",
+                       shared_init: bool = True) -> Algorithm:
   """Builds ``method`` (one of :data:`METHODS`) for ``federation`` and ``model``.
+
+  Args:
+    method: one of :data:`METHODS`.
+    model: the model.
+    federation: a :class:`ntk_fl.data.Federation` of ``M`` clients.
+    graphs: the communication :class:`ntk_fl.topology.Topology` over the ``M`` clients.
+    hparams: the method's :data:`HPARAMS` dataclass.
+    seed: the run seed (round keys).
+    rounds: the run's round count (DisPFL anneals its mask updates over it).
+    mixing: mixing scheme (:data:`ntk_fl.topology.MIXING_SCHEMES`).
+    shared_init: every client starts from the same initialisation.
 
   Returns:
     An :class:`Algorithm`; ``step`` is jit-compiled with the federation's arrays
     passed as arguments (never baked in as constants).
   """
-  validate_config(config, method)
-  algo = config.algorithm
+  if method not in METHODS:
+    raise ValueError(f"unknown decentralized method {method!r}; choose one of {METHODS}")
+  algo = hparams
   num_clients = federation.mask.shape[0]
+  if graphs.num_clients != num_clients:
+    raise ValueError(f"the topology spans {graphs.num_clients} clients, the federation {num_clients}")
   bits, stochastic = int(algo.quantize_bits), bool(algo.stochastic_rounding)
-  chunk_size = config.chunk_size or None
   dispfl = method == "dispfl"
-  local_update = local.local_update_from_config(model.apply, algo)
-  graph_source = topology.make_topology_from_config(config.topology, num_clients, seed=config.seed)
+  local_update = local.local_update_from_hparams(model.apply, algo)
   sizes = np.asarray(federation.n)
   data = jax.device_put(federation)
 
@@ -225,7 +261,7 @@ def make_decentralized(method: str, config, model: models.Model, federation) -> 
     payload = compression.tree_payload_bits(shapes, bits)
 
   def init(key):
-    params = models.init_clients(model, key, num_clients, shared=config.model.init == "shared")
+    params = models.init_clients(model, key, num_clients, shared=shared_init)
     zero = jnp.float32(0)
     if not dispfl:
       return GossipState(params=params, bits_cumulative=zero)
@@ -234,7 +270,7 @@ def make_decentralized(method: str, config, model: models.Model, federation) -> 
     def client_masks(leaf_key, shape, count, is_sparse):
       if not is_sparse:
         return jnp.ones((num_clients, *shape.shape), jnp.float32)
-      return parallel.for_each_client(lambda kk: random_mask(kk, shape.shape, count))(
+      return parallel.for_each_client(lambda kk: random_mask(kk, shape.shape, count), chunk_size=0)(
           jax.random.split(leaf_key, num_clients))
     masks = jax.tree.unflatten(jax.tree.structure(shapes), [
         client_masks(kk, s, c, sp) for kk, s, c, sp in zip(
@@ -242,13 +278,13 @@ def make_decentralized(method: str, config, model: models.Model, federation) -> 
     params = jax.tree.map(jnp.multiply, params, masks)
     return DisPFLState(params=params, masks=masks, bits_cumulative=zero)
 
-  round_inputs = graph_round_inputs(graph_source, config.topology.mixing, sizes, config.seed)
+  round_inputs = graph_round_inputs(graphs, mixing, sizes, seed)
 
   def gossip(trained, inputs, quant_key):
     """One gossip step on the trained weights (own term exact, neighbours' terms as sent)."""
     sent = None
     if bits != compression.FLOAT_BITS:
-      sent = local.transmit(trained, bits, key=quant_key, stochastic=stochastic, chunk_size=chunk_size)
+      sent = local.transmit(trained, bits, key=quant_key, stochastic=stochastic)
     return topology.mix(trained, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights, sent=sent)
 
   def dispfl_client(params, mask, x, y, m, key, lr, fraction):
@@ -267,15 +303,15 @@ def make_decentralized(method: str, config, model: models.Model, federation) -> 
     train_key, quant_key = jax.random.split(inputs.key)
     client_keys = jax.random.split(train_key, num_clients)
     if dispfl:
-      sent = local.transmit(state.params, bits, key=quant_key, stochastic=stochastic, chunk_size=chunk_size)
+      sent = local.transmit(state.params, bits, key=quant_key, stochastic=stochastic)
       mixed = masked_neighbor_average(state.params, state.masks, sent, inputs.neighbors, inputs.neighbor_mask)
-      fraction = mask_fraction(float(algo.anneal_factor), inputs.round, int(config.rounds))
+      fraction = mask_fraction(float(algo.anneal_factor), inputs.round, rounds)
       per_client = lambda p, mk, r, m, kk: dispfl_client(p, mk, *data.samples(r), m, kk, lr, fraction)
-      params, masks, loss = parallel.for_each_client(per_client, chunk_size=chunk_size)(
+      params, masks, loss = parallel.for_each_client(per_client)(
           mixed, state.masks, rows, ms, client_keys)
     else:
       per_client = lambda p, r, m, kk: local_update(p, *data.samples(r), m, kk, lr)
-      result = parallel.for_each_client(per_client, chunk_size=chunk_size)(state.params, rows, ms, client_keys)
+      result = parallel.for_each_client(per_client)(state.params, rows, ms, client_keys)
       params, loss = gossip(result.params, inputs, quant_key), result.loss
     bits_sent = jnp.sum(inputs.neighbor_mask, axis=1).astype(jnp.float32) * payload       # [M]
     total = jnp.sum(bits_sent)
@@ -292,8 +328,10 @@ def make_decentralized(method: str, config, model: models.Model, federation) -> 
 
 
 def _method(name: str) -> Method:
-  return Method(make=lambda config, model, federation: make_decentralized(name, config, model, federation),
-                validate_config=lambda config: validate_config(config, name))
+  return Method(make=lambda model, federation, graphs, hparams, run: make_decentralized(
+                    name, model, federation, graphs, hparams, seed=run.seed, rounds=run.rounds,
+                    mixing=run.topology.mixing, shared_init=run.model.shared_init),
+                hyperparameters=HPARAMS[name], check=lambda hparams, run: check(name, hparams, run), graph=True)
 
 
 DPSGD, DFEDAVG, DFEDAVGM, DFEDSAM, DISPFL = (_method(name) for name in METHODS)

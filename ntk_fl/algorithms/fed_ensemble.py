@@ -58,6 +58,7 @@ accounting).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -84,7 +85,8 @@ __all__ = [
     "init_modes",
     "aggregate_modes",
     "make_fed_ensemble",
-    "validate_config",
+    "FedEnsembleHParams",
+    "check",
     "METHOD",
 ]
 
@@ -225,60 +227,80 @@ def aggregate_modes(modes, returned, assignment, weights):
 # ----------------------------------------------------------------------------- config
 
 
-def _checks() -> dict:
-  choice = lambda allowed: (lambda name, value: validation.check_choice(f"config.algorithm.{name}", value, allowed))
-
-  def check_taus(name, value):
-    try:
-      evolve.check_taus(tuple(value))
-    except (TypeError, ValueError) as e:
-      raise ValueError(f"config.algorithm.{name} must be strictly ascending positive ints, got {value!r}") from e
-
-  return {
-      "num_modes": local.check_int(1),
-      "num_strata": local.check_int(0),
-      "clients_per_round": local.check_int(0),
-      "sampling": choice(SAMPLING),
-      "aggregation_weights": choice(AGGREGATION_WEIGHTS),
-      "local_training": choice(LOCAL_TRAINING),
-      "prox_mu": local.check_nonnegative,
-      "prediction": choice(PREDICTIONS),
-      "taus": check_taus,
-      "solver": choice(evolve.SOLVERS),
-      "select": choice(evolve.SELECTS),
-  }
+def _choice(allowed):
+  return lambda name, value: validation.check_choice(f"config.algorithm.{name}", value, allowed)
 
 
-def validate_config(config) -> None:
-  """Checks ``config.algorithm`` (the local-training keys plus Fed-ensemble's own); raises ``ValueError``."""
-  local.validate_local_config(config, "fed_ensemble", _checks())
-  algo = config.algorithm
-  n = config.data.num_clients
-  if algo.clients_per_round > n:
-    raise ValueError(f"config.algorithm.clients_per_round = {algo.clients_per_round} exceeds "
+def _check_taus(name, value):
+  try:
+    evolve.check_taus(tuple(value))
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"config.algorithm.{name} must be strictly ascending positive ints, got {value!r}") from e
+
+
+@dataclasses.dataclass(frozen=True)
+class FedEnsembleHParams(local.LocalHParams):
+  """Fed-ensemble: local training (:class:`ntk_fl.algorithms.local.LocalHParams`) plus the modes' schedule.
+
+  Attributes:
+    num_modes: ``K`` (>= 1).
+    num_strata: ``Q`` (0 = every client its own stratum).
+    clients_per_round: participants per round (0 = all).
+    sampling, aggregation_weights, local_training, prediction: :data:`SAMPLING`,
+      :data:`AGGREGATION_WEIGHTS`, :data:`LOCAL_TRAINING`, :data:`PREDICTIONS`.
+    prox_mu: FedProx coefficient (> 0 exactly with ``local_training='fedprox'``).
+    taus, solver, select: the NTK evolution of ``local_training='ntk'``.
+  """
+  num_modes: int
+  num_strata: int
+  clients_per_round: int
+  sampling: str
+  aggregation_weights: str
+  local_training: str
+  prox_mu: float
+  prediction: str
+  taus: tuple[int, ...]
+  solver: str
+  select: str
+
+  def __post_init__(self):
+    super().__post_init__()
+    local.check_fields(self, {
+        "num_modes": local.int_at_least(1), "num_strata": local.int_at_least(0),
+        "clients_per_round": local.int_at_least(0), "sampling": _choice(SAMPLING),
+        "aggregation_weights": _choice(AGGREGATION_WEIGHTS), "local_training": _choice(LOCAL_TRAINING),
+        "prox_mu": local.nonnegative, "prediction": _choice(PREDICTIONS), "taus": _check_taus,
+        "solver": _choice(evolve.SOLVERS), "select": _choice(evolve.SELECTS)})
+    if (self.prox_mu > 0) != (self.local_training == "fedprox"):
+      raise ValueError(f"config.algorithm.prox_mu = {self.prox_mu!r} with local_training = {self.local_training!r}: "
+                       "'fedprox' needs prox_mu > 0 and the other local trainings need prox_mu = 0")
+    if self.local_training == "ntk":
+      if self.aggregation_weights != "data_size":
+        raise ValueError("local_training = 'ntk' evolves each mode on its participants' pooled data (every sample "
+                         "weighs the same): config.algorithm.aggregation_weights must be 'data_size', got "
+                         f"{self.aggregation_weights!r}")
+      if self.quantize_bits != compression.FLOAT_BITS:
+        raise ValueError("local_training = 'ntk' sends Jacobians, not weights: config.algorithm.quantize_bits "
+                         f"must be 32, got {self.quantize_bits!r}")
+
+
+def check(hparams: FedEnsembleHParams, run) -> None:
+  """Rules across blocks: participants and strata within the clients; no weight-averaging selection curves."""
+  n = run.data.num_clients
+  if hparams.clients_per_round > n:
+    raise ValueError(f"config.algorithm.clients_per_round = {hparams.clients_per_round} exceeds "
                      f"config.data.num_clients = {n} (0 = all clients)")
-  if algo.num_strata > n:
-    raise ValueError(f"config.algorithm.num_strata = {algo.num_strata} exceeds config.data.num_clients = {n} "
+  if hparams.num_strata > n:
+    raise ValueError(f"config.algorithm.num_strata = {hparams.num_strata} exceeds config.data.num_clients = {n} "
                      "(0 = every client its own stratum)")
-  if algo.sampling == "stratified":
-    q = algo.num_strata or n
-    k = algo.clients_per_round or n
+  if hparams.sampling == "stratified":
+    q = hparams.num_strata or n
+    k = hparams.clients_per_round or n
     if k % q or k // q > n // q:
       raise ValueError(f"sampling = 'stratified' draws clients_per_round / Q clients from each of Q = {q} strata "
-                       f"of >= {n // q} clients: config.algorithm.clients_per_round = {algo.clients_per_round} "
+                       f"of >= {n // q} clients: config.algorithm.clients_per_round = {hparams.clients_per_round} "
                        f"must be a multiple of Q with quotient <= {n // q}")
-  if (algo.prox_mu > 0) != (algo.local_training == "fedprox"):
-    raise ValueError(f"config.algorithm.prox_mu = {algo.prox_mu!r} with local_training = {algo.local_training!r}: "
-                     "'fedprox' needs prox_mu > 0 and the other local trainings need prox_mu = 0")
-  if algo.local_training == "ntk":
-    if algo.aggregation_weights != "data_size":
-      raise ValueError("local_training = 'ntk' evolves each mode on its participants' pooled data (every sample "
-                       "weighs the same): config.algorithm.aggregation_weights must be 'data_size', got "
-                       f"{algo.aggregation_weights!r}")
-    if algo.quantize_bits != compression.FLOAT_BITS:
-      raise ValueError("local_training = 'ntk' sends Jacobians, not weights: config.algorithm.quantize_bits "
-                       f"must be 32, got {algo.quantize_bits!r}")
-  if config.eval.selection:
+  if run.eval.selection:
     raise ValueError("fed_ensemble's modes are independent models; weight-averaging selection curves do not "
                      "apply: config.eval.selection must be False")
 
@@ -286,21 +308,25 @@ def validate_config(config) -> None:
 # ----------------------------------------------------------------------------- the method
 
 
-def make_fed_ensemble(config, model: models.Model, federation) -> Algorithm:
+def make_fed_ensemble(model: models.Model, federation, hparams: FedEnsembleHParams, *, seed: int) -> Algorithm:
   """Builds Fed-ensemble for ``federation`` and ``model`` (see the module docstring).
+
+  Args:
+    model: the model of every mode.
+    federation: a :class:`ntk_fl.data.Federation`.
+    hparams: :class:`FedEnsembleHParams`.
+    seed: the run seed (strata, participants, mode assignments, round keys).
 
   Returns:
     An :class:`Algorithm` with ``client_params`` = the ``[K, ...]`` modes and
     ``aggregate`` = ``'ensemble_probs'`` or ``'ensemble_logits'``.
   """
-  validate_config(config)
-  algo = config.algorithm
+  algo = hparams
   num_clients, n_max = federation.mask.shape
   num_modes = int(algo.num_modes)
   k = int(algo.clients_per_round) or num_clients
   bits, stochastic = int(algo.quantize_bits), bool(algo.stochastic_rounding)
-  chunk_size = config.chunk_size or None
-  strata = make_strata(num_clients, int(algo.num_strata), config.seed)
+  strata = make_strata(num_clients, int(algo.num_strata), seed)
   data = jax.device_put(federation)
   payload = compression.tree_payload_bits(jax.eval_shape(model.init, jax.random.PRNGKey(0)), bits)
   uniform_weights = algo.aggregation_weights == "uniform"
@@ -309,10 +335,10 @@ def make_fed_ensemble(config, model: models.Model, federation) -> Algorithm:
     return EnsembleState(modes=init_modes(model, key, num_modes), bits_cumulative=jnp.float32(0))
 
   def round_inputs(round_index: int) -> EnsembleRound:
-    clients = sample_participants(strata, int(algo.clients_per_round), algo.sampling, config.seed, round_index)
-    modes = round_modes(strata, num_modes, config.seed, round_index)[clients]
+    clients = sample_participants(strata, int(algo.clients_per_round), algo.sampling, seed, round_index)
+    modes = round_modes(strata, num_modes, seed, round_index)[clients]
     return EnsembleRound(round=np.int32(round_index), clients=clients, modes=modes,
-                         key=jax_key(config.seed, Stream.ROUND_KEYS, round_index))
+                         key=jax_key(seed, Stream.ROUND_KEYS, round_index))
 
   def counts_of(assignment):
     return jnp.sum(assignment[:, None] == jnp.arange(num_modes)[None, :], axis=0).astype(jnp.int32)
@@ -335,7 +361,7 @@ def make_fed_ensemble(config, model: models.Model, federation) -> Algorithm:
                                        **evolve_options)
         return jax.tree.map(jnp.add, params, delta), info["tau"], info["loss"]
 
-      evolved, tau, loss = parallel.for_each_client(one_mode, chunk_size=chunk_size)(
+      evolved, tau, loss = parallel.for_each_client(one_mode)(
           modes, jnp.arange(num_modes))
       counts = counts_of(inputs.modes)
       trained = counts > 0                                                            # idle modes stay
@@ -344,16 +370,16 @@ def make_fed_ensemble(config, model: models.Model, federation) -> Algorithm:
       mean_loss = jnp.sum(jnp.where(trained, loss, 0.0)) / jnp.maximum(jnp.sum(trained), 1)
       return new_modes, counts, {"tau": jnp.where(trained, tau, 0), "loss": mean_loss}
   else:
-    local_update = local.local_update_from_config(model.apply, algo)
+    local_update = local.local_update_from_hparams(model.apply, algo)
 
     def train(modes, inputs, x, y, mask, lr):
       """FedAvg's vmapped local training, each participant starting from (and anchored at) its mode."""
       train_key, quant_key = jax.random.split(inputs.key)
       start = jax.tree.map(lambda m: m[inputs.modes], modes)                          # [P, ...]
       per_client = lambda p, xc, yc, mc, kc: local_update(p, xc, yc, mc, kc, lr, anchor=p)
-      result = parallel.for_each_client(per_client, chunk_size=chunk_size)(
+      result = parallel.for_each_client(per_client)(
           start, x, y, mask, jax.random.split(train_key, k))
-      sent = local.transmit(result.params, bits, key=quant_key, stochastic=stochastic, chunk_size=chunk_size)
+      sent = local.transmit(result.params, bits, key=quant_key, stochastic=stochastic)
       sizes = jnp.sum(mask, axis=1).astype(jnp.float32)
       weights = jnp.ones_like(sizes) if uniform_weights else sizes
       new_modes, counts = aggregate_modes(modes, sent, inputs.modes, weights)
@@ -377,4 +403,6 @@ def make_fed_ensemble(config, model: models.Model, federation) -> Algorithm:
                    aggregate=_AGGREGATE_OF_PREDICTION[algo.prediction])
 
 
-METHOD = Method(make=make_fed_ensemble, validate_config=validate_config)
+METHOD = Method(make=lambda model, federation, topology, hparams, run: make_fed_ensemble(model, federation, hparams,
+                                                                                       seed=run.seed),
+                hyperparameters=FedEnsembleHParams, check=check)

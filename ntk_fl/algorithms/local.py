@@ -36,8 +36,8 @@ What one call does (the authors' baselines, PyTorch ``DataLoader(shuffle=True)``
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -54,18 +54,16 @@ __all__ = [
     "sgd",
     "sam_perturbation",
     "masked_cross_entropy",
-    "LOCAL_KEYS",
-    "validate_local_config",
-    "local_update_from_config",
+    "LocalHParams",
+    "local_update_from_hparams",
     "round_lr",
-    "check_positive",
-    "check_nonnegative",
-    "check_fraction",
-    "check_bool",
-    "check_int",
+    "check_fields",
+    "positive",
+    "nonnegative",
+    "fraction",
+    "flag",
+    "int_at_least",
     "transmit",
-    "local_config",
-    "quantize_variants",
 ]
 
 
@@ -212,48 +210,15 @@ def make_local_update(apply_fn: Callable, *, epochs: int, batch_size: int, momen
   return local_update
 
 
-# ----------------------------------------------------------------------------- config helpers
+# ----------------------------------------------------------------------------- hyperparameters
 #
-# Every gradient baseline's ``config.algorithm`` block holds the LOCAL_KEYS below
-# plus its own extras; unknown keys are rejected, so a typo (``prox_mu`` in a
-# FedAvg config, say) never runs silently as something else.
-
-LOCAL_KEYS = ("lr", "lr_gamma", "epochs", "batch_size", "momentum", "nesterov", "weight_decay",
-              "quantize_bits", "stochastic_rounding")
-"""``config.algorithm`` fields shared by all gradient baselines (see :func:`validate_local_config`)."""
-
-
-_is_number = validation.is_real
-
-
-def check_positive(name, value):
-  if not (_is_number(value) and value > 0):
-    raise ValueError(f"config.algorithm.{name} must be a finite number > 0, got {value!r}")
-
-
-def check_nonnegative(name, value):
-  if not (_is_number(value) and value >= 0):
-    raise ValueError(f"config.algorithm.{name} must be a finite number >= 0, got {value!r}")
-
-
-def check_fraction(name, value):
-  if not (_is_number(value) and 0 < value <= 1):
-    raise ValueError(f"config.algorithm.{name} must be in (0, 1], got {value!r}")
-
-
-def check_bool(name, value):
-  validation.check_bool(f"config.algorithm.{name}", value)
-
-
-def check_int(low):
-  def check(name, value):
-    validation.check_int(f"config.algorithm.{name}", value, low=low)
-  return check
+# Every gradient baseline's ``config.algorithm`` block holds the fields of
+# LocalHParams plus its own extras (a subclass); the schema rejects unknown keys,
+# so a typo (``prox_mu`` in a FedAvg config, say) never runs silently as something else.
 
 
 def _check_momentum(name, value):
-  if not (_is_number(value) and 0 <= value < 1):
-    raise ValueError(f"config.algorithm.{name} must be in [0, 1), got {value!r}")
+  validation.check_real(f"config.algorithm.{name}", value, low=0, high=1, high_open=True)
 
 
 def _check_bits(name, value):
@@ -261,49 +226,76 @@ def _check_bits(name, value):
     raise ValueError(f"config.algorithm.{name} must be 32 (no quantisation) or an int in [1, 16], got {value!r}")
 
 
-_LOCAL_CHECKS = {
-    "lr": check_positive,
-    "lr_gamma": check_fraction,            # multiplicative per round: lr_r = lr * lr_gamma**r
-    "epochs": check_int(1),
-    "batch_size": check_int(1),
-    "momentum": _check_momentum,
-    "nesterov": check_bool,
-    "weight_decay": check_nonnegative,
-    "quantize_bits": _check_bits,
-    "stochastic_rounding": check_bool,
-}
+def positive(name, value):
+  validation.check_real(f"config.algorithm.{name}", value, low=0, low_open=True)
 
 
-def validate_local_config(config, method: str, extra_checks=None) -> None:
-  """Checks ``config.algorithm`` = :data:`LOCAL_KEYS` + ``extra_checks`` (name -> ``check(name, value)``)."""
-  algo = config.algorithm
-  checks = {**_LOCAL_CHECKS, **(extra_checks or {})}
-  missing = sorted(set(checks) - set(algo.keys()))
-  if missing:
-    raise ValueError(f"config.algorithm is missing {missing} for method {method!r}")
-  unknown = sorted(set(algo.keys()) - set(checks))
-  if unknown:
-    raise ValueError(f"config.algorithm has unknown key(s) {unknown} for method {method!r}; "
-                     f"allowed: {sorted(checks)}")
+def nonnegative(name, value):
+  validation.check_real(f"config.algorithm.{name}", value, low=0)
+
+
+def fraction(name, value):
+  validation.check_real(f"config.algorithm.{name}", value, low=0, high=1, low_open=True)
+
+
+def flag(name, value):
+  validation.check_bool(f"config.algorithm.{name}", value)
+
+
+def int_at_least(low: int):
+  """A field check: an int ``>= low``."""
+  return lambda name, value: validation.check_int(f"config.algorithm.{name}", value, low=low)
+
+
+def check_fields(hparams, checks: dict) -> None:
+  """Runs ``checks`` (field name -> ``check(name, value)``) on a hyperparameter dataclass's fields."""
   for name, check in checks.items():
-    check(name, algo[name])
+    check(name, getattr(hparams, name))
 
 
-def round_lr(algo, round_index):
+@dataclasses.dataclass(frozen=True)
+class LocalHParams:
+  """Local SGD of the gradient baselines (``config.algorithm``; each value checked on construction).
+
+  Attributes:
+    lr: learning rate of round 0 (> 0); round ``r`` uses ``lr * lr_gamma**r``.
+    lr_gamma: per-round multiplicative decay in (0, 1].
+    epochs, batch_size: local passes over the client's data and minibatch size (>= 1).
+    momentum, nesterov, weight_decay: :func:`sgd` (momentum in [0, 1)).
+    quantize_bits: bits per transmitted weight: 32 (none) or [1, 16].
+    stochastic_rounding: unbiased stochastic rounding when quantising.
+  """
+  lr: float
+  lr_gamma: float
+  epochs: int
+  batch_size: int
+  momentum: float
+  nesterov: bool
+  weight_decay: float
+  quantize_bits: int
+  stochastic_rounding: bool
+
+  def __post_init__(self):
+    check_fields(self, {"lr": positive, "lr_gamma": fraction, "epochs": int_at_least(1),
+                        "batch_size": int_at_least(1), "momentum": _check_momentum, "nesterov": flag,
+                        "weight_decay": nonnegative, "quantize_bits": _check_bits, "stochastic_rounding": flag})
+
+
+def round_lr(hparams: LocalHParams, round_index):
   """``lr * lr_gamma ** round`` (0-based round; may be traced)."""
-  return algo.lr * jnp.power(jnp.float32(algo.lr_gamma), jnp.asarray(round_index, jnp.float32))
+  return hparams.lr * jnp.power(jnp.float32(hparams.lr_gamma), jnp.asarray(round_index, jnp.float32))
 
 
-def local_update_from_config(apply_fn: Callable, algo) -> Callable[..., LocalResult]:
-  """:func:`make_local_update` with the hyperparameters of ``config.algorithm``."""
+def local_update_from_hparams(apply_fn: Callable, hparams: LocalHParams) -> Callable[..., LocalResult]:
+  """:func:`make_local_update` with the local-training fields of ``hparams`` (FedProx/SAM extras when present)."""
   return make_local_update(
-      apply_fn, epochs=int(algo.epochs), batch_size=int(algo.batch_size), momentum=float(algo.momentum),
-      nesterov=bool(algo.nesterov), weight_decay=float(algo.weight_decay),
-      prox_mu=float(algo.get("prox_mu", 0.0)), sam_rho=float(algo.get("sam_rho", 0.0)),
-      sam_adaptive=bool(algo.get("sam_adaptive", False)))
+      apply_fn, epochs=hparams.epochs, batch_size=hparams.batch_size, momentum=float(hparams.momentum),
+      nesterov=hparams.nesterov, weight_decay=float(hparams.weight_decay),
+      prox_mu=float(getattr(hparams, "prox_mu", 0.0)), sam_rho=float(getattr(hparams, "sam_rho", 0.0)),
+      sam_adaptive=bool(getattr(hparams, "sam_adaptive", False)))
 
 
-def transmit(stacked_params, bits: int, *, key, stochastic: bool, chunk_size=None):
+def transmit(stacked_params, bits: int, *, key, stochastic: bool):
   """What the receivers see of every client's weights: ``bits``-bit quantised, or exact at 32 bits.
 
   Args:
@@ -311,100 +303,9 @@ def transmit(stacked_params, bits: int, *, key, stochastic: bool, chunk_size=Non
     bits: 32 (float32, unchanged) or ``[1, 16]``.
     key: PRNG key of the round's quantisation (split per client, then per leaf).
     stochastic: unbiased stochastic rounding.
-    chunk_size: see :func:`ntk_fl.parallel.for_each_client`.
   """
   if bits == compression.FLOAT_BITS:
     return stacked_params
   num_clients = jax.tree.leaves(stacked_params)[0].shape[0]
   quantize = lambda p, k: compression.quantize_tree(p, bits, key=k, stochastic=stochastic)
-  return parallel.for_each_client(quantize, chunk_size=chunk_size)(stacked_params,
-                                                                     jax.random.split(key, num_clients))
-
-
-def local_config(*, lr: float, epochs: int, batch_size: int, lr_gamma: float = 1.0, momentum: float = 0.0,
-                 nesterov: bool = False, weight_decay: float = 0.0, quantize_bits: int = 32,
-                 stochastic_rounding: bool = False, **extra):
-  """A ``config.algorithm`` block holding every :data:`LOCAL_KEYS` field (plus a method's ``extra``)."""
-  import ml_collections  # pylint: disable=g-import-not-at-top -- configs only
-  return ml_collections.ConfigDict(dict(
-      lr=lr, lr_gamma=lr_gamma, epochs=epochs, batch_size=batch_size, momentum=momentum, nesterov=nesterov,
-      weight_decay=weight_decay, quantize_bits=quantize_bits, stochastic_rounding=stochastic_rounding, **extra))
-
-
-def quantize_variants(bits=(8, 4)) -> dict:
-  """Config variants ``q<b>``: send ``b``-bit quantised weights (nearest level)."""
-  return {f"q{b}": (lambda config, b=b: setattr(config.algorithm, "quantize_bits", b)) for b in bits}
-
-
-# ----------------------------------------------------------------------------- config families
-
-
-def server_config(method: str, *, rounds: int = 300, clients_per_round: int = 20, **algorithm):
-  """Base config of a server-based baseline (FedAvg family): NTK-FL's comparison setting.
-
-  Fashion-MNIST, 300 clients, the authors' fixed-size Dirichlet partition (≈200
-  samples each, α = 0.1), MLP 784-100-10; each round ``clients_per_round`` = 20
-  of the 300 clients (uniformly, without replacement; NTK-FL's setting) train
-  from the global model and the server averages their weights by data size.
-  The configs use 20 epochs of full-batch gradient descent (batch 200 = the
-  client's data; NTK-FL's "client batch size 200"), lr 0.1, plain SGD -- the
-  NTK-DFL authors' FedAvg notebook; NTK-FL tuned the local iteration count over
-  {1, 3, …, 50} and the lr over {1e-3, …, 1e-1} without reporting the winner --
-  and 300 rounds (NTK-FL Table 1: FedAvg needs 284 to reach 85 % at α = 0.1).
-  Uplink bits are counted per round and cumulatively.
-
-  One global model (so ``client_params`` has one row and the aggregated
-  evaluation is the evaluation; per-client evaluation is off), ``clients_per_round``
-  of the clients train each round, ``algorithm`` goes to :func:`local_config`.
-  """
-  from ntk_fl import config as config_lib  # pylint: disable=g-import-not-at-top -- configs only
-  config = config_lib.base_config()
-  config.method = method
-  config.rounds = rounds
-  config.eval.clients_every = 0
-  config.chunk_size = 0
-  config.algorithm = local_config(clients_per_round=clients_per_round, **algorithm)
-  return config
-
-
-def gossip_config(method: str, *, rounds: int = 200, **algorithm):
-  """Base config of a decentralized baseline: train locally, then one uniform gossip step.
-
-  The authors' baselines average uniformly with their neighbours (1/(κ+1)); the
-  per-client evaluation runs every 5 rounds (it is the expensive part of a
-  300-client evaluation); 30 clients per vmap chunk (measured fastest for local
-  training on 2 cores).
-  """
-  from ntk_fl import config as config_lib  # pylint: disable=g-import-not-at-top -- configs only
-  config = config_lib.base_config()
-  config.method = method
-  config.rounds = rounds
-  config.topology.mixing = "uniform"
-  config.eval.clients_every = 5
-  config.chunk_size = 30
-  config.algorithm = local_config(**algorithm)
-  return config
-
-
-def _server_smoke(config):
-  from ntk_fl import config as config_lib  # pylint: disable=g-import-not-at-top -- configs only
-  config_lib.smoke_slice(config)
-  config.algorithm.clients_per_round = 5
-  config.algorithm.epochs = min(config.algorithm.epochs, 2)
-
-
-def _gossip_smoke(config):
-  from ntk_fl import config as config_lib  # pylint: disable=g-import-not-at-top -- configs only
-  config_lib.smoke_slice(config)
-  config.eval.clients_every = 1
-  config.algorithm.epochs = min(config.algorithm.epochs, 2)
-
-
-PARTICIPATION_VARIANTS = {
-    "full": lambda c: setattr(c.algorithm, "clients_per_round", 0),          # every client, every round
-    "busiest_node": lambda c: setattr(c.algorithm, "clients_per_round", 5),  # NTK-DFL App. C.1 (κ = 5)
-}
-SERVER_VARIANTS = {**quantize_variants(), **PARTICIPATION_VARIANTS, "smoke": _server_smoke}
-"""Variants of the server-based configs: ``q8``/``q4``, ``full``, ``busiest_node``, ``smoke``."""
-GOSSIP_VARIANTS = {**quantize_variants(), "smoke": _gossip_smoke}
-"""Variants of the decentralized configs: ``q8``/``q4``, ``smoke``."""
+  return parallel.for_each_client(quantize)(stacked_params, jax.random.split(key, num_clients))

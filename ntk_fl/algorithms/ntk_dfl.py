@@ -46,6 +46,7 @@ from each neighbour and one float32 Jacobian package per neighbour),
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, NamedTuple
 
@@ -55,12 +56,11 @@ import numpy as np
 
 from ntk_fl import compression, evolve, models, parallel, topology, validation
 from ntk_fl.algorithms import Method
-from ntk_fl.algorithms.base import Algorithm, config_without, graph_round_inputs
+from ntk_fl.algorithms.base import Algorithm, check_evolution, config_without, graph_round_inputs
 
-__all__ = ["NTKDFLState", "NeighbourhoodRound", "make_neighbourhood_round", "make_ntk_dfl", "validate_config", "METHOD"]
+__all__ = ["NTKDFLState", "NTKDFLHParams", "NeighbourhoodRound", "make_neighbourhood_round", "make_ntk_dfl",
+           "METHOD"]
 
-_ALGORITHM_KEYS = ("lr", "lr_decay", "taus", "loss", "solver", "select", "kernel", "per_round_averaging",
-                   "jacobian_batches", "subsample")
 
 
 class NTKDFLState(NamedTuple):
@@ -98,17 +98,35 @@ def _subsample_indices(key, mask, num_keep, divisor):
   return order, keep_mask
 
 
-def validate_config(config) -> None:
-  """Checks an NTK-DFL config's ``algorithm`` block and topology; raises ``ValueError`` naming the bad value."""
-  algo = config.algorithm
-  validation.check_keys("config.algorithm", algo, _ALGORITHM_KEYS, "ntk_dfl")
-  evolve.validate_evolution_config(algo)
-  for name in ("jacobian_batches", "subsample"):
-    validation.check_int(f"config.algorithm.{name}", algo[name], low=1)
-  validation.check_bool("config.algorithm.per_round_averaging", algo.per_round_averaging)
-  # The graph family must suit the client count (e.g. M·κ even for a κ-regular graph): fail now, not
-  # after the data are loaded.
-  topology.make_topology_from_config(config.topology, config.data.num_clients, seed=config.seed)
+@dataclasses.dataclass(frozen=True)
+class NTKDFLHParams:
+  """NTK-DFL (``config.algorithm``; every value checked on construction).
+
+  Attributes:
+    lr, lr_decay: round ``r`` (0-based) uses ``lr·exp(−lr_decay·r)``.
+    taus, loss, solver, select, kernel: the neighbourhood NTK evolution
+      (:func:`ntk_fl.algorithms.base.check_evolution`).
+    per_round_averaging: average the round-start weights over each closed
+      neighbourhood (eq. 1); False is the Fig. 7 ablation.
+    jacobian_batches: ``m1`` blocks of the neighbourhood data (App. E.1; >= 1).
+    subsample: ``m2``, each client uses a random ``⌊n_i/m2⌋`` of its samples per round (App. E.2; >= 1).
+  """
+  lr: float
+  lr_decay: float
+  taus: tuple[int, ...]
+  loss: str
+  solver: str
+  select: str
+  kernel: str
+  per_round_averaging: bool
+  jacobian_batches: int
+  subsample: int
+
+  def __post_init__(self):
+    check_evolution(self)
+    for name in ("jacobian_batches", "subsample"):
+      validation.check_int(f"config.algorithm.{name}", getattr(self, name), low=1)
+    validation.check_bool("config.algorithm.per_round_averaging", self.per_round_averaging)
 
 
 class NeighbourhoodRound(NamedTuple):
@@ -138,25 +156,31 @@ class NeighbourhoodRound(NamedTuple):
   run: Any
 
 
-def make_neighbourhood_round(config, model: models.Model, federation, *, lr: float, lr_decay: float,
-                             per_round_averaging: bool, jacobian_batches: int = 1,
-                             subsample: int = 1, share_cliques: bool = False) -> NeighbourhoodRound:
+def make_neighbourhood_round(model: models.Model, federation, graphs: topology.Topology, *, seed: int,
+                             lr: float, lr_decay: float, per_round_averaging: bool, mixing: str = "uniform",
+                             jacobian_batches: int = 1, subsample: int = 1,
+                             share_cliques: bool = False) -> NeighbourhoodRound:
   """Builds the parts of an NTK-DFL round shared by every neighbourhood-NTK method.
 
+  Clients are mapped with :func:`ntk_fl.parallel.for_each_client` under the
+  device policy in force when ``run`` is traced (:func:`ntk_fl.parallel.use_devices`).
+
   Args:
-    config: the run config (``seed``, ``topology``, ``chunk_size`` are read).
     model: the model (its ``num_classes``).
-    federation: a :class:`ntk_fl.data.Federation`.
+    federation: a :class:`ntk_fl.data.Federation` of ``M`` clients.
+    graphs: the communication :class:`ntk_fl.topology.Topology` over the ``M`` clients.
+    seed: the run seed (round keys; the graphs draw from their own).
+    mixing: mixing scheme of the per-round averaging (:data:`ntk_fl.topology.MIXING_SCHEMES`).
     lr, lr_decay: round ``r`` (0-based) uses ``lr·exp(−lr_decay·r)``.
     per_round_averaging: average the round-start weights over each closed neighbourhood (eq. 1).
     jacobian_batches: ``m1`` blocks of the neighbourhood data (App. E.1).
     subsample: ``m2``, each client uses a random ``⌊n_i/m2⌋`` of its samples per round (App. E.2).
-    share_cliques: on the ``clustered`` topology (disjoint cliques) with per-round
-      averaging, every member of a clique holds the same ``w̄`` and the same
-      neighbourhood data (in another order), so its client function is the same
-      up to float summation order: compute it once per clique (SPARK App. A.2:
-      "each device computes one Jacobian reused by all neighbours"), ``cluster_size``
-      times less work. Needs ``topology.name == 'clustered'`` and ``per_round_averaging``.
+    share_cliques: on a topology of disjoint cliques (``graphs.cliques > 0``, the
+      ``clustered`` family) with per-round averaging, every member of a clique
+      holds the same ``w̄`` and the same neighbourhood data (in another order), so
+      its client function is the same up to float summation order: compute it
+      once per clique (SPARK App. A.2: "each device computes one Jacobian reused
+      by all neighbours"), clique-size times less work. Needs ``per_round_averaging``.
   """
   num_clients, n_max = federation.mask.shape
   num_classes = model.num_classes
@@ -167,15 +191,15 @@ def make_neighbourhood_round(config, model: models.Model, federation, *, lr: flo
     raise ValueError(f"config.algorithm.jacobian_batches={m1} exceeds the {n_sub} data slots per client "
                      f"(n_max={n_max}, subsample={m2}): some blocks would hold no data")
 
-  graph_source = topology.make_topology_from_config(config.topology, num_clients, seed=config.seed)
-  if share_cliques and (graph_source.name != "clustered" or not per_round_averaging):
+  if graphs.num_clients != num_clients:
+    raise ValueError(f"the topology spans {graphs.num_clients} clients, the federation {num_clients}")
+  if share_cliques and (not graphs.cliques or not per_round_averaging):
     raise ValueError("sharing one client update per clique needs topology.name='clustered' and per-round "
-                     f"averaging (got topology {graph_source.name!r}, per_round_averaging={per_round_averaging}): "
+                     f"averaging (got topology {graphs.name!r}, per_round_averaging={per_round_averaging}): "
                      "only then do the members of a closed neighbourhood hold the same averaged weights")
-  num_cliques = num_clients // int(config.topology.cluster_size)     # topology._clustered's array_split
   sizes = np.asarray(federation.n)
   data = jax.device_put(federation)
-  round_inputs = graph_round_inputs(graph_source, config.topology.mixing, sizes, config.seed)
+  round_inputs = graph_round_inputs(graphs, mixing, sizes, seed)
 
   def neighbourhood(idx, nbrs, nbr_mask, data, rows, ms):
     """Gathers client ``idx``'s and its neighbours' (sub-sampled) data into ``m1`` blocks.
@@ -218,7 +242,7 @@ def make_neighbourhood_round(config, model: models.Model, federation, *, lr: flo
       x, t, m = neighbourhood(idx, nbrs, nbr_mask, data, rows, ms)
       return client_fn(p, x, t, m, round_lr, *args)
 
-    update = parallel.for_each_client(per_client, chunk_size=config.chunk_size or None)
+    update = parallel.for_each_client(per_client)
     clients = jnp.arange(num_clients)
     weights = (inputs.self_weight, inputs.neighbor_weights)
     if not share_cliques:
@@ -227,7 +251,7 @@ def make_neighbourhood_round(config, model: models.Model, federation, *, lr: flo
       raise ValueError("share_cliques=True runs client_fn once per clique, so it takes no per-client arguments")
     # A clique's representative is its lowest-numbered member (padding slots hold the client's own index).
     representative = jnp.minimum(clients, inputs.neighbors.min(axis=1))
-    leaders = jnp.unique(representative, size=num_cliques)
+    leaders = jnp.unique(representative, size=graphs.cliques)
     outputs = update(jax.tree.map(lambda p: p[leaders], params), leaders, inputs.neighbors[leaders],
                      inputs.neighbor_mask[leaders], *(w[leaders] for w in weights))
     slot = jnp.searchsorted(leaders, representative)
@@ -237,22 +261,31 @@ def make_neighbourhood_round(config, model: models.Model, federation, *, lr: flo
   return NeighbourhoodRound(data=data, samples_sent=samples_sent, round_inputs=round_inputs, run=run)
 
 
-def make_ntk_dfl(config, model: models.Model, federation) -> Algorithm:
+def make_ntk_dfl(model: models.Model, federation, graphs: topology.Topology, hparams: NTKDFLHParams, *,
+                 seed: int, mixing: str = "uniform", shared_init: bool = True) -> Algorithm:
   """Builds NTK-DFL for ``federation`` (a :class:`ntk_fl.data.Federation`) and ``model``.
+
+  Args:
+    model: the model.
+    federation: the stacked client data (``M`` clients).
+    graphs: the communication :class:`ntk_fl.topology.Topology` over the ``M`` clients.
+    hparams: :class:`NTKDFLHParams`.
+    seed: the run seed (round keys).
+    mixing: mixing scheme of the per-round averaging.
+    shared_init: every client starts from the same initialisation.
 
   Returns:
     An :class:`~ntk_fl.algorithms.base.Algorithm`; ``step`` is jit-compiled here
     (the federation's arrays are passed to it as arguments, never baked in as
     compile-time constants).
   """
-  validate_config(config)
-  algo = config.algorithm
+  algo = hparams
   num_clients = federation.mask.shape[0]
   taus = tuple(int(t) for t in algo.taus)
   m1 = int(algo.jacobian_batches)
-  core = make_neighbourhood_round(config, model, federation, lr=algo.lr, lr_decay=algo.lr_decay,
-                                  per_round_averaging=algo.per_round_averaging, jacobian_batches=m1,
-                                  subsample=int(algo.subsample))
+  core = make_neighbourhood_round(model, federation, graphs, seed=seed, mixing=mixing, lr=algo.lr,
+                                  lr_decay=algo.lr_decay, per_round_averaging=algo.per_round_averaging,
+                                  jacobian_batches=m1, subsample=int(algo.subsample))
   evolve_kwargs = dict(taus=taus, loss=algo.loss, solver=algo.solver, dense_stack=model.dense_stack,
                        kernel=algo.kernel, select=algo.select)
 
@@ -261,10 +294,10 @@ def make_ntk_dfl(config, model: models.Model, federation) -> Algorithm:
   leaf_sizes = [math.prod(leaf.shape) for leaf in jax.tree.leaves(template)]
   packages = jnp.asarray([compression.jacobian_package_bits(int(n), model.num_classes, leaf_sizes)
                           for n in core.samples_sent], jnp.float32)
-  broadcast = config.topology.name == "clustered"
+  broadcast = graphs.cliques > 0        # a clique member sends one package to the whole clique
 
   def init(key):
-    return NTKDFLState(params=models.init_clients(model, key, num_clients, shared=config.model.init == "shared"),
+    return NTKDFLState(params=models.init_clients(model, key, num_clients, shared=shared_init),
                        bits_cumulative=jnp.float32(0))
 
   def client_update(params, x, targets, mask, lr):
@@ -326,4 +359,8 @@ def shared_rounds(stored: dict, current: dict) -> int:
   return min(stored["rounds"], current["rounds"]) if same else 0
 
 
-METHOD = Method(make=make_ntk_dfl, validate_config=validate_config, shared_rounds=shared_rounds)
+METHOD = Method(
+    make=lambda model, federation, graphs, hparams, run: make_ntk_dfl(
+        model, federation, graphs, hparams, seed=run.seed, mixing=run.topology.mixing,
+        shared_init=run.model.shared_init),
+    hyperparameters=NTKDFLHParams, graph=True, shared_rounds=shared_rounds)

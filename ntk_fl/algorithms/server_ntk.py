@@ -58,6 +58,7 @@ test inputs with the unmodified network.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, NamedTuple
 
@@ -67,17 +68,13 @@ import numpy as np
 
 from ntk_fl import compression, evolve, jacobians, models, parallel, validation
 from ntk_fl.algorithms import Method
-from ntk_fl.algorithms.base import Algorithm
+from ntk_fl.algorithms.base import Algorithm, check_evolution
 from ntk_fl.rng import Stream, jax_key, numpy_rng
 
-__all__ = ["ServerNTKState", "ServerNTKRound", "JACOBIAN_PATHS", "ALGORITHM_KEYS", "PAPER_TAUS", "CODE_TAUS",
-           "VARIANTS", "server_ntk_config", "make_server_ntk",
-           "validate_config", "uses_explicit_jacobian", "uplink_bits", "METHOD"]
+__all__ = ["ServerNTKState", "ServerNTKRound", "JACOBIAN_PATHS", "NTKFLHParams", "make_server_ntk", "check",
+           "uses_explicit_jacobian", "uplink_bits", "METHOD"]
 
 JACOBIAN_PATHS = ("auto", "implicit", "explicit")
-ALGORITHM_KEYS = ("clients_per_round", "lr", "lr_decay", "taus", "loss", "solver", "select", "kernel",
-                  "jacobian", "jacobian_chunk", "subsample_fraction", "projection_dim", "projection_scale",
-                  "sparsify_keep", "quantize_bits", "stochastic_rounding", "shuffle")
 _MIB_BITS = 8 * 2**20
 
 
@@ -102,35 +99,74 @@ def uses_explicit_jacobian(algo) -> bool:
   return algo.jacobian == "explicit" or (algo.jacobian == "auto" and compressed)
 
 
-def validate_config(config) -> None:
-  """Checks ``config.algorithm`` of ``ntk_fl`` / CP-NTK-FL; raises ``ValueError`` naming the bad value."""
-  algo = config.algorithm
-  validation.check_keys("config.algorithm", algo, ALGORITHM_KEYS, "ntk_fl")
-  validation.check_int("config.algorithm.clients_per_round (0 = all clients)", algo.clients_per_round,
-                       low=0, high=config.data.num_clients)
-  evolve.validate_evolution_config(algo)
-  for name, allowed in (("jacobian", JACOBIAN_PATHS), ("projection_scale", jacobians.PROJECTION_SCALES)):
-    validation.check_choice(f"config.algorithm.{name}", algo[name], allowed)
-  validation.check_int("config.algorithm.jacobian_chunk (0 = automatic)", algo.jacobian_chunk, low=0)
-  validation.check_real("config.algorithm.subsample_fraction (β; 1 = all samples)", algo.subsample_fraction,
-                        low=0, high=1, low_open=True)
-  validation.check_int("config.algorithm.projection_dim (d1'; 0 = no projection)", algo.projection_dim, low=0)
-  if algo.projection_dim and config.model.name != "mlp":
+@dataclasses.dataclass(frozen=True)
+class NTKFLHParams:
+  """NTK-FL / CP-NTK-FL (``config.algorithm``; every value checked on construction).
+
+  Attributes:
+    clients_per_round: participants per round (0 = all).
+    lr, lr_decay, taus, loss, solver, select, kernel: the server's NTK evolution
+      (:func:`ntk_fl.algorithms.base.check_evolution`).
+    jacobian: :data:`JACOBIAN_PATHS` -- ``'auto'`` materialises J only when
+      compression alters it.
+    jacobian_chunk: samples per explicit-Jacobian chunk (0 = automatic).
+    subsample_fraction: β in (0, 1], each participant's share of its samples.
+    projection_dim: d1' of the secret input projection (0 = none; MLP only).
+    projection_scale: :data:`ntk_fl.jacobians.PROJECTION_SCALES`.
+    sparsify_keep: top-k fraction per Jacobian row in (0, 1] (1 = dense).
+    quantize_bits: 32 (float32) or [1, 16] bits per kept Jacobian value.
+    stochastic_rounding: unbiased rounding (needs quantisation).
+    shuffle: the shuffling server (synchronised row permutation).
+  """
+  clients_per_round: int
+  lr: float
+  lr_decay: float
+  taus: tuple[int, ...]
+  loss: str
+  solver: str
+  select: str
+  kernel: str
+  jacobian: str
+  jacobian_chunk: int
+  subsample_fraction: float
+  projection_dim: int
+  projection_scale: str
+  sparsify_keep: float
+  quantize_bits: int
+  stochastic_rounding: bool
+  shuffle: bool
+
+  def __post_init__(self):
+    validation.check_int("config.algorithm.clients_per_round (0 = all clients)", self.clients_per_round, low=0)
+    check_evolution(self)
+    for name, allowed in (("jacobian", JACOBIAN_PATHS), ("projection_scale", jacobians.PROJECTION_SCALES)):
+      validation.check_choice(f"config.algorithm.{name}", getattr(self, name), allowed)
+    validation.check_int("config.algorithm.jacobian_chunk (0 = automatic)", self.jacobian_chunk, low=0)
+    validation.check_real("config.algorithm.subsample_fraction (β; 1 = all samples)", self.subsample_fraction,
+                          low=0, high=1, low_open=True)
+    validation.check_int("config.algorithm.projection_dim (d1'; 0 = no projection)", self.projection_dim, low=0)
+    validation.check_real("config.algorithm.sparsify_keep (top-k fraction per Jacobian row; 1 = dense)",
+                          self.sparsify_keep, low=0, high=1, low_open=True)
+    bits = self.quantize_bits
+    if bits != compression.FLOAT_BITS:
+      validation.check_int("config.algorithm.quantize_bits (32 = float32, no quantisation)", bits, low=1, high=16)
+    validation.check_bool("config.algorithm.stochastic_rounding", self.stochastic_rounding)
+    if self.stochastic_rounding and bits == compression.FLOAT_BITS:
+      raise ValueError("config.algorithm.stochastic_rounding needs quantisation: set quantize_bits in [1, 16] "
+                       "(it is 32, i.e. float32)")
+    validation.check_bool("config.algorithm.shuffle", self.shuffle)
+    if self.jacobian == "implicit" and (self.sparsify_keep < 1 or bits != compression.FLOAT_BITS):
+      raise ValueError("config.algorithm.jacobian='implicit' cannot apply sparsify_keep < 1 or quantize_bits < 32: "
+                       "compressed Jacobians must be materialised -- use jacobian='auto' or 'explicit'")
+
+
+def check(hparams: NTKFLHParams, run) -> None:
+  """Rules across blocks: participants within the clients; the input projection needs the MLP."""
+  validation.check_int("config.algorithm.clients_per_round (0 = all clients)", hparams.clients_per_round,
+                       low=0, high=run.data.num_clients)
+  if hparams.projection_dim and run.model.name != "mlp":
     raise ValueError("config.algorithm.projection_dim projects flattened inputs into the first dense layer; it "
-                     f"needs model.name='mlp', got {config.model.name!r}")
-  validation.check_real("config.algorithm.sparsify_keep (top-k fraction per Jacobian row; 1 = dense)",
-                        algo.sparsify_keep, low=0, high=1, low_open=True)
-  bits = algo.quantize_bits
-  if bits != compression.FLOAT_BITS:
-    validation.check_int("config.algorithm.quantize_bits (32 = float32, no quantisation)", bits, low=1, high=16)
-  validation.check_bool("config.algorithm.stochastic_rounding", algo.stochastic_rounding)
-  if algo.stochastic_rounding and bits == compression.FLOAT_BITS:
-    raise ValueError("config.algorithm.stochastic_rounding needs quantisation: set quantize_bits in [1, 16] "
-                     "(it is 32, i.e. float32)")
-  validation.check_bool("config.algorithm.shuffle", algo.shuffle)
-  if algo.jacobian == "implicit" and (algo.sparsify_keep < 1 or bits != compression.FLOAT_BITS):
-    raise ValueError("config.algorithm.jacobian='implicit' cannot apply sparsify_keep < 1 or quantize_bits < 32: "
-                     "compressed Jacobians must be materialised -- use jacobian='auto' or 'explicit'")
+                     f"needs model.name='mlp', got {run.model.name!r}")
 
 
 def uplink_bits(num_samples, num_params: int, num_classes: int, algo):
@@ -180,15 +216,21 @@ def _compress_client(jac, mask, key, *, keep: float, bits: int, stochastic: bool
   return jac
 
 
-def make_server_ntk(config, model: models.Model, federation) -> Algorithm:
+def make_server_ntk(model: models.Model, federation, hparams: NTKFLHParams, *, seed: int) -> Algorithm:
   """Builds NTK-FL / CP-NTK-FL for ``federation`` and ``model`` (the raw-input model of the runner).
+
+  Args:
+    model: the model on raw inputs (with ``projection_dim``, an MLP: the server
+      trains the same MLP on the d1'-dimensional projected inputs).
+    federation: a :class:`ntk_fl.data.Federation`.
+    hparams: :class:`NTKFLHParams`.
+    seed: the run seed (participants, round keys, the secret input projection).
 
   Returns:
     An :class:`~ntk_fl.algorithms.base.Algorithm`; ``step`` is jit-compiled here
     with the federation's arrays (and ``P``) passed as arguments.
   """
-  validate_config(config)
-  algo = config.algorithm
+  algo = hparams
   num_clients, n_max = federation.mask.shape
   k = int(algo.clients_per_round) or num_clients
   taus = tuple(int(t) for t in algo.taus)
@@ -205,9 +247,9 @@ def make_server_ntk(config, model: models.Model, federation) -> Algorithm:
     if len(federation.feature_shape) != 1:
       raise ValueError("config.algorithm.projection_dim needs flattened inputs [M, n, d1], got samples of shape "
                        f"{federation.feature_shape}")
-    projection = jacobians.projection_matrix(jax_key(config.seed, Stream.INPUT_PROJECTION), input_dim, proj_dim,
+    projection = jacobians.projection_matrix(jax_key(seed, Stream.INPUT_PROJECTION), input_dim, proj_dim,
                                              scale=algo.projection_scale)
-    net = models.mlp(proj_dim, tuple(config.model.hidden), num_classes, config.model.activation)
+    net = models.mlp_on_inputs(model, proj_dim)
   first_layer = net.dense_stack.layers[0] if net.dense_stack else None
   num_params = models.num_params(jax.eval_shape(net.init, jax.random.PRNGKey(0)))
   model_bits = num_params * compression.FLOAT_BITS
@@ -218,16 +260,16 @@ def make_server_ntk(config, model: models.Model, federation) -> Algorithm:
     return ServerNTKState(params=net.init(key), uplink_bits=jnp.float32(0), downlink_bits=jnp.float32(0))
 
   def round_inputs(round_index: int) -> ServerNTKRound:
-    rng = numpy_rng(config.seed, Stream.PARTICIPATION, round_index)
+    rng = numpy_rng(seed, Stream.PARTICIPATION, round_index)
     clients = np.sort(rng.choice(num_clients, size=k, replace=False)).astype(np.int32)
     return ServerNTKRound(round=np.int32(round_index), clients=clients,
-                          key=jax_key(config.seed, Stream.ROUND_KEYS, round_index))
+                          key=jax_key(seed, Stream.ROUND_KEYS, round_index))
 
   def client_data(fed, proj, clients, key):
     """Participants' (subsampled, projected) data ``[K, n_slots, ...]``; padded rows zeroed."""
     (x, y), mask = fed.samples(fed.index[clients]), fed.mask[clients]
     if beta < 1:
-      idx, mask = parallel.for_each_client(lambda kk, m: jacobians.subsample(kk, m, beta))(
+      idx, mask = parallel.for_each_client(lambda kk, m: jacobians.subsample(kk, m, beta), chunk_size=0)(
           jax.random.split(key, k), mask)
       x = jnp.take_along_axis(x, idx.reshape(*idx.shape, *([1] * (x.ndim - 2))), axis=1)
       y = jnp.take_along_axis(y, idx, axis=1)
@@ -249,7 +291,7 @@ def make_server_ntk(config, model: models.Model, federation) -> Algorithm:
       jac = jacobians.flat_jacobian(net.apply, state.params, pool(x), chunk_size=jac_chunk)
       jac = jac.reshape(k, n_slots, *jac.shape[1:])
       compress = lambda j, m, kk: _compress_client(j, m, kk, keep=keep, bits=bits, stochastic=stochastic)
-      jac = parallel.for_each_client(compress)(jac, mask, jax.random.split(quant_key, k))
+      jac = parallel.for_each_client(compress, chunk_size=0)(jac, mask, jax.random.split(quant_key, k))
       pooled = (pool(x), pool(targets), pool(mask), pool(jac))
     else:
       pooled = (pool(x), pool(targets), pool(mask))
@@ -287,89 +329,6 @@ def make_server_ntk(config, model: models.Model, federation) -> Algorithm:
   return Algorithm(init=init, round_inputs=round_inputs, step=step, client_params=client_params)
 
 
-METHOD = Method(make=make_server_ntk, validate_config=validate_config)
-
-
-# ----------------------------------------------------------------------------- configs
-
-PAPER_TAUS = tuple(range(100, 2001, 100))
-"""NTK-FL's grid (paper Sec. 6: 100, 200, ..., 2000); the authors' code uses :data:`CODE_TAUS`."""
-CODE_TAUS = (100, 200, 300, 400, 500, 600, 700, 800, 900, 1000, 1500, 2000)
-
-
-def server_ntk_config(**algorithm):
-  """The NTK-FL paper setting (``configs/ntk_fl.py``); ``algorithm`` overrides ``config.algorithm`` keys.
-
-  Fashion-MNIST, 300 clients, the authors' fixed-size Dirichlet partition (≈200
-  samples each, α = 0.1), MLP 784-100-10; 20 clients per round; η = 0.01
-  constant; τ ∈ {100, ..., 2000}; cross-entropy evolution by exact Euler GD;
-  τ chosen by the non-linear network's pooled training loss; no compression;
-  50 rounds (the authors' code). One global model, so per-client evaluation is off.
-  """
-  import ml_collections  # pylint: disable=g-import-not-at-top -- configs only
-  from ntk_fl import config as config_lib  # pylint: disable=g-import-not-at-top -- configs only
-  config = config_lib.base_config()
-  config.method = "ntk_fl"
-  config.rounds = 50
-  config.eval.clients_every = 0
-  config.chunk_size = 0
-  config.algorithm = ml_collections.ConfigDict(dict(
-      clients_per_round=20, lr=0.01, lr_decay=0.0, taus=PAPER_TAUS, loss="ce", solver="euler",
-      select="network", kernel="traced", jacobian="auto", jacobian_chunk=0, subsample_fraction=1.0,
-      projection_dim=0, projection_scale="sqrt_input", sparsify_keep=1.0, quantize_bits=compression.FLOAT_BITS,
-      stochastic_rounding=False, shuffle=False))
-  for name, value in algorithm.items():
-    if name not in config.algorithm:
-      raise ValueError(f"unknown config.algorithm key {name!r}; the keys are {list(ALGORITHM_KEYS)}")
-    config.algorithm[name] = value
-  return config
-
-
-def _smoke(config):
-  from ntk_fl import config as config_lib  # pylint: disable=g-import-not-at-top -- configs only
-  config_lib.smoke_slice(config, rounds=3)
-  config.algorithm.clients_per_round = 5
-  config.algorithm.taus = (50, 100, 200)
-  config.checkpoint_every = 2
-
-
-def _busiest_node(config):
-  # NTK-DFL App. C.1: the server is no busier than the busiest node of a 5-regular graph -> 5 clients per round.
-  config.algorithm.clients_per_round = 5
-  config.rounds = 250
-
-
-def _table1_compression(config):
-  # Top-2 % of every Jacobian row (index list, 15-bit indices for d' = 21,110) at 8 bits per value:
-  # 0.02 * (8 + 15) = 0.46 bits per raw entry, ≈ 0.69 MiB per client per round at N'_m = 59 -- the
-  # ≈ 0.5 bits/entry (0.742 MiB) that Table 1's 386 MB over 26 rounds implies (docs/ntk_fl.md).
-  config.algorithm.sparsify_keep = 0.02
-  config.algorithm.quantize_bits = 8
-
-
-def _set(**values):
-  def apply(config):
-    for name, value in values.items():
-      config.algorithm[name] = value
-  return apply
-
-
-VARIANTS = {
-    "smoke": _smoke,
-    "mse": _set(loss="mse"),
-    "ode": _set(solver="ode"),
-    "code_taus": _set(taus=CODE_TAUS),
-    "code_clients": _set(clients_per_round=21),
-    "busiest_node": _busiest_node,
-    "shuffle": _set(shuffle=True),
-    "explicit": _set(jacobian="explicit"),
-    "linearized": _set(select="linearized"),
-    "table1": _table1_compression,
-    "stochastic": _set(stochastic_rounding=True),
-    "fig3": _set(projection_dim=100, subsample_fraction=0.4),
-}
-"""Variants of ``configs/ntk_fl.py`` and ``configs/cp_ntk_fl.py`` (besides the common ``iid``/``alpha<a>``/
-``mnist``): ``smoke``, ``mse``, ``ode``, ``code_taus``, ``code_clients`` (21 per round, the authors'
-``part_rate``), ``busiest_node`` (5 per round, NTK-DFL App. C.1), ``shuffle``, ``explicit``,
-``linearized``, ``table1`` (sparsification + 8-bit quantisation matching Table 1's uplink),
-``stochastic`` (stochastic rounding), ``fig3`` (d1' = 100, β = 0.4)."""
+METHOD = Method(make=lambda model, federation, topology, hparams, run: make_server_ntk(model, federation, hparams,
+                                                                                     seed=run.seed),
+                hyperparameters=NTKFLHParams, check=check)

@@ -54,6 +54,7 @@ teacher's mean top-class probability on the neighbourhood), ``delta_norm``
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, NamedTuple
 
@@ -64,25 +65,18 @@ import optax
 
 from ntk_fl import compression, evolve, models, ntk, parallel, projection, topology, validation
 from ntk_fl.algorithms import Method
-from ntk_fl.algorithms.base import Algorithm, config_without
+from ntk_fl.algorithms.base import Algorithm, check_evolution, config_without
 from ntk_fl.algorithms.ntk_dfl import make_neighbourhood_round
 
 __all__ = ["SparkState", "JACOBIAN_MODES", "PROJECTED_KERNELS", "VELOCITY_MODES", "distill_schedule",
            "distill_targets", "momentum_transform", "nesterov_step",
-           "make_spark", "validate_config", "METHOD"]
+           "make_spark", "check", "SparkHParams", "DistillHParams", "SketchHParams", "PackageCompressionHParams",
+           "LrBoostHParams", "METHOD"]
 
 JACOBIAN_MODES = ("auto", "implicit", "explicit")
 PROJECTED_KERNELS = ("auto", "structured", "generic")
 VELOCITY_MODES = ("local", "mixed")
 
-_ALGORITHM_KEYS = ("lr", "lr_decay", "taus", "solver", "select", "kernel", "subsample", "momentum", "nesterov",
-                   "velocity", "select_momentum", "share_cliques",
-                   "jacobian", "projected_kernel", "distill", "projection", "compression", "lr_boost")
-_DISTILL_KEYS = ("enabled", "warmup_rounds", "anneal_rounds", "alpha_init", "alpha_final", "temp_init",
-                 "temp_final")
-_PROJECTION_KEYS = ("scheme", "k_proj", "skip_uncompressed")
-_COMPRESSION_KEYS = ("keep_fraction", "bits")
-_BOOST_KEYS = ("rounds", "factor")
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -137,71 +131,135 @@ def nesterov_step(tx: optax.GradientTransformation, params, delta, state):
 # ----------------------------------------------------------------------------- config
 
 
-def validate_config(config) -> None:
-  """Checks a SPARK config's ``algorithm`` block and topology; raises ``ValueError`` naming the bad value."""
-  algo = config.algorithm
-  validation.check_keys("config.algorithm", algo, _ALGORITHM_KEYS, "spark")
-  evolve.validate_evolution_config(algo)
-  for name, allowed in (("jacobian", JACOBIAN_MODES), ("projected_kernel", PROJECTED_KERNELS),
-                        ("velocity", VELOCITY_MODES)):
-    validation.check_choice(f"config.algorithm.{name}", algo[name], allowed)
-  validation.check_int("config.algorithm.subsample", algo.subsample, low=1)
-  validation.check_real("config.algorithm.momentum (μ)", algo.momentum, low=0, high=1, high_open=True)
-  validation.check_bool("config.algorithm.nesterov", algo.nesterov)
-  validation.check_bool("config.algorithm.select_momentum", algo.select_momentum)
-  validation.check_bool("config.algorithm.share_cliques", algo.share_cliques)
-  if algo.share_cliques and algo.select_momentum and config.topology.name == "clustered":
+@dataclasses.dataclass(frozen=True)
+class DistillHParams:
+  """Stage-wise annealed soft-label targets (``config.algorithm.distill``).
+
+  Hard labels for ``warmup_rounds`` rounds, then α and T anneal from
+  ``(alpha_init, temp_init)`` to ``(alpha_final, temp_final)`` over the horizon
+  ``anneal_rounds`` (0 = the run's round count); off unless ``enabled``.
+  """
+  enabled: bool
+  warmup_rounds: int
+  anneal_rounds: int
+  alpha_init: float
+  alpha_final: float
+  temp_init: float
+  temp_final: float
+
+  def __post_init__(self):
+    path = "config.algorithm.distill"
+    validation.check_bool(f"{path}.enabled", self.enabled)
+    validation.check_int(f"{path}.warmup_rounds", self.warmup_rounds, low=0)
+    validation.check_int(f"{path}.anneal_rounds (R; 0 = config.rounds)", self.anneal_rounds, low=0)
+    a_init = validation.check_real(f"{path}.alpha_init", self.alpha_init, low=0, high=1)
+    validation.check_real(f"{path}.alpha_final", self.alpha_final, low=0, high=a_init)
+    t_init = validation.check_real(f"{path}.temp_init", self.temp_init, low=0, low_open=True)
+    validation.check_real(f"{path}.temp_final", self.temp_final, low=t_init)
+
+
+@dataclasses.dataclass(frozen=True)
+class SketchHParams:
+  """The Jacobian random projection (``config.algorithm.projection``; :mod:`ntk_fl.projection`)."""
+  scheme: str
+  k_proj: int
+  skip_uncompressed: bool
+
+  def __post_init__(self):
+    validation.check_choice("config.algorithm.projection.scheme", self.scheme, projection.SCHEMES)
+    validation.check_int("config.algorithm.projection.k_proj", self.k_proj, low=1)
+    validation.check_bool("config.algorithm.projection.skip_uncompressed", self.skip_uncompressed)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackageCompressionHParams:
+  """Top-k sparsification and quantisation of the sent Jacobian packages (``config.algorithm.compression``)."""
+  keep_fraction: float
+  bits: int
+
+  def __post_init__(self):
+    validation.check_real("config.algorithm.compression.keep_fraction", self.keep_fraction, low=0, high=1,
+                          low_open=True)
+    if self.bits != compression.FLOAT_BITS:
+      validation.check_int("config.algorithm.compression.bits (32 = float32, no quantisation)", self.bits,
+                           low=1, high=16)
+
+  @property
+  def active(self) -> bool:
+    return self.keep_fraction < 1 or self.bits != compression.FLOAT_BITS
+
+
+@dataclasses.dataclass(frozen=True)
+class LrBoostHParams:
+  """Learning-rate multiplier ``factor`` in the listed 1-based ``rounds`` (``config.algorithm.lr_boost``)."""
+  rounds: tuple[int, ...]
+  factor: float
+
+  def __post_init__(self):
+    for r in tuple(self.rounds):
+      validation.check_int("config.algorithm.lr_boost.rounds (1-based round numbers)", r, low=1)
+    validation.check_real("config.algorithm.lr_boost.factor", self.factor, low=0, low_open=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparkHParams:
+  """SPARK (``config.algorithm``; every value checked on construction; ``configs/spark.py`` documents each)."""
+  lr: float
+  lr_decay: float
+  taus: tuple[int, ...]
+  solver: str
+  select: str
+  kernel: str
+  subsample: int
+  momentum: float
+  nesterov: bool
+  velocity: str
+  select_momentum: bool
+  share_cliques: bool
+  jacobian: str
+  projected_kernel: str
+  distill: DistillHParams
+  projection: SketchHParams
+  compression: PackageCompressionHParams
+  lr_boost: LrBoostHParams
+
+  def __post_init__(self):
+    check_evolution(self)
+    for name, allowed in (("jacobian", JACOBIAN_MODES), ("projected_kernel", PROJECTED_KERNELS),
+                          ("velocity", VELOCITY_MODES)):
+      validation.check_choice(f"config.algorithm.{name}", getattr(self, name), allowed)
+    validation.check_int("config.algorithm.subsample", self.subsample, low=1)
+    validation.check_real("config.algorithm.momentum (μ)", self.momentum, low=0, high=1, high_open=True)
+    validation.check_bool("config.algorithm.nesterov", self.nesterov)
+    validation.check_bool("config.algorithm.select_momentum", self.select_momentum)
+    validation.check_bool("config.algorithm.share_cliques", self.share_cliques)
+    if self.select_momentum and self.select != "network":
+      raise ValueError("config.algorithm.select_momentum=True scores the network after the momentum step, so it "
+                       f"needs select='network' (got select={self.select!r})")
+    for name, kind in (("distill", DistillHParams), ("projection", SketchHParams),
+                       ("compression", PackageCompressionHParams), ("lr_boost", LrBoostHParams)):
+      if not isinstance(getattr(self, name), kind):
+        raise ValueError(f"config.algorithm.{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
+    if self.projected_kernel == "structured" and self.projection.scheme == "flattened" and self.jacobian == "implicit":
+      raise ValueError("config.algorithm.projected_kernel='structured' with the flattened sketch builds J̃ from the "
+                       "dense stack's Jacobian factors, so it needs jacobian 'auto' or 'explicit' (got 'implicit': "
+                       "the matrix-free flattened kernel has no per-layer factorisation; use projected_kernel "
+                       "'generic' or 'auto')")
+    if self.compression.active and self.jacobian == "implicit":
+      raise ValueError("config.algorithm.jacobian='implicit' cannot apply the compression stack (keep_fraction < 1 "
+                       "or bits < 32 needs the explicit sketched Jacobian): use 'explicit' or 'auto'")
+
+
+def check(hparams: SparkHParams, run) -> None:
+  """Rules across blocks: the annealing horizon against the round count; clique sharing vs momentum scoring."""
+  if hparams.share_cliques and hparams.select_momentum and run.topology.name == "clustered":
     raise ValueError("config.algorithm.share_cliques=True computes one update per clique, but select_momentum=True "
                      "scores τ with each member's own velocity: set share_cliques=False to use both")
-  if algo.select_momentum and algo.select != "network":
-    raise ValueError("config.algorithm.select_momentum=True scores the network after the momentum step, so it "
-                     f"needs select='network' (got select={algo.select!r})")
-
-  d = algo.distill
-  validation.check_keys("config.algorithm.distill", d, _DISTILL_KEYS, "spark")
-  validation.check_bool("config.algorithm.distill.enabled", d.enabled)
-  warm = validation.check_int("config.algorithm.distill.warmup_rounds", d.warmup_rounds, low=0)
-  total = validation.check_int("config.algorithm.distill.anneal_rounds (R; 0 = config.rounds)",
-                               d.anneal_rounds, low=0)
-  total = total or config.rounds
-  if d.enabled and total <= warm:
-    raise ValueError(f"config.algorithm.distill: the annealing horizon R={total} must exceed warmup_rounds={warm} "
-                     "(p = (k − R_warm)/(R − R_warm))")
-  a_init = validation.check_real("config.algorithm.distill.alpha_init", d.alpha_init, low=0, high=1)
-  validation.check_real("config.algorithm.distill.alpha_final", d.alpha_final, low=0, high=a_init)
-  t_init = validation.check_real("config.algorithm.distill.temp_init", d.temp_init, low=0, low_open=True)
-  validation.check_real("config.algorithm.distill.temp_final", d.temp_final, low=t_init)
-
-  p = algo.projection
-  validation.check_keys("config.algorithm.projection", p, _PROJECTION_KEYS, "spark")
-  validation.check_choice("config.algorithm.projection.scheme", p.scheme, projection.SCHEMES)
-  validation.check_int("config.algorithm.projection.k_proj", p.k_proj, low=1)
-  validation.check_bool("config.algorithm.projection.skip_uncompressed", p.skip_uncompressed)
-
-  c = algo.compression
-  validation.check_keys("config.algorithm.compression", c, _COMPRESSION_KEYS, "spark")
-  validation.check_real("config.algorithm.compression.keep_fraction", c.keep_fraction, low=0, high=1, low_open=True)
-  if c.bits != compression.FLOAT_BITS:
-    validation.check_int("config.algorithm.compression.bits (32 = float32, no quantisation)", c.bits, low=1, high=16)
-  if algo.projected_kernel == "structured" and p.scheme == "flattened" and algo.jacobian == "implicit":
-    raise ValueError("config.algorithm.projected_kernel='structured' with the flattened sketch builds J̃ from the "
-                     "dense stack's Jacobian factors, so it needs jacobian 'auto' or 'explicit' (got 'implicit': "
-                     "the matrix-free flattened kernel has no per-layer factorisation; use projected_kernel "
-                     "'generic' or 'auto')")
-  if _compressed(algo) and algo.jacobian == "implicit":
-    raise ValueError("config.algorithm.jacobian='implicit' cannot apply the compression stack (keep_fraction < 1 "
-                     "or bits < 32 needs the explicit sketched Jacobian): use 'explicit' or 'auto'")
-
-  b = algo.lr_boost
-  validation.check_keys("config.algorithm.lr_boost", b, _BOOST_KEYS, "spark")
-  for r in tuple(b.rounds):
-    validation.check_int("config.algorithm.lr_boost.rounds (1-based round numbers)", r, low=1)
-  validation.check_real("config.algorithm.lr_boost.factor", b.factor, low=0, low_open=True)
-  topology.make_topology_from_config(config.topology, config.data.num_clients, seed=config.seed)
-
-
-def _compressed(algo) -> bool:
-  return algo.compression.keep_fraction < 1 or algo.compression.bits != compression.FLOAT_BITS
+  d = hparams.distill
+  total = d.anneal_rounds or run.rounds
+  if d.enabled and total <= d.warmup_rounds:
+    raise ValueError(f"config.algorithm.distill: the annealing horizon R={total} must exceed "
+                     f"warmup_rounds={d.warmup_rounds} (p = (k − R_warm)/(R − R_warm))")
 
 
 # ----------------------------------------------------------------------------- client update
@@ -257,21 +315,32 @@ def _kernel_from_jacobian(jac, traced: bool):
 # ----------------------------------------------------------------------------- the method
 
 
-def make_spark(config, model: models.Model, federation) -> Algorithm:
-  """Builds SPARK for ``federation`` and ``model``; ``step`` is jit-compiled here."""
-  validate_config(config)
-  algo = config.algorithm
+def make_spark(model: models.Model, federation, graphs: topology.Topology, hparams: SparkHParams, *, seed: int,
+               rounds: int, mixing: str = "uniform", shared_init: bool = True) -> Algorithm:
+  """Builds SPARK for ``federation`` and ``model``; ``step`` is jit-compiled here.
+
+  Args:
+    model: the model.
+    federation: the stacked client data (``M`` clients).
+    graphs: the communication :class:`ntk_fl.topology.Topology` over the ``M`` clients.
+    hparams: :class:`SparkHParams`.
+    seed: the run seed (round keys, the Jacobian sketch).
+    rounds: the run's round count (the annealing horizon when ``distill.anneal_rounds`` is 0).
+    mixing: mixing scheme of the per-round averaging.
+    shared_init: every client starts from the same initialisation.
+  """
+  algo = hparams
   num_clients = federation.mask.shape[0]
   num_classes = model.num_classes
   taus = tuple(int(t) for t in algo.taus)
   traced = algo.kernel == "traced"
   m2 = int(algo.subsample)
   # On disjoint cliques every member has the same w̄ and data: one evolution per clique (exact up to float order).
-  share_cliques = bool(algo.share_cliques) and config.topology.name == "clustered"
-  core = make_neighbourhood_round(config, model, federation, lr=algo.lr, lr_decay=algo.lr_decay,
-                                  per_round_averaging=True, subsample=m2, share_cliques=share_cliques)
-  members = 1 + topology.make_topology_from_config(config.topology, num_clients, seed=config.seed).sample(0) \
-      .neighbors.shape[1]
+  share_cliques = bool(algo.share_cliques) and graphs.cliques > 0
+  core = make_neighbourhood_round(model, federation, graphs, seed=seed, mixing=mixing, lr=algo.lr,
+                                  lr_decay=algo.lr_decay, per_round_averaging=True, subsample=m2,
+                                  share_cliques=share_cliques)
+  members = 1 + graphs.k_max                   # neighbourhood slots: the client and its k_max neighbour slots
   tx = momentum_transform(float(algo.momentum), bool(algo.nesterov))
   mixed_velocity = algo.velocity == "mixed"
 
@@ -280,9 +349,9 @@ def make_spark(config, model: models.Model, federation) -> Algorithm:
   plan = projection.make_plan(template, algo.projection.scheme, int(algo.projection.k_proj),
                               skip_uncompressed=bool(algo.projection.skip_uncompressed))
   sketched = any(s.kind != "identity" for s in plan)
-  matrices = projection.sample_matrices(plan, config.seed) if sketched else tuple(None for _ in plan)
+  matrices = projection.sample_matrices(plan, seed) if sketched else tuple(None for _ in plan)
   keep, bits = float(algo.compression.keep_fraction), int(algo.compression.bits)
-  explicit = algo.jacobian == "explicit" or (algo.jacobian == "auto" and _compressed(algo))
+  explicit = algo.jacobian == "explicit" or (algo.jacobian == "auto" and algo.compression.active)
   # A sketch of a dense stack never differentiates through P (unless projected_kernel='generic'):
   # * layer-wise and matrix-free: the structured kernel with each layer input A_l replaced by A_l P_l
   #   (ntk.projected_dense_ntk; a small proj500 round ran ~350x faster than with per-sample Jacobians of g);
@@ -300,7 +369,7 @@ def make_spark(config, model: models.Model, federation) -> Algorithm:
   explicit = explicit or factored_jacobian
 
   d = algo.distill
-  schedule = dict(warmup_rounds=int(d.warmup_rounds), anneal_rounds=int(d.anneal_rounds or config.rounds),
+  schedule = dict(warmup_rounds=int(d.warmup_rounds), anneal_rounds=int(d.anneal_rounds or rounds),
                   alpha_init=float(d.alpha_init), alpha_final=float(d.alpha_final), temp_init=float(d.temp_init),
                   temp_final=float(d.temp_final))
   boost_rounds = jnp.asarray(tuple(int(r) for r in algo.lr_boost.rounds) or (0,), jnp.int32)
@@ -311,11 +380,12 @@ def make_spark(config, model: models.Model, federation) -> Algorithm:
   packages = jnp.asarray([compression.jacobian_package_bits(int(n), num_classes, sketch_sizes, keep_fraction=keep,
                                                             bits=bits) for n in core.samples_sent], jnp.float32)
   num_params = sum(math.prod(s.shape) for s in plan)
-  broadcast = config.topology.name == "clustered"
+  broadcast = graphs.cliques > 0        # a clique member sends one package to the whole clique
 
   def init(key):
-    params = models.init_clients(model, key, num_clients, shared=config.model.init == "shared")
-    return SparkState(params=params, momentum=parallel.for_each_client(tx.init)(params), bits_cumulative=jnp.float32(0))
+    params = models.init_clients(model, key, num_clients, shared=shared_init)
+    return SparkState(params=params, momentum=parallel.for_each_client(tx.init, chunk_size=0)(params),
+                      bits_cumulative=jnp.float32(0))
 
   def client_delta(wbar, x, hard, mask, lr, alpha, temp, mats, opt_state):
     """SPARK's NTK step at ``w̄`` on the neighbourhood ``x [N, ...]``: ``(Δw, info)``."""
@@ -335,7 +405,7 @@ def make_spark(config, model: models.Model, federation) -> Algorithm:
       else:
         jac = _per_sample_jacobian(g, u0, x)
       leaves, treedef = jax.tree.flatten(jac)
-      if _compressed(algo):
+      if algo.compression.active:
         leaves = _compress_packages(leaves, mask, members, keep, bits)
       kernel = _kernel_from_jacobian(leaves, traced)
       evo = evolve.evolve(kernel, f0, targets, mask, lr=lr, taus=taus, loss="ce", solver=algo.solver)
@@ -390,7 +460,7 @@ def make_spark(config, model: models.Model, federation) -> Algorithm:
       delta, info = client_delta(wbar, x[0], targets[0], mask[0], lr * boost, alpha, temp, mats, opt_state)
       return momentum_step(wbar, delta, opt_state, info)
 
-    def clique_fn(wbar, x, targets, mask, lr):     # no velocity: select_momentum is off (validate_config)
+    def clique_fn(wbar, x, targets, mask, lr):     # no velocity: select_momentum is off (spark.check)
       delta, info = client_delta(wbar, x[0], targets[0], mask[0], lr * boost, alpha, temp, mats, None)
       return wbar, delta, info
 
@@ -399,7 +469,7 @@ def make_spark(config, model: models.Model, federation) -> Algorithm:
       velocity = topology.mix(velocity, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
     if share_cliques:       # one evolution per clique, then every member's own momentum step
       (wbar, delta, info), lr = core.run(state.params, inputs, data, clique_fn)
-      params, opt_state, info = parallel.for_each_client(momentum_step)(wbar, delta, velocity, info)
+      params, opt_state, info = parallel.for_each_client(momentum_step, chunk_size=0)(wbar, delta, velocity, info)
     else:
       (params, opt_state, info), lr = core.run(state.params, inputs, data, client_fn, velocity)
     bits_sent = compression.neighbourhood_round_bits(inputs.neighbor_mask.sum(axis=1).astype(jnp.float32), packages,
@@ -446,4 +516,8 @@ def shared_rounds(stored: dict, current: dict) -> int:
   return rounds if same.all() else int(np.argmin(same))
 
 
-METHOD = Method(make=make_spark, validate_config=validate_config, shared_rounds=shared_rounds)
+METHOD = Method(
+    make=lambda model, federation, graphs, hparams, run: make_spark(
+        model, federation, graphs, hparams, seed=run.seed, rounds=run.rounds, mixing=run.topology.mixing,
+        shared_init=run.model.shared_init),
+    hyperparameters=SparkHParams, check=check, graph=True, shared_rounds=shared_rounds)

@@ -16,13 +16,13 @@ full (all 300 clients every round) | busiest_node (5 clients per round) | smoke.
 """
 import ml_collections
 
-from ntk_fl.algorithms import local
+from ntk_fl.configs import _presets as presets
 from ntk_fl.config import apply_variants
 
 # No q<b> variants: the centralised reference sends raw data, not weights.
-VARIANTS = {**local.PARTICIPATION_VARIANTS, "smoke": local.SERVER_VARIANTS["smoke"]}
+VARIANTS = {**presets.PARTICIPATION_VARIANTS, "smoke": presets.SERVER_VARIANTS["smoke"]}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  config = local.server_config("centralized", lr=0.1, epochs=20, batch_size=200)
+  config = presets.server_config("centralized", lr=0.1, epochs=20, batch_size=200)
   return apply_variants(config, arg, VARIANTS)

@@ -19,10 +19,10 @@ Variants (comma-separated, e.g. ``:table1,shuffle``):
 """
 import ml_collections
 
-from ntk_fl.algorithms import server_ntk
+from ntk_fl.configs import _presets as presets
 from ntk_fl.config import apply_variants
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  config = server_ntk.server_ntk_config(projection_dim=200, subsample_fraction=0.3)
-  return apply_variants(config, arg, server_ntk.VARIANTS)
+  config = presets.server_ntk_config(projection_dim=200, subsample_fraction=0.3)
+  return apply_variants(config, arg, presets.SERVER_NTK_VARIANTS)

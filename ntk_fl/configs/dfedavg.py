@@ -17,10 +17,10 @@ bits) | smoke (seconds-long run on a slice of Fashion-MNIST).
 """
 import ml_collections
 
-from ntk_fl.algorithms import local
+from ntk_fl.configs import _presets as presets
 from ntk_fl.config import apply_variants
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  config = local.gossip_config("dfedavg", lr=0.1, epochs=20, batch_size=25)
-  return apply_variants(config, arg, local.GOSSIP_VARIANTS)
+  config = presets.gossip_config("dfedavg", lr=0.1, epochs=20, batch_size=25)
+  return apply_variants(config, arg, presets.GOSSIP_VARIANTS)

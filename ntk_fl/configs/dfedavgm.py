@@ -14,7 +14,7 @@ quantized (the authors' DFedAvgM-Q script: 8 bits, 5 epochs, momentum 0,
 """
 import ml_collections
 
-from ntk_fl.algorithms import local
+from ntk_fl.configs import _presets as presets
 from ntk_fl.config import apply_variants
 
 
@@ -26,9 +26,9 @@ def _quantized(config):
   config.rounds = 1000
 
 
-VARIANTS = {**local.GOSSIP_VARIANTS, "quantized": _quantized}
+VARIANTS = {**presets.GOSSIP_VARIANTS, "quantized": _quantized}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  config = local.gossip_config("dfedavgm", lr=0.01, epochs=20, batch_size=50, momentum=0.9)
+  config = presets.gossip_config("dfedavgm", lr=0.01, epochs=20, batch_size=50, momentum=0.9)
   return apply_variants(config, arg, VARIANTS)

@@ -13,13 +13,13 @@ Variants: paper | iid | alpha<float> | static | mnist | sam (non-adaptive SAM)
 """
 import ml_collections
 
-from ntk_fl.algorithms import local
+from ntk_fl.configs import _presets as presets
 from ntk_fl.config import apply_variants
 
-VARIANTS = {**local.GOSSIP_VARIANTS, "sam": lambda c: setattr(c.algorithm, "sam_adaptive", False)}
+VARIANTS = {**presets.GOSSIP_VARIANTS, "sam": lambda c: setattr(c.algorithm, "sam_adaptive", False)}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  config = local.gossip_config("dfedsam", lr=0.01, lr_gamma=0.95, epochs=5, batch_size=32, momentum=0.99,
+  config = presets.gossip_config("dfedsam", lr=0.01, lr_gamma=0.95, epochs=5, batch_size=32, momentum=0.99,
                              weight_decay=5e-4, sam_rho=0.01, sam_adaptive=True)
   return apply_variants(config, arg, VARIANTS)

@@ -17,11 +17,11 @@ Variants: paper | iid | alpha<float> | static | mnist | q8, q4 | smoke.
 """
 import ml_collections
 
-from ntk_fl.algorithms import local
+from ntk_fl.configs import _presets as presets
 from ntk_fl.config import apply_variants
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  config = local.gossip_config("dispfl", lr=0.1, lr_gamma=0.998, epochs=10, batch_size=10, weight_decay=5e-4,
+  config = presets.gossip_config("dispfl", lr=0.1, lr_gamma=0.998, epochs=10, batch_size=10, weight_decay=5e-4,
                              dense_ratio=0.5, anneal_factor=0.5)
-  return apply_variants(config, arg, local.GOSSIP_VARIANTS)
+  return apply_variants(config, arg, presets.GOSSIP_VARIANTS)

@@ -13,12 +13,12 @@ smoke.
 """
 import ml_collections
 
-from ntk_fl.algorithms import local
+from ntk_fl.configs import _presets as presets
 from ntk_fl.config import apply_variants
 
-VARIANTS = {**local.GOSSIP_VARIANTS, "degree9": lambda c: setattr(c.topology, "degree", 9)}
+VARIANTS = {**presets.GOSSIP_VARIANTS, "degree9": lambda c: setattr(c.topology, "degree", 9)}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  config = local.gossip_config("dpsgd", lr=0.1, epochs=1, batch_size=10)
+  config = presets.gossip_config("dpsgd", lr=0.1, epochs=1, batch_size=10)
   return apply_variants(config, arg, VARIANTS)

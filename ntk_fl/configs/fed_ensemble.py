@@ -1,4 +1,4 @@
-"""Fed-ensemble (Shi et al., arXiv 2107.10663) -- the paper's MNIST setting, its toy regression, variants.
+"""Fed-ensemble (Shi et al., arXiv 2107.10663) -- the paper's MNIST setting and its variants.
 
 Default (``--config=configs/fed_ensemble.py``): the MNIST non-iid comparison of
 Table 2 as far as the paper states it -- MNIST (the 50k/10k ``mnist.pkl.gz``
@@ -18,8 +18,8 @@ Variants (comma-separated, left to right): ``paper`` | ``iid`` | ``mnist`` |
 FedProx, mu = 0.01) | ``ntk`` (NTK evolution of each mode on its participants'
 pooled data) | ``data_size`` (n_i-weighted averaging; with ``k1`` exactly
 FedAvg) | ``stratified`` (Q = 10 strata, one participant each) | ``logits``
-(average logits) | ``cnn`` | ``smoke`` (seconds) | ``toy`` (the Table 1 toy
-regression, run by ``experiments/fed_ensemble_toy.py``, not ``main.py``).
+(average logits) | ``cnn`` | ``smoke`` (seconds). The Table 1 toy regression has
+its own config, ``configs/fed_ensemble_toy.py`` (run by ``experiments/fed_ensemble_toy.py``).
 
 The FedAvg / FedProx baselines in exactly this setting (same data, model, local
 training and participants) are ``--config=configs/fed_ensemble.py:k1,data_size``
@@ -28,7 +28,7 @@ training and participants) are ``--config=configs/fed_ensemble.py:k1,data_size``
 import ml_collections
 
 from ntk_fl import config as config_lib
-from ntk_fl.algorithms import local
+from ntk_fl.configs import _presets as presets
 
 
 def _mnist_two_labels(config):
@@ -84,47 +84,8 @@ VARIANTS = {
 }
 
 
-def toy_config() -> ml_collections.ConfigDict:
-  """Table 1's toy regression (Sec. 5): 50 clients x 2 points, 100 fixed RBF features, b = 0.08.
-
-  Stated by the paper: clients, points, features, bandwidth, noise sd 0.2,
-  client amplitude ~ N(1, 0.2^2), 100 repetitions, K in {1, 2, 10, 20, 40}.
-  Chosen here (the paper gives none): full participation, each client its own
-  stratum, ``local_steps`` full-batch GD steps of ``lr`` per round on the
-  half squared error, ``rounds`` rounds, initial weights ~ N(0, init_std^2),
-  bias and variance averaged over ``grid`` equispaced x in [-1, 1].
-
-  40 rounds of 5 steps train the fit to its best (the squared bias of eq. (3)
-  is minimal, ~0.012, near 30-40 rounds), and the paper's "bias ~ 0.11" is then
-  the root-mean-square bias; a squared bias of 0.11 needs early stopping
-  (``rounds=5, local_steps=4, init_std=0.166``), which makes the bias grow at
-  K = 40 (docs/fed_ensemble.md, "Toy regression").
-  """
-  config = ml_collections.ConfigDict()
-  config.method = "fed_ensemble_toy"
-  config.seed = 0
-  config.num_clients = 50
-  config.points_per_client = 2
-  config.num_features = 100
-  config.bandwidth = 0.08
-  config.noise_sd = 0.2
-  config.amplitude_sd = 0.2
-  config.repetitions = 100
-  config.modes = (1, 2, 10, 20, 40)
-  config.rounds = 40
-  config.local_steps = 5
-  config.lr = 0.1
-  config.init_std = 0.55   # calibrated so that K = 1 (FedAvg) has the paper's variance 0.05
-  config.grid = 401
-  return config
-
-
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  if arg is not None and "toy" in [t.strip() for t in arg.split(",")]:
-    if arg.strip() != "toy":
-      raise ValueError(f"variant 'toy' (the toy regression) takes no other tokens, got {arg!r}")
-    return toy_config()
-  config = local.server_config(
+  config = presets.server_config(
       "fed_ensemble", rounds=200, clients_per_round=10, lr=0.05, lr_gamma=0.99 ** 0.1, epochs=2,
       batch_size=50, num_modes=5, num_strata=0, sampling="uniform", aggregation_weights="uniform",
       local_training="fedavg", prox_mu=0.0, prediction="probs", taus=(100, 200, 400, 800), solver="euler",

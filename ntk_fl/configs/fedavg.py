@@ -1,19 +1,19 @@
 """FedAvg (McMahan et al. 2017) -- the NTK-FL comparison setting and its variants.
 
 Default (``--config=configs/fedavg.py``): the server-based setting of
-:func:`ntk_fl.algorithms.local.server_config` (NTK-FL's comparison: FMNIST, 300
+:func:`ntk_fl.configs._presets.server_config` (NTK-FL's comparison: FMNIST, 300
 clients, α = 0.1, 20 clients per round, 20 full-batch epochs, lr 0.1, 300 rounds).
 Uplink bits are counted per round and cumulatively.
 
 Variants: paper | iid | alpha<float> | mnist, and
-:data:`ntk_fl.algorithms.local.SERVER_VARIANTS` (full | busiest_node | q8, q4 | smoke).
+:data:`ntk_fl.configs._presets.SERVER_VARIANTS` (full | busiest_node | q8, q4 | smoke).
 """
 import ml_collections
 
-from ntk_fl.algorithms import local
+from ntk_fl.configs import _presets as presets
 from ntk_fl.config import apply_variants
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  config = local.server_config("fedavg", lr=0.1, epochs=20, batch_size=200)
-  return apply_variants(config, arg, local.SERVER_VARIANTS)
+  config = presets.server_config("fedavg", lr=0.1, epochs=20, batch_size=200)
+  return apply_variants(config, arg, presets.SERVER_VARIANTS)

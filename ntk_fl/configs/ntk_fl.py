@@ -26,9 +26,9 @@ Variants (comma-separated, e.g. ``:busiest_node,iid``):
 """
 import ml_collections
 
-from ntk_fl.algorithms import server_ntk
+from ntk_fl.configs import _presets as presets
 from ntk_fl.config import apply_variants
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  return apply_variants(server_ntk.server_ntk_config(), arg, server_ntk.VARIANTS)
+  return apply_variants(presets.server_ntk_config(), arg, presets.SERVER_NTK_VARIANTS)

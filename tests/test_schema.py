@@ -1,0 +1,108 @@
+"""The config boundary: a run config is checked once, at ntk_fl.schema, and travels on as typed settings.
+
+* Below the schema no module imports ml_collections (an AST scan of the package).
+* Every shipped config becomes frozen RunSettings whose config form is the config again (nothing lost,
+  nothing invented), with the method's own hyperparameter dataclass.
+* A whole run checks its config once and builds its topology once.
+* Hyperparameters built in Python are checked on construction like those from a config.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import pathlib
+
+import pytest
+
+from ntk_fl import config as config_lib
+from ntk_fl import runner, schema, settings, topology
+from ntk_fl.algorithms import get_method
+from ntk_fl.algorithms.ntk_dfl import NTKDFLHParams
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "ntk_fl"
+# The config layer: the config schema, the presets and config files, and the command line that reads config
+# files with ml_collections' config_flags. Everything else receives typed settings.
+CONFIG_LAYER = {"config.py", "schema.py", "cli.py"}
+
+
+def _imports_ml_collections(path: pathlib.Path) -> bool:
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "ml_collections" for a in node.names):
+      return True
+    if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "ml_collections":
+      return True
+  return False
+
+
+def test_no_module_below_the_schema_imports_ml_collections():
+  offenders = [str(p.relative_to(PACKAGE)) for p in sorted(PACKAGE.rglob("*.py"))
+               if p.relative_to(PACKAGE).parts[0] != "configs" and str(p.relative_to(PACKAGE)) not in CONFIG_LAYER
+               and _imports_ml_collections(p)]
+  assert not offenders, f"modules below the config schema import ml_collections: {offenders}"
+  assert _imports_ml_collections(PACKAGE / "schema.py")          # the scan does see an import
+
+
+def _shipped_configs():
+  return sorted(p.stem for p in (PACKAGE / "configs").glob("*.py")
+                if not p.stem.startswith("_") and p.stem != "fed_ensemble_toy")   # the toy is no federated run
+
+
+@pytest.mark.parametrize("name", _shipped_configs())
+def test_every_shipped_config_becomes_frozen_settings_that_round_trip(name):
+  config = config_lib.load_config(str(PACKAGE / "configs" / f"{name}.py"))
+  run = schema.validate_config(config)
+  assert isinstance(run, settings.RunSettings)
+  assert isinstance(run.algorithm, get_method(config.method).hyperparameters)
+  assert settings.to_dict(run) == config.to_dict()               # the typed form is the config, nothing else
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    run.algorithm.lr = 1.0
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    run.data.num_clients = 1
+  assert schema.validate_config(run) is run                      # settings are not checked twice
+  assert (run.graph is not None) == get_method(config.method).graph
+
+
+def test_missing_and_unknown_algorithm_keys_are_named():
+  config = config_lib.load_config(str(PACKAGE / "configs" / "ntk_dfl.py"))
+  del config.algorithm["subsample"]
+  config.algorithm.subsampel = 2
+  message = r"config.algorithm \(method 'ntk_dfl'\): unknown key\(s\) \['subsampel'\], missing key\(s\) \['subsample'\]"
+  with pytest.raises(ValueError, match=message):
+    schema.validate_config(config)
+
+
+def test_hyperparameters_built_in_python_are_checked_on_construction():
+  good = dict(lr=0.01, lr_decay=0.07, taus=(100, 200), loss="ce", solver="euler", select="network",
+              kernel="traced", per_round_averaging=True, jacobian_batches=1, subsample=1)
+  assert NTKDFLHParams(**good).taus == (100, 200)
+  for field, value, match in (("lr", -1.0, "config.algorithm.lr"), ("taus", (200, 100), "taus"),
+                              ("solver", "rk4", "solver"), ("subsample", 0, "subsample")):
+    with pytest.raises(ValueError, match=match):
+      NTKDFLHParams(**{**good, field: value})
+
+
+def test_a_run_checks_its_config_once_and_builds_its_topology_once(tmp_path, monkeypatch):
+  """Through the command line's path (schema, then the workdir check, then the run), one check and one build."""
+  parses, builds = [], []
+  parse, make_topology = schema.validate_config, topology.make_topology
+
+  def counting_parse(config):
+    if not isinstance(config, settings.RunSettings):
+      parses.append(config)
+    return parse(config)
+
+  def counting_topology(*args, **kwargs):
+    builds.append(args)
+    return make_topology(*args, **kwargs)
+
+  monkeypatch.setattr(topology, "make_topology", counting_topology)
+  for module in (schema, runner):
+    monkeypatch.setattr(module, "validate_config", counting_parse)
+  config = config_lib.load_config(str(REPO / "tests" / "configs" / "toy.py"), "smoke")
+  config.rounds, config.eval.selection, config.checkpoint_every = 1, False, 0
+  run = schema.validate_config(config)
+  runner.rundir.check_start(run, str(tmp_path))
+  summary = runner.run(run, str(tmp_path))
+  assert summary["rounds_run"] == 1
+  assert len(parses) == 1 and len(builds) == 1
