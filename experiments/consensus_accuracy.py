@@ -20,7 +20,7 @@ prints one markdown row per run: the aggregated model, the own models and the
 consensus models (mean, min, max test accuracy over clients). The aggregated
 accuracy and the own-model mean equal the run's ``metrics.jsonl`` line of that
 round when the run scored its clients then. Runs with ``config.eval.consensus``
-(SPARK's default since session 12) log the consensus accuracy every round
+(SPARK's default) log the consensus accuracy every round
 (``consensus_acc_*``); this script serves the runs without it.
 """
 from __future__ import annotations

@@ -1,14 +1,17 @@
 #!/bin/bash
 # The papers' acceptance runs as resumable queues: bash scripts/reproduce.sh SUITE [OUT] [SEEDS]
 #
-#   ntk_dfl    NTK-DFL (issue 4): {alpha0.1, alpha0.5, iid} x seeds, stopped at 85 % or at the paper's
+#   ntk_dfl    NTK-DFL: {alpha0.1, alpha0.5, iid} x seeds, stopped at 85 % or at the paper's
 #              rounds-to-85 % + 25 % (22 / 21 / 15)
-#   baselines  DFedAvg, DFedAvgM, DFedSAM, DisPFL, D-PSGD (issue 5): the same levels x seeds, each config's
+#   ntk_dfl_authors  NTK-DFL on the authors' own partition files (draw 0): {authors_alpha0.1, authors_alpha0.5,
+#              authors_iid} x seeds, up to 30 rounds, stopped at 85 %; plus DFedAvg on authors_alpha0.1 and
+#              NTK-DFL with the authors' code's lr decay on authors_alpha0.1 (first seed only)
+#   baselines  DFedAvg, DFedAvgM, DFedSAM, DisPFL, D-PSGD: the same levels x seeds, each config's
 #              own 200 rounds, stopped at 85 %; METHODS="dfedavg dpsgd" and LEVELS="iid alpha0.5" restrict it
-#   ntk_fl     NTK-FL and CP-NTK-FL at alpha = 0.1 (issue 6, Table 1) and FedAvg, stopped at 85 %
+#   ntk_fl     NTK-FL and CP-NTK-FL at alpha = 0.1 (NTK-FL Table 1) and FedAvg, stopped at 85 %
 #   ntk_fl_busiest   NTK-FL in NTK-DFL App. C.1's busiest-node setting (5 clients per round), {iid, alpha0.5,
 #              alpha0.1} x seeds, stopped at 85 % (about 2 min per run)
-#   spark      SPARK (issue 7): {alpha0.1, alpha0.5, iid, alpha0.3} x seeds, 30 rounds (Tables 1-2);
+#   spark      SPARK: {alpha0.1, alpha0.5, iid, alpha0.3} x seeds, 30 rounds (Tables 1-2);
 #              LEVELS="alpha0.3" restricts it
 #   spark_ablation   the Table 4 rows at IID x seeds, 30 rounds (distillation only and momentum only branch
 #              off no distillation and SPARK after the shared 10-round warm-up); ROWS="none distill" restricts
@@ -23,6 +26,8 @@
 # XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" runs a queue on one core, so that two
 # queues share a 2-core machine (benchmarks/RESULTS.md: more runs per hour than one queue on both cores).
 #
+# EXTRA holds flags added to every run, e.g. EXTRA="--config.chunk_size=0" on a GPU (all clients in one vmap).
+#
 # OUT defaults to runs/<suite>; SEEDS to "0 1 2". A finished run (its summary.json exists) is skipped and an
 # interrupted one resumes from its last checkpoint (one killed before its first checkpoint is moved aside and
 # started again), so the same command continues a killed queue. Every run writes its console (progress,
@@ -32,7 +37,7 @@
 # it): runs/ does not outlive the machine, the archive is committed with the results it backs.
 set -u
 cd "$(dirname "$0")/.."
-SUITE=${1:?usage: bash scripts/reproduce.sh ntk_dfl|baselines|ntk_fl|ntk_fl_busiest|spark|spark_ablation|spark_ntk_dfl|spark_comm [OUT] [SEEDS]}
+SUITE=${1:?usage: bash scripts/reproduce.sh ntk_dfl|ntk_dfl_authors|baselines|ntk_fl|ntk_fl_busiest|spark|spark_ablation|spark_ntk_dfl|spark_comm [OUT] [SEEDS]}
 OUT=${2:-runs/$SUITE}
 SEEDS=${3:-0 1 2}
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -51,7 +56,7 @@ run() {  # name config[:variants] seed [extra --config.* flags...]
     mv "$dir" "$aside"
   fi
   echo "$(date '+%F %T') $dir" >&2
-  $PYTHON experiments/main.py --config="$config" --config.seed="$seed" --workdir="$dir" $resume "$@" \
+  $PYTHON experiments/main.py --config="$config" --config.seed="$seed" --workdir="$dir" $resume "$@" ${EXTRA:-} \
     >> "$dir.log" 2>&1 || echo "run $dir failed (see $dir.log)" >&2
 }
 
@@ -74,6 +79,16 @@ case "$SUITE" in
       run a0.5 configs/ntk_dfl.py:alpha0.5 "$s" --config.rounds=21 $to85
       run iid configs/ntk_dfl.py:iid "$s" --config.rounds=15 $to85
     done ;;
+  ntk_dfl_authors)
+    first=${SEEDS%% *}
+    for s in $SEEDS; do
+      for level in alpha0.1 alpha0.5 iid; do
+        run "ntk_dfl_authors_$level" "configs/ntk_dfl.py:authors_$level" "$s" --config.rounds=30 $to85
+      done
+    done
+    run dfedavg_authors_alpha0.1 configs/dfedavg.py:authors_alpha0.1 "$first" $to85
+    run ntk_dfl_authors_alpha0.1_code_decay configs/ntk_dfl.py:authors_alpha0.1,code_decay "$first" \
+        --config.rounds=30 $to85 ;;
   baselines)
     for s in $SEEDS; do
       for m in ${METHODS:-dfedavg dfedavgm dfedsam dispfl dpsgd}; do
@@ -114,7 +129,7 @@ case "$SUITE" in
     for s in $SEEDS; do
       for v in ${VARIANTS:-proj500 proj750 full_stack}; do run "$v" "configs/spark.py:alpha0.1,$v" "$s"; done
     done ;;
-  *) echo "unknown suite '$SUITE'; the suites are ntk_dfl, baselines, ntk_fl, ntk_fl_busiest, spark, spark_ablation, spark_ntk_dfl, spark_comm" >&2; exit 2 ;;
+  *) echo "unknown suite '$SUITE'; the suites are ntk_dfl, ntk_dfl_authors, baselines, ntk_fl, ntk_fl_busiest, spark, spark_ablation, spark_ntk_dfl, spark_comm" >&2; exit 2 ;;
 esac
 finished=()
 for dir in "$OUT"/*_s*/; do [ -f "$dir/summary.json" ] && finished+=("${dir%/}"); done

@@ -57,7 +57,7 @@ Variants (comma-separated, e.g. ``:iid,abl_momentum``):
   cyclic_lr     the cyclic learning-rate boost (paper A.1 gives no details; chosen: η × 2 in rounds
                 10 and 20, i.e. at the end of warm-up and mid-annealing). Off by default.
   full_kernel   the full (N·C)×(N·C) kernel instead of the traced one.
-  temp3         the previous default temperature schedule 1 -> 3 (collapses late with momentum; kept for the record).
+  temp3         the previous default temperature schedule 1 -> 3 (collapses late with momentum).
   ode           adaptive Dopri5 evolution (NTK-DFL authors' numerics).
   smoke         seconds-long run on a slice of Fashion-MNIST (CI): 4 rounds, warm-up 1, τ ∈ {50, 100, 200}.
 """
