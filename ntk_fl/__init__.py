@@ -66,14 +66,15 @@ _export("ntk_fl.algorithms.local", "make_local_update", "LocalHParams")
 _export("ntk_fl.data", "Federation", "make_federation", "partition", rename={"load_dataset": "load"})
 _export("ntk_fl.models", "Model", "mlp", "cnn", "init_clients")
 _export("ntk_fl.topology", "Topology", "Graph", "make_topology", "mixing_weights", "mix", "consensus")
-_export("ntk_fl.ntk", "empirical_ntk")
-_export("ntk_fl.evolve", "ntk_update", "ntk_delta")
+_export("ntk_fl.ntk", "empirical_ntk", "empirical_ntk_fn", "NtkImplementation")
+_export("ntk_fl.evolve", "ntk_step", "ntk_update")
 _export("ntk_fl.parallel", "for_each_client", "use_devices")
 _export("ntk_fl.metrics", "evaluate", "evaluate_clients", "average_params", "make_evaluator")
 
 _SUBMODULES = ("algorithms", "checkpoint", "cli", "compression", "config", "configs", "data", "evolve", "jacobians",
                "metrics", "models", "ntk", "parallel", "plotting", "privacy", "projection", "rng", "rundir", "runner",
-               "schema", "settings", "stats", "topology", "validation")
+               "schema", "settings", "stats", "topology", "validation", "gossip", "communication",
+               "distributed", "summaries")
 
 __all__ = ["__version__", *_EXPORTS]
 
