@@ -173,6 +173,20 @@ def _reduce_output_axes(kernel: jax.Array, out_shape1: tuple[int, ...], out_shap
   return jnp.einsum(spec, kernel) / size
 
 
+def _traced_and_diagonal_axes(fx1, fx2, trace_axes, diagonal_axes) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """Canonical (non-negative) traced and diagonal output axes, checked against the outputs' shapes."""
+  ndim = len(fx1.shape)
+  trace = _canonical_axes("trace_axes", trace_axes, ndim)
+  diagonal = _canonical_axes("diagonal_axes", diagonal_axes, ndim)
+  if set(trace) & set(diagonal):
+    raise ValueError(f"trace_axes {trace_axes} and diagonal_axes {diagonal_axes} share an output axis")
+  for a in trace + diagonal:
+    if fx1.shape[a] != fx2.shape[a]:
+      raise ValueError(f"output axis {a} is traced or diagonal, so f(x1) and f(x2) must agree on it; "
+                       f"got shapes {fx1.shape} and {fx2.shape}")
+  return trace, diagonal
+
+
 def _batched_kernel(f, kwargs, params, x1, x2, in_axis, out_axis, trace_axes, diagonal_axes,
                     implementation, dense_stack, chunk_size):
   from ntk_fl.ntk import empirical_ntk  # ntk.py re-exports this module's names
@@ -186,14 +200,7 @@ def _batched_kernel(f, kwargs, params, x1, x2, in_axis, out_axis, trace_axes, di
   if not -ndim <= out_axis < ndim:
     raise ValueError(f"vmap_axes: out_axis {out_axis} is out of range for outputs of f of shape {fx1.shape}")
   out_axis %= ndim
-  trace = _canonical_axes("trace_axes", trace_axes, ndim)
-  diagonal = _canonical_axes("diagonal_axes", diagonal_axes, ndim)
-  if set(trace) & set(diagonal):
-    raise ValueError(f"trace_axes {trace_axes} and diagonal_axes {diagonal_axes} share an output axis")
-  for a in trace + diagonal:
-    if fx1.shape[a] != fx2.shape[a]:
-      raise ValueError(f"output axis {a} is traced or diagonal, so f(x1) and f(x2) must agree on it; "
-                       f"got shapes {fx1.shape} and {fx2.shape}")
+  trace, diagonal = _traced_and_diagonal_axes(fx1, fx2, trace_axes, diagonal_axes)
 
   to_sample_axis = lambda a: a if a < out_axis else a - 1
   out_shape1 = fx1.shape[:out_axis] + fx1.shape[out_axis + 1:]
@@ -249,14 +256,7 @@ def _unbatched_kernel(f, kwargs, params, x1, x2, trace_axes, diagonal_axes, impl
   if not isinstance(fx1, jax.ShapeDtypeStruct):
     raise ValueError(f"f must return one array (pytree outputs are not supported), got {fx1}")
   ndim = len(fx1.shape)
-  trace = _canonical_axes("trace_axes", trace_axes, ndim)
-  diagonal = _canonical_axes("diagonal_axes", diagonal_axes, ndim)
-  if set(trace) & set(diagonal):
-    raise ValueError(f"trace_axes {trace_axes} and diagonal_axes {diagonal_axes} share an output axis")
-  for a in trace + diagonal:
-    if fx1.shape[a] != fx2.shape[a]:
-      raise ValueError(f"output axis {a} is traced or diagonal, so f(x1) and f(x2) must agree on it; "
-                       f"got shapes {fx1.shape} and {fx2.shape}")
+  trace, diagonal = _traced_and_diagonal_axes(fx1, fx2, trace_axes, diagonal_axes)
   trace_outputs = len(trace) == ndim and not diagonal
   impl = _LIBRARY_NAME[implementation]
 
