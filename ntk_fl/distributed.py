@@ -18,10 +18,14 @@ processes are XLA's (gloo on CPU, NCCL on GPU); there is no messaging of our own
   processes in step, read sharded results and place client-stacked state.
 
 What runs where: the clients' models and per-client state are sharded over the
-processes (a process holds only its own clients'); the dataset (one copy of the
-samples plus every client's index list, a few bytes per sample) is held by every
-process, because a decentralized method's neighbourhoods cross process boundaries
-and change every round.
+processes (a process holds only its own clients'), and so are the training
+samples (:func:`place_federation`: each device holds one block with the samples
+of its own clients, once each). What every process holds whole is small: every
+client's index list (a few bytes per sample, so that any process can say where
+a neighbour's samples are) and the test set. A decentralized method's
+neighbourhoods cross process boundaries and change every round; the rows a chunk
+of clients needs from other devices (neighbours' samples and weights) are
+fetched inside the step by XLA collectives (:class:`ntk_fl.parallel.Shared`).
 """
 from __future__ import annotations
 
@@ -38,7 +42,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-__all__ = ["initialize", "shutdown", "launch_local", "is_primary", "barrier", "to_host", "client_shardings", "free_port"]
+__all__ = ["initialize", "shutdown", "launch_local", "is_primary", "barrier", "to_host", "client_shardings", "free_port",
+           "place_federation"]
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -144,6 +149,13 @@ def to_host(tree: Any) -> Any:
   return jax.tree.map(fetch, tree)
 
 
+def process_allgather_ints(value: int) -> list[int]:
+  """Every process's ``value``, in process order (``[value]`` in a one-process run)."""
+  if jax.process_count() == 1:
+    return [int(value)]
+  return [int(v) for v in np.asarray(multihost_utils.process_allgather(np.int64(value))).ravel()]
+
+
 def client_shardings(shapes: Any, num_clients: int, mesh) -> Any:
   """Per-leaf shardings for a client-stacked state on ``mesh`` (``None`` = single device).
 
@@ -158,6 +170,57 @@ def client_shardings(shapes: Any, num_clients: int, mesh) -> Any:
     split = leaf.ndim >= 1 and leaf.shape[0] == num_clients and num_clients % size == 0
     return NamedSharding(mesh, PartitionSpec(CLIENTS) if split else PartitionSpec())
   return jax.tree.map(sharding, shapes)
+
+
+def place_federation(x: np.ndarray, y: np.ndarray, client_indices, mesh, *, n_max: int | None = None):
+  """A :class:`ntk_fl.data.Federation` whose samples are split over ``mesh``'s devices, one block each.
+
+  Device ``d`` gets the samples of the clients :func:`ntk_fl.parallel.for_each_client`
+  gives it (:func:`ntk_fl.data.federation.block_layout`), and a process builds
+  only the blocks of its own devices: ``x`` is read at those rows only, so after
+  this call the process holds its clients' samples and nothing of the others'
+  (``x`` may be anything indexable by row arrays -- a numpy array, a memmap, the
+  :class:`ntk_fl.data.sources.LazyFeatures` a multi-process run loads -- and
+  the caller drops it).
+
+  Args:
+    x: ``[N, *feature_shape]`` training inputs with ``shape`` and row indexing
+      (only the rows of this process's clients are read).
+    y: ``[N]`` integer labels.
+    client_indices: ``M`` index arrays into ``x``/``y``.
+    mesh: the ``'clients'`` mesh (:func:`ntk_fl.parallel.make_client_mesh`).
+    n_max: as in :func:`ntk_fl.data.make_federation`.
+
+  Returns:
+    A ``Federation`` with ``samples_x`` ``[D * B, ...]`` and ``samples_y`` ``[D * B]``
+    as jax arrays sharded ``P('clients')`` over the ``D`` devices (``B`` rows per
+    block), and ``index``, ``mask``, ``n`` as numpy arrays (global row numbers;
+    the same in every process).
+  """
+  from ntk_fl.data import federation as federation_lib  # pylint: disable=g-import-not-at-top
+  from ntk_fl.parallel import CLIENTS  # pylint: disable=g-import-not-at-top
+  y = np.asarray(y)
+  if len(x.shape) < 1 or y.shape != tuple(x.shape[:1]):
+    raise ValueError(f"x [N, ...] and y [N] must share the sample axis, got {x.shape} and {y.shape}")
+  num_blocks = int(mesh.shape[CLIENTS])
+  layout = federation_lib.block_layout(client_indices, x.shape[0], num_blocks, n_max=n_max)
+  sharding = NamedSharding(mesh, PartitionSpec(CLIENTS))
+  size = layout.block_size
+  blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+  def block(index, which: int) -> np.ndarray:
+    start = index[0].start or 0
+    if start % size:
+      raise AssertionError(f"a device's slice starts at row {start}, not at a block boundary (block size {size})")
+    b = start // size
+    if b not in blocks:
+      blocks[b] = layout.block_samples(x, y, b)
+    return blocks[b][which]
+
+  samples_x = jax.make_array_from_callback((num_blocks * size, *x.shape[1:]), sharding, lambda i: block(i, 0))
+  samples_y = jax.make_array_from_callback((num_blocks * size,), sharding, lambda i: block(i, 1))
+  return federation_lib.Federation(samples_x=samples_x, samples_y=samples_y, index=layout.index,
+                                   mask=layout.mask, n=layout.n)
 
 
 def strip_flags(argv: Sequence[str], names: Sequence[str]) -> list[str]:

@@ -12,6 +12,8 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from ntk_fl import parallel
+
 __all__ = ["mix", "mix_one", "consensus"]
 
 
@@ -66,7 +68,9 @@ def mix_one(stacked_params, own, neighbors, self_weight, neighbor_weights):
   no ``[M, ...]`` copy of the averages is ever held.
 
   Args:
-    stacked_params: pytree with leaves ``[M, ...]`` (every client's weights).
+    stacked_params: pytree with leaves ``[M, ...]`` (every client's weights), or
+      a :class:`ntk_fl.parallel.Shared` of it (the neighbours' rows are then
+      fetched from the devices that hold them).
     own: the client's weights (``stacked_params``' leaves without the ``M`` axis).
     neighbors: int ``[k]``; self_weight: scalar; neighbor_weights: ``[k]`` -- the
       client's rows of :func:`ntk_fl.topology.mixing_weights`.
@@ -77,13 +81,18 @@ def mix_one(stacked_params, own, neighbors, self_weight, neighbor_weights):
   chex.assert_rank(neighbors, 1)
   chex.assert_shape(neighbor_weights, neighbors.shape)
 
-  def one(stacked, w):
+  if isinstance(stacked_params, parallel.Shared):
+    rows = stacked_params.take(neighbors)
+  else:
+    rows = jax.tree.map(lambda stacked: jnp.asarray(stacked)[neighbors], stacked_params)
+
+  def one(neighbour_rows, w):                       # neighbour_rows [k, ...]
     total = jnp.asarray(self_weight).astype(w.dtype) * w
     for slot in range(neighbors.shape[0]):
-      total = total + neighbor_weights[slot].astype(w.dtype) * jnp.asarray(stacked)[neighbors[slot]]
+      total = total + neighbor_weights[slot].astype(w.dtype) * neighbour_rows[slot]
     return total
 
-  return jax.tree.map(one, stacked_params, own)
+  return jax.tree.map(one, rows, own)
 
 
 def consensus(stacked_params, round_inputs):

@@ -46,6 +46,7 @@ passed as numpy or uncommitted arrays count as replicated.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from typing import Any, Callable, Iterator, Sequence
 
@@ -58,7 +59,7 @@ from jax.sharding import AxisType, Mesh, PartitionSpec
 from ntk_fl import validation
 
 __all__ = ["CLIENTS", "for_each_client", "make_client_mesh", "use_devices", "num_client_shards", "current_mesh",
-           "policy_chunk_size"]
+           "policy_chunk_size", "Shared", "is_client_split", "to_device"]
 
 CLIENTS = "clients"
 """Name of the mesh axis the client axis is sharded over."""
@@ -145,6 +146,74 @@ def num_client_shards() -> int:
   return int(mesh.shape[CLIENTS])
 
 
+@dataclasses.dataclass(frozen=True)
+class Shared:
+  """Arrays every client's function reads rows of, passed to a :func:`for_each_client` function whole.
+
+  A ``Shared`` argument of a mapped function is not sliced per client: the
+  function receives it as it is and reads rows with :meth:`take`. Its leaves
+  share a leading *row* axis (every client's weights ``[M, ...]``, or a
+  federation's samples ``[S, ...]``).
+
+  ``split=True`` says the rows are stored in equal contiguous blocks, one per
+  device of the ``'clients'`` mesh (a jax array sharded ``P('clients')``, as
+  :func:`ntk_fl.distributed.place_federation` builds the samples of a
+  multi-process run): each device holds only its block, and inside the
+  sharded map :meth:`take` fetches the rows a chunk of clients asks for from
+  the devices that hold them (an ``all_gather`` of the row numbers, each device
+  contributing the rows it holds, a ``psum_scatter`` back to the asker), so no
+  device ever holds the whole array. ``split=False`` rows are replicated on
+  every device and read directly.
+
+  Attributes:
+    tree: a pytree of arrays with a common leading row axis.
+    split: whether ``tree`` is split in per-device blocks (see above).
+  """
+  tree: Any
+  split: bool = False
+
+  def take(self, rows):
+    """``tree``'s leaves at ``rows`` (int array ``[...]`` of row numbers): leaves ``[..., *row_shape]``."""
+    if self.split and CLIENTS in jax.sharding.get_abstract_mesh().manual_axes:
+      return jax.tree.map(lambda block: _take_from_blocks(block, rows), self.tree)
+    return jax.tree.map(lambda leaf: jnp.asarray(leaf)[rows], self.tree)
+
+
+def _take_from_blocks(block, rows):
+  """Rows of an array split in per-device blocks, inside ``shard_map`` over :data:`CLIENTS` (see :class:`Shared`).
+
+  Every device asks for ``rows`` (global row numbers); each contributes the asked
+  rows in its ``block`` (zeros elsewhere) and the reduce-scatter hands every
+  device the sum for its own request -- exactly the asked rows, as each row has
+  one holder and the others add zeros.
+  """
+  me = jax.lax.axis_index(CLIENTS)
+  size = block.shape[0]
+  requests = jax.lax.all_gather(rows, CLIENTS)                            # [D, ...]
+  mine = requests // size == me
+  values = block[jnp.where(mine, requests - me * size, 0)]                # [D, ..., *row_shape]
+  values = jnp.where(mine.reshape(mine.shape + (1,) * (block.ndim - 1)), values, jnp.zeros((), block.dtype))
+  return jax.lax.psum_scatter(values, CLIENTS, scatter_dimension=0, tiled=False)
+
+
+def to_device(tree):
+  """``tree`` with its numpy leaves put on the default device and its jax arrays kept where they are.
+
+  ``jax.device_put`` of a whole federation would try to move arrays already placed
+  across processes (:func:`ntk_fl.distributed.place_federation`) onto one device.
+  """
+  return jax.tree.map(lambda leaf: leaf if isinstance(leaf, jax.Array) else jax.device_put(leaf), tree)
+
+
+def is_client_split(array) -> bool:
+  """Whether ``array`` is a jax array split over the ``'clients'`` axis of a mesh of more than one device."""
+  sharding = getattr(array, "sharding", None)
+  if not isinstance(sharding, jax.sharding.NamedSharding) or CLIENTS not in sharding.mesh.axis_names:
+    return False
+  spec = tuple(sharding.spec)
+  return bool(spec) and spec[0] == CLIENTS and sharding.mesh.shape[CLIENTS] > 1
+
+
 def _num_clients(stacked_args) -> int:
   leaves = jax.tree_util.tree_leaves(stacked_args)
   if not leaves:
@@ -175,13 +244,22 @@ def _pad_clients(stacked_args, total: int):
   return jax.tree.map(pad, stacked_args)
 
 
+def _pad_rows(tree, shards: int):
+  """Extends every leaf's row axis to a multiple of ``shards`` by repeating its last row."""
+  rows = jax.tree_util.tree_leaves(tree)[0].shape[0]
+  return _pad_clients(tree, -(-rows // shards) * shards)
+
+
 def for_each_client(fn: Callable[..., Any], *, chunk_size: int | None = None) -> Callable[..., Any]:
   """Lift ``fn(*client_args)`` to stacked arguments with a leading client axis ``M``.
 
   Args:
     fn: a pure function of one client's arguments (pytrees without the client
       axis). Arrays it captures (closures, ``functools.partial``) are shared by
-      all clients -- replicated on every device when clients are sharded.
+      all clients -- replicated on every device when clients are sharded. An
+      argument passed as a :class:`Shared` reaches ``fn`` whole (not sliced per
+      client) and is read with :meth:`Shared.take`: how a client reads its
+      neighbours' weights or samples without every device holding all of them.
     chunk_size: ``None`` (default) takes the device policy's chunk size
       (:func:`use_devices`; all at once outside any) when the function is
       traced; ``0`` maps all (local) clients at once (plain ``vmap``; for cheap
@@ -202,24 +280,40 @@ def for_each_client(fn: Callable[..., Any], *, chunk_size: int | None = None) ->
   if chunk_size is not None:
     validation.check_int("chunk_size (None or 0 = all clients at once)", chunk_size, low=0)
 
-  def mapped(*stacked_args):
+  def mapped(*args):
+    shared_at = {i: a for i, a in enumerate(args) if isinstance(a, Shared)}
+    stacked_args = tuple(a for i, a in enumerate(args) if i not in shared_at)
     num_clients = _num_clients(stacked_args)
     chunk = policy_chunk_size() if chunk_size is None else chunk_size
+
+    def with_shared(shared_trees):
+      """``fn`` of the mapped arguments alone, the shared ones (in their places) given whole."""
+      views = {i: Shared(tree, shared_at[i].split) for i, tree in zip(shared_at, shared_trees)}
+      def per_client(*client_args):
+        it = iter(client_args)
+        return fn(*(views[i] if i in views else next(it) for i in range(len(args))))
+      return per_client
+
+    shared_trees = tuple(a.tree for a in shared_at.values())
     shards = num_client_shards()
     if shards == 1:
-      out = _chunked(fn, chunk, stacked_args)
+      out = _chunked(with_shared(shared_trees), chunk, stacked_args)
       chex.assert_tree_shape_prefix(out, (num_clients,))
       return out
     padded = -(-num_clients // shards) * shards
+    # Split shared rows enter as their per-device blocks (padded like the clients, so block d holds the
+    # rows of device d's clients); the others are replicated.
+    shared_specs = tuple(PartitionSpec(CLIENTS) if a.split else PartitionSpec() for a in shared_at.values())
+    shared_trees = tuple(_pad_rows(t, shards) if a.split else t for t, a in zip(shared_trees, shared_at.values()))
     sharded = jax.shard_map(
-        lambda *args: _chunked(fn, chunk, args),
-        mesh=_current_mesh(), in_specs=PartitionSpec(CLIENTS), out_specs=PartitionSpec(CLIENTS),
-        axis_names=frozenset({CLIENTS}),
+        lambda shared, *args: _chunked(with_shared(shared), chunk, args),
+        mesh=_current_mesh(), in_specs=(shared_specs, *(PartitionSpec(CLIENTS),) * len(stacked_args)),
+        out_specs=PartitionSpec(CLIENTS), axis_names=frozenset({CLIENTS}),
         # No replication (vma) checking: per-client code carries loops whose initial values are
         # device-invariant constants but whose updates vary by client (e.g. scan carries in the
         # evolution); every output here is per-client and stacked, so there is nothing to check.
         check_vma=False)
-    out = sharded(*_pad_clients(stacked_args, padded))
+    out = sharded(shared_trees, *_pad_clients(stacked_args, padded))
     if padded != num_clients:
       out = jax.tree.map(lambda leaf: leaf[:num_clients], out)
     chex.assert_tree_shape_prefix(out, (num_clients,))

@@ -104,7 +104,9 @@ class Experiment(NamedTuple):
 
   Attributes:
     settings: the checked :class:`ntk_fl.settings.RunSettings` it was built from.
-    dataset: the (optionally subsampled) :class:`ntk_fl.data.Dataset`.
+    dataset: the (optionally subsampled) :class:`ntk_fl.data.Dataset`; in a run of
+      several processes its ``x_train`` is ``None`` (each process keeps only its
+      clients' samples, in ``federation``).
     client_indices: ``M`` index arrays into ``dataset.x_train``.
     federation: the stacked client data :class:`ntk_fl.data.Federation`.
     model: the :class:`ntk_fl.models.Model`.
@@ -145,7 +147,10 @@ def _subsample(dataset, max_train: int, max_test: int, seed: int):
   if max_train and max_train != dataset.x_train.shape[0]:
     keep = _keep(dataset.x_train.shape[0], max_train, numpy_rng(seed, Stream.SUBSAMPLE))
     writers = None if dataset.writers_train is None else dataset.writers_train[keep]
-    dataset = dataset._replace(x_train=dataset.x_train[keep], y_train=dataset.y_train[keep],
+    from ntk_fl.data.sources import LazyFeatures  # pylint: disable=g-import-not-at-top
+    x_train = dataset.x_train
+    x_train = x_train.subset(keep) if isinstance(x_train, LazyFeatures) else x_train[keep]
+    dataset = dataset._replace(x_train=x_train, y_train=dataset.y_train[keep],
                                writers_train=writers)
   if max_test and max_test != dataset.x_test.shape[0]:
     keep = _keep(dataset.x_test.shape[0], max_test, numpy_rng(seed, Stream.TEST_SUBSAMPLE))
@@ -169,16 +174,29 @@ def build_experiment(config) -> Experiment:
 
   settings = validate_config(config)
   data_settings = settings.data
+  mesh = parallel.current_mesh()
+  # Several processes: each converts (and keeps) only its own clients' training samples.
+  split = jax.process_count() > 1 and mesh is not None
   dataset = data.load(data_settings.name, data_settings.data_dir or None,
-                      flatten=settings.model.name != "cnn", seed=settings.seed)
+                      flatten=settings.model.name != "cnn", seed=settings.seed, lazy_train=split)
   dataset = _subsample(dataset, data_settings.max_train, data_settings.max_test, settings.seed)
   client_indices = data.partition(
       dataset.y_train, data_settings.partition, data_settings.num_clients, seed=settings.seed,
       alpha=data_settings.alpha, samples_per_client=data_settings.samples_per_client or None,
       classes_per_client=data_settings.classes_per_client, writers=dataset.writers_train,
       partition_file=data_settings.partition_file or None)
-  federation = data.make_federation(dataset.x_train, dataset.y_train, client_indices)
   model = models.make_model(settings.model, dataset.x_train.shape[1:], dataset.num_classes)
+  if split:
+    # Several processes: each keeps only its own clients' samples (one block per local device) and drops
+    # the rest of the training set; neighbours' samples are fetched inside the step (parallel.Shared).
+    federation = distributed.place_federation(dataset.x_train, dataset.y_train, client_indices, mesh)
+    held = sum(shard.data.shape[0] for shard in federation.samples_x.addressable_shards)
+    held = distributed.process_allgather_ints(held)
+    logging.info("processes hold %s of the %d training samples' rows (one block of %d rows per device)",
+                 " / ".join(map(str, held)), dataset.x_train.shape[0], federation.samples_x.shape[0] // mesh.size)
+    dataset = dataset._replace(x_train=None)
+  else:
+    federation = data.make_federation(dataset.x_train, dataset.y_train, client_indices)
   return Experiment(settings, dataset, client_indices, federation, model, make_algorithm(settings, model, federation))
 
 

@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
-from ntk_fl import models, parallel, runner  # noqa: E402
+from ntk_fl import distributed, models, parallel, runner  # noqa: E402
 from ntk_fl.config import load_config  # noqa: E402
 from ntk_fl.data import Federation, federation_from_padded  # noqa: E402
 
@@ -88,8 +88,39 @@ def _tiny_federation(num_clients: int, n_max: int = 8, seed: int = 0) -> Federat
   return federation_from_padded(x, y, mask)
 
 
-def algorithm_case(method: str, num_clients: int, chunk_size: int, rounds: int = 2):
-  """``rounds`` rounds of ``method`` on a tiny federation (MLP 5-8-3, degree-2 dynamic graphs)."""
+def shared_case(num_clients: int, chunk_size):
+  """Rows of a :class:`parallel.Shared` table read by every client (split over the devices when sharded)."""
+  table = {"a": jnp.asarray(np.random.default_rng(5).normal(size=(10, 3)), jnp.float32),
+           "b": jnp.arange(10, dtype=jnp.int32) * 7}
+  rows = jnp.asarray(np.random.default_rng(6).integers(0, 10, size=(num_clients, 5)), jnp.int32)
+  shards = []
+
+  @jax.jit
+  def run(rows):
+    shards.append(parallel.num_client_shards())
+    shared = parallel.Shared(table, split=parallel.num_client_shards() > 1)
+    def one(store, r):
+      got = store.take(r)
+      return {"a": got["a"], "b": got["b"], "want_a": table["a"][r]}   # the direct gather, to compare
+    return parallel.for_each_client(one, chunk_size=chunk_size)(shared, rows)
+
+  return lambda: run(rows), shards
+
+
+def _split_like(federation: Federation) -> Federation:
+  """``federation``'s clients with their samples split over the current mesh's devices."""
+  index, mask = np.asarray(federation.index), np.asarray(federation.mask)
+  clients = [index[m][mask[m]] for m in range(mask.shape[0])]
+  return distributed.place_federation(np.asarray(federation.samples_x)[:-1], np.asarray(federation.samples_y)[:-1],
+                                      clients, parallel.current_mesh())
+
+
+def algorithm_case(method: str, num_clients: int, chunk_size: int, rounds: int = 2, split: bool = False):
+  """``rounds`` rounds of ``method`` on a tiny federation (MLP 5-8-3, degree-2 dynamic graphs).
+
+  ``split``: on the sharded path the federation's samples are split over the devices
+  (:func:`ntk_fl.distributed.place_federation`, what a multi-process run uses).
+  """
   config = load_config(os.path.join(REPO, "configs", f"{method}.py"))
   config.data.num_clients = num_clients
   config.topology.degree = 2
@@ -99,8 +130,14 @@ def algorithm_case(method: str, num_clients: int, chunk_size: int, rounds: int =
   else:
     config.algorithm.epochs = 1
     config.algorithm.batch_size = 4
+  if method == "fedavg":
+    config.algorithm.clients_per_round = 3
   model = models.mlp(input_dim=5, hidden=(8,), num_classes=3)
-  algorithm = runner.make_algorithm(config, model, _tiny_federation(num_clients))
+  federation = _tiny_federation(num_clients)
+  if split and parallel.current_mesh() is not None:
+    federation = _split_like(federation)
+    assert parallel.is_client_split(federation.samples_x)
+  algorithm = runner.make_algorithm(config, model, federation)
 
   def run():
     # The chunk size travels with the device policy: the same devices as the caller's, chunk_size clients a chunk.
@@ -133,6 +170,12 @@ def main(out_dir: str) -> None:
       "ntk_dfl_m6": lambda: algorithm_case("ntk_dfl", 6, chunk_size=0),
       "ntk_dfl_m8_chunk1": lambda: algorithm_case("ntk_dfl", 8, chunk_size=1, rounds=1),
       "dfedavg_m6": lambda: algorithm_case("dfedavg", 6, chunk_size=0),
+      "shared_m6_chunkNone": lambda: shared_case(6, None),
+      "shared_m7_chunk2": lambda: shared_case(7, 2),
+      "ntk_dfl_m6_split": lambda: algorithm_case("ntk_dfl", 6, chunk_size=0, split=True),
+      "ntk_dfl_m8_chunk1_split": lambda: algorithm_case("ntk_dfl", 8, chunk_size=1, rounds=1, split=True),
+      "dfedavg_m6_split": lambda: algorithm_case("dfedavg", 6, chunk_size=0, split=True),
+      "fedavg_m6_split": lambda: algorithm_case("fedavg", 6, chunk_size=0, split=True),
   })
   for name, make in cases.items():
     started = time.perf_counter()

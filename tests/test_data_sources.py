@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ntk_fl.data import sources
-from ntk_fl.data.sources import DATASETS, load, read_idx
+from ntk_fl.data.sources import DATASETS, LazyFeatures, load, read_idx
 
 _FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 _IDX_CODES = {np.dtype("u1"): 0x08, np.dtype("i1"): 0x09, np.dtype("i2"): 0x0B, np.dtype("i4"): 0x0C,
@@ -199,6 +199,22 @@ def test_fashion_mnist_idx_directory(isolated, gz):
   assert raw.x_train.shape == (12, 784)
   np.testing.assert_allclose(raw.x_train, x_train.reshape(12, 784) / 255.0, **_F32_TOL)
   assert 0.0 <= raw.x_train.min() and raw.x_train.max() <= 1.0
+
+
+@pytest.mark.parametrize("flatten", [False, True])
+def test_lazy_train_features_equal_the_converted_ones_row_by_row(isolated, flatten):
+  """lazy_train (a multi-process run's loading): rows converted on demand are the eager features, exactly."""
+  _write_idx_set(isolated / "d" / "fashion_mnist", _small_set(2), gz=True)
+  eager = load("fashion_mnist", isolated / "d", flatten=flatten)
+  lazy = load("fashion_mnist", isolated / "d", flatten=flatten, lazy_train=True)
+  assert isinstance(lazy.x_train, LazyFeatures) and not isinstance(lazy.x_train, np.ndarray)
+  assert lazy.x_train.shape == eager.x_train.shape and lazy.x_train.dtype == np.float32 and len(lazy.x_train) == 12
+  rows = np.array([11, 0, 5, 5])
+  np.testing.assert_array_equal(lazy.x_train[rows], eager.x_train[rows])
+  np.testing.assert_array_equal(lazy.x_train[3], eager.x_train[3])
+  np.testing.assert_array_equal(lazy.x_train.subset(rows)[1:3], eager.x_train[rows[1:3]])
+  np.testing.assert_array_equal(np.asarray(lazy.x_train), eager.x_train)
+  np.testing.assert_array_equal(lazy.x_test, eager.x_test)       # the test split is always converted
 
 
 def test_idx_labels_out_of_range(isolated):

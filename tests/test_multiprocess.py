@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -32,6 +33,7 @@ import pytest
 
 from ntk_fl import cli, distributed, runner
 from ntk_fl.config import load_config
+from ntk_fl.data.federation import block_layout
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MAIN = REPO / "experiments" / "main.py"
@@ -89,6 +91,23 @@ def _only_process_0_wrote(workdir, console: str, rounds: int) -> None:
     assert (workdir / name).is_file(), name
 
 
+def _each_process_held_only_its_blocks(workdir, name: str) -> None:
+  """Each process kept only its 2 devices' sample blocks, far fewer rows than the training set (process 0's log)."""
+  exp = runner.build_experiment(load_config(str(REPO / "configs" / f"{name}.py"), "smoke"))
+  num_samples = exp.dataset.x_train.shape[0]
+  layout = block_layout(exp.client_indices, num_samples, 4)
+  log = (workdir / cli.LOG_FILE).read_text()
+  found = re.findall(r"processes hold (\d+) / (\d+) of the (\d+) training samples' rows \(one block of (\d+) rows", log)
+  assert found, log[-3000:]
+  *held, total, size = map(int, found[-1])
+  assert (total, size) == (num_samples, layout.block_size)
+  for rank, rows in enumerate(held):
+    assert rows == 2 * layout.block_size
+    # The samples its 10 clients use, once each (the partition reuses samples across clients).
+    used = np.unique(np.concatenate(exp.client_indices[10 * rank:10 * rank + 10])).size
+    assert used <= rows < num_samples // 2
+
+
 def test_two_processes_equal_one_process_dfedavg(tmp_path):
   reference = _reference(tmp_path, "dfedavg")
   workdir = tmp_path / "dfedavg_2proc"
@@ -96,6 +115,7 @@ def test_two_processes_equal_one_process_dfedavg(tmp_path):
   log = _wait(proc, workdir)
   assert proc.returncode == 0, log[-5000:]
   _only_process_0_wrote(workdir, log, len(reference))
+  _each_process_held_only_its_blocks(workdir, "dfedavg")
   _compare(runner.read_metrics(str(workdir)), reference)
 
 
@@ -125,6 +145,7 @@ def test_killed_process_resumes_to_the_same_numbers_ntk_dfl(tmp_path):
   proc = _launch(workdir, "ntk_dfl", *flags, "--resume")
   log = _wait(proc, workdir)
   assert proc.returncode == 0, log[-5000:]
+  _each_process_held_only_its_blocks(workdir, "ntk_dfl")
   assert "Resuming" in (workdir / cli.LOG_FILE).read_text()
   _only_process_0_wrote(workdir, log, rounds)
   _compare(runner.read_metrics(str(workdir)), reference)

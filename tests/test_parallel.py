@@ -5,9 +5,11 @@ The multi-device checks run in a subprocess (``tests/multidevice_check.py``):
 initialises, and this process already has one CPU device. There, the same
 computations -- a toy per-client function with captured arrays (M = 3, 6, 8 on
 4 devices, with and without chunking), a nested ``for_each_client``, NTK-DFL and
-DFedAvg rounds (M = 6: not a multiple of 4), and a run through the runner with
-``config.devices`` -- are done on the single-device path and sharded, and this
-file compares them.
+DFedAvg rounds (M = 6: not a multiple of 4), rows of a ``parallel.Shared`` table
+split over the devices, rounds whose federation keeps each device's clients'
+samples on that device only (``distributed.place_federation``), and a run
+through the runner with ``config.devices`` -- are done on the single-device path
+and sharded, and this file compares them.
 """
 from __future__ import annotations
 
@@ -195,6 +197,25 @@ def test_nested_for_each_client_shards_only_the_outer_axis(multidevice):
 @pytest.mark.multidevice
 @pytest.mark.parametrize("name", ["ntk_dfl_m6", "ntk_dfl_m8_chunk1", "dfedavg_m6"])
 def test_sharded_algorithm_rounds_equal_single_device(multidevice, name):
+  _compare(multidevice, name)
+  assert int(multidevice[f"{name}/devices"]) == 4
+
+
+@pytest.mark.multidevice
+@pytest.mark.parametrize("name", ["shared_m6_chunkNone", "shared_m7_chunk2"])
+def test_shared_rows_split_over_devices_equal_the_direct_gather(multidevice, name):
+  _compare(multidevice, name)
+  assert set(multidevice[f"{name}/shards"].tolist()) == {4}
+  # Leaves in key order: a, b, want_a. The rows fetched from their devices are the rows asked for, exactly.
+  np.testing.assert_array_equal(multidevice[f"{name}/sharded/0"], multidevice[f"{name}/sharded/2"])
+  np.testing.assert_array_equal(multidevice[f"{name}/sharded/1"] % 7, 0)
+
+
+@pytest.mark.multidevice
+@pytest.mark.parametrize("name", ["ntk_dfl_m6_split", "ntk_dfl_m8_chunk1_split", "dfedavg_m6_split",
+                                  "fedavg_m6_split"])
+def test_rounds_with_samples_split_over_devices_equal_single_device(multidevice, name):
+  """Each device holding only its clients' samples (a multi-process run's layout) changes no number."""
   _compare(multidevice, name)
   assert int(multidevice[f"{name}/devices"]) == 4
 

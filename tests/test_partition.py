@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ntk_fl.data.federation import Federation, federation_from_padded, make_federation
+from ntk_fl.data.federation import Federation, block_layout, federation_from_padded, make_federation
 from ntk_fl.data.partition import PARTITIONS, partition
 from ntk_fl.data.plots import class_counts, plot_label_distribution
 
@@ -368,6 +368,46 @@ def test_federation_shares_samples_between_clients():
   gathered_x, gathered_y = fed.samples(fed.index[1])
   np.testing.assert_array_equal(gathered_x, [[4, 5], [2, 3], [0, 0]])
   np.testing.assert_array_equal(gathered_y, [2, 1, 0])
+
+
+@few
+@given(sizes=st.lists(st.integers(1, 9), min_size=1, max_size=9), blocks=st.integers(1, 4), extra=st.integers(0, 2),
+       seed=st.integers(0, 2**31))
+def test_block_layout_gives_each_client_its_samples_from_its_own_block(sizes, blocks, extra, seed):
+  """Against make_federation: the same client data, each client's rows inside its device's block only."""
+  rng = np.random.default_rng(seed)
+  n = 30
+  x, y = rng.normal(size=(n, 2)).astype(np.float32), rng.integers(10, size=n)
+  clients = [rng.choice(n, size=s, replace=False) for s in sizes]
+  n_max = max(sizes) + extra
+  layout = block_layout(clients, n, blocks, n_max=n_max)
+  whole = make_federation(x, y, clients, n_max=n_max)
+  samples = [layout.block_samples(x, y, b) for b in range(blocks)]
+  samples_x = np.concatenate([s[0] for s in samples])
+  samples_y = np.concatenate([s[1] for s in samples])
+  split = Federation(samples_x, samples_y, layout.index, layout.mask, layout.n)
+  np.testing.assert_array_equal(split.x, whole.x)          # padding slots included: zero rows in both
+  np.testing.assert_array_equal(split.y, whole.y)
+  np.testing.assert_array_equal(layout.mask, whole.mask)
+  np.testing.assert_array_equal(layout.n, whole.n)
+  per_block = -(-len(sizes) // blocks)                     # clients dealt as for_each_client deals them
+  for m, idx in enumerate(clients):
+    block = m // per_block
+    assert (layout.index[m] // layout.block_size == block).all()
+    assert set(idx) <= set(layout.rows[block])
+  for b in range(blocks):                                   # a block holds its clients' samples, once each
+    mine = clients[b * per_block:(b + 1) * per_block]
+    expected = np.unique(np.concatenate(mine)) if mine else np.zeros(0, int)
+    np.testing.assert_array_equal(layout.rows[b], expected)
+    assert not samples_x[(b + 1) * layout.block_size - 1].any()     # every block ends in a zero row
+  assert layout.block_size == max(r.size for r in layout.rows) + 1
+
+
+def test_block_layout_errors():
+  with pytest.raises(ValueError, match=r"num_blocks must be an int >= 1, got 0"):
+    block_layout([np.array([0])], 5, 0)
+  with pytest.raises(ValueError, match=r"client 0: indices must lie in \[0, 5\)"):
+    block_layout([np.array([7])], 5, 2)
 
 
 def test_federation_from_padded_keeps_every_slot():

@@ -165,7 +165,7 @@ def make_centralized(method: str, model: models.Model, federation, hparams: Serv
     shared = _shared_set(federation, float(algo.share_fraction), seed)
   else:
     shared = (np.zeros((0, *federation.feature_shape), np.float32), np.zeros((0,), np.int32))
-  data = jax.device_put((federation, *shared))
+  data = parallel.to_device((federation, *shared))
   payload = compression.tree_payload_bits(jax.eval_shape(model.init, jax.random.key(0)), bits)
 
   def init(key):

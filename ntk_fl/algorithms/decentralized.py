@@ -247,7 +247,8 @@ def make_decentralized(method: str, model: models.Model, federation, graphs: top
   dispfl = method == "dispfl"
   local_update = local.local_update_from_hparams(model.apply, algo)
   sizes = np.asarray(federation.n)
-  data = jax.device_put(federation)
+  split = parallel.is_client_split(federation.samples_x)   # samples held in per-device blocks (parallel.Shared)
+  data = parallel.to_device(federation)
 
   shapes = jax.eval_shape(model.init, jax.random.key(0))
   sparse = sparse_leaves(shapes)
@@ -298,7 +299,8 @@ def make_decentralized(method: str, model: models.Model, federation, graphs: top
 
   @jax.jit
   def _step(state, inputs, data):
-    rows, ms = data.index, data.mask        # each client's samples are gathered in its chunk (data.samples)
+    rows, ms = data.index, data.mask        # each client's samples are gathered in its chunk (samples.take)
+    samples = parallel.Shared((data.samples_x, data.samples_y), split)
     lr = local.round_lr(algo, inputs.round)
     train_key, quant_key = jax.random.split(inputs.key)
     client_keys = jax.random.split(train_key, num_clients)
@@ -306,12 +308,12 @@ def make_decentralized(method: str, model: models.Model, federation, graphs: top
       sent = local.transmit(state.params, bits, key=quant_key, stochastic=stochastic)
       mixed = masked_neighbor_average(state.params, state.masks, sent, inputs.neighbors, inputs.neighbor_mask)
       fraction = mask_fraction(float(algo.anneal_factor), inputs.round, rounds)
-      per_client = lambda p, mk, r, m, kk: dispfl_client(p, mk, *data.samples(r), m, kk, lr, fraction)
+      per_client = lambda s, p, mk, r, m, kk: dispfl_client(p, mk, *s.take(r), m, kk, lr, fraction)
       params, masks, loss = parallel.for_each_client(per_client)(
-          mixed, state.masks, rows, ms, client_keys)
+          samples, mixed, state.masks, rows, ms, client_keys)
     else:
-      per_client = lambda p, r, m, kk: local_update(p, *data.samples(r), m, kk, lr)
-      result = parallel.for_each_client(per_client)(state.params, rows, ms, client_keys)
+      per_client = lambda s, p, r, m, kk: local_update(p, *s.take(r), m, kk, lr)
+      result = parallel.for_each_client(per_client)(samples, state.params, rows, ms, client_keys)
       params, loss = gossip_step(result.params, inputs, quant_key), result.loss
     bits_sent = jnp.sum(inputs.neighbor_mask, axis=1).astype(jnp.float32) * payload       # [M]
     total = jnp.sum(bits_sent)

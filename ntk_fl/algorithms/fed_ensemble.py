@@ -327,7 +327,7 @@ def make_fed_ensemble(model: models.Model, federation, hparams: FedEnsembleHPara
   k = int(algo.clients_per_round) or num_clients
   bits, stochastic = int(algo.quantize_bits), bool(algo.stochastic_rounding)
   strata = make_strata(num_clients, int(algo.num_strata), seed)
-  data = jax.device_put(federation)
+  data = parallel.to_device(federation)
   payload = compression.tree_payload_bits(jax.eval_shape(model.init, jax.random.key(0)), bits)
   uniform_weights = algo.aggregation_weights == "uniform"
 

@@ -47,6 +47,7 @@ from each neighbour and one float32 Jacobian package per neighbour),
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -195,10 +196,13 @@ def make_neighbourhood_round(model: models.Model, federation, graphs: topology.T
                      f"averaging (got topology {graphs.name!r}, per_round_averaging={per_round_averaging}): "
                      "only then do the members of a closed neighbourhood hold the same averaged weights")
   sizes = np.asarray(federation.n)
-  data = jax.device_put(federation)
+  # A federation whose samples are split over the devices (a multi-process run, each process holding only
+  # its clients' samples): neighbours' samples and weights are fetched from their devices (parallel.Shared).
+  split = parallel.is_client_split(federation.samples_x)
+  data = parallel.to_device(federation)
   round_inputs = graph_round_inputs(graphs, mixing, sizes, seed)
 
-  def neighbourhood(idx, nbrs, nbr_mask, data, rows, ms):
+  def neighbourhood(idx, nbrs, nbr_mask, samples, rows, ms):
     """Gathers client ``idx``'s and its neighbours' (sub-sampled) data into ``m1`` blocks.
 
     ``rows``/``ms`` ``[M, n]`` are every client's sample rows (into ``data``) and mask
@@ -207,7 +211,7 @@ def make_neighbourhood_round(model: models.Model, federation, graphs: topology.T
     """
     members = jnp.concatenate([idx[None], nbrs])                       # [k+1]
     member_mask = jnp.concatenate([jnp.ones((1,), bool), nbr_mask])
-    x, y = data.samples(rows[members])                                 # [k+1, n, ...]
+    x, y = samples.take(rows[members])                                 # [k+1, n, ...]
     mask = ms[members] & member_mask[:, None]
     def blocks(a):                                                     # [k+1, nb*m1, ...] -> [m1, (k+1)*nb, ...]
       # Strided, not contiguous: real samples come first in every member's slots, so slot s goes to block
@@ -231,15 +235,16 @@ def make_neighbourhood_round(model: models.Model, federation, graphs: topology.T
       ms = jnp.pad(ms, [(0, 0), (0, pad)])
     round_lr = lr * jnp.exp(-lr_decay * inputs.round.astype(jnp.float32))
 
-    def per_client(p, idx, nbrs, nbr_mask, self_w, nbr_w, *args):
+    def per_client(stacked, samples, p, idx, nbrs, nbr_mask, self_w, nbr_w, *args):
       if per_round_averaging:
-        # w̄_i (eq. 1) from the round-start state captured whole: formed per chunk, so the round holds
+        # w̄_i (eq. 1) from the round-start state shared whole: formed per chunk, so the round holds
         # the state it starts from and the one it returns, never an [M, ...] copy of the averages.
-        p = gossip.mix_one(params, p, nbrs, self_w, nbr_w)
-      x, t, m = neighbourhood(idx, nbrs, nbr_mask, data, rows, ms)
+        p = gossip.mix_one(stacked, p, nbrs, self_w, nbr_w)
+      x, t, m = neighbourhood(idx, nbrs, nbr_mask, samples, rows, ms)
       return client_fn(p, x, t, m, round_lr, *args)
 
-    update = parallel.for_each_client(per_client)
+    shared = (parallel.Shared(params, split), parallel.Shared((data.samples_x, data.samples_y), split))
+    update = functools.partial(parallel.for_each_client(per_client), *shared)
     clients = jnp.arange(num_clients)
     weights = (inputs.self_weight, inputs.neighbor_weights)
     if not share_cliques:

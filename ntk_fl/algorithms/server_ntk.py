@@ -235,7 +235,7 @@ def make_server_ntk(model: models.Model, federation, hparams: NTKFLHParams, *, s
   num_params = models.num_params(jax.eval_shape(net.init, jax.random.key(0)))
   model_bits = num_params * compression.FLOAT_BITS
   n_slots = jacobians.num_subsampled(n_max, beta) if beta < 1 else n_max
-  data = jax.device_put((federation, projection if projection is not None else jnp.zeros((0,), jnp.float32)))
+  data = parallel.to_device((federation, projection if projection is not None else jnp.zeros((0,), jnp.float32)))
 
   def init(key):
     return ServerNTKState(params=net.init(key), uplink_bits=jnp.float32(0), downlink_bits=jnp.float32(0))

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-__all__ = ["Federation", "make_federation", "federation_from_padded"]
+__all__ = ["Federation", "make_federation", "federation_from_padded", "BlockLayout", "block_layout"]
 
 
 class Federation(NamedTuple):
@@ -101,11 +101,7 @@ def make_federation(
   if not indices:
     raise ValueError("client_indices is empty; a federation needs at least one client")
   n = np.array([idx.size for idx in indices], dtype=np.int32)
-  if n_max is None:
-    n_max = int(n.max())
-  elif isinstance(n_max, bool) or not isinstance(n_max, (int, np.integer)) or n_max < n.max():
-    raise ValueError(f"n_max must be an int >= the largest client ({int(n.max())} samples, "
-                     f"client {int(n.argmax())}), got {n_max!r}")
+  n_max = _check_n_max(n_max, n)
 
   mask = np.arange(n_max)[None, :] < n[:, None]                           # [M, n_max]
   zero_row = x.shape[0]
@@ -138,6 +134,83 @@ def federation_from_padded(x, y, mask) -> Federation:
   index = np.arange(num_clients * n_max, dtype=np.int32).reshape(num_clients, n_max)
   return Federation(samples_x=samples_x, samples_y=samples_y, index=index, mask=mask,
                     n=mask.sum(axis=1).astype(np.int32))
+
+
+class BlockLayout(NamedTuple):
+  """Where each client's samples live when the samples are split into per-device blocks.
+
+  Clients are dealt to ``num_blocks`` devices the way
+  :func:`ntk_fl.parallel.for_each_client` deals them (contiguous runs of
+  ``ceil(M / num_blocks)``); block ``b`` holds, once each, the samples its
+  clients use (``rows[b]``, sorted), then zero rows up to ``block_size``. The
+  samples array is ``[num_blocks * block_size, ...]`` and ``index`` holds
+  *global* row numbers ``b * block_size + position``, so a client's samples are
+  still ``samples_x[index[m]]`` and every block ends in a zero row that its
+  clients' padding slots point at.
+
+  Attributes:
+    rows: ``num_blocks`` sorted int arrays of dataset rows (block ``b``'s samples).
+    block_size: rows per block, the largest block's sample count plus one zero row.
+    index: ``[M, n_max]`` int32 global rows of each client's samples.
+    mask: ``[M, n_max]`` bool, True for real samples.
+    n: ``[M]`` int32 samples per client.
+  """
+  rows: list
+  block_size: int
+  index: np.ndarray
+  mask: np.ndarray
+  n: np.ndarray
+
+  def block_samples(self, x: np.ndarray, y: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Block ``block``'s samples ``([block_size, ...] float32, [block_size] int32)`` from the dataset ``x``/``y``."""
+    rows = self.rows[block]
+    pad = self.block_size - rows.size
+    bx = np.concatenate([np.asarray(x[rows], np.float32), np.zeros((pad, *x.shape[1:]), np.float32)])
+    by = np.concatenate([np.asarray(y[rows], np.int32), np.zeros((pad,), np.int32)])
+    return bx, by
+
+
+def block_layout(client_indices: Sequence[np.ndarray], num_samples: int, num_blocks: int, *,
+                 n_max: int | None = None) -> BlockLayout:
+  """The per-device block layout of ``client_indices`` (see :class:`BlockLayout`); reads no samples.
+
+  Args:
+    client_indices: ``M`` non-empty 1-D integer arrays of dataset rows.
+    num_samples: rows in the dataset (indices must lie in ``[0, num_samples)``).
+    num_blocks: devices the clients are split over (>= 1).
+    n_max: padded length per client, as in :func:`make_federation`.
+
+  Raises:
+    ValueError: as :func:`make_federation`, or ``num_blocks`` < 1.
+  """
+  if isinstance(num_blocks, bool) or not isinstance(num_blocks, (int, np.integer)) or num_blocks < 1:
+    raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
+  indices = [_check_client(m, idx, num_samples) for m, idx in enumerate(client_indices)]
+  if not indices:
+    raise ValueError("client_indices is empty; a federation needs at least one client")
+  n = np.array([idx.size for idx in indices], dtype=np.int32)
+  n_max = _check_n_max(n_max, n)
+  per_block = -(-len(indices) // num_blocks)
+  groups = [indices[b * per_block:(b + 1) * per_block] for b in range(num_blocks)]
+  rows = [np.unique(np.concatenate(g)) if g else np.zeros((0,), np.int64) for g in groups]
+  block_size = max(r.size for r in rows) + 1
+  mask = np.arange(n_max)[None, :] < n[:, None]
+  index = np.empty((len(indices), n_max), np.int32)
+  for b, group in enumerate(groups):
+    for j, idx in enumerate(group):
+      m = b * per_block + j
+      index[m] = b * block_size + block_size - 1              # padding slots: the block's zero row
+      index[m, :idx.size] = b * block_size + np.searchsorted(rows[b], idx)
+  return BlockLayout(rows=rows, block_size=block_size, index=index, mask=mask, n=n)
+
+
+def _check_n_max(n_max, n: np.ndarray) -> int:
+  if n_max is None:
+    return int(n.max())
+  if isinstance(n_max, bool) or not isinstance(n_max, (int, np.integer)) or n_max < n.max():
+    raise ValueError(f"n_max must be an int >= the largest client ({int(n.max())} samples, "
+                     f"client {int(n.argmax())}), got {n_max!r}")
+  return int(n_max)
 
 
 def _check_client(m: int, idx, num_samples: int) -> np.ndarray:

@@ -588,6 +588,42 @@ def _features(pixels: np.ndarray, mean: Sequence[float], std: Sequence[float], f
   return out.reshape(out.shape[0], math.prod(out.shape[1:])) if flatten else out
 
 
+class LazyFeatures:
+  """Training features made on demand from the uint8 pixels: ``features[rows]`` converts those rows only.
+
+  What a process of a multi-process run loads (``load(..., lazy_train=True)``):
+  the pixels stay uint8 (a quarter of the float32 size) and only the rows its
+  own clients use are ever converted (:func:`ntk_fl.distributed.place_federation`).
+  ``numpy.asarray(features)`` converts every row.
+  """
+
+  def __init__(self, pixels: np.ndarray, mean: Sequence[float], std: Sequence[float], flatten: bool):
+    self._pixels, self._mean, self._std, self._flatten = pixels, tuple(mean), tuple(std), flatten
+    shape = pixels.shape
+    self.shape = (shape[0], math.prod(shape[1:])) if flatten else tuple(shape)
+    self.dtype = np.dtype(np.float32)
+    self.ndim = len(self.shape)
+
+  def __len__(self) -> int:
+    return self.shape[0]
+
+  def __getitem__(self, rows) -> np.ndarray:
+    """float32 features of ``rows`` (an index array or slice along the sample axis)."""
+    pixels = self._pixels[rows]
+    if pixels.ndim < self._pixels.ndim:                 # one integer row
+      return _features(pixels[None], self._mean, self._std, self._flatten)[0]
+    return _features(pixels, self._mean, self._std, self._flatten)
+
+  def subset(self, rows) -> "LazyFeatures":
+    """The features of ``rows`` only, still unconverted."""
+    return LazyFeatures(self._pixels[rows], self._mean, self._std, self._flatten)
+
+  def __array__(self, dtype=None, copy=None) -> np.ndarray:
+    del copy                                          # always a new array
+    out = self[:]
+    return out if dtype is None else out.astype(dtype)
+
+
 # Synthetic clusters: centre norm ~ 0.15 * sqrt(784) = 4.2 against unit noise per
 # dimension puts neighbouring classes ~3 noise-sigmas apart along their axis:
 # learnable by the MLP in a few steps yet not linearly trivial from 1,000 points.
@@ -613,7 +649,7 @@ def _synthetic(seed: int, flatten: bool, normalize: bool) -> Dataset:
 
 
 def load(name: str, data_dir: str | os.PathLike | None = None, *, flatten: bool = True, normalize: bool = True,
-         seed: int = 0) -> Dataset:
+         seed: int = 0, lazy_train: bool = False) -> Dataset:
   """Reads a dataset from its standard on-disk format (see the module docstring for the search order).
 
   Args:
@@ -626,6 +662,9 @@ def load(name: str, data_dir: str | os.PathLike | None = None, *, flatten: bool 
       standardise with the training set's scalar mean/std.
     seed: the draw of ``synthetic`` (1,000 train / 300 test samples of 10
       Gaussian clusters in 784 dimensions); ignored by the real datasets.
+    lazy_train: return ``x_train`` as :class:`LazyFeatures` (rows converted when
+      indexed) instead of converting every training image now (the real datasets;
+      ``synthetic`` is made as floats).
 
   Returns:
     A :class:`Dataset` (float32 features, int32 labels).
@@ -651,6 +690,8 @@ def load(name: str, data_dir: str | os.PathLike | None = None, *, flatten: bool 
     mean, std = _pixel_stats(pixels.x_train)
   else:
     mean, std = spec.mean, spec.std
-  return Dataset(name, _features(pixels.x_train, mean, std, flatten), pixels.y_train,
+  x_train = LazyFeatures(pixels.x_train, mean, std, flatten) if lazy_train else _features(pixels.x_train, mean, std,
+                                                                                           flatten)
+  return Dataset(name, x_train, pixels.y_train,
                  _features(pixels.x_test, mean, std, flatten), pixels.y_test, spec.num_classes,
                  pixels.writers_train, pixels.writers_test)
