@@ -249,8 +249,12 @@ def _initial_state(algorithm: Algorithm, config):
   key = jax.random.key(config.seed)
   if jax.process_count() == 1:
     return _canonical(algorithm.init(key))
-  shardings = distributed.client_shardings(jax.eval_shape(algorithm.init, key), config.data.num_clients,
-                                           parallel.current_mesh())
+  mesh = parallel.current_mesh()
+  if mesh is not None and config.data.num_clients % mesh.size:
+    logging.warning("%d clients do not divide over %d devices: every process holds every client's model "
+                    "(choose a client count that is a multiple of the device count to split them)",
+                    config.data.num_clients, mesh.size)
+  shardings = distributed.client_shardings(jax.eval_shape(algorithm.init, key), config.data.num_clients, mesh)
   return _canonical(jax.jit(algorithm.init, out_shardings=shardings)(key))
 
 
