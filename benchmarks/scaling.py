@@ -171,9 +171,10 @@ def plot(rows: list[dict], path: str) -> None:
   for chunk in sorted({r["chunk"] for r in mem}):
     pts = sorted((r["clients"], r["peak_rss_mb"]) for r in mem if r["chunk"] == chunk)
     axes[2].plot(*zip(*pts), "o", label=f"ntk_dfl chunk {chunk}, padded federation")
-  footprint = sorted((r["clients"], r["peak_rss_mb"]) for r in rows if r["sweep"] == "footprint")
-  if footprint:
-    axes[2].plot(*zip(*footprint), "s-", label="ntk_dfl chunk 4, samples held once (footprint)")
+  footprint = [r for r in rows if r["sweep"] == "footprint"]
+  for samples in sorted({r.get("samples") or 200 for r in footprint}):
+    pts = sorted((r["clients"], r["peak_rss_mb"]) for r in footprint if (r.get("samples") or 200) == samples)
+    axes[2].plot(*zip(*pts), "s-", label=f"ntk_dfl chunk 4, samples held once, {samples} per client (footprint)")
   axes[0].set(xscale="log", yscale="log", xlabel="clients M (κ = 5)", ylabel="seconds per round",
               title="time vs clients")
   axes[1].set(xlabel="neighbourhood size κ", ylabel="seconds per round", title="time vs κ")
