@@ -68,7 +68,7 @@ _export("ntk_fl.models", "Model", "mlp", "cnn", "init_clients")
 _export("ntk_fl.topology", "Topology", "Graph", "make_topology", "mixing_weights", "mix", "consensus")
 _export("ntk_fl.ntk", "empirical_ntk", "empirical_ntk_fn", "NtkImplementation")
 _export("ntk_fl.evolve", "ntk_step", "ntk_update")
-_export("ntk_fl.parallel", "for_each_client", "use_devices")
+_export("ntk_fl.parallel", "for_each_client", "use_devices", "Shared")
 _export("ntk_fl.metrics", "evaluate", "evaluate_clients", "average_params", "make_evaluator")
 
 _SUBMODULES = ("algorithms", "checkpoint", "cli", "compression", "config", "configs", "data", "evolve", "jacobians",
