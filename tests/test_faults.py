@@ -395,6 +395,49 @@ def test_kill_9_then_resume_equals_the_uninterrupted_run(uninterrupted, tmp_path
   assert summary["resumed_from"] == latest and _results(workdir) == expected
 
 
+_INTERRUPT_DRIVER = """
+import os, signal, sys
+sys.path.insert(0, {repo!r})
+from ntk_fl import algorithms, cli, schema
+from ntk_fl.config import load_config
+config_path = os.path.join({repo!r}, "tests", "configs", "toy.py")
+schema.import_method_module(load_config(config_path, "smoke").method_module)
+method = algorithms.get_method("toy_gd")
+def make(*args):
+  algorithm, calls = method.make(*args), []
+  def step(state, inputs):
+    calls.append(1)
+    if len(calls) == 3:          # Ctrl-C while round 3 runs (rounds 1-2 logged, checkpoint 2 written)
+      os.kill(os.getpid(), signal.SIGINT)
+    return algorithm.step(state, inputs)
+  return algorithm._replace(step=step)
+algorithms.register("toy_gd", method._replace(make=make))
+# config_flags finds the --config.<key> overrides in sys.argv itself.
+sys.argv = ["ntk-fl", f"--config={{config_path}}:smoke", "--config.rounds={rounds}", f"--workdir={{sys.argv[1]}}"]
+cli.main()
+"""
+
+
+def test_ctrl_c_stops_with_a_resume_hint_and_resume_equals_the_uninterrupted_run(uninterrupted, tmp_path):
+  """SIGINT in the middle of a round, through the command line: exit 130, one hint line, an exact resume."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  from ntk_fl import runner  # pylint: disable=g-import-not-at-top
+  from ntk_fl.checkpoint import Checkpoints  # pylint: disable=g-import-not-at-top
+  _, expected = uninterrupted
+  workdir = str(tmp_path / "run")
+  proc = subprocess.run([sys.executable, "-c", _INTERRUPT_DRIVER.format(repo=_REPO, rounds=_ROUNDS), workdir],
+                        capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert proc.returncode == 130, proc.stderr[-2000:]
+  assert f"interrupted; continue the run with --resume (workdir {workdir})" in proc.stderr
+  assert "Traceback" not in proc.stderr
+  with Checkpoints(os.path.join(workdir, "checkpoints"), read_only=True) as ckpt:
+    assert ckpt.steps() == [2]
+  assert len(runner.read_metrics(workdir)) == 2
+  assert not os.path.exists(os.path.join(workdir, "summary.json"))
+  summary = runner.run(_toy_config(), workdir, resume=True)
+  assert summary["resumed_from"] == 2 and _results(workdir) == expected
+
+
 # ----------------------------------------------------------------------------- divergence
 
 
