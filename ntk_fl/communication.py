@@ -1,4 +1,4 @@
-"""Protocol-specific communication accounting: the bits a neighbourhood-NTK round sends.
+"""Protocol-specific communication accounting: the bits an NTK round sends.
 
 Neighbourhood-NTK methods (NTK-DFL, SPARK) send, per round and client ``i``
 with ``κ_i`` neighbours (:func:`neighbourhood_round_bits`): ``κ_i·d·32``
@@ -8,6 +8,11 @@ neighbour evaluates its Jacobian at them) and one package per neighbour
 ``n_i·C`` float32 function values and ``n_i·⌈log2 C⌉`` label bits). The bit
 count of any one payload, dense or sparse and quantised, comes from the
 primitives of :mod:`ntk_fl.compression`.
+
+Server-side NTK methods (NTK-FL, CP-NTK-FL) upload, per sampled client
+(:func:`server_upload_bits`): the Jacobian rows of its ``n_i`` samples, dense or
+sparsified and quantised (:func:`jacobian_payload_bits`), plus ``n_i·C`` float32
+logits and ``n_i·⌈log2 C⌉`` label bits.
 """
 from __future__ import annotations
 
@@ -15,9 +20,10 @@ import math
 
 import jax.numpy as jnp
 
+from ntk_fl import validation
 from ntk_fl.compression import FLOAT_BITS, num_kept, payload_bits, sparse_payload_bits
 
-__all__ = ["jacobian_package_bits", "neighbourhood_round_bits"]
+__all__ = ["jacobian_package_bits", "neighbourhood_round_bits", "jacobian_payload_bits", "server_upload_bits"]
 
 
 def jacobian_package_bits(num_samples: int, num_classes: int, tensor_sizes, *, keep_fraction: float = 1.0,
@@ -75,3 +81,40 @@ def neighbourhood_round_bits(num_neighbors, package, num_params: int, *, broadca
   if broadcast:
     return num_neighbors * out_weights + jnp.where(num_neighbors > 0, package, 0)
   return num_neighbors * (out_weights + weights + package)
+
+
+def jacobian_payload_bits(num_rows, row_size: int, *, keep_fraction: float = 1.0, bits: int = FLOAT_BITS,
+                          num_tensors: int = 1):
+  """Uplink bits of ``num_rows`` Jacobian rows of ``row_size`` entries each.
+
+  ``keep_fraction = 1``: dense (``row_size`` values per row). Otherwise every
+  row sends ``k = ceil(keep_fraction·row_size)`` values plus its support, a
+  bitmap or an index list, whichever is smaller
+  (:func:`ntk_fl.compression.sparse_payload_bits`). Values cost ``bits`` each;
+  ``bits < 32`` adds the quantiser's 64 side bits per tensor (``num_tensors``:
+  one per client payload here). ``num_rows`` may be an int or an array.
+  """
+  validation.check_int("row_size", row_size, low=1)
+  if keep_fraction == 1:
+    return payload_bits(num_rows * row_size, bits, num_tensors=num_tensors)
+  k = num_kept(row_size, keep_fraction)
+  support = sparse_payload_bits(k, row_size) - payload_bits(k)
+  return payload_bits(num_rows * k, bits, num_tensors=num_tensors) + num_rows * support
+
+
+def server_upload_bits(num_samples, num_params: int, num_classes: int, *, keep_fraction: float = 1.0,
+                       bits: int = FLOAT_BITS):
+  """Uplink bits of one client of a server-side NTK round: its samples' Jacobians, logits and labels.
+
+  Args:
+    num_samples: ``n_i`` (an int or an array of them).
+    num_params: the (projected) model's ``d``: entries per Jacobian row.
+    num_classes: ``C``; the client sends ``n_i·C`` Jacobian rows.
+    keep_fraction, bits: the rows' top-k fraction and bits per value
+      (:func:`jacobian_payload_bits`, one quantised tensor per client).
+  """
+  jac = jacobian_payload_bits(num_samples * num_classes, num_params, keep_fraction=keep_fraction, bits=bits,
+                              num_tensors=1)
+  logits = num_samples * num_classes * FLOAT_BITS
+  labels = num_samples * max(1, math.ceil(math.log2(num_classes)))
+  return jac + logits + labels

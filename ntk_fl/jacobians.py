@@ -27,7 +27,6 @@ sketched Jacobians of a non-dense model call them.
 * :func:`sparsify_rows` -- magnitude top-k of every ``(sample, output)`` row.
 * :func:`quantize_kept` -- ``b``-bit min-max quantisation of the kept values.
 * :func:`shuffle_rows` -- the shuffling server's synchronised permutation.
-* :func:`jacobian_payload_bits` -- bits of a (sparse, quantised) Jacobian upload.
 
 Memory: a flat Jacobian is ``N·C·d`` floats (784-100-10 MLP: 3.2 MB per sample
 in float32; d1' = 200 projection: 0.84 MB). :func:`per_sample_jacobian` keeps
@@ -61,7 +60,6 @@ __all__ = [
     "sparsify_rows",
     "quantize_kept",
     "shuffle_rows",
-    "jacobian_payload_bits",
 ]
 
 PROJECTION_SCALES = ("sqrt_input", "none")
@@ -297,22 +295,3 @@ def shuffle_rows(key, tree):
     raise ValueError(f"every leaf must share leading axis {n}, got {[leaf.shape for leaf in leaves]}")
   perm = jax.random.permutation(key, n)
   return jax.tree.map(lambda a: a[perm], tree), perm
-
-
-def jacobian_payload_bits(num_rows, row_size: int, *, keep_fraction: float = 1.0,
-                          bits: int = compression.FLOAT_BITS, num_tensors: int = 1):
-  """Uplink bits of ``num_rows`` Jacobian rows of ``row_size`` entries each.
-
-  ``keep_fraction = 1``: dense (``row_size`` values per row). Otherwise every
-  row sends ``k = ceil(keep_fraction·row_size)`` values plus its support, a
-  bitmap or an index list, whichever is smaller
-  (:func:`ntk_fl.compression.sparse_payload_bits`). Values cost ``bits`` each;
-  ``bits < 32`` adds the quantiser's 64 side bits per tensor (``num_tensors``:
-  one per client payload here). ``num_rows`` may be an int or an array.
-  """
-  validation.check_int("row_size", row_size, low=1)
-  if keep_fraction == 1:
-    return compression.payload_bits(num_rows * row_size, bits, num_tensors=num_tensors)
-  k = compression.num_kept(row_size, keep_fraction)
-  support = compression.sparse_payload_bits(k, row_size) - compression.payload_bits(k)
-  return compression.payload_bits(num_rows * k, bits, num_tensors=num_tensors) + num_rows * support

@@ -85,7 +85,7 @@ class Observation(NamedTuple):
     jacobian: ``[C, d]`` the received values, zero outside the transmitted support.
     mask: ``[C, d]`` bool, the transmitted support (all ``True`` when dense). A
       sparse payload carries its support (bitmap or index list,
-      :func:`ntk_fl.jacobians.jacobian_payload_bits`), so the receiver knows it.
+      :func:`ntk_fl.communication.jacobian_payload_bits`), so the receiver knows it.
   """
   jacobian: jax.Array
   mask: jax.Array

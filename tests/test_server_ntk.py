@@ -26,7 +26,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 from ntk_fl import config as config_lib
-from ntk_fl import evolve, jacobians, models, ntk, rng, runner, schema
+from ntk_fl import communication, evolve, jacobians, models, ntk, rng, runner, schema
 from ntk_fl.configs import _presets as presets
 from ntk_fl.data import federation_from_padded
 
@@ -173,12 +173,12 @@ def test_payload_bits_match_a_hand_count():
   assert d == 21_110
   k = math.ceil(0.02 * d)                                      # 423 per row
   index_bits = math.ceil(math.log2(d))                         # 15 (index list beats the 21,110-bit bitmap)
-  assert jacobians.jacobian_payload_bits(rows, d, keep_fraction=0.02, bits=8) == rows * k * (8 + index_bits) + 64
+  assert communication.jacobian_payload_bits(rows, d, keep_fraction=0.02, bits=8) == rows * k * (8 + index_bits) + 64
   # Dense float32 and dense 8-bit payloads.
-  assert jacobians.jacobian_payload_bits(rows, d) == rows * d * 32
-  assert jacobians.jacobian_payload_bits(rows, d, bits=8) == rows * d * 8 + 64
+  assert communication.jacobian_payload_bits(rows, d) == rows * d * 32
+  assert communication.jacobian_payload_bits(rows, d, bits=8) == rows * d * 8 + 64
   # Keeping half of a row: the bitmap (d bits) is cheaper than d/2 indices.
-  assert jacobians.jacobian_payload_bits(2, 1000, keep_fraction=0.5) == 2 * (500 * 32 + 1000)
+  assert communication.jacobian_payload_bits(2, 1000, keep_fraction=0.5) == 2 * (500 * 32 + 1000)
 
 
 def test_shuffle_rows_permutes_every_leaf_together():

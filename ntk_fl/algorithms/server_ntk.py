@@ -66,13 +66,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ntk_fl import compression, evolve, jacobians, models, parallel, validation
+from ntk_fl import communication, compression, evolve, jacobians, models, parallel, validation
 from ntk_fl.algorithms import Method
 from ntk_fl.algorithms.base import Algorithm, check_evolution
 from ntk_fl.rng import Stream, jax_key, numpy_rng
 
 __all__ = ["ServerNTKState", "ServerNTKRound", "JACOBIAN_PATHS", "NTKFLHParams", "make_server_ntk", "check",
-           "uses_explicit_jacobian", "uplink_bits", "METHOD"]
+           "uses_explicit_jacobian", "METHOD"]
 
 JACOBIAN_PATHS = ("auto", "implicit", "explicit")
 _MIB_BITS = 8 * 2**20
@@ -167,19 +167,6 @@ def check(hparams: NTKFLHParams, run) -> None:
   if hparams.projection_dim and run.model.name != "mlp":
     raise ValueError("config.algorithm.projection_dim projects flattened inputs into the first dense layer; it "
                      f"needs model.name='mlp', got {run.model.name!r}")
-
-
-def uplink_bits(num_samples, num_params: int, num_classes: int, algo):
-  """Uplink bits of one client sending ``num_samples`` samples' Jacobians, logits and labels.
-
-  ``num_params`` is the (projected) model's ``d``; ``algo`` supplies
-  ``sparsify_keep`` and ``quantize_bits``. ``num_samples`` may be an array.
-  """
-  jac = jacobians.jacobian_payload_bits(num_samples * num_classes, num_params, keep_fraction=algo.sparsify_keep,
-                                        bits=algo.quantize_bits, num_tensors=1)
-  logits = num_samples * num_classes * compression.FLOAT_BITS
-  labels = num_samples * max(1, math.ceil(math.log2(num_classes)))
-  return jac + logits + labels
 
 
 def _compress_client(jac, mask, key, *, keep: float, bits: int, stochastic: bool):
@@ -290,7 +277,8 @@ def make_server_ntk(model: models.Model, federation, hparams: NTKFLHParams, *, s
     params = jax.tree.map(jnp.add, state.params, delta)
 
     sizes = mask.sum(axis=1)                                                        # [K] samples sent
-    up = uplink_bits(sizes.astype(jnp.float32), num_params, num_classes, algo)       # [K]
+    up = communication.server_upload_bits(sizes.astype(jnp.float32), num_params, num_classes,       # [K]
+                                          keep_fraction=algo.sparsify_keep, bits=algo.quantize_bits)
     up_total, down_total = jnp.sum(up), jnp.float32(k * model_bits)
     new_state = ServerNTKState(params=params, uplink_bits=state.uplink_bits + up_total,
                                downlink_bits=state.downlink_bits + down_total)
