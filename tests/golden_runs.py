@@ -81,12 +81,7 @@ def record(name: str, variant: str = "smoke") -> dict:
   tokens = variant.split(",")
   config = load_config(str(CONFIG_DIR / f"{name}.py"), ",".join(t for t in tokens if t not in OVERRIDES))
   for token in tokens:
-    for path_, value in OVERRIDES.get(token, {}).items():
-      *parents, leaf = path_.split(".")
-      block = config
-      for parent in parents:
-        block = block[parent]
-      block[leaf] = value
+    config.update_from_flattened_dict(OVERRIDES.get(token, {}))
   # Neither changes a metric: checkpoints are written after the round's line, selection curves after the run.
   config.checkpoint_every = 0
   config.checkpoint_keep = ()

@@ -231,12 +231,7 @@ def _toy_config(**overrides):
   from ntk_fl.config import load_config  # pylint: disable=g-import-not-at-top
   config = load_config(os.path.join(_REPO, "tests", "configs", "toy.py"), "smoke")
   config.rounds = _ROUNDS
-  for key, value in overrides.items():
-    node = config
-    *path, last = key.split(".")
-    for p in path:
-      node = node[p]
-    node[last] = value
+  config.update_from_flattened_dict(overrides)      # dotted keys: {"data.num_clients": 4}
   return config
 
 

@@ -189,12 +189,7 @@ def test_contiguous_variant():
 
 def toy(**overrides):
   config = config_lib.load_config(TOY_CONFIG, "smoke")
-  for key, value in overrides.items():
-    node = config
-    *path, last = key.split(".")
-    for p in path:
-      node = node[p]
-    node[last] = value
+  config.update_from_flattened_dict(overrides)      # dotted keys: {"data.num_clients": 4}
   return config
 
 

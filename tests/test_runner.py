@@ -33,12 +33,7 @@ SUMMARY_TIMES = ("wall_time", "train_time", "time_per_round", "step_time_per_rou
 def toy_config(arg: str = "smoke", **overrides):
   config = config_lib.load_config(TOY_CONFIG, arg)
   config.rounds = ROUNDS
-  for key, value in overrides.items():
-    node = config
-    *path, last = key.split(".")
-    for p in path:
-      node = node[p]
-    node[last] = value
+  config.update_from_flattened_dict(overrides)      # dotted keys: {"data.num_clients": 4}
   return config
 
 
