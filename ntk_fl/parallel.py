@@ -16,9 +16,12 @@ Two layers, chosen when the lifted function is *traced*:
 * **Sharding over devices**, inside :func:`use_devices` when it spans more than one device: the mapped
   arguments are split along their client axis over a mesh with one axis
   ``'clients'`` (:data:`CLIENTS`) by ``jax.shard_map`` (``P('clients')``), every
-  array the function *captures* (closure constants, e.g. the whole federation's
-  data that NTK-DFL gathers neighbours from) is replicated, and the outputs come
-  back stacked ``P('clients')``. ``M`` need not divide the device count: the
+  array the function *captures* (closure constants, e.g. every client's index
+  list) is replicated, an argument passed as a :class:`Shared` (NTK-DFL's
+  round-start weights and samples, which clients read their neighbours' rows
+  of) enters whole -- as per-device blocks when it is split, its rows then
+  fetched from the devices that hold them -- and the outputs come back stacked
+  ``P('clients')``. ``M`` need not divide the device count: the
   client axis is padded to a multiple of it with copies of the last client (real
   inputs, so the padding computes nothing non-finite) and the padded rows are
   dropped afterwards. Inside each shard the chunking above still applies, so
