@@ -40,13 +40,17 @@ def resolve_implementation(implementation: Implementation | str, dense_stack: De
   if implementation == Implementation.STRUCTURED and dense_stack is None:
     raise ValueError("implementation='structured' needs dense_stack (the model's DenseStack); "
                      "use 'jacobian' or 'ntvp' for other models")
-  if dense_stack is not None and not isinstance(dense_stack, DenseStack):
-    raise ValueError(f"dense_stack must be an ntk_fl.models.DenseStack or None, got {type(dense_stack).__name__}")
+  check_dense_stack(dense_stack)
   if implementation != Implementation.AUTO:
     return implementation
   if dense_stack is not None:
     return Implementation.STRUCTURED
   return Implementation.JACOBIAN if trace_outputs else Implementation.NTVP
+
+
+def check_dense_stack(dense_stack: DenseStack | None) -> None:
+  if dense_stack is not None and not isinstance(dense_stack, DenseStack):
+    raise ValueError(f"dense_stack must be an ntk_fl.models.DenseStack or None, got {type(dense_stack).__name__}")
 
 
 def check_chunk_size(chunk_size: int | None) -> None:

@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ntk_fl import _kernels
 from ntk_fl.models import DenseStack
 
 __all__ = ["NtkImplementation", "empirical_ntk_fn"]
@@ -324,15 +325,12 @@ def empirical_ntk_fn(f: Callable[..., jax.Array], trace_axes: Any = (-1,), diago
   diagonal_axes = _check_axes("diagonal_axes", diagonal_axes)
   batch_axes = _check_vmap_axes(vmap_axes)
   implementation = _check_implementation(implementation)
-  if dense_stack is not None and not isinstance(dense_stack, DenseStack):
-    raise ValueError(f"dense_stack must be an ntk_fl.models.DenseStack or None, got {type(dense_stack).__name__}")
+  _kernels.check_dense_stack(dense_stack)
   if implementation == NtkImplementation.STRUCTURED_DERIVATIVES and dense_stack is None:
     raise ValueError("implementation=STRUCTURED_DERIVATIVES is this library's dense-stack factorisation and "
                      "needs dense_stack (the model's DenseStack); use JACOBIAN_CONTRACTION or "
                      "NTK_VECTOR_PRODUCTS for other networks")
-  if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
-                                 or chunk_size < 1):
-    raise ValueError(f"chunk_size must be None (automatic) or a positive int, got {chunk_size!r}")
+  _kernels.check_chunk_size(chunk_size)
 
   def ntk_fn(x1: jax.Array, x2: jax.Array | None, params: Any, **apply_fn_kwargs) -> jax.Array:
     x1 = _as_array("x1", x1)

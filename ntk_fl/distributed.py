@@ -199,9 +199,7 @@ def place_federation(x: np.ndarray, y: np.ndarray, client_indices, mesh, *, n_ma
   """
   from ntk_fl.data import federation as federation_lib  # pylint: disable=g-import-not-at-top
   from ntk_fl.parallel import CLIENTS  # pylint: disable=g-import-not-at-top
-  y = np.asarray(y)
-  if len(x.shape) < 1 or y.shape != tuple(x.shape[:1]):
-    raise ValueError(f"x [N, ...] and y [N] must share the sample axis, got {x.shape} and {y.shape}")
+  y = federation_lib.check_samples(x, y)
   num_blocks = int(mesh.shape[CLIENTS])
   layout = federation_lib.block_layout(client_indices, x.shape[0], num_blocks, n_max=n_max)
   sharding = NamedSharding(mesh, PartitionSpec(CLIENTS))

@@ -81,10 +81,9 @@ def mix_one(stacked_params, own, neighbors, self_weight, neighbor_weights):
   chex.assert_rank(neighbors, 1)
   chex.assert_shape(neighbor_weights, neighbors.shape)
 
-  if isinstance(stacked_params, parallel.Shared):
-    rows = stacked_params.take(neighbors)
-  else:
-    rows = jax.tree.map(lambda stacked: jnp.asarray(stacked)[neighbors], stacked_params)
+  if not isinstance(stacked_params, parallel.Shared):
+    stacked_params = parallel.Shared(stacked_params)
+  rows = stacked_params.take(neighbors)
 
   def one(neighbour_rows, w):                       # neighbour_rows [k, ...]
     total = jnp.asarray(self_weight).astype(w.dtype) * w

@@ -20,7 +20,8 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-__all__ = ["Federation", "make_federation", "federation_from_padded", "BlockLayout", "block_layout"]
+__all__ = ["Federation", "make_federation", "federation_from_padded", "BlockLayout", "block_layout",
+           "check_samples"]
 
 
 class Federation(NamedTuple):
@@ -92,20 +93,10 @@ def make_federation(
       out of range, or a client larger than ``n_max``.
   """
   x = np.asarray(x)
-  y = np.asarray(y)
-  if x.ndim < 1 or y.shape != x.shape[:1]:
-    raise ValueError(f"x [N, ...] and y [N] must share the sample axis, got {x.shape} and {y.shape}")
-  if not np.issubdtype(y.dtype, np.integer):
-    raise ValueError(f"y must hold integer labels, got dtype {y.dtype}")
-  indices = [_check_client(m, idx, x.shape[0]) for m, idx in enumerate(client_indices)]
-  if not indices:
-    raise ValueError("client_indices is empty; a federation needs at least one client")
-  n = np.array([idx.size for idx in indices], dtype=np.int32)
-  n_max = _check_n_max(n_max, n)
-
-  mask = np.arange(n_max)[None, :] < n[:, None]                           # [M, n_max]
+  y = check_samples(x, y)
+  indices, mask, n = _check_clients(client_indices, x.shape[0], n_max)
   zero_row = x.shape[0]
-  index = np.full((len(indices), n_max), zero_row, dtype=np.int32)
+  index = np.full(mask.shape, zero_row, dtype=np.int32)
   index[mask] = np.concatenate(indices)
   samples_x = np.concatenate([x.astype(np.float32, copy=False), np.zeros((1, *x.shape[1:]), np.float32)])
   samples_y = np.concatenate([y.astype(np.int32, copy=False), np.zeros((1,), np.int32)])
@@ -185,17 +176,12 @@ def block_layout(client_indices: Sequence[np.ndarray], num_samples: int, num_blo
   """
   if isinstance(num_blocks, bool) or not isinstance(num_blocks, (int, np.integer)) or num_blocks < 1:
     raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
-  indices = [_check_client(m, idx, num_samples) for m, idx in enumerate(client_indices)]
-  if not indices:
-    raise ValueError("client_indices is empty; a federation needs at least one client")
-  n = np.array([idx.size for idx in indices], dtype=np.int32)
-  n_max = _check_n_max(n_max, n)
+  indices, mask, n = _check_clients(client_indices, num_samples, n_max)
   per_block = -(-len(indices) // num_blocks)
   groups = [indices[b * per_block:(b + 1) * per_block] for b in range(num_blocks)]
   rows = [np.unique(np.concatenate(g)) if g else np.zeros((0,), np.int64) for g in groups]
   block_size = max(r.size for r in rows) + 1
-  mask = np.arange(n_max)[None, :] < n[:, None]
-  index = np.empty((len(indices), n_max), np.int32)
+  index = np.empty(mask.shape, np.int32)
   for b, group in enumerate(groups):
     for j, idx in enumerate(group):
       m = b * per_block + j
@@ -204,13 +190,28 @@ def block_layout(client_indices: Sequence[np.ndarray], num_samples: int, num_blo
   return BlockLayout(rows=rows, block_size=block_size, index=index, mask=mask, n=n)
 
 
-def _check_n_max(n_max, n: np.ndarray) -> int:
+def check_samples(x, y) -> np.ndarray:
+  """Checks that ``x`` ``[N, ...]`` (anything with a ``shape``) and integer ``y`` ``[N]`` pair up; returns ``y``."""
+  y = np.asarray(y)
+  if len(x.shape) < 1 or y.shape != tuple(x.shape[:1]):
+    raise ValueError(f"x [N, ...] and y [N] must share the sample axis, got {tuple(x.shape)} and {y.shape}")
+  if not np.issubdtype(y.dtype, np.integer):
+    raise ValueError(f"y must hold integer labels, got dtype {y.dtype}")
+  return y
+
+
+def _check_clients(client_indices, num_samples: int, n_max) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+  """The checked index arrays, ``mask [M, n_max]`` (True on real slots) and ``n [M]`` int32."""
+  indices = [_check_client(m, idx, num_samples) for m, idx in enumerate(client_indices)]
+  if not indices:
+    raise ValueError("client_indices is empty; a federation needs at least one client")
+  n = np.array([idx.size for idx in indices], dtype=np.int32)
   if n_max is None:
-    return int(n.max())
-  if isinstance(n_max, bool) or not isinstance(n_max, (int, np.integer)) or n_max < n.max():
+    n_max = int(n.max())
+  elif isinstance(n_max, bool) or not isinstance(n_max, (int, np.integer)) or n_max < n.max():
     raise ValueError(f"n_max must be an int >= the largest client ({int(n.max())} samples, "
                      f"client {int(n.argmax())}), got {n_max!r}")
-  return int(n_max)
+  return indices, np.arange(n_max)[None, :] < n[:, None], n
 
 
 def _check_client(m: int, idx, num_samples: int) -> np.ndarray:
