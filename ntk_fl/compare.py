@@ -38,7 +38,7 @@ from ntk_fl import metrics, rundir, stats
 
 __all__ = ["NEUTRAL_KEYS", "Group", "Summary", "archive", "communication_table", "compare_markdown", "curve",
            "detail", "flatten", "group_runs", "main", "mean_ci", "paired_tests", "plot_curves", "read_runs",
-           "run_table", "summarize", "write_comparison"]
+           "run_table", "setting_key", "summarize", "write_comparison"]
 
 NEUTRAL_KEYS = ("seed", "devices", "chunk_size", "checkpoint_every", "checkpoint_keep", "on_divergence",
                 "eval.consensus", "data.data_dir")
@@ -65,7 +65,8 @@ def flatten(config: dict, prefix: str = "") -> dict:
   return out
 
 
-def _setting(config: dict) -> tuple:
+def setting_key(config: dict) -> tuple:
+  """A stored config without the seed and :data:`NEUTRAL_KEYS`: equal for seeds of one setting."""
   return tuple(sorted((k, v) for k, v in flatten(config).items() if k not in NEUTRAL_KEYS))
 
 
@@ -113,7 +114,7 @@ def group_runs(runs: Sequence[dict]) -> list[Group]:
     raise ValueError("no runs to compare")
   cells: dict[tuple, list[dict]] = {}
   for run in runs:
-    cells.setdefault(_setting(run["config"]), []).append(run)
+    cells.setdefault(setting_key(run["config"]), []).append(run)
   for members in cells.values():
     seen: dict[int, str] = {}
     for run in members:
