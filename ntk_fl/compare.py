@@ -336,7 +336,8 @@ def plot_curves(groups: Sequence[Group], stem: str, target: float = 0.85, title:
   ax.set_ylabel("test accuracy (%)")
   ax.set_title(title or "aggregated model (solid) and mean client (dashed); mean over seeds, 95 % CI")
   ax.grid(alpha=0.3)
-  ax.legend(fontsize=7)
+  if ax.get_legend_handles_labels()[0]:
+    ax.legend(fontsize=7)
   save_figure(fig, stem)
   return {"curves": drawn, "xticks": [float(t) for t in ax.get_xticks()]}
 
@@ -446,7 +447,8 @@ def plot_communication(runs: Sequence[dict], stem: str, target: float = 0.85) ->
   ax.set_xlabel("cumulative communication, all clients (GB)")
   ax.set_ylabel("aggregated test accuracy (%)")
   ax.grid(alpha=0.3, which="both")
-  ax.legend(fontsize=7)
+  if ax.get_legend_handles_labels()[0]:
+    ax.legend(fontsize=7)
   save_figure(fig, stem)
 
 

@@ -210,6 +210,9 @@ def test_fig9_renders_from_campaign_named_runs(tmp_path):
   for k, values in acc.items():
     _fake_run(runs, f"fig9_ntk_dfl_k{k}_s0", fig9.variant(f"fig9_ntk_dfl_k{k}"), 0, values + [0.86] * 28,
               [v - 0.15 for v in values + [0.86] * 28])
+  _fake_run(runs, "fig9_ntk_dfl_k3_s0_copy", fig9.variant("fig9_ntk_dfl_k3"), 1, [0.5])   # seed 1: not asked for
+  _fake_run(runs, "fig9_ntk_dfl_k6_s0", fig9.variant("fig9_ntk_dfl_k6"), 0, [0.80, 0.83, 0.84],
+            [0.70, 0.72, 0.75])                                               # still running at round 3
   other = fig9.variant("fig9_ntk_dfl_k5")
   _fake_run(runs, "fig9_ntk_dfl_k5_s0", Variant("o", "ntk_dfl", (("topology.degree", 5), ("algorithm.lr", 0.02))),
             0, [0.8])
@@ -218,7 +221,8 @@ def test_fig9_renders_from_campaign_named_runs(tmp_path):
   assert "| NTK-DFL | 2 | NTK-DFL, κ = 2 | 0 | 30 | 86.00 | 71.00 | 15.00 | 3.0 | gap ≈ 15 points |" in text
   assert ("fig9_ntk_dfl_k5_s0: " + str(runs / "fig9_ntk_dfl_k5_s0") + " holds another config "
           "(algorithm.lr: 0.02, expected 0.01)") in text
-  assert "fig9_ntk_dfl_k6_s0: not run" in text
+  assert "| NTK-DFL | 6 | NTK-DFL, κ = 6 | 0 | 3 (running) | 84.00 | 75.00 | 9.00 | 0 of 1 reached | — |" in text
+  assert "| 3 | NTK-DFL, κ = 3 | 0 | 30 |" in text
   assert {os.path.basename(f) for f in result["files"]} == {"ntk_dfl_fig9.md", "ntk_dfl_fig9.png", "ntk_dfl_fig9.pdf",
                                                             "ntk_dfl_fig9_curves.png", "ntk_dfl_fig9_curves.pdf"}
   assert other.name not in result["groups"]

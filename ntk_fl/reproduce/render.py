@@ -66,9 +66,11 @@ def _difference(variant: Variant, seed: int, workdir: str) -> str:
   return "; ".join(f"{k}: {have.get(k, '<absent>')!r}, expected {want.get(k, '<absent>')!r}" for k in keys[:6])
 
 
-def values_at(group: compare.Group, round_: int | None, key: str = "test_acc") -> tuple[list[float], int | None]:
+def values_at(group: compare.Group, round_: int | None, key: str = "test_acc",
+              fallback: bool = False) -> tuple[list[float], int | None]:
   """``(values in %, round)``: ``key`` of every run that logged it at ``round_`` (default: the last round all
-  runs logged)."""
+  runs logged). With ``fallback``, runs that have not reached ``round_`` yet (still running) are read at the
+  last round they all logged instead, and that round is returned."""
   at = round_ if round_ is not None else compare.common_last_round(group.runs, key)
   if at is None:
     return [], None
@@ -77,6 +79,8 @@ def values_at(group: compare.Group, round_: int | None, key: str = "test_acc") -
     value = next((line.get(key) for line in run["lines"] if line["round"] == at), None)
     if value is not None:
       out.append(100 * value)
+  if not out and fallback and round_ is not None:
+    return values_at(group, None, key)
   return out, at
 
 
@@ -88,12 +92,13 @@ def _pm(values: Sequence[float], digits: int = 2) -> str:
 
 
 def _accuracy_cells(group: compare.Group, round_: int | None) -> str:
-  agg, at = values_at(group, round_)
+  agg, at = values_at(group, round_, fallback=True)
   client, _ = values_at(group, at, "client_acc_mean")
   n = len(group.runs)
   partial = f" ({len(agg)} of {n} seeds)" if agg and len(agg) < n else ""
   gap = [a - c for a, c in zip(agg, client)] if len(client) == len(agg) else []
-  return f"{at or '—'} | {_pm(agg)}{partial} | {_pm(client)} | {_pm(gap)}"
+  running = " (running)" if round_ is not None and at is not None and at < round_ else ""
+  return f"{at or '—'}{running} | {_pm(agg)}{partial} | {_pm(client)} | {_pm(gap)}"
 
 
 def _rounds_cells(group: compare.Group, target: float) -> str:
@@ -161,11 +166,12 @@ def _plot_sweep(experiment: Experiment, groups: dict[str, compare.Group], stem: 
   for k, (name, variants) in enumerate(series.items()):
     points = {"x": [], "aggregated": [], "aggregated_half": [], "client": [], "client_half": []}
     for v in sorted(variants, key=lambda v: v.x):
-      agg, at = values_at(groups[v.name], experiment.round)
+      agg, at = values_at(groups[v.name], experiment.round, fallback=True)
       if not agg:
         continue
       client, _ = values_at(groups[v.name], at, "client_acc_mean")
       points["x"].append(v.x)
+      points.setdefault("round", []).append(at)
       for key, values in (("aggregated", agg), ("client", client)):
         mean, half = compare.mean_ci(values) if values else (math.nan, math.nan)
         points[key].append(mean)
@@ -173,6 +179,9 @@ def _plot_sweep(experiment: Experiment, groups: dict[str, compare.Group], stem: 
     drawn[name] = points
     if not points["x"]:
       continue
+    for x, y, at in zip(points["x"], points["aggregated"], points["round"]):
+      if experiment.round is not None and at < experiment.round:       # a run still going: say which round
+        ax.annotate(f"round {at}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=6)
     ax.errorbar(points["x"], points["aggregated"], yerr=points["aggregated_half"], color=f"C{k % 10}", marker="o",
                 capsize=3, label=f"{name}, aggregated")
     if not all(math.isnan(c) for c in points["client"]):
@@ -185,7 +194,8 @@ def _plot_sweep(experiment: Experiment, groups: dict[str, compare.Group], stem: 
   ax.set_ylabel(f"test accuracy at round {experiment.round or 'last'} (%)")
   ax.set_title(experiment.title, fontsize=9)
   ax.grid(alpha=0.3)
-  ax.legend(fontsize=7)
+  if ax.get_legend_handles_labels()[0]:
+    ax.legend(fontsize=7)
   compare.save_figure(fig, stem)
   return drawn
 
@@ -204,7 +214,8 @@ def _plot_selection(groups: dict[str, compare.Group], stem: str) -> None:
   ax.set_xlabel("clients averaged")
   ax.set_ylabel("test accuracy of the average (%)")
   ax.grid(alpha=0.3)
-  ax.legend(fontsize=7)
+  if ax.get_legend_handles_labels()[0]:
+    ax.legend(fontsize=7)
   compare.save_figure(fig, stem)
 
 
