@@ -177,12 +177,12 @@ def test_a_folder_at_the_run_name_with_another_config_is_moved_aside(tmp_path):
 
 def test_branches_start_from_the_source_checkpoint_and_failures_do_not_stop_the_queue(tmp_path):
   experiment = Experiment("t:branch", "branch", (
+      Variant("child", "ntk_dfl:smoke", (("rounds", 3),), branch_from="src"),     # queued after its source
       Variant("src", "ntk_dfl:smoke", (("rounds", 2),)),
-      Variant("bad", "ntk_dfl:smoke", (("rounds", 2), ("algorithm.lr", 0.5))),
-      Variant("child", "ntk_dfl:smoke", (("rounds", 3),), branch_from="src")))
+      Variant("bad", "ntk_dfl:smoke", (("rounds", 2), ("algorithm.lr", 0.5)))))
   launch = FakeLauncher(experiment, fail={"bad"})
   jobs = queue.run_queue(experiment, str(tmp_path), launch=launch, echo=lambda _: None)
-  assert [j.action for j in jobs] == ["start", "failed", "start"]
+  assert [(j.variant.name, j.action) for j in jobs] == [("src", "start"), ("bad", "failed"), ("child", "start")]
   assert _flag(launch.commands[2], "branch_from") == os.path.join(str(tmp_path), "src_s0")
 
 

@@ -109,7 +109,9 @@ def plan(experiment: Experiment, out: str, *, seeds: Sequence[int] | None = None
   index = index_runs(runs_in(out))
   prefix = shlex.split(python) if python else [sys.executable]
   jobs = []
-  for variant in select_variants(experiment, patterns):
+  chosen = select_variants(experiment, patterns)
+  # Branches after the runs they start from (their checkpoint must exist by then).
+  for variant in [v for v in chosen if not v.branch_from] + [v for v in chosen if v.branch_from]:
     for seed in experiment.seeds_of(variant, tuple(seeds) if seeds is not None else None):
       canonical = os.path.join(out, run_name(variant, seed))
       found = _pick(index.get((expected_key(variant, seed), seed), []), canonical)
