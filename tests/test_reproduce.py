@@ -11,6 +11,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from ntk_fl import rundir, schema
+from ntk_fl import reproduce
 from ntk_fl.reproduce import EXPERIMENTS, costs, estimate, list_table, queue, render
 from ntk_fl.reproduce.experiments import SMOKE
 from ntk_fl.reproduce.registry import Experiment, Variant, build_config, config_key, override_flags, stored_form
@@ -287,3 +288,31 @@ def test_the_command_line_runs_a_real_queue_then_renders(tmp_path):
   bad = subprocess.run([sys.executable, "-m", "ntk_fl", "reproduce", "spark:fig13"], capture_output=True,
                        text=True, env=env, check=False)
   assert bad.returncode == 2 and "needs data: CIFAR-10" in bad.stderr
+
+
+def test_a_cpu_queue_leaves_out_the_gpu_variants(tmp_path):
+  fig3 = EXPERIMENTS["ntk_dfl:fig3_sparsity"]
+  names = {j.variant.name for j in queue.plan(fig3, str(tmp_path), skip_gpu=True)}
+  assert names == {f"fig9_ntk_dfl_k{k}" for k in (2, 3, 4, 5, 6)} | {f"fig3_dfedavg_k{k}" for k in (2, 3, 4, 5, 6)}
+
+
+def test_table3_renders_from_named_run_folders_and_archives_them(tmp_path, capsys):
+  table3 = EXPERIMENTS["spark:table3"]
+  spark = {0: 86.84, 1: 86.34, 2: 86.71}
+  ntk = {0: 85.52, 1: 85.45, 2: 85.38}
+  dirs = []
+  for s in (0, 1, 2):
+    dirs.append(_fake_run(tmp_path / "a", f"x{s}", table3.variant("spark_alpha0.1"), s, [spark[s] / 100] * 30))
+    dirs.append(_fake_run(tmp_path / "b", f"y{s}", table3.variant("spark_abl_none_alpha0.1"), s, [ntk[s] / 100] * 30))
+  status = reproduce.main(["spark:table3", "--runs", *dirs, "--render_dir", str(tmp_path / "r"), "--archive",
+                           str(tmp_path / "archive")])
+  text = capsys.readouterr().out
+  assert status == 0
+  diff = np.array([spark[s] - ntk[s] for s in (0, 1, 2)])
+  p = scipy_stats.ttest_rel([spark[s] for s in (0, 1, 2)], [ntk[s] for s in (0, 1, 2)]).pvalue
+  assert (f"| SPARK, α = 0.1 − NTK-DFL (SPARK's abl_none), α = 0.1 | 0, 1, 2 | 30 | 86.84, 86.34, 86.71 | "
+          f"85.52, 85.45, 85.38 | {diff.mean():+.2f} |") in text
+  assert f"| {p:.2g} | {diff.mean() / diff.std(ddof=1):.2f} | +1.36 [1.24, 1.49] p < 0.001 d_z = 27.09 |" in text
+  assert "| SPARK, IID − NTK-DFL (SPARK's abl_none), IID | — |" in text       # not run: listed, no numbers
+  assert sorted(os.listdir(tmp_path / "archive")) == ["x0", "x1", "x2", "y0", "y1", "y2"]
+  assert reproduce.main(["nope:fig1"]) == 2

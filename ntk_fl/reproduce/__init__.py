@@ -1,7 +1,7 @@
 """The papers' tables and figures, one command each: ``ntk-fl reproduce NAME [--seeds 0 1 2] [--out DIR]``.
 
   ntk-fl reproduce --list                          every experiment: runs, estimated CPU and GPU time, status
-  ntk-fl reproduce ntk_dfl:fig9 [--out runs/reproduce] [--seeds 0 1] [--variants 'fig9_*_k2']
+  ntk-fl reproduce ntk_dfl:fig9 [--out runs/reproduce] [--seeds 0 1] [--variants 'fig9_*_k2'] [--skip_gpu]
         [--python 'taskset -c 1 python'] [--extra=--config.chunk_size=0] [--dry_run]
   ntk-fl reproduce ntk_dfl:fig9 --out DIR --render_only [--render_dir FIGDIR]
   ntk-fl reproduce ntk_dfl:fig9 --runs RUN_DIR... --render_dir FIGDIR
@@ -98,6 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--python", default="", help="the command that runs python for each run (default: this "
                       "interpreter), e.g. 'taskset -c 1 .venv/bin/python'")
   parser.add_argument("--extra", default="", help="flags added to every run, e.g. '--config.chunk_size=0'")
+  parser.add_argument("--skip_gpu", action="store_true", help="leave out the variants registered for a GPU "
+                      "(a CPU queue)")
   parser.add_argument("--dry_run", action="store_true", help="print what the queue would do, run nothing")
   parser.add_argument("--archive", default="", help="copy the rendered runs' scalars to ARCHIVE/<run name>/")
   args = parser.parse_args(argv)
@@ -125,12 +127,12 @@ def main(argv: Sequence[str] | None = None) -> int:
       extra = shlex.split(args.extra)
       if args.dry_run:
         for job in queue.plan(experiment, args.out, seeds=args.seeds, patterns=args.variants, python=args.python,
-                              extra=extra):
+                              extra=extra, skip_gpu=args.skip_gpu):
           aside = f" (move aside {job.aside})" if job.aside else ""
           print(f"{job.action}{aside}: {' '.join(shlex.quote(c) for c in job.command)}")
         return 0
       jobs = queue.run_queue(experiment, args.out, seeds=args.seeds, patterns=args.variants, python=args.python,
-                             extra=extra)
+                             extra=extra, skip_gpu=args.skip_gpu)
       failed = [job for job in jobs if job.action == "failed"]
     else:
       failed = []

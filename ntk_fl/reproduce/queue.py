@@ -104,12 +104,14 @@ def _pick(candidates: list[str], canonical: str) -> str | None:
 
 
 def plan(experiment: Experiment, out: str, *, seeds: Sequence[int] | None = None,
-         patterns: Sequence[str] | None = None, python: str = "", extra: Sequence[str] = ()) -> list[Job]:
-  """What the queue would do now, in order (nothing is changed on disk)."""
+         patterns: Sequence[str] | None = None, python: str = "", extra: Sequence[str] = (),
+         skip_gpu: bool = False) -> list[Job]:
+  """What the queue would do now, in order (nothing is changed on disk); ``skip_gpu`` leaves out the variants
+  registered for a GPU."""
   index = index_runs(runs_in(out))
   prefix = shlex.split(python) if python else [sys.executable]
   jobs = []
-  chosen = select_variants(experiment, patterns)
+  chosen = [v for v in select_variants(experiment, patterns) if not (skip_gpu and v.gpu)]
   # Branches after the runs they start from (their checkpoint must exist by then).
   for variant in [v for v in chosen if not v.branch_from] + [v for v in chosen if v.branch_from]:
     for seed in experiment.seeds_of(variant, tuple(seeds) if seeds is not None else None):
@@ -142,7 +144,8 @@ def _launch(command: list[str], log_path: str) -> int:
 
 def run_queue(experiment: Experiment, out: str, *, seeds: Sequence[int] | None = None,
               patterns: Sequence[str] | None = None, python: str = "", extra: Sequence[str] = (),
-              launch: Callable[[list[str], str], int] = _launch, echo: Callable[[str], None] = print) -> list[Job]:
+              skip_gpu: bool = False, launch: Callable[[list[str], str], int] = _launch,
+              echo: Callable[[str], None] = print) -> list[Job]:
   """Runs the experiment's queue in ``out``; returns the jobs with ``action`` ``"failed"`` where a run failed.
 
   The plan is remade before each run, so runs finished by another queue meanwhile
@@ -150,9 +153,10 @@ def run_queue(experiment: Experiment, out: str, *, seeds: Sequence[int] | None =
   """
   os.makedirs(out, exist_ok=True)
   done: list[Job] = []
-  todo = plan(experiment, out, seeds=seeds, patterns=patterns, python=python, extra=extra)
+  chosen = dict(seeds=seeds, patterns=patterns, python=python, extra=extra, skip_gpu=skip_gpu)
+  todo = plan(experiment, out, **chosen)
   for i in range(len(todo)):
-    job = plan(experiment, out, seeds=seeds, patterns=patterns, python=python, extra=extra)[i]
+    job = plan(experiment, out, **chosen)[i]
     if job.action == "skip":
       done.append(job)
       continue
