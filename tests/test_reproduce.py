@@ -151,6 +151,10 @@ def test_the_queue_starts_skips_resumes_and_moves_aside(tmp_path):
   aside = [d for d in os.listdir(out) if d.startswith("smoke_lr03_s0.unfinished-")]
   assert len(aside) == 1 and any("moved to" in m for m in messages)
   assert rundir.read_metrics(os.path.join(out, aside[0]))[0]["round"] == 1       # kept, not deleted
+  # A moved-aside folder is never taken for the run, even when the run's own folder is gone.
+  os.rename(os.path.join(out, "smoke_lr03_s0"), os.path.join(out, "smoke_lr03_s0.unfinished-1"))
+  [job] = queue.plan(SMOKE, out, patterns=["smoke_lr03"])
+  assert (job.action, job.workdir, job.aside) == ("start", lr03, "")
 
 
 def test_a_run_with_the_same_config_under_another_name_is_found(tmp_path):

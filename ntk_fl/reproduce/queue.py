@@ -84,11 +84,17 @@ def index_runs(dirs: Sequence[str]) -> dict[tuple, list[str]]:
   return index
 
 
+ASIDE_MARK = ".unfinished-"
+"""Runs moved aside (killed before their first checkpoint) are named ``<run>.unfinished-<time>``."""
+
+
 def runs_in(out: str) -> list[str]:
-  """The folders directly under ``out`` (candidates for runs), sorted."""
+  """The folders directly under ``out`` (candidates for runs), sorted; moved-aside runs and half-written
+  archives (``.partial``) are left out."""
   if not os.path.isdir(out):
     return []
-  return sorted(os.path.join(out, d) for d in os.listdir(out) if os.path.isdir(os.path.join(out, d)))
+  return sorted(os.path.join(out, d) for d in os.listdir(out)
+                if os.path.isdir(os.path.join(out, d)) and ASIDE_MARK not in d and not d.endswith(".partial"))
 
 
 def expected_key(variant: Variant, seed: int) -> tuple:
@@ -117,6 +123,8 @@ def plan(experiment: Experiment, out: str, *, seeds: Sequence[int] | None = None
     for seed in experiment.seeds_of(variant, tuple(seeds) if seeds is not None else None):
       canonical = os.path.join(out, run_name(variant, seed))
       found = _pick(index.get((expected_key(variant, seed), seed), []), canonical)
+      if found and found != canonical and rundir.read_summary(found) is None and not _has_checkpoint(found):
+        found = None         # a same-config folder elsewhere with nothing to resume: start at the run's own name
       job = Job(variant, seed, found or canonical, "start")
       if found and rundir.read_summary(found) is not None:
         job.action = "skip"
@@ -161,7 +169,7 @@ def run_queue(experiment: Experiment, out: str, *, seeds: Sequence[int] | None =
       done.append(job)
       continue
     if job.aside:
-      aside = f"{job.aside}.unfinished-{int(time.time())}"
+      aside = f"{job.aside}{ASIDE_MARK}{int(time.time())}"
       echo(f"{job.aside} has no checkpoint to resume (or holds another config); moved to {aside}")
       os.rename(job.aside, aside)
     echo(f"{time.strftime('%F %T')} {job.action} {job.workdir}"
