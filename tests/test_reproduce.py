@@ -320,3 +320,19 @@ def test_table3_renders_from_named_run_folders_and_archives_them(tmp_path, capsy
   assert "| SPARK, IID − NTK-DFL (SPARK's abl_none), IID | — |" in text       # not run: listed, no numbers
   assert sorted(os.listdir(tmp_path / "archive")) == ["x0", "x1", "x2", "y0", "y1", "y2"]
   assert reproduce.main(["nope:fig1"]) == 2
+
+
+def test_the_former_suites_map_onto_experiments(tmp_path):
+  env = {**os.environ, "PYTHONPATH": os.getcwd(), "PYTHON": sys.executable, "DRY_RUN": "1", "ARCHIVE": "",
+         "EXTRA": "--config.chunk_size=0", "ROWS": "none momentum"}
+  done = subprocess.run(["bash", "scripts/reproduce.sh", "spark_ablation", str(tmp_path), "0"], capture_output=True,
+                        text=True, env=env, check=False)
+  assert done.returncode == 0, done.stderr
+  lines = done.stdout.splitlines()
+  assert [line.split(" ")[0] for line in lines] == ["start:", "start:"]
+  assert "--config=spark:iid,abl_none" in lines[0] and "--config.chunk_size=0" in lines[0]
+  assert "--config=spark:iid,abl_momentum" in lines[1] and f"--workdir={tmp_path}/spark_abl_momentum_iid_s0" in lines[1]
+  env["ROWS"] = "nothing"
+  bad = subprocess.run(["bash", "scripts/reproduce.sh", "spark_ablation", str(tmp_path)], capture_output=True,
+                       text=True, env=env, check=False)
+  assert bad.returncode == 2 and "unknown row 'nothing'" in bad.stderr
