@@ -14,6 +14,7 @@ scalars (without the per-client arrays) to ``DIR/<workdir name>/``: workdirs und
 ``runs/`` do not outlive the machine, the archive under ``docs/runs/`` is what
 later tables and figures are made from.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,12 +24,20 @@ from ntk_fl import compare
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   parser.add_argument("workdirs", nargs="+")
   parser.add_argument("--plot", default="", help="curves (PNG path; a PDF is written beside it)")
-  parser.add_argument("--plot-comm", default="", help="accuracy vs cumulative communication (PNG path)")
-  parser.add_argument("--detail", action="store_true", help="per-run curve points, gap and selection curves")
-  parser.add_argument("--archive", default="", help="copy each run's scalars to ARCHIVE/<workdir name>/")
+  parser.add_argument(
+    "--plot-comm", default="", help="accuracy vs cumulative communication (PNG path)"
+  )
+  parser.add_argument(
+    "--detail", action="store_true", help="per-run curve points, gap and selection curves"
+  )
+  parser.add_argument(
+    "--archive", default="", help="copy each run's scalars to ARCHIVE/<workdir name>/"
+  )
   args = parser.parse_args()
   try:
     runs = compare.read_runs(args.workdirs)

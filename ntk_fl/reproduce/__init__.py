@@ -17,6 +17,7 @@ what ``--out`` (or ``--runs``) holds without running anything; runs are matched
 by config, so runs made by hand or by another queue are found whatever their
 names. ``--archive DIR`` copies the rendered runs' scalars to ``DIR/<run name>/``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,13 @@ def estimate(experiment: Experiment, seeds: Sequence[int] | None = None) -> dict
   for config, _ in seen.values():
     c, g, m = costs.estimate(config)
     cpu, gpu, measured = cpu + c, gpu + g, measured and m
-  return {"runs": len(seen), "cpu_h": cpu / 3600, "gpu_h": gpu / 3600, "gpu_measured": measured,
-          "gpu_runs": sum(1 for _, for_gpu in seen.values() if for_gpu)}
+  return {
+    "runs": len(seen),
+    "cpu_h": cpu / 3600,
+    "gpu_h": gpu / 3600,
+    "gpu_measured": measured,
+    "gpu_runs": sum(1 for _, for_gpu in seen.values() if for_gpu),
+  }
 
 
 def _hours(h: float) -> str:
@@ -61,8 +67,10 @@ def _hours(h: float) -> str:
 
 def list_table() -> str:
   """Every experiment as a markdown row: runs, estimated time on the 2-core CPU and on one H100, status."""
-  rows = ["| experiment | what | runs | CPU (2-core AMD EPYC) | GPU (one H100) | status |",
-          "|---|---|---:|---:|---:|---|"]
+  rows = [
+    "| experiment | what | runs | CPU (2-core AMD EPYC) | GPU (one H100) | status |",
+    "|---|---|---:|---:|---:|---|",
+  ]
   for name, experiment in EXPERIMENTS.items():
     if name.startswith("smoke:"):
       continue
@@ -74,7 +82,9 @@ def list_table() -> str:
     if e["gpu_runs"]:
       status += f"; {e['gpu_runs']} run(s) meant for a GPU"
     gpu = _hours(e["gpu_h"]) + ("" if e["gpu_measured"] else " ≈")
-    rows.append(f"| {name} | {experiment.title} | {e['runs']} | {_hours(e['cpu_h'])} | {gpu} | {status} |")
+    rows.append(
+      f"| {name} | {experiment.title} | {e['runs']} | {_hours(e['cpu_h'])} | {gpu} | {status} |"
+    )
   return "\n".join(rows)
 
 
@@ -83,35 +93,70 @@ def main(argv: Sequence[str] | None = None) -> int:
   from ntk_fl.reproduce import queue, render  # pylint: disable=import-outside-toplevel
   from ntk_fl import compare  # pylint: disable=import-outside-toplevel
 
-  parser = argparse.ArgumentParser(prog="ntk-fl reproduce", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("name", nargs="?", help="the experiment, e.g. ntk_dfl:fig9 (--list shows them)")
-  parser.add_argument("--list", action="store_true", help="list every experiment with its runs and estimated time")
-  parser.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds (default: the experiment's)")
+  parser = argparse.ArgumentParser(
+    prog="ntk-fl reproduce",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  parser.add_argument(
+    "name", nargs="?", help="the experiment, e.g. ntk_dfl:fig9 (--list shows them)"
+  )
+  parser.add_argument(
+    "--list", action="store_true", help="list every experiment with its runs and estimated time"
+  )
+  parser.add_argument(
+    "--seeds", type=int, nargs="+", default=None, help="seeds (default: the experiment's)"
+  )
   parser.add_argument("--out", default=DEFAULT_OUT, help="where the runs are (and are made)")
-  parser.add_argument("--runs", nargs="+", default=None, help="render from these run folders (implies "
-                      "--render_only)")
-  parser.add_argument("--render_only", action="store_true", help="render what the runs hold; run nothing")
-  parser.add_argument("--render_dir", default="", help="where the table and figures go (default OUT/results)")
-  parser.add_argument("--variants", nargs="+", default=None, help="run only the variants matching these shell "
-                      "patterns (e.g. 'dfedavg_*')")
-  parser.add_argument("--python", default="", help="the command that runs python for each run (default: this "
-                      "interpreter), e.g. 'taskset -c 1 .venv/bin/python'")
-  parser.add_argument("--extra", default="", help="flags added to every run, e.g. '--config.chunk_size=0'")
-  parser.add_argument("--skip_gpu", action="store_true", help="leave out the variants registered for a GPU "
-                      "(a CPU queue)")
-  parser.add_argument("--dry_run", action="store_true", help="print what the queue would do, run nothing")
-  parser.add_argument("--archive", default="", help="copy the rendered runs' scalars to ARCHIVE/<run name>/")
+  parser.add_argument(
+    "--runs", nargs="+", default=None, help="render from these run folders (implies --render_only)"
+  )
+  parser.add_argument(
+    "--render_only", action="store_true", help="render what the runs hold; run nothing"
+  )
+  parser.add_argument(
+    "--render_dir", default="", help="where the table and figures go (default OUT/results)"
+  )
+  parser.add_argument(
+    "--variants",
+    nargs="+",
+    default=None,
+    help="run only the variants matching these shell patterns (e.g. 'dfedavg_*')",
+  )
+  parser.add_argument(
+    "--python",
+    default="",
+    help="the command that runs python for each run (default: this "
+    "interpreter), e.g. 'taskset -c 1 .venv/bin/python'",
+  )
+  parser.add_argument(
+    "--extra", default="", help="flags added to every run, e.g. '--config.chunk_size=0'"
+  )
+  parser.add_argument(
+    "--skip_gpu",
+    action="store_true",
+    help="leave out the variants registered for a GPU (a CPU queue)",
+  )
+  parser.add_argument(
+    "--dry_run", action="store_true", help="print what the queue would do, run nothing"
+  )
+  parser.add_argument(
+    "--archive", default="", help="copy the rendered runs' scalars to ARCHIVE/<run name>/"
+  )
   args = parser.parse_args(argv)
   if args.list:
     print(list_table())
-    print("\nEstimates: per-round costs of ntk_fl.reproduce.costs.ROUND_SECONDS x rounds (an upper bound for runs "
-          "stopped at a target); ≈: GPU time scaled from the method family's measured CPU/GPU ratio.")
+    print(
+      "\nEstimates: per-round costs of ntk_fl.reproduce.costs.ROUND_SECONDS x rounds (an upper bound for runs "
+      "stopped at a target); ≈: GPU time scaled from the method family's measured CPU/GPU ratio."
+    )
     return 0
   if not args.name:
     parser.error("name an experiment (ntk-fl reproduce --list shows them)")
   if args.name not in EXPERIMENTS:
-    close = [n for n in EXPERIMENTS if n.split(":")[0] == args.name.split(":")[0]] or list(EXPERIMENTS)
+    close = [n for n in EXPERIMENTS if n.split(":")[0] == args.name.split(":")[0]] or list(
+      EXPERIMENTS
+    )
     print(f"error: unknown experiment {args.name!r}; known: {', '.join(close)}", file=sys.stderr)
     return 2
   experiment = EXPERIMENTS[args.name]
@@ -119,26 +164,47 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     if args.runs is None and not args.render_only:
       if experiment.needs:
-        print(f"error: {args.name} needs {experiment.needs}; it is registered but cannot run yet", file=sys.stderr)
+        print(
+          f"error: {args.name} needs {experiment.needs}; it is registered but cannot run yet",
+          file=sys.stderr,
+        )
         return 2
       if not experiment.variants:
         print(f"error: {args.name} has no runs", file=sys.stderr)
         return 2
       extra = shlex.split(args.extra)
       if args.dry_run:
-        for job in queue.plan(experiment, args.out, seeds=args.seeds, patterns=args.variants, python=args.python,
-                              extra=extra, skip_gpu=args.skip_gpu):
+        for job in queue.plan(
+          experiment,
+          args.out,
+          seeds=args.seeds,
+          patterns=args.variants,
+          python=args.python,
+          extra=extra,
+          skip_gpu=args.skip_gpu,
+        ):
           aside = f" (move aside {job.aside})" if job.aside else ""
           print(f"{job.action}{aside}: {' '.join(shlex.quote(c) for c in job.command)}")
         return 0
-      jobs = queue.run_queue(experiment, args.out, seeds=args.seeds, patterns=args.variants, python=args.python,
-                             extra=extra, skip_gpu=args.skip_gpu)
+      jobs = queue.run_queue(
+        experiment,
+        args.out,
+        seeds=args.seeds,
+        patterns=args.variants,
+        python=args.python,
+        extra=extra,
+        skip_gpu=args.skip_gpu,
+      )
       failed = [job for job in jobs if job.action == "failed"]
     else:
       failed = []
     dirs = args.runs if args.runs is not None else queue.runs_in(args.out)
-    command = f"ntk-fl reproduce {args.name}" + (f" --seeds {' '.join(map(str, args.seeds))}" if args.seeds else "")
-    result = render.render(experiment, dirs, render_dir, seeds=args.seeds, out=args.out, command=command)
+    command = f"ntk-fl reproduce {args.name}" + (
+      f" --seeds {' '.join(map(str, args.seeds))}" if args.seeds else ""
+    )
+    result = render.render(
+      experiment, dirs, render_dir, seeds=args.seeds, out=args.out, command=command
+    )
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -148,8 +214,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for group in result["groups"].values():
       for run in group.runs:
         compare.archive(run["workdir"], args.archive)
-    print(f"archived {sum(len(g.runs) for g in result['groups'].values())} run(s) to {args.archive}")
+    print(
+      f"archived {sum(len(g.runs) for g in result['groups'].values())} run(s) to {args.archive}"
+    )
   if failed:
-    print(f"{len(failed)} run(s) failed: {', '.join(job.workdir for job in failed)}", file=sys.stderr)
+    print(
+      f"{len(failed)} run(s) failed: {', '.join(job.workdir for job in failed)}", file=sys.stderr
+    )
     return 1
   return 0

@@ -15,6 +15,7 @@ two experiments is made once):
 Every run's console goes to ``OUT/<name>_s<seed>.log`` and its full log to
 ``OUT/<name>_s<seed>/log.txt``. A failed run is reported and the queue goes on.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,7 +29,14 @@ import time
 from typing import Callable, Sequence
 
 from ntk_fl import rundir
-from ntk_fl.reproduce.registry import Experiment, Variant, build_config, config_key, override_flags, stored_form
+from ntk_fl.reproduce.registry import (
+  Experiment,
+  Variant,
+  build_config,
+  config_key,
+  override_flags,
+  stored_form,
+)
 
 __all__ = ["Job", "index_runs", "plan", "run_queue", "run_name", "select_variants"]
 
@@ -40,11 +48,12 @@ def run_name(variant: Variant, seed: int) -> str:
 @dataclasses.dataclass
 class Job:
   """One run of the queue: ``action`` is ``"skip"``, ``"resume"`` or ``"start"`` (after ``aside``, if set)."""
+
   variant: Variant
   seed: int
   workdir: str
   action: str
-  aside: str = ""          # a folder in the way, moved aside before starting
+  aside: str = ""  # a folder in the way, moved aside before starting
   branch_from: str = ""
   command: list = dataclasses.field(default_factory=list)
 
@@ -60,8 +69,10 @@ def select_variants(experiment: Experiment, patterns: Sequence[str] | None) -> l
   names = [v.name for v in experiment.variants]
   for pattern in patterns:
     if not fnmatch.filter(names, pattern):
-      raise ValueError(f"--variants pattern {pattern!r} matches no variant of {experiment.name}; its variants: "
-                       f"{', '.join(names)}")
+      raise ValueError(
+        f"--variants pattern {pattern!r} matches no variant of {experiment.name}; its variants: "
+        f"{', '.join(names)}"
+      )
   return [v for v in experiment.variants if any(fnmatch.fnmatchcase(v.name, p) for p in patterns)]
 
 
@@ -93,8 +104,11 @@ def runs_in(out: str) -> list[str]:
   archives (``.partial``) are left out."""
   if not os.path.isdir(out):
     return []
-  return sorted(os.path.join(out, d) for d in os.listdir(out)
-                if os.path.isdir(os.path.join(out, d)) and ASIDE_MARK not in d and not d.endswith(".partial"))
+  return sorted(
+    os.path.join(out, d)
+    for d in os.listdir(out)
+    if os.path.isdir(os.path.join(out, d)) and ASIDE_MARK not in d and not d.endswith(".partial")
+  )
 
 
 def expected_key(variant: Variant, seed: int) -> tuple:
@@ -109,9 +123,16 @@ def _pick(candidates: list[str], canonical: str) -> str | None:
   return (finished or candidates or [None])[0]
 
 
-def plan(experiment: Experiment, out: str, *, seeds: Sequence[int] | None = None,
-         patterns: Sequence[str] | None = None, python: str = "", extra: Sequence[str] = (),
-         skip_gpu: bool = False) -> list[Job]:
+def plan(
+  experiment: Experiment,
+  out: str,
+  *,
+  seeds: Sequence[int] | None = None,
+  patterns: Sequence[str] | None = None,
+  python: str = "",
+  extra: Sequence[str] = (),
+  skip_gpu: bool = False,
+) -> list[Job]:
   """What the queue would do now, in order (nothing is changed on disk); ``skip_gpu`` leaves out the variants
   registered for a GPU."""
   index = index_runs(runs_in(out))
@@ -123,8 +144,15 @@ def plan(experiment: Experiment, out: str, *, seeds: Sequence[int] | None = None
     for seed in experiment.seeds_of(variant, tuple(seeds) if seeds is not None else None):
       canonical = os.path.join(out, run_name(variant, seed))
       found = _pick(index.get((expected_key(variant, seed), seed), []), canonical)
-      if found and found != canonical and rundir.read_summary(found) is None and not _has_checkpoint(found):
-        found = None         # a same-config folder elsewhere with nothing to resume: start at the run's own name
+      if (
+        found
+        and found != canonical
+        and rundir.read_summary(found) is None
+        and not _has_checkpoint(found)
+      ):
+        found = (
+          None  # a same-config folder elsewhere with nothing to resume: start at the run's own name
+        )
       job = Job(variant, seed, found or canonical, "start")
       if found and rundir.read_summary(found) is not None:
         job.action = "skip"
@@ -134,13 +162,24 @@ def plan(experiment: Experiment, out: str, *, seeds: Sequence[int] | None = None
         job.aside = job.workdir
       if job.action == "start" and variant.branch_from:
         source = experiment.variant(variant.branch_from)
-        src = _pick(index.get((expected_key(source, seed), seed), []), os.path.join(out, run_name(source, seed)))
+        src = _pick(
+          index.get((expected_key(source, seed), seed), []),
+          os.path.join(out, run_name(source, seed)),
+        )
         if src and _has_checkpoint(src):
           job.branch_from = src
-      job.command = [*prefix, "-m", "ntk_fl", f"--config={variant.config}", f"--config.seed={seed}",
-                     *override_flags(variant), f"--workdir={job.workdir}",
-                     *(["--resume"] if job.action == "resume" else []),
-                     *([f"--branch_from={job.branch_from}"] if job.branch_from else []), *extra]
+      job.command = [
+        *prefix,
+        "-m",
+        "ntk_fl",
+        f"--config={variant.config}",
+        f"--config.seed={seed}",
+        *override_flags(variant),
+        f"--workdir={job.workdir}",
+        *(["--resume"] if job.action == "resume" else []),
+        *([f"--branch_from={job.branch_from}"] if job.branch_from else []),
+        *extra,
+      ]
       jobs.append(job)
   return jobs
 
@@ -150,10 +189,18 @@ def _launch(command: list[str], log_path: str) -> int:
     return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
 
 
-def run_queue(experiment: Experiment, out: str, *, seeds: Sequence[int] | None = None,
-              patterns: Sequence[str] | None = None, python: str = "", extra: Sequence[str] = (),
-              skip_gpu: bool = False, launch: Callable[[list[str], str], int] = _launch,
-              echo: Callable[[str], None] = print) -> list[Job]:
+def run_queue(
+  experiment: Experiment,
+  out: str,
+  *,
+  seeds: Sequence[int] | None = None,
+  patterns: Sequence[str] | None = None,
+  python: str = "",
+  extra: Sequence[str] = (),
+  skip_gpu: bool = False,
+  launch: Callable[[list[str], str], int] = _launch,
+  echo: Callable[[str], None] = print,
+) -> list[Job]:
   """Runs the experiment's queue in ``out``; returns the jobs with ``action`` ``"failed"`` where a run failed.
 
   The plan is remade before each run, so runs finished by another queue meanwhile
@@ -172,8 +219,10 @@ def run_queue(experiment: Experiment, out: str, *, seeds: Sequence[int] | None =
       aside = f"{job.aside}{ASIDE_MARK}{int(time.time())}"
       echo(f"{job.aside} has no checkpoint to resume (or holds another config); moved to {aside}")
       os.rename(job.aside, aside)
-    echo(f"{time.strftime('%F %T')} {job.action} {job.workdir}"
-         + (f" (branched from {job.branch_from})" if job.branch_from else ""))
+    echo(
+      f"{time.strftime('%F %T')} {job.action} {job.workdir}"
+      + (f" (branched from {job.branch_from})" if job.branch_from else "")
+    )
     rc = launch(job.command, os.path.normpath(job.workdir) + ".log")
     if rc != 0:
       echo(f"run {job.workdir} failed (exit {rc}; see {os.path.normpath(job.workdir)}.log)")

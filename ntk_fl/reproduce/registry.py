@@ -12,6 +12,7 @@ renderer finds runs by their stored config, not their name, so a run shared by
 two experiments (NTK-DFL's default setting is Fig. 8's regular graph, Fig. 9's
 κ = 5, Fig. 11's dynamic topology, ...) is made once and found by both.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,6 +39,7 @@ class Variant:
     gpu: registered for a GPU (too slow for the CPU queue).
     paper: the paper's number for this variant (rounds to target, accuracy, gain ...), as printed.
   """
+
   name: str
   config: str
   overrides: tuple[tuple[str, Any], ...] = ()
@@ -75,6 +77,7 @@ class Experiment:
     needs: what is missing before it can run; empty when it runs today.
     notes: choices made where the paper is silent (rounds, grids).
   """
+
   name: str
   title: str
   variants: tuple[Variant, ...]
@@ -99,7 +102,9 @@ class Experiment:
     for v in self.variants:
       if v.name == name:
         return v
-    raise KeyError(f"{self.name} has no variant {name!r}; its variants: {[v.name for v in self.variants]}")
+    raise KeyError(
+      f"{self.name} has no variant {name!r}; its variants: {[v.name for v in self.variants]}"
+    )
 
 
 def build_config(variant: Variant, seed: int):
@@ -109,6 +114,7 @@ def build_config(variant: Variant, seed: int):
     ValueError: an override names no field of the config.
   """
   from ntk_fl.config import load_config  # pylint: disable=import-outside-toplevel
+
   file_part, _, variant_string = variant.config.partition(":")
   config = load_config(file_part, variant_string or None)
   config.seed = seed
@@ -117,11 +123,15 @@ def build_config(variant: Variant, seed: int):
     node = config
     for part in parents:
       if part not in node:
-        raise ValueError(f"variant {variant.name}: override {key}: config {variant.config} has no field "
-                         f"{'.'.join(parents)}")
+        raise ValueError(
+          f"variant {variant.name}: override {key}: config {variant.config} has no field "
+          f"{'.'.join(parents)}"
+        )
       node = node[part]
     if leaf not in node:
-      raise ValueError(f"variant {variant.name}: override {key}: config {variant.config} has no field {key}")
+      raise ValueError(
+        f"variant {variant.name}: override {key}: config {variant.config} has no field {key}"
+      )
     node[leaf] = value
   return config
 
@@ -129,20 +139,24 @@ def build_config(variant: Variant, seed: int):
 def stored_form(config) -> dict:
   """A config as a run stores it in ``config.json`` (JSON types: tuples become lists)."""
   from ntk_fl import rundir  # pylint: disable=import-outside-toplevel
+
   return json.loads(json.dumps(rundir.jsonable(config)))
 
 
 def config_key(stored: dict) -> tuple:
   """What two runs must share to be the same setting (:data:`ntk_fl.compare.NEUTRAL_KEYS` and the seed left out)."""
   from ntk_fl import compare  # pylint: disable=import-outside-toplevel
+
   return compare.setting_key(stored)
 
 
 def override_flags(variant: Variant) -> list[str]:
   """``--config.<key>=<value>`` flags of the variant's overrides, as ``ntk-fl`` parses them back."""
+
   def text(value) -> str:
     if isinstance(value, tuple):
       inner = ",".join(text(v) for v in value)
       return f"({inner}{',' if len(value) == 1 else ''})"
     return repr(value) if isinstance(value, float) else str(value)
+
   return [f"--config.{key}={text(value)}" for key, value in variant.overrides]

@@ -9,6 +9,7 @@ that differ. What is computed depends on the experiment's ``kind``
 95 % t-interval (:func:`ntk_fl.compare.mean_ci`), paired tests
 :func:`ntk_fl.stats.paired_t_test`. Accuracies are in %.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,8 +25,9 @@ from ntk_fl.reproduce.registry import Experiment, Variant
 __all__ = ["collect", "render", "values_at"]
 
 
-def collect(experiment: Experiment, dirs: Sequence[str], seeds: Sequence[int] | None = None,
-            out: str = "") -> tuple[dict[str, compare.Group], list[str]]:
+def collect(
+  experiment: Experiment, dirs: Sequence[str], seeds: Sequence[int] | None = None, out: str = ""
+) -> tuple[dict[str, compare.Group], list[str]]:
   """``({variant name: Group of its runs}, [what is missing])`` among the run folders ``dirs``.
 
   Only runs that logged a round count. ``out`` is where the queue would put
@@ -48,11 +50,15 @@ def collect(experiment: Experiment, dirs: Sequence[str], seeds: Sequence[int] | 
       name = run_name(variant, seed)
       same_name = [d for d in dirs if os.path.basename(os.path.normpath(d)) == name]
       if same_name and os.path.isfile(os.path.join(same_name[0], rundir.CONFIG_FILE)):
-        missing.append(f"{name}: {same_name[0]} holds another config ({_difference(variant, seed, same_name[0])})")
+        missing.append(
+          f"{name}: {same_name[0]} holds another config ({_difference(variant, seed, same_name[0])})"
+        )
       elif found:
         missing.append(f"{name}: started, no round logged yet ({found[0]})")
       else:
-        missing.append(f"{name}: not run" + (f" (would be {os.path.join(out, name)})" if out else ""))
+        missing.append(
+          f"{name}: not run" + (f" (would be {os.path.join(out, name)})" if out else "")
+        )
     if runs:
       groups[variant.name] = compare.Group(variant.display, {}, runs)
   return groups, missing
@@ -60,14 +66,20 @@ def collect(experiment: Experiment, dirs: Sequence[str], seeds: Sequence[int] | 
 
 def _difference(variant: Variant, seed: int, workdir: str) -> str:
   from ntk_fl.reproduce.registry import build_config, stored_form  # pylint: disable=import-outside-toplevel
+
   want = dict(compare.flatten(stored_form(build_config(variant, seed))))
   have = dict(compare.flatten(rundir.read_config(workdir)))
-  keys = sorted(k for k in set(want) | set(have) if k not in compare.NEUTRAL_KEYS and want.get(k) != have.get(k))
-  return "; ".join(f"{k}: {have.get(k, '<absent>')!r}, expected {want.get(k, '<absent>')!r}" for k in keys[:6])
+  keys = sorted(
+    k for k in set(want) | set(have) if k not in compare.NEUTRAL_KEYS and want.get(k) != have.get(k)
+  )
+  return "; ".join(
+    f"{k}: {have.get(k, '<absent>')!r}, expected {want.get(k, '<absent>')!r}" for k in keys[:6]
+  )
 
 
-def values_at(group: compare.Group, round_: int | None, key: str = "test_acc",
-              fallback: bool = False) -> tuple[list[float], int | None]:
+def values_at(
+  group: compare.Group, round_: int | None, key: str = "test_acc", fallback: bool = False
+) -> tuple[list[float], int | None]:
   """``(values in %, round)``: ``key`` of every run that logged it at ``round_`` (default: the last round all
   runs logged). With ``fallback``, runs that have not reached ``round_`` yet (still running) are read at the
   last round they all logged instead, and that round is returned."""
@@ -111,26 +123,42 @@ def _table(experiment: Experiment, groups: dict[str, compare.Group]) -> list[str
   pct = f"{100 * experiment.target:g} %"
   variants = [v for v in experiment.variants if v.name in groups]
   if experiment.kind == "rounds":
-    rows = [f"| variant | seeds | rounds to {pct} per seed (— (rounds logged): not reached) | ours (mean ± 95 % CI) | "
-            "paper |", "|---|---|---|---:|---:|"]
+    rows = [
+      f"| variant | seeds | rounds to {pct} per seed (— (rounds logged): not reached) | ours (mean ± 95 % CI) | "
+      "paper |",
+      "|---|---|---|---:|---:|",
+    ]
     for v in variants:
       g = groups[v.name]
-      rows.append(f"| {v.display} | {', '.join(map(str, g.seeds))} | {_rounds_cells(g, experiment.target)} | "
-                  f"{v.paper or '—'} |")
+      rows.append(
+        f"| {v.display} | {', '.join(map(str, g.seeds))} | {_rounds_cells(g, experiment.target)} | "
+        f"{v.paper or '—'} |"
+      )
     return rows
   if experiment.kind == "paired":
-    rows = ["| method − baseline | seeds | round | method (%) | baseline (%) | gain (points) | 95 % CI | p | d_z | "
-            "paper (gain [CI] p d_z) |", "|---|---|---:|---|---|---:|---|---:|---:|---|"]
+    rows = [
+      "| method − baseline | seeds | round | method (%) | baseline (%) | gain (points) | 95 % CI | p | d_z | "
+      "paper (gain [CI] p d_z) |",
+      "|---|---|---:|---|---|---:|---|---:|---:|---|",
+    ]
     for a_name, b_name in experiment.pairs:
       a, b = experiment.variant(a_name), experiment.variant(b_name)
       if a_name not in groups or b_name not in groups:
-        rows.append(f"| {a.display} − {b.display} | — | — | — | — | — | — | — | — | {a.paper or '—'} |")
+        rows.append(
+          f"| {a.display} − {b.display} | — | — | — | — | — | — | — | — | {a.paper or '—'} |"
+        )
         continue
       ga, gb = groups[a_name], groups[b_name]
       seeds = sorted(set(ga.seeds) & set(gb.seeds))
       at = experiment.round
-      va = [values_at(compare.Group("", {}, [r for r in ga.runs if r["config"]["seed"] == s]), at)[0] for s in seeds]
-      vb = [values_at(compare.Group("", {}, [r for r in gb.runs if r["config"]["seed"] == s]), at)[0] for s in seeds]
+      va = [
+        values_at(compare.Group("", {}, [r for r in ga.runs if r["config"]["seed"] == s]), at)[0]
+        for s in seeds
+      ]
+      vb = [
+        values_at(compare.Group("", {}, [r for r in gb.runs if r["config"]["seed"] == s]), at)[0]
+        for s in seeds
+      ]
       keep = [i for i in range(len(seeds)) if va[i] and vb[i]]
       seeds, va, vb = [seeds[i] for i in keep], [va[i][0] for i in keep], [vb[i][0] for i in keep]
       shown = [", ".join(f"{x:.2f}" for x in side) or "—" for side in (va, vb)]
@@ -138,20 +166,28 @@ def _table(experiment: Experiment, groups: dict[str, compare.Group]) -> list[str
         t = stats.paired_t_test(va, vb)
         cells = f"{t.gain:+.2f} | [{t.ci_low:.2f}, {t.ci_high:.2f}] | {t.p:.2g} | {t.d_z:.2f}"
       else:
-        cells = (f"{va[0] - vb[0]:+.2f} | needs ≥ 2 shared seeds | — | —" if seeds else "— | — | — | —")
-      rows.append(f"| {a.display} − {b.display} | {', '.join(map(str, seeds)) or '—'} | {at or 'last'} | {shown[0]} | "
-                  f"{shown[1]} | {cells} | {a.paper or '—'} |")
+        cells = (
+          f"{va[0] - vb[0]:+.2f} | needs ≥ 2 shared seeds | — | —" if seeds else "— | — | — | —"
+        )
+      rows.append(
+        f"| {a.display} − {b.display} | {', '.join(map(str, seeds)) or '—'} | {at or 'last'} | {shown[0]} | "
+        f"{shown[1]} | {cells} | {a.paper or '—'} |"
+      )
     return rows
   sweep = experiment.kind == "sweep"
   head = "| series | x |" if sweep else "|"
-  rows = [f"{head} variant | seeds | round | aggregated (%) | mean client (%) | aggregated − client (points) | "
-          f"rounds to {pct} | paper |",
-          ("|---|---:|" if sweep else "|") + "---|---|---:|---:|---:|---:|---:|---|"]
+  rows = [
+    f"{head} variant | seeds | round | aggregated (%) | mean client (%) | aggregated − client (points) | "
+    f"rounds to {pct} | paper |",
+    ("|---|---:|" if sweep else "|") + "---|---|---:|---:|---:|---:|---:|---|",
+  ]
   for v in variants:
     g = groups[v.name]
     lead = f"| {v.series or '—'} | {v.x} |" if sweep else "|"
-    rows.append(f"{lead} {v.display} | {', '.join(map(str, g.seeds))} | {_accuracy_cells(g, experiment.round)} | "
-                f"{compare.rounds_cell(compare.summarize(g, experiment.target))} | {v.paper or '—'} |")
+    rows.append(
+      f"{lead} {v.display} | {', '.join(map(str, g.seeds))} | {_accuracy_cells(g, experiment.round)} | "
+      f"{compare.rounds_cell(compare.summarize(g, experiment.target))} | {v.paper or '—'} |"
+    )
   return rows
 
 
@@ -180,13 +216,30 @@ def _plot_sweep(experiment: Experiment, groups: dict[str, compare.Group], stem: 
     if not points["x"]:
       continue
     for x, y, at in zip(points["x"], points["aggregated"], points["round"]):
-      if experiment.round is not None and at < experiment.round:       # a run still going: say which round
+      if (
+        experiment.round is not None and at < experiment.round
+      ):  # a run still going: say which round
         ax.annotate(f"round {at}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=6)
-    ax.errorbar(points["x"], points["aggregated"], yerr=points["aggregated_half"], color=f"C{k % 10}", marker="o",
-                capsize=3, label=f"{name}, aggregated")
+    ax.errorbar(
+      points["x"],
+      points["aggregated"],
+      yerr=points["aggregated_half"],
+      color=f"C{k % 10}",
+      marker="o",
+      capsize=3,
+      label=f"{name}, aggregated",
+    )
     if not all(math.isnan(c) for c in points["client"]):
-      ax.errorbar(points["x"], points["client"], yerr=points["client_half"], color=f"C{k % 10}", marker="s",
-                  linestyle="--", capsize=3, label=f"{name}, mean client")
+      ax.errorbar(
+        points["x"],
+        points["client"],
+        yerr=points["client_half"],
+        color=f"C{k % 10}",
+        marker="s",
+        linestyle="--",
+        capsize=3,
+        label=f"{name}, mean client",
+      )
   xs = sorted({v.x for v in experiment.variants if v.name in groups})
   if xs and all(isinstance(x, (int, np.integer)) for x in xs):
     ax.set_xticks(xs)
@@ -209,8 +262,13 @@ def _plot_selection(groups: dict[str, compare.Group], stem: str) -> None:
         continue
       for order, style in (("best_to_worst", "-"), ("random", ":"), ("worst_to_best", "--")):
         curve = selection[order]
-        ax.plot(range(1, len(curve) + 1), [100 * c for c in curve], style, color=f"C{k % 10}",
-                label=f"{group.label}, seed {run['config']['seed']}, {order.replace('_', ' ')}")
+        ax.plot(
+          range(1, len(curve) + 1),
+          [100 * c for c in curve],
+          style,
+          color=f"C{k % 10}",
+          label=f"{group.label}, seed {run['config']['seed']}, {order.replace('_', ' ')}",
+        )
   ax.set_xlabel("clients averaged")
   ax.set_ylabel("test accuracy of the average (%)")
   ax.grid(alpha=0.3)
@@ -219,8 +277,15 @@ def _plot_selection(groups: dict[str, compare.Group], stem: str) -> None:
   compare.save_figure(fig, stem)
 
 
-def render(experiment: Experiment, dirs: Sequence[str], render_dir: str, *, seeds: Sequence[int] | None = None,
-           out: str = "", command: str = "") -> dict:
+def render(
+  experiment: Experiment,
+  dirs: Sequence[str],
+  render_dir: str,
+  *,
+  seeds: Sequence[int] | None = None,
+  out: str = "",
+  command: str = "",
+) -> dict:
   """Writes ``render_dir/<slug>.md`` and the figures; returns ``{"markdown", "files", "missing", "groups"}``."""
   slug = experiment.name.replace(":", "_")
   groups, missing = collect(experiment, dirs, seeds, out)
