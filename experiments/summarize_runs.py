@@ -1,7 +1,7 @@
 """Tabulate, plot and archive finished runs: a thin wrapper over :mod:`ntk_fl.compare`.
 
-  .venv/bin/python experiments/summarize_runs.py RUN... [--plot STEM.png] [--plot-comm STEM.png] [--detail]
-      [--archive DIR]
+  .venv/bin/python experiments/summarize_runs.py RUN... [--plot STEM.png] [--plot-comm STEM.png]
+      [--detail] [--archive DIR]
 
 Prints ``ntk-fl compare``'s tables (runs grouped by their whole config without the
 seed, rounds to 85 % and final accuracies as mean ± 95 % interval over seeds,

@@ -1,4 +1,5 @@
-"""Comparing finished (or running, or archived) runs: ``ntk-fl compare RUN_DIR... [--target 0.85] [--out DIR]``.
+"""Comparing finished (or running, or archived) runs: ``ntk-fl compare RUN_DIR... [--target 0.85]
+[--out DIR]``.
 
 Runs are grouped by their whole stored config (:func:`ntk_fl.rundir.read_config`)
 with the seed taken out: two runs are seeds of one setting exactly when every
@@ -69,9 +70,10 @@ NEUTRAL_KEYS = (
   "eval.consensus",
   "data.data_dir",
 )
-"""Config fields that do not make two runs different settings: the seed (what a group is made of), where the
-clients ran and in how many vmap chunks (equal up to float rounding), which checkpoints were kept, the
-divergence policy, the extra consensus scoring and where the data files were read from."""
+"""Config fields that do not make two runs different settings: the seed (what a group is made of),
+where the clients ran and in how many vmap chunks (equal up to float rounding), which checkpoints
+were kept, the divergence policy, the extra consensus scoring and where the data files were read
+from."""
 
 GIGABYTE_BITS = 8e9
 DETAIL_ROUNDS = (1, 2, 3, 5, 8, 10, 12, 15, 18, 20, 25, 30, 40, 50, 75, 100, 150, 200)
@@ -84,7 +86,8 @@ ARCHIVE_DROPPED = (
 
 
 def flatten(config: dict, prefix: str = "") -> dict:
-  """``{"algorithm.lr": 0.01, ...}``: a stored config's leaves by dotted key (lists become tuples)."""
+  """``{"algorithm.lr": 0.01, ...}``: a stored config's leaves by dotted key (lists become
+  tuples)."""
   out = {}
   for key, value in config.items():
     if isinstance(value, dict):
@@ -101,7 +104,8 @@ def setting_key(config: dict) -> tuple:
 
 @dataclasses.dataclass
 class Group:
-  """Runs of one setting, sorted by seed; ``label`` names the fields that set it apart from the other groups."""
+  """Runs of one setting, sorted by seed; ``label`` names the fields that set it apart from the
+  other groups."""
 
   label: str
   fields: dict  # the differing fields' values of this group (dotted key -> value)
@@ -130,12 +134,13 @@ def describe(config: dict) -> str:
 
 
 def group_runs(runs: Sequence[dict]) -> list[Group]:
-  """Groups ``runs`` (:func:`ntk_fl.rundir.read_run` dicts) by config without the seed; first-seen order.
+  """Groups ``runs`` (:func:`ntk_fl.rundir.read_run` dicts) by config without the seed; first-seen
+  order.
 
-  Labels: the dotted fields whose values differ between groups, ``key=value`` joined by ``, ``. When the
-  method differs, an ``algorithm.*`` field is named only if it also differs between groups of the same
-  method (the methods' hyperparameter blocks differ anyway). A single group is labelled by method, dataset
-  and split.
+  Labels: the dotted fields whose values differ between groups, ``key=value`` joined by ``, ``. When
+  the method differs, an ``algorithm.*`` field is named only if it also differs between groups of
+  the same method (the methods' hyperparameter blocks differ anyway). A single group is labelled by
+  method, dataset and split.
 
   Raises:
     ValueError: two runs of one setting with the same seed (which one would count?), or no runs.
@@ -185,7 +190,8 @@ def group_runs(runs: Sequence[dict]) -> list[Group]:
 
 
 def mean_ci(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
-  """``(mean, half-width)`` of the two-sided t-interval of the mean; half-width ``nan`` for one value."""
+  """``(mean, half-width)`` of the two-sided t-interval of the mean; half-width ``nan`` for one
+  value."""
   values = np.asarray(values, dtype=np.float64)
   if values.ndim != 1 or values.size == 0:
     raise ValueError(f"mean_ci needs a non-empty 1-D sequence; got shape {values.shape}")
@@ -210,7 +216,8 @@ def common_last_round(runs: Sequence[dict], key: str = "test_acc") -> int | None
 
 
 def curve(group: Group, key: str = "test_acc") -> dict:
-  """The group's per-round curve of ``key``: ``{"rounds", "mean", "half", "n"}`` (numpy arrays; fractions).
+  """The group's per-round curve of ``key``: ``{"rounds", "mean", "half", "n"}`` (numpy arrays;
+  fractions).
 
   Rounds are those every seed logged ``key`` at; ``half`` is the 95 % t-interval
   half-width over seeds (``nan`` with one seed).
@@ -287,11 +294,17 @@ def rounds_cell(summary: Summary) -> str:
   return f"{len(hits)} of {len(summary.reached)} reached"
 
 
+def _by_seed(group: Group, seeds: Sequence[int]) -> list[dict]:
+  """The group's runs of ``seeds``, in that order."""
+  return [next(r for r in group.runs if int(r["config"]["seed"]) == s) for s in seeds]
+
+
 def paired_tests(groups: Sequence[Group], round_: int | None = None) -> list[dict]:
   """Paired t-tests of aggregated accuracy (%) for every two groups sharing at least two seeds.
 
   Returns ``[{"a", "b", "seeds", "round", "a_values", "b_values", "test"}]`` with ``test`` a
-  :class:`ntk_fl.stats.PairedTest` of ``a − b`` at ``round_`` (default: the last round both groups logged).
+  :class:`ntk_fl.stats.PairedTest` of ``a − b`` at ``round_`` (default: the last round both groups
+  logged).
   """
   out = []
   for i, a in enumerate(groups):
@@ -299,8 +312,7 @@ def paired_tests(groups: Sequence[Group], round_: int | None = None) -> list[dic
       seeds = sorted(set(a.seeds) & set(b.seeds))
       if len(seeds) < 2:
         continue
-      pick = lambda g: [next(r for r in g.runs if int(r["config"]["seed"]) == s) for s in seeds]  # noqa: E731
-      ra, rb = pick(a), pick(b)
+      ra, rb = (_by_seed(g, seeds) for g in (a, b))
       at = round_ if round_ is not None else common_last_round(ra + rb)
       if at is None:
         continue
@@ -332,7 +344,8 @@ def compare_markdown(
   """The comparison as markdown: one row per group, then the paired tests."""
   pct = f"{100 * target:g} %"
   rows = [
-    f"| setting | seeds | rounds logged | rounds to {pct} per seed | rounds to {pct} (mean ± 95 % CI) | "
+    f"| setting | seeds | rounds logged | rounds to {pct} per seed | rounds to {pct} (mean ± 95 % "
+    "CI) | "
     "round | aggregated (%) | mean client (%) | aggregated − client (points) |",
     "|---|---|---|---|---:|---:|---:|---:|---:|",
   ]
@@ -340,14 +353,17 @@ def compare_markdown(
     s = summarize(group, target)
     per_seed = ", ".join(str(r) if r else "—" for r in s.reached)
     rows.append(
-      f"| {s.label} | {', '.join(map(str, s.seeds))} | {', '.join(map(str, s.logged))} | {per_seed} | "
-      f"{rounds_cell(s)} | {s.round or '—'} | {_pm(s.aggregated)} | {_pm(s.client)} | {_pm(s.gap)} |"
+      f"| {s.label} | {', '.join(map(str, s.seeds))} | {', '.join(map(str, s.logged))} | "
+      f"{per_seed} | "
+      f"{rounds_cell(s)} | {s.round or '—'} | {_pm(s.aggregated)} | {_pm(s.client)} | "
+      f"{_pm(s.gap)} |"
     )
   tests = paired_tests(groups, round_)
   if tests:
     rows += [
       "",
-      "| a − b (aggregated accuracy, paired by seed) | seeds | round | gain (points) | 95 % CI | t | p "
+      "| a − b (aggregated accuracy, paired by seed) | seeds | round | gain (points) | 95 % CI | "
+      "t | p "
       "| d_z |",
       "|---|---|---:|---:|---|---:|---:|---:|",
     ]
@@ -372,7 +388,8 @@ def _figure(width: float = 7, height: float = 4.5):
 
 def save_figure(fig, stem: str) -> list[str]:
   """Writes ``stem.png`` (150 dpi) and ``stem.pdf`` (vector); returns the two paths."""
-  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
 
   os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
   FigureCanvasAgg(fig)  # attaches a canvas; savefig picks the format's backend
@@ -383,10 +400,11 @@ def save_figure(fig, stem: str) -> list[str]:
 
 
 def plot_curves(groups: Sequence[Group], stem: str, target: float = 0.85, title: str = "") -> dict:
-  """Mean aggregated (solid) and mean-client (dashed) accuracy per round with 95 % bands; PNG and PDF.
+  """Mean aggregated (solid) and mean-client (dashed) accuracy per round with 95 % bands; PNG and
+  PDF.
 
-  Returns what was drawn: ``{"curves": {label: {"test_acc": curve, "client_acc_mean": curve or None}},
-  "xticks": the round axis' tick positions}``.
+  Returns what was drawn: ``{"curves": {label: {"test_acc": curve, "client_acc_mean": curve or
+  None}}, "xticks": the round axis' tick positions}``.
   """
   from matplotlib.ticker import MaxNLocator  # pylint: disable=import-outside-toplevel
 
@@ -440,7 +458,8 @@ def plot_curves(groups: Sequence[Group], stem: str, target: float = 0.85, title:
 
 
 def last_client_mean(lines: list[dict]) -> tuple[float, int] | None:
-  """``(client_acc_mean, round)`` of the last line that has it (clients may be scored every few rounds)."""
+  """``(client_acc_mean, round)`` of the last line that has it (clients may be scored every few
+  rounds)."""
   return next(
     (
       (line["client_acc_mean"], line["round"])
@@ -452,7 +471,8 @@ def last_client_mean(lines: list[dict]) -> tuple[float, int] | None:
 
 
 def run_table(runs: Sequence[dict], groups: Sequence[Group] | None = None) -> str:
-  """One row per run: rounds to 80 / 85 %, last aggregated and mean-client accuracy, step time, wall time."""
+  """One row per run: rounds to 80 / 85 %, last aggregated and mean-client accuracy, step time, wall
+  time."""
   groups = groups if groups is not None else group_runs(runs)
   label = {run["workdir"]: g.label for g in groups for run in g.runs}
   rows = [
@@ -474,7 +494,8 @@ def run_table(runs: Sequence[dict], groups: Sequence[Group] | None = None) -> st
     wall = sum(line["step_time"] + line.get("eval_time", 0.0) for line in lines)
     final = "—" if acc[-1] is None else f"{acc[-1]:.4f}"
     rows.append(
-      f"| {run['name']} | {label.get(run['workdir'], describe(run['config']))} | {run['config']['seed']} "
+      f"| {run['name']} | {label.get(run['workdir'], describe(run['config']))} | "
+      f"{run['config']['seed']} "
       f"| {len(lines)} | {to80 or '—'} | {to85 or '—'} | {final} | {client} | "
       f"{sum(steps) / len(steps):.1f} | {wall / 60:.1f} min |"
     )
@@ -482,7 +503,8 @@ def run_table(runs: Sequence[dict], groups: Sequence[Group] | None = None) -> st
 
 
 def detail(run: dict) -> str:
-  """Accuracy at DETAIL_ROUNDS (and the last round), the aggregation gap and the selection curves of one run."""
+  """Accuracy at DETAIL_ROUNDS (and the last round), the aggregation gap and the selection curves of
+  one run."""
   lines = run["lines"]
   shown = [line for line in lines if line["round"] in DETAIL_ROUNDS or line is lines[-1]]
   if all(line.get("client_acc_mean") is not None for line in shown):
@@ -501,7 +523,8 @@ def detail(run: dict) -> str:
   ]
   if gaps:
     out.append(
-      f"  aggregated − mean client: {gaps[0]:.1f} points at the first round, {gaps[-1]:.1f} at the last"
+      f"  aggregated − mean client: {gaps[0]:.1f} points at the first round, {gaps[-1]:.1f} at "
+      "the last"
     )
   consensus = [
     line for line in lines if line.get("consensus_acc_mean") is not None
@@ -511,7 +534,8 @@ def detail(run: dict) -> str:
     out.append(
       f"  consensus models (one averaging step later) at round {last['round']}: mean "
       f"{100 * last['consensus_acc_mean']:.1f} % ({100 * last['consensus_acc_min']:.1f}–"
-      f"{100 * last['consensus_acc_max']:.1f}), {100 * (last['test_acc'] - last['consensus_acc_mean']):.1f} "
+      f"{100 * last['consensus_acc_max']:.1f}), "
+      f"{100 * (last['test_acc'] - last['consensus_acc_mean']):.1f} "
       "points under the aggregated model"
     )
   steps = [line["step_time"] for line in lines[1:]][-10:]
@@ -536,7 +560,8 @@ def detail(run: dict) -> str:
 
 
 def communication_to_target(lines: list[dict], target: float) -> float | None:
-  """``bits_cumulative`` at the first round whose aggregated accuracy reaches ``target`` (``None`` if none)."""
+  """``bits_cumulative`` at the first round whose aggregated accuracy reaches ``target`` (``None``
+  if none)."""
   round_reached = metrics.rounds_to_target([line.get("test_acc") for line in lines], target)
   if round_reached is None:
     return None
@@ -544,7 +569,8 @@ def communication_to_target(lines: list[dict], target: float) -> float | None:
 
 
 def communication_table(runs: Sequence[dict], target: float = 0.85) -> str:
-  """Runs that log ``bits_cumulative``: rounds and GB to ``target``, GB per round, GB logged in all."""
+  """Runs that log ``bits_cumulative``: rounds and GB to ``target``, GB per round, GB logged in
+  all."""
   rows = [
     f"| run | rounds to {target:.0%} | GB to {target:.0%} | GB per round | GB logged |",
     "|---|---:|---:|---:|---:|",
@@ -565,7 +591,8 @@ def communication_table(runs: Sequence[dict], target: float = 0.85) -> str:
 
 
 def plot_communication(runs: Sequence[dict], stem: str, target: float = 0.85) -> None:
-  """Aggregated accuracy against cumulative communication (GB, log scale) of the runs that log it."""
+  """Aggregated accuracy against cumulative communication (GB, log scale) of the runs that log
+  it."""
   fig, ax = _figure()
   for k, run in enumerate(runs):
     logged = [line for line in run["lines"] if line.get("bits_cumulative") is not None]
@@ -588,7 +615,8 @@ def plot_communication(runs: Sequence[dict], stem: str, target: float = 0.85) ->
 
 
 def archive(workdir: str, out_root: str) -> str:
-  """Copies ``workdir``'s config, summary and per-round scalars to ``out_root/<name>/``; returns that path.
+  """Copies ``workdir``'s config, summary and per-round scalars to ``out_root/<name>/``; returns
+  that path.
 
   The per-client arrays (``clients``) are dropped (≈ 1.3 kB per round instead of
   ≈ 30 kB at 300 clients). Written to a temporary name and renamed, so an
@@ -608,7 +636,8 @@ def archive(workdir: str, out_root: str) -> str:
 
 
 def read_runs(workdirs: Sequence[str]) -> list[dict]:
-  """The runs among ``workdirs`` that have logged at least one round (others are reported on stderr).
+  """The runs among ``workdirs`` that have logged at least one round (others are reported on
+  stderr).
 
   Raises:
     ValueError: none of them is such a run.

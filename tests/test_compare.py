@@ -1,4 +1,5 @@
-"""ntk_fl.compare (``ntk-fl compare``) on hand-written runs; statistics recomputed here with numpy and scipy."""
+"""ntk_fl.compare (``ntk-fl compare``) on hand-written runs; statistics recomputed here with numpy
+and scipy."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from ntk_fl.config import load_config
 
 
 def stored_config(seed: int = 0, **overrides) -> dict:
-  """A whole config as a run stores it (``config.json``): the packaged smoke config with dotted overrides."""
+  """A whole config as a run stores it (``config.json``): the packaged smoke config with dotted
+  overrides."""
   config = load_config("ntk_dfl", "smoke")
   config.seed = seed
   for key, value in overrides.items():

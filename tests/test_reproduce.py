@@ -1,4 +1,5 @@
-"""ntk_fl.reproduce: the registry's integrity, the resumable queue, rendering from runs, and one real queue."""
+"""ntk_fl.reproduce: the registry's integrity, the resumable queue, rendering from runs, and one
+real queue."""
 
 from __future__ import annotations
 
@@ -138,7 +139,8 @@ def test_estimates_follow_the_cost_table():
     costs.estimate({"method": "nope", "rounds": 1})
 
 
-# ----------------------------------------------------------------------------- the queue (a stand-in launcher)
+# ----------------------------------------------------------------------------- the queue (a stand-
+# in launcher)
 
 
 def _flag(command, name):
@@ -146,7 +148,8 @@ def _flag(command, name):
 
 
 class FakeLauncher:
-  """Plays ``ntk-fl``: writes the run's config (as the command builds it), rounds, a checkpoint and a summary."""
+  """Plays ``ntk-fl``: writes the run's config (as the command builds it), rounds, a checkpoint and
+  a summary."""
 
   def __init__(self, experiment, finish=True, fail=()):
     self.experiment, self.finish, self.fail, self.commands = experiment, finish, set(fail), []
@@ -193,7 +196,8 @@ def test_the_queue_starts_skips_resumes_and_moves_aside(tmp_path):
     "skip",
   ]
   assert launch.commands == []
-  # Interrupted after a checkpoint: resumed in place. Killed before its first checkpoint: moved aside, restarted.
+  # Interrupted after a checkpoint: resumed in place. Killed before its first checkpoint: moved
+  # aside, restarted.
   os.remove(os.path.join(out, "smoke_lr01_s0", rundir.SUMMARY_FILE))
   lr03 = os.path.join(out, "smoke_lr03_s0")
   os.remove(os.path.join(lr03, rundir.SUMMARY_FILE))
@@ -493,7 +497,8 @@ def test_table3_renders_from_named_run_folders_and_archives_them(tmp_path, capsy
   diff = np.array([spark[s] - ntk[s] for s in (0, 1, 2)])
   p = scipy_stats.ttest_rel([spark[s] for s in (0, 1, 2)], [ntk[s] for s in (0, 1, 2)]).pvalue
   assert (
-    f"| SPARK, α = 0.1 − NTK-DFL (SPARK's abl_none), α = 0.1 | 0, 1, 2 | 30 | 86.84, 86.34, 86.71 | "
+    "| SPARK, α = 0.1 − NTK-DFL (SPARK's abl_none), α = 0.1 | 0, 1, 2 | 30 | 86.84, 86.34, 86.71 "
+    "| "
     f"85.52, 85.45, 85.38 | {diff.mean():+.2f} |"
   ) in text
   assert (

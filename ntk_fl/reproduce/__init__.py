@@ -1,8 +1,8 @@
-"""The papers' tables and figures, one command each: ``ntk-fl reproduce NAME [--seeds 0 1 2] [--out DIR]``.
+"""The papers' tables and figures, one command each: ``ntk-fl reproduce NAME [--out DIR]``.
 
-  ntk-fl reproduce --list                          every experiment: runs, estimated CPU and GPU time, status
-  ntk-fl reproduce ntk_dfl:fig9 [--out runs/reproduce] [--seeds 0 1] [--variants 'fig9_*_k2'] [--skip_gpu]
-        [--python 'taskset -c 1 python'] [--extra=--config.chunk_size=0] [--dry_run]
+  ntk-fl reproduce --list          every experiment: runs, estimated CPU and GPU time, status
+  ntk-fl reproduce ntk_dfl:fig9 [--out runs/reproduce] [--seeds 0 1] [--variants 'fig9_*_k2']
+        [--skip_gpu] [--python 'taskset -c 1 python'] [--extra=--config.chunk_size=0] [--dry_run]
   ntk-fl reproduce ntk_dfl:fig9 --out DIR --render_only [--render_dir FIGDIR]
   ntk-fl reproduce ntk_dfl:fig9 --runs RUN_DIR... --render_dir FIGDIR
 
@@ -35,7 +35,8 @@ DEFAULT_OUT = "runs/reproduce"
 
 
 def estimate(experiment: Experiment, seeds: Sequence[int] | None = None) -> dict:
-  """``{"runs", "cpu_h", "gpu_h", "gpu_measured", "gpu_runs"}`` of the experiment (distinct runs counted once).
+  """``{"runs", "cpu_h", "gpu_h", "gpu_measured", "gpu_runs"}`` of the experiment (distinct runs
+  counted once).
 
   ``gpu_measured`` is False when a method's GPU time is scaled from its family's CPU/GPU ratio.
   """
@@ -66,7 +67,8 @@ def _hours(h: float) -> str:
 
 
 def list_table() -> str:
-  """Every experiment as a markdown row: runs, estimated time on the 2-core CPU and on one H100, status."""
+  """Every experiment as a markdown row: runs, estimated time on the 2-core CPU and on one H100,
+  status."""
   rows = [
     "| experiment | what | runs | CPU (2-core AMD EPYC) | GPU (one H100) | status |",
     "|---|---|---:|---:|---:|---|",
@@ -147,7 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.list:
     print(list_table())
     print(
-      "\nEstimates: per-round costs of ntk_fl.reproduce.costs.ROUND_SECONDS x rounds (an upper bound for runs "
+      "\nEstimates: per-round costs of ntk_fl.reproduce.costs.ROUND_SECONDS x rounds (an upper "
+      "bound for runs "
       "stopped at a target); ≈: GPU time scaled from the method family's measured CPU/GPU ratio."
     )
     return 0

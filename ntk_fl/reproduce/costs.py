@@ -21,7 +21,8 @@ __all__ = ["Cost", "ROUND_SECONDS", "estimate", "markdown_table"]
 class Cost(NamedTuple):
   """Seconds per round at the paper scale; ``gpu`` is ``None`` where no GPU measurement exists.
 
-  ``cpu_eval`` is the part of ``cpu`` spent scoring the models, which does not scale with the neighbourhood.
+  ``cpu_eval`` is the part of ``cpu`` spent scoring the models, which does not scale with the
+  neighbourhood.
   """
 
   cpu: float
@@ -80,7 +81,8 @@ ROUND_SECONDS: dict[str, Cost] = {
 
 _NTK_GOSSIP = ("ntk_dfl", "spark")
 _NTK_SERVER = ("ntk_fl", "cp_ntk_fl")
-# Where a method has no GPU measurement, its CPU time is divided by the measured CPU/GPU ratio of its family.
+# Where a method has no GPU measurement, its CPU time is divided by the measured CPU/GPU ratio of
+# its family.
 _GPU_RATIO_NTK = ROUND_SECONDS["ntk_dfl"].cpu / ROUND_SECONDS["ntk_dfl"].gpu
 _GPU_RATIO_GRADIENT = ROUND_SECONDS["dfedavg"].cpu / ROUND_SECONDS["dfedavg"].gpu
 

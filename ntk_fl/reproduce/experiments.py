@@ -154,7 +154,8 @@ def _ntk_dfl() -> list[Experiment]:
         for m in GOSSIP_BASELINES
         for lvl in ("alpha0.1", "alpha0.5", "iid")
       ),
-      claim="DFedAvg needs 4.6x NTK-DFL's rounds at α = 0.1 (83 vs 18); DFedSAM and DisPFL do not reach 85 % "
+      claim="DFedAvg needs 4.6x NTK-DFL's rounds at α = 0.1 (83 vs 18); DFedSAM and DisPFL do not "
+      "reach 85 % "
       "in 200 rounds at α = 0.1.",
       seeds=SEEDS3,
       kind="rounds",
@@ -173,7 +174,8 @@ def _ntk_dfl() -> list[Experiment]:
         )
         for lvl in ("iid", "alpha0.5", "alpha0.1")
       ),
-      claim="Centralised NTK-FL matched to the busiest DFL node needs 73 / 85 / 180 rounds (IID / 0.5 / 0.1).",
+      claim="Centralised NTK-FL matched to the busiest DFL node needs 73 / 85 / 180 rounds (IID / "
+      "0.5 / 0.1).",
       seeds=SEEDS3,
       kind="rounds",
     ),
@@ -191,7 +193,8 @@ def _ntk_dfl() -> list[Experiment]:
       kind="sweep",
       round=30,
       x_label="neighbours κ",
-      notes="Accuracy at round 30 (the paper's tuning round; the figure's round is not stated). DFedAvg is "
+      notes="Accuracy at round 30 (the paper's tuning round; the figure's round is not stated). "
+      "DFedAvg is "
       "the CPU baseline; the other baselines are registered for a GPU.",
     ),
     Experiment(
@@ -214,7 +217,8 @@ def _ntk_dfl() -> list[Experiment]:
       kind="sweep",
       round=30,
       x_label="Dirichlet α",
-      notes="α ∈ {0.1, ..., 0.5} (the paper's range; its grid is not stated); accuracy at round 30.",
+      notes="α ∈ {0.1, ..., 0.5} (the paper's range; its grid is not stated); accuracy at round "
+      "30.",
     ),
     Experiment(
       "ntk_dfl:fig4",
@@ -241,13 +245,15 @@ def _ntk_dfl() -> list[Experiment]:
       "NTK-DFL Fig. 5: inter-client deviation (eq. 12) against final accuracy over trials",
       (),
       claim="Final accuracy correlates positively with the deviation V.",
-      needs="method: the deviation metric of eq. 12 logged per round, and the paper's trial grid (not stated)",
+      needs="method: the deviation metric of eq. 12 logged per round, and the paper's trial grid "
+      "(not stated)",
     ),
     Experiment(
       "ntk_dfl:fig6",
       "NTK-DFL Fig. 6: final accuracy against the number of clients averaged (α = 0.1)",
       (Variant("fig9_ntk_dfl_k5", "ntk_dfl:alpha0.1", (), "NTK-DFL, α = 0.1"),),
-      claim="Best-to-worst selection beats random and worst-to-best; a subset can beat averaging all.",
+      claim="Best-to-worst selection beats random and worst-to-best; a subset can beat averaging "
+      "all.",
       kind="selection",
     ),
     Experiment(
@@ -261,7 +267,8 @@ def _ntk_dfl() -> list[Experiment]:
       ),
       claim="Without per-round averaging the client accuracies have a long low tail.",
       kind="accuracy",
-      notes="Rendered as mean-client curves and final accuracies; the per-round histograms are not drawn.",
+      notes="Rendered as mean-client curves and final accuracies; the per-round histograms are "
+      "not drawn.",
     ),
     Experiment(
       "ntk_dfl:fig8",
@@ -283,7 +290,8 @@ def _ntk_dfl() -> list[Experiment]:
         Variant("fig8_ntk_dfl_ring", "ntk_dfl", (("topology.name", "ring"),), "ring"),
         Variant("fig8_ntk_dfl_line", "ntk_dfl", (("topology.name", "line"),), "line"),
       ),
-      claim="Ring and line (2 neighbours) converge a bit slower; clustered is comparable to 5-regular.",
+      claim="Ring and line (2 neighbours) converge a bit slower; clustered is comparable to "
+      "5-regular.",
       kind="accuracy",
     ),
     Experiment(
@@ -293,7 +301,8 @@ def _ntk_dfl() -> list[Experiment]:
         dataclasses_replace(v, paper="gap ≈ 15 points" if v.x == 2 else "")
         for v in _kappa_sweep("fig9", "ntk_dfl")
       ),
-      claim="Aggregated accuracy stays flat as κ varies while mean-client accuracy falls; the gap is nearly "
+      claim="Aggregated accuracy stays flat as κ varies while mean-client accuracy falls; the gap "
+      "is nearly "
       "15 points at κ = 2.",
       kind="sweep",
       round=30,
@@ -567,12 +576,14 @@ def _spark() -> list[Experiment]:
       "spark:table4",
       "SPARK Table 4: ablation of distillation and momentum, IID",
       table4,
-      claim="Momentum gives the speed (6 rounds), distillation the stability; Variant B is unstable after "
+      claim="Momentum gives the speed (6 rounds), distillation the stability; Variant B is "
+      "unstable after "
       "round 15.",
       seeds=SEEDS3,
       kind="accuracy",
       round=30,
-      notes="Distillation only and momentum only branch off the no-distillation run and SPARK after the shared "
+      notes="Distillation only and momentum only branch off the no-distillation run and SPARK "
+      "after the shared "
       "10-round warm-up (their round-10 checkpoints are kept).",
     ),
     Experiment(
@@ -678,7 +689,8 @@ def _spark() -> list[Experiment]:
         )
         for k in (2, 3, 4, 5, 6)
       ),
-      claim="At κ = 5 SPARK's aggregated-client gap is 4.3 points smaller than NTK-DFL's, its aggregated "
+      claim="At κ = 5 SPARK's aggregated-client gap is 4.3 points smaller than NTK-DFL's, its "
+      "aggregated "
       "accuracy 1.3 points higher.",
       kind="sweep",
       round=30,
@@ -762,10 +774,12 @@ def _spark() -> list[Experiment]:
         ),
         Variant("spark_comm_full_stack", "spark:alpha0.1,full_stack", (), "full stack"),
       ),
-      claim="Projection, sparsification, sampling and quantisation stack with little accuracy loss.",
+      claim="Projection, sparsification, sampling and quantisation stack with little accuracy "
+      "loss.",
       seeds=SEEDS3,
       kind="communication",
-      notes="The intermediate stacks (projection + sparsification, + sampling) are not separate variants.",
+      notes="The intermediate stacks (projection + sparsification, + sampling) are not separate "
+      "variants.",
     ),
     Experiment(
       "spark:fig12",
@@ -809,7 +823,8 @@ def _ntk_fl() -> list[Experiment]:
         ),
         Variant("fedavg", "fedavg", TO85, "FedAvg", paper="284 rounds, 1720 MB"),
       ),
-      claim="CP-NTK-FL reaches 85 % in 26 rounds with 386 MB of uplink; FedAvg needs 284 rounds and 1720 MB.",
+      claim="CP-NTK-FL reaches 85 % in 26 rounds with 386 MB of uplink; FedAvg needs 284 rounds "
+      "and 1720 MB.",
       seeds=SEEDS3,
       kind="rounds",
       notes="FedCOM and QSGD rows: ntk_fl:table1_compressed.",
@@ -895,7 +910,8 @@ def _ntk_fl() -> list[Experiment]:
       kind="sweep",
       round=10,
       x_label="sampling rate β",
-      notes="β ∈ {0.1, ..., 0.5} × d1' ∈ {100, 200, 300, 400} (the values are only on the paper's plot axes).",
+      notes="β ∈ {0.1, ..., 0.5} × d1' ∈ {100, 200, 300, 400} (the values are only on the paper's "
+      "plot axes).",
     ),
     Experiment("ntk_fl:fig7", "NTK-FL Fig. 7: CIFAR-10, α = 0.1", (), needs="data: CIFAR-10"),
     Experiment(

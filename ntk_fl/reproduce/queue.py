@@ -47,7 +47,8 @@ def run_name(variant: Variant, seed: int) -> str:
 
 @dataclasses.dataclass
 class Job:
-  """One run of the queue: ``action`` is ``"skip"``, ``"resume"`` or ``"start"`` (after ``aside``, if set)."""
+  """One run of the queue: ``action`` is ``"skip"``, ``"resume"`` or ``"start"`` (after ``aside``,
+  if set)."""
 
   variant: Variant
   seed: int
@@ -81,8 +82,8 @@ def _has_checkpoint(workdir: str) -> bool:
 
 
 def index_runs(dirs: Sequence[str]) -> dict[tuple, list[str]]:
-  """``{(config key, seed): [workdir, ...]}`` of the started runs among ``dirs`` (folders without a readable
-  ``config.json`` are left out)."""
+  """``{(config key, seed): [workdir, ...]}`` of the started runs among ``dirs`` (folders without a
+  readable ``config.json`` are left out)."""
   index: dict[tuple, list[str]] = {}
   for workdir in dirs:
     if not os.path.isfile(os.path.join(workdir, rundir.CONFIG_FILE)):
@@ -100,8 +101,8 @@ ASIDE_MARK = ".unfinished-"
 
 
 def runs_in(out: str) -> list[str]:
-  """The folders directly under ``out`` (candidates for runs), sorted; moved-aside runs and half-written
-  archives (``.partial``) are left out."""
+  """The folders directly under ``out`` (candidates for runs), sorted; moved-aside runs and
+  half-written archives (``.partial``) are left out."""
   if not os.path.isdir(out):
     return []
   return sorted(
@@ -116,7 +117,8 @@ def expected_key(variant: Variant, seed: int) -> tuple:
 
 
 def _pick(candidates: list[str], canonical: str) -> str | None:
-  """The run to use among same-config runs: the one at the canonical name, else a finished one, else the first."""
+  """The run to use among same-config runs: the one at the canonical name, else a finished one, else
+  the first."""
   if canonical in candidates:
     return canonical
   finished = [c for c in candidates if rundir.read_summary(c) is not None]
@@ -133,8 +135,8 @@ def plan(
   extra: Sequence[str] = (),
   skip_gpu: bool = False,
 ) -> list[Job]:
-  """What the queue would do now, in order (nothing is changed on disk); ``skip_gpu`` leaves out the variants
-  registered for a GPU."""
+  """What the queue would do now, in order (nothing is changed on disk); ``skip_gpu`` leaves out the
+  variants registered for a GPU."""
   index = index_runs(runs_in(out))
   prefix = shlex.split(python) if python else [sys.executable]
   jobs = []
@@ -201,7 +203,8 @@ def run_queue(
   launch: Callable[[list[str], str], int] = _launch,
   echo: Callable[[str], None] = print,
 ) -> list[Job]:
-  """Runs the experiment's queue in ``out``; returns the jobs with ``action`` ``"failed"`` where a run failed.
+  """Runs the experiment's queue in ``out``; returns the jobs with ``action`` ``"failed"`` where a
+  run failed.
 
   The plan is remade before each run, so runs finished by another queue meanwhile
   (or a source run of a branch) are seen.

@@ -1,4 +1,5 @@
-"""The papers' tables and figures as named experiments: their runs, their result and the paper's numbers.
+"""The papers' tables and figures as named experiments: their runs, their result and the paper's
+numbers.
 
 An :class:`Experiment` (``ntk_dfl:fig9``) holds :class:`Variant` s -- a packaged
 config with its variant string and dotted overrides (rounds and the stopping rule
@@ -27,14 +28,13 @@ class Variant:
   """One curve, bar or row of an experiment.
 
   Attributes:
-    name: the run's name; its seed-``s`` run is ``OUT/<name>_s<s>``.
-    config: a packaged config with its variant string (``"ntk_dfl:alpha0.5"``).
-    overrides: dotted config fields set after the config is built (``(("topology.degree", 2),)``).
-    label: the legend / table label.
-    x: the figure's axis value of a sweep (κ, α, ...).
-    series: the line a sweep point belongs to (usually the method).
-    seeds: seeds of this variant when not the experiment's (e.g. the first seed only).
-    branch_from: another variant of the experiment whose checkpoint this run starts from (rounds the method
+    name: the run's name; its seed-``s`` run is ``OUT/<name>_s<s>``. config: a packaged config with
+    its variant string (``"ntk_dfl:alpha0.5"``). overrides: dotted config fields set after the
+    config is built (``(("topology.degree", 2),)``). label: the legend / table label. x: the
+    figure's axis value of a sweep (κ, α, ...). series: the line a sweep point belongs to (usually
+    the method). seeds: seeds of this variant when not the experiment's (e.g. the first seed only).
+    branch_from: another variant of the experiment whose checkpoint this run starts from (rounds the
+    method
       certifies they share, :func:`ntk_fl.rundir.check_branch`).
     gpu: registered for a GPU (too slow for the CPU queue).
     paper: the paper's number for this variant (rounds to target, accuracy, gain ...), as printed.
@@ -61,21 +61,19 @@ class Experiment:
   """A table or figure of a paper.
 
   Attributes:
-    name: ``"<paper>:<table or figure>"``, e.g. ``"ntk_dfl:fig9"``.
-    title: what the paper shows, with its table or figure number.
-    claim: the paper's statement the result is checked against.
-    variants: the runs (each for every seed in ``seeds`` unless it names its own).
-    seeds: the seeds of every variant.
-    kind: how the result is computed: ``"rounds"`` (rounds to ``target``), ``"accuracy"`` (aggregated and
-      mean-client accuracy at ``round``, their gap), ``"sweep"`` (the same against each variant's ``x``),
-      ``"paired"`` (paired t-tests of ``pairs``), ``"communication"`` (accuracy against cumulative bits),
-      ``"selection"`` (final-averaging selection curves).
-    target: the accuracy target of ``"rounds"``.
-    round: the round of ``"accuracy"``, ``"sweep"`` and ``"paired"`` (``None``: the last round every run logged).
-    x_label: the axis of a sweep.
-    pairs: ``(method variant, baseline variant)`` names of a ``"paired"`` experiment.
-    needs: what is missing before it can run; empty when it runs today.
-    notes: choices made where the paper is silent (rounds, grids).
+    name: ``"<paper>:<table or figure>"``, e.g. ``"ntk_dfl:fig9"``. title: what the paper shows,
+    with its table or figure number. claim: the paper's statement the result is checked against.
+    variants: the runs (each for every seed in ``seeds`` unless it names its own). seeds: the seeds
+    of every variant. kind: how the result is computed: ``"rounds"`` (rounds to ``target``),
+    ``"accuracy"`` (aggregated and
+      mean-client accuracy at ``round``, their gap), ``"sweep"`` (the same against each variant's
+      ``x``), ``"paired"`` (paired t-tests of ``pairs``), ``"communication"`` (accuracy against
+      cumulative bits), ``"selection"`` (final-averaging selection curves).
+    target: the accuracy target of ``"rounds"``. round: the round of ``"accuracy"``, ``"sweep"`` and
+    ``"paired"`` (``None``: the last round every run logged). x_label: the axis of a sweep. pairs:
+    ``(method variant, baseline variant)`` names of a ``"paired"`` experiment. needs: what is
+    missing before it can run; empty when it runs today. notes: choices made where the paper is
+    silent (rounds, grids).
   """
 
   name: str
@@ -108,7 +106,8 @@ class Experiment:
 
 
 def build_config(variant: Variant, seed: int):
-  """The ``ml_collections.ConfigDict`` of ``variant``'s run for ``seed`` (what its command line builds).
+  """The ``ml_collections.ConfigDict`` of ``variant``'s run for ``seed`` (what its command line
+  builds).
 
   Raises:
     ValueError: an override names no field of the config.
@@ -144,7 +143,8 @@ def stored_form(config) -> dict:
 
 
 def config_key(stored: dict) -> tuple:
-  """What two runs must share to be the same setting (:data:`ntk_fl.compare.NEUTRAL_KEYS` and the seed left out)."""
+  """What two runs must share to be the same setting (:data:`ntk_fl.compare.NEUTRAL_KEYS` and the
+  seed left out)."""
   from ntk_fl import compare  # pylint: disable=import-outside-toplevel
 
   return compare.setting_key(stored)

@@ -1,4 +1,5 @@
-"""An experiment's result from its runs: a markdown table next to the paper's numbers, and its figures.
+"""An experiment's result from its runs: a markdown table next to the paper's numbers, and its
+figures.
 
 Runs are found by config (:func:`collect`): a run belongs to a variant when its
 stored config equals the variant's for one of the seeds, apart from the fields
@@ -20,7 +21,7 @@ import numpy as np
 
 from ntk_fl import compare, rundir, stats
 from ntk_fl.reproduce.queue import expected_key, index_runs, run_name, runs_in
-from ntk_fl.reproduce.registry import Experiment, Variant
+from ntk_fl.reproduce.registry import Experiment, Variant, build_config, stored_form
 
 __all__ = ["collect", "render", "values_at"]
 
@@ -51,7 +52,8 @@ def collect(
       same_name = [d for d in dirs if os.path.basename(os.path.normpath(d)) == name]
       if same_name and os.path.isfile(os.path.join(same_name[0], rundir.CONFIG_FILE)):
         missing.append(
-          f"{name}: {same_name[0]} holds another config ({_difference(variant, seed, same_name[0])})"
+          f"{name}: {same_name[0]} holds another config "
+          f"({_difference(variant, seed, same_name[0])})"
         )
       elif found:
         missing.append(f"{name}: started, no round logged yet ({found[0]})")
@@ -65,7 +67,6 @@ def collect(
 
 
 def _difference(variant: Variant, seed: int, workdir: str) -> str:
-  from ntk_fl.reproduce.registry import build_config, stored_form  # pylint: disable=import-outside-toplevel
 
   want = dict(compare.flatten(stored_form(build_config(variant, seed))))
   have = dict(compare.flatten(rundir.read_config(workdir)))
@@ -80,9 +81,9 @@ def _difference(variant: Variant, seed: int, workdir: str) -> str:
 def values_at(
   group: compare.Group, round_: int | None, key: str = "test_acc", fallback: bool = False
 ) -> tuple[list[float], int | None]:
-  """``(values in %, round)``: ``key`` of every run that logged it at ``round_`` (default: the last round all
-  runs logged). With ``fallback``, runs that have not reached ``round_`` yet (still running) are read at the
-  last round they all logged instead, and that round is returned."""
+  """``(values in %, round)``: ``key`` of every run that logged it at ``round_`` (default: the last
+  round all runs logged). With ``fallback``, runs that have not reached ``round_`` yet (still
+  running) are read at the last round they all logged instead, and that round is returned."""
   at = round_ if round_ is not None else compare.common_last_round(group.runs, key)
   if at is None:
     return [], None
@@ -124,7 +125,8 @@ def _table(experiment: Experiment, groups: dict[str, compare.Group]) -> list[str
   variants = [v for v in experiment.variants if v.name in groups]
   if experiment.kind == "rounds":
     rows = [
-      f"| variant | seeds | rounds to {pct} per seed (— (rounds logged): not reached) | ours (mean ± 95 % CI) | "
+      f"| variant | seeds | rounds to {pct} per seed (— (rounds logged): not reached) | ours "
+      "(mean ± 95 % CI) | "
       "paper |",
       "|---|---|---|---:|---:|",
     ]
@@ -137,7 +139,8 @@ def _table(experiment: Experiment, groups: dict[str, compare.Group]) -> list[str
     return rows
   if experiment.kind == "paired":
     rows = [
-      "| method − baseline | seeds | round | method (%) | baseline (%) | gain (points) | 95 % CI | p | d_z | "
+      "| method − baseline | seeds | round | method (%) | baseline (%) | gain (points) | 95 % CI "
+      "| p | d_z | "
       "paper (gain [CI] p d_z) |",
       "|---|---|---:|---|---|---:|---|---:|---:|---|",
     ]
@@ -170,14 +173,16 @@ def _table(experiment: Experiment, groups: dict[str, compare.Group]) -> list[str
           f"{va[0] - vb[0]:+.2f} | needs ≥ 2 shared seeds | — | —" if seeds else "— | — | — | —"
         )
       rows.append(
-        f"| {a.display} − {b.display} | {', '.join(map(str, seeds)) or '—'} | {at or 'last'} | {shown[0]} | "
+        f"| {a.display} − {b.display} | {', '.join(map(str, seeds)) or '—'} | {at or 'last'} | "
+        f"{shown[0]} | "
         f"{shown[1]} | {cells} | {a.paper or '—'} |"
       )
     return rows
   sweep = experiment.kind == "sweep"
   head = "| series | x |" if sweep else "|"
   rows = [
-    f"{head} variant | seeds | round | aggregated (%) | mean client (%) | aggregated − client (points) | "
+    f"{head} variant | seeds | round | aggregated (%) | mean client (%) | aggregated − client "
+    "(points) | "
     f"rounds to {pct} | paper |",
     ("|---|---:|" if sweep else "|") + "---|---|---:|---:|---:|---:|---:|---|",
   ]
@@ -185,14 +190,16 @@ def _table(experiment: Experiment, groups: dict[str, compare.Group]) -> list[str
     g = groups[v.name]
     lead = f"| {v.series or '—'} | {v.x} |" if sweep else "|"
     rows.append(
-      f"{lead} {v.display} | {', '.join(map(str, g.seeds))} | {_accuracy_cells(g, experiment.round)} | "
+      f"{lead} {v.display} | {', '.join(map(str, g.seeds))} | "
+      f"{_accuracy_cells(g, experiment.round)} | "
       f"{compare.rounds_cell(compare.summarize(g, experiment.target))} | {v.paper or '—'} |"
     )
   return rows
 
 
 def _plot_sweep(experiment: Experiment, groups: dict[str, compare.Group], stem: str) -> dict:
-  """Aggregated (solid) and mean-client (dashed) accuracy at the round against each variant's ``x``."""
+  """Aggregated (solid) and mean-client (dashed) accuracy at the round against each variant's
+  ``x``."""
   fig, ax = compare._figure()  # pylint: disable=protected-access
   series: dict[str, list] = {}
   for v in experiment.variants:
@@ -286,7 +293,8 @@ def render(
   out: str = "",
   command: str = "",
 ) -> dict:
-  """Writes ``render_dir/<slug>.md`` and the figures; returns ``{"markdown", "files", "missing", "groups"}``."""
+  """Writes ``render_dir/<slug>.md`` and the figures; returns ``{"markdown", "files", "missing",
+  "groups"}``."""
   slug = experiment.name.replace(":", "_")
   groups, missing = collect(experiment, dirs, seeds, out)
   os.makedirs(render_dir, exist_ok=True)
