@@ -13,7 +13,8 @@ runs killed before their first checkpoint moved aside) in ``--out`` (default
 made once), then is rendered (:mod:`ntk_fl.reproduce.render`) to
 ``--render_dir`` (default ``OUT/results``): ``<name>.md`` with the table beside
 the paper's numbers, and the figures as PNG and PDF. ``--render_only`` renders
-what ``--out`` (or ``--runs``) holds without running anything; runs are matched
+what ``--out`` (or ``--runs``) holds without running anything, by default to
+``runs/results`` (never into a folder of runs it only reads); runs are matched
 by config, so runs made by hand or by another queue are found whatever their
 names. ``--archive DIR`` copies the rendered runs' scalars to ``DIR/<run name>/``.
 """
@@ -117,7 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     "--render_only", action="store_true", help="render what the runs hold; run nothing"
   )
   parser.add_argument(
-    "--render_dir", default="", help="where the table and figures go (default OUT/results)"
+    "--render_dir",
+    default="",
+    help="where the table and figures go (default OUT/results; runs/results with --render_only or "
+    "--runs)",
   )
   parser.add_argument(
     "--variants",
@@ -163,7 +167,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"error: unknown experiment {args.name!r}; known: {', '.join(close)}", file=sys.stderr)
     return 2
   experiment = EXPERIMENTS[args.name]
-  render_dir = args.render_dir or f"{args.out}/results"
+  # Rendering someone else's runs (--render_only, --runs) never writes into their folder by default.
+  reading_only = args.render_only or args.runs is not None
+  render_dir = args.render_dir or ("runs/results" if reading_only else f"{args.out}/results")
   try:
     if args.runs is None and not args.render_only:
       if experiment.needs:
