@@ -34,6 +34,10 @@ command per host). Only process 0 writes metrics, summary, plots, the log and th
 console output; every process writes and restores its part of the checkpoints.
 
 In a checkout, ``python experiments/main.py ...`` is the same command.
+
+Subcommands: ``ntk-fl compare RUN_DIR...`` (:mod:`ntk_fl.compare`) tabulates and
+plots runs grouped by setting; ``ntk-fl reproduce NAME`` (:mod:`ntk_fl.reproduce`)
+runs one of the papers' tables or figures as a resumable queue and renders it.
 """
 from __future__ import annotations
 
@@ -329,9 +333,20 @@ def _main(argv: list[str]) -> None:
   distributed.shutdown()
 
 
+SUBCOMMANDS = {"compare": "ntk_fl.compare", "reproduce": "ntk_fl.reproduce"}
+"""``ntk-fl NAME ...`` runs ``main(argv)`` of these modules instead of one experiment."""
+
+
+def _subcommand(name: str):
+  import importlib  # pylint: disable=import-outside-toplevel
+  return importlib.import_module(SUBCOMMANDS[name]).main
+
+
 def main(argv: Sequence[str] | None = None) -> None:
   """The ``ntk-fl`` console script (and ``experiments/main.py``, ``python -m ntk_fl``)."""
   argv = list(sys.argv if argv is None else argv)
+  if len(argv) > 1 and argv[1] in SUBCOMMANDS:    # ntk-fl compare ... / ntk-fl reproduce ...
+    sys.exit(_subcommand(argv[1])(argv[2:]))
   _define_flags()
   _ARGV[:] = argv      # the launcher of a multi-process run repeats them for each process
   # --helpshort lists the key flags of the program being run (absl keys them by argv[0]) and prints its

@@ -1,8 +1,8 @@
 """The run directory: the files a run leaves in its workdir, and who may start in one.
 
-This module owns the format; the loop (:mod:`ntk_fl.runner`) and the analysis
-scripts (``experiments/summarize_runs.py``, ``paired_test.py``,
-``consensus_accuracy.py``) read and write runs only through it.
+This module owns the format; the loop (:mod:`ntk_fl.runner`), :mod:`ntk_fl.compare`,
+:mod:`ntk_fl.reproduce` and the analysis scripts (``experiments/summarize_runs.py``,
+``paired_test.py``, ``consensus_accuracy.py``) read and write runs only through it.
 
 Workdir layout::
 

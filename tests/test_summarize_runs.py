@@ -1,17 +1,26 @@
-"""experiments/summarize_runs.py on hand-written workdirs: its numbers are recomputed here from the lines."""
+"""The per-run tables and the archive of ntk_fl.compare (and experiments/summarize_runs.py, its wrapper) on
+hand-written workdirs: their numbers are recomputed here from the lines."""
 from __future__ import annotations
 
 import json
 import os
 
+import subprocess
+import sys
+import types
+
 import pytest
 
-from scripts import load_experiment
+from ntk_fl import compare, rundir
 
 
 @pytest.fixture(scope="module")
 def summarize():
-  return load_experiment("summarize_runs")
+  return types.SimpleNamespace(read_run=rundir.read_run, split_label=rundir.split_label, table=compare.run_table,
+                               detail=compare.detail, communication_table=compare.communication_table,
+                               communication_to_target=compare.communication_to_target,
+                               plot_communication=compare.plot_communication, archive=compare.archive,
+                               seed_table=lambda runs: compare.compare_markdown(compare.group_runs(runs)))
 
 
 def _write_run(root, name: str, seed: int, accuracies: list[float], client: list[float],
@@ -41,10 +50,10 @@ def test_seed_table_groups_seeds_and_counts_rounds(summarize, tmp_path):
   runs = [summarize.read_run(w) for w in (b, a, c)]
   table = summarize.seed_table(runs[:2]).splitlines()
   assert len(table) == 3                                                      # header, rule, one group
-  assert "| 0, 1 | 3, 4 | 3.5 (3–4) |" in table[2]
-  assert f"| {(0.86 + 0.86) / 2:.4f} | {(0.75 + 0.73) / 2:.4f} |" in table[2]
+  # Seeds 0 and 1 reach 85 % at rounds 3 and 4: mean 3.5, t-interval 12.706 * 0.5 = 6.4; last common round 3.
+  assert "| 0, 1 | 3, 5 | 3, 4 | 3.5 ± 6.4 | 3 |" in table[2]
   partial = summarize.seed_table(runs).splitlines()[2]
-  assert "| 0, 1, 2 | 3, 4, — (2 rounds) | 2 of 3 reached |" in partial
+  assert "| 0, 1, 2 | 3, 5, 2 | 3, 4, — | 2 of 3 reached | 2 |" in partial
 
 
 def test_detail_reports_gap_step_time_and_selection(summarize, tmp_path):
@@ -65,7 +74,7 @@ def test_server_methods_without_client_models_are_tabulated(summarize, tmp_path)
   run = summarize.read_run(workdir)
   row = summarize.table([run]).splitlines()[2]
   assert "| 2 | 2 | 2 | 0.8600 | — |" in row                                   # 80 % and 85 % first at round 2
-  assert "| 0 | 2 | 2.0 (2–2) | 0.8600 | — |" in summarize.seed_table([run])
+  assert "| 0 | 2 | 2 | 2.0 | 2 | 86.00 | — | — |" in summarize.seed_table([run])
   assert "test accuracy by round: 70.0 (1), 86.0 (2)" in summarize.detail(run)
 
 
@@ -77,7 +86,8 @@ def test_mean_client_scored_every_few_rounds_names_its_round(summarize, tmp_path
   rows = summarize.table(runs).splitlines()
   assert "| 0.8600 | 0.7600 (round 4) |" in rows[2]
   assert "| 0.8600 | 0.7800 |" in rows[3]
-  assert f"| {(0.76 + 0.78) / 2:.4f} (round 4, 4) |" in summarize.seed_table(runs)
+  # The comparison takes both at round 4, the last round both logged; the clients were scored then.
+  assert "| 4 | 85.50 ± 6.35 | 77.00 ± 12.71 | 8.50 ± 6.35 |" in summarize.seed_table(runs)
 
 
 def test_communication_table_reads_the_volume_at_the_first_crossing(summarize, tmp_path):
@@ -94,9 +104,9 @@ def test_communication_table_reads_the_volume_at_the_first_crossing(summarize, t
   assert table[3] == "| slow_s0 | — | — | 0.50 | 1.0 |"
   assert len(table) == 4                                                      # the silent run has no row
   assert summarize.communication_table(runs[2:]) == ""
-  path = tmp_path / "comm.png"
-  summarize.plot_communication(runs, str(path))
-  assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  summarize.plot_communication(runs, str(tmp_path / "comm"))
+  assert (tmp_path / "comm.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert (tmp_path / "comm.pdf").read_bytes()[:5] == b"%PDF-"
 
 
 def test_archive_keeps_every_scalar_and_drops_the_per_client_arrays(summarize, tmp_path):
@@ -152,19 +162,17 @@ def test_detail_reports_the_consensus_models_when_logged(summarize, tmp_path):
   assert "consensus" not in summarize.detail(summarize.read_run(_write_run(tmp_path, "g_s0", 0, [0.7], [0.6])))
 
 
-def test_spark_variants_are_told_apart(summarize):
-  def config(**algorithm):
-    base = {"momentum": 0.9, "distill": {"enabled": True}, "projection": {"scheme": "none", "k_proj": 500},
-            "compression": {"keep_fraction": 1.0, "bits": 32}}
-    return {"method": "spark", "seed": 0, "data": {"name": "fashion_mnist", "partition": "iid", "alpha": 0.1},
-            "algorithm": {**base, **algorithm}}
-  assert summarize._describe(config()) == "spark fashion_mnist IID seed 0"
-  assert summarize._describe(config(momentum=0.0, distill={"enabled": False})) == \
-      "spark fashion_mnist IID no momentum no distillation seed 0"
-  assert summarize._describe(config(projection={"scheme": "layerwise", "k_proj": 500}), with_seed=False) == \
-      "spark fashion_mnist IID layerwise k=500"
-  assert summarize._describe(config(compression={"keep_fraction": 0.5, "bits": 6})) == \
-      "spark fashion_mnist IID top 0.5, 6 bits seed 0"
+def test_the_wrapper_prints_the_tables_and_archives(tmp_path):
+  workdir = _write_run(tmp_path / "runs", "w_s0", 0, [0.70, 0.86], [0.6, 0.7], bits_per_round=8e9)
+  env = {**os.environ, "PYTHONPATH": os.getcwd()}
+  done = subprocess.run([sys.executable, "experiments/summarize_runs.py", workdir, "--archive",
+                         str(tmp_path / "archive"), "--plot", str(tmp_path / "curves.png"), "--detail"],
+                        capture_output=True, text=True, env=env, check=False)
+  assert done.returncode == 0, done.stderr
+  assert "| w_s0 | 2 | 2.0 | 1.00 | 2.0 |" in done.stdout                     # the communication table
+  assert "aggregated − mean client: 10.0 points" in done.stdout
+  assert rundir.read_run(str(tmp_path / "archive" / "w_s0"))["lines"] == rundir.read_run(workdir)["lines"]
+  assert (tmp_path / "curves.png").exists() and (tmp_path / "curves.pdf").exists()
 
 
 @pytest.mark.parametrize("data,label", [

@@ -1,0 +1,234 @@
+"""The papers' tables and figures, one command each: ``ntk-fl reproduce NAME [--out DIR]``.
+
+  ntk-fl reproduce --list          every experiment: runs, estimated CPU and GPU time, status
+  ntk-fl reproduce ntk_dfl:fig9 [--out runs/reproduce] [--seeds 0 1] [--variants 'fig9_*_k2']
+        [--skip_gpu] [--python 'taskset -c 1 python'] [--extra=--config.chunk_size=0] [--dry_run]
+  ntk-fl reproduce ntk_dfl:fig9 --out DIR --render_only [--render_dir FIGDIR]
+  ntk-fl reproduce ntk_dfl:fig9 --runs RUN_DIR... --render_dir FIGDIR
+
+An experiment (:mod:`ntk_fl.reproduce.experiments`) runs as a resumable queue
+(:mod:`ntk_fl.reproduce.queue`: finished runs skipped, interrupted ones resumed,
+runs killed before their first checkpoint moved aside) in ``--out`` (default
+``runs/reproduce``, shared by all experiments, so a run two experiments share is
+made once), then is rendered (:mod:`ntk_fl.reproduce.render`) to
+``--render_dir`` (default ``OUT/results``): ``<name>.md`` with the table beside
+the paper's numbers, and the figures as PNG and PDF. ``--render_only`` renders
+what ``--out`` (or ``--runs``) holds without running anything, by default to
+``runs/results`` (never into a folder of runs it only reads); runs are matched
+by config, so runs made by hand or by another queue are found whatever their
+names. ``--archive DIR`` copies the rendered runs' scalars to ``DIR/<run name>/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from typing import Sequence
+
+from ntk_fl.reproduce import costs
+from ntk_fl.reproduce.experiments import EXPERIMENTS
+from ntk_fl.reproduce.registry import Experiment, Variant, build_config, stored_form
+
+__all__ = ["EXPERIMENTS", "Experiment", "Variant", "estimate", "list_table", "main"]
+
+DEFAULT_OUT = "runs/reproduce"
+
+
+def estimate(experiment: Experiment, seeds: Sequence[int] | None = None) -> dict:
+  """``{"runs", "cpu_h", "gpu_h", "gpu_measured", "gpu_runs"}`` of the experiment (distinct runs
+  counted once).
+
+  ``gpu_measured`` is False when a method's GPU time is scaled from its family's CPU/GPU ratio.
+  """
+  seen = {}
+  for variant in experiment.variants:
+    for seed in experiment.seeds_of(variant, tuple(seeds) if seeds is not None else None):
+      config = stored_form(build_config(variant, seed))
+      key = (variant.name, seed)
+      seen[key] = (config, variant.gpu)
+  cpu = gpu = 0.0
+  measured = True
+  for config, _ in seen.values():
+    c, g, m = costs.estimate(config)
+    cpu, gpu, measured = cpu + c, gpu + g, measured and m
+  return {
+    "runs": len(seen),
+    "cpu_h": cpu / 3600,
+    "gpu_h": gpu / 3600,
+    "gpu_measured": measured,
+    "gpu_runs": sum(1 for _, for_gpu in seen.values() if for_gpu),
+  }
+
+
+def _hours(h: float) -> str:
+  if h * 60 < 1:
+    return "< 1 min"
+  return f"{h * 60:.0f} min" if h < 1 else f"{h:.1f} h"
+
+
+def list_table() -> str:
+  """Every experiment as a markdown row: runs, estimated time on the 2-core CPU and on one H100,
+  status."""
+  rows = [
+    "| experiment | what | runs | CPU (2-core AMD EPYC) | GPU (one H100) | status |",
+    "|---|---|---:|---:|---:|---|",
+  ]
+  for name, experiment in EXPERIMENTS.items():
+    if name.startswith("smoke:"):
+      continue
+    if not experiment.variants:
+      rows.append(f"| {name} | {experiment.title} | — | — | — | needs {experiment.needs} |")
+      continue
+    e = estimate(experiment)
+    status = f"needs {experiment.needs}" if experiment.needs else "registered"
+    if e["gpu_runs"]:
+      status += f"; {e['gpu_runs']} run(s) meant for a GPU"
+    gpu = _hours(e["gpu_h"]) + ("" if e["gpu_measured"] else " ≈")
+    rows.append(
+      f"| {name} | {experiment.title} | {e['runs']} | {_hours(e['cpu_h'])} | {gpu} | {status} |"
+    )
+  return "\n".join(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """``ntk-fl reproduce``; returns the exit status (1 when a run failed, 2 for a bad request)."""
+  from ntk_fl.reproduce import queue, render  # pylint: disable=import-outside-toplevel
+  from ntk_fl import compare  # pylint: disable=import-outside-toplevel
+
+  parser = argparse.ArgumentParser(
+    prog="ntk-fl reproduce",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  parser.add_argument(
+    "name", nargs="?", help="the experiment, e.g. ntk_dfl:fig9 (--list shows them)"
+  )
+  parser.add_argument(
+    "--list", action="store_true", help="list every experiment with its runs and estimated time"
+  )
+  parser.add_argument(
+    "--seeds", type=int, nargs="+", default=None, help="seeds (default: the experiment's)"
+  )
+  parser.add_argument("--out", default=DEFAULT_OUT, help="where the runs are (and are made)")
+  parser.add_argument(
+    "--runs", nargs="+", default=None, help="render from these run folders (implies --render_only)"
+  )
+  parser.add_argument(
+    "--render_only", action="store_true", help="render what the runs hold; run nothing"
+  )
+  parser.add_argument(
+    "--render_dir",
+    default="",
+    help="where the table and figures go (default OUT/results; runs/results with --render_only or "
+    "--runs)",
+  )
+  parser.add_argument(
+    "--variants",
+    nargs="+",
+    default=None,
+    help="run only the variants matching these shell patterns (e.g. 'dfedavg_*')",
+  )
+  parser.add_argument(
+    "--python",
+    default="",
+    help="the command that runs python for each run (default: this "
+    "interpreter), e.g. 'taskset -c 1 .venv/bin/python'",
+  )
+  parser.add_argument(
+    "--extra", default="", help="flags added to every run, e.g. '--config.chunk_size=0'"
+  )
+  parser.add_argument(
+    "--skip_gpu",
+    action="store_true",
+    help="leave out the variants registered for a GPU (a CPU queue)",
+  )
+  parser.add_argument(
+    "--dry_run", action="store_true", help="print what the queue would do, run nothing"
+  )
+  parser.add_argument(
+    "--archive", default="", help="copy the rendered runs' scalars to ARCHIVE/<run name>/"
+  )
+  args = parser.parse_args(argv)
+  if args.list:
+    print(list_table())
+    print(
+      "\nEstimates: per-round costs of ntk_fl.reproduce.costs.ROUND_SECONDS x rounds (an upper "
+      "bound for runs "
+      "stopped at a target); ≈: GPU time scaled from the method family's measured CPU/GPU ratio."
+    )
+    return 0
+  if not args.name:
+    parser.error("name an experiment (ntk-fl reproduce --list shows them)")
+  if args.name not in EXPERIMENTS:
+    close = [n for n in EXPERIMENTS if n.split(":")[0] == args.name.split(":")[0]] or list(
+      EXPERIMENTS
+    )
+    print(f"error: unknown experiment {args.name!r}; known: {', '.join(close)}", file=sys.stderr)
+    return 2
+  experiment = EXPERIMENTS[args.name]
+  # Rendering someone else's runs (--render_only, --runs) never writes into their folder by default.
+  reading_only = args.render_only or args.runs is not None
+  render_dir = args.render_dir or ("runs/results" if reading_only else f"{args.out}/results")
+  try:
+    if args.runs is None and not args.render_only:
+      if experiment.needs:
+        print(
+          f"error: {args.name} needs {experiment.needs}; it is registered but cannot run yet",
+          file=sys.stderr,
+        )
+        return 2
+      if not experiment.variants:
+        print(f"error: {args.name} has no runs", file=sys.stderr)
+        return 2
+      extra = shlex.split(args.extra)
+      if args.dry_run:
+        for job in queue.plan(
+          experiment,
+          args.out,
+          seeds=args.seeds,
+          patterns=args.variants,
+          python=args.python,
+          extra=extra,
+          skip_gpu=args.skip_gpu,
+        ):
+          aside = f" (move aside {job.aside})" if job.aside else ""
+          print(f"{job.action}{aside}: {' '.join(shlex.quote(c) for c in job.command)}")
+        return 0
+      jobs = queue.run_queue(
+        experiment,
+        args.out,
+        seeds=args.seeds,
+        patterns=args.variants,
+        python=args.python,
+        extra=extra,
+        skip_gpu=args.skip_gpu,
+      )
+      failed = [job for job in jobs if job.action == "failed"]
+    else:
+      failed = []
+    dirs = args.runs if args.runs is not None else queue.runs_in(args.out)
+    command = f"ntk-fl reproduce {args.name}" + (
+      f" --seeds {' '.join(map(str, args.seeds))}" if args.seeds else ""
+    )
+    result = render.render(
+      experiment, dirs, render_dir, seeds=args.seeds, out=args.out, command=command
+    )
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(result["markdown"])
+  print("written: " + ", ".join(result["files"]))
+  if args.archive:
+    for group in result["groups"].values():
+      for run in group.runs:
+        compare.archive(run["workdir"], args.archive)
+    print(
+      f"archived {sum(len(g.runs) for g in result['groups'].values())} run(s) to {args.archive}"
+    )
+  if failed:
+    print(
+      f"{len(failed)} run(s) failed: {', '.join(job.workdir for job in failed)}", file=sys.stderr
+    )
+    return 1
+  return 0

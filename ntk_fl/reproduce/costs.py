@@ -1,0 +1,153 @@
+"""Per-round cost of each method at the paper scale, and the time estimate of a run from its config.
+
+One table, :data:`ROUND_SECONDS`, holds the measured (or, where marked, assumed)
+seconds per round at the NTK papers' scale -- 300 clients of ≈ 200 Fashion-MNIST
+samples, MLP 784-100-10, 5-regular graphs, τ ≤ 800 (NTK-FL family: 20 clients per
+round) -- on the 2-core AMD EPYC (both cores) and on one NVIDIA H100, each with its
+source. :func:`estimate` scales a row to a config: linearly in the clients and the
+rounds, and for the NTK methods with the square of the neighbourhood's sample
+count (the Euler evolution through the ``[N, N]`` kernel is ≈ 95 % of an NTK-DFL
+round, benchmarks/RESULTS.md) and linearly in the largest τ. The estimates are for
+planning a queue; a run stopped at a target accuracy takes at most that long.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+__all__ = ["Cost", "ROUND_SECONDS", "estimate", "markdown_table"]
+
+
+class Cost(NamedTuple):
+  """Seconds per round at the paper scale; ``gpu`` is ``None`` where no GPU measurement exists.
+
+  ``cpu_eval`` is the part of ``cpu`` spent scoring the models, which does not scale with the
+  neighbourhood.
+  """
+
+  cpu: float
+  gpu: float | None
+  source: str
+  cpu_eval: float = 0.0
+
+
+ROUND_SECONDS: dict[str, Cost] = {
+  "ntk_dfl": Cost(
+    62.5,
+    0.76,
+    "benchmarks/RESULTS.md, NTK-DFL round: 58.5 s step (chunk 1, commit 90d12b4) "
+    "+ 4.0 s evaluation; GPU: 0.763 s step on one H100, all clients in one vmap (commit 6fb8dae)",
+    4.0,
+  ),
+  "spark": Cost(
+    92.0,
+    4.98,
+    "benchmarks/RESULTS.md: ≈ 92 s per SPARK round on one core of the AMD EPYC; GPU: "
+    "4.98 s step on one H100 (commit 6fb8dae)",
+    4.0,
+  ),
+  "dfedavg": Cost(
+    11.0,
+    0.081,
+    "benchmarks/RESULTS.md, DFedAvg round: 11.0 s at chunk 30 (loaded); GPU: 0.081 s on one H100",
+  ),
+  "dfedavgm": Cost(
+    11.0, None, "assumed equal to DFedAvg (20 local epochs; batch 50 means fewer steps)"
+  ),
+  "dfedsam": Cost(
+    11.0, None, "assumed equal to DFedAvg (5 epochs of batch 32 at two gradients per SAM step)"
+  ),
+  "dispfl": Cost(
+    20.8, None, "benchmarks/RESULTS.md, DisPFL round: 20.8 s at chunk 30 (commit 58e5b80, loaded)"
+  ),
+  "dpsgd": Cost(
+    3.0,
+    None,
+    "assumed: one epoch of batch 10 (20 SGD steps, DFedAvg: 160) plus gossip and evaluation",
+  ),
+  "ntk_fl": Cost(
+    21.0,
+    None,
+    "docs/REPRODUCTION.md, NTK-FL seeds 1-2: 18-24 s per round on one core (20 clients per round)",
+  ),
+  "cp_ntk_fl": Cost(20.0, None, "docs/ntk_fl.md, CP-NTK-FL table1 runs: 16-25 s per round"),
+  "fedavg": Cost(1.0, None, "assumed: 20 clients x 20 full-batch epochs of 200 samples per round"),
+  "fednova": Cost(1.0, None, "assumed as FedAvg"),
+  "fedprox": Cost(1.0, None, "assumed as FedAvg"),
+  "datashare": Cost(1.0, None, "assumed as FedAvg"),
+  "centralized": Cost(1.0, None, "assumed as FedAvg"),
+  "fed_ensemble": Cost(1.0, None, "assumed: 10 of 100 clients per round, 2 epochs of batch 50"),
+}
+
+_NTK_GOSSIP = ("ntk_dfl", "spark")
+_NTK_SERVER = ("ntk_fl", "cp_ntk_fl")
+# Where a method has no GPU measurement, its CPU time is divided by the measured CPU/GPU ratio of
+# its family.
+_GPU_RATIO_NTK = ROUND_SECONDS["ntk_dfl"].cpu / ROUND_SECONDS["ntk_dfl"].gpu
+_GPU_RATIO_GRADIENT = ROUND_SECONDS["dfedavg"].cpu / ROUND_SECONDS["dfedavg"].gpu
+
+
+def _degree(config: dict) -> float:
+  topology = config["topology"]
+  name = topology["name"]
+  if name in ("ring", "line"):
+    return 2.0
+  if name == "erdos_renyi":
+    return float(topology["mean_degree"])
+  if name == "clustered":
+    return float(topology["cluster_size"] - 1)
+  if name == "complete":
+    return float(config["data"]["num_clients"] - 1)
+  return float(topology["degree"])
+
+
+def round_scale(config: dict) -> float:
+  """How much one round of ``config`` costs relative to its method's :data:`ROUND_SECONDS` row."""
+  data, algo = config["data"], config.get("algorithm", {})
+  clients = data["num_clients"] / 300
+  samples = data.get("samples_per_client", 200) / 200
+  method = config["method"]
+  if method in _NTK_GOSSIP:
+    per_client = ((_degree(config) + 1) / 6 * samples / algo.get("subsample", 1)) ** 2
+    per_client /= algo.get("jacobian_batches", 1)
+    return clients * per_client * max(algo.get("taus", (800,))) / 800
+  if method in _NTK_SERVER:
+    pooled = (algo.get("clients_per_round", 20) or data["num_clients"]) / 20 * samples
+    pooled *= algo.get("subsample_fraction", 1.0)
+    return max(pooled**2, 0.05) * max(algo.get("taus", (2000,))) / 2000
+  if method in ("dfedavg", "dfedavgm", "dfedsam", "dispfl", "dpsgd"):
+    return clients * samples
+  return 1.0  # server baselines: a fixed number of participants per round
+
+
+def estimate(config: dict) -> tuple[float, float, bool]:
+  """``(cpu_seconds, gpu_seconds, gpu_measured)`` of a whole run of the stored-form ``config``.
+
+  Raises:
+    ValueError: the method has no row in :data:`ROUND_SECONDS`.
+  """
+  method = config["method"]
+  if method not in ROUND_SECONDS:
+    raise ValueError(
+      f"no per-round cost for method {method!r}; add it to ntk_fl.reproduce.costs.ROUND_SECONDS "
+      f"(known: {', '.join(sorted(ROUND_SECONDS))})"
+    )
+  cost = ROUND_SECONDS[method]
+  scale, rounds = round_scale(config), config["rounds"]
+  cpu = ((cost.cpu - cost.cpu_eval) * scale + cost.cpu_eval) * rounds
+  if cost.gpu is not None:
+    return cpu, cost.gpu * scale * rounds, True
+  ratio = _GPU_RATIO_NTK if method in _NTK_GOSSIP + _NTK_SERVER else _GPU_RATIO_GRADIENT
+  return cpu, cost.cpu / ratio * scale * rounds, False
+
+
+def markdown_table() -> str:
+  """:data:`ROUND_SECONDS` as a markdown table (docs/REPRODUCTION.md shows it)."""
+  rows = [
+    "| method | s/round, 2-core AMD EPYC | s/round, one H100 | source |",
+    "|---|---:|---:|---|",
+  ]
+  for method, cost in ROUND_SECONDS.items():
+    gpu = f"{cost.gpu:g}" if cost.gpu is not None else "—"
+    rows.append(f"| {method} | {cost.cpu:g} | {gpu} | {cost.source} |")
+  return "\n".join(rows)

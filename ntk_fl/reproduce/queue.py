@@ -1,0 +1,234 @@
+"""An experiment's runs as a resumable queue.
+
+Each (variant, seed) is one ``ntk-fl`` run in its own process. Before a run is
+started the output folder is searched for a run with the same config and seed
+(:func:`index_runs`; runs are found by config, not by name, so a run shared by
+two experiments is made once):
+
+* a finished run (its ``summary.json`` exists) is skipped;
+* an interrupted run with a checkpoint is resumed (``--resume``), identically;
+* a folder at the run's name with no checkpoint to resume (killed before its first
+  checkpoint, or holding another config) is moved aside to
+  ``<name>.unfinished-<time>`` (never deleted) and the run starts over;
+* a variant with ``branch_from`` starts from that variant's checkpoint when it has one.
+
+Every run's console goes to ``OUT/<name>_s<seed>.log`` and its full log to
+``OUT/<name>_s<seed>/log.txt``. A failed run is reported and the queue goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import glob
+import os
+import shlex
+import subprocess
+import sys
+import time
+from typing import Callable, Sequence
+
+from ntk_fl import rundir
+from ntk_fl.reproduce.registry import (
+  Experiment,
+  Variant,
+  build_config,
+  config_key,
+  override_flags,
+  stored_form,
+)
+
+__all__ = ["Job", "index_runs", "plan", "run_queue", "run_name", "select_variants"]
+
+
+def run_name(variant: Variant, seed: int) -> str:
+  return f"{variant.name}_s{seed}"
+
+
+@dataclasses.dataclass
+class Job:
+  """One run of the queue: ``action`` is ``"skip"``, ``"resume"`` or ``"start"`` (after ``aside``,
+  if set)."""
+
+  variant: Variant
+  seed: int
+  workdir: str
+  action: str
+  aside: str = ""  # a folder in the way, moved aside before starting
+  branch_from: str = ""
+  command: list = dataclasses.field(default_factory=list)
+
+
+def select_variants(experiment: Experiment, patterns: Sequence[str] | None) -> list[Variant]:
+  """The variants whose names match one of the shell ``patterns`` (all of them without patterns).
+
+  Raises:
+    ValueError: a pattern matches no variant (the message lists the names).
+  """
+  if not patterns:
+    return list(experiment.variants)
+  names = [v.name for v in experiment.variants]
+  for pattern in patterns:
+    if not fnmatch.filter(names, pattern):
+      raise ValueError(
+        f"--variants pattern {pattern!r} matches no variant of {experiment.name}; its variants: "
+        f"{', '.join(names)}"
+      )
+  return [v for v in experiment.variants if any(fnmatch.fnmatchcase(v.name, p) for p in patterns)]
+
+
+def _has_checkpoint(workdir: str) -> bool:
+  return bool(glob.glob(os.path.join(rundir.checkpoint_dir(workdir), "[0-9]*")))
+
+
+def index_runs(dirs: Sequence[str]) -> dict[tuple, list[str]]:
+  """``{(config key, seed): [workdir, ...]}`` of the started runs among ``dirs`` (folders without a
+  readable ``config.json`` are left out)."""
+  index: dict[tuple, list[str]] = {}
+  for workdir in dirs:
+    if not os.path.isfile(os.path.join(workdir, rundir.CONFIG_FILE)):
+      continue
+    try:
+      stored = rundir.read_config(workdir)
+    except ValueError:
+      continue
+    index.setdefault((config_key(stored), int(stored.get("seed", 0))), []).append(workdir)
+  return index
+
+
+ASIDE_MARK = ".unfinished-"
+"""Runs moved aside (killed before their first checkpoint) are named ``<run>.unfinished-<time>``."""
+
+
+def runs_in(out: str) -> list[str]:
+  """The folders directly under ``out`` (candidates for runs), sorted; moved-aside runs and
+  half-written archives (``.partial``) are left out."""
+  if not os.path.isdir(out):
+    return []
+  return sorted(
+    os.path.join(out, d)
+    for d in os.listdir(out)
+    if os.path.isdir(os.path.join(out, d)) and ASIDE_MARK not in d and not d.endswith(".partial")
+  )
+
+
+def expected_key(variant: Variant, seed: int) -> tuple:
+  return config_key(stored_form(build_config(variant, seed)))
+
+
+def _pick(candidates: list[str], canonical: str) -> str | None:
+  """The run to use among same-config runs: the one at the canonical name, else a finished one, else
+  the first."""
+  if canonical in candidates:
+    return canonical
+  finished = [c for c in candidates if rundir.read_summary(c) is not None]
+  return (finished or candidates or [None])[0]
+
+
+def plan(
+  experiment: Experiment,
+  out: str,
+  *,
+  seeds: Sequence[int] | None = None,
+  patterns: Sequence[str] | None = None,
+  python: str = "",
+  extra: Sequence[str] = (),
+  skip_gpu: bool = False,
+) -> list[Job]:
+  """What the queue would do now, in order (nothing is changed on disk); ``skip_gpu`` leaves out the
+  variants registered for a GPU."""
+  index = index_runs(runs_in(out))
+  prefix = shlex.split(python) if python else [sys.executable]
+  jobs = []
+  chosen = [v for v in select_variants(experiment, patterns) if not (skip_gpu and v.gpu)]
+  # Branches after the runs they start from (their checkpoint must exist by then).
+  for variant in [v for v in chosen if not v.branch_from] + [v for v in chosen if v.branch_from]:
+    for seed in experiment.seeds_of(variant, tuple(seeds) if seeds is not None else None):
+      canonical = os.path.join(out, run_name(variant, seed))
+      found = _pick(index.get((expected_key(variant, seed), seed), []), canonical)
+      if (
+        found
+        and found != canonical
+        and rundir.read_summary(found) is None
+        and not _has_checkpoint(found)
+      ):
+        found = (
+          None  # a same-config folder elsewhere with nothing to resume: start at the run's own name
+        )
+      job = Job(variant, seed, found or canonical, "start")
+      if found and rundir.read_summary(found) is not None:
+        job.action = "skip"
+      elif found and _has_checkpoint(found):
+        job.action = "resume"
+      elif os.path.exists(job.workdir):
+        job.aside = job.workdir
+      if job.action == "start" and variant.branch_from:
+        source = experiment.variant(variant.branch_from)
+        src = _pick(
+          index.get((expected_key(source, seed), seed), []),
+          os.path.join(out, run_name(source, seed)),
+        )
+        if src and _has_checkpoint(src):
+          job.branch_from = src
+      job.command = [
+        *prefix,
+        "-m",
+        "ntk_fl",
+        f"--config={variant.config}",
+        f"--config.seed={seed}",
+        *override_flags(variant),
+        f"--workdir={job.workdir}",
+        *(["--resume"] if job.action == "resume" else []),
+        *([f"--branch_from={job.branch_from}"] if job.branch_from else []),
+        *extra,
+      ]
+      jobs.append(job)
+  return jobs
+
+
+def _launch(command: list[str], log_path: str) -> int:
+  with open(log_path, "a") as log:
+    return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+
+
+def run_queue(
+  experiment: Experiment,
+  out: str,
+  *,
+  seeds: Sequence[int] | None = None,
+  patterns: Sequence[str] | None = None,
+  python: str = "",
+  extra: Sequence[str] = (),
+  skip_gpu: bool = False,
+  launch: Callable[[list[str], str], int] = _launch,
+  echo: Callable[[str], None] = print,
+) -> list[Job]:
+  """Runs the experiment's queue in ``out``; returns the jobs with ``action`` ``"failed"`` where a
+  run failed.
+
+  The plan is remade before each run, so runs finished by another queue meanwhile
+  (or a source run of a branch) are seen.
+  """
+  os.makedirs(out, exist_ok=True)
+  done: list[Job] = []
+  chosen = dict(seeds=seeds, patterns=patterns, python=python, extra=extra, skip_gpu=skip_gpu)
+  todo = plan(experiment, out, **chosen)
+  for i in range(len(todo)):
+    job = plan(experiment, out, **chosen)[i]
+    if job.action == "skip":
+      done.append(job)
+      continue
+    if job.aside:
+      aside = f"{job.aside}{ASIDE_MARK}{int(time.time())}"
+      echo(f"{job.aside} has no checkpoint to resume (or holds another config); moved to {aside}")
+      os.rename(job.aside, aside)
+    echo(
+      f"{time.strftime('%F %T')} {job.action} {job.workdir}"
+      + (f" (branched from {job.branch_from})" if job.branch_from else "")
+    )
+    rc = launch(job.command, os.path.normpath(job.workdir) + ".log")
+    if rc != 0:
+      echo(f"run {job.workdir} failed (exit {rc}; see {os.path.normpath(job.workdir)}.log)")
+      job.action = "failed"
+    done.append(job)
+  return done
