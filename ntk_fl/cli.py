@@ -216,7 +216,11 @@ _ONE_LINE_ERRORS = (ValueError, OSError)
 
 
 def one_line(err: BaseException) -> str:
-  """The ``error:`` line of ``err``: its first line, with what to do for a full disk."""
+  """The ``error:`` line of ``err``: its first line, with what to do for a full disk.
+
+  An error whose message is the help (``help_message = True``, e.g.
+  :class:`ntk_fl.data.sources.DataNotFoundError`) keeps all its lines.
+  """
   # TensorStore (orbax's array writer) reports a full disk as a ValueError with the OS's text.
   if (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "No space left on device" in str(err):
     filename = getattr(err, "filename", None)
@@ -224,6 +228,8 @@ def one_line(err: BaseException) -> str:
     return (f"disk full{where} (No space left on device); free some space, then continue the run with --resume "
             "(every completed checkpoint and metrics line is intact)")
   lines = [line for line in str(err).strip().splitlines() if line.strip()]
+  if getattr(err, "help_message", False) and lines:   # e.g. missing data: where it looked, how to get it
+    return "\n".join(lines)
   return lines[0] if lines else type(err).__name__
 
 
@@ -245,9 +251,30 @@ def report_failure(err: BaseException, workdir: str | None, *, verbose: bool) ->
       log_path = None
   if verbose:
     sys.stderr.write(trace)
-  elif log_path:
+  elif log_path and not getattr(err, "help_message", False):
     message += f" (traceback in {log_path}; --verbosity=1 prints it)"
   return message
+
+
+def _remove_log_only_workdir(workdir: str) -> None:
+  """Removes ``workdir`` if this command made it and it holds only ``log.txt``.
+
+  For a start that failed on the user's setup (missing data: the error line is
+  the whole help), so no workdir holding nothing but a log is left behind;
+  other failures keep the log, whose traceback their error line points to.
+  """
+  try:
+    if os.listdir(workdir) != [LOG_FILE]:
+      return
+    handler = logging.get_absl_handler().python_handler
+    stream = getattr(handler, "stream", None)
+    if stream is not None and stream not in (sys.stderr, sys.stdout):
+      handler.stream = io.StringIO()    # later log lines of this process go nowhere
+      stream.close()
+    os.remove(os.path.join(workdir, LOG_FILE))
+    os.rmdir(workdir)
+  except OSError:
+    pass                                 # best effort: a workdir that cannot be cleaned up stays
 
 
 def _closing_line(summary: dict, workdir: str) -> str:
@@ -312,13 +339,17 @@ def _main(argv: list[str]) -> None:
     if verbose:
       traceback.print_exc()
     sys.exit(f"error: {one_line(e)}")
+  fresh = not os.path.isdir(workdir) or not os.listdir(workdir)
   try:
     _log_to_workdir(held, workdir)
     summary = runner.run(settings, workdir, **start)
   except runner.Diverged as e:   # an outcome of the experiment, not a failure of the code: no traceback
     sys.exit(f"error: {e}")
   except (*_ONE_LINE_ERRORS, CheckpointDamaged) as e:
-    sys.exit(f"error: {report_failure(e, workdir, verbose=verbose)}")
+    message = report_failure(e, workdir, verbose=verbose)
+    if fresh and getattr(e, "help_message", False):
+      _remove_log_only_workdir(workdir)
+    sys.exit(f"error: {message}")
   except KeyboardInterrupt:
     sys.stderr.write(f"\ninterrupted; continue the run with --resume (workdir {workdir})\n")
     sys.exit(130)
