@@ -4,11 +4,15 @@
       [--config.rounds=50 --config.data.alpha=0.5 ...] [--resume | --resume_from_step=N]
       [--branch_from=OTHER_WORKDIR [--branch_round=K]]
       [--num_processes=P | --distributed | --num_processes=P --process_id=I --coordinator_address=HOST:PORT]
+  ntk-fl --config=ntk_dfl:smoke [--config.key=value ...] --print_config
+  ntk-fl --list_configs | --version
 
 ``--config`` names a packaged config (``ntk_dfl``, ``spark:iid,alpha0.5``; see
 :mod:`ntk_fl.configs`) or a config file (``configs/ntk_dfl.py:smoke``,
 ``my/sweep.py``). ``--config.key=value`` overrides any config field (an unknown
-key is a flags error). The config and the workdir are checked before any data is
+key is a flags error); ``--print_config`` prints the resolved config, each
+field with its meaning (:mod:`ntk_fl.config_docs`), and exits;
+``--list_configs`` lists the packaged configs and their variants. The config and the workdir are checked before any data is
 loaded; a bad value exits non-zero with one ``error:`` line naming it. The
 workdir receives ``metrics.jsonl``, ``summary.json``, ``config.json``, the PNG
 plots and ``checkpoints/`` (see :mod:`ntk_fl.rundir`); ``--resume`` continues a
@@ -67,7 +71,9 @@ def _define_flags() -> None:
     return
   _FLAGS["config"] = config_flags.DEFINE_config_file(
       "config", None, "Config: a packaged config's name (ntk_dfl, spark:iid, ntk_dfl:smoke) or a config file "
-      "(configs/ntk_dfl.py:smoke); text after ':' is the variant list.", lock_config=True)
+      "(configs/ntk_dfl.py:smoke); text after ':' is the variant list. Any field is overridden with "
+      "--config.<key>=value; --print_config lists every field with its meaning, --list_configs the configs.",
+      lock_config=True)
   _FLAGS["workdir"] = flags.DEFINE_string("workdir", None, "Output directory of the run.")
   _FLAGS["resume"] = flags.DEFINE_bool(
       "resume", False, "Continue the run in --workdir from its newest good checkpoint (damaged or incomplete "
@@ -92,7 +98,20 @@ def _define_flags() -> None:
       "--coordinator_address; set by the local launcher).", lower_bound=0)
   _FLAGS["coordinator_address"] = flags.DEFINE_string(
       "coordinator_address", None, "host:port of process 0's coordinator in a multi-process run.")
-  flags.mark_flags_as_required(["config", "workdir"])
+  _FLAGS["print_config"] = flags.DEFINE_bool(
+      "print_config", False, "Print the resolved --config (after variants and --config.<key> overrides), each "
+      "field with its one-line meaning, and exit (no --workdir needed, no data loaded).")
+  _FLAGS["list_configs"] = flags.DEFINE_bool(
+      "list_configs", False, "List the packaged configs with their variants and exit.")
+  _FLAGS["version"] = flags.DEFINE_bool("version", False, "Print the ntk_fl version and exit.")
+  # --config and --workdir are required, except for the flags that only print something and exit.
+  flags.register_multi_flags_validator(
+      ["config", "list_configs", "version"], lambda f: f["config"] is not None or f["list_configs"] or f["version"],
+      message="--config is required (a packaged config's name or a config file; --list_configs lists them)")
+  flags.register_multi_flags_validator(
+      ["workdir", "print_config", "list_configs", "version"],
+      lambda f: f["workdir"] is not None or f["print_config"] or f["list_configs"] or f["version"],
+      message="--workdir is required (the run's output directory)")
 
 
 def resolve_config_args(argv: Sequence[str]) -> list[str]:
@@ -277,6 +296,22 @@ def _remove_log_only_workdir(workdir: str) -> None:
     pass                                 # best effort: a workdir that cannot be cleaned up stays
 
 
+def _print_and_exit(config) -> bool:
+  """``--version``, ``--list_configs``, ``--print_config``: prints what they ask for; True if one did."""
+  from ntk_fl import config_docs  # pylint: disable=import-outside-toplevel
+
+  if _FLAGS["version"].value:
+    import ntk_fl  # pylint: disable=import-outside-toplevel
+    print(f"ntk_fl {ntk_fl.__version__}")
+  elif _FLAGS["list_configs"].value:
+    print(config_docs.format_configs())
+  elif _FLAGS["print_config"].value:
+    print(f"# --config={flags.FLAGS['config'].config_filename}\n{config_docs.format_config(config)}")
+  else:
+    return False
+  return True
+
+
 def _closing_line(summary: dict, workdir: str) -> str:
   """One line with the result of a run, for the console."""
   acc = summary.get("final_test_acc")
@@ -326,6 +361,8 @@ def _main(argv: list[str]) -> None:
                "name); give a packaged config's name (e.g. ntk_dfl:smoke) or the path of a config file")
     sys.exit(f"error: --config={value}: cannot load the config file: "
              f"{one_line(object.__getattribute__(config, '_error'))}")
+  if _print_and_exit(config):
+    return
   workdir = _FLAGS["workdir"].value
   start = dict(resume=_FLAGS["resume"].value, resume_from_step=_FLAGS["resume_from_step"].value,
                branch_from=_FLAGS["branch_from"].value, branch_round=_FLAGS["branch_round"].value)
