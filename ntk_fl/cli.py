@@ -312,6 +312,15 @@ def _print_and_exit(config) -> bool:
   return True
 
 
+def _config_before_overrides():
+  """The ``--config`` file's ``get_config(variant)`` without the ``--config.<key>`` overrides (what the
+  schema compares against to warn about changed settings that have no effect)."""
+  from ntk_fl import config as config_lib  # pylint: disable=import-outside-toplevel
+
+  path, _, variant = flags.FLAGS["config"].config_filename.partition(":")
+  return config_lib.load_config(path, variant or None)
+
+
 def _closing_line(summary: dict, workdir: str) -> str:
   """One line with the result of a run, for the console."""
   acc = summary.get("final_test_acc")
@@ -370,7 +379,7 @@ def _main(argv: list[str]) -> None:
   try:
     # Everything that can be wrong with the request fails here, before any data is loaded; the config is
     # checked once and travels on as typed settings.
-    settings = schema.validate_config(config)
+    settings = schema.validate_config(config, reference=_config_before_overrides())
     rundir.check_start(settings, workdir, **start)
   except (*_ONE_LINE_ERRORS, CheckpointDamaged) as e:
     if verbose:
