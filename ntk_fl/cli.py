@@ -159,10 +159,13 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 class _QuietLibraries(std_logging.Filter):
-  """Drops INFO/DEBUG records of orbax and etils (a dozen lines per checkpoint); warnings pass."""
+  """Drops INFO/DEBUG records of orbax and etils (a dozen lines per checkpoint) and JAX's report of each
+  platform it probed and did not find (``Unable to initialize backend 'tpu'``); warnings pass."""
 
   def filter(self, record: std_logging.LogRecord) -> bool:
-    noisy = any(part in record.pathname for part in ("/orbax/", "/etils/"))
+    noisy = (any(part in record.pathname for part in ("/orbax/", "/etils/"))
+             or (record.pathname.endswith("xla_bridge.py")
+                 and str(record.msg).startswith("Unable to initialize backend")))
     return record.levelno >= std_logging.WARNING or not noisy
 
 

@@ -166,7 +166,8 @@ def loss_figure(lines: Sequence[Mapping], *, title: str = "") -> Figure | None:
   values = np.concatenate([_column(lines, n) for n in ("test_loss", "client_loss_mean", "loss_mean", "loss_min")])
   if np.nanmin(values) > 0:
     ax.set_yscale("log")        # losses fall by decades over a run
-  _label_axes(ax, "communication round", "cross-entropy loss", title)
+  _label_axes(ax, "communication round", "loss (test: cross-entropy; training: the method's own)", title)
+  ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
   return fig
 
 
