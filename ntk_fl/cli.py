@@ -14,8 +14,8 @@ key is a flags error); ``--print_config`` prints the resolved config, each
 field with its meaning (:mod:`ntk_fl.config_docs`), and exits;
 ``--list_configs`` lists the packaged configs and their variants. The config and the workdir are checked before any data is
 loaded; a bad value exits non-zero with one ``error:`` line naming it. The
-workdir receives ``metrics.jsonl``, ``summary.json``, ``config.json``, the PNG
-plots and ``checkpoints/`` (see :mod:`ntk_fl.rundir`); ``--resume`` continues a
+workdir receives ``metrics.jsonl``, ``summary.json``, ``config.json``, the plots
+(PNG and PDF) and ``checkpoints/`` (see :mod:`ntk_fl.rundir`); ``--resume`` continues a
 killed run from its latest checkpoint with identical results. ``--branch_from``
 starts a new run from another run's checkpoint when the two configs provably
 share those rounds (e.g. SPARK's ablation rows during the warm-up; see

@@ -10,7 +10,7 @@
    that, so a bad key or value fails in milliseconds with a message naming it.
    Everything below runs inside the run's device policy
    (:func:`ntk_fl.parallel.use_devices` with ``devices`` and ``chunk_size``).
-2. :func:`build_experiment` -- dataset, partition, :class:`Federation`, model and
+2. :func:`build_experiment` -- dataset, partition, :class:`ntk_fl.data.Federation`, model and
    :class:`Algorithm` (also the entry point of the functional API: build once,
    then drive ``algorithm.init`` / ``algorithm.step`` yourself).
 3. The round loop: ``algorithm.step`` (compiled once by its factory); after every round one
