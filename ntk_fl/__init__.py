@@ -72,7 +72,8 @@ _export("ntk_fl.evolve", "ntk_step", "ntk_update")
 _export("ntk_fl.parallel", "for_each_client", "use_devices", "Shared")
 _export("ntk_fl.metrics", "evaluate", "evaluate_clients", "average_params", "make_evaluator")
 
-_SUBMODULES = ("algorithms", "checkpoint", "cli", "compression", "config", "config_docs", "configs", "data", "evolve", "jacobians",
+_SUBMODULES = ("algorithms", "checkpoint", "cli", "compression", "config", "config_docs", "configs",
+               "data", "evolve", "jacobians",
                "metrics", "models", "ntk", "parallel", "plotting", "privacy", "projection", "rng", "rundir", "runner",
                "schema", "settings", "stats", "topology", "validation", "gossip", "communication",
                "distributed", "summaries")

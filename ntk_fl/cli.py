@@ -12,10 +12,11 @@
 ``my/sweep.py``). ``--config.key=value`` overrides any config field (an unknown
 key is a flags error); ``--print_config`` prints the resolved config, each
 field with its meaning (:mod:`ntk_fl.config_docs`), and exits;
-``--list_configs`` lists the packaged configs and their variants. The config and the workdir are checked before any data is
-loaded; a bad value exits non-zero with one ``error:`` line naming it. The
-workdir receives ``metrics.jsonl``, ``summary.json``, ``config.json``, the plots
-(PNG and PDF) and ``checkpoints/`` (see :mod:`ntk_fl.rundir`); ``--resume`` continues a
+``--list_configs`` lists the packaged configs and their variants. The config
+and the workdir are checked before any data is loaded; a bad value exits
+non-zero with one ``error:`` line naming it. The workdir receives
+``metrics.jsonl``, ``summary.json``, ``config.json``, the plots (PNG and PDF)
+and ``checkpoints/`` (see :mod:`ntk_fl.rundir`); ``--resume`` continues a
 killed run from its latest checkpoint with identical results. ``--branch_from``
 starts a new run from another run's checkpoint when the two configs provably
 share those rounds (e.g. SPARK's ablation rows during the warm-up; see
@@ -71,8 +72,9 @@ def _define_flags() -> None:
     return
   _FLAGS["config"] = config_flags.DEFINE_config_file(
       "config", None, "Config: a packaged config's name (ntk_dfl, spark:iid, ntk_dfl:smoke) or a config file "
-      "(configs/ntk_dfl.py:smoke); text after ':' is the variant list. Any field is overridden with "
-      "--config.<key>=value; --print_config lists every field with its meaning, --list_configs the configs.",
+      "(configs/ntk_dfl.py:smoke); text after ':' is the variant list. Any field is overridden "
+      "with --config.<key>=value; --print_config lists every field with its meaning, "
+      "--list_configs the configs.",
       lock_config=True)
   _FLAGS["workdir"] = flags.DEFINE_string("workdir", None, "Output directory of the run.")
   _FLAGS["resume"] = flags.DEFINE_bool(
@@ -99,15 +101,18 @@ def _define_flags() -> None:
   _FLAGS["coordinator_address"] = flags.DEFINE_string(
       "coordinator_address", None, "host:port of process 0's coordinator in a multi-process run.")
   _FLAGS["print_config"] = flags.DEFINE_bool(
-      "print_config", False, "Print the resolved --config (after variants and --config.<key> overrides), each "
-      "field with its one-line meaning, and exit (no --workdir needed, no data loaded).")
+      "print_config", False, "Print the resolved --config (after variants and --config.<key> "
+      "overrides), each field with its one-line meaning, and exit (no --workdir needed, no data "
+      "loaded).")
   _FLAGS["list_configs"] = flags.DEFINE_bool(
       "list_configs", False, "List the packaged configs with their variants and exit.")
   _FLAGS["version"] = flags.DEFINE_bool("version", False, "Print the ntk_fl version and exit.")
   # --config and --workdir are required, except for the flags that only print something and exit.
   flags.register_multi_flags_validator(
-      ["config", "list_configs", "version"], lambda f: f["config"] is not None or f["list_configs"] or f["version"],
-      message="--config is required (a packaged config's name or a config file; --list_configs lists them)")
+      ["config", "list_configs", "version"],
+      lambda f: f["config"] is not None or f["list_configs"] or f["version"],
+      message="--config is required (a packaged config's name or a config file; --list_configs "
+      "lists them)")
   flags.register_multi_flags_validator(
       ["workdir", "print_config", "list_configs", "version"],
       lambda f: f["workdir"] is not None or f["print_config"] or f["list_configs"] or f["version"],
@@ -159,8 +164,9 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 class _QuietLibraries(std_logging.Filter):
-  """Drops INFO/DEBUG records of orbax and etils (a dozen lines per checkpoint) and JAX's report of each
-  platform it probed and did not find (``Unable to initialize backend 'tpu'``); warnings pass."""
+  """Drops INFO/DEBUG records of orbax and etils (a dozen lines per checkpoint) and JAX's report
+  of each platform it probed and did not find (``Unable to initialize backend 'tpu'``); warnings
+  pass."""
 
   def filter(self, record: std_logging.LogRecord) -> bool:
     noisy = (any(part in record.pathname for part in ("/orbax/", "/etils/"))
@@ -250,7 +256,7 @@ def one_line(err: BaseException) -> str:
     return (f"disk full{where} (No space left on device); free some space, then continue the run with --resume "
             "(every completed checkpoint and metrics line is intact)")
   lines = [line for line in str(err).strip().splitlines() if line.strip()]
-  if getattr(err, "help_message", False) and lines:   # e.g. missing data: where it looked, how to get it
+  if getattr(err, "help_message", False) and lines:   # missing data: where it looked, how to get it
     return "\n".join(lines)
   return lines[0] if lines else type(err).__name__
 
@@ -300,7 +306,7 @@ def _remove_log_only_workdir(workdir: str) -> None:
 
 
 def _print_and_exit(config) -> bool:
-  """``--version``, ``--list_configs``, ``--print_config``: prints what they ask for; True if one did."""
+  """``--version``, ``--list_configs``, ``--print_config``: prints what they ask; True if asked."""
   from ntk_fl import config_docs  # pylint: disable=import-outside-toplevel
 
   if _FLAGS["version"].value:
@@ -309,15 +315,16 @@ def _print_and_exit(config) -> bool:
   elif _FLAGS["list_configs"].value:
     print(config_docs.format_configs())
   elif _FLAGS["print_config"].value:
-    print(f"# --config={flags.FLAGS['config'].config_filename}\n{config_docs.format_config(config)}")
+    print(f"# --config={flags.FLAGS['config'].config_filename}")
+    print(config_docs.format_config(config))
   else:
     return False
   return True
 
 
 def _config_before_overrides():
-  """The ``--config`` file's ``get_config(variant)`` without the ``--config.<key>`` overrides (what the
-  schema compares against to warn about changed settings that have no effect)."""
+  """The ``--config`` file's ``get_config(variant)`` without the ``--config.<key>`` overrides (the
+  schema compares against it to warn about changed settings that have no effect)."""
   from ntk_fl import config as config_lib  # pylint: disable=import-outside-toplevel
 
   path, _, variant = flags.FLAGS["config"].config_filename.partition(":")

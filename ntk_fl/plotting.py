@@ -1,4 +1,4 @@
-"""Plots of a run, each as a PNG and a vector PDF: accuracy, losses, communication and client selection.
+"""Plots of a run, each a PNG and a vector PDF: accuracy, losses, communication, client selection.
 
 Figures are built with :class:`matplotlib.figure.Figure` directly (Agg canvas,
 no pyplot global state), so plotting works headless and from threads, and each
@@ -17,17 +17,17 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-__all__ = ["ACCURACY_PLOT", "COMMUNICATION_PLOT", "LOSS_PLOT", "accuracy_figure", "communication_figure",
-           "loss_figure", "plot_accuracy", "plot_communication", "plot_losses", "plot_run", "plot_selection_curves",
-           "selection_figure"]
+__all__ = ["ACCURACY_PLOT", "COMMUNICATION_PLOT", "LOSS_PLOT", "accuracy_figure",
+           "communication_figure", "loss_figure", "plot_accuracy", "plot_communication",
+           "plot_losses", "plot_run", "plot_selection_curves", "selection_figure"]
 
 ACCURACY_PLOT = "accuracy.png"
 """Test accuracy vs round (:func:`plot_accuracy`; also ``accuracy.pdf``)."""
 LOSS_PLOT = "loss.png"
 """Test and training losses vs round (:func:`plot_losses`; also ``loss.pdf``)."""
 COMMUNICATION_PLOT = "communication.png"
-"""Aggregated accuracy vs bits sent (:func:`plot_communication`; also ``communication.pdf``), for methods
-that report ``bits_cumulative``."""
+"""Aggregated accuracy vs bits sent (:func:`plot_communication`; also ``communication.pdf``), for
+methods that report ``bits_cumulative``."""
 
 DPI = 200
 
@@ -160,13 +160,16 @@ def loss_figure(lines: Sequence[Mapping], *, title: str = "") -> Figure | None:
   low, high = _column(lines, "loss_min"), _column(lines, "loss_max")
   ok = ~np.isnan(low) & ~np.isnan(high)
   if ok.any():
-    ax.fill_between(rounds[ok], low[ok], high[ok], color="tab:green", alpha=0.2, label="training loss: min to max")
+    ax.fill_between(rounds[ok], low[ok], high[ok], color="tab:green", alpha=0.2,
+                    label="training loss: min to max")
   if not any(drawn):
     return None
-  values = np.concatenate([_column(lines, n) for n in ("test_loss", "client_loss_mean", "loss_mean", "loss_min")])
+  values = np.concatenate([_column(lines, name)
+                           for name in ("test_loss", "client_loss_mean", "loss_mean", "loss_min")])
   if np.nanmin(values) > 0:
     ax.set_yscale("log")        # losses fall by decades over a run
-  _label_axes(ax, "communication round", "loss (test: cross-entropy; training: the method's own)", title)
+  _label_axes(ax, "communication round", "loss (test: cross-entropy; training: the method's own)",
+              title)
   ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
   return fig
 
@@ -197,7 +200,8 @@ def communication_figure(lines: Sequence[Mapping], *, title: str = "") -> Figure
     return None
   fig = Figure(figsize=(6, 4.4))
   ax = fig.add_subplot()
-  ax.plot(bits[ok], acc[ok], "-o", ms=3, color="tab:blue", label="aggregated model (mean of client weights)")
+  ax.plot(bits[ok], acc[ok], "-o", ms=3, color="tab:blue",
+          label="aggregated model (mean of client weights)")
   ax.set_xlabel("bits sent since round 1 (all clients)")
   ax.set_ylabel("accuracy on the test set")
   if bits[ok].min() > 0 and bits[ok].max() / bits[ok].min() > 100:
@@ -209,8 +213,9 @@ def communication_figure(lines: Sequence[Mapping], *, title: str = "") -> Figure
   return fig
 
 
-def plot_communication(lines: Sequence[Mapping], path: str | os.PathLike, *, title: str = "") -> bool:
-  """Aggregated test accuracy vs cumulative bits sent (the communication axis of the NTK papers' figures).
+def plot_communication(lines: Sequence[Mapping], path: str | os.PathLike, *,
+                       title: str = "") -> bool:
+  """Aggregated test accuracy vs cumulative bits sent (the NTK papers' communication axis).
 
   Args:
     lines: the run's metrics lines; a point per line with both ``bits_cumulative``
@@ -228,7 +233,7 @@ def plot_communication(lines: Sequence[Mapping], path: str | os.PathLike, *, tit
 
 
 def plot_run(lines: Sequence[Mapping], workdir: str | os.PathLike, *, title: str = "") -> list[str]:
-  """Every per-round figure of a run from its metrics lines, into ``workdir``; returns the PNGs written.
+  """Every per-round figure of a run from its metrics lines, into ``workdir``; returns the PNGs.
 
   :data:`ACCURACY_PLOT` always; :data:`LOSS_PLOT` when a loss was recorded;
   :data:`COMMUNICATION_PLOT` when the method reports ``bits_cumulative``. Each
@@ -237,8 +242,8 @@ def plot_run(lines: Sequence[Mapping], workdir: str | os.PathLike, *, title: str
   workdir = os.fspath(workdir)
   column = lambda name: [line.get(name) for line in lines]
   plot_accuracy([line["round"] for line in lines], column("test_acc"), column("client_acc_mean"),
-                column("client_acc_min"), column("client_acc_max"), os.path.join(workdir, ACCURACY_PLOT),
-                title=title)
+                column("client_acc_min"), column("client_acc_max"),
+                os.path.join(workdir, ACCURACY_PLOT), title=title)
   written = [ACCURACY_PLOT]
   if plot_losses(lines, os.path.join(workdir, LOSS_PLOT), title=title):
     written.append(LOSS_PLOT)

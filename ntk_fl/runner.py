@@ -527,11 +527,12 @@ def _run(config, workdir: str, *, resume: bool, resume_from_step: int | None, br
         batch_size=config.eval.batch_size, aggregate=algorithm.aggregate)
     primary = distributed.is_primary()      # only process 0 writes files, logs and the progress bar
     events = summaries.EventWriter(workdir, first_round=start + 1) if primary else _NoEvents()
-    events.write_config(rundir.jsonable(config))   # TensorBoard's HParams and Text tabs compare runs by it
+    events.write_config(rundir.jsonable(config))   # TensorBoard's HParams tab compares runs by it
     if branch_from is not None:
       events.write_all(lines)   # the source's rounds, now this run's first ones (a resumed run has them already)
-    bar = tqdm(total=rounds, initial=start, desc=f"{config.method}: compiling round {start + 1}", unit="round",
-               dynamic_ncols=True, disable=not primary)   # the first round's step and evaluation compile first
+    # The first round's step and evaluation compile first: the bar says so until that round is done.
+    bar = tqdm(total=rounds, initial=start, desc=f"{config.method}: compiling round {start + 1}",
+               unit="round", dynamic_ncols=True, disable=not primary)
     last_round = start
     with events, bar, (open(metrics_path, "a") if primary else contextlib.nullcontext()) as metrics_file:
       for r in range(start, rounds):
@@ -602,7 +603,7 @@ def _run(config, workdir: str, *, resume: bool, resume_from_step: int | None, br
     if distributed.is_primary():
       plotting.plot_selection_curves(curves, os.path.join(workdir, rundir.SELECTION_PLOT), title=title)
   if distributed.is_primary():
-    plotting.plot_run(lines, workdir, title=title)   # accuracy, losses, bits vs accuracy: PNG and PDF
+    plotting.plot_run(lines, workdir, title=title)   # accuracy, losses, bits vs accuracy; PNG, PDF
 
   summary = rundir.jsonable(_summarize(config, lines, num_params=num_params, selection=selection,
                                  wall_time=time.perf_counter() - started,

@@ -288,9 +288,9 @@ def _check_partition_file(config, partition: str, dataset: str, num_clients: int
                            num_samples=index_map.TRAIN_SIZES.get(dataset))
 
 
-# ----------------------------------------------------------------------------- settings without effect
+# ------------------------------------------------------------------------ settings without effect
 
-_DIRICHLET = ("dirichlet", "dirichlet_fixed_size", "index_map")     # index_map: alpha is the map's label
+_DIRICHLET = ("dirichlet", "dirichlet_fixed_size", "index_map")   # index_map: alpha labels the map
 _SIZED = ("iid", "dirichlet_fixed_size", "contiguous")
 
 
@@ -304,28 +304,32 @@ def _algo(run: RunSettings, *path: str):
   return node
 
 
-# (field, condition on the checked settings under which nothing reads it, why). One place for the rule:
+def _only(block: str, readers: str):
+  """Why a field that only ``readers`` read is ignored, for the warning."""
+  return lambda r: f"{block}.name = {getattr(r, block).name!r} (only {readers} reads it)"
+
+
+# (field, condition on the checked settings under which nothing reads it, why). The one place for
 # which fields each partition, topology, model and method option reads.
 _UNREAD = (
     ("data.alpha", lambda r: r.data.partition not in _DIRICHLET,
-     lambda r: f"data.partition = {r.data.partition!r} draws no Dirichlet proportions (only 'dirichlet' and "
-               "'dirichlet_fixed_size' read it)"),
+     lambda r: f"data.partition = {r.data.partition!r} draws no Dirichlet proportions (only "
+               "'dirichlet' and 'dirichlet_fixed_size' read it)"),
     ("data.samples_per_client", lambda r: r.data.partition not in _SIZED,
-     lambda r: f"data.partition = {r.data.partition!r} sets the client sizes itself (only {', '.join(_SIZED)} "
-               "read it)"),
+     lambda r: f"data.partition = {r.data.partition!r} sets the client sizes itself (only "
+               f"{', '.join(_SIZED)} read it)"),
     ("data.classes_per_client", lambda r: r.data.partition != "shards",
      lambda r: f"data.partition = {r.data.partition!r} (only 'shards' reads it)"),
-    ("model.hidden", lambda r: r.model.name != "mlp", lambda r: f"model.name = {r.model.name!r} (only 'mlp' reads it)"),
-    ("model.activation", lambda r: r.model.name != "mlp",
-     lambda r: f"model.name = {r.model.name!r} (only 'mlp' reads it)"),
+    ("model.hidden", lambda r: r.model.name != "mlp", _only("model", "'mlp'")),
+    ("model.activation", lambda r: r.model.name != "mlp", _only("model", "'mlp'")),
     ("topology.degree", lambda r: r.topology.name != "regular",
-     lambda r: f"topology.name = {r.topology.name!r} (only 'regular' reads it)"),
+     _only("topology", "'regular'")),
     ("topology.p", lambda r: r.topology.name != "erdos_renyi",
-     lambda r: f"topology.name = {r.topology.name!r} (only 'erdos_renyi' reads it)"),
+     _only("topology", "'erdos_renyi'")),
     ("topology.mean_degree", lambda r: r.topology.name != "erdos_renyi",
-     lambda r: f"topology.name = {r.topology.name!r} (only 'erdos_renyi' reads it)"),
+     _only("topology", "'erdos_renyi'")),
     ("topology.cluster_size", lambda r: r.topology.name != "clustered",
-     lambda r: f"topology.name = {r.topology.name!r} (only 'clustered' reads it)"),
+     _only("topology", "'clustered'")),
     ("topology.dynamic", lambda r: r.topology.name == "complete",
      lambda r: "the complete graph is the same in every round"),
     ("algorithm.nesterov", lambda r: _algo(r, "momentum") == 0,
@@ -333,13 +337,16 @@ _UNREAD = (
     ("algorithm.stochastic_rounding", lambda r: _algo(r, "quantize_bits") == 32,
      lambda r: "algorithm.quantize_bits = 32 (nothing is quantised)"),
     *((f"algorithm.{name}", lambda r: _algo(r, "local_training") not in (None, "ntk"),
-       lambda r: f"algorithm.local_training = {_algo(r, 'local_training')!r} (only 'ntk' evolves over taus)")
+       lambda r: f"algorithm.local_training = {_algo(r, 'local_training')!r} (only 'ntk' "
+                 "evolves over taus)")
       for name in ("taus", "solver", "select")),
     *((f"algorithm.distill.{name}", lambda r: _algo(r, "distill", "enabled") is False,
        lambda r: "algorithm.distill.enabled = False")
-      for name in ("warmup_rounds", "anneal_rounds", "alpha_init", "alpha_final", "temp_init", "temp_final")),
+      for name in ("warmup_rounds", "anneal_rounds", "alpha_init", "alpha_final", "temp_init",
+                   "temp_final")),
     *((f"algorithm.projection.{name}", lambda r: _algo(r, "projection", "scheme") == "none",
-       lambda r: "algorithm.projection.scheme = 'none'") for name in ("k_proj", "skip_uncompressed")),
+       lambda r: "algorithm.projection.scheme = 'none'")
+      for name in ("k_proj", "skip_uncompressed")),
     ("algorithm.lr_boost.factor", lambda r: _algo(r, "lr_boost", "rounds") == (),
      lambda r: "algorithm.lr_boost.rounds = () (no round is boosted)"),
 )
@@ -353,12 +360,17 @@ def _leaves(config: Mapping, prefix: str = ""):
       yield f"{prefix}{key}", value
 
 
+def _plain(value):
+  """Lists as tuples, so a config and its JSON form compare equal."""
+  return tuple(_plain(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
 def changed_fields(config, reference) -> set[str]:
-  """Dotted paths whose value in ``config`` differs from ``reference`` (both configs or plain mappings)."""
+  """Dotted paths whose value in ``config`` differs from ``reference`` (configs or mappings)."""
   as_dict = lambda c: c.to_dict() if isinstance(c, ml_collections.ConfigDict) else c
   before = dict(_leaves(as_dict(reference)))
   return {path for path, value in _leaves(as_dict(config))
-          if path not in before or settings._tuples(before[path]) != settings._tuples(value)}  # pylint: disable=protected-access
+          if path not in before or _plain(before[path]) != _plain(value)}
 
 
 def ignored_settings(run: RunSettings, changed) -> list[str]:
@@ -370,8 +382,9 @@ def ignored_settings(run: RunSettings, changed) -> list[str]:
   messages = []
   graph = get_method(run.method).graph
   if not graph:
-    messages += [f"config.{path} = {_value(run, path)!r} has no effect: method {run.method!r} does not mix over a "
-                 "graph" for path in sorted(changed) if path.startswith("topology.")]
+    messages += [f"config.{path} = {_value(run, path)!r} has no effect: method {run.method!r} "
+                 "does not mix over a graph"
+                 for path in sorted(changed) if path.startswith("topology.")]
   for path, unread, why in _UNREAD:
     if path in changed and (graph or not path.startswith("topology.")) and unread(run):
       messages.append(f"config.{path} = {_value(run, path)!r} has no effect: {why(run)}")

@@ -83,7 +83,7 @@ _HPARAM_METRICS = ("accuracy/aggregated", "accuracy/client_mean", "loss/aggregat
 
 
 def hparams_of(config: Mapping, prefix: str = "") -> dict[str, bool | int | float | str]:
-  """The config's fields as TensorBoard hyperparameters: ``{'data.alpha': 0.1, 'model.hidden': '[100]', ...}``.
+  """The config's fields as TensorBoard hyperparameters: ``{'data.alpha': 0.1, ...}``.
 
   ``config`` is the config's JSON form (``config.json``); nested blocks become
   dotted names, lists and ``None`` their JSON text (HParams holds bool, number
@@ -137,8 +137,8 @@ class EventWriter:
     """The run's config (its JSON form): HParams hyperparameters and a ``config`` text entry."""
     from tensorboardX.summary import hparams  # pylint: disable=import-outside-toplevel
 
-    # The HParams summaries go into this run's own event file (SummaryWriter.add_hparams would open a
-    # sub-run), so the HParams tab pairs the config with the scalars the run writes under these tags.
+    # The HParams summaries go into this run's own event file (SummaryWriter.add_hparams would
+    # open a sub-run), so the HParams tab pairs the config with the run's scalars of these tags.
     for summary in hparams(hparams_of(config), {tag: 0.0 for tag in _HPARAM_METRICS}):
       self._writer.file_writer.add_summary(summary)
     self._writer.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```", 0)

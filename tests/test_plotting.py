@@ -59,12 +59,13 @@ def test_label_distribution_counts_are_whole_numbers(tmp_path):
 
 
 def _lines(bits=True):
-  """Five metrics lines: evaluated in rounds 1, 2, 4, 5 (round 3 not scored), training loss every round."""
+  """Five metrics lines: scored in rounds 1, 2, 4, 5 (not round 3), a training loss every round."""
   acc = [0.5, 0.6, None, 0.75, 0.8]
   out = []
   for r in range(1, 6):
-    line = {"round": r, "test_acc": acc[r - 1], "test_loss": None if acc[r - 1] is None else 2.0 / r,
-            "client_loss_mean": None if acc[r - 1] is None else 2.5 / r,
+    scored = acc[r - 1] is not None
+    line = {"round": r, "test_acc": acc[r - 1], "test_loss": 2.0 / r if scored else None,
+            "client_loss_mean": 2.5 / r if scored else None,
             "loss_mean": 1.0 / r, "loss_min": 0.5 / r, "loss_max": 1.5 / r}
     if bits:
       line["bits_cumulative"] = 1e6 * r
@@ -90,7 +91,7 @@ def test_loss_figure_plots_the_recorded_losses_and_skips_unscored_rounds():
   np.testing.assert_array_equal(x, [1, 2, 3, 4, 5])
   np.testing.assert_allclose(y, 1.0 / np.arange(1, 6))
   band = ax.collections[0].get_paths()[0].vertices
-  assert band[:, 1].min() == 0.5 / 5 and band[:, 1].max() == 1.5   # the min-to-max band of the training loss
+  assert band[:, 1].min() == 0.5 / 5 and band[:, 1].max() == 1.5   # training loss: min-to-max band
   assert ax.get_yscale() == "log" and _integer_ticks(ax.get_xticks())
   assert plotting.loss_figure([{"round": 1, "test_acc": 0.5}]) is None
 
@@ -119,4 +120,5 @@ def test_plot_run_writes_png_and_pdf_of_each_figure(tmp_path):
       [*written, *(n.replace(".png", ".pdf") for n in written)])      # no temporary files left
   other = tmp_path / "no_bits"
   other.mkdir()
-  assert plotting.plot_run(_lines(bits=False), other) == [plotting.ACCURACY_PLOT, plotting.LOSS_PLOT]
+  written = plotting.plot_run(_lines(bits=False), other)
+  assert written == [plotting.ACCURACY_PLOT, plotting.LOSS_PLOT]

@@ -87,7 +87,7 @@ def test_console_shows_the_bar_and_the_result_and_the_log_goes_to_the_workdir(to
   assert closing.startswith(f"toy_gd: 4 rounds, final aggregated accuracy {summary['final_test_acc']:.4f}")
   assert workdir in closing
   log = open(os.path.join(workdir, cli.LOG_FILE)).read()
-  assert "Unable to initialize backend" not in log          # JAX's probe of absent platforms is not news
+  assert "Unable to initialize backend" not in log     # JAX's probe of absent platforms is not news
   for r in (1, 2, 3, 4):
     assert f"round {r}: aggregated acc" in log
   assert "Finished" in log
@@ -134,7 +134,8 @@ def test_the_config_is_in_the_event_files_as_hparams_and_text(toy_run):
 
 
 def test_hparams_of_flattens_and_keeps_tensorboards_types():
-  assert summaries.hparams_of({"seed": 0, "data": {"alpha": 0.1, "name": "mnist"}, "model": {"hidden": [100, 10]},
-                               "eval": {"selection": True}, "x": None}) == {
-      "seed": 0, "data.alpha": 0.1, "data.name": "mnist", "model.hidden": "[100, 10]", "eval.selection": True,
-      "x": "null"}
+  config = {"seed": 0, "data": {"alpha": 0.1, "name": "mnist"}, "model": {"hidden": [100, 10]},
+            "eval": {"selection": True}, "x": None}
+  assert summaries.hparams_of(config) == {
+      "seed": 0, "data.alpha": 0.1, "data.name": "mnist", "model.hidden": "[100, 10]",
+      "eval.selection": True, "x": "null"}

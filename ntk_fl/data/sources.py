@@ -561,8 +561,8 @@ def _locate(name: str, spec: _Spec, data_dir: Path | None) -> _Pixels:
     if pixels is not None:
       return pixels
   places = "\n".join(f"  - {place}" for place in searched)
-  raise DataNotFoundError(f"No {name} data found (nothing is ever downloaded). Looked in:\n{places}\n"
-                          f"To get it: {spec.how_to_get}.")
+  raise DataNotFoundError(f"No {name} data found (nothing is ever downloaded). Looked in:\n"
+                          f"{places}\nTo get it: {spec.how_to_get}.")
 
 
 # ----------------------------------------------------------------------------
