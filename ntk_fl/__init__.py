@@ -4,13 +4,14 @@ The flat public API (like optax's): everything a researcher needs to run a paper
 config, rescore a run, or build a method of their own is importable from here::
 
   import ntk_fl
-  config = ntk_fl.load_config("configs/ntk_dfl.py", "smoke")
+  config = ntk_fl.load_config("ntk_dfl", "smoke")   # a packaged config by name, or a file path
   summary = ntk_fl.run(config, "runs/smoke")
 
 Names are imported on first use (``import ntk_fl`` itself loads neither JAX nor
 the datasets). The modules behind them, each documented in its own docstring:
 
 * config layer: :mod:`ntk_fl.config` (``base_config``, variants, ``load_config``),
+  :mod:`ntk_fl.config_docs` (the meaning of every config field, the configs' variants),
   ``ntk_fl/configs/`` (the paper configs and their presets), :mod:`ntk_fl.schema`
   (the one place a config is checked; it returns typed :mod:`ntk_fl.settings`).
 * runs: :mod:`ntk_fl.runner` (the loop, ``build_experiment``), :mod:`ntk_fl.rundir`
@@ -71,7 +72,8 @@ _export("ntk_fl.evolve", "ntk_step", "ntk_update")
 _export("ntk_fl.parallel", "for_each_client", "use_devices", "Shared")
 _export("ntk_fl.metrics", "evaluate", "evaluate_clients", "average_params", "make_evaluator")
 
-_SUBMODULES = ("algorithms", "checkpoint", "cli", "compression", "config", "configs", "data", "evolve", "jacobians",
+_SUBMODULES = ("algorithms", "checkpoint", "cli", "compression", "config", "config_docs", "configs",
+               "data", "evolve", "jacobians",
                "metrics", "models", "ntk", "parallel", "plotting", "privacy", "projection", "rng", "rundir", "runner",
                "schema", "settings", "stats", "topology", "validation", "gossip", "communication",
                "distributed", "summaries")

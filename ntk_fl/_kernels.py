@@ -368,7 +368,7 @@ def check_projections(stack: DenseStack, kernels, projections) -> tuple[DensePro
 
 
 def projected_features(stack, kernels, biases, projections, x, trace_outputs) -> _ProjectedFeatures:
-  """Factors of the sketched kernel (derivation in :func:`projected_dense_ntk`)."""
+  """Factors of the sketched kernel (derivation in :func:`ntk_fl.ntk.projected_dense_ntk`)."""
   base = _dense_features(stack, kernels, biases, x, trace_outputs)
   inputs = tuple(a if p.kernel is None else jnp.matmul(a, p.kernel, precision=_HIGHEST)
                  for a, p in zip(base.inputs, projections))

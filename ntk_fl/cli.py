@@ -4,14 +4,19 @@
       [--config.rounds=50 --config.data.alpha=0.5 ...] [--resume | --resume_from_step=N]
       [--branch_from=OTHER_WORKDIR [--branch_round=K]]
       [--num_processes=P | --distributed | --num_processes=P --process_id=I --coordinator_address=HOST:PORT]
+  ntk-fl --config=ntk_dfl:smoke [--config.key=value ...] --print_config
+  ntk-fl --list_configs | --version
 
 ``--config`` names a packaged config (``ntk_dfl``, ``spark:iid,alpha0.5``; see
 :mod:`ntk_fl.configs`) or a config file (``configs/ntk_dfl.py:smoke``,
 ``my/sweep.py``). ``--config.key=value`` overrides any config field (an unknown
-key is a flags error). The config and the workdir are checked before any data is
-loaded; a bad value exits non-zero with one ``error:`` line naming it. The
-workdir receives ``metrics.jsonl``, ``summary.json``, ``config.json``, the PNG
-plots and ``checkpoints/`` (see :mod:`ntk_fl.rundir`); ``--resume`` continues a
+key is a flags error); ``--print_config`` prints the resolved config, each
+field with its meaning (:mod:`ntk_fl.config_docs`), and exits;
+``--list_configs`` lists the packaged configs and their variants. The config
+and the workdir are checked before any data is loaded; a bad value exits
+non-zero with one ``error:`` line naming it. The workdir receives
+``metrics.jsonl``, ``summary.json``, ``config.json``, the plots (PNG and PDF)
+and ``checkpoints/`` (see :mod:`ntk_fl.rundir`); ``--resume`` continues a
 killed run from its latest checkpoint with identical results. ``--branch_from``
 starts a new run from another run's checkpoint when the two configs provably
 share those rounds (e.g. SPARK's ablation rows during the warm-up; see
@@ -71,7 +76,10 @@ def _define_flags() -> None:
     return
   _FLAGS["config"] = config_flags.DEFINE_config_file(
       "config", None, "Config: a packaged config's name (ntk_dfl, spark:iid, ntk_dfl:smoke) or a config file "
-      "(configs/ntk_dfl.py:smoke); text after ':' is the variant list.", lock_config=True)
+      "(configs/ntk_dfl.py:smoke); text after ':' is the variant list. Any field is overridden "
+      "with --config.<key>=value; --print_config lists every field with its meaning, "
+      "--list_configs the configs.",
+      lock_config=True)
   _FLAGS["workdir"] = flags.DEFINE_string("workdir", None, "Output directory of the run.")
   _FLAGS["resume"] = flags.DEFINE_bool(
       "resume", False, "Continue the run in --workdir from its newest good checkpoint (damaged or incomplete "
@@ -96,7 +104,23 @@ def _define_flags() -> None:
       "--coordinator_address; set by the local launcher).", lower_bound=0)
   _FLAGS["coordinator_address"] = flags.DEFINE_string(
       "coordinator_address", None, "host:port of process 0's coordinator in a multi-process run.")
-  flags.mark_flags_as_required(["config", "workdir"])
+  _FLAGS["print_config"] = flags.DEFINE_bool(
+      "print_config", False, "Print the resolved --config (after variants and --config.<key> "
+      "overrides), each field with its one-line meaning, and exit (no --workdir needed, no data "
+      "loaded).")
+  _FLAGS["list_configs"] = flags.DEFINE_bool(
+      "list_configs", False, "List the packaged configs with their variants and exit.")
+  _FLAGS["version"] = flags.DEFINE_bool("version", False, "Print the ntk_fl version and exit.")
+  # --config and --workdir are required, except for the flags that only print something and exit.
+  flags.register_multi_flags_validator(
+      ["config", "list_configs", "version"],
+      lambda f: f["config"] is not None or f["list_configs"] or f["version"],
+      message="--config is required (a packaged config's name or a config file; --list_configs "
+      "lists them)")
+  flags.register_multi_flags_validator(
+      ["workdir", "print_config", "list_configs", "version"],
+      lambda f: f["workdir"] is not None or f["print_config"] or f["list_configs"] or f["version"],
+      message="--workdir is required (the run's output directory)")
 
 
 def resolve_config_args(argv: Sequence[str]) -> list[str]:
@@ -144,10 +168,14 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 class _QuietLibraries(std_logging.Filter):
-  """Drops INFO/DEBUG records of orbax and etils (a dozen lines per checkpoint); warnings pass."""
+  """Drops INFO/DEBUG records of orbax and etils (a dozen lines per checkpoint) and JAX's report
+  of each platform it probed and did not find (``Unable to initialize backend 'tpu'``); warnings
+  pass."""
 
   def filter(self, record: std_logging.LogRecord) -> bool:
-    noisy = any(part in record.pathname for part in ("/orbax/", "/etils/"))
+    noisy = (any(part in record.pathname for part in ("/orbax/", "/etils/"))
+             or (record.pathname.endswith("xla_bridge.py")
+                 and str(record.msg).startswith("Unable to initialize backend")))
     return record.levelno >= std_logging.WARNING or not noisy
 
 
@@ -220,7 +248,11 @@ _ONE_LINE_ERRORS = (ValueError, OSError)
 
 
 def one_line(err: BaseException) -> str:
-  """The ``error:`` line of ``err``: its first line, with what to do for a full disk."""
+  """The ``error:`` line of ``err``: its first line, with what to do for a full disk.
+
+  An error whose message is the help (``help_message = True``, e.g.
+  :class:`ntk_fl.data.sources.DataNotFoundError`) keeps all its lines.
+  """
   # TensorStore (orbax's array writer) reports a full disk as a ValueError with the OS's text.
   if (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "No space left on device" in str(err):
     filename = getattr(err, "filename", None)
@@ -228,6 +260,8 @@ def one_line(err: BaseException) -> str:
     return (f"disk full{where} (No space left on device); free some space, then continue the run with --resume "
             "(every completed checkpoint and metrics line is intact)")
   lines = [line for line in str(err).strip().splitlines() if line.strip()]
+  if getattr(err, "help_message", False) and lines:   # missing data: where it looked, how to get it
+    return "\n".join(lines)
   return lines[0] if lines else type(err).__name__
 
 
@@ -249,9 +283,56 @@ def report_failure(err: BaseException, workdir: str | None, *, verbose: bool) ->
       log_path = None
   if verbose:
     sys.stderr.write(trace)
-  elif log_path:
+  elif log_path and not getattr(err, "help_message", False):
     message += f" (traceback in {log_path}; --verbosity=1 prints it)"
   return message
+
+
+def _remove_log_only_workdir(workdir: str) -> None:
+  """Removes ``workdir`` if this command made it and it holds only ``log.txt``.
+
+  For a start that failed on the user's setup (missing data: the error line is
+  the whole help), so no workdir holding nothing but a log is left behind;
+  other failures keep the log, whose traceback their error line points to.
+  """
+  try:
+    if os.listdir(workdir) != [LOG_FILE]:
+      return
+    handler = logging.get_absl_handler().python_handler
+    stream = getattr(handler, "stream", None)
+    if stream is not None and stream not in (sys.stderr, sys.stdout):
+      handler.stream = io.StringIO()    # later log lines of this process go nowhere
+      stream.close()
+    os.remove(os.path.join(workdir, LOG_FILE))
+    os.rmdir(workdir)
+  except OSError:
+    pass                                 # best effort: a workdir that cannot be cleaned up stays
+
+
+def _print_and_exit(config) -> bool:
+  """``--version``, ``--list_configs``, ``--print_config``: prints what they ask; True if asked."""
+  from ntk_fl import config_docs  # pylint: disable=import-outside-toplevel
+
+  if _FLAGS["version"].value:
+    import ntk_fl  # pylint: disable=import-outside-toplevel
+    print(f"ntk_fl {ntk_fl.__version__}")
+  elif _FLAGS["list_configs"].value:
+    print(config_docs.format_configs())
+  elif _FLAGS["print_config"].value:
+    print(f"# --config={flags.FLAGS['config'].config_filename}")
+    print(config_docs.format_config(config))
+  else:
+    return False
+  return True
+
+
+def _config_before_overrides():
+  """The ``--config`` file's ``get_config(variant)`` without the ``--config.<key>`` overrides (the
+  schema compares against it to warn about changed settings that have no effect)."""
+  from ntk_fl import config as config_lib  # pylint: disable=import-outside-toplevel
+
+  path, _, variant = flags.FLAGS["config"].config_filename.partition(":")
+  return config_lib.load_config(path, variant or None)
 
 
 def _closing_line(summary: dict, workdir: str) -> str:
@@ -303,6 +384,8 @@ def _main(argv: list[str]) -> None:
                "name); give a packaged config's name (e.g. ntk_dfl:smoke) or the path of a config file")
     sys.exit(f"error: --config={value}: cannot load the config file: "
              f"{one_line(object.__getattribute__(config, '_error'))}")
+  if _print_and_exit(config):
+    return
   workdir = _FLAGS["workdir"].value
   start = dict(resume=_FLAGS["resume"].value, resume_from_step=_FLAGS["resume_from_step"].value,
                branch_from=_FLAGS["branch_from"].value, branch_round=_FLAGS["branch_round"].value)
@@ -310,19 +393,23 @@ def _main(argv: list[str]) -> None:
   try:
     # Everything that can be wrong with the request fails here, before any data is loaded; the config is
     # checked once and travels on as typed settings.
-    settings = schema.validate_config(config)
+    settings = schema.validate_config(config, reference=_config_before_overrides())
     rundir.check_start(settings, workdir, **start)
   except (*_ONE_LINE_ERRORS, CheckpointDamaged) as e:
     if verbose:
       traceback.print_exc()
     sys.exit(f"error: {one_line(e)}")
+  fresh = not os.path.isdir(workdir) or not os.listdir(workdir)
   try:
     _log_to_workdir(held, workdir)
     summary = runner.run(settings, workdir, **start)
   except runner.Diverged as e:   # an outcome of the experiment, not a failure of the code: no traceback
     sys.exit(f"error: {e}")
   except (*_ONE_LINE_ERRORS, CheckpointDamaged) as e:
-    sys.exit(f"error: {report_failure(e, workdir, verbose=verbose)}")
+    message = report_failure(e, workdir, verbose=verbose)
+    if fresh and getattr(e, "help_message", False):
+      _remove_log_only_workdir(workdir)
+    sys.exit(f"error: {message}")
   except KeyboardInterrupt:
     sys.stderr.write(f"\ninterrupted; continue the run with --resume (workdir {workdir})\n")
     sys.exit(130)

@@ -32,7 +32,7 @@ Implementations (``implementation=``, an :class:`Implementation` or its string v
   ``chunk² · C · (activation size per sample)``: pass a small ``chunk_size`` for
   conv nets.
 * ``'structured'`` -- for a stack of dense layers (:class:`ntk_fl.models.DenseStack`)
-  the kernel factorises over layers (see :func:`_structured_kernel`); for the
+  the kernel factorises over layers (the private ``structured_kernel``); for the
   784-100-10 MLP that is ``≈ 2·N1·N2·(784 + 100 + 100)`` FLOPs, about a thousand
   times fewer than the Jacobian contraction. It reads the weights from
   ``params`` and never calls ``apply_fn``: the caller promises that ``apply_fn``

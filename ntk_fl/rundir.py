@@ -10,7 +10,9 @@ Workdir layout::
   metrics.jsonl    one line per round (1-based ``round``)
   summary.json     rounds to each target, final/best accuracies, timings, selection curves
   accuracy.png     aggregated vs mean-client accuracy (client min-max band)
+  loss.png         test and training losses; communication.png: accuracy vs bits sent (if counted)
   selection.png    best-to-worst / random / worst-to-best averaging curves
+                   (each figure also as a vector .pdf; :mod:`ntk_fl.plotting`)
   checkpoints/     orbax checkpoints, one directory per saved round count
   branched_from.json  only for a branched run: the source workdir and the round it was taken after
 
@@ -411,7 +413,7 @@ def check_start(config, workdir: str, *, resume: bool = False, resume_from_step:
   A fresh run (empty ``workdir``), ``resume`` (:func:`check_workdir`; from
   checkpoint ``resume_from_step`` when given, which implies ``resume``) or a
   branch from another run (:func:`check_branch`); the options are checked
-  together here so the entry point and :func:`run` refuse the same requests.
+  together here so the entry point and :func:`ntk_fl.runner.run` refuse the same requests.
   """
   resume = resume or resume_from_step is not None
   if resume and branch_from is not None:

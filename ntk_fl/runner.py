@@ -10,7 +10,7 @@
    that, so a bad key or value fails in milliseconds with a message naming it.
    Everything below runs inside the run's device policy
    (:func:`ntk_fl.parallel.use_devices` with ``devices`` and ``chunk_size``).
-2. :func:`build_experiment` -- dataset, partition, :class:`Federation`, model and
+2. :func:`build_experiment` -- dataset, partition, :class:`ntk_fl.data.Federation`, model and
    :class:`Algorithm` (also the entry point of the functional API: build once,
    then drive ``algorithm.init`` / ``algorithm.step`` yourself).
 3. The round loop: ``algorithm.step`` (compiled once by its factory); after every round one
@@ -236,6 +236,9 @@ class _NoEvents:
 
   def write_all(self, lines) -> None:
     del lines
+
+  def write_config(self, config) -> None:
+    del config
 
   def __enter__(self) -> "_NoEvents":
     return self
@@ -524,10 +527,12 @@ def _run(config, workdir: str, *, resume: bool, resume_from_step: int | None, br
         batch_size=config.eval.batch_size, aggregate=algorithm.aggregate)
     primary = distributed.is_primary()      # only process 0 writes files, logs and the progress bar
     events = summaries.EventWriter(workdir, first_round=start + 1) if primary else _NoEvents()
+    events.write_config(rundir.jsonable(config))   # TensorBoard's HParams tab compares runs by it
     if branch_from is not None:
       events.write_all(lines)   # the source's rounds, now this run's first ones (a resumed run has them already)
-    bar = tqdm(total=rounds, initial=start, desc=config.method, unit="round", dynamic_ncols=True,
-               disable=not primary)
+    # The first round's step and evaluation compile first: the bar says so until that round is done.
+    bar = tqdm(total=rounds, initial=start, desc=f"{config.method}: compiling round {start + 1}",
+               unit="round", dynamic_ncols=True, disable=not primary)
     last_round = start
     with events, bar, (open(metrics_path, "a") if primary else contextlib.nullcontext()) as metrics_file:
       for r in range(start, rounds):
@@ -575,6 +580,8 @@ def _run(config, workdir: str, *, resume: bool, resume_from_step: int | None, br
           logging.info("round %d: aggregated acc %.4f, step %.2fs, eval %.2fs",
                        round_, line["test_acc"], t1 - t0, t2 - t1)
         postfix["last round"] = f"{t2 - t0:.2f}s"
+        if r == start:
+          bar.set_description_str(config.method, refresh=False)
         bar.set_postfix(postfix)
         bar.update(1)
         last_round = round_
@@ -595,12 +602,8 @@ def _run(config, workdir: str, *, resume: bool, resume_from_step: int | None, br
     selection = {k: v.tolist() for k, v in curves.items()}
     if distributed.is_primary():
       plotting.plot_selection_curves(curves, os.path.join(workdir, rundir.SELECTION_PLOT), title=title)
-  rounds_axis = [line["round"] for line in lines]
   if distributed.is_primary():
-    plotting.plot_accuracy(
-        rounds_axis, [line.get("test_acc") for line in lines], [line.get("client_acc_mean") for line in lines],
-        [line.get("client_acc_min") for line in lines], [line.get("client_acc_max") for line in lines],
-        os.path.join(workdir, rundir.ACCURACY_PLOT), title=title)
+    plotting.plot_run(lines, workdir, title=title)   # accuracy, losses, bits vs accuracy; PNG, PDF
 
   summary = rundir.jsonable(_summarize(config, lines, num_params=num_params, selection=selection,
                                  wall_time=time.perf_counter() - started,

@@ -32,7 +32,8 @@ from ntk_fl.algorithms import get_method
 from ntk_fl.config import base_config
 from ntk_fl.settings import DataSettings, EvalSettings, ModelSettings, RunSettings, TopologySettings
 
-__all__ = ["DIVERGENCE_POLICIES", "import_method_module", "method_module_imported", "validate_config"]
+__all__ = ["DIVERGENCE_POLICIES", "changed_fields", "ignored_settings", "import_method_module",
+           "method_module_imported", "validate_config", "warn_ignored_settings"]
 
 #: ``config.on_divergence``: end the run at a non-finite round, or log it and go on.
 DIVERGENCE_POLICIES = ("stop", "continue")
@@ -107,7 +108,7 @@ def import_method_module(spec: str) -> None:
     raise ValueError(f"config.method_module = {spec!r} could not be imported: {e}") from e
 
 
-def validate_config(config) -> RunSettings:
+def validate_config(config, reference=None) -> RunSettings:
   """Checks ``config`` once and returns it as typed, immutable :class:`RunSettings`.
 
   The shared schema first (names, ranges, unknown keys of every block), then the
@@ -121,6 +122,10 @@ def validate_config(config) -> RunSettings:
     config: an ``ml_collections.ConfigDict`` built on :func:`ntk_fl.config.base_config`,
       a plain dict of the same shape (a run's ``config.json``), or settings this
       function returned already (returned as they are).
+    reference: optional, the config before the user's changes (``ntk-fl``: the
+      config file's variant before the ``--config.<key>`` overrides); each field
+      changed from it that the run does not read (``data.alpha`` of an IID
+      partition, ...) is logged as a warning (:func:`warn_ignored_settings`).
 
   Raises ``ValueError`` naming the bad key, its value and what is allowed. Loads
   no data.
@@ -225,6 +230,8 @@ def validate_config(config) -> RunSettings:
     run = dataclasses.replace(run, graph=graph)
   if spec.check is not None:
     spec.check(hyperparameters, run)
+  if reference is not None:
+    warn_ignored_settings(run, config, reference)
   return run
 
 
@@ -279,3 +286,128 @@ def _check_partition_file(config, partition: str, dataset: str, num_clients: int
                      "the whole training set, so data.partition = 'index_map' needs max_train = 0")
   index_map.load_index_map(partition_file, num_clients=num_clients,
                            num_samples=index_map.TRAIN_SIZES.get(dataset))
+
+
+# ------------------------------------------------------------------------ settings without effect
+
+_DIRICHLET = ("dirichlet", "dirichlet_fixed_size", "index_map")   # index_map: alpha labels the map
+_SIZED = ("iid", "dirichlet_fixed_size", "contiguous")
+
+
+def _algo(run: RunSettings, *path: str):
+  """``run.algorithm.<path>``, or None when the method's hyperparameters have no such field."""
+  node = run.algorithm
+  for name in path:
+    if not hasattr(node, name):
+      return None
+    node = getattr(node, name)
+  return node
+
+
+def _only(block: str, readers: str):
+  """Why a field that only ``readers`` read is ignored, for the warning."""
+  return lambda r: f"{block}.name = {getattr(r, block).name!r} (only {readers} reads it)"
+
+
+# (field, condition on the checked settings under which nothing reads it, why). The one place for
+# which fields each partition, topology, model and method option reads.
+_UNREAD = (
+    ("data.alpha", lambda r: r.data.partition not in _DIRICHLET,
+     lambda r: f"data.partition = {r.data.partition!r} draws no Dirichlet proportions (only "
+               "'dirichlet' and 'dirichlet_fixed_size' read it)"),
+    ("data.samples_per_client", lambda r: r.data.partition not in _SIZED,
+     lambda r: f"data.partition = {r.data.partition!r} sets the client sizes itself (only "
+               f"{', '.join(_SIZED)} read it)"),
+    ("data.classes_per_client", lambda r: r.data.partition != "shards",
+     lambda r: f"data.partition = {r.data.partition!r} (only 'shards' reads it)"),
+    ("model.hidden", lambda r: r.model.name != "mlp", _only("model", "'mlp'")),
+    ("model.activation", lambda r: r.model.name != "mlp", _only("model", "'mlp'")),
+    ("topology.degree", lambda r: r.topology.name != "regular",
+     _only("topology", "'regular'")),
+    ("topology.p", lambda r: r.topology.name != "erdos_renyi",
+     _only("topology", "'erdos_renyi'")),
+    ("topology.mean_degree", lambda r: r.topology.name != "erdos_renyi",
+     _only("topology", "'erdos_renyi'")),
+    ("topology.cluster_size", lambda r: r.topology.name != "clustered",
+     _only("topology", "'clustered'")),
+    ("topology.dynamic", lambda r: r.topology.name == "complete",
+     lambda r: "the complete graph is the same in every round"),
+    ("algorithm.nesterov", lambda r: _algo(r, "momentum") == 0,
+     lambda r: "algorithm.momentum = 0 (Nesterov's variant needs momentum)"),
+    ("algorithm.stochastic_rounding", lambda r: _algo(r, "quantize_bits") == 32,
+     lambda r: "algorithm.quantize_bits = 32 (nothing is quantised)"),
+    *((f"algorithm.{name}", lambda r: _algo(r, "local_training") not in (None, "ntk"),
+       lambda r: f"algorithm.local_training = {_algo(r, 'local_training')!r} (only 'ntk' "
+                 "evolves over taus)")
+      for name in ("taus", "solver", "select")),
+    *((f"algorithm.distill.{name}", lambda r: _algo(r, "distill", "enabled") is False,
+       lambda r: "algorithm.distill.enabled = False")
+      for name in ("warmup_rounds", "anneal_rounds", "alpha_init", "alpha_final", "temp_init",
+                   "temp_final")),
+    *((f"algorithm.projection.{name}", lambda r: _algo(r, "projection", "scheme") == "none",
+       lambda r: "algorithm.projection.scheme = 'none'")
+      for name in ("k_proj", "skip_uncompressed")),
+    ("algorithm.lr_boost.factor", lambda r: _algo(r, "lr_boost", "rounds") == (),
+     lambda r: "algorithm.lr_boost.rounds = () (no round is boosted)"),
+)
+
+
+def _leaves(config: Mapping, prefix: str = ""):
+  for key, value in config.items():
+    if isinstance(value, Mapping):
+      yield from _leaves(value, f"{prefix}{key}.")
+    else:
+      yield f"{prefix}{key}", value
+
+
+def _plain(value):
+  """Lists as tuples, so a config and its JSON form compare equal."""
+  return tuple(_plain(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def changed_fields(config, reference) -> set[str]:
+  """Dotted paths whose value in ``config`` differs from ``reference`` (configs or mappings)."""
+  as_dict = lambda c: c.to_dict() if isinstance(c, ml_collections.ConfigDict) else c
+  before = dict(_leaves(as_dict(reference)))
+  return {path for path, value in _leaves(as_dict(config))
+          if path not in before or _plain(before[path]) != _plain(value)}
+
+
+def ignored_settings(run: RunSettings, changed) -> list[str]:
+  """Messages for the fields of ``changed`` (dotted paths the user set) that ``run`` never reads.
+
+  Only changed fields are named: every config carries fields its own setting
+  does not read (``data.alpha`` of an IID config), and those are not news.
+  """
+  messages = []
+  graph = get_method(run.method).graph
+  if not graph:
+    messages += [f"config.{path} = {_value(run, path)!r} has no effect: method {run.method!r} "
+                 "does not mix over a graph"
+                 for path in sorted(changed) if path.startswith("topology.")]
+  for path, unread, why in _UNREAD:
+    if path in changed and (graph or not path.startswith("topology.")) and unread(run):
+      messages.append(f"config.{path} = {_value(run, path)!r} has no effect: {why(run)}")
+  return messages
+
+
+def _value(run: RunSettings, path: str):
+  node = run
+  for name in path.split("."):
+    node = getattr(node, name)
+  return node
+
+
+def warn_ignored_settings(run: RunSettings, config, reference) -> list[str]:
+  """Logs a warning for each field ``config`` changed from ``reference`` that ``run`` does not read.
+
+  ``reference`` is the config before the user's changes (for ``ntk-fl``: the
+  config file's ``get_config(variant)`` before the ``--config.<key>``
+  overrides). Returns the messages.
+  """
+  from absl import logging  # pylint: disable=g-import-not-at-top
+
+  messages = ignored_settings(run, changed_fields(config, reference))
+  for message in messages:
+    logging.warning("%s", message)
+  return messages

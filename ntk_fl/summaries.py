@@ -18,18 +18,22 @@ Every metrics line becomes scalars at ``step = round`` under a few groups, so
 ==================  ==========================================================
 
 and each per-client array of the line (``clients``: test accuracy, τ, loss,
-bits) a histogram under ``clients/``.
+bits) a histogram under ``clients/``. The run's config is written once per
+writer (:meth:`EventWriter.write_config`): every field as a hyperparameter of
+TensorBoard's HParams tab (which tabulates and filters runs by them) and the
+whole config as JSON under the ``config`` text tag.
 """
 from __future__ import annotations
 
 import collections
+import json
 import math
 import os
 from typing import Iterable, Mapping
 
 import numpy as np
 
-__all__ = ["EventWriter", "round_scalars"]
+__all__ = ["EventWriter", "hparams_of", "round_scalars"]
 
 _GROUPS = (  # metric-name prefix -> (tag group, tag name after the prefix is removed)
     ("test_acc", "accuracy/aggregated"),
@@ -74,6 +78,26 @@ def round_scalars(line: Mapping) -> dict[str, float]:
 
 
 _TENSORBOARD_BUCKET_END = 1e20
+_HPARAM_METRICS = ("accuracy/aggregated", "accuracy/client_mean", "loss/aggregated",
+                   "communication/bits_cumulative")
+
+
+def hparams_of(config: Mapping, prefix: str = "") -> dict[str, bool | int | float | str]:
+  """The config's fields as TensorBoard hyperparameters: ``{'data.alpha': 0.1, ...}``.
+
+  ``config`` is the config's JSON form (``config.json``); nested blocks become
+  dotted names, lists and ``None`` their JSON text (HParams holds bool, number
+  or string values only).
+  """
+  out = {}
+  for key, value in config.items():
+    if isinstance(value, Mapping):
+      out.update(hparams_of(value, f"{prefix}{key}."))
+    elif isinstance(value, (bool, int, float, str)):
+      out[f"{prefix}{key}"] = value
+    else:
+      out[f"{prefix}{key}"] = json.dumps(value)
+  return out
 
 
 class EventWriter:
@@ -107,6 +131,17 @@ class EventWriter:
         # TensorBoard's buckets end at 1e20: a run on its way to diverging (losses of 1e26) gets numpy's bins.
         bins = "tensorflow" if np.abs(values).max() < _TENSORBOARD_BUCKET_END else "auto"
         self._writer.add_histogram(f"clients/{name}", values, step, bins=bins)
+    self._writer.flush()
+
+  def write_config(self, config: Mapping) -> None:
+    """The run's config (its JSON form): HParams hyperparameters and a ``config`` text entry."""
+    from tensorboardX.summary import hparams  # pylint: disable=import-outside-toplevel
+
+    # The HParams summaries go into this run's own event file (SummaryWriter.add_hparams would
+    # open a sub-run), so the HParams tab pairs the config with the run's scalars of these tags.
+    for summary in hparams(hparams_of(config), {tag: 0.0 for tag in _HPARAM_METRICS}):
+      self._writer.file_writer.add_summary(summary)
+    self._writer.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```", 0)
     self._writer.flush()
 
   def write_all(self, lines: Iterable[Mapping]) -> None:

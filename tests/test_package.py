@@ -109,6 +109,9 @@ def test_wheel_contents(wheel):
   for name in configs.names():
     assert f"ntk_fl/configs/{name}.py" in names
   assert "ntk_fl/cli.py" in names and "ntk_fl/__main__.py" in names
+  # Every module of the package (the command's tools too: config_docs, compare, ...) is shipped.
+  for path in (REPO / "ntk_fl").rglob("*.py"):
+    assert path.relative_to(REPO).as_posix() in names, path
   from ntk_fl.data import index_map  # pylint: disable=import-outside-toplevel
   for name in index_map.VENDORED_MAPS:   # the authors' partitions and their provenance ship with the package
     assert f"ntk_fl/data/partitions/{name}.npz" in names
@@ -159,3 +162,28 @@ def test_wheel_runs_the_smoke_config_outside_the_repository(wheel, tmp_path):
   assert summary["rounds_run"] == rounds and len(lines) == rounds
   assert 0.5 < summary["final_test_acc"] <= 1.0
   assert json.loads((run / "config.json").read_text())["method"] == "ntk_dfl"
+
+
+def test_sdist_ships_the_docs_examples_and_pins(tmp_path):
+  import tarfile  # pylint: disable=import-outside-toplevel
+  source = tmp_path / "src"
+  skip = shutil.ignore_patterns(".venv", ".git", "__pycache__", "*.egg-info", "runs", "build",
+                                "dist", ".pytest_cache")
+  shutil.copytree(REPO, source, ignore=skip, symlinks=True)
+  (source / "docs" / "api").mkdir(exist_ok=True)
+  (source / "docs" / "api" / "index.html").write_text("generated")
+  out = tmp_path / "dist"
+  build = "import sys; from setuptools import build_meta as b; print(b.build_sdist(sys.argv[1]))"
+  subprocess.run([sys.executable, "-c", build, str(out)], cwd=source, check=True,
+                 capture_output=True, env=_clean_env(), timeout=300)
+  (sdist,) = out.glob("ntk_fl-*.tar.gz")
+  with tarfile.open(sdist) as tar:
+    names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+  for name in ("docs/REPRODUCTION.md", "docs/ARCHITECTURE.md", "experiments/main.py",
+               "scripts/setup.sh", "scripts/build_docs.sh", "scripts/build_docs.py",
+               "requirements/constraints.txt", "tests/test_package.py", "ntk_fl/cli.py",
+               "ntk_fl/config_docs.py", "README.md"):
+    assert name in names, name
+  assert any(n.startswith("docs/figures/") and n.endswith(".png") for n in names)
+  assert not any(n.startswith("docs/api") for n in names)     # built by scripts/build_docs.sh
+  assert not any("__pycache__" in n for n in names)

@@ -56,3 +56,69 @@ def test_label_distribution_counts_are_whole_numbers(tmp_path):
   path = tmp_path / "partition.png"
   data_plots.plot_label_distribution(labels, clients, 3, path)
   assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _lines(bits=True):
+  """Five metrics lines: scored in rounds 1, 2, 4, 5 (not round 3), a training loss every round."""
+  acc = [0.5, 0.6, None, 0.75, 0.8]
+  out = []
+  for r in range(1, 6):
+    scored = acc[r - 1] is not None
+    line = {"round": r, "test_acc": acc[r - 1], "test_loss": 2.0 / r if scored else None,
+            "client_loss_mean": 2.5 / r if scored else None,
+            "loss_mean": 1.0 / r, "loss_min": 0.5 / r, "loss_max": 1.5 / r}
+    if bits:
+      line["bits_cumulative"] = 1e6 * r
+    out.append(line)
+  return out
+
+
+def _curve(ax, label):
+  (line,) = [l for l in ax.get_lines() if l.get_label() == label]
+  return np.asarray(line.get_xdata(), float), np.asarray(line.get_ydata(), float)
+
+
+def test_loss_figure_plots_the_recorded_losses_and_skips_unscored_rounds():
+  fig = plotting.loss_figure(_lines(), title="t")
+  _drawn(fig)
+  ax = fig.axes[0]
+  x, y = _curve(ax, "aggregated model: test loss")
+  np.testing.assert_array_equal(x, [1, 2, 4, 5])
+  np.testing.assert_allclose(y, [2.0, 1.0, 0.5, 0.4])
+  x, y = _curve(ax, "clients' own models: mean test loss")
+  np.testing.assert_allclose(y, [2.5, 1.25, 0.625, 0.5])
+  x, y = _curve(ax, "training loss: mean over clients")
+  np.testing.assert_array_equal(x, [1, 2, 3, 4, 5])
+  np.testing.assert_allclose(y, 1.0 / np.arange(1, 6))
+  band = ax.collections[0].get_paths()[0].vertices
+  assert band[:, 1].min() == 0.5 / 5 and band[:, 1].max() == 1.5   # training loss: min-to-max band
+  assert ax.get_yscale() == "log" and _integer_ticks(ax.get_xticks())
+  assert plotting.loss_figure([{"round": 1, "test_acc": 0.5}]) is None
+
+
+def test_communication_figure_plots_accuracy_against_bits_sent():
+  fig = plotting.communication_figure(_lines())
+  _drawn(fig)
+  ax = fig.axes[0]
+  x, y = _curve(ax, "aggregated model (mean of client weights)")
+  np.testing.assert_allclose(x, [1e6, 2e6, 4e6, 5e6])       # round 3 had bits but no accuracy
+  np.testing.assert_allclose(y, [0.5, 0.6, 0.75, 0.8])
+  assert "bits sent" in ax.get_xlabel() and "accuracy" in ax.get_ylabel()
+  assert plotting.communication_figure(_lines(bits=False)) is None
+
+
+def test_plot_run_writes_png_and_pdf_of_each_figure(tmp_path):
+  from ntk_fl import rundir  # pylint: disable=g-import-not-at-top
+  assert plotting.ACCURACY_PLOT == rundir.ACCURACY_PLOT
+  written = plotting.plot_run(_lines(), tmp_path, title="run")
+  assert written == [plotting.ACCURACY_PLOT, plotting.LOSS_PLOT, plotting.COMMUNICATION_PLOT]
+  for name in written:
+    assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pdf = (tmp_path / name).with_suffix(".pdf").read_bytes()
+    assert pdf[:5] == b"%PDF-" and b"/Type /Page" in pdf
+  assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+      [*written, *(n.replace(".png", ".pdf") for n in written)])      # no temporary files left
+  other = tmp_path / "no_bits"
+  other.mkdir()
+  written = plotting.plot_run(_lines(bits=False), other)
+  assert written == [plotting.ACCURACY_PLOT, plotting.LOSS_PLOT]

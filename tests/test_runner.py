@@ -20,7 +20,7 @@ import pytest
 
 import events
 from ntk_fl import config as config_lib
-from ntk_fl import data, metrics, rundir, runner
+from ntk_fl import data, metrics, plotting, rundir, runner
 from ntk_fl.checkpoint import Checkpoints
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -73,6 +73,12 @@ def test_main_py_run_writes_every_output(reference):
     assert os.path.isfile(os.path.join(workdir, name))
   assert_png(os.path.join(workdir, runner.ACCURACY_PLOT))
   assert_png(os.path.join(workdir, runner.SELECTION_PLOT))
+  assert_png(os.path.join(workdir, plotting.LOSS_PLOT))     # the toy method reports a training loss
+  for name in (runner.ACCURACY_PLOT, runner.SELECTION_PLOT, plotting.LOSS_PLOT):
+    with open(os.path.join(workdir, name.replace(".png", ".pdf")), "rb") as f:
+      assert f.read(5) == b"%PDF-"                             # vector copies for papers
+  communication = os.path.isfile(os.path.join(workdir, plotting.COMMUNICATION_PLOT))
+  assert communication == ("bits_cumulative" in lines[-1])
   with Checkpoints(os.path.join(workdir, runner.CHECKPOINT_DIR)) as ckpt:
     assert ckpt.steps() == [4, 5]  # every 2 rounds and the end; max_to_keep=2 dropped round 2
 

@@ -106,3 +106,85 @@ def test_a_run_checks_its_config_once_and_builds_its_topology_once(tmp_path, mon
   summary = runner.run(run, str(tmp_path))
   assert summary["rounds_run"] == 1
   assert len(parses) == 1 and len(builds) == 1
+
+
+# ------------------------------------------------------------------------ settings without effect
+
+def _warnings_for(name, variant, **overrides):
+  """The ignored-setting messages of ``name:variant`` with ``overrides`` ('data.alpha': 0.5)."""
+  reference = config_lib.load_config(name, variant)
+  config = config_lib.load_config(name, variant)
+  for path, value in overrides.items():
+    *parents, leaf = path.split(".")
+    block = config
+    for parent in parents:
+      block = block[parent]
+    block[leaf] = value
+  changed = schema.changed_fields(config, reference)
+  return schema.ignored_settings(schema.validate_config(config), changed)
+
+
+@pytest.mark.parametrize("name, variant, field, value, reason", [
+    ("ntk_dfl", "smoke,iid", "data.alpha", 0.5, "data.partition = 'iid'"),
+    ("ntk_dfl", "smoke", "data.classes_per_client", 3, "only 'shards' reads it"),
+    ("ntk_dfl", "smoke,contiguous", "data.alpha", 0.3, "data.partition = 'contiguous'"),
+    ("ntk_dfl", "smoke,clustered", "topology.degree", 3, "topology.name = 'clustered'"),
+    ("ntk_dfl", "smoke", "topology.mean_degree", 3.0, "topology.name = 'regular'"),
+    ("ntk_dfl", "smoke", "topology.cluster_size", 4, "only 'clustered' reads it"),
+    ("fedavg", "smoke", "topology.degree", 3, "method 'fedavg' does not mix over a graph"),
+    ("dfedavg", "smoke", "algorithm.nesterov", True, "algorithm.momentum = 0"),
+    ("dfedavg", "smoke", "algorithm.stochastic_rounding", True, "algorithm.quantize_bits = 32"),
+    ("spark", "smoke,abl_momentum", "algorithm.distill.warmup_rounds", 3,
+     "algorithm.distill.enabled = False"),
+    ("spark", "smoke", "algorithm.projection.k_proj", 100, "algorithm.projection.scheme = 'none'"),
+    ("spark", "smoke", "algorithm.lr_boost.factor", 2.0, "no round is boosted"),
+    ("fed_ensemble", "smoke", "algorithm.taus", (10, 20), "algorithm.local_training = 'fedavg'"),
+])
+def test_a_changed_setting_that_nothing_reads_is_named(name, variant, field, value, reason):
+  messages = _warnings_for(name, variant, **{field: value})
+  assert len(messages) == 1, messages
+  assert messages[0].startswith(f"config.{field} = {value!r} has no effect: "), messages
+  assert reason in messages[0], messages
+
+
+@pytest.mark.parametrize("name, variant, field, value", [
+    ("ntk_dfl", "smoke", "data.alpha", 0.5),                      # dirichlet_fixed_size reads it
+    ("ntk_dfl", "smoke,iid", "data.samples_per_client", 50),     # iid reads it
+    ("ntk_dfl", "smoke", "topology.degree", 4),                  # regular reads it
+    ("ntk_dfl", "smoke,clustered", "topology.cluster_size", 5),
+    ("dfedavgm", "smoke", "algorithm.nesterov", True),           # momentum 0.9
+    ("spark", "smoke", "algorithm.distill.warmup_rounds", 2),    # distillation on
+    ("ntk_dfl", "smoke", "algorithm.lr", 0.02),
+])
+def test_a_changed_setting_that_is_read_passes_silently(name, variant, field, value):
+  assert _warnings_for(name, variant, **{field: value}) == []
+
+
+def test_only_changed_settings_are_named():
+  # An IID config carries alpha = 0.1 and a regular graph's degree; a variant's settings are the
+  # config's own.
+  assert _warnings_for("ntk_dfl", "smoke,iid") == []
+  assert _warnings_for("ntk_dfl", "smoke,clustered") == []   # smoke's degree: clustered ignores it
+  assert _warnings_for("ntk_dfl", "authors_alpha0.3") == []    # alpha labels the shipped map
+  # A field set back to the reference's value counts as unchanged; lists and tuples compare equal.
+  assert _warnings_for("ntk_dfl", "smoke,iid", **{"data.alpha": 0.1}) == []
+  assert schema.changed_fields({"a": {"b": [1, 2]}, "c": 1}, {"a": {"b": (1, 2)}, "c": 2}) == {"c"}
+
+
+def test_the_command_line_warns_before_loading_data(tmp_path):
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
+         "NTK_FL_DATA_DIR": str(empty)}
+  proc = subprocess.run(
+      [sys.executable, "-m", "ntk_fl", "--config=ntk_dfl:smoke,iid", "--config.data.alpha=0.5",
+       "--config.algorithm.lr=0.02", "--config.data.name=cifar10",
+       f"--config.data.data_dir={empty}", f"--workdir={tmp_path / 'run'}"],
+      cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+  assert proc.returncode == 1
+  warnings = [line for line in proc.stderr.splitlines() if "has no effect" in line]
+  assert len(warnings) == 1, proc.stderr
+  assert "config.data.alpha = 0.5 has no effect: data.partition = 'iid'" in warnings[0]

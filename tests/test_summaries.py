@@ -80,11 +80,14 @@ def test_console_shows_the_bar_and_the_result_and_the_log_goes_to_the_workdir(to
   assert not [l for l in proc.stderr.splitlines() if l[:1] in "IW" and l[1:5].isdigit()], proc.stderr
   assert "Unable to initialize backend" not in proc.stderr
   assert "toy_gd" in proc.stderr and "4/4" in proc.stderr and "acc=" in proc.stderr   # the tqdm bar
+  # While round 1 compiles, the bar says so; from round 1 on it shows the method's name alone.
+  assert "toy_gd: compiling round 1:   0%" in proc.stderr and "toy_gd: 100%" in proc.stderr
   summary = json.load(open(os.path.join(workdir, rundir.SUMMARY_FILE)))
   closing = proc.stdout.strip().splitlines()[-1]
   assert closing.startswith(f"toy_gd: 4 rounds, final aggregated accuracy {summary['final_test_acc']:.4f}")
   assert workdir in closing
   log = open(os.path.join(workdir, cli.LOG_FILE)).read()
+  assert "Unable to initialize backend" not in log     # JAX's probe of absent platforms is not news
   for r in (1, 2, 3, 4):
     assert f"round {r}: aggregated acc" in log
   assert "Finished" in log
@@ -98,3 +101,41 @@ def test_verbosity_minus_one_keeps_only_warnings_in_the_log(tmp_path):
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "aggregated acc" not in open(os.path.join(workdir, cli.LOG_FILE)).read()
+
+
+def test_the_config_is_in_the_event_files_as_hparams_and_text(toy_run):
+  from tensorboardX.proto import plugin_hparams_pb2  # pylint: disable=g-import-not-at-top
+  workdir, _ = toy_run
+  config = json.load(open(os.path.join(workdir, rundir.CONFIG_FILE)))
+  values = [v for e in read_events(workdir) for v in e.summary.value]
+  start = [v for v in values if v.tag == "_hparams_/session_start_info"]
+  assert len(start) == 1
+  data = plugin_hparams_pb2.HParamsPluginData.FromString(start[0].metadata.plugin_data.content)
+  got = {}
+  for name, value in data.session_start_info.hparams.items():
+    got[name] = value.WhichOneof("kind") and getattr(value, value.WhichOneof("kind"))
+  expected = summaries.hparams_of(config)
+  assert set(got) == set(expected) and "data.alpha" in got and "algorithm.lr" in got
+  for name, value in expected.items():
+    if isinstance(value, bool):
+      assert got[name] is value, name
+    elif isinstance(value, (int, float)):
+      assert got[name] == pytest.approx(value), name
+    else:
+      assert got[name] == value, name
+  experiment = [v for v in values if v.tag == "_hparams_/experiment"]
+  tags = {m.name.tag for m in plugin_hparams_pb2.HParamsPluginData.FromString(
+      experiment[0].metadata.plugin_data.content).experiment.metric_infos}
+  assert {"accuracy/aggregated", "loss/aggregated"} <= tags
+  text = [v for v in values if v.tag.startswith("config")]
+  assert len(text) == 1
+  shown = b"".join(text[0].tensor.string_val).decode()
+  assert json.loads(shown.strip("`\n")) == config
+
+
+def test_hparams_of_flattens_and_keeps_tensorboards_types():
+  config = {"seed": 0, "data": {"alpha": 0.1, "name": "mnist"}, "model": {"hidden": [100, 10]},
+            "eval": {"selection": True}, "x": None}
+  assert summaries.hparams_of(config) == {
+      "seed": 0, "data.alpha": 0.1, "data.name": "mnist", "model.hidden": "[100, 10]",
+      "eval.selection": True, "x": "null"}

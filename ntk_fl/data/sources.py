@@ -72,7 +72,7 @@ import numpy as np
 from ntk_fl.data import safe_pickle
 from ntk_fl.rng import Stream, numpy_rng
 
-__all__ = ["Dataset", "DATASETS", "DATA_DIR_ENV", "load", "read_idx"]
+__all__ = ["Dataset", "DATASETS", "DATA_DIR_ENV", "DataNotFoundError", "load", "read_idx"]
 
 DATASETS = ("fashion_mnist", "mnist", "emnist_digits", "femnist", "cifar10", "synthetic")
 DATA_DIR_ENV = "NTK_FL_DATA_DIR"
@@ -85,6 +85,13 @@ _log = logging.getLogger(__name__)
 
 # Rows converted at a time from stored floats to pixels (bounds the float temporaries to tens of MB).
 _CHUNK_ROWS = 8192
+
+
+class DataNotFoundError(FileNotFoundError):
+  """No source holds the dataset. The message is the help, several lines: where :func:`load` looked
+  and how to get the files (``ntk-fl`` prints it whole, not only its first line)."""
+
+  help_message = True
 
 
 class Dataset(NamedTuple):
@@ -554,8 +561,8 @@ def _locate(name: str, spec: _Spec, data_dir: Path | None) -> _Pixels:
     if pixels is not None:
       return pixels
   places = "\n".join(f"  - {place}" for place in searched)
-  raise FileNotFoundError(f"No {name} data found (nothing is ever downloaded). Looked in:\n{places}\n"
-                          f"To get it: {spec.how_to_get}.")
+  raise DataNotFoundError(f"No {name} data found (nothing is ever downloaded). Looked in:\n"
+                          f"{places}\nTo get it: {spec.how_to_get}.")
 
 
 # ----------------------------------------------------------------------------
