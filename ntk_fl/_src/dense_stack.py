@@ -1,6 +1,6 @@
 """``DenseStack``: the structure of a model that is a plain stack of dense layers.
 
-A leaf module (JAX and the standard library only), so that the kernels can name the structure without
+A leaf module (the standard library only), so that the kernels can name the structure without
 loading the model zoo (flax) or the device code; :mod:`ntk_fl.models` re-exports it.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""``config.method_module``: the user module a config names for its registrations, imported once per process.
+"""``config.method_module``: the user's module a config names for its registrations, imported once.
 
-A leaf (standard library only): the schema imports a config's module, and reading a stored run asks whether
-it was imported already (:func:`ntk_fl.rundir.rebuild_config`), without either importing the other.
+A leaf (standard library only): the schema imports a config's module, and reading a stored run asks
+whether it was imported already (:func:`ntk_fl.rundir.rebuild_config`), neither importing the other.
 """
 from __future__ import annotations
 
