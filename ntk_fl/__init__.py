@@ -60,8 +60,6 @@ _export("ntk_fl.algorithms.ntk_dfl", "make_ntk_dfl", "make_neighbourhood_round",
 _export("ntk_fl.algorithms.spark", "make_spark", "SparkHParams")
 _export("ntk_fl.algorithms.server_ntk", "make_server_ntk", "NTKFLHParams")
 _export("ntk_fl.algorithms.fed_ensemble", "make_fed_ensemble", "FedEnsembleHParams")
-_export("ntk_fl.algorithms.centralized", "make_centralized")
-_export("ntk_fl.algorithms.decentralized", "make_decentralized")
 _export("ntk_fl.algorithms.local", "make_local_update", "LocalHParams")
 # Building blocks.
 _export("ntk_fl.data", "Federation", "make_federation", "partition", rename={"load_dataset": "load"})

@@ -33,7 +33,7 @@ Options are enums (:class:`Loss`, :class:`Solver`, :class:`Select`,
 :class:`Kernel`, :class:`MseForm`; their string values work too), parsed once
 where they enter; the ``τ`` grid is checked once (:func:`check_taus` ->
 :class:`TauGrid`). The implementations live in the private modules
-``ntk_fl._evolution`` (solvers) and ``ntk_fl._ntk_step`` (the step); this
+``ntk_fl._src.evolution`` (solvers) and ``ntk_fl._src.ntk_step`` (the step); this
 module is their public face.
 
 Conventions (docs/CONVENTIONS.md, conventions 1-4):
@@ -74,10 +74,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ntk_fl._evolution import Evolution, evolve, evolve_ce_euler, evolve_ce_ode, evolve_mse_closed_form
-from ntk_fl._ntk_step import (ParamMap, TauChoice, identity_map, mean_loss, ntk_step, select_tau,
+from ntk_fl._src.evolution import Evolution, evolve, evolve_ce_euler, evolve_ce_ode, evolve_mse_closed_form
+from ntk_fl._src.ntk_step import (ParamMap, TauChoice, identity_map, mean_loss, ntk_step, select_tau,
                               weight_update_from_jacobian, weight_update_vjp)
-from ntk_fl._options import (Implementation, Kernel, Loss, MseForm, Select, Solver, TauGrid, check_loss_solver,
+from ntk_fl._src.options import (Implementation, Kernel, Loss, MseForm, Select, Solver, TauGrid, check_loss_solver,
                              check_taus)
 
 __all__ = [

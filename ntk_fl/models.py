@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from ntk_fl import parallel, validation
+from ntk_fl._src.dense_stack import DenseStack
 
 __all__ = [
     "DenseStack",
@@ -39,19 +40,6 @@ __all__ = [
     "init_clients",
     "num_params",
 ]
-
-
-class DenseStack(NamedTuple):
-  """Structure of a model that is a plain stack of dense layers.
-
-  ``f(x) = W_L σ(... σ(W_1 x + b_1) ...) + b_L``: ``layers`` are the names of the
-  flax ``Dense`` submodules in forward order (``params['params'][name]`` holds
-  ``kernel [in, out]`` and ``bias [out]``), and ``activation`` is the one
-  elementwise nonlinearity applied between consecutive layers (not after the
-  last). The structured NTK (:mod:`ntk_fl.ntk`) uses it to factorise the kernel.
-  """
-  layers: tuple[str, ...]
-  activation: Callable[[Any], Any]
 
 
 class Model(NamedTuple):

@@ -19,7 +19,7 @@ evolution ``df/dt = −(1/N) K (softmax(f) − Y)`` was written (and tuned) with
 ``diagonal_axes``, ``vmap_axes``, ``NtkImplementation``) over these kernels;
 neural-tangents itself is not a dependency (it does not import on current JAX).
 
-Implementations (``implementation=``, an :class:`Implementation` or its string value):
+Implementations (``implementation=``, an :class:`NtkImplementation` or its string name):
 
 * ``'jacobian'`` -- per-sample Jacobians (``vmap(jacrev)``) contracted leaf by
   leaf. Cost ``2·N1·N2·C·d`` FLOPs traced, ``2·N1·N2·C²·d`` full (``d`` = number
@@ -52,31 +52,28 @@ The generic implementations work on blocks of at most ``chunk_size`` samples of
 Jacobians (``2·chunk·C·d`` floats), never the whole ``N·C·d`` Jacobian. The
 default block keeps one block's Jacobian under ``2**26`` floats (256 MiB).
 
-The implementations live in the private module ``ntk_fl._kernels``; this module is their public face.
+The implementations live in the private module ``ntk_fl._src.kernels``; this module is their public face.
 Every function is pure and ``jit``/``vmap``-able (NTK-DFL vmaps the kernel over
 all clients); there are no Python loops over samples. Contractions run at
 ``Precision.HIGHEST`` so accelerators do not silently drop to TF32/bf16 passes
 (on CPU float32 matmuls are exact float32 anyway).
 """
 from __future__ import annotations
-from __future__ import annotations
 
 import math
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 
-from ntk_fl import _kernels
-from ntk_fl._kernels import DenseJacobianFactors, DenseProjection, full_to_matrix
-from ntk_fl._options import Implementation
-from ntk_fl.models import DenseStack
+from ntk_fl._src import kernels as _kernels
+from ntk_fl._src.dense_stack import DenseStack
+from ntk_fl._src.kernels import DenseJacobianFactors, DenseProjection, empirical_ntk, full_to_matrix
+from ntk_fl._src.neural_tangents_api import empirical_ntk_fn
+from ntk_fl._src.options import IMPLEMENTATIONS, Implementation, NtkImplementation
 
 __all__ = ["Implementation", "IMPLEMENTATIONS", "empirical_ntk", "make_ntk_fn", "full_to_matrix", "DenseProjection",
            "projected_dense_ntk", "DenseJacobianFactors", "dense_jacobian_factors",
            "NtkImplementation", "empirical_ntk_fn"]
-
-IMPLEMENTATIONS = tuple(m.value for m in Implementation)
 
 Params = Any
 ApplyFn = Callable[[Params, jax.Array], jax.Array]
@@ -163,53 +160,6 @@ def projected_dense_ntk(stack: DenseStack, params: Params, x1: jax.Array, x2: ja
 # Public API.
 
 
-def empirical_ntk(apply_fn: ApplyFn, params: Params, x1: jax.Array, x2: jax.Array | None = None, *,
-                  trace_outputs: bool = True, implementation: Implementation | str = Implementation.AUTO,
-                  dense_stack: DenseStack | None = None, chunk_size: int | None = None) -> jax.Array:
-  """Empirical NTK of ``apply_fn`` at ``params`` between ``x1`` and ``x2``.
-
-  Args:
-    apply_fn: ``apply_fn(params, x [B, *in]) -> [B, C]`` (a flax ``apply``).
-    params: the linearisation point (a flax variables dict).
-    x1: ``[N1, *in]`` inputs.
-    x2: ``[N2, *in]`` inputs, or ``None`` for ``x2 = x1`` (shares work).
-    trace_outputs: ``True`` -> ``[N1, N2]`` kernel ``(1/C) Σ_c J_c(x1) J_c(x2)ᵀ``
-      (the *mean* over outputs, as neural-tangents' ``trace_axes=(-1,)``);
-      ``False`` -> full ``[N1, N2, C, C]`` kernel
-      ``K[i, j, a, b] = <J_a(x1_i), J_b(x2_j)>``.
-    implementation: one of :data:`IMPLEMENTATIONS` (module docstring).
-    dense_stack: the model's :class:`~ntk_fl.models.DenseStack` (enables and,
-      under ``'auto'``, selects ``'structured'``; ignored by the others).
-    chunk_size: samples per block of ``x1`` and of ``x2``; ``None`` picks one
-      that keeps a block's Jacobian below 256 MiB (``'structured'``: no
-      blocking, its factors are already ``O(N)``).
-
-  Returns:
-    The kernel in the dtype of the network outputs.
-
-  Raises:
-    ValueError: unknown ``implementation``; ``'structured'`` without
-      ``dense_stack``; ``x1``/``x2`` feature shapes differ; non-positive
-      ``chunk_size``; outputs that are not ``[B, C]``; params that do not match
-      ``dense_stack``.
-  """
-  impl = _kernels.resolve_implementation(implementation, dense_stack, trace_outputs)
-  _kernels.check_chunk_size(chunk_size)
-  _kernels.check_inputs(x1, x2)
-  if impl == Implementation.STRUCTURED:
-    return _kernels.structured_kernel(dense_stack, params, x1, x2, trace_outputs, chunk_size)
-
-  probe = jax.ShapeDtypeStruct((1, *jnp.shape(x1)[1:]), jnp.result_type(x1))
-  out = jax.eval_shape(apply_fn, params, probe)
-  if len(out.shape) != 2:
-    raise ValueError(f"apply_fn must return [B, C] outputs, got shape {out.shape} for a batch of 1")
-  num_outputs = out.shape[1]
-  chunk = chunk_size if chunk_size is not None else _kernels.default_chunk(params, num_outputs)
-  if impl == Implementation.JACOBIAN:
-    return _kernels.jacobian_kernel(apply_fn, params, x1, x2, trace_outputs, chunk)
-  return _kernels.ntvp_kernel(apply_fn, params, x1, x2, trace_outputs, num_outputs, out.dtype, chunk)
-
-
 def make_ntk_fn(apply_fn: ApplyFn, *, trace_outputs: bool = True, implementation: Implementation | str = Implementation.AUTO,
                 dense_stack: DenseStack | None = None, chunk_size: int | None = None):
   """A ``jit``-compiled ``ntk_fn(params, x1, x2=None)`` with the options fixed (neural-tangents style).
@@ -226,7 +176,3 @@ def make_ntk_fn(apply_fn: ApplyFn, *, trace_outputs: bool = True, implementation
                          dense_stack=dense_stack, chunk_size=chunk_size)
 
   return jax.jit(ntk_fn)
-
-
-# neural-tangents' interface over the kernels above (its module imports this one lazily).
-from ntk_fl._neural_tangents_api import NtkImplementation, empirical_ntk_fn  # noqa: E402

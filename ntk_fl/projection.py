@@ -55,7 +55,7 @@ import jax
 import jax.numpy as jnp
 
 from ntk_fl import rng, validation
-from ntk_fl.models import DenseStack
+from ntk_fl._src.dense_stack import DenseStack
 from ntk_fl.evolve import ParamMap
 from ntk_fl.ntk import DenseProjection, dense_jacobian_factors
 

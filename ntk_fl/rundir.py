@@ -37,7 +37,8 @@ import jax
 import numpy as np
 
 from ntk_fl import distributed, settings, validation
-from ntk_fl.algorithms import get_method
+from ntk_fl._src.method_modules import method_module_imported
+from ntk_fl.algorithms import available, get_method
 from ntk_fl.algorithms.base import config_without
 from ntk_fl.checkpoint import Checkpoints
 
@@ -252,9 +253,6 @@ def rebuild_config(workdir: str, *, trust_method_module: str | None = None) -> d
   comes from the registry; with neither, the read is refused.
   :func:`ntk_fl.config.load_run_config` makes an editable ``ConfigDict`` of it.
   """
-  from ntk_fl.algorithms import available  # pylint: disable=g-import-not-at-top
-  from ntk_fl.schema import method_module_imported  # pylint: disable=g-import-not-at-top
-
   path = os.path.join(workdir, CONFIG_FILE)
   stored = _stored_config(workdir, "read the run")
   spec = stored.get("method_module") or ""

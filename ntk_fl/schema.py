@@ -16,18 +16,15 @@ is resolved; importing it should call :func:`ntk_fl.algorithms.register`.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.util
 import math
 import numbers
-import os
-import sys
 from typing import Mapping
 
 import jax
 import ml_collections
 
 from ntk_fl import settings, validation
+from ntk_fl._src.method_modules import import_method_module, method_module_imported
 from ntk_fl.algorithms import get_method
 from ntk_fl.config import base_config
 from ntk_fl.settings import DataSettings, EvalSettings, ModelSettings, RunSettings, TopologySettings
@@ -72,40 +69,6 @@ def _check_keys(config) -> None:
     if unknown:
       raise ValueError(f"unknown key(s) {sorted(f'{block}.{k}' for k in unknown)}; "
                        f"config.{block} has: {sorted(schema[block].keys())}")
-
-
-def _file_module_name(path: str) -> str:
-  return f"_ntk_fl_method_{abs(hash(os.path.abspath(path))):x}"
-
-
-def method_module_imported(spec: str) -> bool:
-  """Whether ``spec`` (a dotted name or ``.py`` path) was imported in this process already."""
-  return (_file_module_name(spec) if spec.endswith(".py") else spec) in sys.modules
-
-
-def import_method_module(spec: str) -> None:
-  """Imports ``spec`` (a dotted module name, or a path to a ``.py`` file) for its registrations."""
-  if not spec:
-    return
-  try:
-    if spec.endswith(".py"):
-      path = os.path.abspath(spec)
-      if not os.path.isfile(path):
-        raise FileNotFoundError(f"no such file {path}")
-      name = _file_module_name(path)
-      if name not in sys.modules:  # execute a file once per process, like an import
-        module_spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[name] = module
-        try:
-          module_spec.loader.exec_module(module)
-        except BaseException:
-          del sys.modules[name]
-          raise
-    else:
-      importlib.import_module(spec)
-  except (ImportError, FileNotFoundError) as e:
-    raise ValueError(f"config.method_module = {spec!r} could not be imported: {e}") from e
 
 
 def validate_config(config, reference=None) -> RunSettings:

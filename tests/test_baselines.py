@@ -25,7 +25,7 @@ import pytest
 
 from ntk_fl import compression, models, runner, schema, topology
 from ntk_fl import config as config_lib
-from ntk_fl.algorithms import centralized, decentralized, local
+from ntk_fl.algorithms import datashare, dispfl, fednova, local
 from federations import ragged_federation
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -146,13 +146,13 @@ def test_nova_coefficient_is_the_total_momentum_weight(rho, steps):
     buf = rho * buf + 1.0
     total += buf
   # The closed form subtracts nearly equal float32 numbers (amplified by 1/(1 - rho)): a few float32 ulps * 10.
-  np.testing.assert_allclose(centralized.nova_coefficient(steps, rho), total, rtol=1e-5)
+  np.testing.assert_allclose(fednova.nova_coefficient(steps, rho), total, rtol=1e-5)
 
 
 def test_datashare_trains_on_own_data_plus_the_shared_set():
   lr, share = 0.4, 0.25
   config, fed = tiny("datashare", lr=lr, share_fraction=share, batch_size=100, clients_per_round=2)
-  gx, gy = centralized._shared_set(fed, share, config.seed)
+  gx, gy = datashare.shared_set(fed, share, config.seed)
   assert gx.shape == (round(share * 24), 5)
   real = {tuple(np.round(r, 6)) for r in fed.x[fed.mask]}
   assert all(tuple(np.round(r, 6)) in real for r in gx)
@@ -262,7 +262,7 @@ def test_masked_neighbor_average_matches_brute_force():
   mk = (rng.random((m, d)) < 0.5).astype(np.float32)
   nbrs = rng.integers(0, m, size=(m, k)).astype(np.int32)
   nmask = rng.random((m, k)) < 0.7
-  out = np.asarray(decentralized.masked_neighbor_average(w, mk, s, nbrs, nmask))
+  out = np.asarray(dispfl.masked_neighbor_average(w, mk, s, nbrs, nmask))
   for i in range(m):
     for c in range(d):
       if not mk[i, c]:
@@ -280,7 +280,7 @@ def test_evolve_mask_prunes_smallest_and_regrows_largest_gradients():
   mask[rng.permutation(30)[:15]] = 1
   mask = mask.reshape(6, 5)
   w = w * mask
-  new = np.asarray(decentralized.evolve_mask(w, g, mask, 0.3))
+  new = np.asarray(dispfl.evolve_mask(w, g, mask, 0.3))
   k = math.floor(0.3 * 15)
   active = np.flatnonzero(mask.ravel())
   inactive = np.flatnonzero(mask.ravel() == 0)
@@ -288,8 +288,8 @@ def test_evolve_mask_prunes_smallest_and_regrows_largest_gradients():
   grown = set(inactive[np.argsort(-np.abs(g.ravel()[inactive]))[:k]])
   expected = (set(active) - pruned) | grown
   assert set(np.flatnonzero(new.ravel())) == expected
-  np.testing.assert_allclose(decentralized.mask_fraction(0.5, 0, 10), 0.5)
-  np.testing.assert_allclose(decentralized.mask_fraction(0.5, 5, 10), 0.25, atol=1e-7)
+  np.testing.assert_allclose(dispfl.mask_fraction(0.5, 0, 10), 0.5)
+  np.testing.assert_allclose(dispfl.mask_fraction(0.5, 5, 10), 0.25, atol=1e-7)
 
 
 def test_evolve_mask_breaks_ties_by_position():
@@ -309,7 +309,7 @@ def test_evolve_mask_breaks_ties_by_position():
     grown = sorted(inactive, key=lambda i: (-abs(g[i]), i))[:k]
     expected = np.zeros(size, np.float32)
     expected[sorted((set(active) - set(pruned)) | set(grown))] = 1
-    new = jax.jit(decentralized.evolve_mask)(w.reshape(6, 10), g.reshape(6, 10), mask.reshape(6, 10), fraction)
+    new = jax.jit(dispfl.evolve_mask)(w.reshape(6, 10), g.reshape(6, 10), mask.reshape(6, 10), fraction)
     np.testing.assert_array_equal(np.asarray(new).ravel(), expected, err_msg=f"fraction={fraction}")
 
 

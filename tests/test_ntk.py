@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from jax.flatten_util import ravel_pytree
 
-from ntk_fl import _kernels, ntk
+from ntk_fl import ntk
+from ntk_fl._src import kernels as _kernels
 from ntk_fl.models import DenseStack
 
 IMPLS = ("jacobian", "ntvp", "structured")
@@ -307,3 +308,19 @@ def test_library_mlp_dense_stack():
   full = _brute_full(model.apply, params, x1, x2)
   k = _kernel(model.apply, params, x1, x2, dense_stack=model.dense_stack)
   _assert_close(k, np.einsum("ijcc->ij", full) / 3)
+
+
+def test_one_enum_for_the_implementation():
+  # neural-tangents' values, this library's names as aliases and strings, one class under both names.
+  impl = ntk.NtkImplementation
+  assert impl is ntk.Implementation
+  assert [(m.name, int(m)) for m in impl] == [("AUTO", 0), ("JACOBIAN_CONTRACTION", 1),
+                                              ("NTK_VECTOR_PRODUCTS", 2), ("STRUCTURED_DERIVATIVES", 3)]
+  assert impl.JACOBIAN is impl.JACOBIAN_CONTRACTION and impl("ntvp") is impl.NTK_VECTOR_PRODUCTS
+  assert tuple(m.short_name for m in impl) == ntk.IMPLEMENTATIONS == ("auto", "jacobian", "ntvp", "structured")
+  module, params, x1, _, _ = _setup("mlp_relu")
+  by_name = ntk.empirical_ntk(module.apply, params, x1, implementation="ntvp")
+  by_member = ntk.empirical_ntk(module.apply, params, x1, implementation=impl.NTK_VECTOR_PRODUCTS)
+  np.testing.assert_array_equal(by_name, by_member)
+  with pytest.raises(ValueError, match="unknown NTK implementation True"):
+    ntk.empirical_ntk(module.apply, params, x1, implementation=True)

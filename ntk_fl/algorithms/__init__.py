@@ -51,16 +51,16 @@ class Method(NamedTuple):
 # name -> "module" defining METHOD or "module:ATTR" (imported on first use), or a registered Method.
 _REGISTRY: dict[str, str | Method] = {
     "ntk_dfl": "ntk_fl.algorithms.ntk_dfl",
-    "fedavg": "ntk_fl.algorithms.centralized:FEDAVG",
-    "fedprox": "ntk_fl.algorithms.centralized:FEDPROX",
-    "fednova": "ntk_fl.algorithms.centralized:FEDNOVA",
-    "datashare": "ntk_fl.algorithms.centralized:DATASHARE",
-    "centralized": "ntk_fl.algorithms.centralized:CENTRALIZED",
-    "dpsgd": "ntk_fl.algorithms.decentralized:DPSGD",
-    "dfedavg": "ntk_fl.algorithms.decentralized:DFEDAVG",
-    "dfedavgm": "ntk_fl.algorithms.decentralized:DFEDAVGM",
-    "dfedsam": "ntk_fl.algorithms.decentralized:DFEDSAM",
-    "dispfl": "ntk_fl.algorithms.decentralized:DISPFL",
+    "fedavg": "ntk_fl.algorithms.fedavg",
+    "fedprox": "ntk_fl.algorithms.fedprox",
+    "fednova": "ntk_fl.algorithms.fednova",
+    "datashare": "ntk_fl.algorithms.datashare",
+    "centralized": "ntk_fl.algorithms.centralized",
+    "dpsgd": "ntk_fl.algorithms.dpsgd",
+    "dfedavg": "ntk_fl.algorithms.dfedavg",
+    "dfedavgm": "ntk_fl.algorithms.dfedavgm",
+    "dfedsam": "ntk_fl.algorithms.dfedsam",
+    "dispfl": "ntk_fl.algorithms.dispfl",
     "ntk_fl": "ntk_fl.algorithms.server_ntk",
     "spark": "ntk_fl.algorithms.spark",
     "fed_ensemble": "ntk_fl.algorithms.fed_ensemble",
@@ -83,7 +83,7 @@ def get_method(name: str) -> Method:
   if name not in _REGISTRY:
     raise ValueError(f"unknown method {name!r}; available methods: {', '.join(available())}")
   entry = _REGISTRY[name]
-  if isinstance(entry, str):  # "module" (its METHOD) or "module:ATTR" (several methods per module)
+  if isinstance(entry, str):  # "module" (its METHOD) or "module:ATTR"
     module, _, attr = entry.partition(":")
     entry = getattr(importlib.import_module(module), attr or "METHOD")
     _REGISTRY[name] = entry

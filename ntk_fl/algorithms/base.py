@@ -34,7 +34,8 @@ import numpy as np
 
 from ntk_fl.metrics import AGGREGATES  # the evaluator owns the choices; re-exported for methods
 
-__all__ = ["AGGREGATES", "Algorithm", "GraphRound", "check_evolution", "config_without", "graph_round_inputs"]
+__all__ = ["AGGREGATES", "Algorithm", "ParamsState", "GraphRound", "check_evolution", "config_without",
+           "graph_round_inputs"]
 
 
 class Algorithm(NamedTuple):
@@ -43,6 +44,18 @@ class Algorithm(NamedTuple):
   step: Callable[[Any, Any], tuple[Any, dict]]
   client_params: Callable[[Any], Any]
   aggregate: str = "params"
+
+
+class ParamsState(NamedTuple):
+  """The state of a method that carries only its models and the bits it has sent.
+
+  Attributes:
+    params: the models: leaves ``[M, ...]`` with a client axis (decentralised methods), or one global
+      model without it (server methods).
+    bits_cumulative: float32 scalar, bits sent by all clients so far.
+  """
+  params: Any
+  bits_cumulative: Any
 
 
 class GraphRound(NamedTuple):

@@ -57,22 +57,10 @@ import numpy as np
 
 from ntk_fl import communication, evolve, gossip, models, parallel, rng, topology, validation
 from ntk_fl.algorithms import Method
-from ntk_fl.algorithms.base import Algorithm, check_evolution, config_without, graph_round_inputs
+from ntk_fl.algorithms.base import Algorithm, ParamsState, check_evolution, config_without, graph_round_inputs
 
-__all__ = ["NTKDFLState", "NTKDFLHParams", "NeighbourhoodRound", "make_neighbourhood_round", "make_ntk_dfl",
+__all__ = ["NTKDFLHParams", "NeighbourhoodRound", "make_neighbourhood_round", "make_ntk_dfl",
            "METHOD"]
-
-
-
-class NTKDFLState(NamedTuple):
-  """Stacked client state.
-
-  Attributes:
-    params: leaves with a leading client axis ``M``.
-    bits_cumulative: float32 scalar, bits sent by all clients so far.
-  """
-  params: Any
-  bits_cumulative: Any
 
 
 def _subsample_indices(key, mask, num_keep, divisor):
@@ -300,7 +288,7 @@ def make_ntk_dfl(model: models.Model, federation, graphs: topology.Topology, hpa
   broadcast = graphs.cliques > 0        # a clique member sends one package to the whole clique
 
   def init(key):
-    return NTKDFLState(params=models.init_clients(model, key, num_clients, shared=shared_init),
+    return ParamsState(params=models.init_clients(model, key, num_clients, shared=shared_init),
                        bits_cumulative=jnp.float32(0))
 
   def client_update(params, x, targets, mask, lr):
@@ -317,7 +305,7 @@ def make_ntk_dfl(model: models.Model, federation, graphs: topology.Topology, hpa
                                                      sum(leaf_sizes), broadcast=broadcast,
                                                      averaging=algo.per_round_averaging)
     total = jnp.sum(bits_sent)
-    new_state = NTKDFLState(params=new_params, bits_cumulative=state.bits_cumulative + total)
+    new_state = ParamsState(params=new_params, bits_cumulative=state.bits_cumulative + total)
     metrics = {"tau": info["tau"], "loss": info["loss"], "lr": lr, "bits_sent": bits_sent,
                "bits_sent_total": total, "bits_cumulative": new_state.bits_cumulative}
     return new_state, metrics

@@ -9,7 +9,7 @@ dense ratio 0.5 per weight matrix (biases dense), anneal factor 0.5 (cosine
 annealed mask-update fraction over ``rounds``). Masked aggregation is uniform
 over the neighbours holding each coordinate (``topology.mixing`` must be
 ``uniform``). Reported: the uniform mean of the personalised models (as
-NTK-DFL). Simplifications (see ``ntk_fl/algorithms/decentralized.py``): equal
+NTK-DFL). Simplifications (see ``ntk_fl/algorithms/dispfl.py``): equal
 density per matrix instead of ERK; neighbours from the shared graph instead of
 DisPFL's own random choice of 5 of 300.
 

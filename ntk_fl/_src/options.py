@@ -1,7 +1,8 @@
 """The options of the NTK kernel, evolution and client step, as enums checked once where they enter.
 
 Every option is a ``StrEnum`` (in the spirit of neural-tangents' ``NtkImplementation``): a member equals its
-string value, so configs and callers may pass either, and :func:`parse` turns a string into the member once,
+string value, so configs and callers may pass either; the kernel implementation is neural-tangents'
+``NtkImplementation`` itself, an ``IntEnum`` whose members also answer to this library's string names, and :func:`parse` turns a string into the member once,
 at the public entry point; below it the code compares members and never re-checks. The ``τ`` grid is checked
 once by :func:`check_taus`, which returns a :class:`TauGrid` that later calls accept without checking again.
 """
@@ -14,8 +15,8 @@ from typing import Sequence, TypeVar
 import jax
 import numpy as np
 
-__all__ = ["Loss", "Solver", "Select", "Kernel", "MseForm", "Implementation", "TauGrid", "parse", "check_taus",
-           "check_loss_solver"]
+__all__ = ["Loss", "Solver", "Select", "Kernel", "MseForm", "NtkImplementation", "Implementation", "IMPLEMENTATIONS",
+           "TauGrid", "parse", "check_taus", "check_loss_solver"]
 
 
 class Loss(enum.StrEnum):
@@ -51,18 +52,48 @@ class MseForm(enum.StrEnum):
   CONTINUOUS = "continuous"
 
 
-class Implementation(enum.StrEnum):
-  """How :func:`ntk_fl.ntk.empirical_ntk` computes a kernel (trade-offs in :mod:`ntk_fl.ntk`).
+class NtkImplementation(enum.IntEnum):
+  """How an empirical NTK is computed (neural-tangents' enum and values; the kernel does not depend on it).
 
-  ``JACOBIAN``: per-sample Jacobians contracted (any model; best generic choice for the traced kernel);
-  ``NTVP``: NTK-vector products (any model; ``C`` times fewer FLOPs for the full kernel);
-  ``STRUCTURED``: the dense-stack factorisation (MLPs only; ~1000x fewer FLOPs);
-  ``AUTO``: ``STRUCTURED`` given a dense stack, else ``JACOBIAN`` (traced) or ``NTVP`` (full).
+  Trade-offs in :mod:`ntk_fl.ntk`. Each member also answers to this library's short name, as an alias
+  (``JACOBIAN`` is ``JACOBIAN_CONTRACTION``) and as a string (``NtkImplementation('jacobian')``):
+
+  * ``AUTO`` (``'auto'``): ``STRUCTURED_DERIVATIVES`` given a dense stack, else ``JACOBIAN_CONTRACTION``
+    (traced kernel) or ``NTK_VECTOR_PRODUCTS`` (full kernel).
+  * ``JACOBIAN_CONTRACTION`` (``'jacobian'``): per-sample Jacobians contracted (any model; best generic
+    choice for the traced kernel).
+  * ``NTK_VECTOR_PRODUCTS`` (``'ntvp'``): ``vjp`` then ``jvp``, no Jacobian stored (any model; ``C`` times
+    fewer FLOPs for the full kernel).
+  * ``STRUCTURED_DERIVATIVES`` (``'structured'``): the dense-stack factorisation (MLPs only; ~1000x fewer
+    FLOPs); needs ``dense_stack``.
   """
-  AUTO = "auto"
-  JACOBIAN = "jacobian"
-  NTVP = "ntvp"
-  STRUCTURED = "structured"
+  AUTO = 0
+  JACOBIAN_CONTRACTION = 1
+  NTK_VECTOR_PRODUCTS = 2
+  STRUCTURED_DERIVATIVES = 3
+  # This library's short names: aliases of the same members.
+  JACOBIAN = 1
+  NTVP = 2
+  STRUCTURED = 3
+
+  @property
+  def short_name(self) -> str:
+    """This library's string name of the member: ``'auto'``, ``'jacobian'``, ``'ntvp'`` or ``'structured'``."""
+    return _SHORT_NAMES[self.value]
+
+  @classmethod
+  def _missing_(cls, value):
+    if isinstance(value, str) and value in _SHORT_NAMES:
+      return cls(_SHORT_NAMES.index(value))
+    return None
+
+
+_SHORT_NAMES = ("auto", "jacobian", "ntvp", "structured")   # indexed by NtkImplementation's value
+IMPLEMENTATIONS = _SHORT_NAMES
+"""The string names :func:`ntk_fl.ntk.empirical_ntk` accepts for ``implementation``."""
+
+Implementation = NtkImplementation
+"""This library's earlier name of :class:`NtkImplementation` (the same class)."""
 
 
 E = TypeVar("E", bound=enum.StrEnum)

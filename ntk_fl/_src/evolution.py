@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ntk_fl._kernels import full_to_matrix
-from ntk_fl._options import Loss, MseForm, Solver, check_loss_solver, check_taus, parse
+from ntk_fl._src.kernels import full_to_matrix
+from ntk_fl._src.options import Loss, MseForm, Solver, check_loss_solver, check_taus, parse
 
 # Largest block of unit intervals one diffeqsolve call covers in the ODE path:
 # bounds the saved readouts to [block, N, C] while letting the adaptive solver

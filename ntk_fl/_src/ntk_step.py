@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ntk_fl import _evolution, jacobians, ntk
-from ntk_fl._options import Implementation, Kernel, Loss, MseForm, Select, Solver, check_loss_solver, check_taus, parse
-from ntk_fl.models import DenseStack
+from ntk_fl import jacobians, ntk
+from ntk_fl._src import evolution as _evolution
+from ntk_fl._src.options import Implementation, Kernel, Loss, MseForm, Select, Solver, check_loss_solver, check_taus, parse
+from ntk_fl._src.dense_stack import DenseStack
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 

@@ -2,7 +2,7 @@
 
 Blocking over samples, the per-sample-Jacobian and NTK-vector-product kernels of any model, and the
 structured factorisation of a dense stack (plain and in SPARK's layer-wise sketch coordinates). The
-trade-offs between them are documented in :mod:`ntk_fl.ntk` and on :class:`ntk_fl.ntk.Implementation`.
+trade-offs between them are documented in :mod:`ntk_fl.ntk` and on :class:`ntk_fl.ntk.NtkImplementation`.
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from ntk_fl import jacobians
-from ntk_fl._options import Implementation
-from ntk_fl.models import DenseStack
+from ntk_fl._src.options import IMPLEMENTATIONS, Implementation
+from ntk_fl._src.dense_stack import DenseStack
 
 # One block's Jacobian (chunk · C · d floats) stays below this by default.
 _BLOCK_FLOATS = 2**26
@@ -33,10 +33,12 @@ def resolve_implementation(implementation: Implementation | str, dense_stack: De
                            trace_outputs: bool) -> Implementation:
   """The concrete implementation (``AUTO`` resolved); errors name the bad value and the allowed ones."""
   try:
+    if isinstance(implementation, bool):  # an int to the IntEnum, but never meant as a choice
+      raise ValueError(implementation)
     implementation = Implementation(implementation)
   except ValueError:
     raise ValueError(f"unknown NTK implementation {implementation!r}; choose one of "
-                     f"{tuple(m.value for m in Implementation)}") from None
+                     f"{IMPLEMENTATIONS}") from None
   if implementation == Implementation.STRUCTURED and dense_stack is None:
     raise ValueError("implementation='structured' needs dense_stack (the model's DenseStack); "
                      "use 'jacobian' or 'ntvp' for other models")
@@ -425,3 +427,55 @@ def full_to_matrix(k: jax.Array) -> jax.Array:
     raise ValueError(f"full_to_matrix expects a [N1, N2, C, C] kernel, got shape {jnp.shape(k)}")
   n1, n2, c, _ = k.shape
   return jnp.transpose(k, (0, 2, 1, 3)).reshape(n1 * c, n2 * c)
+
+
+# ----------------------------------------------------------------------------
+# The entry point (public as ntk_fl.ntk.empirical_ntk).
+
+
+def empirical_ntk(apply_fn: ApplyFn, params: Params, x1: jax.Array, x2: jax.Array | None = None, *,
+                  trace_outputs: bool = True, implementation: Implementation | str = Implementation.AUTO,
+                  dense_stack: DenseStack | None = None, chunk_size: int | None = None) -> jax.Array:
+  """Empirical NTK of ``apply_fn`` at ``params`` between ``x1`` and ``x2``.
+
+  Args:
+    apply_fn: ``apply_fn(params, x [B, *in]) -> [B, C]`` (a flax ``apply``).
+    params: the linearisation point (a flax variables dict).
+    x1: ``[N1, *in]`` inputs.
+    x2: ``[N2, *in]`` inputs, or ``None`` for ``x2 = x1`` (shares work).
+    trace_outputs: ``True`` -> ``[N1, N2]`` kernel ``(1/C) Σ_c J_c(x1) J_c(x2)ᵀ``
+      (the *mean* over outputs, as neural-tangents' ``trace_axes=(-1,)``);
+      ``False`` -> full ``[N1, N2, C, C]`` kernel
+      ``K[i, j, a, b] = <J_a(x1_i), J_b(x2_j)>``.
+    implementation: an :class:`~ntk_fl.ntk.NtkImplementation` or one of its string names
+      :data:`~ntk_fl.ntk.IMPLEMENTATIONS` (trade-offs in :mod:`ntk_fl.ntk`).
+    dense_stack: the model's :class:`~ntk_fl.models.DenseStack` (enables and,
+      under ``'auto'``, selects ``'structured'``; ignored by the others).
+    chunk_size: samples per block of ``x1`` and of ``x2``; ``None`` picks one
+      that keeps a block's Jacobian below 256 MiB (``'structured'``: no
+      blocking, its factors are already ``O(N)``).
+
+  Returns:
+    The kernel in the dtype of the network outputs.
+
+  Raises:
+    ValueError: unknown ``implementation``; ``'structured'`` without
+      ``dense_stack``; ``x1``/``x2`` feature shapes differ; non-positive
+      ``chunk_size``; outputs that are not ``[B, C]``; params that do not match
+      ``dense_stack``.
+  """
+  impl = resolve_implementation(implementation, dense_stack, trace_outputs)
+  check_chunk_size(chunk_size)
+  check_inputs(x1, x2)
+  if impl == Implementation.STRUCTURED:
+    return structured_kernel(dense_stack, params, x1, x2, trace_outputs, chunk_size)
+
+  probe = jax.ShapeDtypeStruct((1, *jnp.shape(x1)[1:]), jnp.result_type(x1))
+  out = jax.eval_shape(apply_fn, params, probe)
+  if len(out.shape) != 2:
+    raise ValueError(f"apply_fn must return [B, C] outputs, got shape {out.shape} for a batch of 1")
+  num_outputs = out.shape[1]
+  chunk = chunk_size if chunk_size is not None else default_chunk(params, num_outputs)
+  if impl == Implementation.JACOBIAN:
+    return jacobian_kernel(apply_fn, params, x1, x2, trace_outputs, chunk)
+  return ntvp_kernel(apply_fn, params, x1, x2, trace_outputs, num_outputs, out.dtype, chunk)

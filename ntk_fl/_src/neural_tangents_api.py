@@ -42,7 +42,6 @@ is this library's dense-layer factorisation, so it needs ``dense_stack`` (and
 """
 from __future__ import annotations
 
-import enum
 import math
 import string
 from typing import Any, Callable
@@ -51,36 +50,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ntk_fl import _kernels
-from ntk_fl.models import DenseStack
+from ntk_fl._src import kernels as _kernels
+from ntk_fl._src.dense_stack import DenseStack
+from ntk_fl._src.kernels import empirical_ntk
+from ntk_fl._src.options import NtkImplementation
 
 __all__ = ["NtkImplementation", "empirical_ntk_fn"]
 
-
-class NtkImplementation(enum.IntEnum):
-  """How the kernel is computed (neural-tangents' enum and values; the result does not depend on it).
-
-  * ``AUTO``: the structured factorisation when ``dense_stack`` is given and
-    applies; otherwise ``JACOBIAN_CONTRACTION`` for a kernel traced over all
-    output axes and ``NTK_VECTOR_PRODUCTS`` for the rest (the faster one in each
-    case, see :mod:`ntk_fl.ntk`).
-  * ``JACOBIAN_CONTRACTION``: per-sample Jacobians contracted (``'jacobian'``).
-  * ``NTK_VECTOR_PRODUCTS``: ``vjp`` then ``jvp``, no Jacobian stored (``'ntvp'``).
-  * ``STRUCTURED_DERIVATIVES``: the dense-stack factorisation (``'structured'``);
-    needs ``dense_stack``, a batched ``vmap_axes`` and ``[C]`` outputs per sample.
-  """
-  AUTO = 0
-  JACOBIAN_CONTRACTION = 1
-  NTK_VECTOR_PRODUCTS = 2
-  STRUCTURED_DERIVATIVES = 3
-
-
-_LIBRARY_NAME = {
-    NtkImplementation.AUTO: "auto",
-    NtkImplementation.JACOBIAN_CONTRACTION: "jacobian",
-    NtkImplementation.NTK_VECTOR_PRODUCTS: "ntvp",
-    NtkImplementation.STRUCTURED_DERIVATIVES: "structured",
-}
 
 # Letters for the einsum that takes traces and diagonals ('i', 'j' are the batch axes).
 _LETTERS = [c for c in string.ascii_letters if c not in "ij"]
@@ -190,8 +166,6 @@ def _traced_and_diagonal_axes(fx1, fx2, trace_axes, diagonal_axes) -> tuple[tupl
 
 def _batched_kernel(f, kwargs, params, x1, x2, in_axis, out_axis, trace_axes, diagonal_axes,
                     implementation, dense_stack, chunk_size):
-  from ntk_fl.ntk import empirical_ntk  # ntk.py re-exports this module's names
-
   fx1 = jax.eval_shape(lambda p, x: f(p, x, **kwargs), params, x1)
   fx2 = fx1 if x2 is None else jax.eval_shape(lambda p, x: f(p, x, **kwargs), params, x2)
   if not isinstance(fx1, jax.ShapeDtypeStruct) or not fx1.shape:
@@ -225,7 +199,7 @@ def _batched_kernel(f, kwargs, params, x1, x2, in_axis, out_axis, trace_axes, di
     return y.reshape(y.shape[0], -1)
 
   def kernel_of(a, b):
-    return empirical_ntk(g, params, a, b, trace_outputs=trace_outputs, implementation=_LIBRARY_NAME[impl],
+    return empirical_ntk(g, params, a, b, trace_outputs=trace_outputs, implementation=impl,
                          dense_stack=dense_stack, chunk_size=chunk_size)
 
   xb1 = jnp.moveaxis(x1, in_axis, 0)
@@ -246,8 +220,6 @@ def _batched_kernel(f, kwargs, params, x1, x2, in_axis, out_axis, trace_axes, di
 
 def _unbatched_kernel(f, kwargs, params, x1, x2, trace_axes, diagonal_axes, implementation, chunk_size):
   """``vmap_axes=None``: the whole input is one sample; no independence is assumed."""
-  from ntk_fl.ntk import empirical_ntk  # ntk.py re-exports this module's names
-
   if implementation == NtkImplementation.STRUCTURED_DERIVATIVES:
     raise ValueError("STRUCTURED_DERIVATIVES needs a batched vmap_axes (samples the dense stack maps "
                      "one by one), got vmap_axes=None")
@@ -259,7 +231,7 @@ def _unbatched_kernel(f, kwargs, params, x1, x2, trace_axes, diagonal_axes, impl
   ndim = len(fx1.shape)
   trace, diagonal = _traced_and_diagonal_axes(fx1, fx2, trace_axes, diagonal_axes)
   trace_outputs = len(trace) == ndim and not diagonal
-  impl = _LIBRARY_NAME[implementation]
+  impl = implementation
 
   if x2 is None:
     g = lambda p, xb: apply(p, xb[0]).reshape(1, -1)
