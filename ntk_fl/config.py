@@ -23,7 +23,13 @@ below it they travel as the frozen dataclasses of :mod:`ntk_fl.settings`):
   quick variants; an index map needs ``max_train = 0``, its indices refer to the
   whole training set).
 * ``model``: ``name`` (``mlp`` | ``cnn``), ``hidden`` (MLP widths),
-  ``activation``, ``init`` (``shared`` | ``per_client``).
+  ``activation``, ``init`` (``shared`` | ``per_client``), ``module`` (``''``, or the
+  user's own flax module as ``'package.module:factory'``, called as
+  ``factory(input_shape, num_classes)``; it replaces ``name``/``hidden``/``activation``
+  and is trusted code, imported: see ``ntk_fl/_src/user_model.py``), ``per_sample``
+  (``module`` only: the user states that the module's outputs for a sample do not
+  depend on the rest of the batch, which lets the kernels map over samples; the
+  library's own models are per-sample).
 * ``topology``: ``name`` (``regular`` | ``erdos_renyi`` | ``ring`` | ``line`` |
   ``complete`` | ``clustered``), ``degree``, ``p`` / ``mean_degree`` (Erdős–Rényi),
   ``cluster_size``, ``dynamic`` (re-draw every round), ``k_max`` (static neighbour
@@ -87,6 +93,8 @@ def base_config() -> ml_collections.ConfigDict:
   config.model.hidden = (100,)
   config.model.activation = "relu"
   config.model.init = "shared"
+  config.model.module = ""
+  config.model.per_sample = False
 
   config.topology = ml_collections.ConfigDict()
   config.topology.name = "regular"

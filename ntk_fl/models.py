@@ -36,6 +36,7 @@ __all__ = [
     "mlp_on_inputs",
     "cnn",
     "make_model",
+    "flat_inputs",
     "init_clients",
     "num_params",
 ]
@@ -64,12 +65,16 @@ class Model(NamedTuple):
     num_classes: number of outputs ``C``.
     dense_stack: the :class:`DenseStack` structure when the model is a pure
       dense stack (enables the structured NTK), else ``None``.
+    per_sample: a sample's outputs do not depend on the rest of the batch (true of the
+      library's models; a user's module says so with ``config.model.per_sample``), so
+      kernels may map over samples.
   """
   init: Callable[[Any], Any]
   apply: Callable[[Any, Any], Any]
   input_shape: tuple[int, ...]
   num_classes: int
   dense_stack: DenseStack | None = None
+  per_sample: bool = True
 
 
 # --------------------------------------------------------------------- pieces
@@ -112,7 +117,7 @@ def _check_positive_int(name: str, value: Any) -> int:
 
 
 def _pure(module: nn.Module, input_shape: tuple[int, ...], num_classes: int,
-          dense_stack: DenseStack | None) -> Model:
+          dense_stack: DenseStack | None, per_sample: bool = True) -> Model:
   """Wraps a flax module taking ``[B, *input_shape]`` into a :class:`Model`.
 
   ``apply`` accepts any number of leading batch axes (including none, handy
@@ -136,7 +141,7 @@ def _pure(module: nn.Module, input_shape: tuple[int, ...], num_classes: int,
   # jit: one compiled program instead of one dispatch per flax op for eager callers
   # (it inlines into an enclosing jit/vmap as usual).
   return Model(init=jax.jit(init), apply=jax.jit(apply), input_shape=input_shape,
-               num_classes=num_classes, dense_stack=dense_stack)
+               num_classes=num_classes, dense_stack=dense_stack, per_sample=per_sample)
 
 
 # ---------------------------------------------------------------------- MLP
@@ -261,8 +266,19 @@ def make_model(model_config: Any, input_shape: Sequence[int], num_classes: int) 
       ``input_dim = prod(input_shape)`` and expects flattened inputs ``[B, input_dim]``;
       ``cnn`` needs ``(H, W, channels)``.
     num_classes: number of logits ``C``.
+
+  With ``model_config.module`` set (``'package.module:factory'``, trusted code: see
+  ``ntk_fl/_src/user_model.py``) the model is ``factory(input_shape, num_classes)``, the user's
+  flax module, on unflattened inputs (:func:`flat_inputs`), per-sample when
+  ``model_config.per_sample`` says so.
   """
   name = model_config.name
+  spec = getattr(model_config, "module", "")
+  if spec:
+    from ntk_fl._src import user_model  # pylint: disable=import-outside-toplevel
+    input_shape = tuple(input_shape)
+    return _pure(user_model.build_module(spec, input_shape, num_classes), input_shape, num_classes, None,
+                 per_sample=bool(model_config.per_sample))
   if name not in MODELS:
     raise ValueError(f"unknown model {name!r}; choose one of {MODELS}")
   init_mode = getattr(model_config, "init", None)
@@ -272,6 +288,11 @@ def make_model(model_config: Any, input_shape: Sequence[int], num_classes: int) 
     return mlp(math.prod(input_shape), tuple(model_config.hidden), num_classes,
                model_config.activation)
   return cnn(tuple(input_shape), num_classes)
+
+
+def flat_inputs(model_config: Any) -> bool:
+  """Whether the model of ``model_config`` takes flattened inputs (the MLP) or images (CNN, user module)."""
+  return model_config.name == "mlp" and not getattr(model_config, "module", "")
 
 
 # ------------------------------------------------------------------ clients

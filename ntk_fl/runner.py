@@ -178,7 +178,7 @@ def build_experiment(config) -> Experiment:
   # Several processes: each converts (and keeps) only its own clients' training samples.
   split = jax.process_count() > 1 and mesh is not None
   dataset = data.load(data_settings.name, data_settings.data_dir or None,
-                      flatten=settings.model.name != "cnn", seed=settings.seed, lazy_train=split)
+                      flatten=models.flat_inputs(settings.model), seed=settings.seed, lazy_train=split)
   dataset = _subsample(dataset, data_settings.max_train, data_settings.max_test, settings.seed)
   client_indices = data.partition(
       dataset.y_train, data_settings.partition, data_settings.num_clients, seed=settings.seed,
