@@ -181,8 +181,13 @@ def _set_authors_map(config, token: str) -> None:
     config.data.alpha = float(alpha)  # a label only: the map is the partition
 
 
+def _set_cnn(config) -> None:
+  config.model.name = "cnn"
+
+
 COMMON_VARIANTS = {
     "paper": lambda config: None,
+    "cnn": _set_cnn,
     "iid": _set_iid,
     "static": _set_static,
     "mnist": lambda config: setattr(config.data, "name", "mnist"),
@@ -191,7 +196,9 @@ COMMON_VARIANTS = {
 """Variant tokens every method's config understands, plus ``alpha<float>`` (e.g. ``alpha0.5``) and the
 authors' shipped Fashion-MNIST partitions ``authors_alpha<α>[_d<draw>]`` (α ∈ {0.1, ..., 0.5}, draws
 0-4) and ``authors_iid[_d<draw>]`` (draws 0-2); without ``_d`` the draw is 0, the one the authors' code
-uses. ``contiguous``: client ``i`` holds samples ``[200 i, 200 i + 200)``, the NTK-FL code's fallback."""
+uses. ``contiguous``: client ``i`` holds samples ``[200 i, 200 i + 200)``, the NTK-FL code's fallback.
+``cnn``: the papers' CNN (:func:`ntk_fl.models.cnn`, conv32-pool-conv64-pool-fc100-fc10) on unflattened
+images instead of the MLP."""
 
 
 def apply_variants(config: ml_collections.ConfigDict, arg: str | None, method_variants=None):
