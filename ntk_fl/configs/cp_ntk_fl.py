@@ -22,11 +22,11 @@ Variants (comma-separated, e.g. ``:table1,shuffle``):
 import ml_collections
 
 from ntk_fl.configs import _presets as presets
-from ntk_fl.config import apply_variants
+from ntk_fl.config import COMMON_VARIANTS, apply_variants
 
 
 def _cnn(config):
-  config.model.name = "cnn"
+  COMMON_VARIANTS["cnn"](config)
   config.algorithm.projection_dim = 0
 
 
