@@ -82,3 +82,15 @@ def test_estimate_scales_the_calibrated_step_and_warns_over_budget(caplog):
   assert slow.round_seconds == 20 * 60.0
   tips = cost.advice(slow, models.cnn((28, 28, 1)), platform="gpu")
   assert not any("GPU" in t for t in tips) and any("structured kernel" in t for t in tips)
+
+
+def test_a_large_kernel_is_timed_on_a_smaller_block_and_scaled():
+  model = models.mlp()
+  work = cost.Workload(4, 64, 1, dict(taus=(5, 10), loss="ce", solver="euler", kernel="traced",
+                                      select="network"))
+  full = cost.kernel_flops(model, 64)
+  cal = cost.calibrate(model, work, max_flops=full / 10)     # (N/2)² = a quarter, (N/4)² = 1/16 < 1/10
+  assert cal.block == 64 and cal.timed_block == 16 and cal.kernel_flops == full
+  whole = cost.calibrate(model, work)
+  assert whole.timed_block == 64 and whole.step_bytes == cal.step_bytes   # memory of the full block
+  assert cal.seconds > 0

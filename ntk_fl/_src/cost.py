@@ -17,7 +17,9 @@ method                 steps per round ``S``                   samples per kerne
 other methods train by gradient steps and get no estimate.
 
 :func:`calibrate` compiles one plain NTK step (the method's kernel, loss, solver and ``τ`` grid) on a
-random block of ``N`` inputs, runs it twice and keeps the faster run; it also reads XLA's FLOP count of
+random block of ``N`` inputs, runs it twice and keeps the faster run (a kernel above
+:data:`CALIBRATION_FLOPS` is run on a halved block, and halved again, and its time scaled by the
+ratio of the kernels' FLOP counts, so the calibration stays short); it also reads XLA's FLOP count of
 the kernel alone on that block (``compiled.cost_analysis()``, the whole block in one piece so that no
 loop hides its body's repetitions) and the step's memory (``compiled.memory_analysis()``: arguments,
 outputs and temporaries). :func:`estimate` scales them: round time ``≈ S × step time``
@@ -42,10 +44,13 @@ import jax.numpy as jnp
 from absl import logging
 
 __all__ = ["Workload", "Calibration", "Estimate", "workload", "kernel_flops", "calibrate", "estimate",
-           "advice", "report", "run_estimate", "ROUND_BUDGET_S"]
+           "advice", "report", "run_estimate", "ROUND_BUDGET_S", "CALIBRATION_FLOPS"]
 
 ROUND_BUDGET_S = 600.0
 """A round estimated above this many seconds is warned about."""
+
+CALIBRATION_FLOPS = 2e10
+"""Largest kernel (FLOPs) the calibration runs; a bigger block is timed smaller and scaled up."""
 
 
 class Workload(NamedTuple):
@@ -57,12 +62,18 @@ class Workload(NamedTuple):
 
 
 class Calibration(NamedTuple):
-  """One NTK step on a block of ``block`` samples, measured after compilation."""
+  """One NTK step on a block of ``block`` samples, measured after compilation.
+
+  A block whose kernel exceeds :data:`CALIBRATION_FLOPS` is not run whole: the step is timed on
+  ``timed_block`` samples (halving ``block`` until the kernel fits) and ``seconds`` is that time
+  scaled by the ratio of the two blocks' kernel FLOP counts (the kernel dominates such steps).
+  """
   block: int
-  seconds: float         # wall time of one compiled step (the faster of two runs)
+  seconds: float         # wall time of one compiled step on `block` samples (the faster of two runs)
   compile_seconds: float
   kernel_flops: float    # XLA's FLOP count of the kernel alone on the block
-  step_bytes: int        # arguments + outputs + temporaries of the compiled step
+  step_bytes: int        # arguments + outputs + temporaries of the compiled step on `block` samples
+  timed_block: int = 0   # the block actually run (= block unless extrapolated)
 
 
 class Estimate(NamedTuple):
@@ -141,26 +152,40 @@ def _bytes(compiled) -> int:
                                                        "temp_size_in_bytes")))
 
 
-def calibrate(model, work: Workload, *, seed: int = 0) -> Calibration:
-  """Compiles and times one NTK step of ``work``'s options on a random block (module docstring)."""
+def calibrate(model, work: Workload, *, seed: int = 0, max_flops: float = CALIBRATION_FLOPS) -> Calibration:
+  """Compiles and times one NTK step of ``work``'s options on a random block (module docstring).
+
+  A kernel above ``max_flops`` is timed on a smaller block and scaled (:class:`Calibration`).
+  """
   from ntk_fl import evolve  # pylint: disable=import-outside-toplevel
 
   params = model.init(jax.random.key(seed))
-  x, y = _random_block(model, work.block, jax.random.key(seed + 1))
-  mask = jnp.ones((work.block,), bool)
   step = jax.jit(lambda p, x, y, m: evolve.ntk_step(model.apply, p, x, y, m, lr=0.01,
                                                     dense_stack=model.dense_stack, **work.options)[0])
+
+  def compiled_step(block):
+    x, y = _random_block(model, block, jax.random.key(seed + 1))
+    args = (params, x, y, jnp.ones((block,), bool))
+    return step.lower(*args).compile(), args
+
+  flops = kernel_flops(model, work.block, work.options["kernel"])
+  timed = work.block
+  while timed > 8 and flops * (timed / work.block) ** 2 > max_flops:   # the kernel grows at least ~N²
+    timed //= 2
   t0 = time.perf_counter()
-  compiled = step.lower(params, x, y, mask).compile()
+  compiled, args = compiled_step(work.block)
   compile_seconds = time.perf_counter() - t0
+  step_bytes = _bytes(compiled)
+  scale = 1.0
+  if timed != work.block:
+    compiled, args = compiled_step(timed)
+    scale = flops / kernel_flops(model, timed, work.options["kernel"])
   times = []
   for _ in range(2):
     t0 = time.perf_counter()
-    jax.block_until_ready(compiled(params, x, y, mask))
+    jax.block_until_ready(compiled(*args))
     times.append(time.perf_counter() - t0)
-  return Calibration(work.block, min(times), compile_seconds, kernel_flops(model, work.block,
-                                                                           work.options["kernel"]),
-                     _bytes(compiled))
+  return Calibration(work.block, min(times) * scale, compile_seconds, flops, step_bytes, timed)
 
 
 def estimate(settings, model, federation, *, calibration: Calibration | None = None) -> Estimate | None:
@@ -204,11 +229,13 @@ def report(est: Estimate | None, model, *, budget_s: float = ROUND_BUDGET_S) -> 
   if est is None:
     return None
   w, c = est.workload, est.calibration
+  timed = (f" (timed on N = {c.timed_block} and scaled by the kernels' FLOP ratio)"
+           if c.timed_block and c.timed_block != c.block else "")
   logging.info("cost estimate on %s: %d NTK step(s) per round on kernel blocks of N = %d samples; kernel "
-               "%s per round (%s per block); one step %.3g s after a %.3g s compile; peak memory ~ %s; "
+               "%s per round (%s per block); one step %.3g s%s after a %.3g s compile; peak memory ~ %s; "
                "a round ~ %.3g s", est.device, w.steps, w.block, _human(est.kernel_flops, "FLOP"),
-               _human(c.kernel_flops, "FLOP"), c.seconds, c.compile_seconds, _human(est.peak_bytes, "B"),
-               est.round_seconds)
+               _human(c.kernel_flops, "FLOP"), c.seconds, timed, c.compile_seconds,
+               _human(est.peak_bytes, "B"), est.round_seconds)
   if not est.round_seconds > budget_s:
     return None
   message = (f"a round is estimated at {est.round_seconds / 60:.1f} min on {est.device} ({w.steps} NTK steps "
