@@ -19,6 +19,8 @@ from ntk_fl.models import DenseStack
 
 # One block's Jacobian (chunk · C · d floats) stays below this by default.
 _BLOCK_FLOATS = 2**26
+# All of x2's per-sample features (Jacobians, factors) are kept when they fit in this (1 GiB float32).
+_STORE_FLOATS = 2**28
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 Params = Any
@@ -30,21 +32,31 @@ ApplyFn = Callable[[Params, jax.Array], jax.Array]
 
 
 def resolve_implementation(implementation: Implementation | str, dense_stack: DenseStack | None,
-                           trace_outputs: bool) -> Implementation:
-  """The concrete implementation (``AUTO`` resolved); errors name the bad value and the allowed ones."""
+                           trace_outputs: bool, flax_apply: Callable | None = None) -> Implementation:
+  """The implementation (``AUTO`` resolved, except between the layer-wise structured kernel and the
+  generic ones, which :func:`ntk_fl.ntk.empirical_ntk` decides from the model's layers); errors name
+  the bad value and the allowed ones."""
   try:
     implementation = Implementation(implementation)
   except ValueError:
     raise ValueError(f"unknown NTK implementation {implementation!r}; choose one of "
                      f"{tuple(m.value for m in Implementation)}") from None
-  if implementation == Implementation.STRUCTURED and dense_stack is None:
-    raise ValueError("implementation='structured' needs dense_stack (the model's DenseStack); "
-                     "use 'jacobian' or 'ntvp' for other models")
+  if implementation == Implementation.STRUCTURED and dense_stack is None and flax_apply is None:
+    raise ValueError("implementation='structured' needs dense_stack (the model's DenseStack) or "
+                     "flax_apply (its flax computation, e.g. module.apply, for the layer-wise kernel); "
+                     "use 'jacobian' or 'ntvp' otherwise")
   check_dense_stack(dense_stack)
+  if flax_apply is not None and not callable(flax_apply):
+    raise ValueError(f"flax_apply must be callable as flax_apply(params, x), got {type(flax_apply).__name__}")
+  if flax_apply is not None and hasattr(flax_apply, "lower"):
+    raise ValueError("flax_apply must not be jax.jit-compiled: the layer-wise kernel intercepts its "
+                     "flax layers while tracing it (pass e.g. module.apply itself)")
   if implementation != Implementation.AUTO:
     return implementation
   if dense_stack is not None:
     return Implementation.STRUCTURED
+  if flax_apply is not None:
+    return Implementation.AUTO
   return Implementation.JACOBIAN if trace_outputs else Implementation.NTVP
 
 
@@ -96,19 +108,29 @@ def map_blocks(fn: Callable[[Any], Any], xs: Any, chunk: int | None) -> Any:
 
 def _blocked_kernel(features1: Callable[[Any], Any], features2: Callable[[Any], Any],
                     contract: Callable[[Any, Any], jax.Array], x1: Any, x2: Any | None,
-                    chunk: int | None) -> jax.Array:
+                    chunk: int | None, sample_floats: int | None = None) -> jax.Array:
   """Kernel ``[N1, N2, ...]`` assembled from blocks ``contract(features1(x1b), features2(x2b))``.
 
-  ``features1`` runs once per ``x1`` block (outer ``lax.map``) and ``features2``
-  once per block pair (inner ``lax.map``): recomputing the ``x2`` side costs a
-  fraction ``~1/chunk`` of the contraction and keeps only two blocks alive.
-  ``x2=None`` means ``x2 = x1``; with a single block the features are shared.
+  When all of ``x2``'s features fit in ``2**28`` floats (``sample_floats`` per sample; ``None``:
+  unknown, never stored), they are computed once, block by block, and every ``x1`` block is
+  contracted against all of them; with ``x2=None`` the ``x1`` blocks are those stored features,
+  so every sample's features are computed exactly once. Otherwise ``features1`` runs once per
+  ``x1`` block (outer ``lax.map``) and ``features2`` once per block pair (inner ``lax.map``),
+  which keeps only two blocks alive at the price of recomputing the ``x2`` side ``N1/chunk``
+  times. ``x2=None`` means ``x2 = x1``; with a single block the features are shared.
   """
   n1 = jax.tree.leaves(x1)[0].shape[0]
   if x2 is None:
     if (chunk is None or chunk >= n1) and features1 is features2:
       f = features1(x1)
       return contract(f, f)
+  n2 = n1 if x2 is None else jax.tree.leaves(x2)[0].shape[0]
+  if sample_floats is not None and n2 * sample_floats <= _STORE_FLOATS:
+    f2 = map_blocks(features2, x1 if x2 is None else x2, chunk)
+    if x2 is None and features1 is features2:
+      return map_blocks(lambda f1b: contract(f1b, f2), f2, chunk)
+    return map_blocks(lambda x1b: contract(features1(x1b), f2), x1, chunk)
+  if x2 is None:
     x2 = x1
 
   def row(x1b):
@@ -132,7 +154,9 @@ def jacobian_kernel(apply_fn, params, x1, x2, trace_outputs, chunk):
   # A whole block's Jacobians at once (one vmap): the blocks already bound the memory.
   features = lambda x: jacobians.per_sample_jacobian(apply_fn, params, x, chunk_size=x.shape[0])
   contract = lambda j1, j2: jacobians.jacobian_kernel(j1, j2, trace_outputs=trace_outputs)
-  return _blocked_kernel(features, features, contract, x1, x2, chunk)
+  num_outputs = jax.eval_shape(lambda p, x: apply_fn(p, x), params, x1[:1]).shape[-1]
+  num_params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
+  return _blocked_kernel(features, features, contract, x1, x2, chunk, num_outputs * num_params)
 
 
 # ----------------------------------------------------------------------------

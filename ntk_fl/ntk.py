@@ -70,6 +70,7 @@ import jax.numpy as jnp
 from ntk_fl import _kernels
 from ntk_fl._kernels import DenseJacobianFactors, DenseProjection, full_to_matrix
 from ntk_fl._options import Implementation
+from ntk_fl._src import layerwise
 from ntk_fl.models import DenseStack
 
 __all__ = ["Implementation", "IMPLEMENTATIONS", "empirical_ntk", "make_ntk_fn", "full_to_matrix", "DenseProjection",
@@ -165,11 +166,13 @@ def projected_dense_ntk(stack: DenseStack, params: Params, x1: jax.Array, x2: ja
 
 def empirical_ntk(apply_fn: ApplyFn, params: Params, x1: jax.Array, x2: jax.Array | None = None, *,
                   trace_outputs: bool = True, implementation: Implementation | str = Implementation.AUTO,
-                  dense_stack: DenseStack | None = None, chunk_size: int | None = None) -> jax.Array:
+                  dense_stack: DenseStack | None = None, flax_apply: ApplyFn | None = None,
+                  chunk_size: int | None = None) -> jax.Array:
   """Empirical NTK of ``apply_fn`` at ``params`` between ``x1`` and ``x2``.
 
   Args:
-    apply_fn: ``apply_fn(params, x [B, *in]) -> [B, C]`` (a flax ``apply``).
+    apply_fn: ``apply_fn(params, x [B, *in]) -> [B, C]`` (a flax ``apply``), mapping samples
+      independently (per-sample; :func:`empirical_ntk_fn` with ``vmap_axes=None`` for other models).
     params: the linearisation point (a flax variables dict).
     x1: ``[N1, *in]`` inputs.
     x2: ``[N2, *in]`` inputs, or ``None`` for ``x2 = x1`` (shares work).
@@ -179,9 +182,13 @@ def empirical_ntk(apply_fn: ApplyFn, params: Params, x1: jax.Array, x2: jax.Arra
       ``K[i, j, a, b] = <J_a(x1_i), J_b(x2_j)>``.
     implementation: one of :data:`IMPLEMENTATIONS` (module docstring).
     dense_stack: the model's :class:`~ntk_fl.models.DenseStack` (enables and,
-      under ``'auto'``, selects ``'structured'``; ignored by the others).
+      under ``'auto'``, selects the dense-stack ``'structured'`` kernel).
+    flax_apply: ``apply_fn``'s computation as a function that reaches its flax layers without a
+      ``jax.jit`` boundary (``module.apply``; :attr:`ntk_fl.models.Model.flax_apply`): enables the
+      layer-wise ``'structured'`` kernel of any flax model (``dense_stack`` wins when both are
+      given), which ``'auto'`` selects when it needs fewer FLOPs than the generic choice.
     chunk_size: samples per block of ``x1`` and of ``x2``; ``None`` picks one
-      that keeps a block's Jacobian below 256 MiB (``'structured'``: no
+      that keeps a block's Jacobian (or factors) below 256 MiB (dense-stack ``'structured'``: no
       blocking, its factors are already ``O(N)``).
 
   Returns:
@@ -189,14 +196,14 @@ def empirical_ntk(apply_fn: ApplyFn, params: Params, x1: jax.Array, x2: jax.Arra
 
   Raises:
     ValueError: unknown ``implementation``; ``'structured'`` without
-      ``dense_stack``; ``x1``/``x2`` feature shapes differ; non-positive
+      ``dense_stack`` or ``flax_apply``; ``x1``/``x2`` feature shapes differ; non-positive
       ``chunk_size``; outputs that are not ``[B, C]``; params that do not match
       ``dense_stack``.
   """
-  impl = _kernels.resolve_implementation(implementation, dense_stack, trace_outputs)
+  impl = _kernels.resolve_implementation(implementation, dense_stack, trace_outputs, flax_apply)
   _kernels.check_chunk_size(chunk_size)
   _kernels.check_inputs(x1, x2)
-  if impl == Implementation.STRUCTURED:
+  if impl == Implementation.STRUCTURED and dense_stack is not None:
     return _kernels.structured_kernel(dense_stack, params, x1, x2, trace_outputs, chunk_size)
 
   probe = jax.ShapeDtypeStruct((1, *jnp.shape(x1)[1:]), jnp.result_type(x1))
@@ -204,26 +211,38 @@ def empirical_ntk(apply_fn: ApplyFn, params: Params, x1: jax.Array, x2: jax.Arra
   if len(out.shape) != 2:
     raise ValueError(f"apply_fn must return [B, C] outputs, got shape {out.shape} for a batch of 1")
   num_outputs = out.shape[1]
+  if impl in (Implementation.STRUCTURED, Implementation.AUTO):
+    plan = layerwise.make_plan(flax_apply, params, x1[:1], trace_outputs)
+    generic = layerwise.contraction_flops(num_params_of(params), num_outputs, True)
+    if impl == Implementation.STRUCTURED or layerwise.plan_flops(plan, trace_outputs, 1, 1) < generic:
+      return layerwise.layerwise_kernel(flax_apply, params, x1, x2, trace_outputs, chunk_size,
+                                        plan=plan, blocked=_kernels._blocked_kernel)
+    impl = Implementation.JACOBIAN if trace_outputs else Implementation.NTVP
   chunk = chunk_size if chunk_size is not None else _kernels.default_chunk(params, num_outputs)
   if impl == Implementation.JACOBIAN:
     return _kernels.jacobian_kernel(apply_fn, params, x1, x2, trace_outputs, chunk)
   return _kernels.ntvp_kernel(apply_fn, params, x1, x2, trace_outputs, num_outputs, out.dtype, chunk)
 
 
+def num_params_of(params: Params) -> int:
+  return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
+
+
 def make_ntk_fn(apply_fn: ApplyFn, *, trace_outputs: bool = True, implementation: Implementation | str = Implementation.AUTO,
-                dense_stack: DenseStack | None = None, chunk_size: int | None = None):
+                dense_stack: DenseStack | None = None, flax_apply: ApplyFn | None = None,
+                chunk_size: int | None = None):
   """A ``jit``-compiled ``ntk_fn(params, x1, x2=None)`` with the options fixed (neural-tangents style).
 
   The options are validated here, before any tracing. ``ntk_fn`` compiles once
   per input shape (and once more for ``x2=None``); see :func:`empirical_ntk` for
   the arguments and the returned kernel.
   """
-  impl = _kernels.resolve_implementation(implementation, dense_stack, trace_outputs)
+  impl = _kernels.resolve_implementation(implementation, dense_stack, trace_outputs, flax_apply)
   _kernels.check_chunk_size(chunk_size)
 
   def ntk_fn(params: Params, x1: jax.Array, x2: jax.Array | None = None) -> jax.Array:
     return empirical_ntk(apply_fn, params, x1, x2, trace_outputs=trace_outputs, implementation=impl,
-                         dense_stack=dense_stack, chunk_size=chunk_size)
+                         dense_stack=dense_stack, flax_apply=flax_apply, chunk_size=chunk_size)
 
   return jax.jit(ntk_fn)
 

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import flax.linen as nn
 import numpy as np
 import pytest
 
@@ -80,8 +81,10 @@ def test_estimate_scales_the_calibrated_step_and_warns_over_budget(caplog):
   fake = cal._replace(seconds=60.0)
   slow = cost.estimate(settings, model, fed, calibration=fake)
   assert slow.round_seconds == 20 * 60.0
-  tips = cost.advice(slow, models.cnn((28, 28, 1)), platform="gpu")
-  assert not any("GPU" in t for t in tips) and any("structured kernel" in t for t in tips)
+  batchwise = models.from_flax(nn.Dense(10), (784,), 10, per_sample=False)
+  tips = cost.advice(slow, batchwise, platform="gpu")
+  assert not any("GPU" in t for t in tips) and any("config.model.per_sample=True" in t for t in tips)
+  assert not any("structured" in t for t in cost.advice(slow, models.cnn((28, 28, 1)), platform="gpu"))
 
 
 def test_a_large_kernel_is_timed_on_a_smaller_block_and_scaled():

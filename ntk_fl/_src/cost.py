@@ -126,14 +126,22 @@ def kernel_flops(model, block: int, kernel: str = "traced") -> float:
   """XLA's FLOP count of the model's NTK on ``block`` random inputs (compiled, not run).
 
   The kernel is :func:`ntk_fl.ntk.empirical_ntk` with the library's default implementation for the
-  model (the structured one for a dense stack), the block in one piece.
+  model (the dense-stack or the layer-wise structured one where they apply), the block in one piece.
   """
   from ntk_fl import ntk  # pylint: disable=import-outside-toplevel
 
   params = jax.eval_shape(model.init, jax.random.key(0))
   x = jax.ShapeDtypeStruct((block, *model.input_shape), jnp.float32)
-  fn = jax.jit(lambda p, x: ntk.empirical_ntk(model.apply, p, x, trace_outputs=kernel == "traced",
-                                              dense_stack=model.dense_stack, chunk_size=block))
+  traced = kernel == "traced"
+  if getattr(model, "per_sample", True):
+    kernel_fn = lambda p, x: ntk.empirical_ntk(model.apply, p, x, trace_outputs=traced,
+                                               dense_stack=model.dense_stack,
+                                               flax_apply=getattr(model, "flax_apply", None),
+                                               chunk_size=block)
+  else:   # the whole batch's Jacobian (neural-tangents' vmap_axes=None), as the NTK step takes it
+    kernel_fn = lambda p, x: ntk.empirical_ntk_fn(model.apply, trace_axes=(-1,) if traced else (),
+                                                  vmap_axes=None)(x, None, p)
+  fn = jax.jit(kernel_fn)
   return _flops(fn.lower(params, x).compile())
 
 
@@ -160,8 +168,10 @@ def calibrate(model, work: Workload, *, seed: int = 0, max_flops: float = CALIBR
   from ntk_fl import evolve  # pylint: disable=import-outside-toplevel
 
   params = model.init(jax.random.key(seed))
-  step = jax.jit(lambda p, x, y, m: evolve.ntk_step(model.apply, p, x, y, m, lr=0.01,
-                                                    dense_stack=model.dense_stack, **work.options)[0])
+  model_options = dict(dense_stack=model.dense_stack, flax_apply=getattr(model, "flax_apply", None),
+                       per_sample=getattr(model, "per_sample", True))
+  step = jax.jit(lambda p, x, y, m: evolve.ntk_step(model.apply, p, x, y, m, lr=0.01, **model_options,
+                                                    **work.options)[0])
 
   def compiled_step(block):
     x, y = _random_block(model, block, jax.random.key(seed + 1))
@@ -209,8 +219,11 @@ def advice(est: Estimate, model, *, platform: str | None = None) -> list[str]:
   tips = []
   if platform == "cpu":
     tips.append("a GPU (run on a machine with one: the kernels and the evolution are matrix products)")
-  if model.dense_stack is None:
-    tips.append("the structured kernel (a model the library can factorise layer by layer)")
+  if not getattr(model, "per_sample", True):
+    tips.append("the structured kernel: declare the model per-sample (config.model.per_sample=True) if "
+                "its outputs do not depend on the rest of the batch")
+  elif model.dense_stack is None and getattr(model, "flax_apply", None) is None:
+    tips.append("the structured kernel (a flax module, whose layers the library factorises)")
   tips.append(f"a smaller kernel block N = {est.workload.block} (fewer samples per client, a smaller "
               "topology degree, Jacobian batches or sub-sampling): the kernel costs O(N²), the evolution "
               "O(τ_max · N²)")
