@@ -112,12 +112,13 @@ def _blocked_kernel(features1: Callable[[Any], Any], features2: Callable[[Any], 
   """Kernel ``[N1, N2, ...]`` assembled from blocks ``contract(features1(x1b), features2(x2b))``.
 
   When all of ``x2``'s features fit in ``2**28`` floats (``sample_floats`` per sample; ``None``:
-  unknown, never stored), they are computed once, block by block, and every ``x1`` block is
-  contracted against all of them; with ``x2=None`` the ``x1`` blocks are those stored features,
-  so every sample's features are computed exactly once. Otherwise ``features1`` runs once per
-  ``x1`` block (outer ``lax.map``) and ``features2`` once per block pair (inner ``lax.map``),
-  which keeps only two blocks alive at the price of recomputing the ``x2`` side ``N1/chunk``
-  times. ``x2=None`` means ``x2 = x1``; with a single block the features are shared.
+  unknown, never stored), they are computed once, in one batch, and every ``x1`` block (one block
+  when ``x1``'s fit too) is contracted against all of them; with ``x2=None`` every sample's
+  features are computed exactly once. Otherwise ``features1`` runs once per
+  ``x1`` block (outer ``lax.map``; blocks of up to ``2**28`` floats when ``sample_floats`` is
+  known, else of ``chunk`` samples) and ``features2`` once per block pair (inner ``lax.map``, blocks
+  of ``chunk``), which keeps two blocks alive at the price of recomputing the ``x2`` side once per
+  ``x1`` block. ``x2=None`` means ``x2 = x1``; with a single block the features are shared.
   """
   n1 = jax.tree.leaves(x1)[0].shape[0]
   if x2 is None:
@@ -126,19 +127,23 @@ def _blocked_kernel(features1: Callable[[Any], Any], features2: Callable[[Any], 
       return contract(f, f)
   n2 = n1 if x2 is None else jax.tree.leaves(x2)[0].shape[0]
   if sample_floats is not None and n2 * sample_floats <= _STORE_FLOATS:
-    f2 = map_blocks(features2, x1 if x2 is None else x2, chunk)
+    # One vmap over all of x2 (no lax.map: XLA schedules one large batch best).
+    f2 = features2(x1 if x2 is None else x2)
     if x2 is None and features1 is features2:
-      return map_blocks(lambda f1b: contract(f1b, f2), f2, chunk)
-    return map_blocks(lambda x1b: contract(features1(x1b), f2), x1, chunk)
+      return contract(f2, f2)
+    rows = None if n1 * sample_floats <= _STORE_FLOATS else chunk
+    return map_blocks(lambda x1b: contract(features1(x1b), f2), x1, rows)
   if x2 is None:
     x2 = x1
+  # The x1 blocks as large as the storage budget allows: the x2 side is recomputed once per x1 block.
+  outer = chunk if sample_floats is None else max(chunk or 1, _STORE_FLOATS // max(1, sample_floats))
 
   def row(x1b):
     f1 = features1(x1b)
     cols = map_blocks(lambda x2b: jnp.swapaxes(contract(f1, features2(x2b)), 0, 1), x2, chunk)
     return jnp.swapaxes(cols, 0, 1)  # [b1, N2, ...]
 
-  return map_blocks(row, x1, chunk)
+  return map_blocks(row, x1, outer)
 
 
 def default_chunk(params: Params, num_outputs: int) -> int:

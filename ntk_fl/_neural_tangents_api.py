@@ -259,8 +259,8 @@ def _unbatched_kernel(f, kwargs, params, x1, x2, trace_axes, diagonal_axes, impl
   from ntk_fl.ntk import empirical_ntk  # ntk.py re-exports this module's names
 
   if implementation == NtkImplementation.STRUCTURED_DERIVATIVES:
-    raise ValueError("STRUCTURED_DERIVATIVES needs a batched vmap_axes (samples the dense stack maps "
-                     "one by one), got vmap_axes=None")
+    raise ValueError("STRUCTURED_DERIVATIVES needs a batched vmap_axes (its factors are per sample: "
+                     "certify independent samples, e.g. vmap_axes=0), got vmap_axes=None")
   apply = lambda p, x: f(p, x, **kwargs)
   fx1 = jax.eval_shape(apply, params, x1)
   fx2 = fx1 if x2 is None else jax.eval_shape(apply, params, x2)
