@@ -12,7 +12,8 @@ not take the others with it), built exactly as ``experiments/main.py`` builds a 
   ``--chunks`` value (clients per ``vmap`` chunk);
 * ``kernel`` -- the structured output-traced NTK of the 784-100-10 MLP on N = 1,200 and 4,800 inputs;
 * ``dfedavg`` -- one DFedAvg round (``configs/dfedavg.py``: 300 clients, 20 local epochs, batch 25);
-* ``spark`` -- one SPARK round (``configs/spark.py``: momentum, soft-label targets, 300 clients).
+* ``spark`` -- one SPARK round (``configs/spark.py``: momentum, soft-label targets, 300 clients) at each
+  ``--chunks`` value, as NTK-DFL (the config's chunk 1, best on a CPU, serialises the clients on a GPU).
 
 Columns: ``first`` = the first call (trace + compile + one run); ``steady`` = the median of the following
 ``--repeats`` calls (``block_until_ready``); ``peak memory`` = the device's ``peak_bytes_in_use`` where the
@@ -77,8 +78,8 @@ def _round_case(method: str, args) -> dict:
   from ntk_fl import runner  # pylint: disable=import-outside-toplevel
   from ntk_fl.config import load_config  # pylint: disable=import-outside-toplevel
   config = load_config(os.path.join(REPO, "configs", f"{method}.py"), "smoke" if args.quick else None)
-  if method == "ntk_dfl":
-    config.chunk_size = args.size
+  if method in ("ntk_dfl", "spark"):   # both at the same chunk: configs/spark.py's chunk 1 (the CPU's best)
+    config.chunk_size = args.size      # would run a GPU's 300 clients one after another
   experiment = runner.build_experiment(config)
   algorithm = experiment.algorithm
   holder = {"state": algorithm.init(jax.random.key(config.seed)), "round": 0}
@@ -92,7 +93,7 @@ def _round_case(method: str, args) -> dict:
     first, steady = _time_calls(one_round, args.repeats)
   data = config.data
   setting = f"{data.num_clients} clients, κ = {config.topology.degree}"
-  if method == "ntk_dfl":
+  if method in ("ntk_dfl", "spark"):
     setting += f", τ ≤ {max(config.algorithm.taus)}, chunk {config.chunk_size or 'all'}"
   elif method == "dfedavg":
     setting += f", {config.algorithm.epochs} epochs, batch {config.algorithm.batch_size}"
@@ -129,7 +130,7 @@ def _case_commands(args) -> list[tuple[str, int]]:
   sizes = [int(n) for n in args.kernel_sizes.split(",")] if not args.quick else [120]
   commands = []
   for case in chosen:
-    if case == "ntk_dfl":
+    if case in ("ntk_dfl", "spark"):
       commands += [(case, c) for c in chunks]
     elif case == "kernel":
       commands += [(case, n) for n in sizes]

@@ -23,7 +23,13 @@ below it they travel as the frozen dataclasses of :mod:`ntk_fl.settings`):
   quick variants; an index map needs ``max_train = 0``, its indices refer to the
   whole training set).
 * ``model``: ``name`` (``mlp`` | ``cnn``), ``hidden`` (MLP widths),
-  ``activation``, ``init`` (``shared`` | ``per_client``).
+  ``activation``, ``init`` (``shared`` | ``per_client``), ``module`` (``''``, or the
+  user's own flax module as ``'package.module:factory'``, called as
+  ``factory(input_shape, num_classes)``; it replaces ``name``/``hidden``/``activation``
+  and is trusted code, imported: see ``ntk_fl/_src/user_model.py``), ``per_sample``
+  (``module`` only: the user states that the module's outputs for a sample do not
+  depend on the rest of the batch, which lets the kernels map over samples; the
+  library's own models are per-sample).
 * ``topology``: ``name`` (``regular`` | ``erdos_renyi`` | ``ring`` | ``line`` |
   ``complete`` | ``clustered``), ``degree``, ``p`` / ``mean_degree`` (Erdős–Rényi),
   ``cluster_size``, ``dynamic`` (re-draw every round), ``k_max`` (static neighbour
@@ -59,7 +65,8 @@ from __future__ import annotations
 
 import ml_collections
 
-__all__ = ["base_config", "apply_variants", "COMMON_VARIANTS", "load_config", "load_run_config", "smoke_slice"]
+__all__ = ["base_config", "apply_variants", "COMMON_VARIANTS", "load_config", "load_run_config", "smoke_slice",
+           "SMOKE_CNN_SAMPLES"]
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -87,6 +94,8 @@ def base_config() -> ml_collections.ConfigDict:
   config.model.hidden = (100,)
   config.model.activation = "relu"
   config.model.init = "shared"
+  config.model.module = ""
+  config.model.per_sample = False
 
   config.topology = ml_collections.ConfigDict()
   config.topology.name = "regular"
@@ -121,17 +130,32 @@ def smoke_slice(config: ml_collections.ConfigDict, *, rounds: int = 2) -> ml_col
 
   A 6,000-sample training slice split over 20 clients of ≈100 samples, degree-2
   graphs, a 2,000-sample test slice scored in one batch and a checkpoint every
-  round (so the smoke runs exercise checkpointing too).
+  round (so the smoke runs exercise checkpointing too). With the CNN (the ``cnn``
+  variant, before or after ``smoke``) each client holds :data:`SMOKE_CNN_SAMPLES`
+  samples: a CNN kernel entry costs ≈ 4× the MLP's parameters' worth of FLOPs per
+  sample pair, so the smoke run keeps the MLP smoke run's order of time.
   """
   config.rounds = rounds
-  config.data.max_train = 6_000
+  config.data.max_train = _SMOKE_MAX_TRAIN
   config.data.max_test = 2_000
   config.data.num_clients = 20
   config.data.samples_per_client = 100
   config.topology.degree = 2
   config.eval.batch_size = 2_000
   config.checkpoint_every = 1
+  _fit_smoke_to_model(config)
   return config
+
+
+_SMOKE_MAX_TRAIN = 6_000
+SMOKE_CNN_SAMPLES = 25
+"""Samples per client of a smoke run with the CNN (the MLP's smoke run has 100)."""
+
+
+def _fit_smoke_to_model(config) -> None:
+  """A smoke slice (recognised by its 6,000-sample training slice) with the CNN: fewer samples per client."""
+  if config.model.name == "cnn" and config.data.max_train == _SMOKE_MAX_TRAIN:
+    config.data.samples_per_client = min(config.data.samples_per_client, SMOKE_CNN_SAMPLES)
 
 
 def _set_alpha(config, alpha: float) -> None:
@@ -173,8 +197,14 @@ def _set_authors_map(config, token: str) -> None:
     config.data.alpha = float(alpha)  # a label only: the map is the partition
 
 
+def _set_cnn(config) -> None:
+  config.model.name = "cnn"
+  _fit_smoke_to_model(config)
+
+
 COMMON_VARIANTS = {
     "paper": lambda config: None,
+    "cnn": _set_cnn,
     "iid": _set_iid,
     "static": _set_static,
     "mnist": lambda config: setattr(config.data, "name", "mnist"),
@@ -183,7 +213,9 @@ COMMON_VARIANTS = {
 """Variant tokens every method's config understands, plus ``alpha<float>`` (e.g. ``alpha0.5``) and the
 authors' shipped Fashion-MNIST partitions ``authors_alpha<α>[_d<draw>]`` (α ∈ {0.1, ..., 0.5}, draws
 0-4) and ``authors_iid[_d<draw>]`` (draws 0-2); without ``_d`` the draw is 0, the one the authors' code
-uses. ``contiguous``: client ``i`` holds samples ``[200 i, 200 i + 200)``, the NTK-FL code's fallback."""
+uses. ``contiguous``: client ``i`` holds samples ``[200 i, 200 i + 200)``, the NTK-FL code's fallback.
+``cnn``: the papers' CNN (:func:`ntk_fl.models.cnn`, conv32-pool-conv64-pool-fc100-fc10) on unflattened
+images instead of the MLP; with ``smoke``, :data:`SMOKE_CNN_SAMPLES` samples per client."""
 
 
 def apply_variants(config: ml_collections.ConfigDict, arg: str | None, method_variants=None):

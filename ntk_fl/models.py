@@ -37,6 +37,9 @@ __all__ = [
     "mlp_on_inputs",
     "cnn",
     "make_model",
+    "flat_inputs",
+    "from_flax",
+    "check_dense_stack",
     "init_clients",
     "num_params",
 ]
@@ -52,12 +55,21 @@ class Model(NamedTuple):
     num_classes: number of outputs ``C``.
     dense_stack: the :class:`DenseStack` structure when the model is a pure
       dense stack (enables the structured NTK), else ``None``.
+    flax_apply: ``apply`` without its ``jax.jit`` (the same function), so that the layer-wise
+      structured NTK can intercept the flax layers it calls (:func:`ntk_fl.ntk.empirical_ntk`'s
+      ``flax_apply``); ``None`` for a model that is not a flax module.
+    per_sample: ``True`` when every sample's outputs depend on that sample only (the library's
+      models; :func:`from_flax` checks it on a probe batch when the user declares it). The NTK
+      methods then compute the kernel from per-sample Jacobians; ``False`` differentiates the
+      whole batch at once (neural-tangents' ``vmap_axes=None``).
   """
   init: Callable[[Any], Any]
   apply: Callable[[Any, Any], Any]
   input_shape: tuple[int, ...]
   num_classes: int
   dense_stack: DenseStack | None = None
+  flax_apply: Callable[[Any, Any], Any] | None = None
+  per_sample: bool = True
 
 
 # --------------------------------------------------------------------- pieces
@@ -100,12 +112,12 @@ def _check_positive_int(name: str, value: Any) -> int:
 
 
 def _pure(module: nn.Module, input_shape: tuple[int, ...], num_classes: int,
-          dense_stack: DenseStack | None) -> Model:
+          dense_stack: DenseStack | None, per_sample: bool = True) -> Model:
   """Wraps a flax module taking ``[B, *input_shape]`` into a :class:`Model`.
 
   ``apply`` accepts any number of leading batch axes (including none, handy
   under ``vmap`` over samples): they are folded into one for the module and
-  restored on the logits.
+  restored on the logits. A ``dense_stack`` is checked against ``apply`` on a probe batch.
   """
   n_in = len(input_shape)
 
@@ -123,8 +135,101 @@ def _pure(module: nn.Module, input_shape: tuple[int, ...], num_classes: int,
 
   # jit: one compiled program instead of one dispatch per flax op for eager callers
   # (it inlines into an enclosing jit/vmap as usual).
-  return Model(init=jax.jit(init), apply=jax.jit(apply), input_shape=input_shape,
-               num_classes=num_classes, dense_stack=dense_stack)
+  model = Model(init=jax.jit(init), apply=jax.jit(apply), input_shape=input_shape,
+                num_classes=num_classes, dense_stack=dense_stack, flax_apply=apply,
+                per_sample=per_sample)
+  if dense_stack is not None:
+    check_dense_stack(model)
+  return model
+
+
+def check_dense_stack(model: Model, *, rtol: float = 1e-4) -> None:
+  """Raises when ``model.dense_stack`` does not compute ``model.apply`` (on a probe batch).
+
+  The structured NTK reads the declared stack's weights and never calls ``apply``, so a wrong
+  declaration (an activation, a layer order) would give a wrong kernel silently. The declared
+  stack's outputs on four Gaussian inputs at ``init(PRNGKey(0))`` must match ``apply``'s to
+  ``rtol`` relative to the largest output (float32 rounding is ~1e-6).
+  """
+  stack = model.dense_stack
+  if not isinstance(stack, DenseStack):
+    raise ValueError(f"dense_stack must be an ntk_fl.models.DenseStack, got {type(stack).__name__}")
+  params = model.init(jax.random.PRNGKey(0))
+  tree = params.get("params", {}) if hasattr(params, "get") else {}
+  x = jax.random.normal(jax.random.PRNGKey(1), (4, *model.input_shape), jnp.float32)
+  a = x.reshape(4, -1)
+  for k, name in enumerate(stack.layers):
+    layer = tree.get(name) if hasattr(tree, "get") else None
+    if layer is None or "kernel" not in layer or "bias" not in layer:
+      raise ValueError(f"dense_stack layer {name!r} is not a dense layer with 'kernel' and 'bias' "
+                       f"among the model's parameters (available: {sorted(tree)})")
+    w, b = layer["kernel"], layer["bias"]
+    if w.ndim != 2 or w.shape[0] != a.shape[1] or b.shape != w.shape[1:]:
+      raise ValueError(f"dense_stack layer {name!r}: kernel {w.shape} and bias {b.shape} do not "
+                       f"take the previous layer's {a.shape[1]} features")
+    a = jnp.matmul(a, w, precision=jax.lax.Precision.HIGHEST) + b
+    if k < len(stack.layers) - 1:
+      a = stack.activation(a)
+  y = model.apply(params, x)
+  if a.shape != y.shape:
+    raise ValueError(f"dense_stack {stack.layers} gives outputs {a.shape} on a probe batch, "
+                     f"apply gives {y.shape}")
+  err = float(jnp.max(jnp.abs(a - y)) / jnp.maximum(jnp.max(jnp.abs(y)), 1e-30))
+  if not err <= rtol:
+    act = getattr(stack.activation, "__name__", repr(stack.activation))
+    raise ValueError(f"dense_stack (layers {stack.layers}, activation {act}) does not compute the "
+                     f"model's apply: on a probe batch its outputs differ by {err:.3g} of the largest "
+                     f"output (allowed {rtol:g}); check the activation and the layers' names and order")
+
+
+def _check_per_sample(model: Model) -> None:
+  """Raises when ``model.apply`` on a probe batch differs from ``apply`` on each sample alone."""
+  params = model.init(jax.random.PRNGKey(0))
+  x = jax.random.normal(jax.random.PRNGKey(1), (4, *model.input_shape), jnp.float32)
+  batch = model.apply(params, x)
+  single = jnp.concatenate([model.apply(params, x[i:i + 1]) for i in range(4)])
+  err = float(jnp.max(jnp.abs(batch - single)) / jnp.maximum(jnp.max(jnp.abs(single)), 1e-30))
+  if not err <= 1e-4:
+    raise ValueError(f"per_sample=True, but the model's outputs on a probe batch of 4 differ from "
+                     f"its outputs on each sample alone by {err:.3g} of the largest output: the "
+                     "outputs depend on the rest of the batch (e.g. batch statistics); use "
+                     "per_sample=False")
+
+
+def from_flax(module: nn.Module, input_shape: Sequence[int], num_classes: int, *,
+              per_sample: bool = False, dense_stack: DenseStack | None = None) -> Model:
+  """A :class:`Model` of the user's flax module (any architecture).
+
+  Args:
+    module: a flax linen module, ``module.apply(variables, x [B, *input_shape]) -> [B, C]``,
+      initialised by ``module.init(key, x)``, deterministic (no dropout rngs, no mutable
+      collections).
+    input_shape: shape of one input sample.
+    num_classes: ``C``.
+    per_sample: ``True`` declares that each sample's outputs depend on that sample only (no batch
+      statistics): the NTK methods then use per-sample Jacobians and the layer-wise structured
+      kernel. Checked on a probe batch. ``False`` (default, neural-tangents' ``vmap_axes=None``)
+      differentiates the whole batch at once: correct for any model, but ``N`` times more work.
+    dense_stack: optionally, the :class:`DenseStack` the module is (checked on a probe batch).
+
+  Raises:
+    ValueError: a module that is not a flax module, bad shapes, a declaration (``per_sample``,
+      ``dense_stack``) that the probe batch contradicts.
+  """
+  if not isinstance(module, nn.Module):
+    raise ValueError(f"module must be a flax.linen.Module, got {type(module).__name__}")
+  input_shape = tuple(input_shape)
+  if any(isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 1 for d in input_shape):
+    raise ValueError(f"input_shape must be positive ints, got {input_shape}")
+  num_classes = _check_positive_int("num_classes", num_classes)
+  if not isinstance(per_sample, bool):
+    raise ValueError(f"per_sample must be True or False, got {per_sample!r}")
+  if dense_stack is not None and not per_sample:
+    raise ValueError("a dense_stack is a per-sample model: pass per_sample=True with it")
+  model = _pure(module, input_shape, num_classes, dense_stack, per_sample)
+  if per_sample:
+    _check_per_sample(model)
+  return model
 
 
 # ---------------------------------------------------------------------- MLP
@@ -220,7 +325,8 @@ def cnn(input_shape: Sequence[int] = (32, 32, 3), num_classes: int = 10, *,
     kernel_size: side of the square convolution kernels.
 
   Returns:
-    A :class:`Model` on inputs ``[B, H, W, channels]``; ``dense_stack`` is ``None``.
+    A :class:`Model` on inputs ``[B, H, W, channels]``; ``dense_stack`` is ``None`` (its NTK is
+    the layer-wise structured kernel through ``flax_apply``).
   """
   input_shape = tuple(input_shape)
   if len(input_shape) != 3 or any(
@@ -249,8 +355,19 @@ def make_model(model_config: Any, input_shape: Sequence[int], num_classes: int) 
       ``input_dim = prod(input_shape)`` and expects flattened inputs ``[B, input_dim]``;
       ``cnn`` needs ``(H, W, channels)``.
     num_classes: number of logits ``C``.
+
+  With ``model_config.module`` set (``'package.module:factory'``, trusted code: see
+  ``ntk_fl/_src/user_model.py``) the model is ``factory(input_shape, num_classes)``, the user's
+  flax module, on unflattened inputs (:func:`flat_inputs`), per-sample when
+  ``model_config.per_sample`` says so.
   """
   name = model_config.name
+  spec = getattr(model_config, "module", "")
+  if spec:
+    from ntk_fl._src import user_model  # pylint: disable=import-outside-toplevel
+    input_shape = tuple(input_shape)
+    return from_flax(user_model.build_module(spec, input_shape, num_classes), input_shape, num_classes,
+                     per_sample=bool(model_config.per_sample))
   if name not in MODELS:
     raise ValueError(f"unknown model {name!r}; choose one of {MODELS}")
   init_mode = getattr(model_config, "init", None)
@@ -260,6 +377,11 @@ def make_model(model_config: Any, input_shape: Sequence[int], num_classes: int) 
     return mlp(math.prod(input_shape), tuple(model_config.hidden), num_classes,
                model_config.activation)
   return cnn(tuple(input_shape), num_classes)
+
+
+def flat_inputs(model_config: Any) -> bool:
+  """Whether the model of ``model_config`` takes flattened inputs (the MLP) or images (CNN, user module)."""
+  return model_config.name == "mlp" and not getattr(model_config, "module", "")
 
 
 # ------------------------------------------------------------------ clients

@@ -67,7 +67,8 @@ import jax
 
 from ntk_fl._src import kernels as _kernels
 from ntk_fl._src.dense_stack import DenseStack
-from ntk_fl._src.kernels import DenseJacobianFactors, DenseProjection, empirical_ntk, full_to_matrix
+from ntk_fl._src.kernels import (DenseJacobianFactors, DenseProjection, empirical_ntk, full_to_matrix,
+                                 num_params_of)
 from ntk_fl._src.neural_tangents_api import empirical_ntk_fn
 from ntk_fl._src.options import IMPLEMENTATIONS, Implementation, NtkImplementation
 
@@ -161,18 +162,19 @@ def projected_dense_ntk(stack: DenseStack, params: Params, x1: jax.Array, x2: ja
 
 
 def make_ntk_fn(apply_fn: ApplyFn, *, trace_outputs: bool = True, implementation: Implementation | str = Implementation.AUTO,
-                dense_stack: DenseStack | None = None, chunk_size: int | None = None):
+                dense_stack: DenseStack | None = None, flax_apply: ApplyFn | None = None,
+                chunk_size: int | None = None):
   """A ``jit``-compiled ``ntk_fn(params, x1, x2=None)`` with the options fixed (neural-tangents style).
 
   The options are validated here, before any tracing. ``ntk_fn`` compiles once
   per input shape (and once more for ``x2=None``); see :func:`empirical_ntk` for
   the arguments and the returned kernel.
   """
-  impl = _kernels.resolve_implementation(implementation, dense_stack, trace_outputs)
+  impl = _kernels.resolve_implementation(implementation, dense_stack, trace_outputs, flax_apply)
   _kernels.check_chunk_size(chunk_size)
 
   def ntk_fn(params: Params, x1: jax.Array, x2: jax.Array | None = None) -> jax.Array:
     return empirical_ntk(apply_fn, params, x1, x2, trace_outputs=trace_outputs, implementation=impl,
-                         dense_stack=dense_stack, chunk_size=chunk_size)
+                         dense_stack=dense_stack, flax_apply=flax_apply, chunk_size=chunk_size)
 
   return jax.jit(ntk_fn)

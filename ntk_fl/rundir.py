@@ -250,7 +250,9 @@ def rebuild_config(workdir: str, *, trust_method_module: str | None = None) -> d
   this process has imported it already. Otherwise the run's method must be
   registered (a built-in method, or one the calling script registered itself):
   the stored ``method_module`` is then dropped (with a warning) and the method
-  comes from the registry; with neither, the read is refused.
+  comes from the registry; with neither, the read is refused. A stored
+  ``model.module`` (the user's flax module, equally imported) is read only when
+  this process has imported that module already.
   :func:`ntk_fl.config.load_run_config` makes an editable ``ConfigDict`` of it.
   """
   path = os.path.join(workdir, CONFIG_FILE)
@@ -266,6 +268,12 @@ def rebuild_config(workdir: str, *, trust_method_module: str | None = None) -> d
     logging.warning("%s: method %r is registered; not importing its stored method_module %r",
                     path, stored.get("method"), spec)
     stored["method_module"] = ""
+  model_spec = (stored.get("model") or {}).get("module") or ""
+  if model_spec:
+    from ntk_fl._src import user_model  # pylint: disable=g-import-not-at-top
+    if not user_model.imported(model_spec):
+      raise ValueError(f"{path} names model.module {model_spec!r}; a run directory is not trusted to import "
+                       "code: import that module in your script first, then read the run")
   return stored
 
 

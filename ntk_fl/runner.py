@@ -57,6 +57,7 @@ from ntk_fl import distributed, gossip, parallel, rundir
 from ntk_fl import metrics as metrics_lib
 from ntk_fl import plotting
 from ntk_fl import summaries
+from ntk_fl._src import cost
 from ntk_fl.algorithms import Algorithm, get_method
 from ntk_fl.checkpoint import Checkpoints
 from ntk_fl.rng import Stream, numpy_rng
@@ -178,7 +179,7 @@ def build_experiment(config) -> Experiment:
   # Several processes: each converts (and keeps) only its own clients' training samples.
   split = jax.process_count() > 1 and mesh is not None
   dataset = data.load(data_settings.name, data_settings.data_dir or None,
-                      flatten=settings.model.name != "cnn", seed=settings.seed, lazy_train=split)
+                      flatten=models.flat_inputs(settings.model), seed=settings.seed, lazy_train=split)
   dataset = _subsample(dataset, data_settings.max_train, data_settings.max_test, settings.seed)
   client_indices = data.partition(
       dataset.y_train, data_settings.partition, data_settings.num_clients, seed=settings.seed,
@@ -480,6 +481,8 @@ def _run(config, workdir: str, *, resume: bool, resume_from_step: int | None, br
     raise ValueError(f"method {config.method!r} evaluates an ensemble (aggregate = {algorithm.aggregate!r}); "
                      "weight-averaging selection curves do not apply: set config.eval.selection = False")
   os.makedirs(workdir, exist_ok=True)
+  if start < rounds and jax.process_count() == 1:   # NTK methods: FLOPs, memory and time of a round, logged
+    cost.run_estimate(config, exp.model, exp.federation)
   metrics_path = os.path.join(workdir, rundir.METRICS_FILE)
   state = _initial_state(algorithm, config)
   num_clients = jax.tree_util.tree_leaves(algorithm.client_params(state))[0].shape[0]

@@ -151,6 +151,7 @@ def validate_config(config, reference=None) -> RunSettings:
     raise ValueError(f"config.model.hidden must be a tuple of positive ints, got {hidden!r}")
   _choice(config, "model.activation", models.ACTIVATIONS)
   _choice(config, "model.init", ("shared", "per_client"))
+  _check_user_module(config, dataset)
 
   # Names here; whether the topology's numbers fit the client count is checked below, by building it,
   # for the methods that mix over a graph.
@@ -196,6 +197,25 @@ def validate_config(config, reference=None) -> RunSettings:
   if reference is not None:
     warn_ignored_settings(run, config, reference)
   return run
+
+
+def _check_user_module(config, dataset: str) -> None:
+  """``model.module`` / ``model.per_sample``: the user's flax module is imported and probed now (trusted code)."""
+  from ntk_fl._src import user_model  # pylint: disable=g-import-not-at-top
+
+  model = _get(config, "model")
+  spec, per_sample = model.get("module", ""), model.get("per_sample", False)
+  if not isinstance(spec, str):
+    raise ValueError(f"config.model.module must be a string 'package.module:factory' ('' = model.name), "
+                     f"got {spec!r}")
+  if not isinstance(per_sample, bool):
+    raise ValueError(f"config.model.per_sample must be a bool, got {per_sample!r}")
+  if not spec:
+    return
+  if model["name"] != "mlp":
+    raise ValueError(f"config.model.module = {spec!r} and config.model.name = {model['name']!r} both name a "
+                     "model; leave model.name at 'mlp' (the module replaces name, hidden and activation)")
+  user_model.check_module(spec, *user_model.dataset_input(dataset))
 
 
 def _check_partition_fits(config, partition: str, dataset: str, num_clients: int) -> None:

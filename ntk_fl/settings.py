@@ -44,6 +44,8 @@ class ModelSettings:
   hidden: tuple[int, ...]
   activation: str
   init: str
+  module: str = ""          # 'package.module:factory' of the user's own flax module ('' = ``name``)
+  per_sample: bool = False  # ``module`` only: its outputs per sample do not depend on the rest of the batch
 
   @property
   def shared_init(self) -> bool:

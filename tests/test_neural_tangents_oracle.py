@@ -163,6 +163,23 @@ def test_matches_neural_tangents_in_float64(name, implementation):
     assert _max_rel(kernel, _reference()[f"{name}/kernel"]) < RTOL64
 
 
+@pytest.mark.parametrize("name", ["cnn/trace_last", "cnn/full", "cnn/diag_batch"])
+def test_cnn_layerwise_structured_matches_neural_tangents(name):
+  """The layer-wise structured kernel of the CNN (its flax layers intercepted, no declaration)."""
+  case = next(c for c in _cases() if c["name"] == name)
+  ref = _reference()
+  x1 = jnp.asarray(ref["cnn/x1"])
+  x2 = None if case["x2"] is None else jnp.asarray(ref[f"cnn/{case['x2']}"])
+  ntk_fn = empirical_ntk_fn(CNN.flax_apply, case["trace_axes"], case["diagonal_axes"], 0,
+                            IMPL.STRUCTURED_DERIVATIVES)
+  assert _max_rel(jax.jit(ntk_fn)(x1, x2, _params("cnn")), ref[f"{name}/kernel"]) < RTOL32
+  with jax.enable_x64(True):
+    x1, x2 = (None if a is None else a.astype(jnp.float64) for a in (x1, x2))
+    kernel = jax.jit(ntk_fn)(x1, x2, _params("cnn", jnp.float64))
+    assert kernel.dtype == jnp.float64
+    assert _max_rel(kernel, ref[f"{name}/kernel"]) < RTOL64
+
+
 # ----------------------------------------------------------------------------
 # Brute force: Jacobians of the whole batch, contracted entry by entry.
 
@@ -286,7 +303,7 @@ def test_bad_axes_are_rejected_when_called(kwargs, x2_rows, match):
 
 def test_mismatched_inputs_and_pytrees_are_rejected():
   ref = _reference()
-  ntk_fn = empirical_ntk_fn(MLP.apply)
+  ntk_fn = empirical_ntk_fn(MLP.apply, vmap_axes=0)
   x1 = jnp.asarray(ref["mlp/x1"])
   with pytest.raises(ValueError, match="must agree on every axis but the batch axis"):
     ntk_fn(x1, x1[:, :100], _params("mlp"))
@@ -296,7 +313,7 @@ def test_mismatched_inputs_and_pytrees_are_rejected():
   for vmap_axes in (0, None):
     with pytest.raises(ValueError, match="pytree outputs are not supported"):
       empirical_ntk_fn(two_outputs, vmap_axes=vmap_axes)(x1, None, _params("mlp"))
-  structured = empirical_ntk_fn(conv_features, implementation=IMPL.STRUCTURED_DERIVATIVES,
+  structured = empirical_ntk_fn(conv_features, vmap_axes=0, implementation=IMPL.STRUCTURED_DERIVATIVES,
                                 dense_stack=MLP.dense_stack)
   with pytest.raises(ValueError, match=r"outputs \[C\] per sample"):
     structured(jnp.asarray(ref["conv_features/x1"]), None, _params("conv_features"))

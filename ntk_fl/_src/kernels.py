@@ -19,6 +19,8 @@ from ntk_fl._src.dense_stack import DenseStack
 
 # One block's Jacobian (chunk · C · d floats) stays below this by default.
 _BLOCK_FLOATS = 2**26
+# All of x2's per-sample features (Jacobians, factors) are kept when they fit in this (1 GiB float32).
+_STORE_FLOATS = 2**28
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 Params = Any
@@ -30,8 +32,10 @@ ApplyFn = Callable[[Params, jax.Array], jax.Array]
 
 
 def resolve_implementation(implementation: Implementation | str, dense_stack: DenseStack | None,
-                           trace_outputs: bool) -> Implementation:
-  """The concrete implementation (``AUTO`` resolved); errors name the bad value and the allowed ones."""
+                           trace_outputs: bool, flax_apply: Callable | None = None) -> Implementation:
+  """The implementation (``AUTO`` resolved, except between the layer-wise structured kernel and the
+  generic ones, which :func:`ntk_fl.ntk.empirical_ntk` decides from the model's layers); errors name
+  the bad value and the allowed ones."""
   try:
     if isinstance(implementation, bool):  # an int to the IntEnum, but never meant as a choice
       raise ValueError(implementation)
@@ -39,14 +43,22 @@ def resolve_implementation(implementation: Implementation | str, dense_stack: De
   except ValueError:
     raise ValueError(f"unknown NTK implementation {implementation!r}; choose one of "
                      f"{IMPLEMENTATIONS}") from None
-  if implementation == Implementation.STRUCTURED and dense_stack is None:
-    raise ValueError("implementation='structured' needs dense_stack (the model's DenseStack); "
-                     "use 'jacobian' or 'ntvp' for other models")
+  if implementation == Implementation.STRUCTURED and dense_stack is None and flax_apply is None:
+    raise ValueError("implementation='structured' needs dense_stack (the model's DenseStack) or "
+                     "flax_apply (its flax computation, e.g. module.apply, for the layer-wise kernel); "
+                     "use 'jacobian' or 'ntvp' otherwise")
   check_dense_stack(dense_stack)
+  if flax_apply is not None and not callable(flax_apply):
+    raise ValueError(f"flax_apply must be callable as flax_apply(params, x), got {type(flax_apply).__name__}")
+  if flax_apply is not None and hasattr(flax_apply, "lower"):
+    raise ValueError("flax_apply must not be jax.jit-compiled: the layer-wise kernel intercepts its "
+                     "flax layers while tracing it (pass e.g. module.apply itself)")
   if implementation != Implementation.AUTO:
     return implementation
   if dense_stack is not None:
     return Implementation.STRUCTURED
+  if flax_apply is not None:
+    return Implementation.AUTO
   return Implementation.JACOBIAN if trace_outputs else Implementation.NTVP
 
 
@@ -98,27 +110,42 @@ def map_blocks(fn: Callable[[Any], Any], xs: Any, chunk: int | None) -> Any:
 
 def _blocked_kernel(features1: Callable[[Any], Any], features2: Callable[[Any], Any],
                     contract: Callable[[Any, Any], jax.Array], x1: Any, x2: Any | None,
-                    chunk: int | None) -> jax.Array:
+                    chunk: int | None, sample_floats: int | None = None) -> jax.Array:
   """Kernel ``[N1, N2, ...]`` assembled from blocks ``contract(features1(x1b), features2(x2b))``.
 
-  ``features1`` runs once per ``x1`` block (outer ``lax.map``) and ``features2``
-  once per block pair (inner ``lax.map``): recomputing the ``x2`` side costs a
-  fraction ``~1/chunk`` of the contraction and keeps only two blocks alive.
-  ``x2=None`` means ``x2 = x1``; with a single block the features are shared.
+  When all of ``x2``'s features fit in ``2**28`` floats (``sample_floats`` per sample; ``None``:
+  unknown, never stored), they are computed once, in one batch, and every ``x1`` block (one block
+  when ``x1``'s fit too) is contracted against all of them; with ``x2=None`` every sample's
+  features are computed exactly once. Otherwise ``features1`` runs once per
+  ``x1`` block (outer ``lax.map``; blocks of up to ``2**28`` floats when ``sample_floats`` is
+  known, else of ``chunk`` samples) and ``features2`` once per block pair (inner ``lax.map``, blocks
+  of ``chunk``), which keeps two blocks alive at the price of recomputing the ``x2`` side once per
+  ``x1`` block. ``x2=None`` means ``x2 = x1``; with a single block the features are shared.
   """
   n1 = jax.tree.leaves(x1)[0].shape[0]
   if x2 is None:
     if (chunk is None or chunk >= n1) and features1 is features2:
       f = features1(x1)
       return contract(f, f)
+  n2 = n1 if x2 is None else jax.tree.leaves(x2)[0].shape[0]
+  if sample_floats is not None and n2 * sample_floats <= _STORE_FLOATS:
+    # One vmap over all of x2 (no lax.map: XLA schedules one large batch best).
+    f2 = features2(x1 if x2 is None else x2)
+    if x2 is None and features1 is features2:
+      return contract(f2, f2)
+    rows = None if n1 * sample_floats <= _STORE_FLOATS else chunk
+    return map_blocks(lambda x1b: contract(features1(x1b), f2), x1, rows)
+  if x2 is None:
     x2 = x1
+  # The x1 blocks as large as the storage budget allows: the x2 side is recomputed once per x1 block.
+  outer = chunk if sample_floats is None else max(chunk or 1, _STORE_FLOATS // max(1, sample_floats))
 
   def row(x1b):
     f1 = features1(x1b)
     cols = map_blocks(lambda x2b: jnp.swapaxes(contract(f1, features2(x2b)), 0, 1), x2, chunk)
     return jnp.swapaxes(cols, 0, 1)  # [b1, N2, ...]
 
-  return map_blocks(row, x1, chunk)
+  return map_blocks(row, x1, outer)
 
 
 def default_chunk(params: Params, num_outputs: int) -> int:
@@ -134,7 +161,9 @@ def jacobian_kernel(apply_fn, params, x1, x2, trace_outputs, chunk):
   # A whole block's Jacobians at once (one vmap): the blocks already bound the memory.
   features = lambda x: jacobians.per_sample_jacobian(apply_fn, params, x, chunk_size=x.shape[0])
   contract = lambda j1, j2: jacobians.jacobian_kernel(j1, j2, trace_outputs=trace_outputs)
-  return _blocked_kernel(features, features, contract, x1, x2, chunk)
+  num_outputs = jax.eval_shape(lambda p, x: apply_fn(p, x), params, x1[:1]).shape[-1]
+  num_params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
+  return _blocked_kernel(features, features, contract, x1, x2, chunk, num_outputs * num_params)
 
 
 # ----------------------------------------------------------------------------
@@ -435,11 +464,13 @@ def full_to_matrix(k: jax.Array) -> jax.Array:
 
 def empirical_ntk(apply_fn: ApplyFn, params: Params, x1: jax.Array, x2: jax.Array | None = None, *,
                   trace_outputs: bool = True, implementation: Implementation | str = Implementation.AUTO,
-                  dense_stack: DenseStack | None = None, chunk_size: int | None = None) -> jax.Array:
+                  dense_stack: DenseStack | None = None, flax_apply: ApplyFn | None = None,
+                  chunk_size: int | None = None) -> jax.Array:
   """Empirical NTK of ``apply_fn`` at ``params`` between ``x1`` and ``x2``.
 
   Args:
-    apply_fn: ``apply_fn(params, x [B, *in]) -> [B, C]`` (a flax ``apply``).
+    apply_fn: ``apply_fn(params, x [B, *in]) -> [B, C]`` (a flax ``apply``), mapping samples
+      independently (per-sample; :func:`empirical_ntk_fn` with ``vmap_axes=None`` for other models).
     params: the linearisation point (a flax variables dict).
     x1: ``[N1, *in]`` inputs.
     x2: ``[N2, *in]`` inputs, or ``None`` for ``x2 = x1`` (shares work).
@@ -447,12 +478,15 @@ def empirical_ntk(apply_fn: ApplyFn, params: Params, x1: jax.Array, x2: jax.Arra
       (the *mean* over outputs, as neural-tangents' ``trace_axes=(-1,)``);
       ``False`` -> full ``[N1, N2, C, C]`` kernel
       ``K[i, j, a, b] = <J_a(x1_i), J_b(x2_j)>``.
-    implementation: an :class:`~ntk_fl.ntk.NtkImplementation` or one of its string names
-      :data:`~ntk_fl.ntk.IMPLEMENTATIONS` (trade-offs in :mod:`ntk_fl.ntk`).
+    implementation: one of :data:`IMPLEMENTATIONS` (module docstring).
     dense_stack: the model's :class:`~ntk_fl.models.DenseStack` (enables and,
-      under ``'auto'``, selects ``'structured'``; ignored by the others).
+      under ``'auto'``, selects the dense-stack ``'structured'`` kernel).
+    flax_apply: ``apply_fn``'s computation as a function that reaches its flax layers without a
+      ``jax.jit`` boundary (``module.apply``; :attr:`ntk_fl.models.Model.flax_apply`): enables the
+      layer-wise ``'structured'`` kernel of any flax model (``dense_stack`` wins when both are
+      given), which ``'auto'`` selects when it needs fewer FLOPs than the generic choice.
     chunk_size: samples per block of ``x1`` and of ``x2``; ``None`` picks one
-      that keeps a block's Jacobian below 256 MiB (``'structured'``: no
+      that keeps a block's Jacobian (or factors) below 256 MiB (dense-stack ``'structured'``: no
       blocking, its factors are already ``O(N)``).
 
   Returns:
@@ -460,14 +494,14 @@ def empirical_ntk(apply_fn: ApplyFn, params: Params, x1: jax.Array, x2: jax.Arra
 
   Raises:
     ValueError: unknown ``implementation``; ``'structured'`` without
-      ``dense_stack``; ``x1``/``x2`` feature shapes differ; non-positive
+      ``dense_stack`` or ``flax_apply``; ``x1``/``x2`` feature shapes differ; non-positive
       ``chunk_size``; outputs that are not ``[B, C]``; params that do not match
       ``dense_stack``.
   """
-  impl = resolve_implementation(implementation, dense_stack, trace_outputs)
+  impl = resolve_implementation(implementation, dense_stack, trace_outputs, flax_apply)
   check_chunk_size(chunk_size)
   check_inputs(x1, x2)
-  if impl == Implementation.STRUCTURED:
+  if impl == Implementation.STRUCTURED and dense_stack is not None:
     return structured_kernel(dense_stack, params, x1, x2, trace_outputs, chunk_size)
 
   probe = jax.ShapeDtypeStruct((1, *jnp.shape(x1)[1:]), jnp.result_type(x1))
@@ -475,7 +509,20 @@ def empirical_ntk(apply_fn: ApplyFn, params: Params, x1: jax.Array, x2: jax.Arra
   if len(out.shape) != 2:
     raise ValueError(f"apply_fn must return [B, C] outputs, got shape {out.shape} for a batch of 1")
   num_outputs = out.shape[1]
+  if impl in (Implementation.STRUCTURED, Implementation.AUTO):
+    # Imported here: the layer-wise kernel needs flax, which a dense-stack or generic kernel does not load.
+    from ntk_fl._src import layerwise
+    plan = layerwise.make_plan(flax_apply, params, x1[:1], trace_outputs)
+    generic = layerwise.contraction_flops(num_params_of(params), num_outputs, True)
+    if impl == Implementation.STRUCTURED or layerwise.plan_flops(plan, trace_outputs, 1, 1) < generic:
+      return layerwise.layerwise_kernel(flax_apply, params, x1, x2, trace_outputs, chunk_size,
+                                        plan=plan, blocked=_blocked_kernel)
+    impl = Implementation.JACOBIAN if trace_outputs else Implementation.NTVP
   chunk = chunk_size if chunk_size is not None else default_chunk(params, num_outputs)
   if impl == Implementation.JACOBIAN:
     return jacobian_kernel(apply_fn, params, x1, x2, trace_outputs, chunk)
   return ntvp_kernel(apply_fn, params, x1, x2, trace_outputs, num_outputs, out.dtype, chunk)
+
+
+def num_params_of(params: Params) -> int:
+  return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))

@@ -36,9 +36,14 @@ Differences from neural-tangents, all rejected with an error rather than
 approximated: ``x`` and ``f(x)`` must be single arrays (not pytrees); keyword
 arguments of ``ntk_fn`` are passed to ``f`` unchanged for both inputs (no
 batched keyword arguments, no ``rng`` splitting); ``STRUCTURED_DERIVATIVES``
-is this library's dense-layer factorisation, so it needs ``dense_stack`` (and
-``AUTO`` chooses it exactly then). The default ``vmap_axes=0`` (neural-tangents:
-``None``) certifies the usual leading batch axis.
+is this library's layer-wise factorisation (dense layers factorised, other
+parameters contracted; :mod:`ntk_fl._src.layerwise`): it needs a batched ``vmap_axes``
+and ``[C]`` outputs per sample, and either ``dense_stack`` or an ``f`` that is not
+``jax.jit``-compiled (its flax layers are intercepted while it is traced); ``AUTO``
+chooses it given ``dense_stack``, or for such an ``f`` when it needs fewer FLOPs.
+The default ``vmap_axes=None`` is neural-tangents': it is right for every model, including
+those whose outputs depend on the rest of the batch, and costs ``N`` times the work of
+``vmap_axes=0``, which certifies independent samples along the leading axis.
 """
 from __future__ import annotations
 
@@ -186,10 +191,12 @@ def _batched_kernel(f, kwargs, params, x1, x2, in_axis, out_axis, trace_axes, di
   trace_outputs = len(sample_trace) == len(out_shape1) and not sample_diagonal
 
   impl = implementation
-  structured_applies = dense_stack is not None and len(out_shape1) == 1
+  interceptable = not hasattr(f, "lower")  # a jax.jit-compiled f hides its layers
+  structured_applies = (dense_stack is not None or interceptable) and len(out_shape1) == 1
   if impl == NtkImplementation.STRUCTURED_DERIVATIVES and not structured_applies:
-    raise ValueError("STRUCTURED_DERIVATIVES needs a dense_stack and outputs [C] per sample; "
-                     f"got dense_stack={dense_stack!r} and outputs of f of shape {fx1.shape}")
+    raise ValueError("STRUCTURED_DERIVATIVES needs outputs [C] per sample and a dense_stack or an f "
+                     f"that is not jax.jit-compiled; got dense_stack={dense_stack!r}, "
+                     f"jit-compiled f: {not interceptable}, outputs of f of shape {fx1.shape}")
   if impl == NtkImplementation.AUTO and not structured_applies:
     dense_stack = None
 
@@ -198,9 +205,11 @@ def _batched_kernel(f, kwargs, params, x1, x2, in_axis, out_axis, trace_axes, di
     y = jnp.moveaxis(y, out_axis, 0)
     return y.reshape(y.shape[0], -1)
 
+  flax_apply = g if structured_applies and dense_stack is None else None
+
   def kernel_of(a, b):
     return empirical_ntk(g, params, a, b, trace_outputs=trace_outputs, implementation=impl,
-                         dense_stack=dense_stack, chunk_size=chunk_size)
+                         dense_stack=dense_stack, flax_apply=flax_apply, chunk_size=chunk_size)
 
   xb1 = jnp.moveaxis(x1, in_axis, 0)
   xb2 = None if x2 is None else jnp.moveaxis(x2, in_axis, 0)
@@ -221,8 +230,8 @@ def _batched_kernel(f, kwargs, params, x1, x2, in_axis, out_axis, trace_axes, di
 def _unbatched_kernel(f, kwargs, params, x1, x2, trace_axes, diagonal_axes, implementation, chunk_size):
   """``vmap_axes=None``: the whole input is one sample; no independence is assumed."""
   if implementation == NtkImplementation.STRUCTURED_DERIVATIVES:
-    raise ValueError("STRUCTURED_DERIVATIVES needs a batched vmap_axes (samples the dense stack maps "
-                     "one by one), got vmap_axes=None")
+    raise ValueError("STRUCTURED_DERIVATIVES needs a batched vmap_axes (its factors are per sample: "
+                     "certify independent samples, e.g. vmap_axes=0), got vmap_axes=None")
   apply = lambda p, x: f(p, x, **kwargs)
   fx1 = jax.eval_shape(apply, params, x1)
   fx2 = fx1 if x2 is None else jax.eval_shape(apply, params, x2)
@@ -262,7 +271,7 @@ def _unbatched_kernel(f, kwargs, params, x1, x2, trace_axes, diagonal_axes, impl
 
 
 def empirical_ntk_fn(f: Callable[..., jax.Array], trace_axes: Any = (-1,), diagonal_axes: Any = (),
-                     vmap_axes: Any = 0, implementation: NtkImplementation | int = NtkImplementation.AUTO,
+                     vmap_axes: Any = None, implementation: NtkImplementation | int = NtkImplementation.AUTO,
                      *, dense_stack: DenseStack | None = None, chunk_size: int | None = None):
   """Returns ``ntk_fn(x1, x2, params, **apply_fn_kwargs)``, the empirical NTK of ``f`` (neural-tangents' API).
 
@@ -272,10 +281,13 @@ def empirical_ntk_fn(f: Callable[..., jax.Array], trace_axes: Any = (-1,), diago
       (mean over those entries; module docstring). Default ``(-1,)``.
     diagonal_axes: output axes to replace by their diagonal. Default ``()``.
     vmap_axes: ``None``, ``int`` or ``(in_axis, out_axis, {})``: the axis of
-      ``x`` and of ``f(x)`` along which samples are independent. Default ``0``.
+      ``x`` and of ``f(x)`` along which samples are independent. Default ``None``
+      (neural-tangents' default: nothing certified, the whole input differentiated at once;
+      ``0`` is ``N`` times cheaper for a model that maps samples independently).
     implementation: an :class:`NtkImplementation` (or its int value).
     dense_stack: the model's :class:`~ntk_fl.models.DenseStack` when ``f`` is
-      that dense stack (enables ``STRUCTURED_DERIVATIVES``, chosen by ``AUTO``).
+      that dense stack (the dense-stack ``STRUCTURED_DERIVATIVES``, chosen by ``AUTO``).
+      Without it, ``STRUCTURED_DERIVATIVES`` is the layer-wise kernel of ``f``'s flax layers.
     chunk_size: samples per block (:func:`ntk_fl.ntk.empirical_ntk`).
 
   Returns:
@@ -298,10 +310,11 @@ def empirical_ntk_fn(f: Callable[..., jax.Array], trace_axes: Any = (-1,), diago
   batch_axes = _check_vmap_axes(vmap_axes)
   implementation = _check_implementation(implementation)
   _kernels.check_dense_stack(dense_stack)
-  if implementation == NtkImplementation.STRUCTURED_DERIVATIVES and dense_stack is None:
-    raise ValueError("implementation=STRUCTURED_DERIVATIVES is this library's dense-stack factorisation and "
-                     "needs dense_stack (the model's DenseStack); use JACOBIAN_CONTRACTION or "
-                     "NTK_VECTOR_PRODUCTS for other networks")
+  if (implementation == NtkImplementation.STRUCTURED_DERIVATIVES and dense_stack is None
+      and hasattr(f, "lower")):
+    raise ValueError("implementation=STRUCTURED_DERIVATIVES needs dense_stack (the model's DenseStack) "
+                     "or an f that is not jax.jit-compiled (e.g. module.apply, or Model.flax_apply), "
+                     "whose flax layers the layer-wise kernel intercepts")
   _kernels.check_chunk_size(chunk_size)
 
   def ntk_fn(x1: jax.Array, x2: jax.Array | None, params: Any, **apply_fn_kwargs) -> jax.Array:

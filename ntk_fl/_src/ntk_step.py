@@ -161,11 +161,24 @@ def _mask_inputs(x: Array, mask: Array) -> Array:
   return jnp.where(mask.astype(bool).reshape((-1,) + (1,) * (x.ndim - 1)), x, 0)
 
 
+# A model that is not per-sample has no per-sample factors: its kernel is the whole batch's.
+_WHOLE_BATCH = {Implementation.AUTO: 0, Implementation.JACOBIAN: 1, Implementation.NTVP: 2}
+
+
+def _whole_batch(kernel_impl) -> int:
+  impl = parse(Implementation, kernel_impl, "kernel_impl")
+  if impl not in _WHOLE_BATCH:
+    raise ValueError(f"kernel_impl={impl.value!r} needs a per-sample model; a model with "
+                     f"per_sample=False takes one of {tuple(m.value for m in _WHOLE_BATCH)}")
+  return _WHOLE_BATCH[impl]
+
+
 def ntk_step(apply_fn: ApplyFn, params, x: Array, targets, mask: Array, *, lr, taus: Sequence[int],
              loss: Loss | str = Loss.CE, solver: Solver | str = Solver.EULER,
              mse_form: MseForm | str = MseForm.DISCRETE, ode_rtol: float = 1e-7, ode_atol: float = 1e-9,
              kernel: Kernel | str = Kernel.TRACED, kernel_impl: Implementation | str = Implementation.AUTO,
-             dense_stack: DenseStack | None = None, kernel_matrix: Array | None = None, jacobian=None,
+             dense_stack: DenseStack | None = None, flax_apply: ApplyFn | None = None,
+             per_sample: bool = True, kernel_matrix: Array | None = None, jacobian=None,
              param_map: ParamMap | None = None, labels: Array | None = None,
              select: Select | str = Select.NETWORK, candidate: Callable[[Any], Any] | None = None,
              start=None):
@@ -184,7 +197,9 @@ def ntk_step(apply_fn: ApplyFn, params, x: Array, targets, mask: Array, *, lr, t
      :func:`ntk_fl.ntk.projected_dense_ntk`; ``[N, N]`` traced or ``[N, N, C, C]`` full); else the kernel of
      explicit ``jacobian`` (:func:`ntk_fl.jacobians.jacobian_kernel`); else
      :func:`ntk_fl.ntk.empirical_ntk` of the network in ``param_map``'s coordinates
-     (``kernel`` = traced / full, ``kernel_impl``, ``dense_stack``).
+     (``kernel`` = traced / full, ``kernel_impl``, ``dense_stack``; ``flax_apply``, the layer-wise
+     structured kernel, in the network's own coordinates only); a model that is not ``per_sample``
+     is differentiated on the whole batch at once (neural-tangents' ``vmap_axes=None``).
   4. **Evolution** (:func:`ntk_fl.evolve.evolve`: ``loss``, ``solver``, ``mse_form``, ODE tolerances).
   5. **Candidates** ``Δw_τ = -(lr/norm) Jᵀ S_τ`` (``norm = N`` for CE, ``N·C`` for MSE): from ``jacobian``
      when given (it may be compressed), else one VJP at the linearisation point (``J`` never formed); then
@@ -204,8 +219,10 @@ def ntk_step(apply_fn: ApplyFn, params, x: Array, targets, mask: Array, *, lr, t
     taus: static strictly ascending positive ints (checked once: pass a :class:`~ntk_fl.evolve.TauGrid`
       from :func:`~ntk_fl.evolve.check_taus` to skip the check).
     loss, solver, mse_form, ode_rtol, ode_atol: the evolution (:class:`~ntk_fl.evolve.Loss`, ...).
-    kernel, kernel_impl, dense_stack, kernel_matrix, jacobian: the kernel (item 3); ``jacobian`` is a
-      pytree of ``[N, C, *leaf]`` leaves in ``param_map``'s coordinates.
+    kernel, kernel_impl, dense_stack, flax_apply, per_sample, kernel_matrix, jacobian: the kernel
+      (item 3; :class:`ntk_fl.models.Model` carries ``dense_stack``, ``flax_apply`` and
+      ``per_sample``); ``jacobian`` is a pytree of ``[N, C, *leaf]`` leaves in ``param_map``'s
+      coordinates.
     param_map: the coordinates of the linearisation (default: the network's own parameters).
     labels: ``[N, C]`` rows the candidates are scored against (default: the targets).
     select, candidate: the scoring (item 6).
@@ -250,9 +267,12 @@ def ntk_step(apply_fn: ApplyFn, params, x: Array, targets, mask: Array, *, lr, t
     k = kernel_matrix
   elif jacobian is not None:
     k = jacobians.jacobian_kernel(jacobian, trace_outputs=traced)
+  elif not per_sample:
+    k = ntk.empirical_ntk_fn(coords.apply_fn, trace_axes=(-1,) if traced else (), vmap_axes=None,
+                             implementation=_whole_batch(kernel_impl))(x, None, coords.point)
   else:
     k = ntk.empirical_ntk(coords.apply_fn, coords.point, x, trace_outputs=traced, implementation=kernel_impl,
-                          dense_stack=dense_stack)
+                          dense_stack=dense_stack, flax_apply=flax_apply if param_map is None else None)
   evo = _evolution.evolve(k, f0, targets, mask, lr=lr, taus=taus, loss=loss, solver=solver, mse_form=mse_form,
                           ode_rtol=ode_rtol, ode_atol=ode_atol)
 

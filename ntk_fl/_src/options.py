@@ -58,14 +58,16 @@ class NtkImplementation(enum.IntEnum):
   Trade-offs in :mod:`ntk_fl.ntk`. Each member also answers to this library's short name, as an alias
   (``JACOBIAN`` is ``JACOBIAN_CONTRACTION``) and as a string (``NtkImplementation('jacobian')``):
 
-  * ``AUTO`` (``'auto'``): ``STRUCTURED_DERIVATIVES`` given a dense stack, else ``JACOBIAN_CONTRACTION``
-    (traced kernel) or ``NTK_VECTOR_PRODUCTS`` (full kernel).
+  * ``AUTO`` (``'auto'``): ``STRUCTURED_DERIVATIVES`` given a dense stack, or given the model's flax
+    computation when the layer-wise kernel needs fewer FLOPs; else ``JACOBIAN_CONTRACTION`` (traced
+    kernel) or ``NTK_VECTOR_PRODUCTS`` (full kernel).
   * ``JACOBIAN_CONTRACTION`` (``'jacobian'``): per-sample Jacobians contracted (any model; best generic
     choice for the traced kernel).
   * ``NTK_VECTOR_PRODUCTS`` (``'ntvp'``): ``vjp`` then ``jvp``, no Jacobian stored (any model; ``C`` times
     fewer FLOPs for the full kernel).
-  * ``STRUCTURED_DERIVATIVES`` (``'structured'``): the dense-stack factorisation (MLPs only; ~1000x fewer
-    FLOPs); needs ``dense_stack``.
+  * ``STRUCTURED_DERIVATIVES`` (``'structured'``): the dense-stack factorisation (MLPs: ~1000x fewer
+    FLOPs), or the layer-wise one of any flax model (dense layers factorised, the rest contracted; the
+    library's CNN: ~15x fewer FLOPs); needs ``dense_stack`` or the flax computation (``flax_apply``).
   """
   AUTO = 0
   JACOBIAN_CONTRACTION = 1

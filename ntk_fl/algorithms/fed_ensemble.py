@@ -348,7 +348,8 @@ def make_fed_ensemble(model: models.Model, federation, hparams: FedEnsembleHPara
                                      jax.ShapeDtypeStruct((1, *federation.feature_shape), jnp.float32)).shape[-1])
     evolve_options = dict(taus=evolve.check_taus(tuple(algo.taus)), loss=evolve.Loss.CE,
                           solver=evolve.Solver(algo.solver), select=evolve.Select(algo.select),
-                          dense_stack=model.dense_stack)
+                          dense_stack=model.dense_stack, flax_apply=model.flax_apply,
+                          per_sample=model.per_sample)
 
     def train(modes, inputs, x, y, mask, lr):
       """Each mode evolves on the pooled data of its participants (NTK-FL's server update)."""

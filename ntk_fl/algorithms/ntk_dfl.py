@@ -278,6 +278,7 @@ def make_ntk_dfl(model: models.Model, federation, graphs: topology.Topology, hpa
   # The step's options, parsed (and the τ grid checked) once here rather than on every trace.
   evolve_kwargs = dict(taus=evolve.check_taus(tuple(algo.taus)), loss=evolve.Loss(algo.loss),
                        solver=evolve.Solver(algo.solver), dense_stack=model.dense_stack,
+                       flax_apply=model.flax_apply, per_sample=model.per_sample,
                        kernel=evolve.Kernel(algo.kernel), select=evolve.Select(algo.select))
 
   # Communication (ntk_fl.communication.neighbourhood_round_bits): static per-client package sizes.

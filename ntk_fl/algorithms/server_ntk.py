@@ -273,6 +273,7 @@ def make_server_ntk(model: models.Model, federation, hparams: NTKFLHParams, *, s
                                     **evolve_kwargs)
     else:
       delta, info = evolve.ntk_step(net.apply, state.params, *pooled, dense_stack=net.dense_stack,
+                                    flax_apply=net.flax_apply, per_sample=net.per_sample,
                                     **evolve_kwargs)
     params = jax.tree.map(jnp.add, state.params, delta)
 

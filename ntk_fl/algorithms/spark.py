@@ -391,8 +391,9 @@ def make_spark(model: models.Model, federation, graphs: topology.Topology, hpara
       layer_sketches = projection.dense_stack_projections(plan, mats, model.dense_stack)
       kernel_options["kernel_matrix"] = ntk.projected_dense_ntk(model.dense_stack, wbar, x,
                                                                 projections=layer_sketches, trace_outputs=traced)
-    elif not sketched:
-      kernel_options["dense_stack"] = model.dense_stack
+    elif not sketched:             # the model's own structured kernels (dense stack, layer-wise)
+      kernel_options.update(dense_stack=model.dense_stack, flax_apply=model.flax_apply,
+                            per_sample=model.per_sample)
     candidate = None
     if select_momentum:            # score the network the client will actually hold: w̄ + μ v_new + Δw_τ
       candidate = lambda dw: nesterov_step(tx, wbar, dw, opt_state)[0]

@@ -16,13 +16,23 @@ Variants (comma-separated, e.g. ``:table1,shuffle``):
   fig3         d1' = 100, β = 0.4 (the paper's Fig. 3).
   shuffle      shuffling server.
   smoke, mse, ode, code_taus, code_clients, busiest_node, explicit, linearized: as configs/ntk_fl.py.
+  cnn          the papers' CNN. The secret projection maps flattened inputs into an MLP's first dense
+               layer, so it is off (d1' = 0); β-subsampling and the Jacobian compression stay.
 """
 import ml_collections
 
 from ntk_fl.configs import _presets as presets
-from ntk_fl.config import apply_variants
+from ntk_fl.config import COMMON_VARIANTS, apply_variants
+
+
+def _cnn(config):
+  COMMON_VARIANTS["cnn"](config)
+  config.algorithm.projection_dim = 0
+
+
+VARIANTS = {**presets.SERVER_NTK_VARIANTS, "cnn": _cnn}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config = presets.server_ntk_config(projection_dim=200, subsample_fraction=0.3)
-  return apply_variants(config, arg, presets.SERVER_NTK_VARIANTS)
+  return apply_variants(config, arg, VARIANTS)

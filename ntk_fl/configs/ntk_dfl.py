@@ -25,6 +25,7 @@ Variants (comma-separated, e.g. ``:iid`` or ``:alpha0.5,static``):
   clustered     dynamic clustered topology, cliques of 6 (5 neighbours each, App. E.2).
   per_client_init  independent initialisation per client (Fig. 12).
   mnist         MNIST instead of Fashion-MNIST.
+  cnn           the papers' CNN (conv32-pool-conv64-pool-fc100-fc10) instead of the MLP (Fig. 7).
   smoke         seconds-long run on a slice of Fashion-MNIST (CI).
 """
 import ml_collections

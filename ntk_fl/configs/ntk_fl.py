@@ -9,7 +9,7 @@ pooled training loss of the non-linear network; 50 rounds; no compression
 (the server never materialises J: structured kernel + one VJP).
 
 Variants (comma-separated, e.g. ``:busiest_node,iid``):
-  paper | iid | alpha<float> | mnist   (common)
+  paper | iid | alpha<float> | mnist | cnn   (common; cnn: the papers' CNN instead of the MLP)
   authors_alpha<float>[_d<k>] | authors_iid[_d<k>]   the authors' partition files (draw 0 unless _d<k>).
   contiguous    client i holds samples [200 i, 200 i + 200): the split the authors' NTK-FL code falls
                 back to, because its configured partition file does not exist.

@@ -44,7 +44,8 @@ new random 5-regular graph every round, data-size-weighted averaging, τ ∈ {10
   after the momentum step).
 
 Variants (comma-separated, e.g. ``:iid,abl_momentum``):
-  paper / iid / alpha<float> / static / mnist   as every method (ntk_fl.config.COMMON_VARIANTS).
+  paper / iid / alpha<float> / static / mnist / cnn   as every method (ntk_fl.config.COMMON_VARIANTS;
+                cnn: the papers' CNN; the layer-wise and flattened sketches need the MLP).
   authors_alpha<float>[_d<k>] / authors_iid[_d<k>]   the authors' partition files (draw 0 unless _d<k>).
   abl_none      Table 4 row 1: no distillation, no momentum (= NTK-DFL).
   abl_distill   Table 4 row 2: distillation only (Variant A).

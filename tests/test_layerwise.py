@@ -1,0 +1,286 @@
+"""The layer-wise structured NTK of any flax model against brute-force float64 Jacobians.
+
+Every kernel is compared with ``J Jᵀ`` contracted from ``jax.jacobian`` of the whole network with
+respect to all of its parameters (flattened), in float64, to 1e-10 of the kernel's largest entry.
+Both routes of every layer (factorisation and contraction) are forced on each model, so the test
+does not depend on which the cost rule picks.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.flatten_util import ravel_pytree
+
+from ntk_fl import evolve, models, ntk
+from ntk_fl._src.kernels import _blocked_kernel
+from ntk_fl._src import layerwise
+from ntk_fl.ntk import NtkImplementation, empirical_ntk, empirical_ntk_fn
+
+RTOL = 1e-10
+
+
+@pytest.fixture(autouse=True)
+def _x64():
+  jax.config.update("jax_enable_x64", True)
+  yield
+  jax.config.update("jax_enable_x64", False)
+
+
+def brute_force(apply_fn, params, x1, x2, trace_outputs, per_sample=True):
+  """``J(x1) J(x2)ᵀ`` from ``jax.jacobian`` of the flattened parameters (mean over outputs when traced);
+  ``per_sample=False``: the Jacobian of the whole batch's outputs at once."""
+  flat, unravel = ravel_pytree(params)
+  if per_sample:
+    jac = lambda x: jax.vmap(lambda xi: jax.jacobian(lambda w: apply_fn(unravel(w), xi[None])[0])(flat))(x)
+  else:
+    jac = lambda x: jax.jacobian(lambda w: apply_fn(unravel(w), x))(flat)
+  j1, j2 = jax.jit(jac)(x1), jax.jit(jac)(x2)
+  if trace_outputs:
+    return jnp.einsum("icd,jcd->ij", j1, j2) / j1.shape[1]
+  return jnp.einsum("iad,jbd->ijab", j1, j2)
+
+
+def rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  assert a.shape == b.shape, (a.shape, b.shape)
+  return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def to64(tree):
+  return jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), tree)
+
+
+def setup(module, in_shape, n1=4, n2=3, seed=0):
+  k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
+  x1 = jax.random.normal(k1, (n1, *in_shape), jnp.float64)
+  x2 = jax.random.normal(k2, (n2, *in_shape), jnp.float64)
+  params = to64(module.init(k3, x1[:1]))
+  # Non-zero biases, so that the bias terms are exercised.
+  params = jax.tree.map(lambda a: a + 0.1 * jax.random.normal(k3, a.shape, a.dtype), params)
+  return params, x1, x2
+
+
+def _kernel(apply_fn, params, x1, x2, trace_outputs, chunk, route):
+  fn = jax.jit(lambda p, a, b: layerwise.layerwise_kernel(apply_fn, p, a, b, trace_outputs, chunk,
+                                                          route=route, blocked=_blocked_kernel))
+  return fn(params, x1, x2)
+
+
+def check_routes(module, in_shape, expect_factorised=None):
+  """Every route, blocked (2 samples per block) and not, ``x2`` given and ``x2=None``."""
+  params, x1, x2 = setup(module, in_shape)
+  for trace_outputs in (True, False):
+    ref = brute_force(module.apply, params, x1, x2, trace_outputs)
+    ref_self = brute_force(module.apply, params, x1, x1, trace_outputs)
+    for route in (None, "factorise", "contract"):
+      k = _kernel(module.apply, params, x1, x2, trace_outputs, None, route)
+      assert rel(k, ref) < RTOL, (trace_outputs, route)
+      k = _kernel(module.apply, params, x1, None, trace_outputs, 2, route)
+      assert rel(k, ref_self) < RTOL, (trace_outputs, route, "x2=None, blocks of 2")
+    k = _kernel(module.apply, params, x1, x2, trace_outputs, 2, "factorise")
+    assert rel(k, ref) < RTOL, (trace_outputs, "blocks of 2")
+  if expect_factorised is not None:
+    plan = layerwise.make_plan(module.apply, params, x1[:1], True, "factorise")
+    assert {layer.path for layer in plan.factorised} == set(expect_factorised)
+  return params, x1, x2
+
+
+class _Mlp(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = jnp.tanh(nn.Dense(7, name="a")(x))
+    x = jax.nn.relu(nn.Dense(5, use_bias=False, name="b")(x))
+    return nn.Dense(3, name="c")(x)
+
+
+class _Scaled(nn.Module):
+  """A parameter that is not a layer's (a per-feature scale) and a LayerNorm between dense layers."""
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param("scale", lambda k, s: 1 + 0.3 * jax.random.normal(k, s), (x.shape[-1],))
+    x = nn.Dense(6, name="a")(x * scale)
+    x = nn.LayerNorm(name="norm")(jnp.tanh(x))
+    return nn.Dense(3, name="b")(x)
+
+
+class _Positions(nn.Module):
+  """A dense layer applied at every position of ``[B, T, d]`` (its weights summed over positions)."""
+
+  @nn.compact
+  def __call__(self, x):  # [B, 12] -> [B, 4, 3]
+    h = jnp.tanh(nn.Dense(5, name="token")(x.reshape(x.shape[0], 4, 3)))  # [B, 4, 5]
+    h = nn.Dense(2, use_bias=False, name="token_out")(h).reshape(x.shape[0], -1)
+    return nn.Dense(3, name="head")(jnp.tanh(h))
+
+
+class _Shared(nn.Module):
+  """One dense module called twice (shared weights)."""
+
+  @nn.compact
+  def __call__(self, x):
+    shared = nn.Dense(4, name="shared")
+    h = shared(jnp.tanh(shared(x)))
+    return nn.Dense(3, name="head")(h)
+
+
+class _Convs(nn.Module):
+  """Convolutions with strides, VALID and explicit padding, dilation, no bias."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = jnp.tanh(nn.Conv(3, (3, 3), strides=2, padding="VALID", name="c0")(x))
+    x = jnp.tanh(nn.Conv(4, (2, 2), padding=((1, 0), (0, 1)), kernel_dilation=1, use_bias=False,
+                         name="c1")(x))
+    x = jnp.tanh(nn.Conv(2, (2, 2), padding="SAME", kernel_dilation=2, name="c2")(x))
+    return nn.Dense(3, name="head")(x.reshape(x.shape[0], -1))
+
+
+def test_mlp():
+  check_routes(_Mlp(), (6,), {("a",), ("b",), ("c",)})
+
+
+def test_library_cnn():
+  module = models.cnn((8, 8, 1), 5)
+  params, x1, x2 = setup(models._CNN(num_classes=5, kernel_size=3), (8, 8, 1))
+  for trace_outputs in (True, False):
+    ref = brute_force(module.flax_apply, params, x1, x2, trace_outputs)
+    for impl in ("structured", "auto"):
+      k = jax.jit(lambda p, a, b: empirical_ntk(
+          module.apply, p, a, b, trace_outputs=trace_outputs, implementation=impl,
+          flax_apply=module.flax_apply))(params, x1, x2)
+      assert rel(k, ref) < RTOL
+  check_routes(models._CNN(num_classes=5, kernel_size=3), (8, 8, 1),
+               {("conv_0",), ("conv_1",), ("dense_0",), ("dense_1",)})
+
+
+def test_library_cnn_routes_and_flops():
+  """28x28x1 CNN: both dense layers factorised, both convolutions contracted, ~17x fewer FLOPs."""
+  model = models.cnn((28, 28, 1), 10)
+  params = jax.eval_shape(model.init, jax.random.PRNGKey(0))
+  x = jax.ShapeDtypeStruct((1, 28, 28, 1), jnp.float32)
+  plan = layerwise.make_plan(model.flax_apply, params, x, True)
+  assert [layer.path for layer in plan.factorised] == [("dense_0",), ("dense_1",)]
+  assert [path for path, _ in plan.contracted] == [("conv_0",), ("conv_1",)]
+  assert plan.num_rest == 320 + 18_496
+  ratio = layerwise.contraction_flops(333_526, 10, True) / layerwise.plan_flops(plan, True, 1, 1)
+  assert 15 < ratio < 20, ratio
+
+
+def test_non_layer_parameters():
+  params, x1, _ = check_routes(_Scaled(), (5,), {("a",), ("b",)})
+  plan = layerwise.make_plan(_Scaled().apply, params, x1[:1], True)
+  assert plan.num_rest == 5 + 2 * 6  # the scale and the LayerNorm's scale and bias
+
+
+def test_dense_on_positions():
+  params, x1, _ = check_routes(_Positions(), (12,), {("token",), ("token_out",), ("head",)})
+  layer = {layer.path: layer for layer in layerwise.make_plan(
+      _Positions().apply, params, x1[:1], True, "factorise").factorised}[("token",)]
+  assert layer.positions == 4 and layer.d_in == 3
+
+
+def test_shared_module_is_contracted():
+  params, x1, _ = check_routes(_Shared(), (4,), {("head",)})
+  plan = layerwise.make_plan(_Shared().apply, params, x1[:1], True, "factorise")
+  assert dict(plan.contracted)[("shared",)] == "called 2 times"
+
+
+def test_convolution_patches():
+  check_routes(_Convs(), (7, 7, 2), {("c0",), ("c1",), ("c2",), ("head",)})
+
+
+def test_empirical_ntk_fn_structured_on_module_apply():
+  module = _Scaled()
+  params, x1, x2 = setup(module, (5,))
+  for trace_axes in ((-1,), ()):
+    ref = brute_force(module.apply, params, x1, x2, trace_axes == (-1,))
+    for impl in (NtkImplementation.STRUCTURED_DERIVATIVES, NtkImplementation.AUTO,
+                 NtkImplementation.JACOBIAN_CONTRACTION):
+      k = jax.jit(empirical_ntk_fn(module.apply, trace_axes=trace_axes, vmap_axes=0,
+                                   implementation=impl))(x1, x2, params)
+      assert rel(k, ref) < RTOL, (trace_axes, impl)
+
+
+class _BatchDependent(nn.Module):
+  """``h - h.mean(0)``: every output depends on the whole batch."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = jnp.tanh(nn.Dense(5, name="a")(x))
+    return nn.Dense(3, name="b")(h - h.mean(0))
+
+
+def test_batch_dependent_model_default_vmap_axes_none():
+  module = _BatchDependent()
+  params, x1, _ = setup(module, (4,))
+  ref = brute_force(module.apply, params, x1, x1, True, per_sample=False)
+  k = empirical_ntk_fn(module.apply)(x1, None, params)  # default: vmap_axes=None
+  assert rel(k, ref) < RTOL
+  per_sample = empirical_ntk_fn(module.apply, vmap_axes=0)(x1, None, params)
+  assert rel(per_sample, ref) > 0.1  # the per-sample kernel is a different (wrong) kernel here
+  with pytest.raises(ValueError, match="depend on the rest of the batch"):
+    models.from_flax(module, (4,), 3, per_sample=True)
+  model = models.from_flax(module, (4,), 3)
+  assert not model.per_sample
+
+
+def test_from_flax_per_sample_and_structured_ntk_step():
+  model = models.from_flax(_Scaled(), (5,), 3, per_sample=True)
+  params = to64(model.init(jax.random.PRNGKey(0)))
+  x = jax.random.normal(jax.random.PRNGKey(1), (6, 5), jnp.float64)
+  y = jax.nn.one_hot(jnp.arange(6) % 3, 3, dtype=jnp.float64)
+  mask = jnp.ones(6, bool)
+  common = dict(lr=0.5, taus=(1, 2, 4))
+  d_generic, info_generic = evolve.ntk_step(model.apply, params, x, y, mask, kernel_impl="jacobian",
+                                            **common)
+  d_struct, info_struct = evolve.ntk_step(model.apply, params, x, y, mask, flax_apply=model.flax_apply,
+                                          kernel_impl="structured", **common)
+  assert rel(ravel_pytree(d_struct)[0], ravel_pytree(d_generic)[0]) < 1e-9
+  np.testing.assert_allclose(info_struct["losses"], info_generic["losses"], rtol=1e-10)
+
+
+def test_ntk_step_whole_batch_model():
+  """per_sample=False: the kernel of the whole batch (checked against its brute force)."""
+  model = models.from_flax(_BatchDependent(), (4,), 3)
+  params = to64(model.init(jax.random.PRNGKey(0)))
+  x = jax.random.normal(jax.random.PRNGKey(1), (5, 4), jnp.float64)
+  k = ntk.empirical_ntk_fn(model.apply, trace_axes=(-1,), vmap_axes=None)(x, None, params)
+  flat, unravel = ravel_pytree(params)
+  j = jax.jacobian(lambda w: model.apply(unravel(w), x))(flat)
+  assert rel(k, jnp.einsum("icd,jcd->ij", j, j) / 3) < RTOL
+  y = jax.nn.one_hot(jnp.arange(5) % 3, 3, dtype=jnp.float64)
+  delta, info = evolve.ntk_step(model.apply, params, x, y, jnp.ones(5, bool), lr=0.5, taus=(1, 2),
+                                per_sample=False)
+  assert np.all(np.isfinite(info["losses"]))
+  with pytest.raises(ValueError, match="per-sample model"):
+    evolve.ntk_step(model.apply, params, x, y, jnp.ones(5, bool), lr=0.5, taus=(1, 2), per_sample=False,
+                    kernel_impl="structured")
+
+
+def test_wrong_dense_stack_is_an_error():
+  relu_mlp = models._MLP(features=(7, 3), activation=jax.nn.relu)
+  with pytest.raises(ValueError, match="activation tanh"):
+    models.from_flax(relu_mlp, (6,), 3, per_sample=True,
+                     dense_stack=models.DenseStack(("dense_0", "dense_1"), jnp.tanh))
+  with pytest.raises(ValueError, match="dense_stack layer 'dense_9'"):
+    models.from_flax(relu_mlp, (6,), 3, per_sample=True,
+                     dense_stack=models.DenseStack(("dense_0", "dense_9"), jax.nn.relu))
+  with pytest.raises(ValueError, match="does not compute"):   # the layers in the wrong order
+    models.from_flax(models._MLP(features=(6, 6, 3), activation=jax.nn.relu), (6,), 3, per_sample=True,
+                     dense_stack=models.DenseStack(("dense_1", "dense_0", "dense_2"), jax.nn.relu))
+  ok = models.from_flax(relu_mlp, (6,), 3, per_sample=True,
+                        dense_stack=models.DenseStack(("dense_0", "dense_1"), jax.nn.relu))
+  assert ok.dense_stack is not None
+
+
+def test_structured_needs_an_interceptable_function():
+  model = models.cnn((8, 8, 1), 5)
+  with pytest.raises(ValueError, match="not be jax.jit-compiled"):
+    empirical_ntk(model.apply, None, jnp.zeros((2, 8, 8, 1)), implementation="structured",
+                  flax_apply=model.apply)
+  with pytest.raises(ValueError, match="not jax.jit-compiled"):
+    empirical_ntk_fn(model.apply, vmap_axes=0, implementation=NtkImplementation.STRUCTURED_DERIVATIVES)
