@@ -52,7 +52,9 @@ from absl import logging
 from ml_collections import config_flags
 from tqdm.auto import tqdm
 
-__all__ = ["LOG_FILE", "main", "one_line", "report_failure", "resolve_config_args"]
+from ntk_fl._src import fsutil
+
+__all__ = ["LOG_FILE", "main", "one_line", "report_failure", "resolve_config_args", "unknown_key_message"]
 
 LOG_FILE = "log.txt"
 """The run's absl log, in its workdir (appended to by ``--resume``)."""
@@ -133,10 +135,27 @@ def _parse_flags(argv: list[str]) -> list[str]:
       sys.exit(f"error: --config={value}: {cause}")
     sys.exit(f"FATAL Flags parsing error: {e}\nPass --helpshort or --helpfull to see help on flags.")
   except (AttributeError, KeyError) as e:
-    key = str(e.args[0] if e.args else e).strip("'\"")
-    overrides = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")]
-    sys.exit(f"error: unknown config key {key!r} in the overrides {overrides}; "
-             "every --config.<key> must name a field of the config file")
+    sys.exit(f"error: {unknown_key_message(str(e.args[0] if e.args else e), argv[1:])}")
+
+
+def unknown_key_message(error: str, args: Sequence[str]) -> str:
+  """``unknown config key config.algorithm.lrr; did you mean config.algorithm.lr?`` from config_flags' error.
+
+  ``error`` is the text of the ``KeyError``/``AttributeError`` ml_collections raised
+  (the key, quoted, and maybe ``Did you mean "lr" instead of "lrr"?``); ``args`` the
+  command line, whose ``--config.<key>`` override names the whole path.
+  """
+  import re  # pylint: disable=import-outside-toplevel
+  names = re.findall(r"[A-Za-z_][A-Za-z0-9_]*", error)
+  key = names[0] if names else error
+  suggestion = re.search(r'Did you mean [\\\'"]*([A-Za-z0-9_]+)', error)
+  paths = [a[2:].split("=", 1)[0] for a in args if a.startswith("--config.")]
+  path = next((p for p in paths if p.split(".")[-1] == key), next((p for p in paths if key in p.split(".")),
+                                                                    f"config.{key}"))
+  message = f"unknown config key {path}"
+  if suggestion:
+    message += f"; did you mean {path.rsplit('.', 1)[0]}.{suggestion.group(1)}?"
+  return message
 
 
 class _QuietLibraries(std_logging.Filter):
@@ -203,7 +222,7 @@ def _log_to_workdir(buffer: io.StringIO | None, workdir: str) -> None:
   if buffer is None:
     return
   os.makedirs(workdir, exist_ok=True)
-  log = open(os.path.join(workdir, LOG_FILE), "a", encoding="utf-8")  # pylint: disable=consider-using-with
+  log = fsutil.open_append(os.path.join(workdir, LOG_FILE))  # never through a planted link
   log.write(buffer.getvalue())
   log.flush()
   logging.get_absl_handler().python_handler.stream = log
@@ -239,7 +258,7 @@ def report_failure(err: BaseException, workdir: str | None, *, verbose: bool) ->
         stream.flush()
       os.makedirs(workdir, exist_ok=True)
       log_path = os.path.join(os.path.abspath(workdir), LOG_FILE)
-      with open(log_path, "a", encoding="utf-8") as f:
+      with fsutil.open_append(log_path) as f:
         f.write(f"error: {message}\n{trace}\n")
     except OSError:          # e.g. the disk is full: the traceback then only goes to stderr on request
       log_path = None
@@ -258,6 +277,31 @@ def _closing_line(summary: dict, workdir: str) -> str:
   accuracy = "not evaluated" if acc is None else f"{acc:.4f}"
   return (f"{summary.get('method')}: {summary.get('rounds_run')} rounds, final aggregated accuracy {accuracy}"
           f"{'; ' + targets if targets else ''}; {summary.get('wall_time', 0.0):.1f} s. Outputs in {workdir}")
+
+
+def _interrupted(workdir: str) -> str:
+  """The line for Ctrl-C: continue with ``--resume`` once the run has started, else start it again."""
+  if os.path.isfile(os.path.join(workdir, "config.json")):
+    return f"interrupted; continue the run with --resume (workdir {workdir})"
+  return f"interrupted before the run started (nothing written to {workdir}); run the same command again"
+
+
+def _launch(command: list[str], workdir: str, num_processes: int) -> int:
+  """The local launcher: holds the workdir's lock for its workers, turns Ctrl-C and failures into one line."""
+  from ntk_fl import distributed, rundir  # pylint: disable=import-outside-toplevel
+  try:
+    env, fd = rundir.lock_for_children(workdir)
+  except (ValueError, OSError) as e:
+    sys.exit(f"error: {one_line(e)}")
+  try:
+    status = distributed.launch_local(command, num_processes, env={**os.environ, **env}, pass_fds=(fd,))
+  except KeyboardInterrupt:
+    sys.stderr.write(f"\n{_interrupted(workdir)}\n")
+    return 130
+  if status < 0:
+    sys.stderr.write(f"error: a process of the run was killed by signal {-status} and the others were stopped; "
+                     f"{_interrupted(workdir).split('; ', 1)[-1]}\n")
+  return status
 
 
 def _join_processes() -> bool:
@@ -283,7 +327,7 @@ def _main(argv: list[str]) -> None:
   if _FLAGS["process_id"].value is None and _FLAGS["num_processes"].value > 1 and not _FLAGS["distributed"].value:
     # The local launcher: P copies of this command, each told its rank and the coordinator.
     command = [sys.executable, "-m", "ntk_fl", *distributed.strip_flags(_ARGV[1:], ["num_processes"])]
-    status = distributed.launch_local(command, _FLAGS["num_processes"].value)
+    status = _launch(command, _FLAGS["workdir"].value, _FLAGS["num_processes"].value)
     sys.exit(status if status >= 0 else 128 - status)
   logging.get_absl_handler().addFilter(_QuietLibraries())
   primary = _join_processes()
@@ -307,6 +351,7 @@ def _main(argv: list[str]) -> None:
     # Everything that can be wrong with the request fails here, before any data is loaded; the config is
     # checked once and travels on as typed settings.
     settings = schema.validate_config(config)
+    rundir.hold_workdir(workdir)        # one run per workdir, held until this process exits
     rundir.check_start(settings, workdir, **start)
   except (*_ONE_LINE_ERRORS, CheckpointDamaged) as e:
     if verbose:
@@ -320,7 +365,7 @@ def _main(argv: list[str]) -> None:
   except (*_ONE_LINE_ERRORS, CheckpointDamaged) as e:
     sys.exit(f"error: {report_failure(e, workdir, verbose=verbose)}")
   except KeyboardInterrupt:
-    sys.stderr.write(f"\ninterrupted; continue the run with --resume (workdir {workdir})\n")
+    sys.stderr.write(f"\n{_interrupted(workdir)}\n")
     sys.exit(130)
   if primary:
     print(_closing_line(summary, os.path.abspath(workdir)), flush=True)
