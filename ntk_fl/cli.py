@@ -54,7 +54,8 @@ from tqdm.auto import tqdm
 
 from ntk_fl._src import fsutil
 
-__all__ = ["LOG_FILE", "main", "one_line", "report_failure", "resolve_config_args", "unknown_key_message"]
+__all__ = ["LOG_FILE", "main", "one_line", "report_failure", "resolve_config_args", "shadow_note",
+           "unknown_key_message"]
 
 LOG_FILE = "log.txt"
 """The run's absl log, in its workdir (appended to by ``--resume``)."""
@@ -109,11 +110,39 @@ def resolve_config_args(argv: Sequence[str]) -> list[str]:
 
   out = list(argv)
   for i, arg in enumerate(out):
+    value = arg[len("--config="):] if arg.startswith("--config=") else None
+    note = shadow_note(value) if value else None
+    if note:
+      sys.stderr.write(f"note: {note}\n")
     if arg.startswith("--config="):
       out[i] = "--config=" + configs.resolve(arg[len("--config="):])
     elif arg == "--config" and i + 1 < len(out):
       out[i + 1] = configs.resolve(out[i + 1])
   return out
+
+
+def shadow_note(spec: str, cwd: str | None = None) -> str | None:
+  """Which config runs when a packaged config's name and a file in the working directory look alike.
+
+  A config file is Python code and runs when loaded: ``--config=ntk_dfl`` runs
+  the packaged ``ntk_dfl`` even with an ``ntk_dfl.py`` in the working directory,
+  and ``--config=ntk_dfl.py`` runs that file, not the packaged one. ``None`` when
+  nothing is shadowed.
+  """
+  from ntk_fl import configs  # pylint: disable=import-outside-toplevel
+  name = spec.partition(":")[0]
+  cwd = cwd or os.getcwd()
+  stem = name.removesuffix(".py")
+  if stem not in configs.names():
+    return None
+  local = os.path.join(cwd, f"{stem}.py")
+  if name == stem and os.path.isfile(local):
+    return (f"--config={spec} runs the packaged config {configs.CONFIG_DIR / (stem + '.py')}, not {local} in the "
+            f"current directory (--config=./{stem}.py runs that file)")
+  if name.endswith(".py") and os.path.isfile(os.path.join(cwd, name)):
+    return (f"--config={spec} runs the file {os.path.join(cwd, name)} (Python code), not the packaged config "
+            f"{stem} (--config={stem} runs that one)")
+  return None
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
@@ -386,7 +415,12 @@ def main(argv: Sequence[str] | None = None) -> None:
   main_module = sys.modules.get("__main__")
   if main_module is not None and not (getattr(main_module, "__doc__", None) or "").strip():
     main_module.__doc__ = __doc__
-  app.run(_main, argv=argv, flags_parser=_parse_flags)
+  try:
+    app.run(_main, argv=argv, flags_parser=_parse_flags)
+  except KeyboardInterrupt:     # before the run's own handler: imports, flag parsing, the checks
+    workdir = flags.FLAGS["workdir"].value if flags.FLAGS.is_parsed() else None
+    sys.stderr.write(f"\n{_interrupted(workdir) if workdir else 'interrupted; nothing was started'}\n")
+    sys.exit(130)
 
 
 if __name__ == "__main__":

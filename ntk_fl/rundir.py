@@ -221,7 +221,8 @@ def _stored_config(workdir: str, action: str) -> dict:
   try:
     with open(config_path) as f:
       stored = json.load(f)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+  except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+    e = "nested too deeply" if isinstance(e, RecursionError) else e
     raise ValueError(f"cannot {action}: {config_path} is not a readable config ({e}); it is the run's record "
                      "of its config: restore it from a copy, or start the run again in an empty workdir") from None
   if not isinstance(stored, dict):
@@ -581,6 +582,10 @@ def check_start(config, workdir: str, *, resume: bool = False, resume_from_step:
   together here so the entry point and :func:`run` refuse the same requests.
   """
   resume = resume or resume_from_step is not None
+  data_dir = config.data.data_dir
+  if data_dir and not os.path.isdir(os.path.expanduser(data_dir)):   # found now, not after the imports and data
+    raise ValueError(f"config.data.data_dir = {data_dir!r} is not a directory; give the folder that holds the data "
+                     "set's files, or '' to search the default places")
   if resume and branch_from is not None:
     raise ValueError("resume and branch_from exclude each other (--resume, --branch_from; a branched run resumes "
                      "from its own checkpoints)")

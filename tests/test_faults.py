@@ -678,10 +678,11 @@ def test_a_full_disk_reported_by_tensorstore_is_recognised():
 # ----------------------------------------------------------------------------- one run per workdir
 
 _HOLD_DRIVER = """
-import sys, time
-sys.path.insert(0, {repo!r})
-from ntk_fl import rundir
-rundir.hold_workdir(sys.argv[1], primary=True)
+import fcntl, os, socket, sys, time
+os.makedirs(sys.argv[1], exist_ok=True)
+fd = os.open(os.path.join(sys.argv[1], "run.lock"), os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)      # what a run holds (ntk_fl._src.fsutil.WorkdirLock)
+os.write(fd, f"pid={{os.getpid()}}\\nhost={{socket.gethostname()}}\\nboot=\\nstarted=now\\n".encode())
 print("held", flush=True)
 time.sleep(120)
 """
@@ -699,7 +700,6 @@ def _holder(workdir):
 def test_a_second_run_in_a_held_workdir_is_refused_naming_the_holder(tmp_path):
   import socket  # pylint: disable=g-import-not-at-top
   from ntk_fl import runner  # pylint: disable=g-import-not-at-top
-  from ntk_fl._src import fsutil  # pylint: disable=g-import-not-at-top
   workdir = tmp_path / "run"
   holder = _holder(workdir)
   try:
@@ -709,7 +709,7 @@ def test_a_second_run_in_a_held_workdir_is_refused_naming_the_holder(tmp_path):
     assert len(lines) == 1 and sorted(os.listdir(workdir)) == ["run.lock"]
     # The API refuses the same way (also with --resume: a resume must not set checkpoints aside under a run).
     for resume in (False, True):
-      with pytest.raises(fsutil.WorkdirBusy, match=f"pid {holder.pid}"):
+      with pytest.raises(ValueError, match=f"pid {holder.pid}"):
         runner.run(_toy_config(), str(workdir), resume=resume)
   finally:
     holder.kill()
@@ -833,11 +833,12 @@ def test_a_checkpoint_of_another_run_is_damage(uninterrupted, tmp_path):
   ckpt_dir = os.path.join(workdir, "checkpoints")
   shutil.rmtree(os.path.join(ckpt_dir, "5"))
   shutil.copytree(os.path.join(other, "checkpoints", "5"), os.path.join(ckpt_dir, "5"))   # same shapes
-  with Checkpoints(ckpt_dir, read_only=True, identity=rundir.run_identity(_toy_config())) as ckpt:
-    with pytest.raises(CheckpointDamaged, match="written by a different run"):
-      ckpt.verify(5)
+  planted = shutil.copytree(ckpt_dir, str(tmp_path / "planted"))
   summary = runner.run(_toy_config(), workdir, resume=True)
   assert summary["resumed_from"] == 4 and _results(workdir) == expected
+  with Checkpoints(planted, read_only=True, identity=rundir.stored_identity(workdir)) as ckpt:
+    with pytest.raises(CheckpointDamaged, match="written by a different run"):
+      ckpt.verify(5)
 
 
 def _method_state(name):
@@ -863,7 +864,7 @@ def test_digest_of_real_method_states(tmp_path, name):
   from ntk_fl.checkpoint import Checkpoints, _to_storable, state_digest  # pylint: disable=g-import-not-at-top
   state = _method_state(name)
   # A checkpoint of the real state verifies (template-free restore: dicts) and restores (NamedTuples).
-  with Checkpoints(tmp_path / "ckpt", identity="run-a") as ckpt:
+  with Checkpoints(tmp_path / "ckpt") as ckpt:
     ckpt.save(1, state)
     ckpt.verify(1)
     restored = ckpt.restore(1, state)
@@ -926,7 +927,6 @@ def test_event_file_follows_metrics_after_a_kill_right_after_a_checkpoint(uninte
 
 def test_atomic_writes_never_follow_a_planted_link_and_are_durable(tmp_path, monkeypatch):
   from ntk_fl import rundir  # pylint: disable=g-import-not-at-top
-  from ntk_fl._src import fsutil  # pylint: disable=g-import-not-at-top
   victim = tmp_path / "victim"
   victim.write_text("precious")
   workdir = tmp_path / "run"
@@ -942,6 +942,7 @@ def test_atomic_writes_never_follow_a_planted_link_and_are_durable(tmp_path, mon
   # the file's data, then the rename, then the directory entry
   assert events == [("fsync", False), ("replace", "config.json"), ("fsync", True)]
   monkeypatch.undo()
+  from ntk_fl._src import fsutil  # pylint: disable=g-import-not-at-top
   # A log.txt link: appending refuses it (the target is left alone).
   (workdir / "log.txt").symlink_to(victim)
   with pytest.raises(OSError, match="symbolic link"):
@@ -1052,3 +1053,78 @@ def test_zero_stride_and_bufferless_arrays_in_a_pickle_are_refused(tmp_path):
   bomb.write_bytes(gzip.compress(bytes(1 << 20)))
   with pytest.raises(ValueError, match="decompresses to more than 1000 bytes"):
     safe_pickle.load_file(bomb, max_bytes=1000)
+
+
+# ----------------------------------------------------------------------------- one line, not a traceback
+
+
+def test_out_of_range_values_and_malformed_blocks_are_one_clear_error(tmp_path, monkeypatch):
+  import json  # pylint: disable=g-import-not-at-top
+  from ntk_fl import data, rundir, schema  # pylint: disable=g-import-not-at-top
+  from ntk_fl.config import load_config  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(data, "load", lambda *a, **k: pytest.fail("data loaded"))
+  ntk_dfl = load_config(os.path.join(_CONFIGS, "ntk_dfl.py"), "smoke")
+  ntk_dfl.algorithm.taus = (4294967396,)
+  with pytest.raises(ValueError, match=r"taus must be positive ints <= 2\*\*31 - 1, got \(4294967396,\)"):
+    schema.validate_config(ntk_dfl)
+  with pytest.raises(ValueError, match=r"config.seed must be an int in \[0, 9223372036854775807\], got "
+                                       "18446744073709551616"):
+    schema.validate_config(_toy_config(seed=2**64))
+  stored = rundir.jsonable(_toy_config())
+  for block, value in (("data", 5), ("model", [1]), ("eval", "x"), ("topology", None)):
+    with pytest.raises(ValueError, match=rf"config.{block} must be a block of keys"):
+      schema.validate_config({**stored, block: value})
+  # A config.json nested 100k deep: the stored config is unreadable, one line.
+  run = tmp_path / "deep"
+  run.mkdir()
+  (run / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+  with pytest.raises(ValueError, match="not a readable config .nested too deeply"):
+    rundir.check_workdir(_toy_config(), str(run), resume=True)
+  # A data_dir that does not exist: found before any data.
+  with pytest.raises(ValueError, match=r"config.data.data_dir = '/no/such/dir' is not a directory"):
+    rundir.check_start(schema.validate_config(_toy_config(**{"data.data_dir": "/no/such/dir"})),
+                       str(tmp_path / "a"))
+
+
+def test_unknown_key_and_bad_npz_messages_are_clean(tmp_path):
+  from ntk_fl import cli  # pylint: disable=g-import-not-at-top
+  from ntk_fl.data import index_map  # pylint: disable=g-import-not-at-top
+  # What ml_collections raises for --config.algorithm.lrr (its repr, with the suggestion, escaped twice).
+  error = "'\\\\\\'lrr\\\\\\'\\\\nDid you mean \"lr\" instead of \"lrr\"?'"
+  assert cli.unknown_key_message(error, ["--config=ntk_dfl", "--config.algorithm.lrr=1"]) == (
+      "unknown config key config.algorithm.lrr; did you mean config.algorithm.lr?")
+  assert cli.unknown_key_message("'nme'", ["--config.nme=1"]) == "unknown config key config.nme"
+  path = tmp_path / "m.npz"
+  path.write_bytes(b"hello world")      # 11 bytes, not a zip
+  with pytest.raises(ValueError, match="not a zip archive") as err:
+    index_map.load_index_map(str(path))
+  assert "pickled" not in str(err.value)
+
+
+def test_cli_unknown_key_and_ctrl_c_during_start_up_are_one_line(tmp_path):
+  import signal  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  lines = _assert_one_error_line(_cli("--config=tests/configs/toy.py:smoke", "--config.algorithm.lrr=1",
+                                      f"--workdir={tmp_path / 'a'}"))
+  assert lines == ["error: unknown config key config.algorithm.lrr; did you mean config.algorithm.lr?"]
+  # Ctrl-C one second in (imports, flag parsing): exit 130, no traceback, nothing advised that would fail.
+  workdir = tmp_path / "b"
+  proc = subprocess.Popen([sys.executable, "-m", "ntk_fl", "--config=tests/configs/toy.py:smoke",
+                           f"--workdir={workdir}"], cwd=_REPO, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": _REPO})
+  time.sleep(1.0)
+  proc.send_signal(signal.SIGINT)
+  _, stderr = proc.communicate(timeout=120)
+  assert proc.returncode == 130 and "Traceback" not in stderr, stderr[-3000:]
+  assert "--resume" not in stderr and "interrupted" in stderr
+
+
+def test_a_packaged_config_shadowed_by_a_local_file_says_which_one_runs(tmp_path):
+  from ntk_fl import cli, configs  # pylint: disable=g-import-not-at-top
+  assert cli.shadow_note("ntk_dfl:smoke", str(tmp_path)) is None
+  (tmp_path / "ntk_dfl.py").write_text("raise SystemExit('a local config file runs')\n")
+  note = cli.shadow_note("ntk_dfl:smoke", str(tmp_path))
+  assert f"runs the packaged config {configs.CONFIG_DIR / 'ntk_dfl.py'}, not {tmp_path / 'ntk_dfl.py'}" in note
+  note = cli.shadow_note("ntk_dfl.py:smoke", str(tmp_path))
+  assert f"runs the file {tmp_path / 'ntk_dfl.py'} (Python code), not the packaged config ntk_dfl" in note
