@@ -1128,3 +1128,45 @@ def test_a_packaged_config_shadowed_by_a_local_file_says_which_one_runs(tmp_path
   assert f"runs the packaged config {configs.CONFIG_DIR / 'ntk_dfl.py'}, not {tmp_path / 'ntk_dfl.py'}" in note
   note = cli.shadow_note("ntk_dfl.py:smoke", str(tmp_path))
   assert f"runs the file {tmp_path / 'ntk_dfl.py'} (Python code), not the packaged config ntk_dfl" in note
+
+
+# ----------------------------------------------------------------------------- no orphaned workers
+
+_LAUNCHER = """
+import sys
+sys.path.insert(0, {repo!r})
+from ntk_fl import distributed
+distributed.launch_local([sys.executable, "-c", "import os, sys, time; open(sys.argv[1] + '.' + str(os.getpid()), "
+                          "'w').close(); time.sleep(600)", sys.argv[1]], 2)
+"""
+
+
+def test_workers_die_with_a_killed_launcher(tmp_path):
+  import glob  # pylint: disable=g-import-not-at-top
+  import signal  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  marker = str(tmp_path / "worker")
+  launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER.format(repo=_REPO), marker],
+                              env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  deadline = time.monotonic() + 120
+  while len(glob.glob(marker + ".*")) < 2:
+    assert time.monotonic() < deadline and launcher.poll() is None
+    time.sleep(0.05)
+  workers = [int(path.rsplit(".", 1)[1]) for path in glob.glob(marker + ".*")]
+  launcher.send_signal(signal.SIGKILL)      # no finally, no handler: only the kernel can stop the workers
+  launcher.wait()
+
+  def alive(pid):
+    try:
+      with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"     # a zombie has ended
+    except OSError:
+      return False
+  deadline = time.monotonic() + 10
+  while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  survivors = [pid for pid in workers if alive(pid)]
+  for pid in survivors:          # clean up what the code under test left running
+    os.kill(pid, signal.SIGKILL)
+  assert not survivors, "workers outlived their killed launcher"
