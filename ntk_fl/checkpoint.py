@@ -89,7 +89,7 @@ def state_digest(storable) -> str | None:
 
 
 def _tied(digest: str, identity: str) -> str:
-  """A state digest tied to its run: SHA-256 over the run's identity (config hash, seed) and the state's digest."""
+  """A state digest tied to its run: SHA-256 of the run's identity (config hash) and the digest."""
   return hashlib.sha256(f"{identity}:{digest}".encode()).hexdigest()
 
 
@@ -141,8 +141,8 @@ class Checkpoints:
     storable = _to_storable(state)
     digest = state_digest(storable)
     run = self.identity or ""
+    # Arrays spread over processes: no process sees them all, so no digest (a restore verifies).
     record = {"digest": None if digest is None else _tied(digest, run), "run": run,
-              # arrays spread over processes: no process sees them all, so no digest (verified by a restore)
               "sharded": digest is None}
     self._manager.save(rounds_done, args=ocp.args.StandardSave(storable), force=True,
                        custom_metadata={_CUSTOM_KEY: record})
@@ -166,35 +166,40 @@ class Checkpoints:
     return steps[-1] if steps else None
 
   def _record(self, rounds_done: int) -> dict:
-    """The ``ntk_fl`` record of a checkpoint's metadata; damaged when unreadable or without a digest."""
+    """The ``ntk_fl`` record of a checkpoint's metadata; damaged when unreadable or digest-less."""
     path = self.path(rounds_done)
     try:
       custom = self._manager.metadata(rounds_done).custom_metadata
     except Exception as err:  # orbax raises JSON, OSError, ... for a damaged metadata file
-      raise CheckpointDamaged(path, f"its {_METADATA_FILE} is unreadable ({_first_line(err)})") from err
+      raise CheckpointDamaged(
+          path, f"its {_METADATA_FILE} is unreadable ({_first_line(err)})") from err
     record = (custom or {}).get(_CUSTOM_KEY) if isinstance(custom, dict) else None
-    if not isinstance(record, dict) or not (isinstance(record.get("digest"), str) or record.get("sharded") is True):
-      raise CheckpointDamaged(path, f"its {_METADATA_FILE} records no digest (unreadable, emptied, or not "
-                              "written by ntk_fl)")
+    recorded = isinstance(record, dict) and (
+        isinstance(record.get("digest"), str) or record.get("sharded") is True)
+    if not recorded:
+      raise CheckpointDamaged(path, f"its {_METADATA_FILE} records no digest (unreadable, "
+                              "emptied, or not written by ntk_fl)")
     return record
 
   def _check_digest(self, rounds_done: int, storable) -> None:
     record = self._record(rounds_done)
-    # Without an identity (an analysis script reading a run's checkpoints) the recorded one is taken as given.
+    # Without an identity (an analysis script reading a run's checkpoints) the recorded one is
+    # taken as given.
     identity = self.identity if self.identity is not None else str(record.get("run", ""))
+    other_run = CheckpointDamaged(self.path(rounds_done),
+                                  "it was written by a different run (another config or seed)")
     if record.get("sharded") is True and record.get("digest") is None:
       if record.get("run", "") != identity:
-        raise CheckpointDamaged(self.path(rounds_done), "it was written by a different run (another config or "
-                                "seed)")
+        raise other_run
       return
     digest = state_digest(storable)
     if digest is None:
       return         # restored spread over processes: the recorded digest cannot be recomputed here
     if _tied(digest, identity) != record["digest"]:
-      other = record.get("run", "") != identity
-      raise CheckpointDamaged(self.path(rounds_done), "it was written by a different run (another config or "
-                              "seed)" if other else "its arrays do not match the digest recorded when it was "
-                              "written (a data file was changed after the save)")
+      if record.get("run", "") != identity:
+        raise other_run
+      raise CheckpointDamaged(self.path(rounds_done), "its arrays do not match the digest recorded "
+                              "when it was written (a data file was changed after the save)")
 
   def verify(self, rounds_done: int) -> None:
     """Restores checkpoint ``rounds_done`` without a template and checks its digest.
@@ -205,7 +210,7 @@ class Checkpoints:
     path = self.path(rounds_done)
     if not os.path.isfile(os.path.join(path, _METADATA_FILE)):
       raise CheckpointDamaged(path, f"incomplete: no {_METADATA_FILE} file")
-    self._record(rounds_done)      # before the restore: an unreadable record is damage, not a skipped check
+    self._record(rounds_done)   # first: an unreadable record is damage, not a skipped check
     try:
       restored = self._manager.restore(rounds_done, args=ocp.args.StandardRestore())
     except Exception as err:  # orbax/TensorStore raise many types (JSON, DATA_LOSS, OSError, ...)

@@ -135,13 +135,13 @@ def shadow_note(spec: str, cwd: str | None = None) -> str | None:
   stem = name.removesuffix(".py")
   if stem not in configs.names():
     return None
-  local = os.path.join(cwd, f"{stem}.py")
+  local, packaged = os.path.join(cwd, f"{stem}.py"), configs.CONFIG_DIR / f"{stem}.py"
   if name == stem and os.path.isfile(local):
-    return (f"--config={spec} runs the packaged config {configs.CONFIG_DIR / (stem + '.py')}, not {local} in the "
-            f"current directory (--config=./{stem}.py runs that file)")
+    return (f"--config={spec} runs the packaged config {packaged}, not {local} in the current "
+            f"directory (--config=./{stem}.py runs that file)")
   if name.endswith(".py") and os.path.isfile(os.path.join(cwd, name)):
-    return (f"--config={spec} runs the file {os.path.join(cwd, name)} (Python code), not the packaged config "
-            f"{stem} (--config={stem} runs that one)")
+    return (f"--config={spec} runs the file {os.path.join(cwd, name)} (Python code), not the "
+            f"packaged config {stem} (--config={stem} runs that one)")
   return None
 
 
@@ -168,7 +168,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 def unknown_key_message(error: str, args: Sequence[str]) -> str:
-  """``unknown config key config.algorithm.lrr; did you mean config.algorithm.lr?`` from config_flags' error.
+  """``unknown config key config.a.lrr; did you mean config.a.lr?`` from config_flags' error.
 
   ``error`` is the text of the ``KeyError``/``AttributeError`` ml_collections raised
   (the key, quoted, and maybe ``Did you mean "lr" instead of "lrr"?``); ``args`` the
@@ -179,8 +179,8 @@ def unknown_key_message(error: str, args: Sequence[str]) -> str:
   key = names[0] if names else error
   suggestion = re.search(r'Did you mean [\\\'"]*([A-Za-z0-9_]+)', error)
   paths = [a[2:].split("=", 1)[0] for a in args if a.startswith("--config.")]
-  path = next((p for p in paths if p.split(".")[-1] == key), next((p for p in paths if key in p.split(".")),
-                                                                    f"config.{key}"))
+  named = [p for p in paths if p.split(".")[-1] == key] + [p for p in paths if key in p.split(".")]
+  path = named[0] if named else f"config.{key}"
   message = f"unknown config key {path}"
   if suggestion:
     message += f"; did you mean {path.rsplit('.', 1)[0]}.{suggestion.group(1)}?"
@@ -309,27 +309,29 @@ def _closing_line(summary: dict, workdir: str) -> str:
 
 
 def _interrupted(workdir: str) -> str:
-  """The line for Ctrl-C: continue with ``--resume`` once the run has started, else start it again."""
+  """The line for Ctrl-C: ``--resume`` once the run has started, else the same command again."""
   if os.path.isfile(os.path.join(workdir, "config.json")):
     return f"interrupted; continue the run with --resume (workdir {workdir})"
-  return f"interrupted before the run started (nothing written to {workdir}); run the same command again"
+  return (f"interrupted before the run started (nothing written to {workdir}); run the same "
+          "command again")
 
 
 def _launch(command: list[str], workdir: str, num_processes: int) -> int:
-  """The local launcher: holds the workdir's lock for its workers, turns Ctrl-C and failures into one line."""
+  """The local launcher: holds the workdir's lock for its workers; Ctrl-C and failures: one line."""
   from ntk_fl import distributed, rundir  # pylint: disable=import-outside-toplevel
   try:
     env, fd = rundir.lock_for_children(workdir)
   except (ValueError, OSError) as e:
     sys.exit(f"error: {one_line(e)}")
   try:
-    status = distributed.launch_local(command, num_processes, env={**os.environ, **env}, pass_fds=(fd,))
+    status = distributed.launch_local(command, num_processes, env={**os.environ, **env},
+                                      pass_fds=(fd,))
   except KeyboardInterrupt:
     sys.stderr.write(f"\n{_interrupted(workdir)}\n")
     return 130
   if status < 0:
-    sys.stderr.write(f"error: a process of the run was killed by signal {-status} and the others were stopped; "
-                     f"{_interrupted(workdir).split('; ', 1)[-1]}\n")
+    sys.stderr.write(f"error: a process of the run was killed by signal {-status} and the others "
+                     f"were stopped; {_interrupted(workdir).split('; ', 1)[-1]}\n")
   return status
 
 
@@ -419,7 +421,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     app.run(_main, argv=argv, flags_parser=_parse_flags)
   except KeyboardInterrupt:     # before the run's own handler: imports, flag parsing, the checks
     workdir = flags.FLAGS["workdir"].value if flags.FLAGS.is_parsed() else None
-    sys.stderr.write(f"\n{_interrupted(workdir) if workdir else 'interrupted; nothing was started'}\n")
+    line = _interrupted(workdir) if workdir else "interrupted; nothing was started"
+    sys.stderr.write(f"\n{line}\n")
     sys.exit(130)
 
 

@@ -81,7 +81,7 @@ def free_port() -> int:
 
 
 def _die_with_parent() -> None:
-  """In a launched process (before exec): SIGTERM when the launcher dies, even by SIGKILL (Linux)."""
+  """In a launched process (before exec): SIGTERM when the launcher dies, even by SIGKILL."""
   try:
     import ctypes  # pylint: disable=import-outside-toplevel
     libc = ctypes.CDLL(None, use_errno=True)

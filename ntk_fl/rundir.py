@@ -128,8 +128,11 @@ def jsonable(obj):
 
 
 def _write_atomic(path: str, text: str) -> None:
-  """Replaces ``path`` by ``text`` in one step (:func:`ntk_fl._src.fsutil.write_atomic`: an exclusive
-  temporary file, never a planted link, ``fsync`` of file and directory); only process 0 writes."""
+  """Replaces ``path`` by ``text`` in one step; only process 0 writes.
+
+  :func:`ntk_fl._src.fsutil.write_atomic`: an exclusive temporary file (never a
+  planted link), ``fsync`` of the file and of the directory after the rename.
+  """
   if not distributed.is_primary():
     return
   fsutil.write_atomic(path, text)
@@ -378,7 +381,8 @@ def check_writable(workdir: str) -> None:
 # ----------------------------------------------------------------------------- one run per workdir
 
 LOCK_FILE = fsutil.LOCK_FILE
-_LOCK_ENV = "NTK_FL_WORKDIR_LOCK"     # "<fd>:<workdir>": the local launcher's lock, inherited by its workers
+# "<fd>:<workdir>": the local launcher's lock, inherited by its workers.
+_LOCK_ENV = "NTK_FL_WORKDIR_LOCK"
 _HELD: dict[str, fsutil.WorkdirLock] = {}
 
 
@@ -402,9 +406,9 @@ def hold_workdir(workdir: str, *, primary: bool | None = None) -> fsutil.Workdir
   check_writable(path)
   lock = fsutil.WorkdirLock(path, fd=int(fd) if fd and locked == path else None).acquire()
   if lock.taken_over:
-    logging.warning("workdir %s: the run recorded in %s (pid %s on this host, started %s) ended without "
-                    "releasing it (it was killed); this run takes the lock over", path, lock.path,
-                    lock.taken_over.get("pid"), lock.taken_over.get("started"))
+    logging.warning("workdir %s: the run recorded in %s (pid %s on this host, started %s) ended "
+                    "without releasing it (it was killed); this run takes the lock over", path,
+                    lock.path, lock.taken_over.get("pid"), lock.taken_over.get("started"))
   _HELD[path] = lock
   atexit.register(release_workdir, path)
   return lock
@@ -419,7 +423,7 @@ def release_workdir(workdir: str) -> None:
 
 @contextlib.contextmanager
 def workdir_lock(workdir: str):
-  """``with workdir_lock(w):`` -- :func:`hold_workdir` for the block (kept if the caller held it already)."""
+  """``with workdir_lock(w):`` -- :func:`hold_workdir` for the block (kept if held before it)."""
   path = os.path.abspath(workdir)
   held = path in _HELD
   lock = hold_workdir(path)
@@ -439,19 +443,19 @@ def lock_for_children(workdir: str) -> tuple[dict, int]:
 
 
 # The files a run writes; a link at one of these names would send the run's writes elsewhere.
-_RUN_NAMES = ("config.json", "metrics.jsonl", "summary.json", "branched_from.json", "log.txt", "accuracy.png",
-              "selection.png", "checkpoints", LOCK_FILE)
+_RUN_NAMES = ("config.json", "metrics.jsonl", "summary.json", "branched_from.json", "log.txt",
+              "accuracy.png", "selection.png", "checkpoints", LOCK_FILE)
 
 
 def check_links(workdir: str, *, fresh: bool) -> None:
-  """Refuses symbolic links where the run writes: any link in a fresh run's workdir, a run file's name otherwise."""
+  """Refuses links where a run writes: any in a fresh run's workdir, else at a run file's name."""
   if not os.path.isdir(workdir):
     return
   names = sorted(os.listdir(workdir)) if fresh else _RUN_NAMES
   links = [n for n in names if os.path.islink(os.path.join(workdir, n))]
   if links:
-    raise ValueError(f"workdir {workdir} holds symbolic links ({', '.join(links)}); a run writes only its own "
-                     "files: remove the links, or choose an empty workdir")
+    raise ValueError(f"workdir {workdir} holds symbolic links ({', '.join(links)}); a run writes "
+                     "only its own files: remove the links, or choose an empty workdir")
 
 
 def run_identity(config) -> str:
@@ -471,7 +475,7 @@ def stored_identity(workdir: str) -> str:
 
 
 def drop_event_files(workdir: str) -> None:
-  """Removes the TensorBoard event files of ``workdir`` (a resumed run rewrites them from ``metrics.jsonl``)."""
+  """Removes ``workdir``'s TensorBoard event files (a resumed run rewrites them from metrics)."""
   if distributed.is_primary():
     for name in os.listdir(workdir):
       if name.startswith("events.out.tfevents") and not os.path.islink(os.path.join(workdir, name)):
@@ -479,12 +483,12 @@ def drop_event_files(workdir: str) -> None:
 
 
 # Outputs of a run that resume moves aside when it has nothing to resume from.
-_RESTART_NAMES = ("config.json", "metrics.jsonl", "summary.json", "branched_from.json", "accuracy.png",
-                  "selection.png")
+_RESTART_NAMES = ("config.json", "metrics.jsonl", "summary.json", "branched_from.json",
+                  "accuracy.png", "selection.png")
 
 
 def _move_unfinished_aside(workdir: str) -> str | None:
-  """Moves a started run's outputs (no usable checkpoint) into ``workdir/unfinished-<UTC time>/``."""
+  """Moves a started run's outputs (no usable checkpoint) to ``workdir/unfinished-<UTC time>/``."""
   names = [n for n in os.listdir(workdir)
            if n in _RESTART_NAMES or n.startswith("events.out.tfevents")]
   if not names:
@@ -516,15 +520,15 @@ def check_workdir(config, workdir: str, *, resume: bool, resume_from_step: int |
   if not resume:
     existing = [n for n in (CONFIG_FILE, METRICS_FILE, CHECKPOINT_DIR) if os.path.exists(os.path.join(workdir, n))]
     if existing:
-      raise ValueError(f"workdir {workdir} already holds a run ({', '.join(existing)}); continue it with --resume "
-                       "(resume=True; with no checkpoint yet it restarts from round 0, the old files moved "
-                       "aside) or choose an empty workdir")
+      raise ValueError(f"workdir {workdir} already holds a run ({', '.join(existing)}); continue "
+                       "it with --resume (resume=True; with no checkpoint yet it restarts from "
+                       "round 0, the old files moved aside) or choose an empty workdir")
     return 0
   steps = [n for n in os.listdir(ckpt_dir) if n.isdigit()] if os.path.isdir(ckpt_dir) else []
   if not os.path.exists(os.path.join(workdir, CONFIG_FILE)) and not steps:
     moved = _move_unfinished_aside(workdir) if os.path.isdir(workdir) else None
-    logging.warning("nothing to resume in %s (no %s): starting the run from round 0%s", workdir, CONFIG_FILE,
-                    f"; its earlier files were moved to {moved}" if moved else "")
+    logging.warning("nothing to resume in %s (no %s): starting the run from round 0%s", workdir,
+                    CONFIG_FILE, f"; its earlier files were moved to {moved}" if moved else "")
     return 0
   stored, current = _experiment_configs(config, workdir, "resume")
   diff = _config_diff(stored, current)
@@ -544,17 +548,18 @@ def check_workdir(config, workdir: str, *, resume: bool, resume_from_step: int |
       if start is not None and start > held and resume_from_step is None:
         # metrics lines were lost after the checkpoint was written: resume from one they cover
         older = [s for s in ckpt.steps() if s <= held]
-        logging.warning("%s holds rounds 1..%d only, not 1..%d of the newest checkpoint; resuming from %s",
-                        os.path.join(workdir, METRICS_FILE), held, start,
+        logging.warning("%s holds rounds 1..%d only, not 1..%d of the newest checkpoint; resuming "
+                        "from %s", os.path.join(workdir, METRICS_FILE), held, start,
                         f"checkpoint {older[-1]}" if older else "round 0")
         start = ckpt.recover(upto=older[-1]) if older else None
   if start is None:
     if resume_from_step is not None:
-      raise FileNotFoundError(f"cannot resume from round {resume_from_step}: no finalised checkpoint in {ckpt_dir}")
+      raise FileNotFoundError(f"cannot resume from round {resume_from_step}: no finalised "
+                              f"checkpoint in {ckpt_dir}")
     moved = _move_unfinished_aside(workdir)
-    logging.warning("nothing to resume in %s: no good checkpoint in %s (config.checkpoint_every = %d); starting "
-                    "the run from round 0 in place; its earlier files were moved to %s", workdir, ckpt_dir,
-                    config.checkpoint_every, moved)
+    logging.warning("nothing to resume in %s: no good checkpoint in %s (config.checkpoint_every = "
+                    "%d); starting the run from round 0 in place; its earlier files were moved "
+                    "to %s", workdir, ckpt_dir, config.checkpoint_every, moved)
     return 0
   metrics_up_to(workdir, start, "resume")   # the lines the resumed run keeps must be readable: checked now
   return start
@@ -583,9 +588,9 @@ def check_start(config, workdir: str, *, resume: bool = False, resume_from_step:
   """
   resume = resume or resume_from_step is not None
   data_dir = config.data.data_dir
-  if data_dir and not os.path.isdir(os.path.expanduser(data_dir)):   # found now, not after the imports and data
-    raise ValueError(f"config.data.data_dir = {data_dir!r} is not a directory; give the folder that holds the data "
-                     "set's files, or '' to search the default places")
+  if data_dir and not os.path.isdir(os.path.expanduser(data_dir)):   # now, not after the data load
+    raise ValueError(f"config.data.data_dir = {data_dir!r} is not a directory; give the folder "
+                     "that holds the data set's files, or '' to search the default places")
   if resume and branch_from is not None:
     raise ValueError("resume and branch_from exclude each other (--resume, --branch_from; a branched run resumes "
                      "from its own checkpoints)")
@@ -621,7 +626,8 @@ def check_branch(config, source: str, branch_round: int | None = None) -> int:
   ckpt_dir = checkpoint_dir(source)
   steps = []
   if os.path.isdir(ckpt_dir):
-    with Checkpoints(ckpt_dir, read_only=True, identity=run_identity(stored)) as ckpt:   # verified, never renamed
+    # Another run's: verified against its own identity, never renamed.
+    with Checkpoints(ckpt_dir, read_only=True, identity=run_identity(stored)) as ckpt:
       steps, damaged = ckpt.good_steps()
     for step, why in damaged.items():
       logging.warning("cannot branch from checkpoint %s: %s", os.path.join(ckpt_dir, str(step)), why)

@@ -456,7 +456,8 @@ def run(config, workdir: str, *, resume: bool = False, resume_from_step: int | N
   started = time.perf_counter()
   settings = validate_config(config)
   # Every step/evaluation is traced inside the device policy, so for_each_client shards and chunks clients by it.
-  with parallel.use_devices(settings.devices, chunk_size=settings.chunk_size), rundir.workdir_lock(workdir):
+  with parallel.use_devices(settings.devices, chunk_size=settings.chunk_size), \
+      rundir.workdir_lock(workdir):       # one run per workdir (held by the caller already: kept)
     return _run(settings, workdir, resume=resume or resume_from_step is not None, resume_from_step=resume_from_step,
                 branch_from=branch_from, branch_round=branch_round, on_round_end=on_round_end, started=started)
 
@@ -467,7 +468,7 @@ def _run(config, workdir: str, *, resume: bool, resume_from_step: int | None, br
   workdir = os.path.abspath(workdir)
   start = rundir.check_start(config, workdir, resume=resume, resume_from_step=resume_from_step,
                              branch_from=branch_from, branch_round=branch_round)
-  resume = resume and start > 0     # nothing to resume: check_start moved the old files aside; a fresh start
+  resume = resume and start > 0   # nothing to resume: the old files were moved aside; a fresh start
   if branch_from is not None:
     branch_from = os.path.abspath(branch_from)
 
@@ -491,8 +492,10 @@ def _run(config, workdir: str, *, resume: bool, resume_from_step: int | None, br
                        f"does not have: {e}") from None
     consensus = jax.jit(gossip.consensus)
   keep = tuple(int(r) for r in config.checkpoint_keep)
-  ckpt = (Checkpoints(rundir.checkpoint_dir(workdir), keep=keep, identity=rundir.run_identity(config))
-          if config.checkpoint_every or keep else None)
+  ckpt = None
+  if config.checkpoint_every or keep:
+    ckpt = Checkpoints(rundir.checkpoint_dir(workdir), keep=keep,
+                       identity=rundir.run_identity(config))
   # Every process has checked the workdir (and, resuming, will read its metrics) before process 0 writes to it.
   distributed.barrier("ntk_fl.runner: workdir checked")
   finite_check = make_finite_check(algorithm.client_params)
@@ -527,7 +530,7 @@ def _run(config, workdir: str, *, resume: bool, resume_from_step: int | None, br
         batch_size=config.eval.batch_size, aggregate=algorithm.aggregate)
     primary = distributed.is_primary()      # only process 0 writes files, logs and the progress bar
     if primary and start:
-      rundir.drop_event_files(workdir)   # metrics.jsonl is the record; a killed writer may have lost rounds
+      rundir.drop_event_files(workdir)   # metrics.jsonl is the record; a killed writer lost rounds
     events = summaries.EventWriter(workdir, first_round=start + 1) if primary else _NoEvents()
     events.write_all(lines)   # rounds 1..start: the source's (branch) or this run's own (resume)
     bar = tqdm(total=rounds, initial=start, desc=config.method, unit="round", dynamic_ncols=True,

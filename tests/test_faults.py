@@ -868,7 +868,8 @@ def test_digest_of_real_method_states(tmp_path, name):
     ckpt.save(1, state)
     ckpt.verify(1)
     restored = ckpt.restore(1, state)
-  for got, want in zip(jax.tree_util.tree_leaves(_to_storable(restored)), jax.tree_util.tree_leaves(_to_storable(state))):
+  leaves_of = jax.tree_util.tree_leaves
+  for got, want in zip(leaves_of(_to_storable(restored)), leaves_of(_to_storable(state))):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   # Every element of every leaf counts: changing the middle element of any leaf changes the digest.
   storable = _to_storable(state)
@@ -936,7 +937,8 @@ def test_atomic_writes_never_follow_a_planted_link_and_are_durable(tmp_path, mon
   fsync, replace = os.fsync, os.replace
   monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.path.isdir(f"/proc/self/fd/{fd}"))),
                                                fsync(fd))[1])
-  monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", os.path.basename(b))), replace(a, b))[1])
+  monkeypatch.setattr(os, "replace",
+                      lambda a, b: (events.append(("replace", os.path.basename(b))), replace(a, b))[1])
   rundir.write_config(str(workdir), {"a": 1})
   assert victim.read_text() == "precious" and (workdir / "config.json").read_text().startswith("{")
   # the file's data, then the rename, then the directory entry
@@ -1022,7 +1024,8 @@ def test_a_gzip_idx_file_is_read_no_further_than_its_header_declares(tmp_path):
     tracemalloc.stop()
   assert peak < 4 << 20, peak
   huge = tmp_path / "images.gz"
-  huge.write_bytes(gz.compress(bytes([0, 0, 0x08, 3]) + b"".join(n.to_bytes(4, "big") for n in (1 << 20, 28, 28))))
+  dims = b"".join(n.to_bytes(4, "big") for n in (1 << 20, 28, 28))
+  huge.write_bytes(gz.compress(bytes([0, 0, 0x08, 3]) + dims))
   with pytest.raises(ValueError, match=r"declares dims \(1048576, 28, 28\).*more than the"):
     sources.read_idx(huge)
 

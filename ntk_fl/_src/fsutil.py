@@ -67,8 +67,8 @@ def open_append(path: str, encoding: str = "utf-8"):
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
   except OSError as e:
     if e.errno == errno.ELOOP:
-      raise OSError(errno.ELOOP, "is a symbolic link; a run writes only its own files (remove the link)",
-                    path) from None
+      raise OSError(errno.ELOOP, "is a symbolic link; a run writes only its own files (remove the "
+                    "link)", path) from None
     raise
   return os.fdopen(fd, "a", encoding=encoding)
 
@@ -105,7 +105,7 @@ def _parse(text: str) -> dict:
 
 
 class WorkdirLock:
-  """An exclusive lock on a run directory, held by this process until :meth:`release` (or its death).
+  """An exclusive lock on a run directory, held until :meth:`release` (or the holder's death).
 
   Args:
     workdir: the run directory (created if missing).
@@ -138,16 +138,18 @@ class WorkdirLock:
       fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as e:
       if e.errno == errno.ELOOP:
-        raise WorkdirBusy(f"{self.path} is a symbolic link; remove it (a run writes only its own files)") from None
+        raise WorkdirBusy(f"{self.path} is a symbolic link; remove it (a run writes only its own "
+                          "files)") from None
       raise
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
       record = _parse(os.pread(fd, 4096, 0).decode(errors="replace"))
       os.close(fd)
-      raise WorkdirBusy(f"workdir {self.workdir} is in use by another run (pid {record.get('pid', '?')} on host "
-                        f"{record.get('host', '?')}, started {record.get('started', '?')}); wait for it to "
-                        "finish or stop it, or choose another --workdir") from None
+      pid, host, started = (record.get(k, "?") for k in ("pid", "host", "started"))
+      raise WorkdirBusy(f"workdir {self.workdir} is in use by another run (pid {pid} on host "
+                        f"{host}, started {started}); wait for it to finish or stop it, or choose "
+                        "another --workdir") from None
     record = _parse(os.pread(fd, 4096, 0).decode(errors="replace"))
     if record.get("pid"):
       try:
@@ -158,12 +160,13 @@ class WorkdirLock:
         dead = False
       if not dead:
         os.close(fd)
-        where = "this host" if record.get("host") == socket.gethostname() else f"host {record.get('host', '?')}"
+        here = record.get("host") == socket.gethostname()
+        where = "this host" if here else f"host {record.get('host', '?')}"
         raise WorkdirBusy(
             f"workdir {self.workdir} was locked by pid {record.get('pid')} on {where} (started "
-            f"{record.get('started', '?')}), which holds no lock now but cannot be shown to have ended "
-            f"{'(its pid is in use)' if record.get('host') == socket.gethostname() else '(another host)'}; "
-            f"if that run is over, delete {self.path} and start again")
+            f"{record.get('started', '?')}), which holds no lock now but cannot be shown to have "
+            f"ended {'(its pid is in use)' if here else '(another host)'}; if that run is over, "
+            f"delete {self.path} and start again")
       self.taken_over = record
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     text = f"pid={os.getpid()}\nhost={socket.gethostname()}\nboot={_boot_id()}\nstarted={started}\n"
@@ -174,10 +177,13 @@ class WorkdirLock:
     return self
 
   def release(self) -> None:
-    """Empties the record and drops the lock (the file stays: unlinking it would let two runs lock two files)."""
+    """Empties the record and drops the lock.
+
+    The file stays: unlinking it would let two runs lock two different files.
+    """
     if self.fd is None:
       return
-    if self.inherited:         # the launcher's lock: it empties and drops it when every worker has ended
+    if self.inherited:     # the launcher's lock: it empties and drops it once its workers ended
       os.close(self.fd)
       self.fd = None
       return

@@ -127,8 +127,9 @@ def load_index_map(partition_file: str | os.PathLike, *, num_clients: int | None
   """
   path = resolve(partition_file)
   if not zipfile.is_zipfile(path):
-    raise ValueError(f"index map {str(path)!r} is not a readable .npz file: not a zip archive (of .npy arrays); write one with "
-                     "ntk_fl.data.index_map.save_index_map or `python -m ntk_fl.data.index_map convert`")
+    raise ValueError(f"index map {str(path)!r} is not a readable .npz file: not a zip archive (of "
+                     ".npy arrays); write one with ntk_fl.data.index_map.save_index_map or "
+                     "`python -m ntk_fl.data.index_map convert`")
   try:
     arrays = _read_bounded(path, num_clients=num_clients, num_samples=num_samples)
   except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
@@ -137,7 +138,7 @@ def load_index_map(partition_file: str | os.PathLike, *, num_clients: int | None
 
 
 def _read_bounded(path: Path, *, num_clients: int | None, num_samples: int | None) -> dict:
-  """The arrays of an index-map ``.npz``, their declared shapes checked before anything is allocated.
+  """The arrays of an index-map ``.npz``, declared shapes checked before anything is allocated.
 
   A client holds at most as many entries as the training set has samples
   (``num_samples``; the largest standard training set when unknown), so a map
@@ -169,8 +170,9 @@ def _read_bounded(path: Path, *, num_clients: int | None, num_samples: int | Non
           raise ValueError(f"{key!r} holds Python objects; an index map holds int32 arrays")
         data = f.read(count * dtype.itemsize + 1)
       if len(data) != count * dtype.itemsize:
-        raise ValueError(f"{key!r} holds {len(data)} bytes{' or more' if len(data) > count * dtype.itemsize else ''}"
-                         f" but its header declares {count} of {dtype}")
+        more = " or more" if len(data) > count * dtype.itemsize else ""
+        raise ValueError(f"{key!r} holds {len(data)} bytes{more} but its header declares "
+                         f"{count} of {dtype}")
       arrays[key] = np.frombuffer(data, dtype).reshape(shape, order="F" if fortran else "C")
   return arrays
 

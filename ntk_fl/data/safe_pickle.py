@@ -162,9 +162,12 @@ def loads(data: bytes, *, source: str | os.PathLike = "<bytes>", encoding: str =
   source = os.fspath(source)
   allowed = {**ARRAY_GLOBALS, ("numpy", "dtype"): _checked_dtype(dtype_kinds, source), **(extra_globals or {})}
   try:
-    result = _RestrictedUnpickler(io.BytesIO(data), source=source, allowed=allowed, encoding=encoding).load()
+    unpickler = _RestrictedUnpickler(io.BytesIO(data), source=source, allowed=allowed,
+                                     encoding=encoding)
+    result = unpickler.load()
   except (MemoryError, OverflowError) as err:    # an array constructor asked for an absurd size
-    raise UnsafePickleError(f"{source}: refused an array of impossible size ({type(err).__name__}: {err})") from None
+    raise UnsafePickleError(f"{source}: refused an array of impossible size ({type(err).__name__}: "
+                            f"{err})") from None
   _check_arrays(result, dtype_kinds, source, len(data))
   return result
 
@@ -183,14 +186,15 @@ def _check_arrays(obj, dtype_kinds: str, source: str, size: int) -> None:
       if item.dtype.kind not in dtype_kinds or item.dtype.fields is not None:
         raise UnsafePickleError(f"{source}: refused an array of dtype {item.dtype!r}; allowed kinds: {dtype_kinds!r}")
       if item.size > 1 and not (item.flags.c_contiguous or item.flags.f_contiguous):
-        raise UnsafePickleError(f"{source}: refused a strided array (shape {item.shape}, strides {item.strides}): "
-                                "a data file holds every element of its arrays")
+        raise UnsafePickleError(f"{source}: refused a strided array (shape {item.shape}, strides "
+                                f"{item.strides}): a data file holds every element of its arrays")
       if id(item) not in seen:
         seen.add(id(item))
         total += item.nbytes
         if total > size:
-          raise UnsafePickleError(f"{source}: its arrays claim {total} bytes or more, but the pickle holds only "
-                                  f"{size}: refused (a data file holds every element of its arrays)")
+          raise UnsafePickleError(f"{source}: its arrays claim {total} bytes or more, but the "
+                                  f"pickle holds only {size}: refused (a data file holds every "
+                                  "element of its arrays)")
     elif isinstance(item, dict):
       pending.extend(item.keys())
       pending.extend(item.values())
@@ -208,6 +212,6 @@ def load_file(path: str | os.PathLike, *, max_bytes: int = 1 << 29, **kwargs) ->
   with (gzip.open(path, "rb") if gzipped else open(path, "rb")) as f:
     data = f.read(max_bytes + 1)     # never more: a small gzip file may expand without bound
   if len(data) > max_bytes:
-    raise UnsafePickleError(f"{path}: decompresses to more than {max_bytes} bytes; refused (a data file of "
-                            "this kind is smaller)")
+    raise UnsafePickleError(f"{path}: decompresses to more than {max_bytes} bytes; refused (a data "
+                            "file of this kind is smaller)")
   return loads(data, source=kwargs.pop("source", path), **kwargs)

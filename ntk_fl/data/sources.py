@@ -153,17 +153,17 @@ def _read_bytes(path: Path, max_bytes: int = MAX_PICKLE_BYTES) -> bytes:
       raise
     raise ValueError(f"{path}: corrupt or truncated gzip stream ({err})") from err
   if len(data) > max_bytes:
-    raise ValueError(f"{path}: {'decompresses to' if gzipped else 'holds'} more than {max_bytes} bytes, more than "
-                     "a data file of this format holds; not a data file of it")
+    raise ValueError(f"{path}: {'decompresses to' if gzipped else 'holds'} more than {max_bytes} "
+                     "bytes, more than a data file of this format holds; not a data file of it")
   return data
 
 
 MAX_IDX_BYTES = 1 << 28
-"""The largest IDX payload read (256 MiB; EMNIST digits' training images, the largest standard file, are 188 MB)."""
+"""The largest IDX payload read: 256 MiB (EMNIST digits' training images, the largest: 188 MB)."""
 
 
 def _read_idx_stream(f, path: Path, max_bytes: int) -> np.ndarray:
-  """Parses an IDX stream, reading no more than its header declares (and refusing a declared size over ``max_bytes``)."""
+  """Parses an IDX stream, reading no more than its header declares (at most ``max_bytes``)."""
   raw = f.read(4)
   if len(raw) < 4:
     raise ValueError(f"{path}: {len(raw)} bytes is too short for an IDX header (needs at least 4)")
@@ -178,20 +178,22 @@ def _read_idx_stream(f, path: Path, max_bytes: int) -> np.ndarray:
   header = 4 + 4 * ndim
   dims_raw = f.read(4 * ndim)
   if len(dims_raw) < 4 * ndim:
-    raise ValueError(f"{path}: truncated IDX header: {ndim} dimensions need {header} bytes, file has "
-                     f"{4 + len(dims_raw)}")
+    raise ValueError(f"{path}: truncated IDX header: {ndim} dimensions need {header} bytes, file "
+                     f"has {4 + len(dims_raw)}")
   dims = tuple(int(d) for d in np.frombuffer(dims_raw, ">u4"))
   dtype = _IDX_DTYPES[code]
   expected = math.prod(dims) * dtype.itemsize
   if expected > max_bytes:
-    raise ValueError(f"{path}: IDX header declares dims {dims} of {dtype.name}, {expected} bytes, more than the "
-                     f"{max_bytes} an IDX file of this data set may hold; not a data file of it")
+    raise ValueError(f"{path}: IDX header declares dims {dims} of {dtype.name}, {expected} bytes, "
+                     f"more than the {max_bytes} an IDX file of this data set may hold; not a data "
+                     "file of it")
   payload = f.read(expected)
-  extra = len(f.read(1))      # one byte past the declared payload tells trailing data (read no more)
+  extra = len(f.read(1))    # one byte past the declared payload tells trailing data (no more read)
   if len(payload) != expected or extra:
     what = "truncated" if len(payload) < expected else "trailing bytes"
     size = f"{len(payload)}" if not extra else f"more than {expected}"
-    raise ValueError(f"{path}: IDX payload is {size} bytes but dims {dims} of {dtype.name} need {expected} ({what})")
+    raise ValueError(f"{path}: IDX payload is {size} bytes but dims {dims} of {dtype.name} need "
+                     f"{expected} ({what})")
   return np.frombuffer(payload, dtype).reshape(dims).astype(dtype.newbyteorder("="))
 
 
