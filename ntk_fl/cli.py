@@ -252,6 +252,9 @@ def _log_to_workdir(buffer: io.StringIO | None, workdir: str) -> None:
     return
   os.makedirs(workdir, exist_ok=True)
   log = fsutil.open_append(os.path.join(workdir, LOG_FILE))  # never through a planted link
+  # A record the log file cannot take (a full disk) is dropped, not reported with a traceback on the
+  # console: the failure itself reaches the command as an exception and its one error line.
+  std_logging.raiseExceptions = False
   log.write(buffer.getvalue())
   log.flush()
   logging.get_absl_handler().python_handler.stream = log
@@ -296,6 +299,20 @@ def report_failure(err: BaseException, workdir: str | None, *, verbose: bool) ->
   elif log_path:
     message += f" (traceback in {log_path}; --verbosity=1 prints it)"
   return message
+
+
+def _close_log() -> None:
+  """Flushes the absl log file (errors ignored) and sends what is logged after this nowhere."""
+  handler = logging.get_absl_handler().python_handler
+  stream = getattr(handler, "stream", None)
+  if stream is None or stream is sys.stderr:
+    return
+  handler.stream = open(os.devnull, "w", encoding="utf-8")  # pylint: disable=consider-using-with
+  for finish in (stream.flush, stream.close):
+    try:
+      finish()
+    except OSError:
+      pass
 
 
 def _closing_line(summary: dict, workdir: str) -> str:
@@ -394,7 +411,9 @@ def _main(argv: list[str]) -> None:
   except runner.Diverged as e:   # an outcome of the experiment, not a failure of the code: no traceback
     sys.exit(f"error: {e}")
   except (*_ONE_LINE_ERRORS, CheckpointDamaged) as e:
-    sys.exit(f"error: {report_failure(e, workdir, verbose=verbose)}")
+    message = report_failure(e, workdir, verbose=verbose)
+    _close_log()     # a full disk must not fail once more, with a traceback, when the log is flushed at exit
+    sys.exit(f"error: {message}")
   except KeyboardInterrupt:
     sys.stderr.write(f"\n{_interrupted(workdir)}\n")
     sys.exit(130)
