@@ -66,8 +66,10 @@ def test_selection_plot_axes_explain_the_halves_and_count_whole_clients():
     np.testing.assert_array_equal(line.get_xdata(), np.arange(1, m + 1))
     np.testing.assert_allclose(line.get_ydata(), curves[name])
   heights = [patch.get_height() for patch in hist_ax.patches]
+  counts, edges = np.histogram(curves["test_accuracy"], bins=20)
   assert sum(heights) == m
-  np.testing.assert_array_equal(heights, np.histogram(curves["test_accuracy"], bins=20)[0])
+  np.testing.assert_array_equal(heights, counts)
+  np.testing.assert_allclose([patch.get_x() for patch in hist_ax.patches], edges[:-1])   # where they lie
 
 
 def test_label_distribution_counts_are_whole_numbers(tmp_path):
