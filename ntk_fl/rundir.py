@@ -13,14 +13,18 @@ Workdir layout::
   selection.png    best-to-worst / random / worst-to-best averaging curves
   checkpoints/     orbax checkpoints, one directory per saved round count
   branched_from.json  only for a branched run: the source workdir and the round it was taken after
+  run.lock         the lock of the run that holds the workdir (pid, host; empty when none does)
+  unfinished-<t>/  the files of a run that ``resume`` restarted from round 0 (it had no checkpoint)
 
 How a run may start in a workdir (:func:`check_start`): fresh (an empty
 workdir; a run is never overwritten silently), ``resume`` (the same config and
 a good checkpoint, :func:`check_workdir`: damaged or incomplete checkpoints are
-set aside, renamed, and the newest good one is used) or a branch from another run's
-checkpoint (:func:`check_branch`): the two configs must be equal, or the
-method's ``shared_rounds`` must certify that they compute rounds 1..k
-identically (SPARK's ablation rows share the hard-label warm-up).
+set aside, renamed, and the newest good one is used; with none, the run starts
+again from round 0, its old files moved to ``unfinished-<t>/``) or a branch from
+another run's checkpoint (:func:`check_branch`): the two configs must be equal,
+or the method's ``shared_rounds`` must certify that they compute rounds 1..k
+identically (SPARK's ablation rows share the hard-label warm-up). Only the run
+holding the workdir's lock (:func:`hold_workdir`) may start or write in it.
 """
 from __future__ import annotations
 
