@@ -10,11 +10,16 @@ on the next start). A step directory also needs orbax's
 
 Every checkpoint records a SHA-256 digest of its arrays in orbax's step
 metadata (``custom_metadata["ntk_fl"]["digest"]``, written inside the same
-atomic rename). A restore recomputes it, so damage that still decodes -- a
-flipped byte, a zero-filled block inside a data file -- is caught as surely as a
-truncated file, which TensorStore refuses to read. (Checkpoints written
-before digests existed, or of arrays spread over several processes, carry no
-digest and are checked by a complete restore only.)
+atomic rename), tied to its run: the digest covers the run's identity (a hash
+of its config, seed included; ``Checkpoints(identity=...)``), recorded beside
+it as ``"run"``. A restore recomputes it, so damage that still decodes -- a
+flipped byte, a zero-filled block inside a data file, another checkpoint's
+arrays -- is caught as surely as a truncated file, which TensorStore refuses
+to read, and so is a checkpoint copied from another run. Metadata that is
+unreadable or records no digest is damage too: the check is never skipped.
+(Checkpoints of arrays spread over several processes record ``"sharded"``
+instead of a digest: their run identity is checked, their arrays by a
+complete restore only.)
 
 Recovery (:meth:`Checkpoints.recover`): step directories that are incomplete
 (no metadata file) or unreadable / failing their digest are *set aside* --
