@@ -80,14 +80,13 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-  """In a launched process (before exec): SIGTERM when the launcher dies, even by SIGKILL."""
+def _parent_death_signal():
+  """The C library's ``prctl``, looked up in the parent (never in a forked child); ``None`` if absent."""
   try:
     import ctypes  # pylint: disable=import-outside-toplevel
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGTERM)    # PR_SET_PDEATHSIG
+    return ctypes.CDLL(None, use_errno=True).prctl
   except (OSError, AttributeError):  # not Linux: the launcher's finally still stops its processes
-    return
+    return None
 
 
 def launch_local(command: Sequence[str], num_processes: int, *, env: dict | None = None,
@@ -109,11 +108,12 @@ def launch_local(command: Sequence[str], num_processes: int, *, env: dict | None
   if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
     raise ValueError(f"num_processes must be an int >= 1, got {num_processes!r}")
   address = f"localhost:{free_port()}"
-  launcher = os.getpid()
+  launcher, prctl = os.getpid(), _parent_death_signal()
 
-  def start_child():
-    _die_with_parent()
-    if os.getppid() != launcher:     # the launcher died before the signal was armed
+  def start_child():       # in the child, before exec: only a C call and a check (fork-safe)
+    if prctl is not None:
+      prctl(1, signal.SIGTERM)        # PR_SET_PDEATHSIG: SIGTERM when the launcher dies
+    if os.getppid() != launcher:      # the launcher died before the signal was armed
       os._exit(1)  # pylint: disable=protected-access
   # A launcher stopped by SIGTERM (a job scheduler, a test) stops its processes too (via the finally below).
   previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
