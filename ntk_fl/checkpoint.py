@@ -10,11 +10,16 @@ on the next start). A step directory also needs orbax's
 
 Every checkpoint records a SHA-256 digest of its arrays in orbax's step
 metadata (``custom_metadata["ntk_fl"]["digest"]``, written inside the same
-atomic rename). A restore recomputes it, so damage that still decodes -- a
-flipped byte, a zero-filled block inside a data file -- is caught as surely as a
-truncated file, which TensorStore refuses to read. (Checkpoints written
-before digests existed, or of arrays spread over several processes, carry no
-digest and are checked by a complete restore only.)
+atomic rename), tied to its run: the digest covers the run's identity (a hash
+of its config, seed included; ``Checkpoints(identity=...)``), recorded beside
+it as ``"run"``. A restore recomputes it, so damage that still decodes -- a
+flipped byte, a zero-filled block inside a data file, another checkpoint's
+arrays -- is caught as surely as a truncated file, which TensorStore refuses
+to read, and so is a checkpoint copied from another run. Metadata that is
+unreadable or records no digest is damage too: the check is never skipped.
+(Checkpoints of arrays spread over several processes record ``"sharded"``
+instead of a digest: their run identity is checked, their arrays by a
+complete restore only.)
 
 Recovery (:meth:`Checkpoints.recover`): step directories that are incomplete
 (no metadata file) or unreadable / failing their digest are *set aside* --
@@ -88,6 +93,11 @@ def state_digest(storable) -> str | None:
   return hashlib.sha256("".join(sorted(parts)).encode()).hexdigest()
 
 
+def _tied(digest: str, identity: str) -> str:
+  """A state digest tied to its run: SHA-256 of the run's identity (config hash) and the digest."""
+  return hashlib.sha256(f"{identity}:{digest}".encode()).hexdigest()
+
+
 def _first_line(err: BaseException) -> str:
   """The gist of an orbax/TensorStore error (theirs run to a hundred lines)."""
   text = str(err).strip().splitlines()
@@ -105,12 +115,18 @@ class Checkpoints:
     read_only: only list and restore (another run's checkpoints, e.g. the source
       of a branch, possibly still running): nothing is created, saved, set aside
       or cleaned up.
+    identity: the run's identity (:func:`ntk_fl.rundir.run_identity`: a hash of its
+      config, seed included). Saved checkpoints record it and their digest covers
+      it; a checkpoint whose recorded identity differs is damaged (a checkpoint
+      copied from another run). ``None``: a reader that takes the recorded
+      identity as given (the arrays are still checked against the digest).
   """
 
   def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 2, keep: Sequence[int] = (),
-               read_only: bool = False):
+               read_only: bool = False, identity: str | None = None):
     self.directory = os.path.abspath(os.fspath(directory))
     self.read_only = read_only
+    self.identity = identity
     preserve = ocp.checkpoint_managers
     policy = preserve.LatestN(n=max_to_keep)
     if keep:
@@ -128,8 +144,13 @@ class Checkpoints:
   def save(self, rounds_done: int, state) -> None:
     """Saves ``state`` as the checkpoint after ``rounds_done`` rounds (blocks until final)."""
     storable = _to_storable(state)
+    digest = state_digest(storable)
+    run = self.identity or ""
+    # Arrays spread over processes: no process sees them all, so no digest (a restore verifies).
+    record = {"digest": None if digest is None else _tied(digest, run), "run": run,
+              "sharded": digest is None}
     self._manager.save(rounds_done, args=ocp.args.StandardSave(storable), force=True,
-                       custom_metadata={_CUSTOM_KEY: {"digest": state_digest(storable)}})
+                       custom_metadata={_CUSTOM_KEY: record})
     self._manager.wait_until_finished()
 
   def _listed_steps(self) -> list[int]:
@@ -149,15 +170,41 @@ class Checkpoints:
     steps = self.steps()
     return steps[-1] if steps else None
 
-  def _recorded_digest(self, rounds_done: int) -> str | None:
-    custom = self._manager.metadata(rounds_done).custom_metadata or {}
-    return (custom.get(_CUSTOM_KEY) or {}).get("digest")
+  def _record(self, rounds_done: int) -> dict:
+    """The ``ntk_fl`` record of a checkpoint's metadata; damaged when unreadable or digest-less."""
+    path = self.path(rounds_done)
+    try:
+      custom = self._manager.metadata(rounds_done).custom_metadata
+    except Exception as err:  # orbax raises JSON, OSError, ... for a damaged metadata file
+      raise CheckpointDamaged(
+          path, f"its {_METADATA_FILE} is unreadable ({_first_line(err)})") from err
+    record = (custom or {}).get(_CUSTOM_KEY) if isinstance(custom, dict) else None
+    recorded = isinstance(record, dict) and (
+        isinstance(record.get("digest"), str) or record.get("sharded") is True)
+    if not recorded:
+      raise CheckpointDamaged(path, f"its {_METADATA_FILE} records no digest (unreadable, "
+                              "emptied, or not written by ntk_fl)")
+    return record
 
   def _check_digest(self, rounds_done: int, storable) -> None:
-    recorded = self._recorded_digest(rounds_done)
-    if recorded is not None and state_digest(storable) != recorded:
-      raise CheckpointDamaged(self.path(rounds_done), "its arrays do not match the digest recorded when it was "
-                              "written (a data file was changed after the save)")
+    record = self._record(rounds_done)
+    # Without an identity (an analysis script reading a run's checkpoints) the recorded one is
+    # taken as given.
+    identity = self.identity if self.identity is not None else str(record.get("run", ""))
+    other_run = CheckpointDamaged(self.path(rounds_done),
+                                  "it was written by a different run (another config or seed)")
+    if record.get("sharded") is True and record.get("digest") is None:
+      if record.get("run", "") != identity:
+        raise other_run
+      return
+    digest = state_digest(storable)
+    if digest is None:
+      return         # restored spread over processes: the recorded digest cannot be recomputed here
+    if _tied(digest, identity) != record["digest"]:
+      if record.get("run", "") != identity:
+        raise other_run
+      raise CheckpointDamaged(self.path(rounds_done), "its arrays do not match the digest recorded "
+                              "when it was written (a data file was changed after the save)")
 
   def verify(self, rounds_done: int) -> None:
     """Restores checkpoint ``rounds_done`` without a template and checks its digest.
@@ -168,6 +215,7 @@ class Checkpoints:
     path = self.path(rounds_done)
     if not os.path.isfile(os.path.join(path, _METADATA_FILE)):
       raise CheckpointDamaged(path, f"incomplete: no {_METADATA_FILE} file")
+    self._record(rounds_done)   # first: an unreadable record is damage, not a skipped check
     try:
       restored = self._manager.restore(rounds_done, args=ocp.args.StandardRestore())
     except Exception as err:  # orbax/TensorStore raise many types (JSON, DATA_LOSS, OSError, ...)

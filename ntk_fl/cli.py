@@ -61,7 +61,10 @@ from absl import logging
 from ml_collections import config_flags
 from tqdm.auto import tqdm
 
-__all__ = ["LOG_FILE", "main", "one_line", "report_failure", "resolve_config_args"]
+from ntk_fl._src import fsutil
+
+__all__ = ["LOG_FILE", "main", "one_line", "report_failure", "resolve_config_args", "shadow_note",
+           "unknown_key_message"]
 
 LOG_FILE = "log.txt"
 """The run's absl log, in its workdir (appended to by ``--resume``)."""
@@ -135,11 +138,39 @@ def resolve_config_args(argv: Sequence[str]) -> list[str]:
 
   out = list(argv)
   for i, arg in enumerate(out):
+    value = arg[len("--config="):] if arg.startswith("--config=") else None
+    note = shadow_note(value) if value else None
+    if note:
+      sys.stderr.write(f"note: {note}\n")
     if arg.startswith("--config="):
       out[i] = "--config=" + configs.resolve(arg[len("--config="):])
     elif arg == "--config" and i + 1 < len(out):
       out[i + 1] = configs.resolve(out[i + 1])
   return out
+
+
+def shadow_note(spec: str, cwd: str | None = None) -> str | None:
+  """Which config runs when a packaged config's name and a file in the working directory look alike.
+
+  A config file is Python code and runs when loaded: ``--config=ntk_dfl`` runs
+  the packaged ``ntk_dfl`` even with an ``ntk_dfl.py`` in the working directory,
+  and ``--config=ntk_dfl.py`` runs that file, not the packaged one. ``None`` when
+  nothing is shadowed.
+  """
+  from ntk_fl import configs  # pylint: disable=import-outside-toplevel
+  name = spec.partition(":")[0]
+  cwd = cwd or os.getcwd()
+  stem = name.removesuffix(".py")
+  if stem not in configs.names():
+    return None
+  local, packaged = os.path.join(cwd, f"{stem}.py"), configs.CONFIG_DIR / f"{stem}.py"
+  if name == stem and os.path.isfile(local):
+    return (f"--config={spec} runs the packaged config {packaged}, not {local} in the current "
+            f"directory (--config=./{stem}.py runs that file)")
+  if name.endswith(".py") and os.path.isfile(os.path.join(cwd, name)):
+    return (f"--config={spec} runs the file {os.path.join(cwd, name)} (Python code), not the "
+            f"packaged config {stem} (--config={stem} runs that one)")
+  return None
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
@@ -161,10 +192,27 @@ def _parse_flags(argv: list[str]) -> list[str]:
       sys.exit(f"error: --config={value}: {cause}")
     sys.exit(f"FATAL Flags parsing error: {e}\nPass --helpshort or --helpfull to see help on flags.")
   except (AttributeError, KeyError) as e:
-    key = str(e.args[0] if e.args else e).strip("'\"")
-    overrides = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")]
-    sys.exit(f"error: unknown config key {key!r} in the overrides {overrides}; "
-             "every --config.<key> must name a field of the config file")
+    sys.exit(f"error: {unknown_key_message(str(e.args[0] if e.args else e), argv[1:])}")
+
+
+def unknown_key_message(error: str, args: Sequence[str]) -> str:
+  """``unknown config key config.a.lrr; did you mean config.a.lr?`` from config_flags' error.
+
+  ``error`` is the text of the ``KeyError``/``AttributeError`` ml_collections raised
+  (the key, quoted, and maybe ``Did you mean "lr" instead of "lrr"?``); ``args`` the
+  command line, whose ``--config.<key>`` override names the whole path.
+  """
+  import re  # pylint: disable=import-outside-toplevel
+  names = re.findall(r"[A-Za-z_][A-Za-z0-9_]*", error)
+  key = names[0] if names else error
+  suggestion = re.search(r'Did you mean [\\\'"]*([A-Za-z0-9_]+)', error)
+  paths = [a[2:].split("=", 1)[0] for a in args if a.startswith("--config.")]
+  named = [p for p in paths if p.split(".")[-1] == key] + [p for p in paths if key in p.split(".")]
+  path = named[0] if named else f"config.{key}"
+  message = f"unknown config key {path}"
+  if suggestion:
+    message += f"; did you mean {path.rsplit('.', 1)[0]}.{suggestion.group(1)}?"
+  return message
 
 
 class _QuietLibraries(std_logging.Filter):
@@ -235,7 +283,10 @@ def _log_to_workdir(buffer: io.StringIO | None, workdir: str) -> None:
   if buffer is None:
     return
   os.makedirs(workdir, exist_ok=True)
-  log = open(os.path.join(workdir, LOG_FILE), "a", encoding="utf-8")  # pylint: disable=consider-using-with
+  log = fsutil.open_append(os.path.join(workdir, LOG_FILE))  # never through a planted link
+  # A record the log file cannot take (a full disk) is dropped, not reported with a traceback on the
+  # console: the failure itself reaches the command as an exception and its one error line.
+  std_logging.raiseExceptions = False
   log.write(buffer.getvalue())
   log.flush()
   logging.get_absl_handler().python_handler.stream = log
@@ -277,7 +328,7 @@ def report_failure(err: BaseException, workdir: str | None, *, verbose: bool) ->
         stream.flush()
       os.makedirs(workdir, exist_ok=True)
       log_path = os.path.join(os.path.abspath(workdir), LOG_FILE)
-      with open(log_path, "a", encoding="utf-8") as f:
+      with fsutil.open_append(log_path) as f:
         f.write(f"error: {message}\n{trace}\n")
     except OSError:          # e.g. the disk is full: the traceback then only goes to stderr on request
       log_path = None
@@ -289,15 +340,20 @@ def report_failure(err: BaseException, workdir: str | None, *, verbose: bool) ->
 
 
 def _remove_log_only_workdir(workdir: str) -> None:
-  """Removes ``workdir`` if this command made it and it holds only ``log.txt``.
+  """Removes ``workdir`` if this command made it and it holds only ``log.txt`` and its lock.
 
   For a start that failed on the user's setup (missing data: the error line is
   the whole help), so no workdir holding nothing but a log is left behind;
   other failures keep the log, whose traceback their error line points to.
   """
+  from ntk_fl import rundir  # pylint: disable=import-outside-toplevel
+
   try:
-    if os.listdir(workdir) != [LOG_FILE]:
+    if not set(os.listdir(workdir)) <= {LOG_FILE, rundir.LOCK_FILE}:
       return
+    rundir.release_workdir(os.path.abspath(workdir))
+    if os.path.exists(os.path.join(workdir, rundir.LOCK_FILE)):
+      os.remove(os.path.join(workdir, rundir.LOCK_FILE))
     handler = logging.get_absl_handler().python_handler
     stream = getattr(handler, "stream", None)
     if stream is not None and stream not in (sys.stderr, sys.stdout):
@@ -335,6 +391,20 @@ def _config_before_overrides():
   return config_lib.load_config(path, variant or None)
 
 
+def _close_log() -> None:
+  """Flushes the absl log file (errors ignored) and sends what is logged after this nowhere."""
+  handler = logging.get_absl_handler().python_handler
+  stream = getattr(handler, "stream", None)
+  if stream is None or stream is sys.stderr:
+    return
+  handler.stream = open(os.devnull, "w", encoding="utf-8")  # pylint: disable=consider-using-with
+  for finish in (stream.flush, stream.close):
+    try:
+      finish()
+    except OSError:
+      pass
+
+
 def _closing_line(summary: dict, workdir: str) -> str:
   """One line with the result of a run, for the console."""
   acc = summary.get("final_test_acc")
@@ -343,6 +413,33 @@ def _closing_line(summary: dict, workdir: str) -> str:
   accuracy = "not evaluated" if acc is None else f"{acc:.4f}"
   return (f"{summary.get('method')}: {summary.get('rounds_run')} rounds, final aggregated accuracy {accuracy}"
           f"{'; ' + targets if targets else ''}; {summary.get('wall_time', 0.0):.1f} s. Outputs in {workdir}")
+
+
+def _interrupted(workdir: str) -> str:
+  """The line for Ctrl-C: ``--resume`` once the run has started, else the same command again."""
+  if os.path.isfile(os.path.join(workdir, "config.json")):
+    return f"interrupted; continue the run with --resume (workdir {workdir})"
+  return (f"interrupted before the run started (nothing written to {workdir}); run the same "
+          "command again")
+
+
+def _launch(command: list[str], workdir: str, num_processes: int) -> int:
+  """The local launcher: holds the workdir's lock for its workers; Ctrl-C and failures: one line."""
+  from ntk_fl import distributed, rundir  # pylint: disable=import-outside-toplevel
+  try:
+    env, fd = rundir.lock_for_children(workdir)
+  except (ValueError, OSError) as e:
+    sys.exit(f"error: {one_line(e)}")
+  try:
+    status = distributed.launch_local(command, num_processes, env={**os.environ, **env},
+                                      pass_fds=(fd,))
+  except KeyboardInterrupt:
+    sys.stderr.write(f"\n{_interrupted(workdir)}\n")
+    return 130
+  if status < 0:
+    sys.stderr.write(f"error: a process of the run was killed by signal {-status} and the others "
+                     f"were stopped; {_interrupted(workdir).split('; ', 1)[-1]}\n")
+  return status
 
 
 def _join_processes() -> bool:
@@ -368,7 +465,7 @@ def _main(argv: list[str]) -> None:
   if _FLAGS["process_id"].value is None and _FLAGS["num_processes"].value > 1 and not _FLAGS["distributed"].value:
     # The local launcher: P copies of this command, each told its rank and the coordinator.
     command = [sys.executable, "-m", "ntk_fl", *distributed.strip_flags(_ARGV[1:], ["num_processes"])]
-    status = distributed.launch_local(command, _FLAGS["num_processes"].value)
+    status = _launch(command, _FLAGS["workdir"].value, _FLAGS["num_processes"].value)
     sys.exit(status if status >= 0 else 128 - status)
   logging.get_absl_handler().addFilter(_QuietLibraries())
   primary = _join_processes()
@@ -394,12 +491,13 @@ def _main(argv: list[str]) -> None:
     # Everything that can be wrong with the request fails here, before any data is loaded; the config is
     # checked once and travels on as typed settings.
     settings = schema.validate_config(config, reference=_config_before_overrides())
+    fresh = not os.path.isdir(workdir) or not os.listdir(workdir)   # before the lock file is made
+    rundir.hold_workdir(workdir)        # one run per workdir, held until this process exits
     rundir.check_start(settings, workdir, **start)
   except (*_ONE_LINE_ERRORS, CheckpointDamaged) as e:
     if verbose:
       traceback.print_exc()
     sys.exit(f"error: {one_line(e)}")
-  fresh = not os.path.isdir(workdir) or not os.listdir(workdir)
   try:
     _log_to_workdir(held, workdir)
     summary = runner.run(settings, workdir, **start)
@@ -409,9 +507,10 @@ def _main(argv: list[str]) -> None:
     message = report_failure(e, workdir, verbose=verbose)
     if fresh and getattr(e, "help_message", False):
       _remove_log_only_workdir(workdir)
+    _close_log()     # a full disk must not fail once more, with a traceback, when the log is flushed at exit
     sys.exit(f"error: {message}")
   except KeyboardInterrupt:
-    sys.stderr.write(f"\ninterrupted; continue the run with --resume (workdir {workdir})\n")
+    sys.stderr.write(f"\n{_interrupted(workdir)}\n")
     sys.exit(130)
   if primary:
     print(_closing_line(summary, os.path.abspath(workdir)), flush=True)
@@ -443,7 +542,13 @@ def main(argv: Sequence[str] | None = None) -> None:
   main_module = sys.modules.get("__main__")
   if main_module is not None and not (getattr(main_module, "__doc__", None) or "").strip():
     main_module.__doc__ = __doc__
-  app.run(_main, argv=argv, flags_parser=_parse_flags)
+  try:
+    app.run(_main, argv=argv, flags_parser=_parse_flags)
+  except KeyboardInterrupt:     # before the run's own handler: imports, flag parsing, the checks
+    workdir = flags.FLAGS["workdir"].value if flags.FLAGS.is_parsed() else None
+    line = _interrupted(workdir) if workdir else "interrupted; nothing was started"
+    sys.stderr.write(f"\n{line}\n")
+    sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -80,8 +80,17 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+def _parent_death_signal():
+  """The C library's ``prctl``, looked up in the parent (never in a forked child); ``None`` if absent."""
+  try:
+    import ctypes  # pylint: disable=import-outside-toplevel
+    return ctypes.CDLL(None, use_errno=True).prctl
+  except (OSError, AttributeError):  # not Linux: the launcher's finally still stops its processes
+    return None
+
+
 def launch_local(command: Sequence[str], num_processes: int, *, env: dict | None = None,
-                 poll_seconds: float = 0.2) -> int:
+                 poll_seconds: float = 0.2, pass_fds: Sequence[int] = ()) -> int:
   """Runs ``num_processes`` copies of ``command`` on this machine as one multi-process JAX run.
 
   Process ``i`` gets ``--process_id=i --num_processes=P --coordinator_address=localhost:PORT``
@@ -91,14 +100,26 @@ def launch_local(command: Sequence[str], num_processes: int, *, env: dict | None
     ``0`` when every process succeeded; otherwise the exit status of the first
     process that failed (negative: killed by that signal), after stopping the others
     (they would wait for it in a collective until JAX's heartbeat timeout).
+
+  The processes die with the launcher, even one killed by SIGKILL (a parent-death
+  signal, Linux), so none is left writing the workdir; ``pass_fds`` are inherited
+  (the workdir lock, :func:`ntk_fl.rundir.lock_for_children`).
   """
   if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
     raise ValueError(f"num_processes must be an int >= 1, got {num_processes!r}")
   address = f"localhost:{free_port()}"
+  launcher, prctl = os.getpid(), _parent_death_signal()
+
+  def start_child():       # in the child, before exec: only a C call and a check (fork-safe)
+    if prctl is not None:
+      prctl(1, signal.SIGTERM)        # PR_SET_PDEATHSIG: SIGTERM when the launcher dies
+    if os.getppid() != launcher:      # the launcher died before the signal was armed
+      os._exit(1)  # pylint: disable=protected-access
   # A launcher stopped by SIGTERM (a job scheduler, a test) stops its processes too (via the finally below).
   previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
   procs = [subprocess.Popen([*command, f"--process_id={i}", f"--num_processes={num_processes}",
-                             f"--coordinator_address={address}"], env=env)
+                             f"--coordinator_address={address}"], env=env, pass_fds=tuple(pass_fds),
+                            preexec_fn=start_child)
            for i in range(num_processes)]
   try:
     while True:

@@ -15,18 +15,26 @@ Workdir layout::
                    (each figure also as a vector .pdf; :mod:`ntk_fl.plotting`)
   checkpoints/     orbax checkpoints, one directory per saved round count
   branched_from.json  only for a branched run: the source workdir and the round it was taken after
+  run.lock         the lock of the run that holds the workdir (pid, host; empty when none does)
+  unfinished-<t>/  the files of a run that ``resume`` restarted from round 0 (it had no checkpoint)
 
 How a run may start in a workdir (:func:`check_start`): fresh (an empty
 workdir; a run is never overwritten silently), ``resume`` (the same config and
 a good checkpoint, :func:`check_workdir`: damaged or incomplete checkpoints are
-set aside, renamed, and the newest good one is used) or a branch from another run's
-checkpoint (:func:`check_branch`): the two configs must be equal, or the
-method's ``shared_rounds`` must certify that they compute rounds 1..k
-identically (SPARK's ablation rows share the hard-label warm-up).
+set aside, renamed, and the newest good one is used; with none, the run starts
+again from round 0, its old files moved to ``unfinished-<t>/``) or a branch from
+another run's checkpoint (:func:`check_branch`): the two configs must be equal,
+or the method's ``shared_rounds`` must certify that they compute rounds 1..k
+identically (SPARK's ablation rows share the hard-label warm-up). Only the run
+holding the workdir's lock (:func:`hold_workdir`) may start or write in it.
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
+import datetime
+import hashlib
 import json
 import math
 import os
@@ -37,6 +45,7 @@ import jax
 import numpy as np
 
 from ntk_fl import distributed, settings, validation
+from ntk_fl._src import fsutil
 from ntk_fl._src.method_modules import method_module_imported
 from ntk_fl.algorithms import available, get_method
 from ntk_fl.algorithms.base import config_without
@@ -54,6 +63,15 @@ __all__ = [
     "check_start",
     "check_workdir",
     "check_writable",
+    "check_links",
+    "hold_workdir",
+    "release_workdir",
+    "workdir_lock",
+    "lock_for_children",
+    "run_identity",
+    "drop_event_files",
+    "stored_identity",
+    "LOCK_FILE",
     "checkpoint_dir",
     "jsonable",
     "is_run",
@@ -117,15 +135,14 @@ def jsonable(obj):
 
 
 def _write_atomic(path: str, text: str) -> None:
-  """Replaces ``path`` by ``text`` in one step; in a multi-process run only process 0 writes."""
+  """Replaces ``path`` by ``text`` in one step; only process 0 writes.
+
+  :func:`ntk_fl._src.fsutil.write_atomic`: an exclusive temporary file (never a
+  planted link), ``fsync`` of the file and of the directory after the rename.
+  """
   if not distributed.is_primary():
     return
-  tmp = f"{path}.tmp"
-  with open(tmp, "w") as f:
-    f.write(text)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
+  fsutil.write_atomic(path, text)
 
 
 def _write_json(path: str, obj) -> None:
@@ -214,7 +231,8 @@ def _stored_config(workdir: str, action: str) -> dict:
   try:
     with open(config_path) as f:
       stored = json.load(f)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+  except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+    e = "nested too deeply" if isinstance(e, RecursionError) else e
     raise ValueError(f"cannot {action}: {config_path} is not a readable config ({e}); it is the run's record "
                      "of its config: restore it from a copy, or start the run again in an empty workdir") from None
   if not isinstance(stored, dict):
@@ -372,6 +390,131 @@ def check_writable(workdir: str) -> None:
                      "(or is on a read-only file system)")
 
 
+# ----------------------------------------------------------------------------- one run per workdir
+
+LOCK_FILE = fsutil.LOCK_FILE
+# "<fd>:<workdir>": the local launcher's lock, inherited by its workers.
+_LOCK_ENV = "NTK_FL_WORKDIR_LOCK"
+_HELD: dict[str, fsutil.WorkdirLock] = {}
+
+
+def hold_workdir(workdir: str, *, primary: bool | None = None) -> fsutil.WorkdirLock | None:
+  """Locks ``workdir`` for this process until it exits (or :func:`release_workdir`); reentrant.
+
+  Only the process that owns the run writes in its workdir: a second run refuses
+  with :class:`ntk_fl._src.fsutil.WorkdirBusy` naming the holder's pid and host.
+  The workers of a local multi-process run share their launcher's lock
+  (inherited descriptor); of a multi-host run, process 0 holds it (``primary``:
+  whether this is process 0, asked of JAX when ``None``; the others get ``None``).
+  The record of a killed run is taken over with a warning when its process is
+  provably dead (:meth:`ntk_fl._src.fsutil.WorkdirLock.acquire`).
+  """
+  path = os.path.abspath(workdir)
+  if path in _HELD:
+    return _HELD[path]
+  fd, _, locked = os.environ.get(_LOCK_ENV, "").partition(":")
+  if locked != path and not (distributed.is_primary() if primary is None else primary):
+    return None
+  check_writable(path)
+  lock = fsutil.WorkdirLock(path, fd=int(fd) if fd and locked == path else None).acquire()
+  if lock.taken_over:
+    logging.warning("workdir %s: the run recorded in %s (pid %s on this host, started %s) ended "
+                    "without releasing it (it was killed); this run takes the lock over", path,
+                    lock.path, lock.taken_over.get("pid"), lock.taken_over.get("started"))
+  _HELD[path] = lock
+  atexit.register(release_workdir, path)
+  return lock
+
+
+def release_workdir(workdir: str) -> None:
+  """Drops this process's lock on ``workdir`` (no-op when it holds none)."""
+  lock = _HELD.pop(os.path.abspath(workdir), None)
+  if lock is not None:
+    lock.release()
+
+
+@contextlib.contextmanager
+def workdir_lock(workdir: str):
+  """``with workdir_lock(w):`` -- :func:`hold_workdir` for the block (kept if held before it)."""
+  path = os.path.abspath(workdir)
+  held = path in _HELD
+  lock = hold_workdir(path)
+  held = held or lock is None
+  try:
+    yield lock
+  finally:
+    if not held:
+      release_workdir(path)
+
+
+def lock_for_children(workdir: str) -> tuple[dict, int]:
+  """``(environment, fd)`` that let child processes share this process's lock on ``workdir``."""
+  lock = hold_workdir(workdir, primary=True)
+  os.set_inheritable(lock.fd, True)
+  return {_LOCK_ENV: f"{lock.fd}:{lock.workdir}"}, lock.fd
+
+
+# The files a run writes; a link at one of these names would send the run's writes elsewhere.
+_RUN_NAMES = ("config.json", "metrics.jsonl", "summary.json", "branched_from.json", "log.txt",
+              "accuracy.png", "selection.png", "checkpoints", LOCK_FILE)
+
+
+def check_links(workdir: str, *, fresh: bool) -> None:
+  """Refuses links where a run writes: any in a fresh run's workdir, else at a run file's name."""
+  if not os.path.isdir(workdir):
+    return
+  names = sorted(os.listdir(workdir)) if fresh else _RUN_NAMES
+  links = [n for n in names if os.path.islink(os.path.join(workdir, n))]
+  if links:
+    raise ValueError(f"workdir {workdir} holds symbolic links ({', '.join(links)}); a run writes "
+                     "only its own files: remove the links, or choose an empty workdir")
+
+
+def run_identity(config) -> str:
+  """SHA-256 of a run's experiment config (its seed included; placement keys left out), as hex.
+
+  The same for a ``config.json`` read back (``dict``) and the config it was
+  written from: checkpoints are tied to their run by it (:class:`ntk_fl.checkpoint.Checkpoints`).
+  """
+  plain = config if isinstance(config, dict) else json.loads(json.dumps(jsonable(config)))
+  plain = config_without(plain, *_RESULT_NEUTRAL_KEYS)
+  return hashlib.sha256(json.dumps(plain, sort_keys=True).encode()).hexdigest()
+
+
+def stored_identity(workdir: str) -> str:
+  """:func:`run_identity` of the run stored in ``workdir`` (its ``config.json``)."""
+  return run_identity(_stored_config(workdir, "read the run"))
+
+
+def drop_event_files(workdir: str) -> None:
+  """Removes ``workdir``'s TensorBoard event files (a resumed run rewrites them from metrics)."""
+  if distributed.is_primary():
+    for name in os.listdir(workdir):
+      if name.startswith("events.out.tfevents") and not os.path.islink(os.path.join(workdir, name)):
+        os.remove(os.path.join(workdir, name))
+
+
+# Outputs of a run that resume moves aside when it has nothing to resume from.
+_RESTART_NAMES = ("config.json", "metrics.jsonl", "summary.json", "branched_from.json",
+                  "accuracy.png", "selection.png")
+
+
+def _move_unfinished_aside(workdir: str) -> str | None:
+  """Moves a started run's outputs (no usable checkpoint) to ``workdir/unfinished-<UTC time>/``."""
+  names = [n for n in os.listdir(workdir)
+           if n in _RESTART_NAMES or n.startswith("events.out.tfevents")]
+  if not names:
+    return None
+  stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+  target = os.path.join(workdir, f"unfinished-{stamp}")
+  if distributed.is_primary():
+    os.makedirs(target)
+    for name in names:
+      os.rename(os.path.join(workdir, name), os.path.join(target, name))
+    fsutil.fsync_dir(workdir)
+  return target
+
+
 def check_workdir(config, workdir: str, *, resume: bool, resume_from_step: int | None = None) -> int:
   """Checks ``workdir`` before any work; returns the round count to start from.
 
@@ -384,12 +527,20 @@ def check_workdir(config, workdir: str, *, resume: bool, resume_from_step: int |
   """
   workdir = os.path.abspath(workdir)
   check_writable(workdir)
+  check_links(workdir, fresh=not resume)
   ckpt_dir = checkpoint_dir(workdir)
   if not resume:
     existing = [n for n in (CONFIG_FILE, METRICS_FILE, CHECKPOINT_DIR) if os.path.exists(os.path.join(workdir, n))]
     if existing:
-      raise ValueError(f"workdir {workdir} already holds a run ({', '.join(existing)}); resume it "
-                       "(resume=True / --resume) or choose an empty workdir")
+      raise ValueError(f"workdir {workdir} already holds a run ({', '.join(existing)}); continue "
+                       "it with --resume (resume=True; with no checkpoint yet it restarts from "
+                       "round 0, the old files moved aside) or choose an empty workdir")
+    return 0
+  steps = [n for n in os.listdir(ckpt_dir) if n.isdigit()] if os.path.isdir(ckpt_dir) else []
+  if not os.path.exists(os.path.join(workdir, CONFIG_FILE)) and not steps:
+    moved = _move_unfinished_aside(workdir) if os.path.isdir(workdir) else None
+    logging.warning("nothing to resume in %s (no %s): starting the run from round 0%s", workdir,
+                    CONFIG_FILE, f"; its earlier files were moved to {moved}" if moved else "")
     return 0
   stored, current = _experiment_configs(config, workdir, "resume")
   diff = _config_diff(stored, current)
@@ -403,13 +554,39 @@ def check_workdir(config, workdir: str, *, resume: bool, resume_from_step: int |
     validation.check_int("resume_from_step", resume_from_step, low=1)
   start = None
   if os.path.isdir(ckpt_dir):
-    with Checkpoints(ckpt_dir) as ckpt:
+    with Checkpoints(ckpt_dir, identity=run_identity(config)) as ckpt:
       start = ckpt.recover(upto=resume_from_step)
+      held = _metrics_rounds(workdir)
+      if start is not None and start > held and resume_from_step is None:
+        # metrics lines were lost after the checkpoint was written: resume from one they cover
+        older = [s for s in ckpt.steps() if s <= held]
+        logging.warning("%s holds rounds 1..%d only, not 1..%d of the newest checkpoint; resuming "
+                        "from %s", os.path.join(workdir, METRICS_FILE), held, start,
+                        f"checkpoint {older[-1]}" if older else "round 0")
+        start = ckpt.recover(upto=older[-1]) if older else None
   if start is None:
-    raise FileNotFoundError(f"cannot resume: no finalised checkpoint in {ckpt_dir} "
-                            f"(config.checkpoint_every = {config.checkpoint_every})")
+    if resume_from_step is not None:
+      raise FileNotFoundError(f"cannot resume from round {resume_from_step}: no finalised "
+                              f"checkpoint in {ckpt_dir}")
+    moved = _move_unfinished_aside(workdir)
+    logging.warning("nothing to resume in %s: no good checkpoint in %s (config.checkpoint_every = "
+                    "%d); starting the run from round 0 in place; its earlier files were moved "
+                    "to %s", workdir, ckpt_dir, config.checkpoint_every, moved)
+    return 0
   metrics_up_to(workdir, start, "resume")   # the lines the resumed run keeps must be readable: checked now
   return start
+
+
+def _metrics_rounds(workdir: str) -> int:
+  """How many leading rounds ``1, 2, ...`` ``workdir/metrics.jsonl`` holds (0 without the file)."""
+  if not os.path.isfile(os.path.join(workdir, METRICS_FILE)):
+    return 0
+  held = 0
+  for line in read_metrics(workdir):
+    if line.get("round") != held + 1:
+      break
+    held += 1
+  return held
 
 
 def check_start(config, workdir: str, *, resume: bool = False, resume_from_step: int | None = None,
@@ -422,6 +599,10 @@ def check_start(config, workdir: str, *, resume: bool = False, resume_from_step:
   together here so the entry point and :func:`ntk_fl.runner.run` refuse the same requests.
   """
   resume = resume or resume_from_step is not None
+  data_dir = config.data.data_dir
+  if data_dir and not os.path.isdir(os.path.expanduser(data_dir)):   # now, not after the data load
+    raise ValueError(f"config.data.data_dir = {data_dir!r} is not a directory; give the folder "
+                     "that holds the data set's files, or '' to search the default places")
   if resume and branch_from is not None:
     raise ValueError("resume and branch_from exclude each other (--resume, --branch_from; a branched run resumes "
                      "from its own checkpoints)")
@@ -457,7 +638,8 @@ def check_branch(config, source: str, branch_round: int | None = None) -> int:
   ckpt_dir = checkpoint_dir(source)
   steps = []
   if os.path.isdir(ckpt_dir):
-    with Checkpoints(ckpt_dir, read_only=True) as ckpt:   # another run's: verified, never renamed
+    # Another run's: verified against its own identity, never renamed.
+    with Checkpoints(ckpt_dir, read_only=True, identity=run_identity(stored)) as ckpt:
       steps, damaged = ckpt.good_steps()
     for step, why in damaged.items():
       logging.warning("cannot branch from checkpoint %s: %s", os.path.join(ckpt_dir, str(step)), why)

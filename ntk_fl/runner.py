@@ -460,7 +460,8 @@ def run(config, workdir: str, *, resume: bool = False, resume_from_step: int | N
   started = time.perf_counter()
   settings = validate_config(config)
   # Every step/evaluation is traced inside the device policy, so for_each_client shards and chunks clients by it.
-  with parallel.use_devices(settings.devices, chunk_size=settings.chunk_size):
+  with parallel.use_devices(settings.devices, chunk_size=settings.chunk_size), \
+      rundir.workdir_lock(workdir):       # one run per workdir (held by the caller already: kept)
     return _run(settings, workdir, resume=resume or resume_from_step is not None, resume_from_step=resume_from_step,
                 branch_from=branch_from, branch_round=branch_round, on_round_end=on_round_end, started=started)
 
@@ -471,6 +472,7 @@ def _run(config, workdir: str, *, resume: bool, resume_from_step: int | None, br
   workdir = os.path.abspath(workdir)
   start = rundir.check_start(config, workdir, resume=resume, resume_from_step=resume_from_step,
                              branch_from=branch_from, branch_round=branch_round)
+  resume = resume and start > 0   # nothing to resume: the old files were moved aside; a fresh start
   if branch_from is not None:
     branch_from = os.path.abspath(branch_from)
 
@@ -496,7 +498,10 @@ def _run(config, workdir: str, *, resume: bool, resume_from_step: int | None, br
                        f"does not have: {e}") from None
     consensus = jax.jit(gossip.consensus)
   keep = tuple(int(r) for r in config.checkpoint_keep)
-  ckpt = Checkpoints(rundir.checkpoint_dir(workdir), keep=keep) if config.checkpoint_every or keep else None
+  ckpt = None
+  if config.checkpoint_every or keep:
+    ckpt = Checkpoints(rundir.checkpoint_dir(workdir), keep=keep,
+                       identity=rundir.run_identity(config))
   # Every process has checked the workdir (and, resuming, will read its metrics) before process 0 writes to it.
   distributed.barrier("ntk_fl.runner: workdir checked")
   finite_check = make_finite_check(algorithm.client_params)
@@ -509,7 +514,8 @@ def _run(config, workdir: str, *, resume: bool, resume_from_step: int | None, br
       lines = rundir.metrics_up_to(workdir, start, "resume")
       logging.info("Resuming %s from the checkpoint after round %d", workdir, start)
     elif branch_from is not None:
-      with Checkpoints(rundir.checkpoint_dir(branch_from), read_only=True) as source:
+      with Checkpoints(rundir.checkpoint_dir(branch_from), read_only=True,
+                       identity=rundir.stored_identity(branch_from)) as source:
         state = _canonical(source.restore(start, state))
       lines = rundir.metrics_up_to(branch_from, start, "branch")
       rundir.write_config(workdir, config)
@@ -529,10 +535,11 @@ def _run(config, workdir: str, *, resume: bool, resume_from_step: int | None, br
         exp.model.apply, exp.dataset.x_test, exp.dataset.y_test,
         batch_size=config.eval.batch_size, aggregate=algorithm.aggregate)
     primary = distributed.is_primary()      # only process 0 writes files, logs and the progress bar
+    if primary and start:
+      rundir.drop_event_files(workdir)   # metrics.jsonl is the record; a killed writer lost rounds
     events = summaries.EventWriter(workdir, first_round=start + 1) if primary else _NoEvents()
     events.write_config(rundir.jsonable(config))   # TensorBoard's HParams tab compares runs by it
-    if branch_from is not None:
-      events.write_all(lines)   # the source's rounds, now this run's first ones (a resumed run has them already)
+    events.write_all(lines)   # rounds 1..start: the source's (branch) or this run's own (resume)
     # The first round's step and evaluation compile first: the bar says so until that round is done.
     bar = tqdm(total=rounds, initial=start, desc=f"{config.method}: compiling round {start + 1}",
                unit="round", dynamic_ncols=True, disable=not primary)

@@ -65,6 +65,9 @@ def _check_keys(config) -> None:
     raise ValueError(f"unknown config key(s) {sorted(unknown)}; known top-level keys: "
                      f"{sorted(set(schema.keys()) | _EXTRA_TOP_LEVEL)}")
   for block in _SCHEMA_BLOCKS:
+    if not isinstance(_get(config, block), Mapping):
+      raise ValueError(f"config.{block} must be a block of keys {sorted(schema[block].keys())}, "
+                       f"got {_get(config, block)!r:.80}")
     unknown = set(_get(config, block).keys()) - set(schema[block].keys())
     if unknown:
       raise ValueError(f"unknown key(s) {sorted(f'{block}.{k}' for k in unknown)}; "
@@ -108,7 +111,8 @@ def validate_config(config, reference=None) -> RunSettings:
   method_module = config.get("method_module", "")
   if not isinstance(method_module, str):
     raise ValueError(f"config.method_module must be a module name or .py path, got {method_module!r}")
-  _int(config, "seed", 0)
+  # The seed becomes an int64 PRNG key.
+  validation.check_int("config.seed", _get(config, "seed"), low=0, high=2**63 - 1)
   _int(config, "rounds", 1)
   _int(config, "checkpoint_every", 0)
   keep = _get(config, "checkpoint_keep")

@@ -327,15 +327,17 @@ def test_resume_from_step_sets_later_checkpoints_aside(uninterrupted, tmp_path):
     runner.run(_toy_config(), workdir, resume_from_step=2)
 
 
-def test_every_checkpoint_damaged_is_a_clear_error(uninterrupted, tmp_path):
+def test_every_checkpoint_damaged_restarts_in_place_keeping_everything(uninterrupted, tmp_path, caplog):
   from ntk_fl import runner  # pylint: disable=g-import-not-at-top
-  source, _ = uninterrupted
+  source, expected = uninterrupted
   workdir = _copy_run(source, tmp_path)
   for step in ("4", "5"):
     _damage(os.path.join(workdir, "checkpoints", step), "zero-filled")
-  with pytest.raises(FileNotFoundError, match="cannot resume: no finalised checkpoint"):
-    runner.run(_toy_config(), workdir, resume=True)
+  summary = runner.run(_toy_config(), workdir, resume=True)
+  assert summary["resumed_from"] is None and _results(workdir) == expected
   assert len([n for n in os.listdir(os.path.join(workdir, "checkpoints")) if SET_ASIDE in n]) == 2
+  assert [n for n in os.listdir(workdir) if n.startswith("unfinished-")]   # the old metrics and config kept
+  assert any("no good checkpoint" in r.getMessage() and "round 0" in r.getMessage() for r in caplog.records)
 
 
 _KILL_DRIVER = """
@@ -357,14 +359,14 @@ if where == "checkpoint":   # every file of checkpoint 4 written, the final rena
   atomicity.AtomicRenameTemporaryPath.finalize = finalize_or_die
   runner.run(config, sys.argv[2])
 else:                       # killed inside round 3's step (rounds 1-2 logged, checkpoint 2 written)
-  from ntk_fl import algorithms, schema
+  from ntk_fl import algorithms, schema      # or round 2's ("first round": before the first checkpoint)
   schema.import_method_module(config.method_module)
   method = algorithms.get_method("toy_gd")
   def make(*args):
     algorithm, calls = method.make(*args), []
     def step(state, inputs):
       calls.append(1)
-      if len(calls) == 3:
+      if len(calls) == (2 if where == "first round" else 3):
         kill()
       return algorithm.step(state, inputs)
     return algorithm._replace(step=step)
@@ -671,3 +673,503 @@ def test_a_full_disk_reported_by_tensorstore_is_recognised():
                    "[os_error_code='28']")
   assert cli.one_line(err).startswith("disk full (No space left on device); free some space, then continue "
                                       "the run with --resume")
+
+
+# ----------------------------------------------------------------------------- one run per workdir
+
+_HOLD_DRIVER = """
+import fcntl, os, socket, sys, time
+os.makedirs(sys.argv[1], exist_ok=True)
+fd = os.open(os.path.join(sys.argv[1], "run.lock"), os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)      # what a run holds (ntk_fl._src.fsutil.WorkdirLock)
+os.write(fd, f"pid={{os.getpid()}}\\nhost={{socket.gethostname()}}\\nboot=\\nstarted=now\\n".encode())
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def _holder(workdir):
+  """A process holding ``workdir``'s lock as a run does (killed by the caller)."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  proc = subprocess.Popen([sys.executable, "-c", _HOLD_DRIVER.format(repo=_REPO), str(workdir)],
+                          stdout=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert proc.stdout.readline().strip() == "held"
+  return proc
+
+
+def test_a_second_run_in_a_held_workdir_is_refused_naming_the_holder(tmp_path):
+  import socket  # pylint: disable=g-import-not-at-top
+  from ntk_fl import runner  # pylint: disable=g-import-not-at-top
+  workdir = tmp_path / "run"
+  holder = _holder(workdir)
+  try:
+    # The command line: one line naming pid and host, before anything is written (no log.txt, no config.json).
+    lines = _assert_one_error_line(_cli("--config=tests/configs/toy.py:smoke", f"--workdir={workdir}"),
+                                   "is in use by another run", f"pid {holder.pid} on host {socket.gethostname()}")
+    assert len(lines) == 1 and sorted(os.listdir(workdir)) == ["run.lock"]
+    # The API refuses the same way (also with --resume: a resume must not set checkpoints aside under a run).
+    for resume in (False, True):
+      with pytest.raises(ValueError, match=f"pid {holder.pid}"):
+        runner.run(_toy_config(), str(workdir), resume=resume)
+  finally:
+    holder.kill()
+    holder.wait()
+  # The holder was killed: its record stays, no lock is held, its pid is gone -> taken over with a warning.
+  assert f"pid={holder.pid}" in (workdir / "run.lock").read_text()
+  summary = runner.run(_toy_config(rounds=1), str(workdir))
+  assert summary["rounds_run"] == 1 and (workdir / "run.lock").read_text() == ""   # released when done
+
+
+def test_a_lock_record_that_cannot_be_proven_stale_is_refused_with_the_fix(tmp_path, caplog):
+  import socket  # pylint: disable=g-import-not-at-top
+  from ntk_fl import rundir  # pylint: disable=g-import-not-at-top
+  from ntk_fl._src import fsutil  # pylint: disable=g-import-not-at-top
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  lock = workdir / "run.lock"
+  lock.write_text("pid=4242\nhost=another-host\nboot=x\nstarted=2026-01-01T00:00:00Z\n")
+  with pytest.raises(fsutil.WorkdirBusy, match=rf"pid 4242 on host another-host .*delete {lock}"):
+    rundir.hold_workdir(str(workdir), primary=True)
+  with open("/proc/sys/kernel/random/boot_id") as f:
+    boot = f.read().strip()
+  lock.write_text(f"pid={os.getppid()}\nhost={socket.gethostname()}\nboot={boot}\nstarted=now\n")
+  with pytest.raises(fsutil.WorkdirBusy, match=rf"its pid is in use.*delete {lock}"):
+    rundir.hold_workdir(str(workdir), primary=True)
+  # Written before this host's last boot: provably over, taken over with a warning naming it.
+  lock.write_text(f"pid={os.getppid()}\nhost={socket.gethostname()}\nboot=an-earlier-boot\nstarted=then\n")
+  held = rundir.hold_workdir(str(workdir), primary=True)
+  try:
+    assert held.taken_over["pid"] == str(os.getppid())
+    assert any("ended without releasing it" in r.getMessage() for r in caplog.records)
+    assert f"pid={os.getpid()}" in lock.read_text()
+  finally:
+    rundir.release_workdir(str(workdir))
+  # A link planted as the lock file is refused, never followed.
+  lock.unlink()
+  lock.symlink_to(tmp_path / "elsewhere")
+  with pytest.raises(fsutil.WorkdirBusy, match="symbolic link"):
+    rundir.hold_workdir(str(workdir), primary=True)
+  assert not (tmp_path / "elsewhere").exists()
+
+
+# ----------------------------------------------------------------------------- no dead end before a checkpoint
+
+
+def test_resume_of_a_run_killed_before_its_first_checkpoint_starts_over_in_place(uninterrupted, tmp_path, caplog):
+  import subprocess  # pylint: disable=g-import-not-at-top
+  from ntk_fl import rundir, runner  # pylint: disable=g-import-not-at-top
+  _, expected = uninterrupted
+  workdir = str(tmp_path / "run")
+  proc = subprocess.run([sys.executable, "-c", _KILL_DRIVER.format(repo=_REPO, rounds=_ROUNDS), "first round",
+                         workdir], capture_output=True, text=True, timeout=300,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert proc.returncode == -9, proc.stderr[-2000:]
+  assert len(runner.read_metrics(workdir)) == 1 and not os.listdir(os.path.join(workdir, "checkpoints"))
+  # A fresh run refuses the workdir, and its message names the request that works.
+  with pytest.raises(ValueError, match="already holds a run.*--resume") as err:
+    runner.run(_toy_config(), workdir)
+  assert "restarts from round 0" in str(err.value)
+  summary = runner.run(_toy_config(), workdir, resume=True)
+  assert summary["resumed_from"] is None and _results(workdir) == expected
+  aside = [n for n in os.listdir(workdir) if n.startswith("unfinished-")]
+  assert len(aside) == 1 and len(rundir.read_metrics(os.path.join(workdir, aside[0]))) == 1
+  assert any("nothing to resume" in r.getMessage() and "round 0" in r.getMessage() for r in caplog.records)
+  # --resume of an empty workdir starts the run too.
+  summary = runner.run(_toy_config(rounds=1), str(tmp_path / "empty"), resume=True)
+  assert summary["rounds_run"] == 1
+
+
+def test_interrupt_hint_names_the_command_that_works(tmp_path):
+  from ntk_fl import cli  # pylint: disable=g-import-not-at-top
+  assert cli._interrupted(str(tmp_path)).endswith("run the same command again")   # no run started: no --resume
+  (tmp_path / "config.json").write_text("{}")
+  assert "continue the run with --resume" in cli._interrupted(str(tmp_path))
+
+
+# ----------------------------------------------------------------------------- digests that cannot be bypassed
+
+
+def _swap_data(workdir, step, donor):
+  """Replaces checkpoint ``step``'s arrays by checkpoint ``donor``'s (same shapes; the metadata stays ``step``'s)."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  ckpt = os.path.join(workdir, "checkpoints")
+  shutil.rmtree(os.path.join(ckpt, step, "default"))
+  shutil.copytree(os.path.join(donor, "default"), os.path.join(ckpt, step, "default"))
+
+
+@pytest.mark.parametrize("how", ["emptied", "zero-filled", "truncated", "emptied, data changed",
+                                 "data of another round"])
+def test_unreadable_or_digestless_metadata_and_changed_values_are_damage(uninterrupted, tmp_path, how):
+  from ntk_fl import runner  # pylint: disable=g-import-not-at-top
+  source, expected = uninterrupted
+  workdir = _copy_run(source, tmp_path)
+  ckpt_dir = os.path.join(workdir, "checkpoints")
+  meta = os.path.join(ckpt_dir, "5", "_CHECKPOINT_METADATA")
+  size = os.path.getsize(meta)
+  if "data" in how:    # loads fine, to the values of round 4: only the digest can tell
+    _swap_data(workdir, "5", os.path.join(ckpt_dir, "4"))
+  if how.startswith("emptied"):
+    open(meta, "w").close()
+  elif how == "zero-filled":
+    with open(meta, "wb") as f:
+      f.write(b"\0" * size)
+  elif how == "truncated":
+    with open(meta, "r+b") as f:
+      f.truncate(size // 2)
+  summary = runner.run(_toy_config(), workdir, resume=True)
+  assert summary["resumed_from"] == 4 and _results(workdir) == expected
+  assert any(n.startswith("5.set-aside-damaged-") for n in os.listdir(ckpt_dir))
+
+
+def test_a_checkpoint_of_another_run_is_damage(uninterrupted, tmp_path):
+  import shutil  # pylint: disable=g-import-not-at-top
+  from ntk_fl import runner  # pylint: disable=g-import-not-at-top
+  from ntk_fl.checkpoint import CheckpointDamaged, Checkpoints  # pylint: disable=g-import-not-at-top
+  from ntk_fl import rundir  # pylint: disable=g-import-not-at-top
+  source, expected = uninterrupted
+  other = str(tmp_path / "seed1")
+  runner.run(_toy_config(seed=1), other)
+  workdir = _copy_run(source, tmp_path)
+  ckpt_dir = os.path.join(workdir, "checkpoints")
+  shutil.rmtree(os.path.join(ckpt_dir, "5"))
+  shutil.copytree(os.path.join(other, "checkpoints", "5"), os.path.join(ckpt_dir, "5"))   # same shapes
+  planted = shutil.copytree(ckpt_dir, str(tmp_path / "planted"))
+  summary = runner.run(_toy_config(), workdir, resume=True)
+  assert summary["resumed_from"] == 4 and _results(workdir) == expected
+  with Checkpoints(planted, read_only=True, identity=rundir.stored_identity(workdir)) as ckpt:
+    with pytest.raises(CheckpointDamaged, match="written by a different run"):
+      ckpt.verify(5)
+
+
+def _method_state(name):
+  """The state of a packaged method after one round on a tiny ragged federation (4 clients)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from ntk_fl import models, runner, schema  # pylint: disable=g-import-not-at-top
+  from ntk_fl.config import load_config  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  from federations import ragged_federation  # pylint: disable=g-import-not-at-top
+  config = load_config(os.path.join(_CONFIGS, f"{name}.py"), "smoke")
+  config.data.num_clients = 4
+  settings = schema.validate_config(config)
+  federation = ragged_federation(np.random.default_rng(0), [5, 3, 4, 6], dim=6, num_classes=3)
+  model = models.make_model(settings.model, (6,), 3)
+  algorithm = runner.make_algorithm(settings, model, federation)
+  state, _ = algorithm.step(algorithm.init(jax.random.key(0)), algorithm.round_inputs(0))
+  return state
+
+
+@pytest.mark.parametrize("name", ["ntk_dfl", "spark", "dfedavg"])
+def test_digest_of_real_method_states(tmp_path, name):
+  import jax  # pylint: disable=g-import-not-at-top
+  from ntk_fl.checkpoint import Checkpoints, _to_storable, state_digest  # pylint: disable=g-import-not-at-top
+  state = _method_state(name)
+  # A checkpoint of the real state verifies (template-free restore: dicts) and restores (NamedTuples).
+  with Checkpoints(tmp_path / "ckpt") as ckpt:
+    ckpt.save(1, state)
+    ckpt.verify(1)
+    restored = ckpt.restore(1, state)
+  leaves_of = jax.tree_util.tree_leaves
+  for got, want in zip(leaves_of(_to_storable(restored)), leaves_of(_to_storable(state))):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  # Every element of every leaf counts: changing the middle element of any leaf changes the digest.
+  storable = _to_storable(state)
+  digest = state_digest(storable)
+  leaves, treedef = jax.tree_util.tree_flatten(storable)
+  for i, leaf in enumerate(leaves):
+    flat = np.array(leaf).reshape(-1)
+    if flat.size == 0:
+      continue
+    flat[flat.size // 2] = flat[flat.size // 2] + 1 if flat.dtype != bool else ~flat[flat.size // 2]
+    changed = leaves[:i] + [flat.reshape(np.shape(leaf))] + leaves[i + 1:]
+    assert state_digest(jax.tree_util.tree_unflatten(treedef, changed)) != digest, i
+
+
+# ----------------------------------------------------------------------------- TensorBoard follows metrics.jsonl
+
+_KILL_AFTER_CHECKPOINT = """
+import os, signal, sys
+sys.path.insert(0, {repo!r})
+from ntk_fl import checkpoint, runner
+from ntk_fl.config import load_config
+config = load_config(os.path.join({repo!r}, "tests", "configs", "toy.py"), "smoke")
+config.rounds = {rounds}
+save = checkpoint.Checkpoints.save
+def save_then_die(self, rounds_done, state):
+  save(self, rounds_done, state)
+  if rounds_done == 4:
+    os.kill(os.getpid(), signal.SIGKILL)
+checkpoint.Checkpoints.save = save_then_die
+runner.run(config, sys.argv[1])
+"""
+
+
+def test_event_file_follows_metrics_after_a_kill_right_after_a_checkpoint(uninterrupted, tmp_path):
+  import subprocess  # pylint: disable=g-import-not-at-top
+  from ntk_fl import runner, summaries  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import events  # pylint: disable=g-import-not-at-top
+  _, expected = uninterrupted
+  workdir = str(tmp_path / "run")
+  proc = subprocess.run([sys.executable, "-c", _KILL_AFTER_CHECKPOINT.format(repo=_REPO, rounds=_ROUNDS), workdir],
+                        capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert proc.returncode == -9, proc.stderr[-2000:]
+  runner.run(_toy_config(), workdir, resume=True)
+  assert _results(workdir) == expected
+  scalars = events.scalars_by_step(events.read_events(workdir))
+  lines = runner.read_metrics(workdir)
+  assert sorted(scalars) == [line["round"] for line in lines]
+  for line in lines:
+    want = summaries.round_scalars(line)
+    assert {tag: scalars[line["round"]][tag] for tag in want} == pytest.approx(want, rel=1e-6), line["round"]
+
+
+# ----------------------------------------------------------------------------- links and atomic writes
+
+
+def test_atomic_writes_never_follow_a_planted_link_and_are_durable(tmp_path, monkeypatch):
+  from ntk_fl import rundir  # pylint: disable=g-import-not-at-top
+  victim = tmp_path / "victim"
+  victim.write_text("precious")
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  (workdir / "config.json.tmp").symlink_to(victim)
+  events = []
+  fsync, replace = os.fsync, os.replace
+  monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.path.isdir(f"/proc/self/fd/{fd}"))),
+                                               fsync(fd))[1])
+  monkeypatch.setattr(os, "replace",
+                      lambda a, b: (events.append(("replace", os.path.basename(b))), replace(a, b))[1])
+  rundir.write_config(str(workdir), {"a": 1})
+  assert victim.read_text() == "precious" and (workdir / "config.json").read_text().startswith("{")
+  # the file's data, then the rename, then the directory entry
+  assert events == [("fsync", False), ("replace", "config.json"), ("fsync", True)]
+  monkeypatch.undo()
+  from ntk_fl._src import fsutil  # pylint: disable=g-import-not-at-top
+  # A log.txt link: appending refuses it (the target is left alone).
+  (workdir / "log.txt").symlink_to(victim)
+  with pytest.raises(OSError, match="symbolic link"):
+    fsutil.open_append(str(workdir / "log.txt"))
+  assert victim.read_text() == "precious"
+
+
+def test_a_fresh_run_refuses_links_and_a_dangling_checkpoints_link_is_caught_before_data(tmp_path, monkeypatch):
+  from ntk_fl import data, runner  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(data, "load", lambda *a, **k: pytest.fail("data loaded"))
+  victim = tmp_path / "victim"
+  victim.write_text("precious")
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  (workdir / "config.json.tmp").symlink_to(victim)
+  with pytest.raises(ValueError, match=r"holds symbolic links \(config.json.tmp\)"):
+    runner.run(_toy_config(), str(workdir))
+  assert victim.read_text() == "precious"
+  other = tmp_path / "dangling"
+  other.mkdir()
+  (other / "checkpoints").symlink_to(tmp_path / "nowhere")
+  for resume in (False, True):
+    with pytest.raises(ValueError, match=r"symbolic links \(checkpoints\)"):
+      runner.run(_toy_config(), str(other), resume=resume)
+
+
+# ----------------------------------------------------------------------------- bounded inputs
+
+
+def _npz_with_header(path, shapes, payload=b""):
+  """A zip holding ``indices.npy`` / ``offsets.npy`` whose headers declare ``shapes`` (int32), with ``payload``."""
+  import zipfile  # pylint: disable=g-import-not-at-top
+  with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+    for key, shape in shapes.items():
+      header = {"descr": "<i4", "fortran_order": False, "shape": shape}
+      buffer = __import__("io").BytesIO()
+      np.lib.format.write_array_header_1_0(buffer, header)
+      archive.writestr(f"{key}.npy", buffer.getvalue() + (payload if key == "indices" else
+                                                           np.arange(shape[0], dtype="<i4").tobytes()))
+
+
+def test_index_map_sizes_are_checked_before_allocating(tmp_path):
+  import tracemalloc  # pylint: disable=g-import-not-at-top
+  from ntk_fl.data import index_map  # pylint: disable=g-import-not-at-top
+  # A header declaring 2^40 indices (a few hundred bytes on disk): a clear error, nothing allocated.
+  path = tmp_path / "huge.npz"
+  _npz_with_header(path, {"offsets": (3,), "indices": (1 << 40,)})
+  with pytest.raises(ValueError, match=r"declares 1099511627776 indices, more than"):
+    index_map.load_index_map(str(path), num_samples=100)
+  # 2^22 zero indices compress to a few kB; two clients over 100 samples hold at most 200.
+  path = tmp_path / "zeros.npz"
+  index_map.save_index_map(path, [np.zeros(1 << 21, np.int32), np.zeros(1 << 21, np.int32)])
+  assert os.path.getsize(path) < 100_000
+  tracemalloc.start()
+  try:
+    with pytest.raises(ValueError, match=r"declares 4194304 indices, more than the 200"):
+      index_map.load_index_map(str(path), num_clients=2, num_samples=100)
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert peak < 1 << 20, peak
+
+
+def test_a_gzip_idx_file_is_read_no_further_than_its_header_declares(tmp_path):
+  import gzip as gz  # pylint: disable=g-import-not-at-top
+  import tracemalloc  # pylint: disable=g-import-not-at-top
+  header = bytes([0, 0, 0x08, 1]) + (10).to_bytes(4, "big")      # 10 unsigned bytes declared
+  path = tmp_path / "labels.gz"
+  path.write_bytes(gz.compress(header + bytes(64 << 20), 9))    # ... followed by 64 MiB of zeros (65 kB on disk)
+  assert os.path.getsize(path) < 200_000
+  tracemalloc.start()
+  try:
+    with pytest.raises(ValueError, match="trailing bytes"):
+      sources.read_idx(path)
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert peak < 4 << 20, peak
+  huge = tmp_path / "images.gz"
+  dims = b"".join(n.to_bytes(4, "big") for n in (1 << 20, 28, 28))
+  huge.write_bytes(gz.compress(bytes([0, 0, 0x08, 3]) + dims))
+  with pytest.raises(ValueError, match=r"declares dims \(1048576, 28, 28\).*more than the"):
+    sources.read_idx(huge)
+
+
+def test_zero_stride_and_bufferless_arrays_in_a_pickle_are_refused(tmp_path):
+  from ntk_fl.data import index_map  # pylint: disable=g-import-not-at-top
+
+  class _Strided:    # pickles to numpy.ndarray((2**28,), int64, 8-byte buffer, 0, (0,)): 2 GiB from 8 bytes
+    def __reduce__(self):
+      return np.ndarray, ((1 << 28,), np.dtype("i8"), b"\0" * 8, 0, (0,))
+
+  class _Bufferless:
+    def __reduce__(self):
+      return np.ndarray, ((1 << 28,), np.dtype("i8"))
+
+  for payload, match in ((_Strided(), "strided array"),
+                         (_Bufferless(), r"claim \d+ bytes or more, but the pickle holds only")):
+    path = tmp_path / "map.dat"
+    path.write_bytes(pickle.dumps({0: payload, 1: np.arange(3)}, protocol=2))
+    assert os.path.getsize(path) < 400
+    with pytest.raises(ValueError, match=match):
+      index_map.read_pickled_map(path)
+    with pytest.raises(ValueError, match=match):
+      index_map.convert(path, tmp_path / "out.npz")
+    assert not (tmp_path / "out.npz").exists()
+  # A gzip bomb: 1 GiB of pickle bytes is refused after reading the limit, not decompressed whole.
+  bomb = tmp_path / "bomb.dat"
+  bomb.write_bytes(gzip.compress(bytes(1 << 20)))
+  with pytest.raises(ValueError, match="decompresses to more than 1000 bytes"):
+    safe_pickle.load_file(bomb, max_bytes=1000)
+
+
+# ----------------------------------------------------------------------------- one line, not a traceback
+
+
+def test_out_of_range_values_and_malformed_blocks_are_one_clear_error(tmp_path, monkeypatch):
+  import json  # pylint: disable=g-import-not-at-top
+  from ntk_fl import data, rundir, schema  # pylint: disable=g-import-not-at-top
+  from ntk_fl.config import load_config  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(data, "load", lambda *a, **k: pytest.fail("data loaded"))
+  ntk_dfl = load_config(os.path.join(_CONFIGS, "ntk_dfl.py"), "smoke")
+  ntk_dfl.algorithm.taus = (4294967396,)
+  with pytest.raises(ValueError, match=r"taus must be positive ints <= 2\*\*31 - 1, got \(4294967396,\)"):
+    schema.validate_config(ntk_dfl)
+  with pytest.raises(ValueError, match=r"config.seed must be an int in \[0, 9223372036854775807\], got "
+                                       "18446744073709551616"):
+    schema.validate_config(_toy_config(seed=2**64))
+  stored = rundir.jsonable(_toy_config())
+  for block, value in (("data", 5), ("model", [1]), ("eval", "x"), ("topology", None)):
+    with pytest.raises(ValueError, match=rf"config.{block} must be a block of keys"):
+      schema.validate_config({**stored, block: value})
+  # A config.json nested 100k deep: the stored config is unreadable, one line.
+  run = tmp_path / "deep"
+  run.mkdir()
+  (run / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+  with pytest.raises(ValueError, match="not a readable config .nested too deeply"):
+    rundir.check_workdir(_toy_config(), str(run), resume=True)
+  # A data_dir that does not exist: found before any data.
+  with pytest.raises(ValueError, match=r"config.data.data_dir = '/no/such/dir' is not a directory"):
+    rundir.check_start(schema.validate_config(_toy_config(**{"data.data_dir": "/no/such/dir"})),
+                       str(tmp_path / "a"))
+
+
+def test_unknown_key_and_bad_npz_messages_are_clean(tmp_path):
+  from ntk_fl import cli  # pylint: disable=g-import-not-at-top
+  from ntk_fl.data import index_map  # pylint: disable=g-import-not-at-top
+  # What ml_collections raises for --config.algorithm.lrr (its repr, with the suggestion, escaped twice).
+  error = "'\\\\\\'lrr\\\\\\'\\\\nDid you mean \"lr\" instead of \"lrr\"?'"
+  assert cli.unknown_key_message(error, ["--config=ntk_dfl", "--config.algorithm.lrr=1"]) == (
+      "unknown config key config.algorithm.lrr; did you mean config.algorithm.lr?")
+  assert cli.unknown_key_message("'nme'", ["--config.nme=1"]) == "unknown config key config.nme"
+  path = tmp_path / "m.npz"
+  path.write_bytes(b"hello world")      # 11 bytes, not a zip
+  with pytest.raises(ValueError, match="not a zip archive") as err:
+    index_map.load_index_map(str(path))
+  assert "pickled" not in str(err.value)
+
+
+def test_cli_unknown_key_and_ctrl_c_during_start_up_are_one_line(tmp_path):
+  import signal  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  lines = _assert_one_error_line(_cli("--config=tests/configs/toy.py:smoke", "--config.algorithm.lrr=1",
+                                      f"--workdir={tmp_path / 'a'}"))
+  assert lines == ["error: unknown config key config.algorithm.lrr; did you mean config.algorithm.lr?"]
+  # Ctrl-C one second in (imports, flag parsing): exit 130, no traceback, nothing advised that would fail.
+  workdir = tmp_path / "b"
+  proc = subprocess.Popen([sys.executable, "-m", "ntk_fl", "--config=tests/configs/toy.py:smoke",
+                           f"--workdir={workdir}"], cwd=_REPO, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": _REPO})
+  time.sleep(1.0)
+  proc.send_signal(signal.SIGINT)
+  _, stderr = proc.communicate(timeout=120)
+  assert proc.returncode == 130 and "Traceback" not in stderr, stderr[-3000:]
+  assert "--resume" not in stderr and "interrupted" in stderr
+
+
+def test_a_packaged_config_shadowed_by_a_local_file_says_which_one_runs(tmp_path):
+  from ntk_fl import cli, configs  # pylint: disable=g-import-not-at-top
+  assert cli.shadow_note("ntk_dfl:smoke", str(tmp_path)) is None
+  (tmp_path / "ntk_dfl.py").write_text("raise SystemExit('a local config file runs')\n")
+  note = cli.shadow_note("ntk_dfl:smoke", str(tmp_path))
+  assert f"runs the packaged config {configs.CONFIG_DIR / 'ntk_dfl.py'}, not {tmp_path / 'ntk_dfl.py'}" in note
+  note = cli.shadow_note("ntk_dfl.py:smoke", str(tmp_path))
+  assert f"runs the file {tmp_path / 'ntk_dfl.py'} (Python code), not the packaged config ntk_dfl" in note
+
+
+# ----------------------------------------------------------------------------- no orphaned workers
+
+_LAUNCHER = """
+import sys
+sys.path.insert(0, {repo!r})
+from ntk_fl import distributed
+distributed.launch_local([sys.executable, "-c", "import os, sys, time; open(sys.argv[1] + '.' + str(os.getpid()), "
+                          "'w').close(); time.sleep(600)", sys.argv[1]], 2)
+"""
+
+
+def test_workers_die_with_a_killed_launcher(tmp_path):
+  import glob  # pylint: disable=g-import-not-at-top
+  import signal  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  marker = str(tmp_path / "worker")
+  launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER.format(repo=_REPO), marker],
+                              env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  deadline = time.monotonic() + 120
+  while len(glob.glob(marker + ".*")) < 2:
+    assert time.monotonic() < deadline and launcher.poll() is None
+    time.sleep(0.05)
+  workers = [int(path.rsplit(".", 1)[1]) for path in glob.glob(marker + ".*")]
+  launcher.send_signal(signal.SIGKILL)      # no finally, no handler: only the kernel can stop the workers
+  launcher.wait()
+
+  def alive(pid):
+    try:
+      with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"     # a zombie has ended
+    except OSError:
+      return False
+  deadline = time.monotonic() + 10
+  while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  survivors = [pid for pid in workers if alive(pid)]
+  for pid in survivors:          # clean up what the code under test left running
+    os.kill(pid, signal.SIGKILL)
+  assert not survivors, "workers outlived their killed launcher"

@@ -29,6 +29,22 @@ def test_accuracy_plot_has_integer_rounds_and_a_legend_clear_of_the_curves():
   assert ax.get_xlabel() == "communication round" and "test set" in ax.get_ylabel()
   legend = ax.get_legend().get_window_extent(renderer)
   assert legend.y1 < ax.get_window_extent(renderer).y0   # below the axes, not over the data
+  # The data: the aggregated curve and the client mean at their rounds, the band from min to max.
+  aggregated, mean = ax.get_lines()
+  np.testing.assert_array_equal(aggregated.get_xdata(), rounds)
+  np.testing.assert_allclose(aggregated.get_ydata(), acc)
+  np.testing.assert_allclose(mean.get_ydata(), acc - 0.1)
+  (band,) = ax.collections
+  vertices = {(float(x), round(float(y), 6)) for x, y in band.get_paths()[0].vertices}
+  for r, low, high in zip(rounds, acc - 0.2, acc):     # the band spans [min, max] at every round
+    assert {(float(r), round(low, 6)), (float(r), round(high, 6))} <= vertices, r
+
+def test_accuracy_plot_skips_rounds_that_were_not_evaluated():
+  fig = plotting.accuracy_figure([1, 2, 3, 4], [0.5, None, 0.7, float("nan")], [None] * 4, [None] * 4,
+                                 [None] * 4)
+  (aggregated,) = fig.axes[0].get_lines()      # no client curve: none was evaluated
+  np.testing.assert_array_equal(aggregated.get_xdata(), [1, 3])
+  np.testing.assert_allclose(aggregated.get_ydata(), [0.5, 0.7])
 
 
 def test_selection_plot_axes_explain_the_halves_and_count_whole_clients():
@@ -42,6 +58,18 @@ def test_selection_plot_axes_explain_the_halves_and_count_whole_clients():
   assert "validation half" in curve_ax.get_xlabel() and "test half" in curve_ax.get_ylabel()
   assert hist_ax.get_ylabel() == "number of clients" and "test half" in hist_ax.get_xlabel()
   assert curve_ax.get_legend().get_window_extent(renderer).y1 < curve_ax.get_window_extent(renderer).y0
+  # The data: each curve against k = 1..M, and a histogram of the M clients' own accuracies.
+  plotted = {line.get_label(): line for line in curve_ax.get_lines()}
+  assert len(plotted) == 3
+  for name in ("best_to_worst", "random", "worst_to_best"):
+    line = plotted[plotting._SELECTION_STYLE[name][0]]
+    np.testing.assert_array_equal(line.get_xdata(), np.arange(1, m + 1))
+    np.testing.assert_allclose(line.get_ydata(), curves[name])
+  heights = [patch.get_height() for patch in hist_ax.patches]
+  counts, edges = np.histogram(curves["test_accuracy"], bins=20)
+  assert sum(heights) == m
+  np.testing.assert_array_equal(heights, counts)
+  np.testing.assert_allclose([patch.get_x() for patch in hist_ax.patches], edges[:-1])   # where they lie
 
 
 def test_label_distribution_counts_are_whole_numbers(tmp_path):
@@ -53,6 +81,15 @@ def test_label_distribution_counts_are_whole_numbers(tmp_path):
   # Two clients holding 2 and 4 samples: the default locators would tick 0.5 steps on both axes.
   assert _integer_ticks(ax.get_xticks()) and _integer_ticks(ax.get_yticks())
   assert ax.get_xlabel() == "client index" and "training samples" in ax.get_ylabel()
+  # The data: per client, a stacked bar per class whose height is its count (client 0: 1 of class 0, 1 of
+  # class 1; client 1: 1 of class 1, 3 of class 2).
+  bars = sorted(((round(p.get_x() + p.get_width() / 2), p.get_y(), p.get_height()) for p in ax.patches))
+  counts = data_plots.class_counts(labels, clients, 3)
+  np.testing.assert_array_equal(counts, [[1, 1, 0], [0, 1, 3]])
+  for client in (0, 1):
+    stacked = [(y, h) for x, y, h in bars if x == client and h > 0]
+    assert sorted(h for _, h in stacked) == sorted(c for c in counts[client] if c)
+    assert max(y + h for y, h in stacked) == counts[client].sum()     # the stack reaches the client's size
   path = tmp_path / "partition.png"
   data_plots.plot_label_distribution(labels, clients, 3, path)
   assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -420,3 +420,19 @@ def test_mix_one_is_a_row_of_mix_inside_for_each_client():
     expected = jax.tree.map(lambda a: self_w[i] * a[i] + sum(nbr_w[i, k] * a[graph.neighbors[i, k]]
                                                              for k in range(graph.neighbors.shape[1])), w)
     chex.assert_trees_all_close(jax.tree.map(lambda a: a[i], want), expected, rtol=1e-6, atol=1e-7)
+
+
+def test_mix_and_mix_one_use_every_neighbour_slot():
+  """A graph whose clients fill all their slots (a 3-regular graph: no padding), so the last slot counts."""
+  from ntk_fl import parallel  # pylint: disable=import-outside-toplevel
+  graph = T.make_topology("regular", 8, seed=1, degree=3).sample(0)
+  assert graph.neighbors.shape == (8, 3) and np.asarray(graph.mask).all()
+  self_w, nbr_w = T.mixing_weights(graph, "data_size", np.arange(1, 9, dtype=np.float32))
+  assert (np.asarray(nbr_w)[:, -1] > 0).all()
+  w = {"a": np.random.default_rng(1).normal(size=(8, 5)).astype(np.float32)}
+  expected = {"a": np.stack([self_w[i] * w["a"][i] + sum(nbr_w[i, k] * w["a"][graph.neighbors[i, k]]
+                                                          for k in range(3)) for i in range(8)])}
+  chex.assert_trees_all_close(T.mix(w, graph.neighbors, self_w, nbr_w), expected, rtol=1e-6, atol=1e-7)
+  one = lambda own, nbrs, s, a: T.mix_one(w, own, nbrs, s, a)
+  got = jax.jit(parallel.for_each_client(one, chunk_size=None))(w, graph.neighbors, self_w, nbr_w)
+  chex.assert_trees_all_close(got, expected, rtol=1e-6, atol=1e-7)

@@ -139,8 +139,8 @@ def check_taus(taus: Sequence[int]) -> TauGrid:
     out.append(int(tau))
   if not out:
     raise ValueError("taus must be non-empty")
-  if out[0] <= 0:
-    raise ValueError(f"taus must be positive, got {tuple(out)}")
+  if out[0] <= 0 or out[-1] > 2**31 - 1:     # the steps are counted in int32 on the device
+    raise ValueError(f"taus must be positive ints <= 2**31 - 1, got {tuple(out)}")
   if any(b <= a for a, b in zip(out, out[1:])):
     raise ValueError(f"taus must be strictly ascending, got {tuple(out)}")
   return TauGrid(out)

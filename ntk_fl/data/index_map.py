@@ -26,6 +26,7 @@ The package ships the 28 Fashion-MNIST partitions of the NTK-FL / NTK-DFL author
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import zipfile
@@ -125,12 +126,55 @@ def load_index_map(partition_file: str | os.PathLike, *, num_clients: int | None
     ValueError: naming the file and what is wrong with it (:func:`check_index_map`).
   """
   path = resolve(partition_file)
+  if not zipfile.is_zipfile(path):
+    raise ValueError(f"index map {str(path)!r} is not a readable .npz file: not a zip archive (of "
+                     ".npy arrays); write one with ntk_fl.data.index_map.save_index_map or "
+                     "`python -m ntk_fl.data.index_map convert`")
   try:
-    with np.load(path, allow_pickle=False) as stored:
-      arrays = {key: stored[key] for key in stored.files}
+    arrays = _read_bounded(path, num_clients=num_clients, num_samples=num_samples)
   except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
     raise ValueError(f"index map {str(path)!r} is not a readable .npz file: {e}") from e
   return check_index_map(arrays, num_clients=num_clients, num_samples=num_samples, source=str(path))
+
+
+def _read_bounded(path: Path, *, num_clients: int | None, num_samples: int | None) -> dict:
+  """The arrays of an index-map ``.npz``, declared shapes checked before anything is allocated.
+
+  A client holds at most as many entries as the training set has samples
+  (``num_samples``; the largest standard training set when unknown), so a map
+  holds at most ``M * num_samples`` indices for its ``M`` clients: a header
+  declaring more (2^28 zeros compress to 1 MB) is refused unread.
+  """
+  samples = num_samples or max(TRAIN_SIZES.values())
+  arrays = {}
+  with zipfile.ZipFile(path) as archive:
+    members = {name.removesuffix(".npy"): name for name in archive.namelist()}
+    if set(members) != set(_KEYS):
+      raise ValueError(f"expected exactly the arrays {list(_KEYS)}, got {sorted(members)}")
+    for key in ("offsets", "indices"):
+      info = archive.getinfo(members[key])
+      with archive.open(info) as f:
+        version = np.lib.format.read_magic(f)
+        read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                       else np.lib.format.read_array_header_2_0)
+        shape, fortran, dtype = read_header(f)
+        count = math.prod(shape)
+        if key == "offsets":      # a client holds at least one sample: at most `samples` clients
+          limit, what = samples + 1, f"a map over {samples} training samples can have"
+        else:
+          limit = max(arrays["offsets"].size - 1, 1) * samples
+          what = f"{arrays['offsets'].size - 1} clients over {samples} training samples can hold"
+        if count > limit:
+          raise ValueError(f"its header declares {count} {key}, more than the {limit} {what}")
+        if dtype.hasobject:
+          raise ValueError(f"{key!r} holds Python objects; an index map holds int32 arrays")
+        data = f.read(count * dtype.itemsize + 1)
+      if len(data) != count * dtype.itemsize:
+        more = " or more" if len(data) > count * dtype.itemsize else ""
+        raise ValueError(f"{key!r} holds {len(data)} bytes{more} but its header declares "
+                         f"{count} of {dtype}")
+      arrays[key] = np.frombuffer(data, dtype).reshape(shape, order="F" if fortran else "C")
+  return arrays
 
 
 def check_index_map(arrays: dict, *, num_clients: int | None = None, num_samples: int | None = None,

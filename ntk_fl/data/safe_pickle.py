@@ -161,19 +161,40 @@ def loads(data: bytes, *, source: str | os.PathLike = "<bytes>", encoding: str =
   """
   source = os.fspath(source)
   allowed = {**ARRAY_GLOBALS, ("numpy", "dtype"): _checked_dtype(dtype_kinds, source), **(extra_globals or {})}
-  result = _RestrictedUnpickler(io.BytesIO(data), source=source, allowed=allowed, encoding=encoding).load()
-  _check_arrays(result, dtype_kinds, source)
+  try:
+    unpickler = _RestrictedUnpickler(io.BytesIO(data), source=source, allowed=allowed,
+                                     encoding=encoding)
+    result = unpickler.load()
+  except (MemoryError, OverflowError) as err:    # an array constructor asked for an absurd size
+    raise UnsafePickleError(f"{source}: refused an array of impossible size ({type(err).__name__}: "
+                            f"{err})") from None
+  _check_arrays(result, dtype_kinds, source, len(data))
   return result
 
 
-def _check_arrays(obj, dtype_kinds: str, source: str) -> None:
-  """Every array in the result has an allowed dtype (``numpy.ndarray(shape, 'O')`` would bypass the dtype global)."""
-  pending = [obj]
+def _check_arrays(obj, dtype_kinds: str, source: str, size: int) -> None:
+  """Every array has an allowed dtype and holds no more bytes than the pickle's ``size`` carried.
+
+  ``numpy.ndarray(shape, 'O')`` would bypass the dtype global; ``numpy.ndarray(shape,
+  dtype, buffer, 0, strides)`` with zero strides, or without a buffer, makes an
+  array far larger than the bytes the file holds (a 138-byte file, 2^28 indices).
+  """
+  pending, seen, total = [obj], set(), 0
   while pending:
     item = pending.pop()
     if isinstance(item, np.ndarray):
       if item.dtype.kind not in dtype_kinds or item.dtype.fields is not None:
         raise UnsafePickleError(f"{source}: refused an array of dtype {item.dtype!r}; allowed kinds: {dtype_kinds!r}")
+      if item.size > 1 and not (item.flags.c_contiguous or item.flags.f_contiguous):
+        raise UnsafePickleError(f"{source}: refused a strided array (shape {item.shape}, strides "
+                                f"{item.strides}): a data file holds every element of its arrays")
+      if id(item) not in seen:
+        seen.add(id(item))
+        total += item.nbytes
+        if total > size:
+          raise UnsafePickleError(f"{source}: its arrays claim {total} bytes or more, but the "
+                                  f"pickle holds only {size}: refused (a data file holds every "
+                                  "element of its arrays)")
     elif isinstance(item, dict):
       pending.extend(item.keys())
       pending.extend(item.values())
@@ -181,10 +202,16 @@ def _check_arrays(obj, dtype_kinds: str, source: str) -> None:
       pending.extend(item)
 
 
-def load_file(path: str | os.PathLike, **kwargs) -> Any:
-  """:func:`loads` of the file at ``path`` (gzip-compressed if it starts with the gzip magic bytes)."""
+def load_file(path: str | os.PathLike, *, max_bytes: int = 1 << 29, **kwargs) -> Any:
+  """:func:`loads` of the file at ``path`` (gzip-compressed if it starts with the gzip magic bytes).
+
+  At most ``max_bytes`` (512 MiB) are decompressed; a larger stream is refused.
+  """
   with open(path, "rb") as f:
-    data = f.read()
-  if data[:2] == b"\x1f\x8b":
-    data = gzip.decompress(data)
+    gzipped = f.read(2) == b"\x1f\x8b"
+  with (gzip.open(path, "rb") if gzipped else open(path, "rb")) as f:
+    data = f.read(max_bytes + 1)     # never more: a small gzip file may expand without bound
+  if len(data) > max_bytes:
+    raise UnsafePickleError(f"{path}: decompresses to more than {max_bytes} bytes; refused (a data "
+                            "file of this kind is smaller)")
   return loads(data, source=kwargs.pop("source", path), **kwargs)

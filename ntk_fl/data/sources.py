@@ -58,6 +58,7 @@ from __future__ import annotations
 import functools
 import gzip
 import importlib.util
+import io
 import json
 import logging
 import math
@@ -139,18 +140,38 @@ _IDX_DTYPES = {
 }
 
 
-def _read_bytes(path: Path) -> bytes:
-  """The file's bytes, gunzipped when it is a gzip stream (detected by content, not by name)."""
-  data = path.read_bytes()
-  if data[:2] != b"\x1f\x8b":
-    return data
+MAX_PICKLE_BYTES = 1 << 29
+"""The most bytes a pickled data file may decompress to (512 MiB; ``mnist.pkl`` is 220 MB)."""
+
+
+def _read_bytes(path: Path, max_bytes: int = MAX_PICKLE_BYTES) -> bytes:
+  """The file's bytes, gunzipped when it is a gzip stream (detected by content, not by name).
+
+  A stream that decompresses to more than ``max_bytes`` is refused after reading
+  ``max_bytes + 1`` bytes of it (a small file must not expand without bound).
+  """
+  with open(path, "rb") as f:
+    gzipped = f.read(2) == b"\x1f\x8b"
   try:
-    return gzip.decompress(data)
+    with (gzip.open(path, "rb") if gzipped else open(path, "rb")) as f:
+      data = f.read(max_bytes + 1)
   except (OSError, EOFError, zlib.error) as err:
+    if not gzipped:
+      raise
     raise ValueError(f"{path}: corrupt or truncated gzip stream ({err})") from err
+  if len(data) > max_bytes:
+    raise ValueError(f"{path}: {'decompresses to' if gzipped else 'holds'} more than {max_bytes} "
+                     "bytes, more than a data file of this format holds; not a data file of it")
+  return data
 
 
-def _parse_idx(raw: bytes, path: Path) -> np.ndarray:
+MAX_IDX_BYTES = 1 << 28
+"""The largest IDX payload read: 256 MiB (EMNIST digits' training images, the largest: 188 MB)."""
+
+
+def _read_idx_stream(f, path: Path, max_bytes: int) -> np.ndarray:
+  """Parses an IDX stream, reading no more than its header declares (at most ``max_bytes``)."""
+  raw = f.read(4)
   if len(raw) < 4:
     raise ValueError(f"{path}: {len(raw)} bytes is too short for an IDX header (needs at least 4)")
   if raw[0] != 0 or raw[1] != 0:
@@ -162,23 +183,37 @@ def _parse_idx(raw: bytes, path: Path) -> np.ndarray:
   if ndim == 0:
     raise ValueError(f"{path}: IDX header declares 0 dimensions (must be >= 1)")
   header = 4 + 4 * ndim
-  if len(raw) < header:
-    raise ValueError(f"{path}: truncated IDX header: {ndim} dimensions need {header} bytes, file has {len(raw)}")
-  dims = tuple(int(d) for d in np.frombuffer(raw, ">u4", count=ndim, offset=4))
+  dims_raw = f.read(4 * ndim)
+  if len(dims_raw) < 4 * ndim:
+    raise ValueError(f"{path}: truncated IDX header: {ndim} dimensions need {header} bytes, file "
+                     f"has {4 + len(dims_raw)}")
+  dims = tuple(int(d) for d in np.frombuffer(dims_raw, ">u4"))
   dtype = _IDX_DTYPES[code]
   expected = math.prod(dims) * dtype.itemsize
-  payload = len(raw) - header
-  if payload != expected:
-    what = "truncated" if payload < expected else "trailing bytes"
-    raise ValueError(f"{path}: IDX payload is {payload} bytes but dims {dims} of {dtype.name} need {expected} ({what})")
-  return np.frombuffer(raw, dtype, offset=header).reshape(dims).astype(dtype.newbyteorder("="))
+  if expected > max_bytes:
+    raise ValueError(f"{path}: IDX header declares dims {dims} of {dtype.name}, {expected} bytes, "
+                     f"more than the {max_bytes} an IDX file of this data set may hold; not a data "
+                     "file of it")
+  payload = f.read(expected)
+  extra = len(f.read(1))    # one byte past the declared payload tells trailing data (no more read)
+  if len(payload) != expected or extra:
+    what = "truncated" if len(payload) < expected else "trailing bytes"
+    size = f"{len(payload)}" if not extra else f"more than {expected}"
+    raise ValueError(f"{path}: IDX payload is {size} bytes but dims {dims} of {dtype.name} need "
+                     f"{expected} ({what})")
+  return np.frombuffer(payload, dtype).reshape(dims).astype(dtype.newbyteorder("="))
 
 
-def read_idx(path: str | os.PathLike) -> np.ndarray:
-  """Reads one IDX file (raw or gzip-compressed).
+def _parse_idx(raw: bytes, path: Path) -> np.ndarray:
+  return _read_idx_stream(io.BytesIO(raw), path, max(len(raw), 1))
+
+
+def read_idx(path: str | os.PathLike, *, max_bytes: int = MAX_IDX_BYTES) -> np.ndarray:
+  """Reads one IDX file (raw or gzip-compressed), never more than its header declares.
 
   Args:
     path: the file. Gzip is recognised by its content, so ``.gz`` naming is optional.
+    max_bytes: the largest payload the header may declare (checked before reading it).
 
   Returns:
     A writable array with the header's dimensions and dtype, in native byte order.
@@ -188,7 +223,15 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
       a truncated header or payload, trailing bytes, or a corrupt gzip stream.
   """
   path = Path(path)
-  return _parse_idx(_read_bytes(path), path)
+  with open(path, "rb") as raw:
+    gzipped = raw.read(2) == b"\x1f\x8b"
+  try:
+    with (gzip.open(path, "rb") if gzipped else open(path, "rb")) as f:
+      return _read_idx_stream(f, path, max_bytes)
+  except (OSError, EOFError, zlib.error) as err:
+    if not gzipped:
+      raise
+    raise ValueError(f"{path}: corrupt or truncated gzip stream ({err})") from err
 
 
 # ----------------------------------------------------------------------------
