@@ -186,21 +186,29 @@ authors' shipped Fashion-MNIST partitions ``authors_alpha<α>[_d<draw>]`` (α �
 uses. ``contiguous``: client ``i`` holds samples ``[200 i, 200 i + 200)``, the NTK-FL code's fallback."""
 
 
-def apply_variants(config: ml_collections.ConfigDict, arg: str | None, method_variants=None):
+def apply_variants(config: ml_collections.ConfigDict, arg: str | None, method_variants=None,
+                   valued_variants=None):
   """Applies the comma-separated variant tokens of ``--config=file.py:tok1,tok2``.
 
   Tokens are applied left to right: ``COMMON_VARIANTS``, ``alpha<float>`` (the
   authors' fixed-size Dirichlet generator with that concentration, a fresh draw
   from the seed), ``authors_alpha<float>[_d<draw>]`` / ``authors_iid[_d<draw>]``
-  (the authors' own shipped partition files) and the method's own
+  (the authors' own shipped partition files), the method's own
   ``method_variants`` (name -> ``fn(config)``, which win over common ones of the
-  same name). An unknown token raises ``ValueError`` listing the
-  choices, so a typo never runs the default setting silently.
+  same name) and its ``valued_variants`` (prefix -> ``fn(config, value_text)``
+  for tokens ``<prefix><value>``, e.g. ``topk0.5``; ``fn`` checks the value). An
+  unknown token raises ``ValueError`` listing the choices, so a typo never runs
+  the default setting silently.
   """
   variants = {**COMMON_VARIANTS, **(method_variants or {})}
+  valued = dict(valued_variants or {})
   for token in filter(None, (t.strip() for t in (arg or "").split(","))):
+    prefix = next((p for p in sorted(valued, key=len, reverse=True)
+                   if token.startswith(p) and len(token) > len(p)), None)
     if token in variants:
       variants[token](config)
+    elif prefix is not None:
+      valued[prefix](config, token[len(prefix):])
     elif token.startswith("authors_"):
       _set_authors_map(config, token)
     elif token.startswith("alpha"):
@@ -212,8 +220,9 @@ def apply_variants(config: ml_collections.ConfigDict, arg: str | None, method_va
         raise ValueError(f"variant {token!r}: alpha must be a positive number, e.g. 'alpha0.5'")
       _set_alpha(config, alpha)
     else:
+      extra = "".join(f", {p}<value>" for p in sorted(valued))
       raise ValueError(f"unknown config variant {token!r}; known: {', '.join(sorted(variants))}, alpha<float>, "
-                       "authors_alpha<float>[_d<draw>], authors_iid[_d<draw>]")
+                       f"authors_alpha<float>[_d<draw>], authors_iid[_d<draw>]{extra}")
   return config
 
 

@@ -34,11 +34,13 @@ CLIENT_ARRAYS = ("tau", "loss")
 # Jacobian batching and data subsampling, the MSE closed form, SPARK's layer-wise sketch (structured kernel in
 # sketch coordinates) and that sketch with the compression stack (explicit J̃ from the dense stack's factors,
 # sparsified and quantised per package) and sub-sampling, the server materialising J with linearised τ
-# selection, CP-NTK-FL's compression, Fed-ensemble's NTK modes. (SPARK's ``full_stack`` itself holds a
-# 79,510 x 10,000 flattened sketch, 3.2 GB: too big for a test.)
+# selection, CP-NTK-FL's compression, Fed-ensemble's NTK modes, NTK-DFL's App. E.3 compression stack (explicit
+# compressed Jacobians of a projected model).
+# (SPARK's ``full_stack`` itself holds a 79,510 x 10,000 flattened sketch, 3.2 GB: too big for a test.)
 EXTRA_VARIANTS = (
     ("ntk_dfl", "smoke,batched,subsample"),
     ("ntk_dfl", "smoke,mse"),
+    ("ntk_dfl", "smoke,topk0.5,bits6,subsample,proj20,clustered"),
     ("spark", "smoke,proj500"),
     ("spark", "smoke,proj500,compressed"),
     ("ntk_fl", "smoke,explicit,linearized"),

@@ -268,31 +268,6 @@ def _tree_norm(tree):
   return jnp.sqrt(sum(jnp.vdot(leaf, leaf) for leaf in jax.tree.leaves(tree)))
 
 
-def _compress_packages(jac, mask, num_members, keep_fraction, bits):
-  """Each sender's package, per tensor: zero padding rows, keep the top-k magnitudes, quantise to ``bits``.
-
-  A package is one sender's rows ``[n, C, ...]`` of one Jacobian tensor
-  (spark.md §5 item 25: top-k over the whole package tensor; one min-max
-  quantiser per package tensor, :func:`ntk_fl.compression.quantize`; entries
-  outside the support stay exactly zero -- the support is sent separately).
-  """
-  def one_package(leaf):
-    kept = None
-    if keep_fraction < 1:
-      leaf, kept = compression.sparsify_topk(leaf, keep_fraction)
-    if bits != compression.FLOAT_BITS:
-      quantized = compression.quantize(leaf, bits)
-      leaf = quantized if kept is None else jnp.where(kept, quantized, 0)
-    return leaf
-
-  out = []
-  for leaf in jac:
-    leaf = jnp.where(mask.reshape((-1,) + (1,) * (leaf.ndim - 1)), leaf, 0)
-    rows = leaf.reshape((num_members, -1) + leaf.shape[1:])
-    out.append(jax.vmap(one_package)(rows).reshape(leaf.shape))
-  return tuple(out)
-
-
 # ----------------------------------------------------------------------------- the method
 
 
@@ -385,7 +360,8 @@ def make_spark(model: models.Model, federation, graphs: topology.Topology, hpara
         jac = jacobians.per_sample_jacobian(coords.apply_fn, coords.point, x)
       leaves, treedef = jax.tree.flatten(jac)
       if algo.compression.active:
-        leaves = _compress_packages(leaves, mask, members, keep, bits)
+        # k from the package's slots, padding included, as SPARK's recorded runs were made.
+        leaves = compression.compress_packages(leaves, mask, members, keep, bits, count_real_rows=False)
       kernel_options["jacobian"] = jax.tree.unflatten(treedef, leaves)
     elif structured_sketch:
       layer_sketches = projection.dense_stack_projections(plan, mats, model.dense_stack)
