@@ -173,17 +173,25 @@ def _set_authors_map(config, token: str) -> None:
     config.data.alpha = float(alpha)  # a label only: the map is the partition
 
 
+def _set_femnist_digits(config) -> None:
+  # FEMNIST's digits, one client per writer (NTK-DFL Fig. 10a, NTK-FL Fig. 4).
+  config.data.name = "femnist_digits"
+  config.data.partition = "by_writer"
+
+
 COMMON_VARIANTS = {
     "paper": lambda config: None,
     "iid": _set_iid,
     "static": _set_static,
     "mnist": lambda config: setattr(config.data, "name", "mnist"),
     "contiguous": _set_contiguous,
+    "femnist_digits": _set_femnist_digits,
 }
 """Variant tokens every method's config understands, plus ``alpha<float>`` (e.g. ``alpha0.5``) and the
 authors' shipped Fashion-MNIST partitions ``authors_alpha<α>[_d<draw>]`` (α ∈ {0.1, ..., 0.5}, draws
 0-4) and ``authors_iid[_d<draw>]`` (draws 0-2); without ``_d`` the draw is 0, the one the authors' code
-uses. ``contiguous``: client ``i`` holds samples ``[200 i, 200 i + 200)``, the NTK-FL code's fallback."""
+uses. ``contiguous``: client ``i`` holds samples ``[200 i, 200 i + 200)``, the NTK-FL code's fallback.
+``femnist_digits``: FEMNIST's digit samples, one client per writer (LEAF files, see :mod:`ntk_fl.data`)."""
 
 
 def apply_variants(config: ml_collections.ConfigDict, arg: str | None, method_variants=None,
