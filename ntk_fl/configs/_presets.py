@@ -13,18 +13,30 @@ import ml_collections
 
 from ntk_fl import config as config_lib
 
-__all__ = ["local_config", "quantize_variants", "server_config", "gossip_config", "PARTICIPATION_VARIANTS",
+__all__ = ["local_config", "adam_variant", "quantize_variants", "server_config", "gossip_config", "PARTICIPATION_VARIANTS",
            "SERVER_VARIANTS", "GOSSIP_VARIANTS", "PAPER_TAUS", "CODE_TAUS", "server_ntk_config",
            "SERVER_NTK_VARIANTS"]
 
 
 def local_config(*, lr: float, epochs: int, batch_size: int, lr_gamma: float = 1.0, momentum: float = 0.0,
                  nesterov: bool = False, weight_decay: float = 0.0, quantize_bits: int = 32,
-                 stochastic_rounding: bool = False, **extra):
-  """A ``config.algorithm`` block with every field of :class:`ntk_fl.algorithms.local.LocalHParams` (+ ``extra``)."""
+                 stochastic_rounding: bool = False, optimizer: str = "sgd", adam_b1: float = 0.9,
+                 adam_b2: float = 0.999, adam_eps: float = 1e-8, **extra):
+  """A ``config.algorithm`` block with every field of :class:`ntk_fl.algorithms.local.LocalHParams` (+ ``extra``).
+
+  The client optimiser is SGD unless ``optimizer='adam'`` (variant ``adam``: Fed-ensemble's Shakespeare
+  clients; PyTorch's defaults β = (0.9, 0.999), ε = 1e-8).
+  """
   return ml_collections.ConfigDict(dict(
       lr=lr, lr_gamma=lr_gamma, epochs=epochs, batch_size=batch_size, momentum=momentum, nesterov=nesterov,
-      weight_decay=weight_decay, quantize_bits=quantize_bits, stochastic_rounding=stochastic_rounding, **extra))
+      weight_decay=weight_decay, quantize_bits=quantize_bits, stochastic_rounding=stochastic_rounding,
+      optimizer=optimizer, adam_b1=adam_b1, adam_b2=adam_b2, adam_eps=adam_eps, **extra))
+
+
+def adam_variant(config):
+  """Variant `adam`: the clients train with Adam (no SGD momentum)."""
+  config.algorithm.optimizer = "adam"
+  config.algorithm.momentum, config.algorithm.nesterov = 0.0, False
 
 
 def quantize_variants(bits=(8, 4)) -> dict:
@@ -96,9 +108,9 @@ PARTICIPATION_VARIANTS = {
     "full": lambda c: setattr(c.algorithm, "clients_per_round", 0),          # every client, every round
     "busiest_node": lambda c: setattr(c.algorithm, "clients_per_round", 5),  # NTK-DFL App. C.1 (κ = 5)
 }
-SERVER_VARIANTS = {**quantize_variants(), **PARTICIPATION_VARIANTS, "smoke": _server_smoke}
-"""Variants of the server-based configs: ``q8``/``q4``, ``full``, ``busiest_node``, ``smoke``."""
-GOSSIP_VARIANTS = {**quantize_variants(), "smoke": _gossip_smoke}
+SERVER_VARIANTS = {**quantize_variants(), **PARTICIPATION_VARIANTS, "adam": adam_variant, "smoke": _server_smoke}
+"""Variants of the server-based configs: ``q8``/``q4``, ``full``, ``busiest_node``, ``adam``, ``smoke``."""
+GOSSIP_VARIANTS = {**quantize_variants(), "adam": adam_variant, "smoke": _gossip_smoke}
 """Variants of the decentralized configs: ``q8``/``q4``, ``smoke``."""
 
 

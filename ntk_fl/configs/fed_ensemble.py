@@ -18,7 +18,7 @@ Variants (comma-separated, left to right): ``paper`` | ``iid`` | ``mnist`` |
 FedProx, mu = 0.01) | ``ntk`` (NTK evolution of each mode on its participants'
 pooled data) | ``data_size`` (n_i-weighted averaging; with ``k1`` exactly
 FedAvg) | ``stratified`` (Q = 10 strata, one participant each) | ``logits``
-(average logits) | ``cnn`` | ``smoke`` (seconds). The Table 1 toy regression has
+(average logits) | ``cnn`` | ``adam`` (Adam clients, as for Shakespeare) | ``smoke`` (seconds). The Table 1 toy regression has
 its own config, ``configs/fed_ensemble_toy.py`` (run by ``experiments/fed_ensemble_toy.py``).
 
 The FedAvg / FedProx baselines in exactly this setting (same data, model, local
@@ -79,6 +79,7 @@ VARIANTS = {
     "stratified": _stratified,
     "logits": lambda c: setattr(c.algorithm, "prediction", "logits"),
     "cnn": lambda c: setattr(c.model, "name", "cnn"),
+    "adam": presets.adam_variant,
     "smoke": _smoke,
     **{f"k{k}": _modes(k) for k in (1, 2, 3, 5, 10, 20, 40, 80)},
 }
