@@ -167,7 +167,7 @@ def ntk_step(apply_fn: ApplyFn, params, x: Array, targets, mask: Array, *, lr, t
              dense_stack: DenseStack | None = None, kernel_matrix: Array | None = None, jacobian=None,
              param_map: ParamMap | None = None, labels: Array | None = None,
              select: Select | str = Select.NETWORK, candidate: Callable[[Any], Any] | None = None,
-             start=None):
+             start=None, score_fn: Callable[[Any], Array] | None = None):
   """One NTK client step: kernel, evolution, candidate updates ``Δw_τ``, scores, the chosen ``τ``.
 
   The step every NTK method takes (NTK-DFL per neighbourhood, NTK-FL / CP-NTK-FL on the server's pooled
@@ -209,6 +209,8 @@ def ntk_step(apply_fn: ApplyFn, params, x: Array, targets, mask: Array, *, lr, t
     labels: ``[N, C]`` rows the candidates are scored against (default: the targets).
     select, candidate: the scoring (item 6).
     start: the network the evolution starts from and the candidates are added to (default ``params``).
+    score_fn: ``score_fn(candidate_params) -> loss``, scoring each candidate network on other data than
+      ``x`` (NTK-FL §3: τ chosen on a validation set held out from the clients); ``select='network'``.
 
   Returns:
     ``(delta, info)``: ``delta`` shaped like ``params``; ``info`` has ``'tau'`` (int32), ``'loss'`` (the
@@ -219,6 +221,8 @@ def ntk_step(apply_fn: ApplyFn, params, x: Array, targets, mask: Array, *, lr, t
   mse_form, select, kernel = parse(MseForm, mse_form, "mse_form"), parse(Select, select, "select"), \
       parse(Kernel, kernel, "kernel")
   check_loss_solver(loss, solver)
+  if score_fn is not None and select != Select.NETWORK:
+    raise ValueError(f"score_fn scores candidate networks, so it needs select='network', got {select.value!r}")
   taus = check_taus(taus)
   _check_lr(lr)
   n_samples = x.shape[0]
@@ -269,7 +273,10 @@ def ntk_step(apply_fn: ApplyFn, params, x: Array, targets, mask: Array, *, lr, t
     base = params if start is None else start
     if candidate is None:
       candidate = lambda d: jax.tree_util.tree_map(jnp.add, base, d)
-    losses = jax.vmap(lambda d: score(apply_fn(candidate(d), x)))(deltas)
+    if score_fn is None:
+      losses = jax.vmap(lambda d: score(apply_fn(candidate(d), x)))(deltas)
+    else:
+      losses = jax.vmap(lambda d: score_fn(candidate(d)))(deltas)
   else:
     losses = linearized_losses
   choice = select_tau(losses, taus)
