@@ -36,7 +36,7 @@ CLIENT_ARRAYS = ("tau", "loss")
 # sparsified and quantised per package) and sub-sampling, the server materialising J with linearised τ
 # selection, CP-NTK-FL's compression, Fed-ensemble's NTK modes, NTK-DFL's App. E.3 compression stack (explicit
 # compressed Jacobians of a projected model), the Adam client optimiser, NTK-FL's τ scored on held-out
-# validation clients.
+# validation clients, Fed-ensemble's straggler over-selection.
 # (SPARK's ``full_stack`` itself holds a 79,510 x 10,000 flattened sketch, 3.2 GB: too big for a test.)
 EXTRA_VARIANTS = (
     ("ntk_dfl", "smoke,batched,subsample"),
@@ -49,6 +49,7 @@ EXTRA_VARIANTS = (
     ("fed_ensemble", "smoke,ntk"),
     ("fedavg", "smoke,adam"),
     ("ntk_fl", "smoke,validation"),
+    ("fed_ensemble", "smoke,stragglers"),
 )
 
 
