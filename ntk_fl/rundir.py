@@ -358,6 +358,7 @@ def _experiment_configs(config, workdir: str, action: str) -> tuple[dict, dict]:
   """``workdir``'s stored config and ``config`` as JSON dicts, without the placement keys."""
   stored = _stored_config(workdir, action)
   current = json.loads(json.dumps(jsonable(config)))
+  _fill_hyperparameter_defaults(current)   # a config written without a defaulted key means its default
   # Where clients run is not part of the experiment: a run may resume on another device count
   # (results agree up to float rounding), and runs started before these keys existed lack them.
   return config_without(stored, *_RESULT_NEUTRAL_KEYS), config_without(current, *_RESULT_NEUTRAL_KEYS)

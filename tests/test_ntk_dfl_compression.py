@@ -196,3 +196,16 @@ def test_a_config_stored_before_the_compression_keys_reads_as_uncompressed(tmp_p
     del stored["algorithm"][key]
   (tmp_path / rundir.CONFIG_FILE).write_text(json.dumps(stored))
   assert rundir.read_config(str(tmp_path))["algorithm"] == current["algorithm"]
+
+
+def test_a_current_config_without_the_keys_compares_equal_to_a_stored_one_with_them(tmp_path):
+  """Resume compares the stored config with the current one; a missing defaulted key means its default."""
+  import json
+  from ntk_fl import rundir
+  full = ntk_dfl_config()
+  (tmp_path / rundir.CONFIG_FILE).write_text(json.dumps(rundir.jsonable(full)))
+  lean = ntk_dfl_config()
+  for key in ("sparsify_keep", "quantize_bits", "projection_dim", "projection_scale"):
+    del lean.algorithm[key]
+  stored, current = rundir._experiment_configs(lean, str(tmp_path), "resume")   # pylint: disable=protected-access
+  assert stored == current
