@@ -38,7 +38,7 @@ import golden_runs
 RTOL = 1e-4
 QUANTIZED_RTOL = 1e-3
 QUANTIZED_RUNS = ("spark:smoke,proj500,compressed", "cp_ntk_fl:smoke,table1",
-                  "ntk_dfl:smoke,topk0.5,bits6,subsample,proj20,clustered")
+                  "ntk_dfl:smoke,topk0.5,bits6,subsample,proj20,clustered", "spark:smoke,option_b,compressed")
 ACC_ATOL = 2 / 2_000
 EXACT = ("round", "bits_cumulative", "clients_tau")
 ACCURACIES = ("test_acc", "client_acc_mean", "consensus_acc_mean")
