@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["quantize", "quantize_tree", "topk_mask", "top_k_by_key", "magnitude_key", "max_magnitude_key",
-           "sparsify_topk", "num_kept", "payload_bits", "sparse_payload_bits", "tree_payload_bits",
+           "sparsify_topk", "num_kept", "compress_packages", "payload_bits", "sparse_payload_bits",
+           "tree_payload_bits",
            "FLOAT_BITS", "SIDE_BITS"]
 
 FLOAT_BITS = 32
@@ -204,6 +205,64 @@ def sparsify_topk(x, keep_fraction: float, *, axis: int | None = None):
     moved = jnp.moveaxis(x, axis, -1)
     mask = jnp.moveaxis(topk_mask(jnp.abs(moved), num_kept(moved.shape[-1], keep_fraction)), -1, axis)
   return jnp.where(mask, x, jnp.zeros_like(x)), mask
+
+
+def compress_packages(leaves, mask, num_senders: int, keep_fraction: float, bits: int, *, sent=None,
+                      count_real_rows: bool = True):
+  """Each sender's package of Jacobian rows, per tensor: zero padding rows, top-k magnitudes, ``bits``-bit values.
+
+  The neighbourhood-NTK methods (NTK-DFL App. E.3, SPARK) stack the rows their
+  neighbours send, sender after sender. A package is one sender's rows
+  ``[n, C, ...]`` of one Jacobian tensor: it keeps the :func:`num_kept`
+  largest magnitudes of its *real* rows' entries (the count the receiver is
+  charged for, :func:`ntk_fl.communication.jacobian_package_bits`; ties to the
+  lower index), one min-max quantiser covers the package tensor
+  (:func:`quantize`), and entries outside the support stay exactly zero (the
+  support is sent separately).
+
+  Args:
+    leaves: Jacobian tensors ``[num_senders * n, C, ...]`` (sender-major rows).
+    mask: bool ``[num_senders * n]``, True for real samples.
+    num_senders: packages per tensor.
+    keep_fraction: top-k fraction in ``(0, 1]`` (1 = dense).
+    bits: bits per value (:data:`FLOAT_BITS` = no quantisation).
+    sent: optional bool ``[num_senders]``; packages marked False are not
+      transmitted (a client's own rows) and are kept exact, padding zeroed.
+    count_real_rows: ``k`` from the sender's real rows (default). False takes
+      it from all ``n`` slots, padding included -- SPARK's packages, kept so
+      for its recorded runs: with unequal client sizes that keeps a few more
+      values than :func:`ntk_fl.communication.jacobian_package_bits` charges.
+
+  Returns:
+    A tuple of tensors shaped like ``leaves``.
+  """
+  mask = jnp.asarray(mask, bool)
+  slots = mask.shape[0] // num_senders
+  real_rows = mask.reshape(num_senders, -1).sum(axis=1) if count_real_rows else jnp.full(num_senders, slots)
+
+  def one_package(package, k):
+    kept = None
+    if keep_fraction < 1:
+      kept = top_k_by_key(magnitude_key(jnp.abs(package.reshape(-1))), k).reshape(package.shape)
+      package = jnp.where(kept, package, 0)
+    if bits != FLOAT_BITS:
+      quantized = quantize(package, bits)
+      package = quantized if kept is None else jnp.where(kept, quantized, 0)
+    return package
+
+  out = []
+  for leaf in leaves:
+    leaf = jnp.where(mask.reshape((-1,) + (1,) * (leaf.ndim - 1)), leaf, 0)
+    rows = leaf.reshape((num_senders, -1) + leaf.shape[1:])
+    row_size = math.prod(rows.shape[2:])
+    # k of a package with r real rows, exact in integers (a float32 product would round above 2**24 entries).
+    table = jnp.asarray([0] + [num_kept(r * row_size, keep_fraction) if keep_fraction < 1 else 0
+                               for r in range(1, rows.shape[1] + 1)], jnp.int32)
+    packed = jax.vmap(one_package)(rows, table[real_rows])
+    if sent is not None:
+      packed = jnp.where(jnp.asarray(sent, bool).reshape((-1,) + (1,) * (rows.ndim - 1)), packed, rows)
+    out.append(packed.reshape(leaf.shape))
+  return tuple(out)
 
 
 def payload_bits(num_values, bits: int = FLOAT_BITS, *, num_tensors: int = 1, bitmap_size: int = 0):

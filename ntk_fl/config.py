@@ -202,6 +202,12 @@ def _set_cnn(config) -> None:
   _fit_smoke_to_model(config)
 
 
+def _set_femnist_digits(config) -> None:
+  # FEMNIST's digits, one client per writer (NTK-DFL Fig. 10a, NTK-FL Fig. 4).
+  config.data.name = "femnist_digits"
+  config.data.partition = "by_writer"
+
+
 COMMON_VARIANTS = {
     "paper": lambda config: None,
     "cnn": _set_cnn,
@@ -209,30 +215,40 @@ COMMON_VARIANTS = {
     "static": _set_static,
     "mnist": lambda config: setattr(config.data, "name", "mnist"),
     "contiguous": _set_contiguous,
+    "femnist_digits": _set_femnist_digits,
 }
 """Variant tokens every method's config understands, plus ``alpha<float>`` (e.g. ``alpha0.5``) and the
 authors' shipped Fashion-MNIST partitions ``authors_alpha<α>[_d<draw>]`` (α ∈ {0.1, ..., 0.5}, draws
 0-4) and ``authors_iid[_d<draw>]`` (draws 0-2); without ``_d`` the draw is 0, the one the authors' code
 uses. ``contiguous``: client ``i`` holds samples ``[200 i, 200 i + 200)``, the NTK-FL code's fallback.
 ``cnn``: the papers' CNN (:func:`ntk_fl.models.cnn`, conv32-pool-conv64-pool-fc100-fc10) on unflattened
-images instead of the MLP; with ``smoke``, :data:`SMOKE_CNN_SAMPLES` samples per client."""
+images instead of the MLP; with ``smoke``, :data:`SMOKE_CNN_SAMPLES` samples per client.
+``femnist_digits``: FEMNIST's digit samples, one client per writer (LEAF files, see :mod:`ntk_fl.data`)."""
 
 
-def apply_variants(config: ml_collections.ConfigDict, arg: str | None, method_variants=None):
+def apply_variants(config: ml_collections.ConfigDict, arg: str | None, method_variants=None,
+                   valued_variants=None):
   """Applies the comma-separated variant tokens of ``--config=file.py:tok1,tok2``.
 
   Tokens are applied left to right: ``COMMON_VARIANTS``, ``alpha<float>`` (the
   authors' fixed-size Dirichlet generator with that concentration, a fresh draw
   from the seed), ``authors_alpha<float>[_d<draw>]`` / ``authors_iid[_d<draw>]``
-  (the authors' own shipped partition files) and the method's own
+  (the authors' own shipped partition files), the method's own
   ``method_variants`` (name -> ``fn(config)``, which win over common ones of the
-  same name). An unknown token raises ``ValueError`` listing the
-  choices, so a typo never runs the default setting silently.
+  same name) and its ``valued_variants`` (prefix -> ``fn(config, value_text)``
+  for tokens ``<prefix><value>``, e.g. ``topk0.5``; ``fn`` checks the value). An
+  unknown token raises ``ValueError`` listing the choices, so a typo never runs
+  the default setting silently.
   """
   variants = {**COMMON_VARIANTS, **(method_variants or {})}
+  valued = dict(valued_variants or {})
   for token in filter(None, (t.strip() for t in (arg or "").split(","))):
+    prefix = next((p for p in sorted(valued, key=len, reverse=True)
+                   if token.startswith(p) and len(token) > len(p)), None)
     if token in variants:
       variants[token](config)
+    elif prefix is not None:
+      valued[prefix](config, token[len(prefix):])
     elif token.startswith("authors_"):
       _set_authors_map(config, token)
     elif token.startswith("alpha"):
@@ -244,8 +260,9 @@ def apply_variants(config: ml_collections.ConfigDict, arg: str | None, method_va
         raise ValueError(f"variant {token!r}: alpha must be a positive number, e.g. 'alpha0.5'")
       _set_alpha(config, alpha)
     else:
+      extra = "".join(f", {p}<value>" for p in sorted(valued))
       raise ValueError(f"unknown config variant {token!r}; known: {', '.join(sorted(variants))}, alpha<float>, "
-                       "authors_alpha<float>[_d<draw>], authors_iid[_d<draw>]")
+                       f"authors_alpha<float>[_d<draw>], authors_iid[_d<draw>]{extra}")
   return config
 
 

@@ -42,6 +42,8 @@ class Stream(enum.IntEnum):
   INPUT_PROJECTION = 11  # CP-NTK-FL's shared input projection P (d1 -> d1'), fixed for the whole run
   PRIVACY_ATTACK = 12  # experiments/privacy_attack.py: victim images (0), dummy inits (1), attacker's guess of P (2)
   TEST_SUBSAMPLE = 13  # runner: optional test-set subsample (config.data.max_test)
+  VALIDATION_CLIENTS = 14  # NTK-FL: the clients held out to score τ (select='validation')
+  STRAGGLERS = 15     # Fed-ensemble's straggler latency model: the selected clients' speeds in round r
 
 
 def numpy_rng(seed: int, stream: Stream, *indices: int) -> np.random.Generator:

@@ -244,7 +244,26 @@ def _stored_config(workdir: str, action: str) -> dict:
       node = node.get(key) if isinstance(node, dict) else None
     if isinstance(node, dict):
       node.setdefault(leaf, value)
+  _fill_hyperparameter_defaults(stored)
   return stored
+
+
+def _fill_hyperparameter_defaults(stored: dict) -> None:
+  """Fills the ``algorithm`` block of a stored config with its method's defaulted hyperparameters.
+
+  A method's hyperparameter with a default was added after runs were stored, and its default is the value
+  that reproduces them (the run itself is built the same way, :func:`ntk_fl.settings.from_mapping`).
+  """
+  method, algorithm = stored.get("method"), stored.get("algorithm")
+  if not (isinstance(method, str) and isinstance(algorithm, dict)):
+    return
+  try:
+    spec = get_method(method)
+  except ValueError:          # a method of a module not imported here: nothing to fill
+    return
+  for field in dataclasses.fields(spec.hyperparameters):
+    if field.compare and field.default is not dataclasses.MISSING:
+      algorithm.setdefault(field.name, jsonable(field.default))
 
 
 def read_config(workdir: str) -> dict:
@@ -365,6 +384,7 @@ def _experiment_configs(config, workdir: str, action: str) -> tuple[dict, dict]:
   """``workdir``'s stored config and ``config`` as JSON dicts, without the placement keys."""
   stored = _stored_config(workdir, action)
   current = json.loads(json.dumps(jsonable(config)))
+  _fill_hyperparameter_defaults(current)   # a config written without a defaulted key means its default
   # Where clients run is not part of the experiment: a run may resume on another device count
   # (results agree up to float rounding), and runs started before these keys existed lack them.
   return config_without(stored, *_RESULT_NEUTRAL_KEYS), config_without(current, *_RESULT_NEUTRAL_KEYS)

@@ -134,8 +134,9 @@ def validate_config(config, reference=None) -> RunSettings:
   if not isinstance(_get(config, "data.data_dir"), str):
     raise ValueError(f"config.data.data_dir must be a string ('' = search path), got {_get(config, 'data.data_dir')!r}")
   partition = _choice(config, "data.partition", data.PARTITIONS)
-  if partition == "by_writer" and dataset != "femnist":
-    raise ValueError(f"config.data.partition = 'by_writer' needs writer ids; only 'femnist' has them, "
+  if partition == "by_writer" and dataset not in ("femnist", "femnist_digits"):
+    raise ValueError(f"config.data.partition = 'by_writer' needs writer ids; only 'femnist' and 'femnist_digits' "
+                     "have them, "
                      f"got data.name = {dataset!r}")
   num_clients = _int(config, "data.num_clients", 1)
   alpha = _get(config, "data.alpha")
@@ -247,7 +248,7 @@ def _check_partition_fits(config, partition: str, dataset: str, num_clients: int
     raise ValueError(f"config.data.samples_per_client = {per_client} too large for iid: {num_clients} disjoint "
                      f"clients need {num_clients * per_client} samples, more than {where}")
   num_classes = 10   # every dataset but FEMNIST (62 classes, of which a max_train subset may lack some)
-  if partition == "dirichlet_fixed_size" and dataset != "femnist" and per_client and per_client > n // num_classes:
+  if partition == "dirichlet_fixed_size" and dataset not in ("femnist", "femnist_digits") and per_client and per_client > n // num_classes:
     raise ValueError(f"config.data.samples_per_client = {per_client} too large for dirichlet_fixed_size: at most "
                      f"the class-pool size floor(N / C) = {n} // {num_classes} = {n // num_classes} for {where}")
 

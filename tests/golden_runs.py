@@ -31,21 +31,28 @@ CLIENT_ARRAYS = ("tau", "loss")
 
 
 # Beyond each method's smoke run, the smoke runs of the variants that take the NTK step's other branches:
-# Jacobian batching and data subsampling, the MSE closed form, SPARK's layer-wise sketch (structured
-# kernel in sketch coordinates) and that sketch with the compression stack (explicit J̃ from the dense
-# stack's factors, sparsified and quantised per package) and sub-sampling, the server materialising J with
-# linearised τ selection, CP-NTK-FL's compression (also with the shuffling server), Fed-ensemble's NTK
-# modes. (SPARK's ``full_stack`` itself holds a 79,510 x 10,000 flattened sketch, 3.2 GB: too big for a
-# test.)
+# Jacobian batching and data subsampling, the MSE closed form, SPARK's layer-wise sketch (structured kernel in
+# sketch coordinates) and that sketch with the compression stack (explicit J̃ from the dense stack's factors,
+# sparsified and quantised per package) and sub-sampling, the server materialising J with linearised τ
+# selection, CP-NTK-FL's compression, Fed-ensemble's NTK modes, NTK-DFL's App. E.3 compression stack (explicit
+# compressed Jacobians of a projected model), SPARK's Option B (Jacobians at the senders' own weights), the
+# Adam client optimiser, NTK-FL's τ scored on held-out validation clients, Fed-ensemble's straggler
+# over-selection.
+# (SPARK's ``full_stack`` itself holds a 79,510 x 10,000 flattened sketch, 3.2 GB: too big for a test.)
 EXTRA_VARIANTS = (
     ("ntk_dfl", "smoke,batched,subsample"),
     ("ntk_dfl", "smoke,mse"),
+    ("ntk_dfl", "smoke,topk0.5,bits6,subsample,proj20,clustered"),
     ("spark", "smoke,proj500"),
     ("spark", "smoke,proj500,compressed"),
+    ("spark", "smoke,option_b,compressed"),
     ("ntk_fl", "smoke,explicit,linearized"),
     ("cp_ntk_fl", "smoke,table1"),
     ("cp_ntk_fl", "smoke,table1,shuffle"),
     ("fed_ensemble", "smoke,ntk"),
+    ("fedavg", "smoke,adam"),
+    ("fed_ensemble", "smoke,stragglers"),
+    ("ntk_fl", "smoke,validation"),
 )
 
 

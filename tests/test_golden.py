@@ -16,7 +16,8 @@ What must agree, and how closely:
   Test accuracy counts correct predictions out of 2,000; a rounding-level change can flip a sample whose
   two top logits tie to within rounding, so accuracies may differ by at most ``ACC_ATOL`` = 2 samples.
 
-Runs with 6- or 8-bit quantisation of the Jacobians (SPARK's compression stack, CP-NTK-FL's ``table1``) are
+Runs with 6- or 8-bit quantisation of the Jacobians (SPARK's and NTK-DFL's compression stacks, CP-NTK-FL's
+``table1``) are
 discontinuous in their inputs: a rounding-level change of a weight can move one Jacobian entry across a
 quantisation level, i.e. by one step (its package's range / 63), which moves that client's selected loss by
 ~1e-4 relative (measured: 2e-4 at most, on one client of twenty, in rounds 3-4). For them the loss tolerance
@@ -36,7 +37,8 @@ import golden_runs
 
 RTOL = 1e-4
 QUANTIZED_RTOL = 1e-3
-QUANTIZED_RUNS = ("spark:smoke,proj500,compressed", "cp_ntk_fl:smoke,table1", "cp_ntk_fl:smoke,table1,shuffle")
+QUANTIZED_RUNS = ("spark:smoke,proj500,compressed", "cp_ntk_fl:smoke,table1", "cp_ntk_fl:smoke,table1,shuffle",
+                  "ntk_dfl:smoke,topk0.5,bits6,subsample,proj20,clustered", "spark:smoke,option_b,compressed")
 ACC_ATOL = 2 / 2_000
 EXACT = ("round", "bits_cumulative", "clients_tau")
 ACCURACIES = ("test_acc", "client_acc_mean", "consensus_acc_mean")

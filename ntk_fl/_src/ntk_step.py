@@ -181,7 +181,8 @@ def ntk_step(apply_fn: ApplyFn, params, x: Array, targets, mask: Array, *, lr, t
              per_sample: bool = True, kernel_matrix: Array | None = None, jacobian=None,
              param_map: ParamMap | None = None, labels: Array | None = None,
              select: Select | str = Select.NETWORK, candidate: Callable[[Any], Any] | None = None,
-             start=None):
+             start=None, f0: Array | None = None,
+             score_fn: Callable[[Any], Array] | None = None):
   """One NTK client step: kernel, evolution, candidate updates ``Δw_τ``, scores, the chosen ``τ``.
 
   The step every NTK method takes (NTK-DFL per neighbourhood, NTK-FL / CP-NTK-FL on the server's pooled
@@ -227,6 +228,10 @@ def ntk_step(apply_fn: ApplyFn, params, x: Array, targets, mask: Array, *, lr, t
     labels: ``[N, C]`` rows the candidates are scored against (default: the targets).
     select, candidate: the scoring (item 6).
     start: the network the evolution starts from and the candidates are added to (default ``params``).
+    f0: ``[N, C]`` starting function values given outright, instead of ``apply_fn(start, x)`` (rows
+      computed at different weights: SPARK's Option B, each sender's rows at its own ``w̄_j``).
+    score_fn: ``score_fn(candidate_params) -> loss``, scoring each candidate network on other data than
+      ``x`` (NTK-FL §3: τ chosen on a validation set held out from the clients); ``select='network'``.
 
   Returns:
     ``(delta, info)``: ``delta`` shaped like ``params``; ``info`` has ``'tau'`` (int32), ``'loss'`` (the
@@ -237,6 +242,8 @@ def ntk_step(apply_fn: ApplyFn, params, x: Array, targets, mask: Array, *, lr, t
   mse_form, select, kernel = parse(MseForm, mse_form, "mse_form"), parse(Select, select, "select"), \
       parse(Kernel, kernel, "kernel")
   check_loss_solver(loss, solver)
+  if score_fn is not None and select != Select.NETWORK:
+    raise ValueError(f"score_fn scores candidate networks, so it needs select='network', got {select.value!r}")
   taus = check_taus(taus)
   _check_lr(lr)
   n_samples = x.shape[0]
@@ -247,6 +254,7 @@ def ntk_step(apply_fn: ApplyFn, params, x: Array, targets, mask: Array, *, lr, t
   if kernel_matrix is not None and kernel_matrix.shape[:2] != (n_samples, n_samples):
     raise ValueError(f"kernel_matrix must be [N, N] or [N, N, C, C] with N = {n_samples}, got {kernel_matrix.shape}")
 
+  given_f0 = f0
   mask = jnp.asarray(mask).astype(bool)
   x = _mask_inputs(x, mask)
   coords = identity_map(apply_fn, params) if param_map is None else param_map
@@ -256,6 +264,9 @@ def ntk_step(apply_fn: ApplyFn, params, x: Array, targets, mask: Array, *, lr, t
     f0 = coords.apply_fn(coords.point, x)
   if start is not None:
     f0 = apply_fn(start, x)
+  if given_f0 is not None:
+    chex.assert_equal_shape([given_f0, f0])
+    f0 = given_f0.astype(f0.dtype)
   chex.assert_rank(f0, 2)
   targets = (targets(f0) if callable(targets) else targets).astype(f0.dtype)
   chex.assert_equal_shape([targets, f0])
@@ -290,7 +301,10 @@ def ntk_step(apply_fn: ApplyFn, params, x: Array, targets, mask: Array, *, lr, t
     base = params if start is None else start
     if candidate is None:
       candidate = lambda d: jax.tree_util.tree_map(jnp.add, base, d)
-    losses = jax.vmap(lambda d: score(apply_fn(candidate(d), x)))(deltas)
+    if score_fn is None:
+      losses = jax.vmap(lambda d: score(apply_fn(candidate(d), x)))(deltas)
+    else:
+      losses = jax.vmap(lambda d: score_fn(candidate(d)))(deltas)
   else:
     losses = linearized_losses
   choice = select_tau(losses, taus)

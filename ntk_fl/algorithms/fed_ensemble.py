@@ -182,6 +182,24 @@ def sample_participants(strata: np.ndarray, clients_per_round: int, sampling: st
   return np.sort(clients).astype(np.int32)
 
 
+def first_to_finish(selected: np.ndarray, sizes: np.ndarray, keep: int, sigma: float, seed: int,
+                    round_index: int) -> np.ndarray:
+  """Straggler over-selection (Fed-ensemble's OpenImage setting, after Bonawitz et al., 2019).
+
+  The ``selected`` clients train; client ``i`` finishes after ``n_i · exp(σ z_i)``
+  time units (work proportional to its samples, times a log-normal device speed,
+  ``z_i ~ N(0, 1)`` drawn per round from ``Stream.STRAGGLERS``, index
+  ``round_index``, in the order of ``selected``), and the ``keep`` first to
+  finish are aggregated (ties to the lower position).
+
+  Returns:
+    The sorted int32 kept clients (``keep`` of them).
+  """
+  z = numpy_rng(seed, Stream.STRAGGLERS, round_index).standard_normal(len(selected))
+  finish = np.asarray(sizes, np.float64)[selected] * np.exp(sigma * z)
+  return np.sort(selected[np.argsort(finish, kind="stable")[:keep]]).astype(np.int32)
+
+
 # ----------------------------------------------------------------------------- pure pieces
 
 
@@ -250,6 +268,10 @@ class FedEnsembleHParams(local.LocalHParams):
       :data:`AGGREGATION_WEIGHTS`, :data:`LOCAL_TRAINING`, :data:`PREDICTIONS`.
     prox_mu: FedProx coefficient (> 0 exactly with ``local_training='fedprox'``).
     taus, solver, select: the NTK evolution of ``local_training='ntk'``.
+    over_selected: straggler over-selection -- this many clients are selected
+      and the ``clients_per_round`` first to finish are aggregated
+      (:func:`first_to_finish`; 0 = off, the configs stored before it existed).
+    latency_sigma: ``σ`` of the log-normal device speed of the latency model.
   """
   num_modes: int
   num_strata: int
@@ -262,9 +284,19 @@ class FedEnsembleHParams(local.LocalHParams):
   taus: tuple[int, ...]
   solver: str
   select: str
+  over_selected: int = dataclasses.field(default=0, kw_only=True)
+  latency_sigma: float = dataclasses.field(default=0.5, kw_only=True)
 
   def __post_init__(self):
     super().__post_init__()
+    local.check_fields(self, {"over_selected": local.int_at_least(0), "latency_sigma": local.nonnegative})
+    if self.over_selected and not 0 < self.clients_per_round < self.over_selected:
+      raise ValueError(f"config.algorithm.over_selected = {self.over_selected} selects that many clients and "
+                       "aggregates the clients_per_round first to finish: it needs 0 < clients_per_round < "
+                       f"over_selected (got clients_per_round = {self.clients_per_round})")
+    if self.over_selected and self.sampling != "uniform":
+      raise ValueError("config.algorithm.over_selected draws its clients uniformly: it needs sampling='uniform', "
+                       f"got {self.sampling!r}")
     local.check_fields(self, {
         "num_modes": local.int_at_least(1), "num_strata": local.int_at_least(0),
         "clients_per_round": local.int_at_least(0), "sampling": _choice(SAMPLING),
@@ -290,6 +322,9 @@ def check(hparams: FedEnsembleHParams, run) -> None:
   if hparams.clients_per_round > n:
     raise ValueError(f"config.algorithm.clients_per_round = {hparams.clients_per_round} exceeds "
                      f"config.data.num_clients = {n} (0 = all clients)")
+  if hparams.over_selected > n:
+    raise ValueError(f"config.algorithm.over_selected = {hparams.over_selected} exceeds config.data.num_clients = "
+                     f"{n}")
   if hparams.num_strata > n:
     raise ValueError(f"config.algorithm.num_strata = {hparams.num_strata} exceeds config.data.num_clients = {n} "
                      "(0 = every client its own stratum)")
@@ -330,12 +365,17 @@ def make_fed_ensemble(model: models.Model, federation, hparams: FedEnsembleHPara
   data = parallel.to_device(federation)
   payload = compression.tree_payload_bits(jax.eval_shape(model.init, jax.random.key(0)), bits)
   uniform_weights = algo.aggregation_weights == "uniform"
+  over, sizes = int(algo.over_selected), np.asarray(federation.n)
 
   def init(key):
     return EnsembleState(modes=init_modes(model, key, num_modes), bits_cumulative=jnp.float32(0))
 
   def round_inputs(round_index: int) -> EnsembleRound:
-    clients = sample_participants(strata, int(algo.clients_per_round), algo.sampling, seed, round_index)
+    if over:
+      selected = sample_participants(strata, over, algo.sampling, seed, round_index)
+      clients = first_to_finish(selected, sizes, k, float(algo.latency_sigma), seed, round_index)
+    else:
+      clients = sample_participants(strata, int(algo.clients_per_round), algo.sampling, seed, round_index)
     modes = round_modes(strata, num_modes, seed, round_index)[clients]
     return EnsembleRound(round=np.int32(round_index), clients=clients, modes=modes,
                          key=jax_key(seed, Stream.ROUND_KEYS, round_index))

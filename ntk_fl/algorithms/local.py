@@ -25,7 +25,9 @@ What one call does (the authors' baselines, PyTorch ``DataLoader(shuffle=True)``
   epoch's first real sample with weight 0 instead.
 * Optimiser: ``optax.sgd`` with momentum (heavy ball, no dampening, optional
   Nesterov) after ``optax.add_decayed_weights`` -- exactly PyTorch's SGD with
-  ``weight_decay``. The optimiser state starts fresh every call (the authors
+  ``weight_decay`` -- or ``optax.adam`` (``optimizer='adam'``; Fed-ensemble's
+  clients train with Adam) after the same L2 term (PyTorch's ``Adam(weight_decay)``).
+  The optimiser state starts fresh every call (the authors
   create the optimiser inside each round's local training), so only parameters
   cross rounds.
 * Options: FedProx's proximal term ``(mu/2)||w - anchor||^2``; SAM / ASAM
@@ -52,6 +54,8 @@ __all__ = [
     "epoch_order",
     "num_batches",
     "sgd",
+    "adam",
+    "OPTIMIZERS",
     "sam_perturbation",
     "masked_cross_entropy",
     "LocalHParams",
@@ -117,6 +121,20 @@ def sgd(lr, *, momentum: float = 0.0, nesterov: bool = False, weight_decay: floa
                      optax.sgd(lr, momentum=momentum or None, nesterov=nesterov))
 
 
+OPTIMIZERS = ("sgd", "adam")
+"""Client optimisers of the local-training methods (``config.algorithm.optimizer``)."""
+
+
+def adam(lr, *, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0):
+  """PyTorch-style Adam as an optax chain: ``g + wd * w`` (L2, not AdamW) -> ``optax.adam``.
+
+  Step ``t`` (1-based): ``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2) g²``,
+  ``w -= lr · (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)``. ``lr`` may be traced.
+  """
+  return optax.chain(optax.add_decayed_weights(weight_decay) if weight_decay else optax.identity(),
+                     optax.adam(lr, b1=b1, b2=b2, eps=eps))
+
+
 def sam_perturbation(params, grads, rho, *, adaptive: bool = False):
   """SAM's ascent step ``eps = rho * T^2 g / ||T g||`` (``T = |w|`` if ``adaptive`` (ASAM), else 1).
 
@@ -132,7 +150,9 @@ def sam_perturbation(params, grads, rho, *, adaptive: bool = False):
 
 def make_local_update(apply_fn: Callable, *, epochs: int, batch_size: int, momentum: float = 0.0,
                       nesterov: bool = False, weight_decay: float = 0.0, prox_mu: float = 0.0,
-                      sam_rho: float = 0.0, sam_adaptive: bool = False) -> Callable[..., LocalResult]:
+                      sam_rho: float = 0.0, sam_adaptive: bool = False, optimizer: str = "sgd",
+                      adam_b1: float = 0.9, adam_b2: float = 0.999,
+                      adam_eps: float = 1e-8) -> Callable[..., LocalResult]:
   """Builds one client's local training (see the module docstring).
 
   Args:
@@ -142,6 +162,8 @@ def make_local_update(apply_fn: Callable, *, epochs: int, batch_size: int, momen
     momentum, nesterov, weight_decay: :func:`sgd`.
     prox_mu: FedProx coefficient (0 = none); needs ``anchor`` at call time.
     sam_rho, sam_adaptive: SAM / ASAM radius (0 = plain gradient steps).
+    optimizer: one of :data:`OPTIMIZERS`; ``'adam'`` takes ``adam_b1``, ``adam_b2``, ``adam_eps``
+      (:func:`adam`) and no ``momentum``/``nesterov``.
 
   Returns:
     ``local_update(params, x, y, mask, key, lr, anchor=None, param_mask=None) ->
@@ -156,11 +178,20 @@ def make_local_update(apply_fn: Callable, *, epochs: int, batch_size: int, momen
     validation.check_real(name, value, low=0)
   if momentum >= 1:
     raise ValueError(f"momentum must be < 1, got {momentum!r}")
+  validation.check_choice("optimizer", optimizer, OPTIMIZERS)
+  if optimizer == "adam":
+    if momentum or nesterov:
+      raise ValueError(f"optimizer='adam' keeps its own moments: set momentum=0 and nesterov=False (got "
+                       f"momentum={momentum!r}, nesterov={nesterov!r})")
+    for name, value in (("adam_b1", adam_b1), ("adam_b2", adam_b2)):
+      validation.check_real(name, value, low=0, high=1, high_open=True)
+    validation.check_real("adam_eps", adam_eps, low=0, low_open=True)
 
   def objective(params, xb, yb, weights):
     return masked_cross_entropy(apply_fn(params, xb), yb, weights)
 
   grad_fn = jax.value_and_grad(objective)
+  optimizer_name = optimizer
 
   def local_update(params, x, y, mask, key, lr, anchor=None, param_mask=None) -> LocalResult:
     if prox_mu and anchor is None:
@@ -168,7 +199,10 @@ def make_local_update(apply_fn: Callable, *, epochs: int, batch_size: int, momen
     x, y, mask = jnp.asarray(x), jnp.asarray(y), jnp.asarray(mask)
     slots = num_batches(mask.shape[0], batch_size)
     n_real = jnp.sum(mask.astype(jnp.int32))
-    optimizer = sgd(lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay)
+    if optimizer_name == "adam":
+      optimizer = adam(lr, b1=adam_b1, b2=adam_b2, eps=adam_eps, weight_decay=weight_decay)
+    else:
+      optimizer = sgd(lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay)
     apply_mask = (lambda tree: tree) if param_mask is None else (
         lambda tree: jax.tree.map(lambda t, m: t * m.astype(t.dtype), tree, param_mask))
 
@@ -263,6 +297,8 @@ class LocalHParams:
     momentum, nesterov, weight_decay: :func:`sgd` (momentum in [0, 1)).
     quantize_bits: bits per transmitted weight: 32 (none) or [1, 16].
     stochastic_rounding: unbiased stochastic rounding when quantising.
+    optimizer: :data:`OPTIMIZERS`; ``'adam'`` with ``adam_b1``, ``adam_b2``, ``adam_eps`` (and momentum 0).
+      Keyword-only with defaults (SGD): configs stored before they existed ran SGD.
   """
   lr: float
   lr_gamma: float
@@ -273,11 +309,22 @@ class LocalHParams:
   weight_decay: float
   quantize_bits: int
   stochastic_rounding: bool
+  optimizer: str = dataclasses.field(default="sgd", kw_only=True)
+  adam_b1: float = dataclasses.field(default=0.9, kw_only=True)
+  adam_b2: float = dataclasses.field(default=0.999, kw_only=True)
+  adam_eps: float = dataclasses.field(default=1e-8, kw_only=True)
 
   def __post_init__(self):
     check_fields(self, {"lr": positive, "lr_gamma": fraction, "epochs": int_at_least(1),
                         "batch_size": int_at_least(1), "momentum": _check_momentum, "nesterov": flag,
                         "weight_decay": nonnegative, "quantize_bits": _check_bits, "stochastic_rounding": flag})
+    validation.check_choice("config.algorithm.optimizer", self.optimizer, OPTIMIZERS)
+    for name in ("adam_b1", "adam_b2"):
+      validation.check_real(f"config.algorithm.{name}", getattr(self, name), low=0, high=1, high_open=True)
+    positive("adam_eps", self.adam_eps)
+    if self.optimizer == "adam" and (self.momentum or self.nesterov):
+      raise ValueError("config.algorithm.optimizer='adam' keeps its own moments: set momentum=0 and nesterov=False "
+                       f"(got momentum={self.momentum!r}, nesterov={self.nesterov!r})")
 
 
 def round_lr(hparams: LocalHParams, round_index):
@@ -291,7 +338,8 @@ def local_update_from_hparams(apply_fn: Callable, hparams: LocalHParams) -> Call
       apply_fn, epochs=hparams.epochs, batch_size=hparams.batch_size, momentum=float(hparams.momentum),
       nesterov=hparams.nesterov, weight_decay=float(hparams.weight_decay),
       prox_mu=float(getattr(hparams, "prox_mu", 0.0)), sam_rho=float(getattr(hparams, "sam_rho", 0.0)),
-      sam_adaptive=bool(getattr(hparams, "sam_adaptive", False)))
+      sam_adaptive=bool(getattr(hparams, "sam_adaptive", False)), optimizer=hparams.optimizer,
+      adam_b1=float(hparams.adam_b1), adam_b2=float(hparams.adam_b2), adam_eps=float(hparams.adam_eps))
 
 
 def transmit(stacked_params, bits: int, *, key, stochastic: bool):

@@ -32,6 +32,22 @@ Options studied in the paper (all in ``config.algorithm``):
 * ``subsample=m2`` -- data subsampling (App. E.2): each round every client uses a
   random ``⌊n_i/m2⌋`` of its samples (redrawn every round from the round key; the
   same subset is sent to all of its neighbours).
+* Communication compression (App. E.3, Figs. 15-16), combinable with each
+  other, with ``subsample`` and with the clustered topology:
+  ``sparsify_keep`` -- each transmitted package (one sender's Jacobian rows of
+  one parameter tensor, ``[n_j, C, *leaf]``) keeps its largest-magnitude
+  fraction; ``quantize_bits`` -- its values are sent with ``b``-bit min-max
+  quantisation (one range per package tensor); both by
+  :func:`ntk_fl.compression.compress_packages`, the compression SPARK's packages
+  use. A client's own rows are never sent and stay exact. Compressed
+  Jacobians change the kernel, so the client then materialises its
+  neighbourhood's Jacobian and builds kernel and update from the compressed
+  one (``jacobian=`` of :func:`ntk_fl.evolve.ntk_step`); uncompressed rounds
+  stay matrix-free. ``projection_dim`` = d1' -- the shared seeded input
+  projection ``Z = X P`` of CP-NTK-FL (:func:`ntk_fl.jacobians.projection_matrix`):
+  the clients train the same MLP on d1'-dimensional inputs (every Jacobian
+  and weight message shrinks with the first layer) and ``client_params``
+  folds ``P`` into the first layer, so the models are scored on raw inputs.
 * Topology (regular / Erdős–Rényi / ring / line / complete / clustered, static or
   dynamic) and shared vs per-client initialisation come from ``config.topology``
   and ``config.model.init``. In a clustered topology every member of a clique
@@ -41,7 +57,8 @@ Options studied in the paper (all in ``config.algorithm``):
 Every client's chosen ``τ`` and selected loss are returned each round as
 ``[M]`` metrics (``tau``, ``loss``), with the communication: ``bits_sent``
 ``[M]`` (:func:`ntk_fl.communication.neighbourhood_round_bits`: weights to and
-from each neighbour and one float32 Jacobian package per neighbour),
+from each neighbour and one Jacobian package per neighbour, float32 or
+compressed, :func:`ntk_fl.communication.jacobian_package_bits`),
 ``bits_sent_total`` and ``bits_cumulative``.
 """
 from __future__ import annotations
@@ -55,9 +72,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ntk_fl import communication, evolve, gossip, models, parallel, rng, topology, validation
+from ntk_fl import communication, compression, evolve, gossip, jacobians, models, parallel, rng, topology, \
+    validation
 from ntk_fl.algorithms import Method
 from ntk_fl.algorithms.base import Algorithm, ParamsState, check_evolution, config_without, graph_round_inputs
+from ntk_fl.rng import Stream, jax_key
 
 __all__ = ["NTKDFLHParams", "NeighbourhoodRound", "make_neighbourhood_round", "make_ntk_dfl",
            "METHOD"]
@@ -96,6 +115,10 @@ class NTKDFLHParams:
       neighbourhood (eq. 1); False is the Fig. 7 ablation.
     jacobian_batches: ``m1`` blocks of the neighbourhood data (App. E.1; >= 1).
     subsample: ``m2``, each client uses a random ``⌊n_i/m2⌋`` of its samples per round (App. E.2; >= 1).
+    sparsify_keep: top-k fraction of every sent package tensor in (0, 1] (App. E.3; 1 = dense).
+    quantize_bits: 32 (float32) or [1, 16] bits per sent Jacobian value (App. E.3).
+    projection_dim: d1' of the shared input projection ``Z = X P`` (App. E.3; 0 = none; MLP only).
+    projection_scale: :data:`ntk_fl.jacobians.PROJECTION_SCALES`.
   """
   lr: float
   lr_decay: float
@@ -107,12 +130,41 @@ class NTKDFLHParams:
   per_round_averaging: bool
   jacobian_batches: int
   subsample: int
+  # App. E.3 compression; the defaults are the uncompressed protocol (configs stored before these existed).
+  sparsify_keep: float = 1.0
+  quantize_bits: int = compression.FLOAT_BITS
+  projection_dim: int = 0
+  projection_scale: str = "sqrt_input"
 
   def __post_init__(self):
     check_evolution(self)
     for name in ("jacobian_batches", "subsample"):
       validation.check_int(f"config.algorithm.{name}", getattr(self, name), low=1)
     validation.check_bool("config.algorithm.per_round_averaging", self.per_round_averaging)
+    validation.check_real("config.algorithm.sparsify_keep (top-k fraction per package tensor; 1 = dense)",
+                          self.sparsify_keep, low=0, high=1, low_open=True)
+    if self.quantize_bits != compression.FLOAT_BITS:
+      validation.check_int("config.algorithm.quantize_bits (32 = float32, no quantisation)", self.quantize_bits,
+                           low=1, high=16)
+    validation.check_int("config.algorithm.projection_dim (d1'; 0 = no projection)", self.projection_dim, low=0)
+    validation.check_choice("config.algorithm.projection_scale", self.projection_scale,
+                            jacobians.PROJECTION_SCALES)
+    if self.compressed and self.jacobian_batches != 1:
+      raise ValueError("config.algorithm.sparsify_keep < 1 or quantize_bits < 32 compresses each sender's whole "
+                       f"package, which Jacobian batching splits over blocks: set jacobian_batches=1 (got "
+                       f"{self.jacobian_batches})")
+
+  @property
+  def compressed(self) -> bool:
+    """Whether the sent Jacobians are altered (so the client must materialise them)."""
+    return self.sparsify_keep < 1 or self.quantize_bits != compression.FLOAT_BITS
+
+
+def check(hparams: NTKDFLHParams, run) -> None:
+  """Rules across blocks: the input projection needs the MLP."""
+  if hparams.projection_dim and run.model.name != "mlp":
+    raise ValueError("config.algorithm.projection_dim projects flattened inputs into the first dense layer; it "
+                     f"needs model.name='mlp', got {run.model.name!r}")
 
 
 class NeighbourhoodRound(NamedTuple):
@@ -272,6 +324,9 @@ def make_ntk_dfl(model: models.Model, federation, graphs: topology.Topology, hpa
   algo = hparams
   num_clients = federation.mask.shape[0]
   m1 = int(algo.jacobian_batches)
+  projection = None
+  if algo.projection_dim:             # Z = X P once for all samples: what every client computes with the shared P
+    projection, model, federation = _project_federation(model, federation, algo, seed)
   core = make_neighbourhood_round(model, federation, graphs, seed=seed, mixing=mixing, lr=algo.lr,
                                   lr_decay=algo.lr_decay, per_round_averaging=algo.per_round_averaging,
                                   jacobian_batches=m1, subsample=int(algo.subsample))
@@ -284,9 +339,13 @@ def make_ntk_dfl(model: models.Model, federation, graphs: topology.Topology, hpa
   # Communication (ntk_fl.communication.neighbourhood_round_bits): static per-client package sizes.
   template = jax.eval_shape(model.init, jax.random.key(0))
   leaf_sizes = [math.prod(leaf.shape) for leaf in jax.tree.leaves(template)]
-  packages = jnp.asarray([communication.jacobian_package_bits(int(n), model.num_classes, leaf_sizes)
+  keep, bits = float(algo.sparsify_keep), int(algo.quantize_bits)
+  packages = jnp.asarray([communication.jacobian_package_bits(int(n), model.num_classes, leaf_sizes,
+                                                              keep_fraction=keep, bits=bits)
                           for n in core.samples_sent], jnp.float32)
   broadcast = graphs.cliques > 0        # a clique member sends one package to the whole clique
+  members = 1 + graphs.k_max            # neighbourhood slots: the client and its k_max neighbour slots
+  sent = jnp.arange(members) > 0        # the client's own rows (slot 0) are never transmitted
 
   def init(key):
     return ParamsState(params=models.init_clients(model, key, num_clients, shared=shared_init),
@@ -295,7 +354,15 @@ def make_ntk_dfl(model: models.Model, federation, graphs: topology.Topology, hpa
   def client_update(params, x, targets, mask, lr):
     """One client's NTK evolution over its neighbourhood data ``x [m1, N_b, ...]``."""
     if m1 == 1:
-      new_params, info = evolve.ntk_update(model.apply, params, x[0], targets[0], mask[0], lr=lr, **evolve_kwargs)
+      explicit = {}
+      if algo.compressed:             # the kernel and the update from the compressed packages
+        xs = jnp.where(mask[0].reshape((-1,) + (1,) * (x.ndim - 2)), x[0], 0)
+        jac = jacobians.per_sample_jacobian(model.apply, params, xs)
+        leaves, treedef = jax.tree.flatten(jac)
+        leaves = compression.compress_packages(leaves, mask[0], members, keep, bits, sent=sent)
+        explicit["jacobian"] = jax.tree.unflatten(treedef, leaves)
+      new_params, info = evolve.ntk_update(model.apply, params, x[0], targets[0], mask[0], lr=lr, **evolve_kwargs,
+                                           **explicit)
       return new_params, {"tau": info["tau"], "loss": info["loss"]}
     return _batched_update(model.apply, params, x, targets, mask, lr, evolve_kwargs)
 
@@ -314,7 +381,28 @@ def make_ntk_dfl(model: models.Model, federation, graphs: topology.Topology, hpa
   def step(state, inputs):
     return _step(state, inputs, core.data)
 
-  return Algorithm(init=init, round_inputs=core.round_inputs, step=step, client_params=lambda state: state.params)
+  def client_params(state):
+    if projection is None:
+      return state.params
+    # P folded into the first layer: the d1-input network on raw inputs (the runner scores raw test inputs).
+    return jacobians.fold_projection(state.params, projection, layer=model.dense_stack.layers[0])
+
+  return Algorithm(init=init, round_inputs=core.round_inputs, step=step, client_params=client_params)
+
+
+def _project_federation(model: models.Model, federation, algo: NTKDFLHParams, seed: int):
+  """``(P [d1, d1'], the MLP on d1' inputs, the federation with samples Z = X P)``: App. E.3's projection.
+
+  ``P`` is CP-NTK-FL's shared seeded Gaussian (the same stream); the all-zero padding sample stays zero.
+  """
+  if len(federation.feature_shape) != 1:
+    raise ValueError("config.algorithm.projection_dim needs flattened inputs [S, d1], got samples of shape "
+                     f"{federation.feature_shape}")
+  input_dim = federation.feature_shape[0]
+  projection = jacobians.projection_matrix(jax_key(seed, Stream.INPUT_PROJECTION), input_dim,
+                                           int(algo.projection_dim), scale=algo.projection_scale)
+  samples_x = jacobians.project_inputs(jnp.asarray(federation.samples_x), projection)
+  return projection, models.mlp_on_inputs(model, int(algo.projection_dim)), federation._replace(samples_x=samples_x)
 
 
 def _batched_update(apply_fn, params, x, targets, mask, lr, evolve_kwargs):
@@ -355,4 +443,4 @@ METHOD = Method(
     make=lambda model, federation, graphs, hparams, run: make_ntk_dfl(
         model, federation, graphs, hparams, seed=run.seed, mixing=run.topology.mixing,
         shared_init=run.model.shared_init),
-    hyperparameters=NTKDFLHParams, graph=True, shared_rounds=shared_rounds)
+    hyperparameters=NTKDFLHParams, check=check, graph=True, shared_rounds=shared_rounds)

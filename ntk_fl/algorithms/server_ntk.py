@@ -23,6 +23,11 @@ One synchronous round ``r`` (0-based; Yue et al. 2022, Sec. 4.1 and Fig. 1; CP-N
    ``τ`` grid (paper: 100, 200, ..., 2000), and the ``τ`` whose *non-linear*
    network has the lowest training loss on the pooled data (the authors' code;
    ``select='linearized'`` scores ``f_τ`` instead) becomes ``w ← w + Δw_τ``.
+   ``select='validation'`` (§3 after eq. 11: "a validation set from held-out
+   clients") scores the candidate networks by their mean cross-entropy on the
+   pooled data of ``validation_clients`` clients drawn once from the seed
+   (``Stream.VALIDATION_CLIENTS``); those clients never train (participants are
+   drawn from the others), and their data pass through the same projection.
 
 Two numerically equivalent server paths (``jacobian``):
 
@@ -60,6 +65,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from typing import Any, NamedTuple
 
 import jax
@@ -75,6 +81,8 @@ __all__ = ["ServerNTKState", "ServerNTKRound", "JACOBIAN_PATHS", "NTKFLHParams",
            "uses_explicit_jacobian", "METHOD"]
 
 JACOBIAN_PATHS = ("auto", "implicit", "explicit")
+SELECT_VALIDATION = "validation"
+"""``select`` value of the server methods only: τ scored on held-out validation clients."""
 _MIB_BITS = 8 * 2**20
 
 
@@ -117,6 +125,8 @@ class NTKFLHParams:
     quantize_bits: 32 (float32) or [1, 16] bits per kept Jacobian value.
     stochastic_rounding: unbiased rounding (needs quantisation).
     shuffle: the shuffling server (synchronised row permutation).
+    validation_clients: clients held out from training whose pooled data score τ; >= 1 exactly when
+      ``select='validation'`` (configs stored before it existed had none).
   """
   clients_per_round: int
   lr: float
@@ -135,10 +145,18 @@ class NTKFLHParams:
   quantize_bits: int
   stochastic_rounding: bool
   shuffle: bool
+  validation_clients: int = 0
 
   def __post_init__(self):
     validation.check_int("config.algorithm.clients_per_round (0 = all clients)", self.clients_per_round, low=0)
-    check_evolution(self)
+    by_validation = self.select == SELECT_VALIDATION
+    # 'validation' is the evolution's 'network' scoring on other data: check the rest as such.
+    check_evolution(types.SimpleNamespace(**{**vars(self), "select": "network"}) if by_validation else self)
+    validation.check_int("config.algorithm.validation_clients", self.validation_clients, low=0)
+    if by_validation != (self.validation_clients > 0):
+      raise ValueError("config.algorithm.select='validation' needs validation_clients >= 1, and validation_clients "
+                       f"needs select='validation' (got select={self.select!r}, "
+                       f"validation_clients={self.validation_clients})")
     for name, allowed in (("jacobian", JACOBIAN_PATHS), ("projection_scale", jacobians.PROJECTION_SCALES)):
       validation.check_choice(f"config.algorithm.{name}", getattr(self, name), allowed)
     validation.check_int("config.algorithm.jacobian_chunk (0 = automatic)", self.jacobian_chunk, low=0)
@@ -163,7 +181,9 @@ class NTKFLHParams:
 def check(hparams: NTKFLHParams, run) -> None:
   """Rules across blocks: participants within the clients; the input projection needs the MLP."""
   validation.check_int("config.algorithm.clients_per_round (0 = all clients)", hparams.clients_per_round,
-                       low=0, high=run.data.num_clients)
+                       low=0, high=run.data.num_clients - hparams.validation_clients)
+  validation.check_int("config.algorithm.validation_clients", hparams.validation_clients, low=0,
+                       high=run.data.num_clients - 1)
   if hparams.projection_dim and run.model.name != "mlp":
     raise ValueError("config.algorithm.projection_dim projects flattened inputs into the first dense layer; it "
                      f"needs model.name='mlp', got {run.model.name!r}")
@@ -197,10 +217,17 @@ def make_server_ntk(model: models.Model, federation, hparams: NTKFLHParams, *, s
   """
   algo = hparams
   num_clients, n_max = federation.mask.shape
-  k = int(algo.clients_per_round) or num_clients
+  num_val = int(algo.validation_clients)
+  # Held-out validation clients (select='validation'), drawn once; the others train.
+  held_out = (np.sort(numpy_rng(seed, Stream.VALIDATION_CLIENTS).choice(num_clients, size=num_val, replace=False))
+              if num_val else np.zeros((0,), np.int64))
+  training_clients = np.setdiff1d(np.arange(num_clients), held_out)
+  k = int(algo.clients_per_round) or len(training_clients)
+  by_validation = algo.select == SELECT_VALIDATION
   # The step's options, parsed (and the τ grid checked) once here rather than on every trace.
   step_options = dict(taus=evolve.check_taus(tuple(algo.taus)), loss=evolve.Loss(algo.loss),
-                      solver=evolve.Solver(algo.solver), select=evolve.Select(algo.select),
+                      solver=evolve.Solver(algo.solver),
+                      select=evolve.Select("network" if by_validation else algo.select),
                       kernel=evolve.Kernel(algo.kernel))
   beta, proj_dim = float(algo.subsample_fraction), int(algo.projection_dim)
   keep, bits, stochastic = float(algo.sparsify_keep), int(algo.quantize_bits), bool(algo.stochastic_rounding)
@@ -223,22 +250,26 @@ def make_server_ntk(model: models.Model, federation, hparams: NTKFLHParams, *, s
   model_bits = num_params * compression.FLOAT_BITS
   n_slots = jacobians.num_subsampled(n_max, beta) if beta < 1 else n_max
   data = parallel.to_device((federation, projection if projection is not None else jnp.zeros((0,), jnp.float32)))
+  held = jnp.asarray(held_out, jnp.int32)
 
   def init(key):
     return ServerNTKState(params=net.init(key), uplink_bits=jnp.float32(0), downlink_bits=jnp.float32(0))
 
   def round_inputs(round_index: int) -> ServerNTKRound:
     rng = numpy_rng(seed, Stream.PARTICIPATION, round_index)
-    clients = np.sort(rng.choice(num_clients, size=k, replace=False)).astype(np.int32)
+    if num_val:
+      clients = np.sort(rng.choice(training_clients, size=k, replace=False)).astype(np.int32)
+    else:
+      clients = np.sort(rng.choice(num_clients, size=k, replace=False)).astype(np.int32)
     return ServerNTKRound(round=np.int32(round_index), clients=clients,
                           key=jax_key(seed, Stream.ROUND_KEYS, round_index))
 
-  def client_data(fed, proj, clients, key):
+  def client_data(fed, proj, clients, key, subsample=True):
     """Participants' (subsampled, projected) data ``[K, n_slots, ...]``; padded rows zeroed."""
     (x, y), mask = fed.samples(fed.index[clients]), fed.mask[clients]
-    if beta < 1:
+    if beta < 1 and subsample:
       idx, mask = parallel.for_each_client(lambda kk, m: jacobians.subsample(kk, m, beta), chunk_size=0)(
-          jax.random.split(key, k), mask)
+          jax.random.split(key, mask.shape[0]), mask)
       x = jnp.take_along_axis(x, idx.reshape(*idx.shape, *([1] * (x.ndim - 2))), axis=1)
       y = jnp.take_along_axis(y, idx, axis=1)
     if proj_dim:
@@ -254,6 +285,10 @@ def make_server_ntk(model: models.Model, federation, hparams: NTKFLHParams, *, s
     x, targets, mask = client_data(fed, proj, inputs.clients, sub_key)      # [K, n_slots, ...]
     pool = lambda a: a.reshape(k * n_slots, *a.shape[2:])
     evolve_kwargs = dict(lr=lr, **step_options)
+    if by_validation:
+      # The validation clients' pooled data, as a participant would send it (projected; no subsampling).
+      vx, vt, vm = (a.reshape(num_val * n_max, *a.shape[2:]) for a in client_data(fed, proj, held, None, False))
+      evolve_kwargs["score_fn"] = lambda w: evolve.mean_loss(net.apply(w, vx), vt, vm, evolve.Loss.CE)
     if explicit:
       jac = jacobians.flat_jacobian(net.apply, state.params, pool(x), chunk_size=jac_chunk)
       jac = jac.reshape(k, n_slots, *jac.shape[1:])

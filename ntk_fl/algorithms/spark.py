@@ -34,7 +34,18 @@ recorded in ``configs/spark.py`` and docs/spark.md):
 4. **Nesterov momentum** on ``Δw`` with optax (``optax.sgd(1, μ, nesterov=True)``
    fed ``−Δw``): ``v ← μ v + Δw``, ``w ← w̄ + μ v + Δw = w̄ + (1+μ) Δw + μ² v_old``.
    The velocity stays local (never averaged or sent).
-5. Optional **cyclic learning-rate boost** (off by default; the paper gives no
+5. **Linearisation point** (``linearise_at``). ``'receiver'`` (default; Option A
+   of the paper's Alg. 1 read as NTK-DFL's protocol): every neighbour evaluates its
+   Jacobian and logits at the receiver's ``w̄_i``. ``'sender'`` (Option B, Alg. 1
+   lines 5-8 literally): client ``j`` evaluates its (sketched, compressed)
+   Jacobian ``J_j`` and logits ``z_j`` at its *own* ``w̄_j`` and broadcasts that one
+   package to all neighbours; the receiver stacks them into its kernel
+   ``J Jᵀ`` and update ``Δw = -(η/N) Jᵀ S`` (Jacobians from different
+   linearisation points), starts the evolution from the stacked ``z`` (the
+   teacher of the distillation targets too) and adds ``Δw`` to its own ``w̄_i``.
+   It always materialises the stacked Jacobian. On a clustered topology both
+   options coincide.
+6. Optional **cyclic learning-rate boost** (off by default; the paper gives no
    details): ``η`` is multiplied by ``factor`` in the listed rounds.
 
 Communication (per round, per client ``i`` with ``κ_i`` neighbours; bits):
@@ -43,7 +54,8 @@ receiver-linearised protocol needs them) and one package per neighbour:
 the (sketched, compressed) Jacobian of its ``n_i`` samples, ``n_i·C`` float32
 function values and ``n_i·⌈log2 C⌉`` label bits. On a clustered topology every
 member of a clique shares ``w̄``, so the package is broadcast once and no
-weights go back (paper App. A.2). :func:`ntk_fl.communication.neighbourhood_round_bits`
+weights go back (paper App. A.2); so does every client under Option B
+(``linearise_at='sender'``: one package per client, at its own weights). :func:`ntk_fl.communication.neighbourhood_round_bits`
 is the formula, shared with NTK-DFL: with the sketch and compression off the two cost the same.
 
 Metrics: ``tau``, ``loss`` (selected hard-label CE), ``confidence`` (the
@@ -74,6 +86,7 @@ __all__ = ["SparkState", "JACOBIAN_MODES", "PROJECTED_KERNELS", "VELOCITY_MODES"
            "LrBoostHParams", "METHOD"]
 
 JACOBIAN_MODES = ("auto", "implicit", "explicit")
+LINEARISATION_POINTS = ("receiver", "sender")
 PROJECTED_KERNELS = ("auto", "structured", "generic")
 VELOCITY_MODES = ("local", "mixed")
 
@@ -221,11 +234,13 @@ class SparkHParams:
   projection: SketchHParams
   compression: PackageCompressionHParams
   lr_boost: LrBoostHParams
+  # Alg. 1's Option A (the receiver's w̄_i; configs stored before this existed ran it) or B (the sender's w̄_j).
+  linearise_at: str = "receiver"
 
   def __post_init__(self):
     check_evolution(self)
     for name, allowed in (("jacobian", JACOBIAN_MODES), ("projected_kernel", PROJECTED_KERNELS),
-                          ("velocity", VELOCITY_MODES)):
+                          ("velocity", VELOCITY_MODES), ("linearise_at", LINEARISATION_POINTS)):
       validation.check_choice(f"config.algorithm.{name}", getattr(self, name), allowed)
     validation.check_int("config.algorithm.subsample", self.subsample, low=1)
     validation.check_real("config.algorithm.momentum (μ)", self.momentum, low=0, high=1, high_open=True)
@@ -244,6 +259,9 @@ class SparkHParams:
                        "dense stack's Jacobian factors, so it needs jacobian 'auto' or 'explicit' (got 'implicit': "
                        "the matrix-free flattened kernel has no per-layer factorisation; use projected_kernel "
                        "'generic' or 'auto')")
+    if self.linearise_at == "sender" and self.jacobian == "implicit":
+      raise ValueError("config.algorithm.linearise_at='sender' stacks Jacobians taken at the senders' own weights, "
+                       "so the kernel needs them explicitly: use jacobian 'explicit' or 'auto' (got 'implicit')")
     if self.compression.active and self.jacobian == "implicit":
       raise ValueError("config.algorithm.jacobian='implicit' cannot apply the compression stack (keep_fraction < 1 "
                        "or bits < 32 needs the explicit sketched Jacobian): use 'explicit' or 'auto'")
@@ -266,31 +284,6 @@ def check(hparams: SparkHParams, run) -> None:
 
 def _tree_norm(tree):
   return jnp.sqrt(sum(jnp.vdot(leaf, leaf) for leaf in jax.tree.leaves(tree)))
-
-
-def _compress_packages(jac, mask, num_members, keep_fraction, bits):
-  """Each sender's package, per tensor: zero padding rows, keep the top-k magnitudes, quantise to ``bits``.
-
-  A package is one sender's rows ``[n, C, ...]`` of one Jacobian tensor
-  (spark.md §5 item 25: top-k over the whole package tensor; one min-max
-  quantiser per package tensor, :func:`ntk_fl.compression.quantize`; entries
-  outside the support stay exactly zero -- the support is sent separately).
-  """
-  def one_package(leaf):
-    kept = None
-    if keep_fraction < 1:
-      leaf, kept = compression.sparsify_topk(leaf, keep_fraction)
-    if bits != compression.FLOAT_BITS:
-      quantized = compression.quantize(leaf, bits)
-      leaf = quantized if kept is None else jnp.where(kept, quantized, 0)
-    return leaf
-
-  out = []
-  for leaf in jac:
-    leaf = jnp.where(mask.reshape((-1,) + (1,) * (leaf.ndim - 1)), leaf, 0)
-    rows = leaf.reshape((num_members, -1) + leaf.shape[1:])
-    out.append(jax.vmap(one_package)(rows).reshape(leaf.shape))
-  return tuple(out)
 
 
 # ----------------------------------------------------------------------------- the method
@@ -335,7 +328,9 @@ def make_spark(model: models.Model, federation, graphs: topology.Topology, hpara
   sketched = any(s.kind != "identity" for s in plan)
   matrices = projection.sample_matrices(plan, seed) if sketched else tuple(None for _ in plan)
   keep, bits = float(algo.compression.keep_fraction), int(algo.compression.bits)
-  explicit = algo.jacobian == "explicit" or (algo.jacobian == "auto" and algo.compression.active)
+  at_sender = algo.linearise_at == "sender"
+  explicit = (algo.jacobian == "explicit" or at_sender
+              or (algo.jacobian == "auto" and algo.compression.active))
   # A sketch of a dense stack never differentiates through P (unless projected_kernel='generic'):
   # * layer-wise and matrix-free: the structured kernel with each layer input A_l replaced by A_l P_l
   #   (ntk.projected_dense_ntk; a small proj500 round ran ~350x faster than with per-sample Jacobians of g);
@@ -364,28 +359,49 @@ def make_spark(model: models.Model, federation, graphs: topology.Topology, hpara
   packages = jnp.asarray([communication.jacobian_package_bits(int(n), num_classes, sketch_sizes, keep_fraction=keep,
                                                             bits=bits) for n in core.samples_sent], jnp.float32)
   num_params = sum(math.prod(s.shape) for s in plan)
-  broadcast = graphs.cliques > 0        # a clique member sends one package to the whole clique
+  # A clique member sends one package to the whole clique; under Option B every client sends one package.
+  broadcast = graphs.cliques > 0 or at_sender
 
   def init(key):
     params = models.init_clients(model, key, num_clients, shared=shared_init)
     return SparkState(params=params, momentum=parallel.for_each_client(tx.init, chunk_size=0)(params),
                       bits_cumulative=jnp.float32(0))
 
-  def client_delta(wbar, x, hard, mask, lr, alpha, temp, mats, opt_state):
-    """SPARK's NTK step at ``w̄`` on the neighbourhood ``x [N, ...]``: ``(Δw, info)`` (:func:`evolve.ntk_step`)."""
+  def sketched_jacobian(w, x, mats):
+    """The (sketched) Jacobian ``[N, C, *leaf]`` of ``x`` at ``w`` in the sketch's coordinates."""
+    if factored_jacobian:
+      return projection.sketched_dense_jacobian(plan, mats, model.dense_stack, w, x)
+    coords = projection.sketch_map(model.apply, w, plan, mats) if sketched else evolve.identity_map(model.apply, w)
+    return jacobians.per_sample_jacobian(coords.apply_fn, coords.point, x)
+
+  def sender_packages(senders, x, mats):
+    """Option B: each member's rows of ``x`` at its own ``w̄_j`` (``senders``: leaves ``[members, ...]``).
+
+    Returns ``(J [N, C, *leaf], z [N, C])``, rows sender after sender as in the neighbourhood.
+    """
+    xs = x.reshape((members, -1) + x.shape[1:])
+    jac, z = jax.lax.map(lambda a: (sketched_jacobian(a[0], a[1], mats), model.apply(a[0], a[1])), (senders, xs))
+    return jax.tree.map(lambda leaf: leaf.reshape((-1,) + leaf.shape[2:]), (jac, z))
+
+  def client_delta(wbar, x, hard, mask, lr, alpha, temp, mats, opt_state, senders=None):
+    """SPARK's NTK step at ``w̄`` on the neighbourhood ``x [N, ...]``: ``(Δw, info)`` (:func:`evolve.ntk_step`).
+
+    ``senders`` (Option B): the members' own consensus weights, leaves ``[members, ...]``.
+    """
     mask = mask.astype(bool)
     x = jnp.where(mask.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0)
     coords = (projection.sketch_map(model.apply, wbar, plan, mats) if sketched
               else evolve.identity_map(model.apply, wbar))
     kernel_options = {}
     if explicit:                   # the kernel and the candidates from the explicit (compressed) sketched J̃
-      if factored_jacobian:
-        jac = projection.sketched_dense_jacobian(plan, mats, model.dense_stack, wbar, x)
+      if senders is None:
+        jac = sketched_jacobian(wbar, x, mats)
       else:
-        jac = jacobians.per_sample_jacobian(coords.apply_fn, coords.point, x)
+        jac, kernel_options["f0"] = sender_packages(senders, x, mats)
       leaves, treedef = jax.tree.flatten(jac)
       if algo.compression.active:
-        leaves = _compress_packages(leaves, mask, members, keep, bits)
+        # k from the package's slots, padding included, as SPARK's recorded runs were made.
+        leaves = compression.compress_packages(leaves, mask, members, keep, bits, count_real_rows=False)
       kernel_options["jacobian"] = jax.tree.unflatten(treedef, leaves)
     elif structured_sketch:
       layer_sketches = projection.dense_stack_projections(plan, mats, model.dense_stack)
@@ -422,9 +438,18 @@ def make_spark(model: models.Model, federation, graphs: topology.Topology, hpara
                   step_norm=_tree_norm(jax.tree.map(jnp.subtract, new_params, wbar)))
       return new_params, opt_state, info
 
-    # alpha, temp, the boost and the sketch are shared by all clients: closed over, not mapped.
-    def client_fn(wbar, x, targets, mask, lr, opt_state):
-      delta, info = client_delta(wbar, x[0], targets[0], mask[0], lr * boost, alpha, temp, mats, opt_state)
+    # Option B: every client's own consensus, read by its neighbours (the round forms w̄_i per client again).
+    consensus = (gossip.mix(state.params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
+                 if at_sender else None)
+
+    def member_weights(members_i):
+      return None if consensus is None else jax.tree.map(lambda w: w[members_i], consensus)
+
+    # alpha, temp, the boost and the sketch (and Option B's consensus) are shared by all clients: closed
+    # over, not mapped.
+    def client_fn(wbar, x, targets, mask, lr, opt_state, members_i):
+      delta, info = client_delta(wbar, x[0], targets[0], mask[0], lr * boost, alpha, temp, mats, opt_state,
+                                 member_weights(members_i))
       return momentum_step(wbar, delta, opt_state, info)
 
     def clique_fn(wbar, x, targets, mask, lr):     # no velocity: select_momentum is off (spark.check)
@@ -438,7 +463,8 @@ def make_spark(model: models.Model, federation, graphs: topology.Topology, hpara
       (wbar, delta, info), lr = core.run(state.params, inputs, data, clique_fn)
       params, opt_state, info = parallel.for_each_client(momentum_step, chunk_size=0)(wbar, delta, velocity, info)
     else:
-      (params, opt_state, info), lr = core.run(state.params, inputs, data, client_fn, velocity)
+      member_index = jnp.concatenate([jnp.arange(num_clients)[:, None], inputs.neighbors], axis=1)
+      (params, opt_state, info), lr = core.run(state.params, inputs, data, client_fn, velocity, member_index)
     bits_sent = communication.neighbourhood_round_bits(inputs.neighbor_mask.sum(axis=1).astype(jnp.float32), packages,
                                                      num_params, broadcast=broadcast, velocity=mixed_velocity)
     total = jnp.sum(bits_sent)

@@ -6,7 +6,7 @@ clients, α = 0.1, 20 clients per round, 20 full-batch epochs, lr 0.1, 300 round
 Uplink bits are counted per round and cumulatively.
 
 Variants: paper | iid | alpha<float> | mnist, and
-:data:`ntk_fl.configs._presets.SERVER_VARIANTS` (full | busiest_node | q8, q4 | smoke).
+:data:`ntk_fl.configs._presets.SERVER_VARIANTS` (full | busiest_node | q8, q4 | adam | smoke).
 """
 import ml_collections
 

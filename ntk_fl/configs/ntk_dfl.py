@@ -23,6 +23,11 @@ Variants (comma-separated, e.g. ``:iid`` or ``:alpha0.5,static``):
   batched       Jacobian batching with m1 = 4 blocks (App. E.1).
   subsample     data subsampling with m2 = 5 (App. E.2).
   clustered     dynamic clustered topology, cliques of 6 (5 neighbours each, App. E.2).
+  topk<float>   send the top fraction of every Jacobian package tensor (App. E.3; ``topk0.5``).
+  bits<int>     send the Jacobian values quantised to that many bits (App. E.3; ``bits6``).
+  proj<int>     shared input projection Z = X P to d1' inputs (App. E.3; ``proj200``).
+  compressed    Figs. 15-16's fully optimised NTK-DFL: ``topk0.5,bits6,subsample,proj200``
+                (Fig. 16 adds ``clustered``).
   per_client_init  independent initialisation per client (Fig. 12).
   mnist         MNIST instead of Fashion-MNIST.
   cnn           the papers' CNN (conv32-pool-conv64-pool-fc100-fc10) instead of the MLP (Fig. 7).
@@ -39,6 +44,32 @@ def _smoke(config):
   config.checkpoint_every = 2
 
 
+def _number(kind, name, example):
+  def parse(text):
+    try:
+      return kind(text)
+    except ValueError:
+      raise ValueError(f"variant {name}{text!r}: {text!r} is not a {kind.__name__}, e.g. {example!r}") from None
+  return parse
+
+
+def _set(field, parse):
+  return lambda c, text: setattr(c.algorithm, field, parse(text))
+
+
+# Values are checked where the config is validated (NTKDFLHParams), with the allowed range in the message.
+VALUED_VARIANTS = {
+    "topk": _set("sparsify_keep", _number(float, "topk", "topk0.5")),
+    "bits": _set("quantize_bits", _number(int, "bits", "bits6")),
+    "proj": _set("projection_dim", _number(int, "proj", "proj200")),
+}
+
+
+def _compressed(c):
+  c.algorithm.sparsify_keep, c.algorithm.quantize_bits = 0.5, 6
+  c.algorithm.subsample, c.algorithm.projection_dim = 5, 200
+
+
 VARIANTS = {
     "no_avg": lambda c: setattr(c.algorithm, "per_round_averaging", False),
     "code_decay": lambda c: setattr(c.algorithm, "lr_decay", 0.07),
@@ -48,6 +79,7 @@ VARIANTS = {
     "subsample": lambda c: setattr(c.algorithm, "subsample", 5),
     "clustered": lambda c: setattr(c.topology, "name", "clustered"),
     "per_client_init": lambda c: setattr(c.model, "init", "per_client"),
+    "compressed": _compressed,
     "smoke": _smoke,
 }
 
@@ -77,4 +109,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.algorithm.per_round_averaging = True
   config.algorithm.jacobian_batches = 1
   config.algorithm.subsample = 1
-  return apply_variants(config, arg, VARIANTS)
+  # App. E.3 communication compression (off): top-k fraction and bits of the sent Jacobians, input projection.
+  config.algorithm.sparsify_keep = 1.0
+  config.algorithm.quantize_bits = 32
+  config.algorithm.projection_dim = 0
+  config.algorithm.projection_scale = "sqrt_input"
+  return apply_variants(config, arg, VARIANTS, VALUED_VARIANTS)

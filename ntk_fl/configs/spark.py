@@ -59,6 +59,8 @@ Variants (comma-separated, e.g. ``:iid,abl_momentum``):
                 10 and 20, i.e. at the end of warm-up and mid-annealing). Off by default.
   full_kernel   the full (N·C)×(N·C) kernel instead of the traced one.
   temp3         the previous default temperature schedule 1 -> 3 (collapses late with momentum).
+  option_b      Alg. 1 Option B: each client's Jacobian and logits at its own w̄_j, broadcast
+                (``linearise_at='sender'``).
   ode           adaptive Dopri5 evolution (NTK-DFL authors' numerics).
   smoke         seconds-long run on a slice of Fashion-MNIST (CI): 4 rounds, warm-up 1, τ ∈ {50, 100, 200}.
 """
@@ -111,6 +113,7 @@ VARIANTS = {
     "full_kernel": _set(kernel="full"),
     "temp3": _set(distill__temp_final=3.0),
     "ode": _set(solver="ode"),
+    "option_b": _set(linearise_at="sender"),
     "smoke": _smoke,
 }
 
@@ -149,6 +152,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # the MLP) and the generic per-sample-Jacobian kernel of the lifted network otherwise; 'generic' forces the
   # latter (a cross-check; ~350x slower per round for the MLP); 'structured' fails when it does not apply.
   a.projected_kernel = "auto"
+  # Where a neighbour's Jacobian and logits are taken (spark.md §5 item 4): 'receiver' = at the receiver's w̄_i
+  # (Option A, NTK-DFL's protocol); 'sender' = each client at its own w̄_j, one package broadcast to all
+  # neighbours (Option B, Alg. 1 lines 5-8 literally; explicit Jacobians). Variant `option_b`.
+  a.linearise_at = "receiver"
 
   a.distill = ml_collections.ConfigDict()
   a.distill.enabled = True

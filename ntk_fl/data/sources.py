@@ -8,6 +8,7 @@ reads the formats the datasets are distributed in:
 ``mnist``          IDX files, or the classic ``mnist.pkl.gz`` (50k/10k/10k)
 ``emnist_digits``  EMNIST IDX files (``emnist-digits-train-images-idx3-ubyte[.gz]``, ...)
 ``femnist``        LEAF JSON (``train/*.json``, ``test/*.json``), 62 classes, writer ids
+``femnist_digits`` the same LEAF files, digit samples only (LEAF labels 0-9), 10 classes, writer ids
 ``cifar10``        CIFAR-10 python batches (``data_batch_1..5``, ``test_batch``)
 ``synthetic``      seeded Gaussian clusters, generated (for tests and examples)
 =================  ============================================================
@@ -75,7 +76,7 @@ from ntk_fl.rng import Stream, numpy_rng
 
 __all__ = ["Dataset", "DATASETS", "DATA_DIR_ENV", "DataNotFoundError", "load", "read_idx"]
 
-DATASETS = ("fashion_mnist", "mnist", "emnist_digits", "femnist", "cifar10", "synthetic")
+DATASETS = ("fashion_mnist", "mnist", "emnist_digits", "femnist", "femnist_digits", "cifar10", "synthetic")
 DATA_DIR_ENV = "NTK_FL_DATA_DIR"
 
 # Where Debian's `dataset-*` packages install their files (a module constant so
@@ -456,6 +457,18 @@ def _read_leaf_dir(directory: Path) -> _Pixels | None:
   return _Pixels(x_train, y_train, x_test, y_test, source=str(directory), writers_train=w_train, writers_test=w_test)
 
 
+def _read_leaf_digits_dir(directory: Path) -> _Pixels | None:
+  """FEMNIST's digits (NTK-DFL Fig. 10a, NTK-FL Fig. 4): the LEAF samples labelled 0-9 (LEAF's classes are
+  digits 0-9, then upper- and lower-case letters), writer ids as in :func:`_read_leaf_dir`."""
+  pixels = _read_leaf_dir(directory)
+  if pixels is None:
+    return None
+  train, test = pixels.y_train < 10, pixels.y_test < 10
+  return _Pixels(pixels.x_train[train], pixels.y_train[train], pixels.x_test[test], pixels.y_test[test],
+                 source=pixels.source, writers_train=pixels.writers_train[train],
+                 writers_test=pixels.writers_test[test])
+
+
 # ----------------------------------------------------------------------------
 # Sources outside the search directories.
 
@@ -566,6 +579,14 @@ _SPECS = {
         how_to_get=("generate it with LEAF (github.com/TalwalkarLab/leaf, data/femnist/preprocess.sh) and copy its "
                     f"data/train/*.json and data/test/*.json to <data_dir>/femnist/{{train,test}}/ or "
                     f"${DATA_DIR_ENV}/femnist/{{train,test}}/ (FEMNIST is not in tensorflow-datasets)")),
+    "femnist_digits": _Spec(
+        folders=("femnist", "femnist/data"),
+        read_dir=_read_leaf_digits_dir,
+        image_shape=(28, 28, 1), num_classes=10, mean=None, std=None, tfds_name=None,
+        how_to_get=("generate FEMNIST with LEAF (github.com/TalwalkarLab/leaf, data/femnist/preprocess.sh) and copy "
+                    f"its data/train/*.json and data/test/*.json to <data_dir>/femnist/{{train,test}}/ or "
+                    f"${DATA_DIR_ENV}/femnist/{{train,test}}/; the digit samples (labels 0-9) are kept "
+                    "(FEMNIST is not in tensorflow-datasets)")),
     "cifar10": _Spec(
         folders=("cifar10", "cifar-10", "cifar-10-batches-py", "cifar10/cifar-10-batches-py"),
         read_dir=_read_cifar_dir,
