@@ -60,10 +60,7 @@ from ntk_fl import summaries
 from ntk_fl.algorithms import Algorithm, get_method
 from ntk_fl.checkpoint import Checkpoints
 from ntk_fl.rng import Stream, numpy_rng
-# The schema and the run directory, re-exported: scripts reach a run through the runner's names.
-from ntk_fl.rundir import (ACCURACY_PLOT, BRANCH_FILE, CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE, SELECTION_PLOT,
-                           SUMMARY_FILE, check_branch, check_start, check_workdir, read_metrics)
-from ntk_fl.schema import import_method_module, validate_config
+from ntk_fl.schema import validate_config
 from ntk_fl.settings import RunSettings
 
 __all__ = [
@@ -73,20 +70,6 @@ __all__ = [
     "build_experiment",
     "make_algorithm",
     "run",
-    # re-exported from ntk_fl.schema and ntk_fl.rundir
-    "import_method_module",
-    "validate_config",
-    "read_metrics",
-    "check_workdir",
-    "check_branch",
-    "check_start",
-    "CONFIG_FILE",
-    "METRICS_FILE",
-    "SUMMARY_FILE",
-    "CHECKPOINT_DIR",
-    "ACCURACY_PLOT",
-    "SELECTION_PLOT",
-    "BRANCH_FILE",
 ]
 
 # Keys the runner writes into every metrics line; an algorithm metric may not reuse them.
@@ -125,7 +108,8 @@ class Experiment(NamedTuple):
     The policy is read when a step is first traced: call ``algorithm.step`` (and
     the evaluators) inside it to get what the runner does.
     """
-    return parallel.use_devices(self.settings.devices, chunk_size=self.settings.chunk_size)
+    return parallel.use_devices(self.settings.devices, chunk_size=self.settings.chunk_size,
+                                debug=self.settings.debug_clients)
 
 
 def _keep(n: int, size: int, rng: np.random.Generator) -> np.ndarray:
@@ -209,7 +193,7 @@ def make_algorithm(config, model, federation) -> Algorithm:
   over a graph), its typed hyperparameters and the run settings.
   """
   settings = validate_config(config)
-  return get_method(settings.method).make(model, federation, settings.graph, settings.algorithm, settings)
+  return get_method(settings.method).make(model, federation, settings.built_topology, settings.algorithm, settings)
 
 
 
@@ -459,7 +443,7 @@ def run(config, workdir: str, *, resume: bool = False, resume_from_step: int | N
   started = time.perf_counter()
   settings = validate_config(config)
   # Every step/evaluation is traced inside the device policy, so for_each_client shards and chunks clients by it.
-  with parallel.use_devices(settings.devices, chunk_size=settings.chunk_size):
+  with parallel.use_devices(settings.devices, chunk_size=settings.chunk_size, debug=settings.debug_clients):
     return _run(settings, workdir, resume=resume or resume_from_step is not None, resume_from_step=resume_from_step,
                 branch_from=branch_from, branch_round=branch_round, on_round_end=on_round_end, started=started)
 
