@@ -46,7 +46,7 @@ def _export(module: str, *names: str, rename: dict[str, str] | None = None) -> N
 
 
 # Configs, checked once into typed settings.
-_export("ntk_fl.config", "base_config", "load_config", "apply_variants", "load_run_config")
+_export("ntk_fl.config", "base_config", "load_config", "apply_variants")
 _export("ntk_fl.schema", "validate_config")
 _export("ntk_fl.settings", "RunSettings", "DataSettings", "ModelSettings", "TopologySettings", "EvalSettings")
 # Runs and run directories.

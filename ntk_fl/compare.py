@@ -64,6 +64,7 @@ NEUTRAL_KEYS = (
   "seed",
   "devices",
   "chunk_size",
+  "debug_clients",
   "checkpoint_every",
   "checkpoint_keep",
   "on_divergence",
@@ -71,7 +72,7 @@ NEUTRAL_KEYS = (
   "data.data_dir",
 )
 """Config fields that do not make two runs different settings: the seed (what a group is made of),
-where the clients ran and in how many vmap chunks (equal up to float rounding), which checkpoints
+where the clients ran and in how many vmap chunks or in the debug loop (equal up to float rounding), which checkpoints
 were kept, the divergence policy, the extra consensus scoring and where the data files were read
 from."""
 

@@ -59,14 +59,16 @@ below it they travel as the frozen dataclasses of :mod:`ntk_fl.settings`):
   ``0`` = all (every host's after ``--distributed``), ``1`` = the single-device
   path, ``n`` = the first ``n``. Results agree across device counts up to float
   rounding.
+* ``debug_clients``: the client map's debug mode (:func:`ntk_fl.parallel.use_devices` with
+  ``debug=True``): nothing compiled, clients one at a time in a Python loop, and an exception
+  names the client and the stage. Slow; for finding which client fails where.
 * ``algorithm``: the method's own hyperparameters.
 """
 from __future__ import annotations
 
 import ml_collections
 
-__all__ = ["base_config", "apply_variants", "COMMON_VARIANTS", "load_config", "load_run_config", "smoke_slice",
-           "SMOKE_CNN_SAMPLES"]
+__all__ = ["base_config", "apply_variants", "COMMON_VARIANTS", "load_config", "smoke_slice", "SMOKE_CNN_SAMPLES"]
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -121,6 +123,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.on_divergence = "stop"
   config.chunk_size = 0
   config.devices = 0
+  config.debug_clients = False
   config.algorithm = ml_collections.ConfigDict()
   return config
 
@@ -286,23 +289,3 @@ def load_config(path: str, variant: str | None = None) -> ml_collections.ConfigD
   if not hasattr(module, "get_config"):
     raise ValueError(f"config file {str(file)!r} defines no get_config(arg)")
   return module.get_config(variant)
-
-
-def _tuples(value):
-  """JSON lists back to the tuples the config files use (``taus``, ``hidden``, ``targets``, ...)."""
-  if isinstance(value, dict):
-    return {k: _tuples(v) for k, v in value.items()}
-  if isinstance(value, list):
-    return tuple(_tuples(v) for v in value)
-  return value
-
-
-def load_run_config(workdir: str, *, trust_method_module: str | None = None) -> ml_collections.ConfigDict:
-  """The config the run in ``workdir`` was started with, as an editable ``ConfigDict``.
-
-  For scripts that rerun or rescore a stored run: ``build_experiment(load_run_config(workdir))``
-  rebuilds its experiment. :func:`ntk_fl.rundir.rebuild_config` gives the same as a plain dict and
-  says when a stored ``method_module`` is imported (``trust_method_module``).
-  """
-  from ntk_fl import rundir  # pylint: disable=import-outside-toplevel -- config files import this module
-  return ml_collections.ConfigDict(_tuples(rundir.rebuild_config(workdir, trust_method_module=trust_method_module)))

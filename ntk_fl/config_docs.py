@@ -33,6 +33,8 @@ FIELD_DOCS: dict[str, str] = {
         "clients per vmap chunk on each device (0 = all at once); memory vs speed, same results",
     "devices":
         "devices the client axis is sharded over (0 = all, 1 = single-device path, n = first n)",
+    "debug_clients":
+        "no jit, clients one by one in a Python loop; an error names the client and the stage",
     # ------------------------------------------------------------------ data
     "data.name":
         "dataset: fashion_mnist | mnist | emnist_digits | femnist | cifar10 (never downloaded)",

@@ -45,6 +45,13 @@ lists every process's devices and :func:`make_client_mesh` spans them all, so th
 clients on its own devices. Every process runs the same program on the same inputs
 (the runner's data and round inputs are deterministic in the config seed); inputs
 passed as numpy or uncommitted arrays count as replicated.
+
+Debug mode (``use_devices(debug=True)``, ``config.debug_clients``; as FedJAX's debug
+backend of ``for_each_client``): nothing is compiled (``jax.disable_jit``) and every
+:func:`for_each_client` runs its function client by client in a Python loop, on one
+device, so a breakpoint or a print inside it sees concrete values; an exception raised
+for a client comes back as a :class:`ClientError` that names the client's index and the
+stage (the per-client function's name). Results equal the mapped ones up to float rounding.
 """
 from __future__ import annotations
 
@@ -61,22 +68,42 @@ from jax.sharding import AxisType, Mesh, PartitionSpec
 
 from ntk_fl import validation
 
-__all__ = ["CLIENTS", "for_each_client", "make_client_mesh", "use_devices", "num_client_shards", "current_mesh",
+__all__ = ["CLIENTS", "ClientError", "debug_clients", "for_each_client", "make_client_mesh", "use_devices",
+           "num_client_shards", "current_mesh",
            "policy_chunk_size", "Shared", "is_client_split", "to_device"]
 
 CLIENTS = "clients"
 """Name of the mesh axis the client axis is sharded over."""
 
-_STATE = threading.local()   # .policies: the stack of use_devices (mesh or None = single device, chunk_size)
+_STATE = threading.local()   # .policies: the stack of use_devices: (mesh or None = single device, chunk_size, debug)
 
 
-def _current_policy() -> tuple[Mesh | None, int]:
+class ClientError(RuntimeError):
+  """An exception raised by a per-client function in debug mode, naming the client and the stage.
+
+  Attributes:
+    client: the client's index along the mapped client axis.
+    stage: the per-client function's name (``for_each_client``'s ``fn``).
+  """
+
+  def __init__(self, client: int, stage: str, cause: BaseException):
+    super().__init__(f"client {client}, stage {stage!r}: {type(cause).__name__}: {cause}")
+    self.client = client
+    self.stage = stage
+
+
+def _current_policy() -> tuple[Mesh | None, int, bool]:
   policies = getattr(_STATE, "policies", None)
-  return policies[-1] if policies else (None, 0)
+  return policies[-1] if policies else (None, 0, False)
 
 
 def _current_mesh() -> Mesh | None:
   return _current_policy()[0]
+
+
+def debug_clients() -> bool:
+  """Whether the innermost :func:`use_devices` is in debug mode (a Python loop over clients, no jit)."""
+  return _current_policy()[2]
 
 
 def policy_chunk_size() -> int:
@@ -116,7 +143,8 @@ def make_client_mesh(devices: int | Sequence[jax.Device] = 0) -> Mesh:
 
 
 @contextlib.contextmanager
-def use_devices(devices: int | Sequence[jax.Device] = 0, *, chunk_size: int = 0) -> Iterator[Mesh | None]:
+def use_devices(devices: int | Sequence[jax.Device] = 0, *, chunk_size: int = 0,
+                debug: bool = False) -> Iterator[Mesh | None]:
   """The device policy: every :func:`for_each_client` *traced* inside shards clients over ``devices``.
 
   Args:
@@ -124,19 +152,25 @@ def use_devices(devices: int | Sequence[jax.Device] = 0, *, chunk_size: int = 0)
       machine) is the single-device path: no mesh.
     chunk_size: clients per ``vmap`` chunk on each device for every
       :func:`for_each_client` that does not name its own (``0`` = all at once).
+    debug: the debug mode (see the module docstring): no jit, one client at a
+      time on one device (``devices`` and ``chunk_size`` are then not used), and
+      a :class:`ClientError` naming the client and the stage.
 
   Yields:
-    The mesh, or ``None`` on the single-device path.
+    The mesh, or ``None`` on the single-device path (always in debug mode).
 
   Contexts nest (the innermost wins) and are per thread.
   """
   chunk_size = validation.check_int("chunk_size (0 = all clients at once)", chunk_size, low=0)
+  if not isinstance(debug, bool):
+    raise ValueError(f"debug must be True or False, got {debug!r}")
   mesh = make_client_mesh(devices)
   if not hasattr(_STATE, "policies"):
     _STATE.policies = []
-  _STATE.policies.append((mesh if mesh.size > 1 else None, chunk_size))
+  _STATE.policies.append((mesh if mesh.size > 1 and not debug else None, chunk_size, debug))
   try:
-    yield _STATE.policies[-1][0]
+    with jax.disable_jit() if debug else contextlib.nullcontext():
+      yield _STATE.policies[-1][0]
   finally:
     _STATE.policies.pop()
 
@@ -237,6 +271,24 @@ def _chunked(fn, chunk_size, stacked_args):
   return jax.lax.map(lambda args: fn(*args), stacked_args, batch_size=chunk_size)
 
 
+def _stage_name(fn) -> str:
+  while hasattr(fn, "func"):          # functools.partial
+    fn = fn.func
+  return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def _client_loop(fn, stage: str, stacked_args):
+  """``fn`` client by client in a Python loop (debug mode); an exception names the client and ``stage``."""
+  outputs = []
+  for client in range(_num_clients(stacked_args)):
+    client_args = jax.tree.map(lambda leaf: leaf[client], stacked_args)   # pylint: disable=cell-var-from-loop
+    try:
+      outputs.append(fn(*client_args))
+    except Exception as e:  # pylint: disable=broad-except -- re-raised with the client and the stage
+      raise ClientError(client, stage, e) from e
+  return jax.tree.map(lambda *leaves: jnp.stack(leaves), *outputs)
+
+
 def _pad_clients(stacked_args, total: int):
   """Extends every leaf's client axis to ``total`` rows by repeating its last client."""
   def pad(leaf):
@@ -274,9 +326,11 @@ def for_each_client(fn: Callable[..., Any], *, chunk_size: int | None = None) ->
     ``mapped(*stacked_args)``: every leaf of every argument has leading axis
     ``M``; outputs are stacked along a leading ``M`` axis. Traced inside
     :func:`use_devices` with several devices, clients are split over them;
-    results equal the single-device ones up to float rounding.
+    results equal the single-device ones up to float rounding. Inside
+    ``use_devices(debug=True)`` clients run one at a time in a Python loop.
 
   Raises:
+    ClientError: in debug mode, ``fn`` raised for a client (named, with ``fn``'s name).
     ValueError: a negative or non-int ``chunk_size`` (at once); arguments
       without a common leading axis (when called).
   """
@@ -298,6 +352,10 @@ def for_each_client(fn: Callable[..., Any], *, chunk_size: int | None = None) ->
       return per_client
 
     shared_trees = tuple(a.tree for a in shared_at.values())
+    if debug_clients():
+      out = _client_loop(with_shared(shared_trees), _stage_name(fn), stacked_args)
+      chex.assert_tree_shape_prefix(out, (num_clients,))
+      return out
     shards = num_client_shards()
     if shards == 1:
       out = _chunked(with_shared(shared_trees), chunk, stacked_args)

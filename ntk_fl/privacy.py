@@ -37,7 +37,13 @@ gives the minimum-norm preimage ``x̂`` with ``x̂ P = z`` for any candidate ``P
 
 Image metrics: :func:`ssim` (Wang et al. 2004: Gaussian window 11, σ = 1.5,
 ``K1 = 0.01``, ``K2 = 0.03``, statistics over 'valid' window positions only, as
-in the authors' ``ssim_index.m``; the mean of the SSIM map) and :func:`mse`.
+in the authors' ``ssim_index.m``; the mean of the SSIM map; equal to ``dm_pix.ssim``
+within float32 rounding, which tests/test_privacy.py checks) and :func:`mse`.
+
+Used by one script only, ``experiments/privacy_attack.py`` (the CP-NTK-FL attack
+study): no method, the runner or the commands import this module. It lives in the
+package, beside :mod:`ntk_fl.jacobians` whose transmitted Jacobians it attacks, so
+a researcher can run the attack on any model from the flat API.
 """
 from __future__ import annotations
 

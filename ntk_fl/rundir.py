@@ -101,10 +101,11 @@ BRANCH_FILE = "branched_from.json"
 
 # Keys that do not change the trajectory (where clients run, which checkpoints are kept, whether the
 # consensus models are also scored); resume and branch ignore them.
-_RESULT_NEUTRAL_KEYS = ("devices", "checkpoint_keep", "eval.consensus", "on_divergence")
+_RESULT_NEUTRAL_KEYS = ("devices", "checkpoint_keep", "eval.consensus", "on_divergence", "debug_clients")
 # Keys added to the schema after runs were stored, each with the value that reproduces those runs: a stored
 # config.json without one ran with that value (resume, branch and read_config fill it in).
-_ADDED_KEYS = {"data.max_test": 0, "eval.consensus": False, "data.partition_file": "", "on_divergence": "stop"}
+_ADDED_KEYS = {"data.max_test": 0, "eval.consensus": False, "data.partition_file": "", "on_divergence": "stop",
+               "debug_clients": False}
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -272,7 +273,8 @@ def read_config(workdir: str) -> dict:
   Keys added to the schema since the run was written are filled in with the
   values that reproduce it. Nothing is imported (a stored ``method_module`` is
   just a string here): for tables and comparisons. To rebuild or rescore the
-  run, use :func:`rebuild_config`.
+  run, use :func:`rebuild_config` (this read, checked for a stored ``method_module``): the
+  package's two readers of a stored config.
   """
   return _stored_config(workdir, "read the run")
 
@@ -290,7 +292,7 @@ def rebuild_config(workdir: str, *, trust_method_module: str | None = None) -> d
   comes from the registry; with neither, the read is refused. A stored
   ``model.module`` (the user's flax module, equally imported) is read only when
   this process has imported that module already.
-  :func:`ntk_fl.config.load_run_config` makes an editable ``ConfigDict`` of it.
+  ``ml_collections.ConfigDict(rebuild_config(workdir))`` is an editable config of it.
   """
   path = os.path.join(workdir, CONFIG_FILE)
   stored = _stored_config(workdir, "read the run")

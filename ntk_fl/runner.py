@@ -61,10 +61,7 @@ from ntk_fl._src import cost
 from ntk_fl.algorithms import Algorithm, get_method
 from ntk_fl.checkpoint import Checkpoints
 from ntk_fl.rng import Stream, numpy_rng
-# The schema and the run directory, re-exported: scripts reach a run through the runner's names.
-from ntk_fl.rundir import (ACCURACY_PLOT, BRANCH_FILE, CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE, SELECTION_PLOT,
-                           SUMMARY_FILE, check_branch, check_start, check_workdir, read_metrics)
-from ntk_fl.schema import import_method_module, validate_config
+from ntk_fl.schema import validate_config
 from ntk_fl.settings import RunSettings
 
 __all__ = [
@@ -74,20 +71,6 @@ __all__ = [
     "build_experiment",
     "make_algorithm",
     "run",
-    # re-exported from ntk_fl.schema and ntk_fl.rundir
-    "import_method_module",
-    "validate_config",
-    "read_metrics",
-    "check_workdir",
-    "check_branch",
-    "check_start",
-    "CONFIG_FILE",
-    "METRICS_FILE",
-    "SUMMARY_FILE",
-    "CHECKPOINT_DIR",
-    "ACCURACY_PLOT",
-    "SELECTION_PLOT",
-    "BRANCH_FILE",
 ]
 
 # Keys the runner writes into every metrics line; an algorithm metric may not reuse them.
@@ -126,7 +109,8 @@ class Experiment(NamedTuple):
     The policy is read when a step is first traced: call ``algorithm.step`` (and
     the evaluators) inside it to get what the runner does.
     """
-    return parallel.use_devices(self.settings.devices, chunk_size=self.settings.chunk_size)
+    return parallel.use_devices(self.settings.devices, chunk_size=self.settings.chunk_size,
+                                debug=self.settings.debug_clients)
 
 
 def _keep(n: int, size: int, rng: np.random.Generator) -> np.ndarray:
@@ -210,7 +194,7 @@ def make_algorithm(config, model, federation) -> Algorithm:
   over a graph), its typed hyperparameters and the run settings.
   """
   settings = validate_config(config)
-  return get_method(settings.method).make(model, federation, settings.graph, settings.algorithm, settings)
+  return get_method(settings.method).make(model, federation, settings.built_topology, settings.algorithm, settings)
 
 
 
@@ -441,7 +425,7 @@ def run(config, workdir: str, *, resume: bool = False, resume_from_step: int | N
       (implies ``resume``; later checkpoints are set aside).
     branch_from: start a new run in ``workdir`` from the checkpoint of the run in
       this directory after ``branch_round`` rounds, copying its metrics lines
-      for those rounds (see :func:`check_branch` for when that is allowed).
+      for those rounds (see :func:`ntk_fl.rundir.check_branch` for when that is allowed).
     branch_round: the source checkpoint (default: the latest one allowed).
     on_round_end: optional ``fn(round, line)`` called after each round's metrics
       line and checkpoint are written (1-based ``round``); for custom logging or
@@ -460,7 +444,7 @@ def run(config, workdir: str, *, resume: bool = False, resume_from_step: int | N
   started = time.perf_counter()
   settings = validate_config(config)
   # Every step/evaluation is traced inside the device policy, so for_each_client shards and chunks clients by it.
-  with parallel.use_devices(settings.devices, chunk_size=settings.chunk_size), \
+  with parallel.use_devices(settings.devices, chunk_size=settings.chunk_size, debug=settings.debug_clients), \
       rundir.workdir_lock(workdir):       # one run per workdir (held by the caller already: kept)
     return _run(settings, workdir, resume=resume or resume_from_step is not None, resume_from_step=resume_from_step,
                 branch_from=branch_from, branch_round=branch_round, on_round_end=on_round_end, started=started)
@@ -468,7 +452,7 @@ def run(config, workdir: str, *, resume: bool = False, resume_from_step: int | N
 
 def _run(config, workdir: str, *, resume: bool, resume_from_step: int | None, branch_from: str | None,
          branch_round: int | None, on_round_end, started: float) -> dict:
-  """:func:`run` after validation, inside the device mesh."""
+  """:func:`run` after validation, inside the device mesh: set up, start or restore, the rounds, the summary."""
   workdir = os.path.abspath(workdir)
   start = rundir.check_start(config, workdir, resume=resume, resume_from_step=resume_from_step,
                              branch_from=branch_from, branch_round=branch_round)
@@ -477,26 +461,15 @@ def _run(config, workdir: str, *, resume: bool, resume_from_step: int | None, br
     branch_from = os.path.abspath(branch_from)
 
   exp = build_experiment(config)
-  algorithm, rounds = exp.algorithm, config.rounds
-  if config.eval.selection and algorithm.aggregate != "params":
-    # Selection curves average client *weights*; for an ensemble of independent models that is meaningless.
-    raise ValueError(f"method {config.method!r} evaluates an ensemble (aggregate = {algorithm.aggregate!r}); "
-                     "weight-averaging selection curves do not apply: set config.eval.selection = False")
+  algorithm = exp.algorithm
+  _check_selection(config, algorithm)
   os.makedirs(workdir, exist_ok=True)
-  if start < rounds and jax.process_count() == 1:   # NTK methods: FLOPs, memory and time of a round, logged
+  if start < config.rounds and jax.process_count() == 1:   # NTK methods: FLOPs, memory, time of a round, logged
     cost.run_estimate(config, exp.model, exp.federation)
-  metrics_path = os.path.join(workdir, rundir.METRICS_FILE)
   state = _initial_state(algorithm, config)
   num_clients = jax.tree_util.tree_leaves(algorithm.client_params(state))[0].shape[0]
   num_params = sum(math.prod(w.shape[1:]) for w in jax.tree_util.tree_leaves(algorithm.client_params(state)))
-  consensus = None
-  if config.eval.consensus:
-    try:                # traces only: a method without a graph in its round inputs fails here, before any round
-      jax.eval_shape(gossip.consensus, algorithm.client_params(state), algorithm.round_inputs(0))
-    except ValueError as e:
-      raise ValueError(f"config.eval.consensus=True scores neighbourhood averages, which method {config.method!r} "
-                       f"does not have: {e}") from None
-    consensus = jax.jit(gossip.consensus)
+  consensus = _consensus_scorer(algorithm, state, config)
   keep = tuple(int(r) for r in config.checkpoint_keep)
   ckpt = None
   if config.checkpoint_every or keep:
@@ -504,105 +477,168 @@ def _run(config, workdir: str, *, resume: bool, resume_from_step: int | None, br
                        identity=rundir.run_identity(config))
   # Every process has checked the workdir (and, resuming, will read its metrics) before process 0 writes to it.
   distributed.barrier("ntk_fl.runner: workdir checked")
-  finite_check = make_finite_check(algorithm.client_params)
-  diverged = None     # {"round", "quantities", "message"} of the first non-finite round
-  stopped = lambda: diverged is not None and config.on_divergence == "stop"
 
   try:
-    if resume:
-      state = _canonical(ckpt.restore(start, state))
-      lines = rundir.metrics_up_to(workdir, start, "resume")
-      logging.info("Resuming %s from the checkpoint after round %d", workdir, start)
-    elif branch_from is not None:
-      with Checkpoints(rundir.checkpoint_dir(branch_from), read_only=True,
-                       identity=rundir.stored_identity(branch_from)) as source:
-        state = _canonical(source.restore(start, state))
-      lines = rundir.metrics_up_to(branch_from, start, "branch")
-      rundir.write_config(workdir, config)
-      rundir.write_branch(workdir, branch_from, start)
-      if ckpt is not None:
-        ckpt.save(start, state)   # the branch resumes from its own workdir, whatever happens to the source
-      logging.info("Branching %s from %s after round %d", workdir, branch_from, start)
-    else:
-      rundir.write_config(workdir, config)
-      lines = []
-    # Rewrite (atomically) to exactly the checkpointed rounds, then append.
-    rundir.write_metrics(workdir, lines)
-
-    step = algorithm.step   # compiled by the method's factory (see Algorithm); re-jitting would bake
-                            # the federation arrays it passes as arguments into the program as constants
-    evaluator = metrics_lib.make_evaluator(
-        exp.model.apply, exp.dataset.x_test, exp.dataset.y_test,
-        batch_size=config.eval.batch_size, aggregate=algorithm.aggregate)
-    primary = distributed.is_primary()      # only process 0 writes files, logs and the progress bar
-    if primary and start:
-      rundir.drop_event_files(workdir)   # metrics.jsonl is the record; a killed writer lost rounds
-    events = summaries.EventWriter(workdir, first_round=start + 1) if primary else _NoEvents()
-    events.write_config(rundir.jsonable(config))   # TensorBoard's HParams tab compares runs by it
-    events.write_all(lines)   # rounds 1..start: the source's (branch) or this run's own (resume)
-    # The first round's step and evaluation compile first: the bar says so until that round is done.
-    bar = tqdm(total=rounds, initial=start, desc=f"{config.method}: compiling round {start + 1}",
-               unit="round", dynamic_ncols=True, disable=not primary)
-    last_round = start
-    with events, bar, (open(metrics_path, "a") if primary else contextlib.nullcontext()) as metrics_file:
-      for r in range(start, rounds):
-        if lines and _reached_stop(lines[-1], config):
-          break
-        round_ = r + 1
-        inputs = algorithm.round_inputs(r)
-        t0 = time.perf_counter()
-        state, step_metrics = step(state, inputs)
-        state = _canonical(jax.block_until_ready(state))
-        # One transfer: the step metrics and the few finiteness flags of the state.
-        step_metrics, flags = distributed.to_host((step_metrics, finite_check(state, step_metrics)))
-        algo_line, algo_clients = _algorithm_metrics(step_metrics, num_clients)
-        t1 = time.perf_counter()
-        consensus_of = None
-        if consensus is not None:      # the models the next round (0-based index r + 1) starts from; its graph
-          # is drawn only when _evaluate scores the clients this round (called within this iteration)
-          consensus_of = lambda params: consensus(params, algorithm.round_inputs(r + 1))  # pylint: disable=cell-var-from-loop
-        eval_line, eval_clients = _evaluate(evaluator, algorithm.client_params(state), round_, config, consensus_of)
-        t2 = time.perf_counter()
-        line = {"round": round_, "step_time": t1 - t0, "eval_time": t2 - t1, **eval_line, **algo_line,
-                "clients": {**eval_clients, **algo_clients}}
-        if primary:
-          metrics_file.write(rundir.metrics_line(line))
-          metrics_file.flush()
-        lines.append(rundir.jsonable(line))   # exactly what was logged (NaN -> None), as a resumed run reads it
-        events.write(lines[-1])
-        found = _non_finite(flags, line)
-        if found and diverged is None:
-          stop = config.on_divergence == "stop"
-          last_good = max((s for s in ckpt.steps() if s < round_), default=None) if ckpt is not None else None
-          message = _divergence_message(config, round_, found, last_good,
-                                        ckpt.directory if ckpt is not None else None, stop)
-          diverged = {"round": round_, "quantities": found, "message": message}
-          if stop:           # the non-finite state is not checkpointed: the last good checkpoint stays the newest
-            logging.info("%s", message)   # to the log; the caller reports the Diverged it raises below
-            break
-          logging.warning("%s", message)
-        if ckpt is not None and ((config.checkpoint_every and _due(round_, config.checkpoint_every, rounds))
-                                 or round_ in keep):
-          ckpt.save(round_, state)
-        postfix = {}
-        if "test_acc" in line and primary:
-          postfix["acc"] = f"{line['test_acc']:.4f}"
-          logging.info("round %d: aggregated acc %.4f, step %.2fs, eval %.2fs",
-                       round_, line["test_acc"], t1 - t0, t2 - t1)
-        postfix["last round"] = f"{t2 - t0:.2f}s"
-        if r == start:
-          bar.set_description_str(config.method, refresh=False)
-        bar.set_postfix(postfix)
-        bar.update(1)
-        last_round = round_
-        if on_round_end is not None:
-          on_round_end(round_, line)
-    if ckpt is not None and config.checkpoint_every and last_round not in ckpt.steps() and not stopped():
-      ckpt.save(last_round, state)  # e.g. a resumed run whose last checkpoint was deleted
+    state, lines = _start(config, workdir, state, start, ckpt, resume=resume, branch_from=branch_from)
+    state, diverged = _rounds(exp, config, workdir, state, lines, start, ckpt, consensus, num_clients,
+                              branch_from=branch_from, on_round_end=on_round_end)
   finally:
     if ckpt is not None:
       ckpt.close()
+  return _finish(exp, config, workdir, state, lines, num_params=num_params, started=started,
+                 resumed_from=start if resume else None, diverged=diverged)
 
+
+def _check_selection(config, algorithm: Algorithm) -> None:
+  if config.eval.selection and algorithm.aggregate != "params":
+    # Selection curves average client *weights*; for an ensemble of independent models that is meaningless.
+    raise ValueError(f"method {config.method!r} evaluates an ensemble (aggregate = {algorithm.aggregate!r}); "
+                     "weight-averaging selection curves do not apply: set config.eval.selection = False")
+
+
+def _consensus_scorer(algorithm: Algorithm, state, config):
+  """The jitted neighbourhood averaging ``config.eval.consensus`` scores, or ``None``."""
+  if not config.eval.consensus:
+    return None
+  try:                # traces only: a method without a graph in its round inputs fails here, before any round
+    jax.eval_shape(gossip.consensus, algorithm.client_params(state), algorithm.round_inputs(0))
+  except ValueError as e:
+    raise ValueError(f"config.eval.consensus=True scores neighbourhood averages, which method {config.method!r} "
+                     f"does not have: {e}") from None
+  return jax.jit(gossip.consensus)
+
+
+def _start(config, workdir: str, state, start: int, ckpt, *, resume: bool, branch_from: str | None):
+  """The state and metrics lines a run starts from: restored (resume, branch) or new; the config written."""
+  if resume:
+    state = _canonical(ckpt.restore(start, state))
+    lines = rundir.metrics_up_to(workdir, start, "resume")
+    logging.info("Resuming %s from the checkpoint after round %d", workdir, start)
+  elif branch_from is not None:
+    with Checkpoints(rundir.checkpoint_dir(branch_from), read_only=True,
+                     identity=rundir.stored_identity(branch_from)) as source:
+      state = _canonical(source.restore(start, state))
+    lines = rundir.metrics_up_to(branch_from, start, "branch")
+    rundir.write_config(workdir, config)
+    rundir.write_branch(workdir, branch_from, start)
+    if ckpt is not None:
+      ckpt.save(start, state)   # the branch resumes from its own workdir, whatever happens to the source
+    logging.info("Branching %s from %s after round %d", workdir, branch_from, start)
+  else:
+    rundir.write_config(workdir, config)
+    lines = []
+  # Rewrite (atomically) to exactly the checkpointed rounds, then append.
+  rundir.write_metrics(workdir, lines)
+  return state, lines
+
+
+def _stopped(diverged: dict | None, config) -> bool:
+  return diverged is not None and config.on_divergence == "stop"
+
+
+def _rounds(exp: Experiment, config, workdir: str, state, lines: list[dict], start: int, ckpt, consensus,
+            num_clients: int, *, branch_from: str | None, on_round_end):
+  """Rounds ``start + 1 ..`` until ``config.rounds``, the stop accuracy or a stopping divergence.
+
+  Appends each round's metrics line to ``lines`` (and the files), checkpoints as configured.
+
+  Returns:
+    ``(state, diverged)``: the last state and ``{"round", "quantities", "message"}`` of the first
+    non-finite round (``None`` if every round was finite).
+  """
+  algorithm, rounds = exp.algorithm, config.rounds
+  keep = tuple(int(r) for r in config.checkpoint_keep)
+  finite_check = make_finite_check(algorithm.client_params)
+  diverged = None     # {"round", "quantities", "message"} of the first non-finite round
+  step = algorithm.step   # compiled by the method's factory (see Algorithm); re-jitting would bake
+                          # the federation arrays it passes as arguments into the program as constants
+  evaluator = metrics_lib.make_evaluator(
+      exp.model.apply, exp.dataset.x_test, exp.dataset.y_test,
+      batch_size=config.eval.batch_size, aggregate=algorithm.aggregate)
+  primary = distributed.is_primary()      # only process 0 writes files, logs and the progress bar
+  if primary and start:
+    rundir.drop_event_files(workdir)   # metrics.jsonl is the record; a killed writer lost rounds
+  events = summaries.EventWriter(workdir, first_round=start + 1) if primary else _NoEvents()
+  events.write_config(rundir.jsonable(config))   # TensorBoard's HParams tab compares runs by it
+  events.write_all(lines)   # rounds 1..start: the source's (branch) or this run's own (resume)
+  # The first round's step and evaluation compile first: the bar says so until that round is done.
+  bar = tqdm(total=rounds, initial=start, desc=f"{config.method}: compiling round {start + 1}",
+             unit="round", dynamic_ncols=True, disable=not primary)
+  last_round = start
+  metrics_path = os.path.join(workdir, rundir.METRICS_FILE)
+  with events, bar, (open(metrics_path, "a") if primary else contextlib.nullcontext()) as metrics_file:
+    for r in range(start, rounds):
+      if lines and _reached_stop(lines[-1], config):
+        break
+      round_ = r + 1
+      inputs = algorithm.round_inputs(r)
+      t0 = time.perf_counter()
+      state, step_metrics = step(state, inputs)
+      state = _canonical(jax.block_until_ready(state))
+      # One transfer: the step metrics and the few finiteness flags of the state.
+      step_metrics, flags = distributed.to_host((step_metrics, finite_check(state, step_metrics)))
+      algo_line, algo_clients = _algorithm_metrics(step_metrics, num_clients)
+      t1 = time.perf_counter()
+      consensus_of = None
+      if consensus is not None:      # the models the next round (0-based index r + 1) starts from; its graph
+        # is drawn only when _evaluate scores the clients this round (called within this iteration)
+        consensus_of = lambda params: consensus(params, algorithm.round_inputs(r + 1))  # pylint: disable=cell-var-from-loop
+      eval_line, eval_clients = _evaluate(evaluator, algorithm.client_params(state), round_, config, consensus_of)
+      t2 = time.perf_counter()
+      line = {"round": round_, "step_time": t1 - t0, "eval_time": t2 - t1, **eval_line, **algo_line,
+              "clients": {**eval_clients, **algo_clients}}
+      if primary:
+        metrics_file.write(rundir.metrics_line(line))
+        metrics_file.flush()
+      lines.append(rundir.jsonable(line))   # exactly what was logged (NaN -> None), as a resumed run reads it
+      events.write(lines[-1])
+      found = _non_finite(flags, line)
+      if found and diverged is None:
+        diverged = _divergence(config, round_, found, ckpt)
+        if _stopped(diverged, config):   # the non-finite state is not checkpointed: the last good one stays
+          logging.info("%s", diverged["message"])   # to the log; the caller reports the Diverged run raises
+          break
+        logging.warning("%s", diverged["message"])
+      if ckpt is not None and ((config.checkpoint_every and _due(round_, config.checkpoint_every, rounds))
+                               or round_ in keep):
+        ckpt.save(round_, state)
+      _show_progress(bar, line, first=r == start, method=config.method, primary=primary, t0=t0, t1=t1, t2=t2)
+      last_round = round_
+      if on_round_end is not None:
+        on_round_end(round_, line)
+  if (ckpt is not None and config.checkpoint_every and last_round not in ckpt.steps()
+      and not _stopped(diverged, config)):
+    ckpt.save(last_round, state)  # e.g. a resumed run whose last checkpoint was deleted
+  return state, diverged
+
+
+def _divergence(config, round_: int, found, ckpt) -> dict:
+  """``{"round", "quantities", "message"}`` of the first non-finite round."""
+  last_good = max((s for s in ckpt.steps() if s < round_), default=None) if ckpt is not None else None
+  message = _divergence_message(config, round_, found, last_good, ckpt.directory if ckpt is not None else None,
+                                config.on_divergence == "stop")
+  return {"round": round_, "quantities": found, "message": message}
+
+
+def _show_progress(bar, line: dict, *, first: bool, method: str, primary: bool, t0: float, t1: float,
+                   t2: float) -> None:
+  """The progress bar (and the log line) after a round."""
+  postfix = {}
+  if "test_acc" in line and primary:
+    postfix["acc"] = f"{line['test_acc']:.4f}"
+    logging.info("round %d: aggregated acc %.4f, step %.2fs, eval %.2fs",
+                 line["round"], line["test_acc"], t1 - t0, t2 - t1)
+  postfix["last round"] = f"{t2 - t0:.2f}s"
+  if first:
+    bar.set_description_str(method, refresh=False)
+  bar.set_postfix(postfix)
+  bar.update(1)
+
+
+def _finish(exp: Experiment, config, workdir: str, state, lines: list[dict], *, num_params: int, started: float,
+            resumed_from: int | None, diverged: dict | None) -> dict:
+  """Selection curves, plots and ``summary.json`` of a run whose rounds are done; raises :class:`Diverged`."""
+  algorithm = exp.algorithm
   selection = None
   title = f"{config.method} ({config.data.name}, seed {config.seed})"
   if config.eval.selection and diverged is None:   # curves of non-finite models would say nothing
@@ -617,11 +653,11 @@ def _run(config, workdir: str, *, resume: bool, resume_from_step: int | None, br
 
   summary = rundir.jsonable(_summarize(config, lines, num_params=num_params, selection=selection,
                                  wall_time=time.perf_counter() - started,
-                                 resumed_from=start if resume else None,
+                                 resumed_from=resumed_from,
                                  branched_from=rundir.read_branch(workdir), diverged=diverged))
   rundir.write_summary(workdir, summary)
   distributed.barrier("ntk_fl.runner: run written")   # no process leaves before the run's files are written
-  if stopped():
+  if _stopped(diverged, config):
     raise Diverged(diverged["message"], diverged["round"], diverged["quantities"], summary)
   if distributed.is_primary():
     logging.info("Finished %s: %s", workdir, {k: summary[k] for k in ("rounds_to_target", "final_test_acc")})

@@ -82,7 +82,7 @@ def validate_config(config, reference=None) -> RunSettings:
   dataclass (whose construction checks each value), the method's ``check``
   sees the typed settings for rules that span blocks, and the topology of a
   method that mixes over a graph is built here (its numbers checked against the
-  client count) and handed on as ``RunSettings.graph``.
+  client count) and handed on as ``RunSettings.built_topology``.
 
   Args:
     config: an ``ml_collections.ConfigDict`` built on :func:`ntk_fl.config.base_config`,
@@ -176,7 +176,7 @@ def validate_config(config, reference=None) -> RunSettings:
   if stop_at and _get(config, "eval.every") != 1:
     raise ValueError(f"config.eval.stop_at = {stop_at} needs the aggregated accuracy every round: "
                      f"config.eval.every must be 1, got {_get(config, 'eval.every')!r}")
-  for flag in ("eval.consensus", "eval.selection", "topology.dynamic"):
+  for flag in ("eval.consensus", "eval.selection", "topology.dynamic", "debug_clients"):
     if not isinstance(_get(config, flag), bool):
       raise ValueError(f"config.{flag} must be a bool, got {_get(config, flag)!r}")
 
@@ -190,13 +190,14 @@ def validate_config(config, reference=None) -> RunSettings:
   run = RunSettings(method=method, method_module=method_module, seed=config["seed"], rounds=config["rounds"],
                     checkpoint_every=config["checkpoint_every"], checkpoint_keep=tuple(keep),
                     on_divergence=config["on_divergence"], chunk_size=config["chunk_size"], devices=devices,
+                    debug_clients=config["debug_clients"],
                     algorithm=hyperparameters, **shared)
   if spec.graph:
     t = run.topology
-    graph = topology.make_topology(t.name, run.data.num_clients, seed=run.seed, degree=t.degree, p=t.p,
+    built = topology.make_topology(t.name, run.data.num_clients, seed=run.seed, degree=t.degree, p=t.p,
                                    mean_degree=t.mean_degree, cluster_size=t.cluster_size, dynamic=t.dynamic,
                                    k_max=t.k_max)
-    run = dataclasses.replace(run, graph=graph)
+    run = dataclasses.replace(run, built_topology=built)
   if spec.check is not None:
     spec.check(hyperparameters, run)
   if reference is not None:

@@ -81,8 +81,9 @@ class EvalSettings:
 class RunSettings:
   """A whole checked run config; ``algorithm`` is the method's own hyperparameter dataclass.
 
-  ``graph`` is the run's :class:`ntk_fl.topology.Topology`, built once by the
-  schema for methods that mix over a graph (``None`` otherwise); it is not a
+  ``built_topology`` is the run's :class:`ntk_fl.topology.Topology` (the graph of
+  every round), built once by the schema from ``topology`` (the config block's
+  settings) for methods that mix over a graph (``None`` otherwise); it is not a
   config field and not part of :func:`to_dict`.
   """
   method: str
@@ -99,7 +100,8 @@ class RunSettings:
   chunk_size: int
   devices: int
   algorithm: Any
-  graph: Any = dataclasses.field(default=None, compare=False, repr=False)
+  debug_clients: bool = False
+  built_topology: Any = dataclasses.field(default=None, compare=False, repr=False)
 
 
 def _tuples(value):
@@ -145,7 +147,7 @@ def from_mapping(cls, mapping: Mapping[str, Any], path: str):
 def _config_fields(cls):
   if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
     raise TypeError(f"expected a dataclass type, got {cls!r}")
-  return [f for f in dataclasses.fields(cls) if f.compare]   # RunSettings.graph is built, not configured
+  return [f for f in dataclasses.fields(cls) if f.compare]   # RunSettings.built_topology is built, not configured
 
 
 def to_dict(settings) -> dict:

@@ -5,7 +5,10 @@ shared seeds: for each seed ``s`` the difference ``Δ_s = acc_method(s) −
 acc_baseline(s)`` of the two runs' aggregated test accuracy at the same round,
 then the mean gain, its ``t``-based confidence interval, the ``p``-value and the
 paired effect size ``d_z = mean(Δ) / sd(Δ)`` (sample standard deviation; the
-paper: "not comparable to between-group Cohen's d").
+paper: "not comparable to between-group Cohen's d"). The test itself is
+``scipy.stats.ttest_rel``; this module adds the effect size, the interval at a
+chosen level and the degenerate case of identical differences, and is read by
+:mod:`ntk_fl.compare`, :mod:`ntk_fl.reproduce` and ``experiments/paired_test.py``.
 """
 from __future__ import annotations
 
@@ -56,13 +59,11 @@ def paired_t_test(treatment: Sequence[float], control: Sequence[float], *,
   diff = treatment - control
   gain = float(diff.mean())
   sd = float(diff.std(ddof=1))
-  dof = n - 1
   if sd == 0:                # identical differences: no spread, the interval is the point itself
     t = 0.0 if gain == 0 else math.copysign(math.inf, gain)
     p = 1.0 if gain == 0 else 0.0
     return PairedTest(n, gain, gain, gain, t, p, t)
-  sem = sd / math.sqrt(n)
-  t = gain / sem
-  p = float(2 * scipy_stats.t.sf(abs(t), dof))
-  half = float(scipy_stats.t.ppf(0.5 + confidence / 2, dof)) * sem
-  return PairedTest(n, gain, gain - half, gain + half, t, p, gain / sd)
+  result = scipy_stats.ttest_rel(treatment, control)        # two-sided, n − 1 degrees of freedom
+  interval = result.confidence_interval(confidence_level=confidence)
+  return PairedTest(n, gain, float(interval.low), float(interval.high), float(result.statistic),
+                    float(result.pvalue), gain / sd)

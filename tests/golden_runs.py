@@ -84,7 +84,7 @@ def golden_runs() -> list[tuple[str, str]]:
 
 def record(name: str, variant: str = "smoke") -> dict:
   """Runs ``configs/<name>.py:<variant>`` through the runner in a temporary workdir; returns its record."""
-  from ntk_fl import runner
+  from ntk_fl import rundir, runner
   from ntk_fl.config import load_config
 
   tokens = variant.split(",")
@@ -97,7 +97,7 @@ def record(name: str, variant: str = "smoke") -> dict:
   config.eval.selection = False
   with tempfile.TemporaryDirectory(prefix=f"golden-{name}-") as workdir:
     runner.run(config, workdir)
-    lines = runner.read_metrics(workdir)
+    lines = rundir.read_metrics(workdir)
   rounds = []
   for line in lines:
     kept = {"round": line["round"]}

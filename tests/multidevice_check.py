@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
-from ntk_fl import distributed, models, parallel, runner  # noqa: E402
+from ntk_fl import distributed, models, parallel, rundir, runner  # noqa: E402
 from ntk_fl.config import load_config  # noqa: E402
 from ntk_fl.data import Federation, federation_from_padded  # noqa: E402
 
@@ -156,7 +156,7 @@ def runner_case(workdir: str, devices: int):
   config.rounds = 2
   config.eval.selection = False
   runner.run(config, os.path.join(workdir, f"devices{devices}"))
-  lines = runner.read_metrics(os.path.join(workdir, f"devices{devices}"))
+  lines = rundir.read_metrics(os.path.join(workdir, f"devices{devices}"))
   return [np.asarray([line[key] for line in lines], np.float64)
           for key in ("test_acc", "test_loss", "client_acc_mean", "deviation")]
 

@@ -387,26 +387,26 @@ def test_bad_config_values_raise_before_any_work(name, change, match):
   config = load_config(name, "smoke")
   setattr(config.algorithm, *change)  # may add an unknown key, which must be rejected
   with pytest.raises(ValueError, match=match):
-    runner.validate_config(config)
+    schema.validate_config(config)
 
 
 def test_dispfl_rejects_non_uniform_mixing_and_bad_degree():
   config = load_config("dispfl")
   config.topology.mixing = "data_size"
   with pytest.raises(ValueError, match="mixing"):
-    runner.validate_config(config)
+    schema.validate_config(config)
   config = load_config("dfedavg")
   config.topology.degree = 300  # must be < num_clients
   with pytest.raises(ValueError, match="degree"):
-    runner.validate_config(config)
+    schema.validate_config(config)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_smoke_variant_runs_on_synthetic_data(name):
   config = load_config(name, "smoke")
-  runner.validate_config(config)
+  schema.validate_config(config)
   for variant in ("paper", "iid", "alpha0.5"):
-    runner.validate_config(load_config(name, variant))
+    schema.validate_config(load_config(name, variant))
   config.data.name = "synthetic"
   config.data.partition = "iid"
   config.data.num_clients = 8

@@ -6,7 +6,7 @@ from jax.flatten_util import ravel_pytree
 import numpy as np
 import pytest
 
-from ntk_fl import metrics, runner, topology
+from ntk_fl import metrics, rundir, runner, topology
 from ntk_fl.config import load_config
 from scripts import REPO, load_experiment
 
@@ -30,7 +30,7 @@ def test_own_and_consensus_accuracies_match_an_independent_computation(finished_
   script = load_experiment("consensus_accuracy")
   result = script.client_accuracies(workdir)
   assert result["round"] == ROUNDS                                 # the latest checkpoint
-  line = runner.read_metrics(workdir)[-1]
+  line = rundir.read_metrics(workdir)[-1]
   assert line["round"] == ROUNDS
   np.testing.assert_allclose(result["aggregated"], line["test_acc"], atol=1e-6)
   np.testing.assert_allclose(result["own"].mean(), line["client_acc_mean"], atol=1e-6)
@@ -41,7 +41,7 @@ def test_own_and_consensus_accuracies_match_an_independent_computation(finished_
     state = checkpoints.restore(ROUNDS, experiment.algorithm.init(jax.random.PRNGKey(config.seed)))
   own = experiment.algorithm.client_params(state)
   num_clients = int(experiment.federation.n.shape[0])
-  graph = experiment.settings.graph.sample(ROUNDS)
+  graph = experiment.settings.built_topology.sample(ROUNDS)
   mixing = topology.mixing_matrix(graph, config.topology.mixing, np.asarray(experiment.federation.n))
   flat = [ravel_pytree(jax.tree.map(lambda leaf, i=i: leaf[i], own)) for i in range(num_clients)]
   unravel = flat[0][1]
@@ -56,7 +56,7 @@ def test_own_and_consensus_accuracies_match_an_independent_computation(finished_
   np.testing.assert_allclose(line["consensus_acc_mean"], np.mean(expected), atol=1.0 / len(y) + 1e-6)
   np.testing.assert_allclose(line["consensus_acc_min"], result["consensus"].min(), atol=1e-6)
   np.testing.assert_allclose(line["consensus_acc_max"], result["consensus"].max(), atol=1e-6)
-  assert [k for k in runner.read_metrics(workdir)[0] if k.startswith("consensus_acc")]   # logged every round
+  assert [k for k in rundir.read_metrics(workdir)[0] if k.startswith("consensus_acc")]   # logged every round
 
 
 def test_consensus_needs_a_decentralized_method(tmp_path):

@@ -378,7 +378,7 @@ else:                       # killed inside round 3's step (rounds 1-2 logged, c
 @pytest.mark.parametrize("where,latest", [("round", 2), ("checkpoint", 2)])
 def test_kill_9_then_resume_equals_the_uninterrupted_run(uninterrupted, tmp_path, where, latest):
   import subprocess  # pylint: disable=g-import-not-at-top
-  from ntk_fl import runner  # pylint: disable=g-import-not-at-top
+  from ntk_fl import rundir, runner  # pylint: disable=g-import-not-at-top
   from ntk_fl.checkpoint import Checkpoints  # pylint: disable=g-import-not-at-top
   _, expected = uninterrupted
   workdir = str(tmp_path / "run")
@@ -387,7 +387,7 @@ def test_kill_9_then_resume_equals_the_uninterrupted_run(uninterrupted, tmp_path
   assert proc.returncode == -9, proc.stderr[-2000:]
   with Checkpoints(os.path.join(workdir, "checkpoints"), read_only=True) as ckpt:
     assert ckpt.steps() == [latest]
-  assert len(runner.read_metrics(workdir)) == (2 if where == "round" else 4)
+  assert len(rundir.read_metrics(workdir)) == (2 if where == "round" else 4)
   summary = runner.run(_toy_config(), workdir, resume=True)
   assert summary["resumed_from"] == latest and _results(workdir) == expected
 
@@ -418,7 +418,7 @@ cli.main()
 def test_ctrl_c_stops_with_a_resume_hint_and_resume_equals_the_uninterrupted_run(uninterrupted, tmp_path):
   """SIGINT in the middle of a round, through the command line: exit 130, one hint line, an exact resume."""
   import subprocess  # pylint: disable=g-import-not-at-top
-  from ntk_fl import runner  # pylint: disable=g-import-not-at-top
+  from ntk_fl import rundir, runner  # pylint: disable=g-import-not-at-top
   from ntk_fl.checkpoint import Checkpoints  # pylint: disable=g-import-not-at-top
   _, expected = uninterrupted
   workdir = str(tmp_path / "run")
@@ -429,7 +429,7 @@ def test_ctrl_c_stops_with_a_resume_hint_and_resume_equals_the_uninterrupted_run
   assert "Traceback" not in proc.stderr
   with Checkpoints(os.path.join(workdir, "checkpoints"), read_only=True) as ckpt:
     assert ckpt.steps() == [2]
-  assert len(runner.read_metrics(workdir)) == 2
+  assert len(rundir.read_metrics(workdir)) == 2
   assert not os.path.exists(os.path.join(workdir, "summary.json"))
   summary = runner.run(_toy_config(), workdir, resume=True)
   assert summary["resumed_from"] == 2 and _results(workdir) == expected

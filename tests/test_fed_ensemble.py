@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from ntk_fl import config as config_lib
-from ntk_fl import evolve, metrics, models, runner, schema
+from ntk_fl import evolve, metrics, models, rundir, runner, schema
 from ntk_fl.algorithms import fed_ensemble, local
 from federations import ragged_federation
 from scripts import load_experiment
@@ -256,18 +256,18 @@ def test_bad_config_values_raise_before_any_work(change, match):
   config = load("stratified")
   setattr(config.algorithm, *change)
   with pytest.raises(ValueError, match=match):
-    runner.validate_config(config)
+    schema.validate_config(config)
 
 
 def test_config_consistency_rules():
   config = load("ntk")
   config.algorithm.aggregation_weights = "uniform"
   with pytest.raises(ValueError, match="data_size"):
-    runner.validate_config(config)
+    schema.validate_config(config)
   config = load()
   config.eval.selection = True
   with pytest.raises(ValueError, match="selection"):
-    runner.validate_config(config)
+    schema.validate_config(config)
   with pytest.raises(ValueError, match="unknown config variant 'toy'"):
     load("toy")
 
@@ -275,7 +275,7 @@ def test_config_consistency_rules():
 def test_variants_validate():
   for arg in (None, "paper", "iid", "k1,data_size", "k1,data_size,fedprox", "k80", "ntk", "stratified", "logits",
               "cnn", "fmnist", "smoke"):
-    runner.validate_config(load(arg))
+    schema.validate_config(load(arg))
   toy = config_lib.load_config(str(REPO / "configs" / "fed_ensemble_toy.py"))
   assert toy.method == "fed_ensemble_toy" and toy.modes == (1, 2, 10, 20, 40)
 
@@ -291,7 +291,7 @@ def test_smoke_config_runs_through_the_runner(tmp_path):
   config.algorithm.clients_per_round = 4
   config.checkpoint_every = config.rounds        # one (final) checkpoint of the K-mode state is enough here
   summary = runner.run(config, str(tmp_path))
-  lines = runner.read_metrics(str(tmp_path))
+  lines = rundir.read_metrics(str(tmp_path))
   assert len(lines) == config.rounds
   last = lines[-1]
   assert len(last["clients"]["test_acc"]) == config.algorithm.num_modes          # per-mode metrics

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ntk_fl import config as config_lib
-from ntk_fl import data, rundir, runner
+from ntk_fl import data, rundir, runner, schema
 from ntk_fl.data import index_map
 from ntk_fl.data.partition import partition
 
@@ -163,7 +163,7 @@ def test_authors_variants_select_the_shipped_file(config_file, variant, expected
   assert config.data.num_clients == 300 and config.data.name == "fashion_mnist"
   if "alpha" in variant:
     assert config.data.alpha == float(variant.split("alpha")[1].split("_")[0])
-  runner.validate_config(config)
+  schema.validate_config(config)
 
 
 @pytest.mark.parametrize("variant,match", [
@@ -181,7 +181,7 @@ def test_contiguous_variant():
   for name in ("ntk_fl", "cp_ntk_fl"):
     config = config_lib.load_config(os.path.join(CONFIGS, f"{name}.py"), "contiguous")
     assert config.data.partition == "contiguous" and config.data.samples_per_client == 200
-    runner.validate_config(config)
+    schema.validate_config(config)
 
 
 # ----------------------------------------------------------------------------- checks before data loads
@@ -216,13 +216,13 @@ def test_out_of_range_fmnist_indices_fail_before_data_loads(tmp_path, monkeypatc
   config = toy(**{"data.partition": "index_map", "data.partition_file": path, "data.name": "fashion_mnist",
                   "data.num_clients": 2})
   with pytest.raises(ValueError, match="index 60000 is outside the training set of 60000"):
-    runner.validate_config(config)
+    schema.validate_config(config)
 
 
 def test_out_of_range_indices_of_other_datasets_fail_when_the_partition_is_built(tmp_path):
   path = write_map(tmp_path / "m.npz", np.int32(np.arange(1_000, 1_010)), np.int32(np.arange(11)))
   config = toy(**{"data.partition": "index_map", "data.partition_file": path})
-  runner.validate_config(config)   # the synthetic set's size is known only once it is generated
+  schema.validate_config(config)   # the synthetic set's size is known only once it is generated
   with pytest.raises(ValueError, match="index 1009 is outside the training set of 1000"):
     runner.build_experiment(config)
 
@@ -236,9 +236,9 @@ def test_smoke_run_uses_the_map_in_its_order(tmp_path):
   path = index_map.save_index_map(tmp_path / "m.npz", clients)
   workdir = str(tmp_path / "run")
   runner.run(toy(**{"data.partition": "index_map", "data.partition_file": str(path), "rounds": 2}), workdir)
-  with open(os.path.join(workdir, runner.CONFIG_FILE)) as f:
+  with open(os.path.join(workdir, rundir.CONFIG_FILE)) as f:
     assert json.load(f)["data"]["partition_file"] == str(path)
-  assert len(runner.read_metrics(workdir)) == 2
+  assert len(rundir.read_metrics(workdir)) == 2
   exp = runner.build_experiment(rundir.rebuild_config(workdir))
   np.testing.assert_array_equal(exp.federation.n, [c.size for c in clients])
   for m, c in enumerate(clients):   # client m's rows are its map entries, in the map's order
@@ -258,7 +258,7 @@ def test_ntk_fl_smoke_run_on_a_map_of_fashion_mnist(tmp_path):
   config.eval.selection = False
   config.checkpoint_every = 0
   summary = runner.run(config, str(tmp_path / "run"))
-  metrics = runner.read_metrics(str(tmp_path / "run"))
+  metrics = rundir.read_metrics(str(tmp_path / "run"))
   assert len(metrics) == 1 and 0.3 < metrics[0]["test_acc"] <= 1.0, (summary, metrics)
 
 

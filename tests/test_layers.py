@@ -55,3 +55,155 @@ def test_reading_a_run_directory_does_not_import_the_schema():
   # The cycle config -> rundir -> schema -> config is gone.
   assert not _imported_modules("rundir.py") & {"ntk_fl.schema", "ntk_fl.config"}
   assert "ntk_fl.schema" not in _loaded_after("import ntk_fl.rundir")
+
+
+# ------------------------------------------------------------------ the layer table of docs/ARCHITECTURE.md
+
+_ARCHITECTURE = _PACKAGE.parent / "docs" / "ARCHITECTURE.md"
+
+
+def _layer_table() -> list[tuple[str, list[str]]]:
+  """``[(layer name, [module patterns])]`` from the table between the ``layers`` markers, lowest first."""
+  text = _ARCHITECTURE.read_text()
+  table = text.split("<!-- layers: begin -->", 1)[1].split("<!-- layers: end -->", 1)[0]
+  layers = []
+  for row in table.strip().splitlines()[2:]:                     # after the header and the rule
+    name, modules = (cell.strip() for cell in row.strip().strip("|").split("|"))
+    layers.append((name, [m.strip().strip("`") for m in modules.split(",")]))
+  return layers
+
+
+def _modules() -> dict[str, pathlib.Path]:
+  """Every module of the package by dotted name (``ntk_fl.x.y``; a package by its own name)."""
+  out = {}
+  for path in sorted(_PACKAGE.rglob("*.py")):
+    parts = list(path.relative_to(_PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+      parts.pop()
+    out[".".join(parts)] = path
+  return out
+
+
+def _import_graph(modules: dict[str, pathlib.Path]) -> dict[str, set[str]]:
+  """module -> the package's modules it imports anywhere in its source (top level and inside functions)."""
+  def resolve(name):                                 # ``ntk_fl.x.attr`` -> ``ntk_fl.x``
+    while name and name not in modules:
+      name = name.rpartition(".")[0]
+    return name
+
+  graph = {}
+  for name, path in modules.items():
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    deps = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Import):
+        deps.update(resolve(a.name) for a in node.names if a.name.split(".")[0] == "ntk_fl")
+      elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+          base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+        if base.split(".")[0] != "ntk_fl":
+          continue
+        for alias in node.names:                     # ``from ntk_fl import rundir`` names a module
+          full = f"{base}.{alias.name}"
+          deps.add(full if full in modules else resolve(base))
+    graph[name] = deps - {name, ""}
+  return graph
+
+
+def _layer_of(modules) -> dict[str, int]:
+  """Each module's layer index (0 = lowest) by the table: an exact name before a ``package.*`` pattern."""
+  exact, wildcard = {}, {}
+  for index, (_, patterns) in enumerate(_layer_table()):
+    for pattern in patterns:
+      full = "ntk_fl" if pattern == "ntk_fl" else f"ntk_fl.{pattern}"
+      target = wildcard if full.endswith(".*") else exact
+      assert full.removesuffix(".*") not in target, f"{pattern} is listed twice"
+      target[full.removesuffix(".*")] = index
+  layers = {}
+  for module in modules:
+    if module in exact:
+      layers[module] = exact[module]
+      continue
+    parents = [p for p in wildcard if module.startswith(p + ".")]
+    if parents:
+      layers[module] = wildcard[max(parents, key=len)]
+  return layers
+
+
+def _longest_chains(graph) -> dict[str, list[str]]:
+  """module -> its longest chain of imports (itself first), in an acyclic ``graph``."""
+  best: dict[str, list[str]] = {}
+  def chain(module):
+    if module not in best:
+      best[module] = [module] + max((chain(d) for d in graph[module]), key=len, default=[])
+    return best[module]
+  for module in graph:
+    chain(module)
+  return best
+
+
+def test_the_layer_table_lists_every_module_and_only_existing_ones():
+  modules = _modules()
+  layers = _layer_of(modules)
+  unlisted = sorted(set(modules) - set(layers))
+  assert not unlisted, f"modules missing from the layer table of docs/ARCHITECTURE.md: {unlisted}"
+  for _, patterns in _layer_table():
+    for pattern in patterns:
+      full = "ntk_fl" if pattern == "ntk_fl" else f"ntk_fl.{pattern}"
+      assert full.removesuffix(".*") in modules, f"the layer table names {pattern}, which does not exist"
+
+
+def test_imports_go_only_downwards_by_the_layer_table():
+  modules = _modules()
+  graph, layers = _import_graph(modules), _layer_of(modules)
+  names = [name for name, _ in _layer_table()]
+  upward = sorted(f"{m} (layer {names[layers[m]]!r}) imports {d} (layer {names[layers[d]]!r})"
+                  for m, deps in graph.items() for d in deps if layers[d] > layers[m])
+  assert not upward, "\n".join(upward)
+
+
+def test_the_import_graph_has_no_cycle():
+  graph = _import_graph(_modules())
+  state: dict[str, int] = {}                          # 1 = on the current path, 2 = done
+  def visit(module, path):
+    state[module] = 1
+    for dep in sorted(graph[module]):
+      if state.get(dep) == 1:
+        raise AssertionError("import cycle: " + " -> ".join(path[path.index(dep):] + [dep]))
+      if dep not in state:
+        visit(dep, path + [dep])
+    state[module] = 2
+  for module in sorted(graph):
+    if module not in state:
+      visit(module, [module])
+
+
+def test_the_checker_sees_function_level_and_relative_imports(tmp_path):
+  # The graph builder itself, on a made-up package: a cycle through a function-level import is found.
+  pkg = tmp_path / "ntk_fl"
+  (pkg / "sub").mkdir(parents=True)
+  (pkg / "__init__.py").write_text("")
+  (pkg / "low.py").write_text("def f():\n  from ntk_fl import high\n")
+  (pkg / "high.py").write_text("import ntk_fl.low\n")
+  (pkg / "sub" / "__init__.py").write_text("from . import leaf\nfrom ..low import f\n")
+  (pkg / "sub" / "leaf.py").write_text("from ntk_fl.sub.leaf import nothing  # itself\n")
+  modules = {}
+  for path in sorted(pkg.rglob("*.py")):
+    parts = list(path.relative_to(tmp_path).with_suffix("").parts)
+    modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+  graph = _import_graph(modules)
+  assert graph["ntk_fl.low"] == {"ntk_fl.high"} and graph["ntk_fl.high"] == {"ntk_fl.low"}
+  assert graph["ntk_fl.sub"] == {"ntk_fl.sub.leaf", "ntk_fl.low"} and graph["ntk_fl.sub.leaf"] == set()
+
+
+def test_the_import_chains_stay_short():
+  # Counted in modules, function-level imports included: the whole package (from the commands at the
+  # top, through a run's reading and the methods, to the kernels), and the kernels and the NTK step.
+  graph = _import_graph(_modules())
+  # The config layer reads no run directory: the config files load in three levels.
+  for top, most in (("ntk_fl.reproduce", 15), ("ntk_fl.cli", 12), ("ntk_fl.runner", 11), ("ntk_fl.schema", 10),
+                    ("ntk_fl.config", 3), ("ntk_fl.evolve", 7), ("ntk_fl.ntk", 5)):
+    chain = _longest_chains(graph)[top]
+    assert len(chain) <= most, " -> ".join(chain)
+  assert max(len(chain) for chain in _longest_chains(graph).values()) <= 15

@@ -31,7 +31,7 @@ import numpy as np
 import psutil
 import pytest
 
-from ntk_fl import cli, distributed, runner
+from ntk_fl import cli, distributed, rundir, runner
 from ntk_fl.config import load_config
 from ntk_fl.data.federation import block_layout
 
@@ -48,7 +48,7 @@ def _reference(tmp_path, name: str, **overrides) -> list[dict]:
     config[key] = value
   workdir = tmp_path / f"{name}_reference"
   runner.run(config, str(workdir))
-  return runner.read_metrics(str(workdir))
+  return rundir.read_metrics(str(workdir))
 
 
 def _launch(workdir, name: str, *extra: str) -> subprocess.Popen:
@@ -83,7 +83,7 @@ def _compare(lines: list[dict], reference: list[dict]) -> None:
 
 def _only_process_0_wrote(workdir, console: str, rounds: int) -> None:
   # Both processes appending would double the lines; both logging or printing would repeat the closing lines.
-  assert len(runner.read_metrics(str(workdir))) == rounds
+  assert len(rundir.read_metrics(str(workdir))) == rounds
   assert console.count("Outputs in ") == 1, console[-3000:]
   log = (workdir / cli.LOG_FILE).read_text()
   assert log.count("Finished ") == 1, log[-3000:]
@@ -116,7 +116,7 @@ def test_two_processes_equal_one_process_dfedavg(tmp_path):
   assert proc.returncode == 0, log[-5000:]
   _only_process_0_wrote(workdir, log, len(reference))
   _each_process_held_only_its_blocks(workdir, "dfedavg")
-  _compare(runner.read_metrics(str(workdir)), reference)
+  _compare(rundir.read_metrics(str(workdir)), reference)
 
 
 def test_killed_process_resumes_to_the_same_numbers_ntk_dfl(tmp_path):
@@ -125,10 +125,10 @@ def test_killed_process_resumes_to_the_same_numbers_ntk_dfl(tmp_path):
   reference = _reference(tmp_path, "ntk_dfl", rounds=rounds)
   workdir = tmp_path / "ntk_dfl_2proc"
   proc = _launch(workdir, "ntk_dfl", *flags)
-  metrics = workdir / runner.METRICS_FILE
+  metrics = workdir / rundir.METRICS_FILE
   deadline = time.monotonic() + TIMEOUT
   # Two rounds logged: the checkpoint after round 1 (checkpoint_every = 1) is final, saved before round 2 ran.
-  while not (metrics.is_file() and len(runner.read_metrics(str(workdir))) >= 2):
+  while not (metrics.is_file() and len(rundir.read_metrics(str(workdir))) >= 2):
     assert proc.poll() is None, _wait(proc, workdir)[-5000:]
     assert time.monotonic() < deadline
     time.sleep(0.05)
@@ -138,7 +138,7 @@ def test_killed_process_resumes_to_the_same_numbers_ntk_dfl(tmp_path):
   rank_1[0].send_signal(signal.SIGKILL)
   log = _wait(proc, workdir)
   assert proc.returncode != 0, "the launcher must report the killed process"
-  done = len(runner.read_metrics(str(workdir)))
+  done = len(rundir.read_metrics(str(workdir)))
   assert done < rounds, "the run ended before the kill; nothing was resumed"
   assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children), "a process outlived the launcher"
 
@@ -148,7 +148,7 @@ def test_killed_process_resumes_to_the_same_numbers_ntk_dfl(tmp_path):
   _each_process_held_only_its_blocks(workdir, "ntk_dfl")
   assert "Resuming" in (workdir / cli.LOG_FILE).read_text()
   _only_process_0_wrote(workdir, log, rounds)
-  _compare(runner.read_metrics(str(workdir)), reference)
+  _compare(rundir.read_metrics(str(workdir)), reference)
 
 
 def test_launcher_stops_the_others_when_one_process_fails(tmp_path):

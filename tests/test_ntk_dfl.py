@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ntk_fl import config as config_lib
-from ntk_fl import evolve, models, parallel, runner, schema, topology
+from ntk_fl import evolve, models, parallel, rundir, runner, schema, topology
 from ntk_fl.algorithms import ntk_dfl
 from federations import ragged_federation
 from ntk_fl.data import federation_from_padded
@@ -301,7 +301,7 @@ def test_smoke_variant_runs_through_the_runner_and_learns(tmp_path):
   assert summary["final_test_acc"] > summary["final_client_acc_mean"] - 0.05
   for name in ("metrics.jsonl", "summary.json", "accuracy.png", "selection.png", "checkpoints"):
     assert (tmp_path / name).exists(), name
-  lines = runner.read_metrics(str(tmp_path))
+  lines = rundir.read_metrics(str(tmp_path))
   assert [line["round"] for line in lines] == [1, 2, 3]
   assert all(set(line["clients"]["tau"]) <= {50, 100, 200} for line in lines)
 
@@ -324,13 +324,13 @@ def test_a_run_stopped_at_its_target_continues_as_the_longer_run(tmp_path):
   runner.run(smoke(3), scratch)
   assert summary["branched_from"] == {"source": stopped, "round": 1}
   numbers = lambda line: {k: v for k, v in line.items() if k not in ("step_time", "eval_time")}
-  assert [numbers(line) for line in runner.read_metrics(continued)] == \
-      [numbers(line) for line in runner.read_metrics(scratch)]
+  assert [numbers(line) for line in rundir.read_metrics(continued)] == \
+      [numbers(line) for line in rundir.read_metrics(scratch)]
   # Anything else changed is not certified.
   other = smoke(3)
   other.algorithm.lr = 0.02
   with pytest.raises(ValueError, match=r"algorithm.lr: 0.01 -> 0.02.*does not certify"):
-    runner.check_branch(other, stopped)
+    rundir.check_branch(other, stopped)
 
 
 @pytest.mark.parametrize("variant", ["clustered", "batched", "subsample", "mse", "static,per_client_init"])

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ntk_fl import parallel, runner
+from ntk_fl import parallel, rundir, runner, schema
 from ntk_fl.config import load_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -134,12 +134,88 @@ def test_mismatched_or_missing_client_axes_raise():
     parallel.for_each_client(lambda: 0)()
 
 
+def _fails_for_client_3(client, x):
+  if int(client) == 3:                    # concrete values: the debug mode compiles nothing
+    raise FloatingPointError(f"singular system, pivot {float(x[0]):.1f}")
+  return x * 2
+
+
+def test_debug_mode_names_the_failing_client_and_the_stage():
+  clients = jnp.arange(6)
+  x = jnp.arange(12.0).reshape(6, 2)
+  with parallel.use_devices(1, debug=True):
+    assert parallel.debug_clients()
+    with pytest.raises(parallel.ClientError, match=r"client 3, stage '_fails_for_client_3': "
+                       r"FloatingPointError: singular system, pivot 6\.0") as info:
+      # jit is off in debug mode: the jitted map still runs client by client with concrete values.
+      jax.jit(parallel.for_each_client(_fails_for_client_3))(clients, x)
+  assert info.value.client == 3 and info.value.stage == "_fails_for_client_3"
+  assert isinstance(info.value.__cause__, FloatingPointError)
+  assert not parallel.debug_clients()
+  with pytest.raises(jax.errors.ConcretizationTypeError):   # outside it, the same function is traced
+    jax.jit(parallel.for_each_client(_fails_for_client_3))(clients, x)
+  with pytest.raises(ValueError, match="debug must be True or False"):
+    with parallel.use_devices(1, debug="yes"):
+      pass
+
+
+def test_debug_mode_names_the_inner_client_of_a_nested_map():
+  def inner(v):
+    if float(v) < 0:
+      raise ValueError("negative")
+    return v
+  def outer(row):
+    return parallel.for_each_client(inner)(row)
+  rows = jnp.asarray([[1.0, 2.0], [3.0, -4.0]])
+  with parallel.use_devices(1, debug=True):
+    with pytest.raises(parallel.ClientError, match=r"client 1, stage '.*outer'.*client 1, stage '.*inner'"):
+      parallel.for_each_client(outer)(rows)
+
+
+@pytest.mark.parametrize("chunk", [0, 3])
+def test_debug_mode_equals_the_mapped_clients(chunk):
+  rng = np.random.default_rng(1)
+  params = {"w": jnp.asarray(rng.normal(size=(7, 4, 3)), jnp.float32),
+            "b": jnp.asarray(rng.normal(size=(7, 3)), jnp.float32)}
+  x = jnp.asarray(rng.normal(size=(7, 5, 4)), jnp.float32)
+  shared = parallel.Shared(jnp.asarray(rng.normal(size=(9, 3)), jnp.float32))
+  fn = lambda p, rows, xi: {**_client_fn(p, xi), "r": rows.take(jnp.arange(2))}
+  mapped = lambda p, xi: parallel.for_each_client(fn)(p, shared, xi)
+  with parallel.use_devices(1, chunk_size=chunk):
+    want = jax.jit(mapped)(params, x)
+  with parallel.use_devices(1, chunk_size=chunk, debug=True):
+    got = jax.jit(mapped)(params, x)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert g.shape == w.shape
+    np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+
+
+def test_a_run_with_debug_clients_equals_the_compiled_run(tmp_path):
+  config = load_config(str(REPO / "tests" / "configs" / "toy.py"), "smoke")
+  config.rounds, config.checkpoint_every, config.eval.selection = 1, 0, False
+  runner.run(config, str(tmp_path / "compiled"))
+  config.debug_clients = True
+  runner.run(config, str(tmp_path / "debug"))
+  (compiled,), (debug,) = (rundir.read_metrics(str(tmp_path / name)) for name in ("compiled", "debug"))
+  assert debug.keys() == compiled.keys()
+  floats = [k for k, v in compiled.items() if isinstance(v, float) and not k.endswith("_time")]
+  assert "test_acc" in floats
+  for key in floats:
+    np.testing.assert_allclose(debug[key], compiled[key], rtol=1e-5, atol=1e-6, err_msg=key)
+  for key, values in compiled["clients"].items():
+    np.testing.assert_allclose(debug["clients"][key], values, rtol=1e-5, atol=1e-6, err_msg=key)
+  stored = rundir.jsonable(config)
+  stored["debug_clients"] = "yes"
+  with pytest.raises(ValueError, match="config.debug_clients must be a bool"):
+    schema.validate_config(stored)
+
+
 @pytest.mark.parametrize("devices", [-1, 2])
 def test_config_devices_is_validated_before_any_work(devices):
   config = load_config(str(REPO / "tests" / "configs" / "toy.py"), "smoke")
   config.devices = devices
   with pytest.raises(ValueError, match="config.devices"):
-    runner.validate_config(config)
+    schema.validate_config(config)
 
 
 @pytest.fixture(scope="module")

@@ -67,6 +67,20 @@ def test_ssim_matches_brute_force(shape, size, sigma):
       want, abs=1e-4)
 
 
+@pytest.mark.parametrize("size,sigma,data_range", [(11, 1.5, 1.0), (7, 1.0, 255.0)])
+def test_ssim_equals_dm_pix(size, sigma, data_range):
+  # DeepMind's image library computes the same SSIM (a 1-D separable Gaussian filter, channels last).
+  import dm_pix  # pylint: disable=import-outside-toplevel -- a test dependency (setup.cfg [test])
+  rng = np.random.default_rng(3)
+  x = data_range * rng.uniform(size=(4, 28, 28))
+  y = np.clip(0.6 * x + 0.2 * data_range * rng.uniform(size=x.shape), 0, data_range)
+  got = np.asarray(privacy.ssim(x, y, data_range=data_range, window_size=size, sigma=sigma))
+  want = np.asarray(dm_pix.ssim(jnp.asarray(x[..., None], jnp.float32), jnp.asarray(y[..., None], jnp.float32),
+                                max_val=data_range, filter_size=size, filter_sigma=sigma))
+  assert np.all((0.1 < want) & (want < 0.95))
+  np.testing.assert_allclose(got, want, atol=2e-6)   # float32 filters summed in different orders
+
+
 def test_ssim_identity_symmetry_and_batch():
   rng = np.random.default_rng(1)
   x, y = rng.uniform(size=(2, 3, 12, 12)), rng.uniform(size=(2, 3, 12, 12))

@@ -20,7 +20,7 @@ import pytest
 
 import events
 from ntk_fl import config as config_lib
-from ntk_fl import data, metrics, plotting, rundir, runner
+from ntk_fl import data, metrics, plotting, rundir, runner, schema
 from ntk_fl.checkpoint import Checkpoints
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,9 +48,9 @@ def reference(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("reference") / "run")
   proc = main_py("--config=tests/configs/toy.py:smoke", f"--config.rounds={ROUNDS}", f"--workdir={workdir}")
   assert proc.returncode == 0, proc.stderr[-3000:]
-  with open(os.path.join(workdir, runner.SUMMARY_FILE)) as f:
+  with open(os.path.join(workdir, rundir.SUMMARY_FILE)) as f:
     summary = json.load(f)
-  return workdir, runner.read_metrics(workdir), summary
+  return workdir, rundir.read_metrics(workdir), summary
 
 
 def without(d: dict, keys) -> dict:
@@ -69,17 +69,17 @@ def assert_png(path):
 
 def test_main_py_run_writes_every_output(reference):
   workdir, lines, summary = reference
-  for name in (runner.CONFIG_FILE, runner.METRICS_FILE, runner.SUMMARY_FILE):
+  for name in (rundir.CONFIG_FILE, rundir.METRICS_FILE, rundir.SUMMARY_FILE):
     assert os.path.isfile(os.path.join(workdir, name))
-  assert_png(os.path.join(workdir, runner.ACCURACY_PLOT))
-  assert_png(os.path.join(workdir, runner.SELECTION_PLOT))
+  assert_png(os.path.join(workdir, rundir.ACCURACY_PLOT))
+  assert_png(os.path.join(workdir, rundir.SELECTION_PLOT))
   assert_png(os.path.join(workdir, plotting.LOSS_PLOT))     # the toy method reports a training loss
-  for name in (runner.ACCURACY_PLOT, runner.SELECTION_PLOT, plotting.LOSS_PLOT):
+  for name in (rundir.ACCURACY_PLOT, rundir.SELECTION_PLOT, plotting.LOSS_PLOT):
     with open(os.path.join(workdir, name.replace(".png", ".pdf")), "rb") as f:
       assert f.read(5) == b"%PDF-"                             # vector copies for papers
   communication = os.path.isfile(os.path.join(workdir, plotting.COMMUNICATION_PLOT))
   assert communication == ("bits_cumulative" in lines[-1])
-  with Checkpoints(os.path.join(workdir, runner.CHECKPOINT_DIR)) as ckpt:
+  with Checkpoints(os.path.join(workdir, rundir.CHECKPOINT_DIR)) as ckpt:
     assert ckpt.steps() == [4, 5]  # every 2 rounds and the end; max_to_keep=2 dropped round 2
 
   # One line per round, 1-based; the override reached the run.
@@ -129,7 +129,7 @@ def test_logged_numbers_match_an_independent_evaluation(reference):
   with exp.device_policy():     # the run's chunk size (4 clients at a time), as the runner traces the step
     for r in range(ROUNDS):
       state, _ = step(state, algorithm.round_inputs(r))
-  with Checkpoints(os.path.join(workdir, runner.CHECKPOINT_DIR)) as ckpt:
+  with Checkpoints(os.path.join(workdir, rundir.CHECKPOINT_DIR)) as ckpt:
     restored = ckpt.restore(ROUNDS, state)
   # The functional API reproduces the runner's state bit for bit (the runner adds nothing).
   jax.tree.map(np.testing.assert_array_equal, restored, state)
@@ -166,13 +166,13 @@ def test_resume_after_interruption_equals_uninterrupted(reference, tmp_path):
 
   with pytest.raises(_Killed):
     runner.run(config, workdir, on_round_end=kill_after_round_3)
-  assert len(runner.read_metrics(workdir)) == 3  # round 3 logged but not checkpointed
-  with Checkpoints(os.path.join(workdir, runner.CHECKPOINT_DIR)) as ckpt:
+  assert len(rundir.read_metrics(workdir)) == 3  # round 3 logged but not checkpointed
+  with Checkpoints(os.path.join(workdir, rundir.CHECKPOINT_DIR)) as ckpt:
     assert ckpt.latest() == 2
-  assert not os.path.exists(os.path.join(workdir, runner.SUMMARY_FILE))
+  assert not os.path.exists(os.path.join(workdir, rundir.SUMMARY_FILE))
 
   summary = runner.run(toy_config(), workdir, resume=True)
-  lines = runner.read_metrics(workdir)
+  lines = rundir.read_metrics(workdir)
   assert [without(line, TIMES) for line in lines] == [without(line, TIMES) for line in ref_lines]
   assert without(summary, SUMMARY_TIMES) == without(ref_summary, SUMMARY_TIMES)
   assert summary["resumed_from"] == 2
@@ -182,7 +182,7 @@ def test_resume_after_interruption_equals_uninterrupted(reference, tmp_path):
   assert sorted(resumed) == [1, 2, 3, 4, 5]
   assert [resumed[r]["accuracy/aggregated"] for r in (1, 2, 3, 4, 5)] == pytest.approx(
       [line["test_acc"] for line in lines], rel=1e-6)
-  with open(os.path.join(workdir, runner.SUMMARY_FILE)) as f:
+  with open(os.path.join(workdir, rundir.SUMMARY_FILE)) as f:
     assert json.load(f) == summary
 
 
@@ -196,10 +196,10 @@ def test_resume_refusals_fail_before_any_work(reference, tmp_path, monkeypatch):
   with pytest.raises(ValueError, match="already holds a run"):
     runner.run(toy_config(), ref_workdir)
   # The device count only places the work: it is not a config change for resume.
-  assert runner.check_workdir(toy_config(devices=1), ref_workdir, resume=True) == ROUNDS
+  assert rundir.check_workdir(toy_config(devices=1), ref_workdir, resume=True) == ROUNDS
   # A started run that never reached a checkpoint.
   os.makedirs(tmp_path / "nockpt")
-  with open(tmp_path / "nockpt" / runner.CONFIG_FILE, "w") as f:
+  with open(tmp_path / "nockpt" / rundir.CONFIG_FILE, "w") as f:
     json.dump(rundir.jsonable(toy_config()), f)
   with pytest.raises(ValueError, match=r"different config.*seed: 0 -> 3"):  # checked before it restarts
     runner.run(toy_config(seed=3), str(tmp_path / "nockpt"), resume=True)
@@ -210,27 +210,27 @@ def test_a_run_stored_before_a_schema_key_existed_resumes_with_its_old_value(ref
   ref_workdir, _, _ = reference
   old = str(tmp_path / "old")
   shutil.copytree(ref_workdir, old)
-  with open(os.path.join(old, runner.CONFIG_FILE)) as f:
+  with open(os.path.join(old, rundir.CONFIG_FILE)) as f:
     stored = json.load(f)
   del stored["data"]["max_test"]                     # config.json written before data.max_test was added
-  with open(os.path.join(old, runner.CONFIG_FILE), "w") as f:
+  with open(os.path.join(old, rundir.CONFIG_FILE), "w") as f:
     json.dump(stored, f)
-  assert runner.check_workdir(toy_config(), old, resume=True) == ROUNDS
+  assert rundir.check_workdir(toy_config(), old, resume=True) == ROUNDS
   # Scoring the consensus models too changes what is logged, not the trajectory: a resume may switch it on.
-  assert runner.check_workdir(toy_config(**{"eval.consensus": True}), old, resume=True) == ROUNDS
-  loaded = config_lib.load_run_config(old, trust_method_module=toy_config().method_module)
-  assert loaded.data.max_test == 0 and loaded == toy_config()
+  assert rundir.check_workdir(toy_config(**{"eval.consensus": True}), old, resume=True) == ROUNDS
+  loaded = rundir.rebuild_config(old, trust_method_module=toy_config().method_module)
+  assert loaded["data"]["max_test"] == 0 and loaded == rundir.jsonable(toy_config())
   # The filled-in value is the one the run used: a config that changes it is a different experiment.
   with pytest.raises(ValueError, match=r"different config.*max_test: 0 -> 100"):
-    runner.check_workdir(toy_config(**{"data.max_test": 100}), old, resume=True)
+    rundir.check_workdir(toy_config(**{"data.max_test": 100}), old, resume=True)
 
 
 def test_branch_of_the_same_experiment_equals_the_uninterrupted_run(reference, tmp_path):
   ref_workdir, ref_lines, ref_summary = reference
   workdir = str(tmp_path / "branch")
-  assert runner.check_branch(toy_config(), ref_workdir) == 4   # checkpoints after 4 and 5; 5 leaves nothing to run
+  assert rundir.check_branch(toy_config(), ref_workdir) == 4   # checkpoints after 4 and 5; 5 leaves nothing to run
   summary = runner.run(toy_config(), workdir, branch_from=ref_workdir)
-  lines = runner.read_metrics(workdir)
+  lines = rundir.read_metrics(workdir)
   assert [without(line, TIMES) for line in lines] == [without(line, TIMES) for line in ref_lines]
   assert lines[:4] == ref_lines[:4]                            # copied, timings included
   by_step = events.scalars_by_step(events.read_events(workdir))   # the copied rounds are this run's too
@@ -240,11 +240,11 @@ def test_branch_of_the_same_experiment_equals_the_uninterrupted_run(reference, t
   assert summary["branched_from"] == {"source": ref_workdir, "round": 4}
   skip = SUMMARY_TIMES + ("branched_from",)
   assert without(summary, skip) == without(ref_summary, skip)
-  with Checkpoints(os.path.join(workdir, runner.CHECKPOINT_DIR)) as ckpt:
+  with Checkpoints(os.path.join(workdir, rundir.CHECKPOINT_DIR)) as ckpt:
     assert ckpt.steps() == [4, 5]                              # its own copy of the branch point
   # The toy method certifies no shared rounds, so any config change is refused.
   with pytest.raises(ValueError, match=r"differs \(seed: 0 -> 3\).*does not certify"):
-    runner.check_branch(toy_config(seed=3), ref_workdir)
+    rundir.check_branch(toy_config(seed=3), ref_workdir)
   proc = main_py("--config=tests/configs/toy.py:smoke", f"--workdir={tmp_path / 'other'}", "--branch_round=2")
   assert proc.returncode != 0 and "--branch_round=2 needs --branch_from" in proc.stderr
 
@@ -255,14 +255,14 @@ def test_checkpoint_keep_survives_the_rotation_and_is_result_neutral(reference, 
   proc = main_py("--config=tests/configs/toy.py:smoke", f"--config.rounds={ROUNDS}", "--config.checkpoint_keep=(1,)",
                  f"--workdir={workdir}")
   assert proc.returncode == 0, proc.stderr[-3000:]
-  with Checkpoints(os.path.join(workdir, runner.CHECKPOINT_DIR)) as ckpt:
+  with Checkpoints(os.path.join(workdir, rundir.CHECKPOINT_DIR)) as ckpt:
     assert ckpt.steps() == [1, 4, 5]     # 1 kept; of the every-2 checkpoints only the latest two
-  assert [without(line, TIMES) for line in runner.read_metrics(workdir)] == \
+  assert [without(line, TIMES) for line in rundir.read_metrics(workdir)] == \
       [without(line, TIMES) for line in ref_lines]
-  assert runner.check_workdir(toy_config(), workdir, resume=True) == ROUNDS   # not a config change
-  assert runner.check_branch(toy_config(), workdir, 1) == 1
+  assert rundir.check_workdir(toy_config(), workdir, resume=True) == ROUNDS   # not a config change
+  assert rundir.check_branch(toy_config(), workdir, 1) == 1
   with pytest.raises(ValueError, match=r"checkpoint_keep \(1-based round numbers\) must be an int >= 1, got 0"):
-    runner.validate_config(toy_config(checkpoint_keep=(0,)))
+    schema.validate_config(toy_config(checkpoint_keep=(0,)))
 
 
 def test_stop_at_ends_the_run_at_the_first_round_reaching_it(reference, tmp_path):
@@ -275,15 +275,15 @@ def test_stop_at_ends_the_run_at_the_first_round_reaching_it(reference, tmp_path
   assert expected_round < ROUNDS
   workdir = str(tmp_path / "run")
   summary = runner.run(toy_config(**{"eval.stop_at": threshold}), workdir)
-  lines = runner.read_metrics(workdir)
+  lines = rundir.read_metrics(workdir)
   assert len(lines) == summary["rounds_run"] == expected_round
   assert summary["stopped_early"] is True
   assert [without(line, TIMES) for line in lines] == [without(line, TIMES) for line in ref_lines[:expected_round]]
-  with Checkpoints(os.path.join(workdir, runner.CHECKPOINT_DIR)) as ckpt:
+  with Checkpoints(os.path.join(workdir, rundir.CHECKPOINT_DIR)) as ckpt:
     assert ckpt.latest() == expected_round   # the final state is checkpointed under its own round
   # Resuming a run that already stopped trains no further round.
   again = runner.run(toy_config(**{"eval.stop_at": threshold}), workdir, resume=True)
-  assert again["rounds_run"] == expected_round and len(runner.read_metrics(workdir)) == expected_round
+  assert again["rounds_run"] == expected_round and len(rundir.read_metrics(workdir)) == expected_round
 
 
 def test_stop_at_needs_evaluation_every_round(tmp_path):

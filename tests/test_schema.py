@@ -60,7 +60,7 @@ def test_every_shipped_config_becomes_frozen_settings_that_round_trip(name):
   with pytest.raises(dataclasses.FrozenInstanceError):
     run.data.num_clients = 1
   assert schema.validate_config(run) is run                      # settings are not checked twice
-  assert (run.graph is not None) == get_method(config.method).graph
+  assert (run.built_topology is not None) == get_method(config.method).graph
 
 
 def test_missing_and_unknown_algorithm_keys_are_named():

@@ -26,7 +26,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 from ntk_fl import config as config_lib
-from ntk_fl import communication, evolve, jacobians, models, ntk, rng, runner, schema
+from ntk_fl import communication, evolve, jacobians, models, ntk, rng, rundir, runner, schema
 from ntk_fl.configs import _presets as presets
 from ntk_fl.data import federation_from_padded
 
@@ -348,7 +348,7 @@ def test_validate_config_rejects_impossible_combinations():
                                           ("cp_ntk_fl", None), ("cp_ntk_fl", "table1,shuffle,stochastic")])
 def test_config_variants_validate(name, variant):
   config = config_lib.load_config(str(REPO / "configs" / f"{name}.py"), variant)
-  runner.validate_config(config)
+  schema.validate_config(config)
   if name == "cp_ntk_fl":
     assert (config.algorithm.projection_dim, config.algorithm.subsample_fraction) == (200, 0.3)
   with pytest.raises(ValueError, match="unknown config variant"):
@@ -359,7 +359,7 @@ def test_cp_ntk_fl_smoke_runs_through_the_runner_and_learns(tmp_path):
   config = config_lib.load_config(str(REPO / "configs" / "cp_ntk_fl.py"), "smoke,table1,shuffle")
   config.rounds = 2
   summary = runner.run(config, str(tmp_path))
-  lines = runner.read_metrics(str(tmp_path))
+  lines = rundir.read_metrics(str(tmp_path))
   assert summary["final_test_acc"] > 0.25                          # chance is 0.10
   assert lines[-1]["uplink_mb_cumulative"] == pytest.approx(lines[-1]["bits_cumulative"] / 8 / 2**20, rel=1e-6)
   assert lines[1]["bits_cumulative"] == pytest.approx(lines[0]["bits_sent_total"] + lines[1]["bits_sent_total"],

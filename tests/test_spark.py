@@ -214,7 +214,7 @@ def test_one_update_per_clique_equals_every_member_evolving():
 
 def test_clique_sharing_needs_the_clustered_topology_and_plain_selection():
   config, model, federation = tiny_setup()
-  graphs = schema.validate_config(config).graph           # a regular graph: no cliques to share
+  graphs = schema.validate_config(config).built_topology           # a regular graph: no cliques to share
   with pytest.raises(ValueError, match="topology.name='clustered'"):
     ntk_dfl.make_neighbourhood_round(model, federation, graphs, seed=config.seed, lr=0.1, lr_decay=0.0,
                                      per_round_averaging=True, share_cliques=True)
@@ -340,7 +340,7 @@ def test_smoke_variant_runs_through_the_runner_and_learns(tmp_path):
 
   summary = runner.run(load_config(str(REPO / "configs" / "spark.py"), "smoke"), str(tmp_path))
   assert summary["final_test_acc"] > 0.5                    # chance is 0.1
-  lines = runner.read_metrics(str(tmp_path))
+  lines = rundir.read_metrics(str(tmp_path))
   assert [line["round"] for line in lines] == [1, 2, 3, 4]
   assert lines[-1]["bits_cumulative"] > lines[0]["bits_cumulative"] > 0
 
@@ -385,7 +385,7 @@ def test_ablation_row_branched_after_the_warm_up_equals_its_run_from_scratch(tmp
   runner.run(_smoke("abl_momentum"), scratch)
   assert summary["branched_from"] == {"source": source, "round": 2}
   numbers = lambda line: {k: v for k, v in line.items() if k not in ("step_time", "eval_time", "clients")}
-  got, want, spark_lines = (runner.read_metrics(d) for d in (branched, scratch, source))
+  got, want, spark_lines = (rundir.read_metrics(d) for d in (branched, scratch, source))
   assert [line["round"] for line in got] == [1, 2, 3, 4]
   for g, w in zip(got, want):
     assert numbers(g).keys() == numbers(w).keys()
@@ -401,15 +401,15 @@ def test_branch_refusals_name_the_reason(tmp_path):
   with pytest.raises(ValueError, match=r"differs \(.*algorithm.momentum: 0.9 -> 0.0.*does not certify"):
     runner.run(_smoke("abl_none"), str(tmp_path / "a"), branch_from=source)
   with pytest.raises(ValueError, match=r"after round 3: the two configs compute only rounds 1..2"):
-    runner.check_branch(_smoke("abl_momentum"), source, 3)
+    rundir.check_branch(_smoke("abl_momentum"), source, 3)
   with pytest.raises(FileNotFoundError, match=r"no finalised checkpoint for it \(checkpoints after rounds \[2, 3\]\)"):
-    runner.check_branch(_smoke("abl_momentum"), source, 1)
+    rundir.check_branch(_smoke("abl_momentum"), source, 1)
   with pytest.raises(ValueError, match="exclude each other"):
     runner.run(_smoke("abl_momentum"), source, resume=True, branch_from=source)
   with pytest.raises(ValueError, match="needs branch_from"):
     runner.run(_smoke("abl_momentum"), str(tmp_path / "b"), branch_round=2)
   with pytest.raises(FileNotFoundError, match="cannot branch"):
-    runner.check_branch(_smoke("abl_momentum"), str(tmp_path / "nothing"))
-  assert runner.check_branch(_smoke("abl_momentum"), source) == 2          # not 3: past the warm-up
+    rundir.check_branch(_smoke("abl_momentum"), str(tmp_path / "nothing"))
+  assert rundir.check_branch(_smoke("abl_momentum"), source) == 2          # not 3: past the warm-up
   # SPARK itself with more rounds anneals more slowly after the warm-up: again only the warm-up is shared.
-  assert runner.check_branch(_smoke("", rounds=4), source) == 2
+  assert rundir.check_branch(_smoke("", rounds=4), source) == 2
