@@ -59,6 +59,10 @@ FIELD_DOCS: dict[str, str] = {
     "model.hidden": "MLP hidden-layer widths, e.g. (100,) for 784-100-10",
     "model.activation": "hidden-layer nonlinearity (relu, tanh, ...)",
     "model.init": "'shared': one initialisation for every client; 'per_client': independent ones",
+    "model.module": ("your own flax model: 'package.module:factory' or 'file.py:factory', a "
+                     "factory(input_shape, num_classes) returning a flax module (trusted code, imported)"),
+    "model.per_sample": ("whether the model maps samples independently (enables the per-sample "
+                         "kernel fast path; the library's models are)"),
     # ------------------------------------------------------------------ topology
     "topology.name":
         ("graph of the decentralized methods: regular | erdos_renyi | ring | line | complete | "
@@ -87,6 +91,17 @@ FIELD_DOCS: dict[str, str] = {
     "algorithm.epochs": "local passes over the client's data per round",
     "algorithm.batch_size": "local minibatch size",
     "algorithm.momentum": "momentum μ of the local optimiser (SPARK: of the per-round NTK update)",
+    "algorithm.optimizer": "client optimiser of local training: 'sgd' | 'adam'",
+    "algorithm.adam_b1": "Adam's first-moment decay β1 (optimizer='adam')",
+    "algorithm.adam_b2": "Adam's second-moment decay β2 (optimizer='adam')",
+    "algorithm.adam_eps": "Adam's ε added to the root second moment (optimizer='adam')",
+    "algorithm.over_selected": ("Fed-ensemble stragglers: clients selected per round, of which the "
+                                "clients_per_round first to finish are aggregated (0 = off)"),
+    "algorithm.latency_sigma": "σ of the log-normal device speed in the straggler latency model",
+    "algorithm.validation_clients": ("NTK-FL: clients held out of training whose data scores τ "
+                                     "(select='validation')"),
+    "algorithm.linearise_at": ("SPARK: where neighbour Jacobians are taken: 'receiver' (at w̄_i, "
+                               "Option A) | 'sender' (at each sender's own w̄_j, Option B)"),
     "algorithm.nesterov": "Nesterov momentum",
     "algorithm.weight_decay": "L2 weight decay of local SGD",
     "algorithm.quantize_bits":
@@ -219,12 +234,13 @@ def _method_variants(name: str):
   passes to :func:`ntk_fl.config.apply_variants` (its ``VARIANTS`` or a preset's; or ``{}``)."""
   from ntk_fl import config as config_lib  # pylint: disable=import-outside-toplevel
 
-  seen = {}
+  seen, seen_valued = {}, {}
   apply_variants = config_lib.apply_variants
 
-  def recording(config, arg, method_variants=None):
+  def recording(config, arg, method_variants=None, valued_variants=None):
     seen.update(method_variants or {})
-    return apply_variants(config, arg, method_variants)
+    seen_valued.update(valued_variants or {})
+    return apply_variants(config, arg, method_variants, valued_variants)
 
   # Config files bind it when executed, or call it through the module: both see the recorder.
   config_lib.apply_variants = recording
@@ -233,6 +249,7 @@ def _method_variants(name: str):
     module.get_config(None)
   finally:
     config_lib.apply_variants = apply_variants
+  module.VALUED_TOKENS = tuple(seen_valued)   # the prefixes of its ``<prefix><value>`` tokens
   return module, seen
 
 
@@ -277,6 +294,18 @@ def config_variants(name: str) -> dict[str, str]:
           for variant in variants}
 
 
+def valued_variants(name: str) -> dict[str, str]:
+  """A packaged config's ``<prefix><value>`` tokens (e.g. ``topk<float>``) -> one line: the description
+  in its docstring's variant list, or else the prefix with ``<value>``."""
+  module, _ = _method_variants(name)
+  described = _docstring_variants(module.__doc__ or "")
+  found = {}
+  for prefix in module.VALUED_TOKENS:
+    key = next((k for k in described if k.startswith(prefix + "<")), f"{prefix}<value>")
+    found[key] = described.get(key, "")
+  return found
+
+
 def format_configs() -> str:
   """The packaged configs, each with its own variants, then the variants every config knows."""
   from ntk_fl import configs  # pylint: disable=import-outside-toplevel
@@ -286,7 +315,7 @@ def format_configs() -> str:
     module = _config_module(name)
     title = (module.__doc__ or "").strip().splitlines()[0] if (module.__doc__ or "").strip() else ""
     out.append(f"\n{name}: {title}")
-    for variant, doc in config_variants(name).items():
+    for variant, doc in {**config_variants(name), **valued_variants(name)}.items():
       out.append(f"  {name + ':' + variant:<28} {doc}")
   out.append("\nVariants every config understands:")
   out.extend(f"  {variant:<28} {doc}" for variant, doc in COMMON_VARIANT_DOCS.items())

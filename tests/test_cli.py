@@ -120,7 +120,10 @@ def test_every_config_variant_is_listed_with_a_description():
   from ntk_fl import config_docs  # pylint: disable=g-import-not-at-top
   variants = config_docs.config_variants("ntk_dfl")
   assert set(variants) == {"no_avg", "code_decay", "ode", "mse", "batched", "subsample",
-                           "clustered", "per_client_init", "smoke"}
+                           "clustered", "per_client_init", "compressed", "smoke"}
+  valued = config_docs.valued_variants("ntk_dfl")
+  assert set(valued) == {"topk<float>", "bits<int>", "proj<int>"}
+  assert valued["bits<int>"].startswith("send the Jacobian values quantised")
   assert variants["clustered"].startswith("dynamic clustered topology")
   assert config_docs.config_variants("dfedsam")["sam"] == "sets algorithm.sam_adaptive = False"
   for name in ("fedavg", "spark", "fed_ensemble", "ntk_fl"):
