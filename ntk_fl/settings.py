@@ -9,12 +9,14 @@ into the config's JSON form with :func:`to_dict` (what ``config.json`` holds).
 :func:`from_mapping` is the one converter from a nested mapping (a config's
 ``to_dict()``, a stored ``config.json``) to any of these dataclasses or a
 method's own: it rejects missing and unknown keys by name, turns lists into
-tuples, recurses into fields whose type is itself a dataclass, and leaves the
+tuples, turns strings into the members of fields typed with an enum (``loss: Loss``; an error names
+the value and the allowed ones), recurses into fields whose type is itself a dataclass, and leaves the
 value checks to the dataclass (``__post_init__``) and the schema.
 """
 from __future__ import annotations
 
 import dataclasses
+import enum
 import typing
 from typing import Any, Mapping
 
@@ -134,8 +136,15 @@ def from_mapping(cls, mapping: Mapping[str, Any], path: str):
     if name not in mapping:
       continue
     value = mapping[name]
-    if dataclasses.is_dataclass(hints.get(name)):
-      value = from_mapping(hints[name], value, f"{path}.{name}")
+    hint = hints.get(name)
+    if dataclasses.is_dataclass(hint):
+      value = from_mapping(hint, value, f"{path}.{name}")
+    elif isinstance(hint, type) and issubclass(hint, enum.Enum) and not isinstance(value, hint):
+      try:
+        value = hint(value)
+      except ValueError:
+        raise ValueError(f"{path}.{name} must be one of {tuple(m.value for m in hint)}, "
+                         f"got {value!r}") from None
     values[name] = _tuples(value)
   return cls(**values)
 

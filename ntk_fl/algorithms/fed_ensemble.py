@@ -68,7 +68,8 @@ import numpy as np
 from ntk_fl import compression, evolve, models, parallel, validation
 from ntk_fl.algorithms import Method
 from ntk_fl.algorithms import local
-from ntk_fl.algorithms.base import Algorithm
+from ntk_fl._src.options import Select, Solver
+from ntk_fl.algorithms.base import Algorithm, parse_enums
 from ntk_fl.rng import Stream, jax_key, numpy_rng
 
 __all__ = [
@@ -260,17 +261,17 @@ class FedEnsembleHParams(local.LocalHParams):
   prox_mu: float
   prediction: str
   taus: tuple[int, ...]
-  solver: str
-  select: str
+  solver: Solver
+  select: Select
 
   def __post_init__(self):
     super().__post_init__()
+    parse_enums(self)       # solver, select: strings become members (a bad one is an error naming it)
     local.check_fields(self, {
         "num_modes": local.int_at_least(1), "num_strata": local.int_at_least(0),
         "clients_per_round": local.int_at_least(0), "sampling": _choice(SAMPLING),
         "aggregation_weights": _choice(AGGREGATION_WEIGHTS), "local_training": _choice(LOCAL_TRAINING),
-        "prox_mu": local.nonnegative, "prediction": _choice(PREDICTIONS), "taus": _check_taus,
-        "solver": _choice(evolve.SOLVERS), "select": _choice(evolve.SELECTS)})
+        "prox_mu": local.nonnegative, "prediction": _choice(PREDICTIONS), "taus": _check_taus})
     if (self.prox_mu > 0) != (self.local_training == "fedprox"):
       raise ValueError(f"config.algorithm.prox_mu = {self.prox_mu!r} with local_training = {self.local_training!r}: "
                        "'fedprox' needs prox_mu > 0 and the other local trainings need prox_mu = 0")
@@ -347,7 +348,7 @@ def make_fed_ensemble(model: models.Model, federation, hparams: FedEnsembleHPara
     num_classes = int(jax.eval_shape(model.apply, jax.eval_shape(model.init, jax.random.key(0)),
                                      jax.ShapeDtypeStruct((1, *federation.feature_shape), jnp.float32)).shape[-1])
     evolve_options = dict(taus=evolve.check_taus(tuple(algo.taus)), loss=evolve.Loss.CE,
-                          solver=evolve.Solver(algo.solver), select=evolve.Select(algo.select),
+                          solver=algo.solver, select=algo.select,
                           dense_stack=model.dense_stack)
 
     def train(modes, inputs, x, y, mask, lr):

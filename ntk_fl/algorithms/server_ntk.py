@@ -68,6 +68,7 @@ import numpy as np
 
 from ntk_fl import communication, compression, evolve, jacobians, models, parallel, validation
 from ntk_fl.algorithms import Method
+from ntk_fl._src.options import Kernel, Loss, Select, Solver
 from ntk_fl.algorithms.base import Algorithm, check_evolution
 from ntk_fl.rng import Stream, jax_key, numpy_rng
 
@@ -122,10 +123,10 @@ class NTKFLHParams:
   lr: float
   lr_decay: float
   taus: tuple[int, ...]
-  loss: str
-  solver: str
-  select: str
-  kernel: str
+  loss: Loss
+  solver: Solver
+  select: Select
+  kernel: Kernel
   jacobian: str
   jacobian_chunk: int
   subsample_fraction: float
@@ -199,9 +200,8 @@ def make_server_ntk(model: models.Model, federation, hparams: NTKFLHParams, *, s
   num_clients, n_max = federation.mask.shape
   k = int(algo.clients_per_round) or num_clients
   # The step's options, parsed (and the τ grid checked) once here rather than on every trace.
-  step_options = dict(taus=evolve.check_taus(tuple(algo.taus)), loss=evolve.Loss(algo.loss),
-                      solver=evolve.Solver(algo.solver), select=evolve.Select(algo.select),
-                      kernel=evolve.Kernel(algo.kernel))
+  step_options = dict(taus=evolve.check_taus(tuple(algo.taus)), loss=algo.loss, solver=algo.solver,
+                      select=algo.select, kernel=algo.kernel)
   beta, proj_dim = float(algo.subsample_fraction), int(algo.projection_dim)
   keep, bits, stochastic = float(algo.sparsify_keep), int(algo.quantize_bits), bool(algo.stochastic_rounding)
   explicit = uses_explicit_jacobian(algo)

@@ -65,6 +65,7 @@ import optax
 
 from ntk_fl import communication, compression, evolve, gossip, jacobians, models, ntk, parallel, projection, topology, validation
 from ntk_fl.algorithms import Method
+from ntk_fl._src.options import Kernel, Select, Solver
 from ntk_fl.algorithms.base import Algorithm, check_evolution, config_without
 from ntk_fl.algorithms.ntk_dfl import make_neighbourhood_round
 
@@ -206,9 +207,9 @@ class SparkHParams:
   lr: float
   lr_decay: float
   taus: tuple[int, ...]
-  solver: str
-  select: str
-  kernel: str
+  solver: Solver
+  select: Select
+  kernel: Kernel
   subsample: int
   momentum: float
   nesterov: bool
@@ -315,7 +316,7 @@ def make_spark(model: models.Model, federation, graphs: topology.Topology, hpara
   num_classes = model.num_classes
   # The step's options, parsed (and the τ grid checked) once here rather than on every trace.
   taus = evolve.check_taus(tuple(algo.taus))
-  solver, select, kernel_kind = evolve.Solver(algo.solver), evolve.Select(algo.select), evolve.Kernel(algo.kernel)
+  solver, select, kernel_kind = algo.solver, algo.select, algo.kernel
   traced = kernel_kind == evolve.Kernel.TRACED
   select_momentum = bool(algo.select_momentum)
   m2 = int(algo.subsample)
