@@ -68,17 +68,17 @@ import numpy as np
 from ntk_fl import compression, evolve, models, parallel, validation
 from ntk_fl.algorithms import Method
 from ntk_fl.algorithms import local
-from ntk_fl._src.options import Select, Solver
-from ntk_fl.algorithms.base import Algorithm, parse_enums
+from ntk_fl._src.options import Choice, Select, Solver
+from ntk_fl.algorithms.base import Algorithm, parse_enums, run_options
 from ntk_fl.rng import Stream, jax_key, numpy_rng
 
 __all__ = [
     "EnsembleState",
     "EnsembleRound",
-    "LOCAL_TRAINING",
-    "SAMPLING",
-    "AGGREGATION_WEIGHTS",
-    "PREDICTIONS",
+    "LocalTraining",
+    "Sampling",
+    "AggregationWeights",
+    "Prediction",
     "make_strata",
     "age_permutations",
     "round_modes",
@@ -91,10 +91,32 @@ __all__ = [
     "METHOD",
 ]
 
-LOCAL_TRAINING = ("fedavg", "fedprox", "ntk")
-SAMPLING = ("uniform", "stratified")
-AGGREGATION_WEIGHTS = ("uniform", "data_size")
-PREDICTIONS = ("probs", "logits")
+
+
+class LocalTraining(Choice):
+  """How a mode is trained on its participants: FedAvg's or FedProx's local SGD, or the NTK evolution."""
+  FEDAVG = "fedavg"
+  FEDPROX = "fedprox"
+  NTK = "ntk"
+
+
+class Sampling(Choice):
+  """How a round's participants are drawn: uniformly, or one per stratum (``num_strata``)."""
+  UNIFORM = "uniform"
+  STRATIFIED = "stratified"
+
+
+class AggregationWeights(Choice):
+  """The weights of a mode's participants when it is averaged: uniform or by data size."""
+  UNIFORM = "uniform"
+  DATA_SIZE = "data_size"
+
+
+class Prediction(Choice):
+  """What the ensemble averages per test sample: the modes' softmax probabilities or their logits."""
+  PROBS = "probs"
+  LOGITS = "logits"
+
 _AGGREGATE_OF_PREDICTION = {"probs": "ensemble_probs", "logits": "ensemble_logits"}
 
 
@@ -228,10 +250,6 @@ def aggregate_modes(modes, returned, assignment, weights):
 # ----------------------------------------------------------------------------- config
 
 
-def _choice(allowed):
-  return lambda name, value: validation.check_choice(f"config.algorithm.{name}", value, allowed)
-
-
 def _check_taus(name, value):
   try:
     evolve.check_taus(tuple(value))
@@ -247,31 +265,29 @@ class FedEnsembleHParams(local.LocalHParams):
     num_modes: ``K`` (>= 1).
     num_strata: ``Q`` (0 = every client its own stratum).
     clients_per_round: participants per round (0 = all).
-    sampling, aggregation_weights, local_training, prediction: :data:`SAMPLING`,
-      :data:`AGGREGATION_WEIGHTS`, :data:`LOCAL_TRAINING`, :data:`PREDICTIONS`.
+    sampling, aggregation_weights, local_training, prediction: :class:`Sampling`,
+      :class:`AggregationWeights`, :class:`LocalTraining`, :class:`Prediction`.
     prox_mu: FedProx coefficient (> 0 exactly with ``local_training='fedprox'``).
     taus, solver, select: the NTK evolution of ``local_training='ntk'``.
   """
   num_modes: int
   num_strata: int
   clients_per_round: int
-  sampling: str
-  aggregation_weights: str
-  local_training: str
+  sampling: Sampling
+  aggregation_weights: AggregationWeights
+  local_training: LocalTraining
   prox_mu: float
-  prediction: str
+  prediction: Prediction
   taus: tuple[int, ...]
   solver: Solver
   select: Select
 
   def __post_init__(self):
     super().__post_init__()
-    parse_enums(self)       # solver, select: strings become members (a bad one is an error naming it)
+    parse_enums(self)       # the enum fields: strings become members (a bad one is an error naming it)
     local.check_fields(self, {
         "num_modes": local.int_at_least(1), "num_strata": local.int_at_least(0),
-        "clients_per_round": local.int_at_least(0), "sampling": _choice(SAMPLING),
-        "aggregation_weights": _choice(AGGREGATION_WEIGHTS), "local_training": _choice(LOCAL_TRAINING),
-        "prox_mu": local.nonnegative, "prediction": _choice(PREDICTIONS), "taus": _check_taus})
+        "clients_per_round": local.int_at_least(0), "prox_mu": local.nonnegative, "taus": _check_taus})
     if (self.prox_mu > 0) != (self.local_training == "fedprox"):
       raise ValueError(f"config.algorithm.prox_mu = {self.prox_mu!r} with local_training = {self.local_training!r}: "
                        "'fedprox' needs prox_mu > 0 and the other local trainings need prox_mu = 0")
@@ -309,7 +325,9 @@ def check(hparams: FedEnsembleHParams, run) -> None:
 # ----------------------------------------------------------------------------- the method
 
 
-def make_fed_ensemble(model: models.Model, federation, hparams: FedEnsembleHParams, *, seed: int) -> Algorithm:
+def make_fed_ensemble(model: models.Model, federation, topology,
+                      hparams: FedEnsembleHParams, run=None, *,
+                      seed: int | None = None) -> Algorithm:
   """Builds Fed-ensemble for ``federation`` and ``model`` (see the module docstring).
 
   Args:
@@ -322,6 +340,7 @@ def make_fed_ensemble(model: models.Model, federation, hparams: FedEnsembleHPara
     An :class:`Algorithm` with ``client_params`` = the ``[K, ...]`` modes and
     ``aggregate`` = ``'ensemble_probs'`` or ``'ensemble_logits'``.
   """
+  seed = run_options(run, "Fed-ensemble", needs_topology=False, seed=seed).seed
   algo = hparams
   num_clients, n_max = federation.mask.shape
   num_modes = int(algo.num_modes)
@@ -405,6 +424,5 @@ def make_fed_ensemble(model: models.Model, federation, hparams: FedEnsembleHPara
                    aggregate=_AGGREGATE_OF_PREDICTION[algo.prediction])
 
 
-METHOD = Method(make=lambda model, federation, topology, hparams, run: make_fed_ensemble(model, federation, hparams,
-                                                                                       seed=run.seed),
+METHOD = Method(make=make_fed_ensemble,
                 hyperparameters=FedEnsembleHParams, check=check)

@@ -68,14 +68,13 @@ import numpy as np
 
 from ntk_fl import communication, compression, evolve, jacobians, models, parallel, validation
 from ntk_fl.algorithms import Method
-from ntk_fl._src.options import Kernel, Loss, Select, Solver
-from ntk_fl.algorithms.base import Algorithm, check_evolution
+from ntk_fl._src.options import JacobianPath, Kernel, Loss, Select, Solver
+from ntk_fl.algorithms.base import Algorithm, check_evolution, run_options
 from ntk_fl.rng import Stream, jax_key, numpy_rng
 
-__all__ = ["ServerNTKState", "ServerNTKRound", "JACOBIAN_PATHS", "NTKFLHParams", "make_server_ntk", "check",
+__all__ = ["ServerNTKState", "ServerNTKRound", "JacobianPath", "NTKFLHParams", "make_server_ntk", "check",
            "uses_explicit_jacobian", "METHOD"]
 
-JACOBIAN_PATHS = ("auto", "implicit", "explicit")
 _MIB_BITS = 8 * 2**20
 
 
@@ -97,7 +96,7 @@ class ServerNTKRound(NamedTuple):
 def uses_explicit_jacobian(algo) -> bool:
   """Whether the server must hold explicit Jacobians (compression alters them, or it was asked to)."""
   compressed = algo.sparsify_keep < 1 or algo.quantize_bits != compression.FLOAT_BITS
-  return algo.jacobian == "explicit" or (algo.jacobian == "auto" and compressed)
+  return algo.jacobian == JacobianPath.EXPLICIT or (algo.jacobian == JacobianPath.AUTO and compressed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +107,7 @@ class NTKFLHParams:
     clients_per_round: participants per round (0 = all).
     lr, lr_decay, taus, loss, solver, select, kernel: the server's NTK evolution
       (:func:`ntk_fl.algorithms.base.check_evolution`).
-    jacobian: :data:`JACOBIAN_PATHS` -- ``'auto'`` materialises J only when
+    jacobian: :class:`JacobianPath` -- ``'auto'`` materialises J only when
       compression alters it.
     jacobian_chunk: samples per explicit-Jacobian chunk (0 = automatic).
     subsample_fraction: β in (0, 1], each participant's share of its samples.
@@ -127,7 +126,7 @@ class NTKFLHParams:
   solver: Solver
   select: Select
   kernel: Kernel
-  jacobian: str
+  jacobian: JacobianPath
   jacobian_chunk: int
   subsample_fraction: float
   projection_dim: int
@@ -140,8 +139,8 @@ class NTKFLHParams:
   def __post_init__(self):
     validation.check_int("config.algorithm.clients_per_round (0 = all clients)", self.clients_per_round, low=0)
     check_evolution(self)
-    for name, allowed in (("jacobian", JACOBIAN_PATHS), ("projection_scale", jacobians.PROJECTION_SCALES)):
-      validation.check_choice(f"config.algorithm.{name}", getattr(self, name), allowed)
+    validation.check_choice("config.algorithm.projection_scale", self.projection_scale,
+                            jacobians.PROJECTION_SCALES)
     validation.check_int("config.algorithm.jacobian_chunk (0 = automatic)", self.jacobian_chunk, low=0)
     validation.check_real("config.algorithm.subsample_fraction (β; 1 = all samples)", self.subsample_fraction,
                           low=0, high=1, low_open=True)
@@ -156,7 +155,7 @@ class NTKFLHParams:
       raise ValueError("config.algorithm.stochastic_rounding needs quantisation: set quantize_bits in [1, 16] "
                        "(it is 32, i.e. float32)")
     validation.check_bool("config.algorithm.shuffle", self.shuffle)
-    if self.jacobian == "implicit" and (self.sparsify_keep < 1 or bits != compression.FLOAT_BITS):
+    if self.jacobian == JacobianPath.IMPLICIT and (self.sparsify_keep < 1 or bits != compression.FLOAT_BITS):
       raise ValueError("config.algorithm.jacobian='implicit' cannot apply sparsify_keep < 1 or quantize_bits < 32: "
                        "compressed Jacobians must be materialised -- use jacobian='auto' or 'explicit'")
 
@@ -182,7 +181,8 @@ def _compress_client(jac, mask, key, *, keep: float, bits: int, stochastic: bool
   return jac
 
 
-def make_server_ntk(model: models.Model, federation, hparams: NTKFLHParams, *, seed: int) -> Algorithm:
+def make_server_ntk(model: models.Model, federation, topology, hparams: NTKFLHParams, run=None, *,
+                    seed: int | None = None) -> Algorithm:
   """Builds NTK-FL / CP-NTK-FL for ``federation`` and ``model`` (the raw-input model of the runner).
 
   Args:
@@ -196,6 +196,7 @@ def make_server_ntk(model: models.Model, federation, hparams: NTKFLHParams, *, s
     An :class:`~ntk_fl.algorithms.base.Algorithm`; ``step`` is jit-compiled here
     with the federation's arrays (and ``P``) passed as arguments.
   """
+  seed = run_options(run, "NTK-FL", needs_topology=False, seed=seed).seed
   algo = hparams
   num_clients, n_max = federation.mask.shape
   k = int(algo.clients_per_round) or num_clients
@@ -302,6 +303,5 @@ def make_server_ntk(model: models.Model, federation, hparams: NTKFLHParams, *, s
   return Algorithm(init=init, round_inputs=round_inputs, step=step, client_params=client_params)
 
 
-METHOD = Method(make=lambda model, federation, topology, hparams, run: make_server_ntk(model, federation, hparams,
-                                                                                     seed=run.seed),
+METHOD = Method(make=make_server_ntk,
                 hyperparameters=NTKFLHParams, check=check)
