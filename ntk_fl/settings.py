@@ -143,8 +143,9 @@ def from_mapping(cls, mapping: Mapping[str, Any], path: str):
       try:
         value = hint(value)
       except ValueError:
-        raise ValueError(f"{path}.{name} must be one of {tuple(m.value for m in hint)}, "
-                         f"got {value!r}") from None
+        base, sep, note = path.partition(" (")      # 'config.algorithm (method ...)' -> field first
+        raise ValueError(f"{base}.{name}{' (' + note if sep else ''} must be one of "
+                         f"{tuple(m.value for m in hint)}, got {value!r}") from None
     values[name] = _tuples(value)
   return cls(**values)
 
