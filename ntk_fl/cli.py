@@ -82,7 +82,10 @@ def _define_flags() -> None:
       "(configs/ntk_dfl.py:smoke); text after ':' is the variant list. Any field is overridden "
       "with --config.<key>=value; --print_config lists every field with its meaning, "
       "--list_configs the configs.",
-      lock_config=True)
+      # A method's own hyperparameter dataclass may have fields the config file lacks (a subclass registered
+      # through config.method_module): --config.algorithm.<field> is accepted here and checked by the schema
+      # against the method's dataclass; every other override must name a field of the file (_parse_flags).
+      lock_config=False, accept_new_attributes=True)
   _FLAGS["workdir"] = flags.DEFINE_string("workdir", None, "Output directory of the run.")
   _FLAGS["resume"] = flags.DEFINE_bool(
       "resume", False, "Continue the run in --workdir from its newest good checkpoint (damaged or incomplete "
@@ -184,7 +187,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
   except ValueError as e:
     sys.exit(f"error: {e}")
   try:
-    return flags.FLAGS(argv)
+    rest = flags.FLAGS(argv)
   except flags.Error as e:
     if "Error whilst parsing config file" in str(e):   # config_flags puts the config's traceback in the message
       cause = [line for line in str(e).strip().splitlines() if line.strip()][-1]
@@ -193,6 +196,32 @@ def _parse_flags(argv: list[str]) -> list[str]:
     sys.exit(f"FATAL Flags parsing error: {e}\nPass --helpshort or --helpfull to see help on flags.")
   except (AttributeError, KeyError) as e:
     sys.exit(f"error: {unknown_key_message(str(e.args[0] if e.args else e), argv[1:])}")
+  _check_override_keys(argv)
+  return rest
+
+
+def _check_override_keys(argv: list[str]) -> None:
+  """Exits on a ``--config.<key>`` override outside ``config.algorithm`` that names no field of the file.
+
+  Keys under ``config.algorithm`` are the method's to judge: the schema builds its hyperparameter dataclass
+  from the block and names an unknown key with the allowed ones.
+  """
+  overrides = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")]
+  config = flags.FLAGS["config"].value
+  if (not any(not o.startswith("--config.algorithm.") for o in overrides) or config is None
+      or type(config).__name__ == "_ErrorConfig"):
+    return
+  file_config = _config_before_overrides()
+  for override in overrides:
+    path = override[len("--config."):].split(".")
+    if path[0] == "algorithm":
+      continue
+    node = file_config
+    for key in path:
+      if not hasattr(node, "keys") or key not in node:
+        sys.exit(f"error: unknown config key config.{'.'.join(path)}; every --config.<key> must name "
+                 "a field of the config file (or of the method's config.algorithm)")
+      node = node[key]
 
 
 def unknown_key_message(error: str, args: Sequence[str]) -> str:

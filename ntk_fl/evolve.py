@@ -77,24 +77,20 @@ import jax.numpy as jnp
 from ntk_fl._src.evolution import Evolution, evolve, evolve_ce_euler, evolve_ce_ode, evolve_mse_closed_form
 from ntk_fl._src.ntk_step import (ParamMap, TauChoice, identity_map, mean_loss, ntk_step, select_tau,
                               weight_update_from_jacobian, weight_update_vjp)
-from ntk_fl._src.options import (Implementation, Kernel, Loss, MseForm, Select, Solver, TauGrid, check_loss_solver,
-                             check_taus)
+from ntk_fl._src.options import (Choice, Implementation, Kernel, Loss, MseForm, Select, Solver, TauGrid,
+                                 check_loss_solver, check_taus)
 
 __all__ = [
     "Evolution",
     "TauChoice",
     "TauGrid",
     "ParamMap",
+    "Choice",
     "Loss",
     "Solver",
     "Select",
     "Kernel",
     "MseForm",
-    "LOSSES",
-    "SOLVERS",
-    "SELECTS",
-    "KERNELS",
-    "MSE_FORMS",
     "check_taus",
     "check_loss_solver",
     "evolve",
@@ -109,12 +105,6 @@ __all__ = [
     "ntk_step",
     "ntk_update",
 ]
-
-LOSSES = tuple(m.value for m in Loss)
-SOLVERS = tuple(m.value for m in Solver)
-SELECTS = tuple(m.value for m in Select)
-KERNELS = tuple(m.value for m in Kernel)
-MSE_FORMS = tuple(m.value for m in MseForm)
 
 
 def ntk_update(apply_fn, params, x: jax.Array, targets, mask: jax.Array, **step_options):

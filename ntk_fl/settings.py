@@ -9,12 +9,15 @@ into the config's JSON form with :func:`to_dict` (what ``config.json`` holds).
 :func:`from_mapping` is the one converter from a nested mapping (a config's
 ``to_dict()``, a stored ``config.json``) to any of these dataclasses or a
 method's own: it rejects missing and unknown keys by name, turns lists into
-tuples, recurses into fields whose type is itself a dataclass, and leaves the
+tuples, turns strings into the members of fields typed with an enum (``loss: Loss``; an error names
+the value and the allowed ones), recurses into fields whose type is itself a dataclass, and leaves the
 value checks to the dataclass (``__post_init__``) and the schema.
 """
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import enum
 import typing
 from typing import Any, Mapping
 
@@ -129,6 +132,12 @@ def from_mapping(cls, mapping: Mapping[str, Any], path: str):
   unknown = sorted(set(mapping) - set(names))
   missing = [f.name for f in fields if f.name not in mapping
              and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+  if len(unknown) == 1 and not missing:
+    # One mistyped key (the usual case): the command line's own words, with the nearest field.
+    close = difflib.get_close_matches(unknown[0], names, n=1)
+    if close:
+      raise ValueError(f"unknown config key {path.split(' ')[0]}.{unknown[0]}; "
+                       f"did you mean {path.split(' ')[0]}.{close[0]}?")
   if unknown or missing:
     problems = ([f"unknown key(s) {unknown}"] if unknown else []) + ([f"missing key(s) {missing}"] if missing else [])
     raise ValueError(f"{path}: {', '.join(problems)}; the keys are {names}")
@@ -138,8 +147,16 @@ def from_mapping(cls, mapping: Mapping[str, Any], path: str):
     if name not in mapping:
       continue
     value = mapping[name]
-    if dataclasses.is_dataclass(hints.get(name)):
-      value = from_mapping(hints[name], value, f"{path}.{name}")
+    hint = hints.get(name)
+    if dataclasses.is_dataclass(hint):
+      value = from_mapping(hint, value, f"{path}.{name}")
+    elif isinstance(hint, type) and issubclass(hint, enum.Enum) and not isinstance(value, hint):
+      try:
+        value = hint(value)
+      except ValueError:
+        base, sep, note = path.partition(" (")      # 'config.algorithm (method ...)' -> field first
+        raise ValueError(f"{base}.{name}{' (' + note if sep else ''} must be one of "
+                         f"{tuple(m.value for m in hint)}, got {value!r}") from None
     values[name] = _tuples(value)
   return cls(**values)
 

@@ -134,13 +134,13 @@ def test_padding_does_not_change_the_round():
 
 def test_rounds_compile_once(monkeypatch):
   traces = []
-  original = evolve.ntk_update
+  original = evolve.ntk_step
 
   def counting(*args, **kwargs):
     traces.append(1)
     return original(*args, **kwargs)
 
-  monkeypatch.setattr(evolve, "ntk_update", counting)
+  monkeypatch.setattr(evolve, "ntk_step", counting)
   config, model, federation = tiny_setup()
   algorithm = runner.make_algorithm(config, model, federation)
   state = algorithm.init(jax.random.key(0))

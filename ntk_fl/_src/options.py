@@ -15,41 +15,58 @@ from typing import Sequence, TypeVar
 import jax
 import numpy as np
 
-__all__ = ["Loss", "Solver", "Select", "Kernel", "MseForm", "NtkImplementation", "Implementation", "IMPLEMENTATIONS",
+__all__ = ["Choice", "Loss", "Solver", "Select", "Kernel", "MseForm", "JacobianPath", "NtkImplementation", "Implementation", "IMPLEMENTATIONS",
            "TauGrid", "parse", "check_taus", "check_loss_solver"]
 
 
-class Loss(enum.StrEnum):
+class Choice(enum.StrEnum):
+  """A config option: a ``StrEnum`` whose ``repr`` is its string's (``'ce'``), so error messages and
+  printed settings read as the config does."""
+
+  def __repr__(self) -> str:
+    return repr(self.value)
+
+
+class Loss(Choice):
   """Training loss of the evolution: mean cross-entropy, or half mean squared error ``(1/(2NC)) Σ (f − Y)²``."""
   CE = "ce"
   MSE = "mse"
 
 
-class Solver(enum.StrEnum):
+class Solver(Choice):
   """Cross-entropy evolution: exact function-space gradient descent (``EULER``) or the gradient flow
   integrated by Dopri5 (``ODE``, the reference codes' numerics). The MSE evolution is always a closed form."""
   EULER = "euler"
   ODE = "ode"
 
 
-class Select(enum.StrEnum):
+class Select(Choice):
   """How the ``τ`` candidates are scored: the non-linear network ``w + Δw_τ`` (``NETWORK``, the reference codes)
   or the evolved function values ``f_τ`` of the linearised model (``LINEARIZED``, the papers' reading)."""
   NETWORK = "network"
   LINEARIZED = "linearized"
 
 
-class Kernel(enum.StrEnum):
+class Kernel(Choice):
   """``TRACED``: ``[N, N]`` ``(1/C) Σ_c J_c J_cᵀ`` applied to every output column; ``FULL``: ``[N, N, C, C]``."""
   TRACED = "traced"
   FULL = "full"
 
 
-class MseForm(enum.StrEnum):
+class MseForm(Choice):
   """The MSE closed form: exact gradient descent (``DISCRETE``) or the gradient flow in step units
   (``CONTINUOUS``)."""
   DISCRETE = "discrete"
   CONTINUOUS = "continuous"
+
+
+class JacobianPath(Choice):
+  """How a method that sends Jacobians forms them (SPARK's and NTK-FL's ``jacobian``): ``EXPLICIT``
+  materialises ``J``, ``IMPLICIT`` uses only products with it (VJPs), ``AUTO`` materialises it only when
+  compression alters it."""
+  AUTO = "auto"
+  IMPLICIT = "implicit"
+  EXPLICIT = "explicit"
 
 
 class NtkImplementation(enum.IntEnum):

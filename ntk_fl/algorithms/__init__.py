@@ -33,15 +33,42 @@ it is used); :func:`register` adds a user's own method or a test double.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Protocol
 
 from ntk_fl.algorithms.base import Algorithm
 
-__all__ = ["Algorithm", "Method", "get_method", "register", "available"]
+__all__ = ["Algorithm", "MakeFn", "Method", "get_method", "register", "available"]
+
+
+class MakeFn(Protocol):
+  """``make(model, federation, topology, hparams, run) -> Algorithm``: a method's factory."""
+
+  def __call__(self, model: Any, federation: Any, topology: Any, hparams: Any, run: Any) -> Algorithm:
+    """Args:
+      model: the :class:`ntk_fl.models.Model`.
+      federation: the stacked client data, a :class:`ntk_fl.data.Federation` of ``M`` clients.
+      topology: the run's :class:`ntk_fl.topology.Topology` when the method's ``graph`` is set, else None.
+      hparams: the method's hyperparameter dataclass, checked (enum fields are members).
+      run: the checked :class:`ntk_fl.settings.RunSettings` (seed, rounds, ``topology.mixing``,
+        ``model.shared_init``).
+
+    Returns:
+      The method's :class:`Algorithm`, its ``step`` jit-compiled.
+    """
 
 
 class Method(NamedTuple):
-  make: Callable[[Any, Any, Any, Any, Any], Algorithm]
+  """A registered federated method: its factory, its typed hyperparameters and the rules of its config.
+
+  Attributes:
+    make: :class:`MakeFn`; a public factory such as ``ntk_dfl.make_ntk_dfl`` is registered as is.
+    hyperparameters: the frozen dataclass of ``config.algorithm`` (a subclass may add fields: they are set
+      like any other, ``--config.algorithm.<field>=...`` included).
+    check: ``check(hparams, run)``, rules across blocks (raises ``ValueError``), or None.
+    graph: the method mixes over ``config.topology``: ``make`` receives the run's topology (else None).
+    shared_rounds: ``shared_rounds(stored, current) -> int`` for branching from a run (module docstring).
+  """
+  make: MakeFn
   hyperparameters: type
   check: Callable[[Any, Any], None] | None = None
   graph: bool = False
@@ -71,6 +98,9 @@ def register(name: str, method: Method) -> None:
   """Registers ``method`` under ``name`` (overwrites an existing entry)."""
   if not isinstance(method, Method):
     raise TypeError(f"register expects a Method(make, hyperparameters, ...), got {type(method).__name__}")
+  if not callable(method.make):
+    raise TypeError(f"Method.make of {name!r} must be a factory make(model, federation, topology, hparams, "
+                    f"run), got {method.make!r}")
   _REGISTRY[name] = method
 
 

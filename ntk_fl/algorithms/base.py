@@ -27,23 +27,130 @@ An :class:`Algorithm` is a bundle of pure functions, in the spirit of
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+import dataclasses
+from typing import Any, Callable, NamedTuple, Protocol
 
 import jax
 import numpy as np
 
 from ntk_fl.metrics import AGGREGATES  # the evaluator owns the choices; re-exported for methods
 
-__all__ = ["AGGREGATES", "Algorithm", "ParamsState", "GraphRound", "check_evolution", "config_without",
-           "graph_round_inputs"]
+__all__ = ["AGGREGATES", "Algorithm", "ClientFn", "ClientParamsFn", "InitFn", "ParamsState", "GraphRound",
+           "RoundInputsFn", "RunOptions", "StepFn", "TargetsFn", "check_evolution", "config_without",
+           "graph_round_inputs", "parse_enums", "run_options"]
+
+
+class InitFn(Protocol):
+  """``init(key) -> state``: a method's initial state."""
+
+  def __call__(self, key: jax.Array) -> Any:
+    """Args: key: the run's initialisation PRNG key. Returns: the state, a pytree whose per-client leaves
+    carry a leading client axis ``M`` (parameters, optimiser states, velocities)."""
+
+
+class RoundInputsFn(Protocol):
+  """``round_inputs(round) -> inputs``: host-side inputs of a round, a function of its index only."""
+
+  def __call__(self, round_index: int) -> Any:
+    """Args: round_index: the 0-based round. Returns: a pytree of fixed-shape arrays (e.g.
+    :class:`GraphRound`), deterministic in the config seed and ``round_index`` (so a resumed run sees the
+    inputs of the uninterrupted one)."""
+
+
+class StepFn(Protocol):
+  """``step(state, inputs) -> (state, metrics)``: one synchronous round, pure and already jit-compiled."""
+
+  def __call__(self, state: Any, inputs: Any) -> tuple[Any, dict]:
+    """Args: state: the round-start state; inputs: ``round_inputs(r)``. Returns: the round-end state and a
+    flat dict of metric arrays (scalars or ``[M]`` per-client values)."""
+
+
+class ClientParamsFn(Protocol):
+  """``client_params(state) -> params``: the stacked ``[M, ...]`` models evaluation scores."""
+
+  def __call__(self, state: Any) -> Any:
+    """Args: state: a state of the method. Returns: the model parameters, leaves ``[M, ...]``."""
+
+
+class ClientFn(Protocol):
+  """A neighbourhood client function, mapped over the clients by ``NeighbourhoodRound.run``.
+
+  The neighbourhood's data come in ``m1`` blocks (``config.algorithm.jacobian_batches``, App. E.1 of
+  NTK-DFL): block axis first, then the ``N_b`` samples of the block, every member's samples dealt
+  round-robin (own samples first), padding rows masked. Called inside the round's ``jit``.
+  """
+
+  def __call__(self, params: Any, x: jax.Array, targets: jax.Array, mask: jax.Array, lr: jax.Array,
+               *client_args: Any) -> Any:
+    """Args:
+      params: the client's linearisation point ``w̄_i`` (its neighbourhood average, or its own weights
+        without per-round averaging); leaves without the client axis.
+      x: ``[m1, N_b, *in]`` the neighbourhood's inputs.
+      targets: ``[m1, N_b, C]`` float32 hard one-hot labels.
+      mask: ``[m1, N_b]`` bool, True for real samples.
+      lr: float32 scalar, the round's learning rate ``η·exp(−decay·r)``.
+      *client_args: the caller's per-client arguments (their client axis removed).
+
+    Returns:
+      Any pytree; ``run`` stacks the clients' outputs ``[M, ...]`` (NTK-DFL: ``(new params, {'tau', 'loss'})``).
+    """
+
+
+class TargetsFn(Protocol):
+  """The evolution-targets hook of NTK-DFL's client update (:func:`ntk_fl.algorithms.ntk_dfl.make_client_update`)."""
+
+  def __call__(self, f0: jax.Array, hard: jax.Array) -> jax.Array:
+    """Args: f0: ``[N_b, C]`` the block's starting outputs (logits of the network the evolution starts
+    from); hard: ``[N_b, C]`` its hard one-hot labels. Returns: the ``[N_b, C]`` targets to evolve towards
+    (identity: ``hard``, NTK-DFL itself)."""
 
 
 class Algorithm(NamedTuple):
-  init: Callable[[Any], Any]
-  round_inputs: Callable[[int], Any]
-  step: Callable[[Any, Any], tuple[Any, dict]]
-  client_params: Callable[[Any], Any]
+  """A federated method as a bundle of pure functions (see the module docstring for each one's contract).
+
+  Attributes:
+    init: :class:`InitFn`, ``init(key) -> state``.
+    round_inputs: :class:`RoundInputsFn`, ``round_inputs(r) -> inputs`` (host side).
+    step: :class:`StepFn`, ``step(state, inputs) -> (state, metrics)`` (jit-compiled by the factory).
+    client_params: :class:`ClientParamsFn`, ``client_params(state) -> params [M, ...]``.
+    aggregate: what evaluation's aggregated model is, one of :data:`AGGREGATES`.
+  """
+  init: InitFn
+  round_inputs: RoundInputsFn
+  step: StepFn
+  client_params: ClientParamsFn
   aggregate: str = "params"
+
+
+class RunOptions(NamedTuple):
+  """What a factory reads of the run settings (:func:`run_options`)."""
+  seed: int
+  mixing: str
+  shared_init: bool
+  rounds: int | None
+
+
+def run_options(run, method: str, topology=None, *, needs_topology: bool = True, seed: int | None = None,
+                mixing: str | None = None, shared_init: bool | None = None,
+                rounds: int | None = None) -> RunOptions:
+  """A factory's run options: from ``run`` (:class:`ntk_fl.settings.RunSettings`) or from keywords.
+
+  Factories take ``(model, federation, topology, hparams, run)`` (:class:`ntk_fl.algorithms.MakeFn`) and,
+  for callers without run settings, the keywords (defaults: seed 0, ``'uniform'`` mixing, a shared
+  initialisation). Giving both is an error, as is a missing topology for a method that mixes over one
+  (its ``Method`` was registered without ``graph=True``, so the schema built none).
+  """
+  given = {k: v for k, v in dict(seed=seed, mixing=mixing, shared_init=shared_init, rounds=rounds).items()
+           if v is not None}
+  if needs_topology and topology is None:
+    raise ValueError(f"{method} mixes over a communication topology but got none: register its Method with "
+                     "graph=True (the schema then builds config.topology), or pass a Topology")
+  if run is None:
+    return RunOptions(**{**dict(seed=0, mixing="uniform", shared_init=True, rounds=None), **given})
+  if given:
+    raise TypeError(f"{method}: pass the run settings or the keywords {sorted(given)}, not both")
+  return RunOptions(seed=run.seed, mixing=run.topology.mixing, shared_init=run.model.shared_init,
+                    rounds=run.rounds)
 
 
 class ParamsState(NamedTuple):
@@ -90,6 +197,10 @@ def graph_round_inputs(graph_source, mixing: str, sizes, seed: int) -> Callable[
   """
   from ntk_fl import rng, topology  # pylint: disable=import-outside-toplevel -- base stays light to import
 
+  if graph_source is None:
+    raise ValueError("a decentralized method's rounds need a communication topology but got none: register "
+                     "its Method with graph=True (the schema then builds config.topology)")
+
   def round_inputs(round_index: int) -> GraphRound:
     graph = graph_source.sample(round_index)
     self_w, nbr_w = topology.mixing_weights(graph, mixing, sizes)
@@ -119,29 +230,47 @@ def config_without(config: dict, *paths: str) -> dict:
   return out
 
 
+def parse_enums(hparams: Any, path: str = "config.algorithm") -> None:
+  """Turns the string values of ``hparams``' enum-typed fields into members (in ``__post_init__``).
+
+  The config boundary (:func:`ntk_fl.settings.from_mapping`) converts them already; this does the same for
+  a hyperparameter dataclass built in Python with strings (``NTKDFLHParams(loss='mse', ...)``), so the
+  factories compare members only. A value that is no member is an error naming the field and the choices.
+  """
+  import enum  # pylint: disable=import-outside-toplevel
+  import typing  # pylint: disable=import-outside-toplevel
+
+  hints = typing.get_type_hints(type(hparams))
+  for field in dataclasses.fields(hparams):
+    kind = hints.get(field.name)
+    value = getattr(hparams, field.name)
+    if isinstance(kind, type) and issubclass(kind, enum.Enum) and not isinstance(value, kind):
+      try:
+        object.__setattr__(hparams, field.name, kind(value))
+      except ValueError:
+        raise ValueError(f"{path}.{field.name} must be one of {tuple(m.value for m in kind)}, "
+                         f"got {value!r}") from None
+
+
 def check_evolution(hparams: Any, path: str = "config.algorithm") -> None:
   """Checks the NTK-evolution fields every NTK method's hyperparameters share (once, on construction).
 
   ``lr`` (> 0), ``lr_decay`` (>= 0, ``η_r = η·exp(−decay·r)``), ``taus`` (see
-  :func:`ntk_fl.evolve.check_taus`), ``solver``, ``select``, ``kernel`` and, where
-  the dataclass has it, ``loss`` (the ODE solver is for cross-entropy only).
+  :func:`ntk_fl.evolve.check_taus`), the enum fields (``solver: Solver``, ``select: Select``, ``kernel:
+  Kernel`` and, where the dataclass has it, ``loss: Loss``; strings become members, :func:`parse_enums`),
+  and that the ODE solver is for cross-entropy only.
   """
   from ntk_fl import evolve, validation  # pylint: disable=import-outside-toplevel -- base stays light to import
 
+  parse_enums(hparams, path)
   validation.check_real(f"{path}.lr", hparams.lr, low=0, low_open=True)
   validation.check_real(f"{path}.lr_decay (η_r = η·exp(−decay·r))", hparams.lr_decay, low=0)
   try:
     evolve.check_taus(tuple(hparams.taus))
   except (TypeError, ValueError) as e:
     raise ValueError(f"{path}.taus: {e}") from e
-  choices = (("solver", evolve.SOLVERS), ("select", evolve.SELECTS), ("kernel", evolve.KERNELS))
-  has_loss = hasattr(hparams, "loss")
-  if has_loss:
-    choices = (("loss", evolve.LOSSES),) + choices
-  for name, allowed in choices:
-    validation.check_choice(f"{path}.{name}", getattr(hparams, name), allowed)
-  if has_loss:
+  if hasattr(hparams, "loss"):
     try:
-      evolve.check_loss_solver(evolve.Loss(hparams.loss), evolve.Solver(hparams.solver))
+      evolve.check_loss_solver(hparams.loss, hparams.solver)
     except ValueError as e:
       raise ValueError(f"{path}: {e}") from None

@@ -15,7 +15,7 @@ from ntk_fl import compression, models
 from ntk_fl.algorithms import Method
 from ntk_fl.algorithms import local
 from ntk_fl.algorithms import server_round
-from ntk_fl.algorithms.base import Algorithm
+from ntk_fl.algorithms.base import Algorithm, run_options
 from ntk_fl.algorithms.server_round import ServerHParams
 
 __all__ = ["check", "make_centralized", "METHOD"]
@@ -29,9 +29,10 @@ def check(hparams: ServerHParams, run) -> None:
                      f"config.algorithm.quantize_bits must be 32, got {hparams.quantize_bits!r}")
 
 
-def make_centralized(model: models.Model, federation, hparams: ServerHParams, *,
-                     seed: int) -> Algorithm:
+def make_centralized(model: models.Model, federation, topology, hparams: ServerHParams, run=None, *,
+                     seed: int | None = None) -> Algorithm:
   """Centralised training (arguments as ``server_round.make_server_method``)."""
+  seed = run_options(run, "Centralized training", needs_topology=False, seed=seed).seed
   local_update = local.local_update_from_hparams(model.apply, hparams)
   # features + label
   sample_bits = compression.FLOAT_BITS * (math.prod(federation.feature_shape) + 1)
@@ -46,6 +47,5 @@ def make_centralized(model: models.Model, federation, hparams: ServerHParams, *,
   return server_round.make_server_method(model, federation, hparams, seed=seed, update=update)
 
 
-METHOD = Method(make=lambda model, federation, topology, hparams, run: make_centralized(
-                    model, federation, hparams, seed=run.seed),
+METHOD = Method(make=make_centralized,
                 hyperparameters=ServerHParams, check=check)

@@ -17,7 +17,7 @@ from ntk_fl import models
 from ntk_fl.algorithms import Method
 from ntk_fl.algorithms import local
 from ntk_fl.algorithms import server_round
-from ntk_fl.algorithms.base import Algorithm
+from ntk_fl.algorithms.base import Algorithm, run_options
 from ntk_fl.algorithms.server_round import ServerHParams
 from ntk_fl.rng import Stream, numpy_rng
 
@@ -53,15 +53,16 @@ def _append_shared_set(x, y, mask, shared):
   return x, y, mask
 
 
-def make_datashare(model: models.Model, federation, hparams: DataShareHParams, *,
-                   seed: int) -> Algorithm:
+def make_datashare(model: models.Model, federation, topology,
+                   hparams: DataShareHParams, run=None, *,
+                   seed: int | None = None) -> Algorithm:
   """DataShare for ``federation`` and ``model``; ``seed`` also draws the global set."""
+  seed = run_options(run, "DataShare", needs_topology=False, seed=seed).seed
   shared = shared_set(federation, float(hparams.share_fraction), seed)
   update = server_round.federated_update(model, hparams, augment=_append_shared_set)
   return server_round.make_server_method(model, federation, hparams, seed=seed, update=update,
                                          extra=shared)
 
 
-METHOD = Method(make=lambda model, federation, topology, hparams, run: make_datashare(
-                    model, federation, hparams, seed=run.seed),
+METHOD = Method(make=make_datashare,
                 hyperparameters=DataShareHParams, check=server_round.check)

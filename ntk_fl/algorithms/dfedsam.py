@@ -12,7 +12,7 @@ from ntk_fl import models, topology
 from ntk_fl.algorithms import Method
 from ntk_fl.algorithms import gossip_round
 from ntk_fl.algorithms import local
-from ntk_fl.algorithms.base import Algorithm
+from ntk_fl.algorithms.base import Algorithm, run_options
 from ntk_fl.algorithms.gossip_round import GossipHParams
 
 __all__ = ["DFedSAMHParams", "make_dfedsam", "METHOD"]
@@ -30,14 +30,15 @@ class DFedSAMHParams(GossipHParams):
 
 
 def make_dfedsam(model: models.Model, federation, graphs: topology.Topology,
-                 hparams: DFedSAMHParams, *, seed: int, mixing: str = "uniform",
-                 shared_init: bool = True) -> Algorithm:
+                 hparams: DFedSAMHParams, run=None, *,
+                 seed: int | None = None, mixing: str | None = None,
+                 shared_init: bool | None = None) -> Algorithm:
   """DFedSAM (arguments as :func:`~ntk_fl.algorithms.gossip_round.make_local_sgd_gossip`)."""
+  seed, mixing, shared_init, _ = run_options(run, "DFedSAM", graphs, seed=seed, mixing=mixing,
+                                             shared_init=shared_init)
   return gossip_round.make_local_sgd_gossip(model, federation, graphs, hparams, seed=seed,
                                             mixing=mixing, shared_init=shared_init)
 
 
-METHOD = Method(make=lambda model, federation, graphs, hparams, run: make_dfedsam(
-                    model, federation, graphs, hparams, seed=run.seed, mixing=run.topology.mixing,
-                    shared_init=run.model.shared_init),
+METHOD = Method(make=make_dfedsam,
                 hyperparameters=DFedSAMHParams, graph=True)

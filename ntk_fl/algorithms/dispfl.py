@@ -39,7 +39,7 @@ from ntk_fl import compression, models, parallel, topology, validation
 from ntk_fl.algorithms import Method
 from ntk_fl.algorithms import gossip_round
 from ntk_fl.algorithms import local
-from ntk_fl.algorithms.base import Algorithm
+from ntk_fl.algorithms.base import Algorithm, run_options
 from ntk_fl.algorithms.gossip_round import GossipHParams
 from ntk_fl.rng import Stream
 
@@ -158,9 +158,10 @@ def masked_neighbor_average(params, masks, sent, neighbors, neighbor_mask):
 # ----------------------------------------------------------------------------- the algorithm
 
 
-def make_dispfl(model: models.Model, federation, graphs: topology.Topology, hparams: DisPFLHParams,
-                *, seed: int, rounds: int, mixing: str = "uniform",
-                shared_init: bool = True) -> Algorithm:
+def make_dispfl(model: models.Model, federation, graphs: topology.Topology,
+                hparams: DisPFLHParams, run=None, *,
+                seed: int | None = None, rounds: int | None = None, mixing: str | None = None,
+                shared_init: bool | None = None) -> Algorithm:
   """Builds DisPFL for ``federation`` and ``model``.
 
   Args:
@@ -177,6 +178,10 @@ def make_dispfl(model: models.Model, federation, graphs: topology.Topology, hpar
     An :class:`Algorithm`; ``step`` is jit-compiled with the federation's arrays
     passed as arguments (never baked in as constants).
   """
+  seed, mixing, shared_init, rounds = run_options(run, "DisPFL", graphs, seed=seed, mixing=mixing,
+                                                  shared_init=shared_init, rounds=rounds)
+  if rounds is None:
+    raise TypeError("make_dispfl needs the run settings or rounds=")
   num_clients = federation.mask.shape[0]
   bits, stochastic = int(hparams.quantize_bits), bool(hparams.stochastic_rounding)
   local_update = local.local_update_from_hparams(model.apply, hparams)
@@ -231,7 +236,5 @@ def make_dispfl(model: models.Model, federation, graphs: topology.Topology, hpar
                                          payload=payload, init=init, client_round=client_round)
 
 
-METHOD = Method(make=lambda model, federation, graphs, hparams, run: make_dispfl(
-                    model, federation, graphs, hparams, seed=run.seed, rounds=run.rounds,
-                    mixing=run.topology.mixing, shared_init=run.model.shared_init),
+METHOD = Method(make=make_dispfl,
                 hyperparameters=DisPFLHParams, check=check, graph=True)

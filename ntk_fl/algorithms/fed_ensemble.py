@@ -68,16 +68,17 @@ import numpy as np
 from ntk_fl import compression, evolve, models, parallel, validation
 from ntk_fl.algorithms import Method
 from ntk_fl.algorithms import local
-from ntk_fl.algorithms.base import Algorithm
+from ntk_fl._src.options import Choice, Select, Solver
+from ntk_fl.algorithms.base import Algorithm, parse_enums, run_options
 from ntk_fl.rng import Stream, jax_key, numpy_rng
 
 __all__ = [
     "EnsembleState",
     "EnsembleRound",
-    "LOCAL_TRAINING",
-    "SAMPLING",
-    "AGGREGATION_WEIGHTS",
-    "PREDICTIONS",
+    "LocalTraining",
+    "Sampling",
+    "AggregationWeights",
+    "Prediction",
     "make_strata",
     "age_permutations",
     "round_modes",
@@ -90,10 +91,32 @@ __all__ = [
     "METHOD",
 ]
 
-LOCAL_TRAINING = ("fedavg", "fedprox", "ntk")
-SAMPLING = ("uniform", "stratified")
-AGGREGATION_WEIGHTS = ("uniform", "data_size")
-PREDICTIONS = ("probs", "logits")
+
+
+class LocalTraining(Choice):
+  """How a mode is trained on its participants: FedAvg's or FedProx's local SGD, or the NTK evolution."""
+  FEDAVG = "fedavg"
+  FEDPROX = "fedprox"
+  NTK = "ntk"
+
+
+class Sampling(Choice):
+  """How a round's participants are drawn: uniformly, or one per stratum (``num_strata``)."""
+  UNIFORM = "uniform"
+  STRATIFIED = "stratified"
+
+
+class AggregationWeights(Choice):
+  """The weights of a mode's participants when it is averaged: uniform or by data size."""
+  UNIFORM = "uniform"
+  DATA_SIZE = "data_size"
+
+
+class Prediction(Choice):
+  """What the ensemble averages per test sample: the modes' softmax probabilities or their logits."""
+  PROBS = "probs"
+  LOGITS = "logits"
+
 _AGGREGATE_OF_PREDICTION = {"probs": "ensemble_probs", "logits": "ensemble_logits"}
 
 
@@ -245,10 +268,6 @@ def aggregate_modes(modes, returned, assignment, weights):
 # ----------------------------------------------------------------------------- config
 
 
-def _choice(allowed):
-  return lambda name, value: validation.check_choice(f"config.algorithm.{name}", value, allowed)
-
-
 def _check_taus(name, value):
   try:
     evolve.check_taus(tuple(value))
@@ -264,8 +283,8 @@ class FedEnsembleHParams(local.LocalHParams):
     num_modes: ``K`` (>= 1).
     num_strata: ``Q`` (0 = every client its own stratum).
     clients_per_round: participants per round (0 = all).
-    sampling, aggregation_weights, local_training, prediction: :data:`SAMPLING`,
-      :data:`AGGREGATION_WEIGHTS`, :data:`LOCAL_TRAINING`, :data:`PREDICTIONS`.
+    sampling, aggregation_weights, local_training, prediction: :class:`Sampling`,
+      :class:`AggregationWeights`, :class:`LocalTraining`, :class:`Prediction`.
     prox_mu: FedProx coefficient (> 0 exactly with ``local_training='fedprox'``).
     taus, solver, select: the NTK evolution of ``local_training='ntk'``.
     over_selected: straggler over-selection -- this many clients are selected
@@ -276,33 +295,31 @@ class FedEnsembleHParams(local.LocalHParams):
   num_modes: int
   num_strata: int
   clients_per_round: int
-  sampling: str
-  aggregation_weights: str
-  local_training: str
+  sampling: Sampling
+  aggregation_weights: AggregationWeights
+  local_training: LocalTraining
   prox_mu: float
-  prediction: str
+  prediction: Prediction
   taus: tuple[int, ...]
-  solver: str
-  select: str
+  solver: Solver
+  select: Select
   over_selected: int = dataclasses.field(default=0, kw_only=True)
   latency_sigma: float = dataclasses.field(default=0.5, kw_only=True)
 
   def __post_init__(self):
     super().__post_init__()
+    parse_enums(self)       # the enum fields: strings become members (a bad one is an error naming it)
     local.check_fields(self, {"over_selected": local.int_at_least(0), "latency_sigma": local.nonnegative})
     if self.over_selected and not 0 < self.clients_per_round < self.over_selected:
       raise ValueError(f"config.algorithm.over_selected = {self.over_selected} selects that many clients and "
                        "aggregates the clients_per_round first to finish: it needs 0 < clients_per_round < "
                        f"over_selected (got clients_per_round = {self.clients_per_round})")
-    if self.over_selected and self.sampling != "uniform":
+    if self.over_selected and self.sampling != Sampling.UNIFORM:
       raise ValueError("config.algorithm.over_selected draws its clients uniformly: it needs sampling='uniform', "
                        f"got {self.sampling!r}")
     local.check_fields(self, {
         "num_modes": local.int_at_least(1), "num_strata": local.int_at_least(0),
-        "clients_per_round": local.int_at_least(0), "sampling": _choice(SAMPLING),
-        "aggregation_weights": _choice(AGGREGATION_WEIGHTS), "local_training": _choice(LOCAL_TRAINING),
-        "prox_mu": local.nonnegative, "prediction": _choice(PREDICTIONS), "taus": _check_taus,
-        "solver": _choice(evolve.SOLVERS), "select": _choice(evolve.SELECTS)})
+        "clients_per_round": local.int_at_least(0), "prox_mu": local.nonnegative, "taus": _check_taus})
     if (self.prox_mu > 0) != (self.local_training == "fedprox"):
       raise ValueError(f"config.algorithm.prox_mu = {self.prox_mu!r} with local_training = {self.local_training!r}: "
                        "'fedprox' needs prox_mu > 0 and the other local trainings need prox_mu = 0")
@@ -343,7 +360,9 @@ def check(hparams: FedEnsembleHParams, run) -> None:
 # ----------------------------------------------------------------------------- the method
 
 
-def make_fed_ensemble(model: models.Model, federation, hparams: FedEnsembleHParams, *, seed: int) -> Algorithm:
+def make_fed_ensemble(model: models.Model, federation, topology,
+                      hparams: FedEnsembleHParams, run=None, *,
+                      seed: int | None = None) -> Algorithm:
   """Builds Fed-ensemble for ``federation`` and ``model`` (see the module docstring).
 
   Args:
@@ -356,6 +375,7 @@ def make_fed_ensemble(model: models.Model, federation, hparams: FedEnsembleHPara
     An :class:`Algorithm` with ``client_params`` = the ``[K, ...]`` modes and
     ``aggregate`` = ``'ensemble_probs'`` or ``'ensemble_logits'``.
   """
+  seed = run_options(run, "Fed-ensemble", needs_topology=False, seed=seed).seed
   algo = hparams
   num_clients, n_max = federation.mask.shape
   num_modes = int(algo.num_modes)
@@ -387,7 +407,7 @@ def make_fed_ensemble(model: models.Model, federation, hparams: FedEnsembleHPara
     num_classes = int(jax.eval_shape(model.apply, jax.eval_shape(model.init, jax.random.key(0)),
                                      jax.ShapeDtypeStruct((1, *federation.feature_shape), jnp.float32)).shape[-1])
     evolve_options = dict(taus=evolve.check_taus(tuple(algo.taus)), loss=evolve.Loss.CE,
-                          solver=evolve.Solver(algo.solver), select=evolve.Select(algo.select),
+                          solver=algo.solver, select=algo.select,
                           dense_stack=model.dense_stack, flax_apply=model.flax_apply,
                           per_sample=model.per_sample)
 
@@ -445,6 +465,5 @@ def make_fed_ensemble(model: models.Model, federation, hparams: FedEnsembleHPara
                    aggregate=_AGGREGATE_OF_PREDICTION[algo.prediction])
 
 
-METHOD = Method(make=lambda model, federation, topology, hparams, run: make_fed_ensemble(model, federation, hparams,
-                                                                                       seed=run.seed),
+METHOD = Method(make=make_fed_ensemble,
                 hyperparameters=FedEnsembleHParams, check=check)

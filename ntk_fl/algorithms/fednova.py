@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from ntk_fl import models
 from ntk_fl.algorithms import Method
 from ntk_fl.algorithms import server_round
-from ntk_fl.algorithms.base import Algorithm
+from ntk_fl.algorithms.base import Algorithm, run_options
 from ntk_fl.algorithms.server_round import ServerHParams
 
 __all__ = ["nova_coefficient", "nova_average", "check", "make_fednova", "METHOD"]
@@ -49,14 +49,14 @@ def check(hparams: ServerHParams, run) -> None:
                      "config.algorithm.nesterov must be False")
 
 
-def make_fednova(model: models.Model, federation, hparams: ServerHParams, *,
-                 seed: int) -> Algorithm:
+def make_fednova(model: models.Model, federation, topology, hparams: ServerHParams, run=None, *,
+                 seed: int | None = None) -> Algorithm:
   """FedNova for ``federation`` and ``model`` (arguments as ``server_round.make_server_method``)."""
+  seed = run_options(run, "FedNova", needs_topology=False, seed=seed).seed
   aggregate = nova_average(float(hparams.momentum))
   update = server_round.federated_update(model, hparams, aggregate=aggregate)
   return server_round.make_server_method(model, federation, hparams, seed=seed, update=update)
 
 
-METHOD = Method(make=lambda model, federation, topology, hparams, run: make_fednova(
-                    model, federation, hparams, seed=run.seed),
+METHOD = Method(make=make_fednova,
                 hyperparameters=ServerHParams, check=check)

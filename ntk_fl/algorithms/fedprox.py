@@ -12,7 +12,7 @@ from ntk_fl import models
 from ntk_fl.algorithms import Method
 from ntk_fl.algorithms import local
 from ntk_fl.algorithms import server_round
-from ntk_fl.algorithms.base import Algorithm
+from ntk_fl.algorithms.base import Algorithm, run_options
 from ntk_fl.algorithms.server_round import ServerHParams
 
 __all__ = ["FedProxHParams", "make_fedprox", "METHOD"]
@@ -28,13 +28,13 @@ class FedProxHParams(ServerHParams):
     local.check_fields(self, {"prox_mu": local.nonnegative})
 
 
-def make_fedprox(model: models.Model, federation, hparams: FedProxHParams, *,
-                 seed: int) -> Algorithm:
+def make_fedprox(model: models.Model, federation, topology, hparams: FedProxHParams, run=None, *,
+                 seed: int | None = None) -> Algorithm:
   """FedProx for ``federation`` and ``model`` (arguments as ``server_round.make_server_method``)."""
+  seed = run_options(run, "FedProx", needs_topology=False, seed=seed).seed
   return server_round.make_server_method(model, federation, hparams, seed=seed,
                                          update=server_round.federated_update(model, hparams))
 
 
-METHOD = Method(make=lambda model, federation, topology, hparams, run: make_fedprox(
-                    model, federation, hparams, seed=run.seed),
+METHOD = Method(make=make_fedprox,
                 hyperparameters=FedProxHParams, check=server_round.check)

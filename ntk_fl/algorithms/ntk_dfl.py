@@ -75,11 +75,14 @@ import numpy as np
 from ntk_fl import communication, compression, evolve, gossip, jacobians, models, parallel, rng, topology, \
     validation
 from ntk_fl.algorithms import Method
-from ntk_fl.algorithms.base import Algorithm, ParamsState, check_evolution, config_without, graph_round_inputs
+from ntk_fl._src.options import Kernel, Loss, Select, Solver
+from ntk_fl.algorithms.base import (Algorithm, ClientFn, ParamsState, TargetsFn, check_evolution, config_without,
+                                   graph_round_inputs, run_options)
 from ntk_fl.rng import Stream, jax_key
+from ntk_fl.topology import Topology
 
-__all__ = ["NTKDFLHParams", "NeighbourhoodRound", "make_neighbourhood_round", "make_ntk_dfl",
-           "METHOD"]
+__all__ = ["NTKDFLHParams", "NeighbourhoodRound", "make_client_update", "make_neighbourhood_round",
+           "make_ntk_dfl", "METHOD"]
 
 
 def _subsample_indices(key, mask, num_keep, divisor):
@@ -123,10 +126,10 @@ class NTKDFLHParams:
   lr: float
   lr_decay: float
   taus: tuple[int, ...]
-  loss: str
-  solver: str
-  select: str
-  kernel: str
+  loss: Loss
+  solver: Solver
+  select: Select
+  kernel: Kernel
   per_round_averaging: bool
   jacobian_batches: int
   subsample: int
@@ -220,6 +223,9 @@ def make_neighbourhood_round(model: models.Model, federation, graphs: topology.T
       once per clique (SPARK App. A.2: "each device computes one Jacobian reused
       by all neighbours"), clique-size times less work. Needs ``per_round_averaging``.
   """
+  if graphs is None:
+    raise ValueError("a neighbourhood round needs a communication topology but got none: register the "
+                     "method's Method with graph=True (the schema then builds config.topology)")
   num_clients, n_max = federation.mask.shape
   num_classes = model.num_classes
   m1, m2 = int(jacobian_batches), int(subsample)
@@ -303,75 +309,128 @@ def make_neighbourhood_round(model: models.Model, federation, graphs: topology.T
   return NeighbourhoodRound(data=data, samples_sent=samples_sent, round_inputs=round_inputs, run=run)
 
 
-def make_ntk_dfl(model: models.Model, federation, graphs: topology.Topology, hparams: NTKDFLHParams, *,
-                 seed: int, mixing: str = "uniform", shared_init: bool = True) -> Algorithm:
+def make_client_update(model: models.Model, hparams: NTKDFLHParams, *,
+                       targets_fn: TargetsFn | None = None,
+                       neighbourhood_slots: int | None = None) -> ClientFn:
+  """NTK-DFL's client update: one client's NTK evolution over its neighbourhood, every setting forwarded.
+
+  The step (:func:`ntk_fl.evolve.ntk_step`) takes ``hparams``' ``taus``, ``loss``, ``solver``, ``select``
+  and ``kernel`` and the model's dense stack; with ``jacobian_batches = m1 > 1`` the ``m1`` blocks are
+  evolved one after another (App. E.1: every block linearised at ``w̄_i``, starting from the outputs of the
+  already updated network, with its own ``τ``). A variant changes only what it names through the hooks.
+
+  Args:
+    model: the model (``apply``, ``dense_stack``).
+    hparams: :class:`NTKDFLHParams` (its enum fields already members: the dataclass parses them).
+    targets_fn: ``targets_fn(f0, hard) -> [N_b, C]``, the evolution targets of a block from its starting
+      outputs ``f0 = f(start; x_b)`` and its hard one-hot labels ``hard``; default: ``hard``. The ``τ``
+      candidates are always scored against ``hard`` (with ``select``).
+    neighbourhood_slots: ``1 + k_max``, the neighbourhood's slots of ``N_b / (1 + k_max)`` rows each (the
+      client's own first): needed when ``hparams`` compresses the sent Jacobians (App. E.3), whose
+      packages are per slot; the client's own rows are never sent, so never compressed.
+
+  Returns:
+    A :class:`ClientFn` for :meth:`NeighbourhoodRound.run`:
+    ``client_update(w̄_i, x [m1, N_b, ...], hard [m1, N_b, C], mask [m1, N_b], lr) -> (w_i, info)``
+    with ``info = {'tau', 'loss'}`` float32 scalars (the mean over blocks weighted by their real samples
+    when ``m1 > 1``).
+  """
+  m1 = int(hparams.jacobian_batches)
+  if hparams.compressed and neighbourhood_slots is None:
+    raise ValueError("a compressed NTK-DFL client update (sparsify_keep < 1, quantize_bits < 32) needs "
+                     "neighbourhood_slots = 1 + k_max: its Jacobian packages are per neighbourhood slot")
+  # The step's options, the τ grid checked once here rather than on every trace.
+  options = dict(taus=evolve.check_taus(tuple(hparams.taus)), loss=hparams.loss, solver=hparams.solver,
+                 select=hparams.select, kernel=hparams.kernel, dense_stack=model.dense_stack,
+                 flax_apply=model.flax_apply, per_sample=model.per_sample)
+  keep, bits = float(hparams.sparsify_keep), int(hparams.quantize_bits)
+
+  def step(params, x, hard, mask, lr, start, **explicit):
+    targets = hard if targets_fn is None else functools.partial(_call_targets, targets_fn, hard)
+    labels = None if targets_fn is None else hard
+    return evolve.ntk_step(model.apply, params, x, targets, mask, lr=lr, labels=labels, start=start,
+                           **options, **explicit)
+
+  def compressed_jacobian(params, x, mask):   # x [N_b, ...]: the packages as the client receives them
+    xs = jnp.where(mask.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0)
+    leaves, treedef = jax.tree.flatten(jacobians.per_sample_jacobian(model.apply, params, xs))
+    sent = jnp.arange(neighbourhood_slots) > 0      # the client's own rows (slot 0) are never transmitted
+    leaves = compression.compress_packages(leaves, mask, neighbourhood_slots, keep, bits, sent=sent)
+    return jax.tree.unflatten(treedef, leaves)
+
+  def client_update(params, x, hard, mask, lr):
+    if m1 == 1:
+      explicit = {}
+      if hparams.compressed:    # the kernel and the update from the compressed packages
+        explicit["jacobian"] = compressed_jacobian(params, x[0], mask[0])
+      delta, info = step(params, x[0], hard[0], mask[0], lr, None, **explicit)
+      return jax.tree.map(jnp.add, params, delta), {"tau": info["tau"], "loss": info["loss"]}
+    return _batched_update(step, params, x, hard, mask, lr)
+
+  return client_update
+
+
+def _call_targets(targets_fn, hard, f0):
+  return targets_fn(f0, hard)
+
+
+def make_ntk_dfl(model: models.Model, federation, topology: Topology | None, hparams: NTKDFLHParams,
+                 run=None, *, seed: int | None = None, mixing: str | None = None,
+                 shared_init: bool | None = None, targets_fn: TargetsFn | None = None) -> Algorithm:
   """Builds NTK-DFL for ``federation`` (a :class:`ntk_fl.data.Federation`) and ``model``.
+
+  A :class:`ntk_fl.algorithms.MakeFn`: registered as is (``Method(make=make_ntk_dfl, ...)``). Without
+  ``run`` settings (your own federation and topology), ``seed``, ``mixing`` and ``shared_init`` may be
+  given as keywords instead (defaults 0, ``'uniform'``, True).
 
   Args:
     model: the model.
     federation: the stacked client data (``M`` clients).
-    graphs: the communication :class:`ntk_fl.topology.Topology` over the ``M`` clients.
+    topology: the communication :class:`ntk_fl.topology.Topology` over the ``M`` clients.
     hparams: :class:`NTKDFLHParams`.
-    seed: the run seed (round keys).
-    mixing: mixing scheme of the per-round averaging.
-    shared_init: every client starts from the same initialisation.
+    run: the run's :class:`ntk_fl.settings.RunSettings` (its seed, ``topology.mixing``, ``model.init``).
+    seed: the run seed (round keys), when no ``run``.
+    mixing: mixing scheme of the per-round averaging, when no ``run``.
+    shared_init: every client starts from the same initialisation, when no ``run``.
+    targets_fn: the evolution-targets hook of :func:`make_client_update` (a variant's own targets).
 
   Returns:
     An :class:`~ntk_fl.algorithms.base.Algorithm`; ``step`` is jit-compiled here
     (the federation's arrays are passed to it as arguments, never baked in as
     compile-time constants).
   """
-  algo = hparams
+  options = run_options(run, "NTK-DFL", topology, seed=seed, mixing=mixing, shared_init=shared_init)
   num_clients = federation.mask.shape[0]
-  m1 = int(algo.jacobian_batches)
   projection = None
-  if algo.projection_dim:             # Z = X P once for all samples: what every client computes with the shared P
-    projection, model, federation = _project_federation(model, federation, algo, seed)
-  core = make_neighbourhood_round(model, federation, graphs, seed=seed, mixing=mixing, lr=algo.lr,
-                                  lr_decay=algo.lr_decay, per_round_averaging=algo.per_round_averaging,
-                                  jacobian_batches=m1, subsample=int(algo.subsample))
-  # The step's options, parsed (and the τ grid checked) once here rather than on every trace.
-  evolve_kwargs = dict(taus=evolve.check_taus(tuple(algo.taus)), loss=evolve.Loss(algo.loss),
-                       solver=evolve.Solver(algo.solver), dense_stack=model.dense_stack,
-                       flax_apply=model.flax_apply, per_sample=model.per_sample,
-                       kernel=evolve.Kernel(algo.kernel), select=evolve.Select(algo.select))
+  if hparams.projection_dim:   # Z = X P once for all samples: what every client computes with the shared P
+    projection, model, federation = _project_federation(model, federation, hparams, options.seed)
+  core = make_neighbourhood_round(model, federation, topology, seed=options.seed, mixing=options.mixing,
+                                  lr=hparams.lr, lr_decay=hparams.lr_decay,
+                                  per_round_averaging=hparams.per_round_averaging,
+                                  jacobian_batches=int(hparams.jacobian_batches),
+                                  subsample=int(hparams.subsample))
+  client_update = make_client_update(model, hparams, targets_fn=targets_fn,
+                                     neighbourhood_slots=1 + topology.k_max)
 
   # Communication (ntk_fl.communication.neighbourhood_round_bits): static per-client package sizes.
   template = jax.eval_shape(model.init, jax.random.key(0))
   leaf_sizes = [math.prod(leaf.shape) for leaf in jax.tree.leaves(template)]
-  keep, bits = float(algo.sparsify_keep), int(algo.quantize_bits)
+  keep, bits = float(hparams.sparsify_keep), int(hparams.quantize_bits)
   packages = jnp.asarray([communication.jacobian_package_bits(int(n), model.num_classes, leaf_sizes,
                                                               keep_fraction=keep, bits=bits)
                           for n in core.samples_sent], jnp.float32)
-  broadcast = graphs.cliques > 0        # a clique member sends one package to the whole clique
-  members = 1 + graphs.k_max            # neighbourhood slots: the client and its k_max neighbour slots
-  sent = jnp.arange(members) > 0        # the client's own rows (slot 0) are never transmitted
+  broadcast = topology.cliques > 0        # a clique member sends one package to the whole clique
 
   def init(key):
-    return ParamsState(params=models.init_clients(model, key, num_clients, shared=shared_init),
+    return ParamsState(params=models.init_clients(model, key, num_clients, shared=options.shared_init),
                        bits_cumulative=jnp.float32(0))
-
-  def client_update(params, x, targets, mask, lr):
-    """One client's NTK evolution over its neighbourhood data ``x [m1, N_b, ...]``."""
-    if m1 == 1:
-      explicit = {}
-      if algo.compressed:             # the kernel and the update from the compressed packages
-        xs = jnp.where(mask[0].reshape((-1,) + (1,) * (x.ndim - 2)), x[0], 0)
-        jac = jacobians.per_sample_jacobian(model.apply, params, xs)
-        leaves, treedef = jax.tree.flatten(jac)
-        leaves = compression.compress_packages(leaves, mask[0], members, keep, bits, sent=sent)
-        explicit["jacobian"] = jax.tree.unflatten(treedef, leaves)
-      new_params, info = evolve.ntk_update(model.apply, params, x[0], targets[0], mask[0], lr=lr, **evolve_kwargs,
-                                           **explicit)
-      return new_params, {"tau": info["tau"], "loss": info["loss"]}
-    return _batched_update(model.apply, params, x, targets, mask, lr, evolve_kwargs)
 
   @jax.jit
   def _step(state, inputs, data):
     (new_params, info), lr = core.run(state.params, inputs, data, client_update)
-    bits_sent = communication.neighbourhood_round_bits(inputs.neighbor_mask.sum(axis=1).astype(jnp.float32), packages,
-                                                     sum(leaf_sizes), broadcast=broadcast,
-                                                     averaging=algo.per_round_averaging)
+    bits_sent = communication.neighbourhood_round_bits(inputs.neighbor_mask.sum(axis=1).astype(jnp.float32),
+                                                       packages, sum(leaf_sizes), broadcast=broadcast,
+                                                       averaging=hparams.per_round_averaging)
     total = jnp.sum(bits_sent)
     new_state = ParamsState(params=new_params, bits_cumulative=state.bits_cumulative + total)
     metrics = {"tau": info["tau"], "loss": info["loss"], "lr": lr, "bits_sent": bits_sent,
@@ -405,7 +464,7 @@ def _project_federation(model: models.Model, federation, algo: NTKDFLHParams, se
   return projection, models.mlp_on_inputs(model, int(algo.projection_dim)), federation._replace(samples_x=samples_x)
 
 
-def _batched_update(apply_fn, params, x, targets, mask, lr, evolve_kwargs):
+def _batched_update(step, params, x, targets, mask, lr):
   """Jacobian batching (m1 > 1): sequential block evolutions linearised at ``params``.
 
   Block ``b`` uses the kernel and the Jacobians at the round's averaged weights
@@ -415,7 +474,7 @@ def _batched_update(apply_fn, params, x, targets, mask, lr, evolve_kwargs):
   """
   def block(current, batch):
     xb, tb, mb = batch
-    delta, info = evolve.ntk_step(apply_fn, params, xb, tb, mb, lr=lr, start=current, **evolve_kwargs)
+    delta, info = step(params, xb, tb, mb, lr, current)
     current = jax.tree.map(jnp.add, current, delta)
     return current, (info["tau"], info["loss"])
 
@@ -440,7 +499,4 @@ def shared_rounds(stored: dict, current: dict) -> int:
 
 
 METHOD = Method(
-    make=lambda model, federation, graphs, hparams, run: make_ntk_dfl(
-        model, federation, graphs, hparams, seed=run.seed, mixing=run.topology.mixing,
-        shared_init=run.model.shared_init),
-    hyperparameters=NTKDFLHParams, check=check, graph=True, shared_rounds=shared_rounds)
+    make=make_ntk_dfl, hyperparameters=NTKDFLHParams, check=check, graph=True, shared_rounds=shared_rounds)

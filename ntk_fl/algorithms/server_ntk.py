@@ -74,15 +74,21 @@ import numpy as np
 
 from ntk_fl import communication, compression, evolve, jacobians, models, parallel, validation
 from ntk_fl.algorithms import Method
-from ntk_fl.algorithms.base import Algorithm, check_evolution
+from ntk_fl._src.options import Choice, JacobianPath, Kernel, Loss, Select, Solver
+from ntk_fl.algorithms.base import Algorithm, check_evolution, parse_enums, run_options
 from ntk_fl.rng import Stream, jax_key, numpy_rng
 
-__all__ = ["ServerNTKState", "ServerNTKRound", "JACOBIAN_PATHS", "NTKFLHParams", "make_server_ntk", "check",
+__all__ = ["ServerNTKState", "ServerNTKRound", "JacobianPath", "NTKFLHParams", "make_server_ntk", "check",
            "uses_explicit_jacobian", "METHOD"]
 
-JACOBIAN_PATHS = ("auto", "implicit", "explicit")
-SELECT_VALIDATION = "validation"
-"""``select`` value of the server methods only: τ scored on held-out validation clients."""
+class ServerSelect(Choice):
+  """How the server scores the ``τ`` candidates: the :class:`~ntk_fl.evolve.Select` choices, plus
+  ``VALIDATION``: the non-linear network's loss on clients held out of training (NTK-FL §3, after eq. 11)."""
+  NETWORK = "network"
+  LINEARIZED = "linearized"
+  VALIDATION = "validation"
+
+
 _MIB_BITS = 8 * 2**20
 
 
@@ -104,7 +110,7 @@ class ServerNTKRound(NamedTuple):
 def uses_explicit_jacobian(algo) -> bool:
   """Whether the server must hold explicit Jacobians (compression alters them, or it was asked to)."""
   compressed = algo.sparsify_keep < 1 or algo.quantize_bits != compression.FLOAT_BITS
-  return algo.jacobian == "explicit" or (algo.jacobian == "auto" and compressed)
+  return algo.jacobian == JacobianPath.EXPLICIT or (algo.jacobian == JacobianPath.AUTO and compressed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +121,7 @@ class NTKFLHParams:
     clients_per_round: participants per round (0 = all).
     lr, lr_decay, taus, loss, solver, select, kernel: the server's NTK evolution
       (:func:`ntk_fl.algorithms.base.check_evolution`).
-    jacobian: :data:`JACOBIAN_PATHS` -- ``'auto'`` materialises J only when
+    jacobian: :class:`JacobianPath` -- ``'auto'`` materialises J only when
       compression alters it.
     jacobian_chunk: samples per explicit-Jacobian chunk (0 = automatic).
     subsample_fraction: β in (0, 1], each participant's share of its samples.
@@ -132,11 +138,11 @@ class NTKFLHParams:
   lr: float
   lr_decay: float
   taus: tuple[int, ...]
-  loss: str
-  solver: str
-  select: str
-  kernel: str
-  jacobian: str
+  loss: Loss
+  solver: Solver
+  select: ServerSelect
+  kernel: Kernel
+  jacobian: JacobianPath
   jacobian_chunk: int
   subsample_fraction: float
   projection_dim: int
@@ -149,16 +155,17 @@ class NTKFLHParams:
 
   def __post_init__(self):
     validation.check_int("config.algorithm.clients_per_round (0 = all clients)", self.clients_per_round, low=0)
-    by_validation = self.select == SELECT_VALIDATION
+    parse_enums(self)
+    by_validation = self.select == ServerSelect.VALIDATION
     # 'validation' is the evolution's 'network' scoring on other data: check the rest as such.
-    check_evolution(types.SimpleNamespace(**{**vars(self), "select": "network"}) if by_validation else self)
+    check_evolution(types.SimpleNamespace(**{**vars(self), "select": Select.NETWORK}) if by_validation else self)
     validation.check_int("config.algorithm.validation_clients", self.validation_clients, low=0)
     if by_validation != (self.validation_clients > 0):
       raise ValueError("config.algorithm.select='validation' needs validation_clients >= 1, and validation_clients "
                        f"needs select='validation' (got select={self.select!r}, "
                        f"validation_clients={self.validation_clients})")
-    for name, allowed in (("jacobian", JACOBIAN_PATHS), ("projection_scale", jacobians.PROJECTION_SCALES)):
-      validation.check_choice(f"config.algorithm.{name}", getattr(self, name), allowed)
+    validation.check_choice("config.algorithm.projection_scale", self.projection_scale,
+                            jacobians.PROJECTION_SCALES)
     validation.check_int("config.algorithm.jacobian_chunk (0 = automatic)", self.jacobian_chunk, low=0)
     validation.check_real("config.algorithm.subsample_fraction (β; 1 = all samples)", self.subsample_fraction,
                           low=0, high=1, low_open=True)
@@ -173,7 +180,7 @@ class NTKFLHParams:
       raise ValueError("config.algorithm.stochastic_rounding needs quantisation: set quantize_bits in [1, 16] "
                        "(it is 32, i.e. float32)")
     validation.check_bool("config.algorithm.shuffle", self.shuffle)
-    if self.jacobian == "implicit" and (self.sparsify_keep < 1 or bits != compression.FLOAT_BITS):
+    if self.jacobian == JacobianPath.IMPLICIT and (self.sparsify_keep < 1 or bits != compression.FLOAT_BITS):
       raise ValueError("config.algorithm.jacobian='implicit' cannot apply sparsify_keep < 1 or quantize_bits < 32: "
                        "compressed Jacobians must be materialised -- use jacobian='auto' or 'explicit'")
 
@@ -201,7 +208,8 @@ def _compress_client(jac, mask, key, *, keep: float, bits: int, stochastic: bool
   return jac
 
 
-def make_server_ntk(model: models.Model, federation, hparams: NTKFLHParams, *, seed: int) -> Algorithm:
+def make_server_ntk(model: models.Model, federation, topology, hparams: NTKFLHParams, run=None, *,
+                    seed: int | None = None) -> Algorithm:
   """Builds NTK-FL / CP-NTK-FL for ``federation`` and ``model`` (the raw-input model of the runner).
 
   Args:
@@ -215,6 +223,7 @@ def make_server_ntk(model: models.Model, federation, hparams: NTKFLHParams, *, s
     An :class:`~ntk_fl.algorithms.base.Algorithm`; ``step`` is jit-compiled here
     with the federation's arrays (and ``P``) passed as arguments.
   """
+  seed = run_options(run, "NTK-FL", needs_topology=False, seed=seed).seed
   algo = hparams
   num_clients, n_max = federation.mask.shape
   num_val = int(algo.validation_clients)
@@ -223,12 +232,11 @@ def make_server_ntk(model: models.Model, federation, hparams: NTKFLHParams, *, s
               if num_val else np.zeros((0,), np.int64))
   training_clients = np.setdiff1d(np.arange(num_clients), held_out)
   k = int(algo.clients_per_round) or len(training_clients)
-  by_validation = algo.select == SELECT_VALIDATION
+  by_validation = algo.select == ServerSelect.VALIDATION
   # The step's options, parsed (and the τ grid checked) once here rather than on every trace.
-  step_options = dict(taus=evolve.check_taus(tuple(algo.taus)), loss=evolve.Loss(algo.loss),
-                      solver=evolve.Solver(algo.solver),
-                      select=evolve.Select("network" if by_validation else algo.select),
-                      kernel=evolve.Kernel(algo.kernel))
+  step_options = dict(taus=evolve.check_taus(tuple(algo.taus)), loss=algo.loss, solver=algo.solver,
+                      select=Select.NETWORK if by_validation else Select(algo.select.value),
+                      kernel=algo.kernel)
   beta, proj_dim = float(algo.subsample_fraction), int(algo.projection_dim)
   keep, bits, stochastic = float(algo.sparsify_keep), int(algo.quantize_bits), bool(algo.stochastic_rounding)
   explicit = uses_explicit_jacobian(algo)
@@ -338,6 +346,5 @@ def make_server_ntk(model: models.Model, federation, hparams: NTKFLHParams, *, s
   return Algorithm(init=init, round_inputs=round_inputs, step=step, client_params=client_params)
 
 
-METHOD = Method(make=lambda model, federation, topology, hparams, run: make_server_ntk(model, federation, hparams,
-                                                                                     seed=run.seed),
+METHOD = Method(make=make_server_ntk,
                 hyperparameters=NTKFLHParams, check=check)

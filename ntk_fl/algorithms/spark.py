@@ -77,19 +77,37 @@ import optax
 
 from ntk_fl import communication, compression, evolve, gossip, jacobians, models, ntk, parallel, projection, topology, validation
 from ntk_fl.algorithms import Method
-from ntk_fl.algorithms.base import Algorithm, check_evolution, config_without
+from ntk_fl._src.options import Choice, JacobianPath, Kernel, Select, Solver
+from ntk_fl.algorithms.base import Algorithm, check_evolution, config_without, run_options
 from ntk_fl.algorithms.ntk_dfl import make_neighbourhood_round
 
-__all__ = ["SparkState", "JACOBIAN_MODES", "PROJECTED_KERNELS", "VELOCITY_MODES", "distill_schedule",
+__all__ = ["SparkState", "JacobianPath", "ProjectedKernel", "Velocity", "distill_schedule",
            "distill_targets", "momentum_transform", "nesterov_step",
            "make_spark", "check", "SparkHParams", "DistillHParams", "SketchHParams", "PackageCompressionHParams",
            "LrBoostHParams", "METHOD"]
 
-JACOBIAN_MODES = ("auto", "implicit", "explicit")
-LINEARISATION_POINTS = ("receiver", "sender")
-PROJECTED_KERNELS = ("auto", "structured", "generic")
-VELOCITY_MODES = ("local", "mixed")
+class LinearisationPoint(Choice):
+  """Where a sender's Jacobians are taken (Alg. 1): ``RECEIVER``, at the receiving client's ``w̄_i``
+  (Option A; one linearisation point per neighbourhood kernel), or ``SENDER``, at each sender's own ``w̄_j``
+  (Option B; one broadcast package per client)."""
+  RECEIVER = "receiver"
+  SENDER = "sender"
 
+
+
+class ProjectedKernel(Choice):
+  """The sketched kernel's computation (``config.algorithm.projected_kernel``): ``STRUCTURED``, the dense
+  stack's factorisation (MLPs), ``GENERIC`` for any model, ``AUTO`` the former where it applies."""
+  AUTO = "auto"
+  STRUCTURED = "structured"
+  GENERIC = "generic"
+
+
+class Velocity(Choice):
+  """The momentum velocity (``config.algorithm.velocity``): kept by each client (``LOCAL``, Alg. 1), or sent
+  with the weights and averaged with the same mixing weights every round (``MIXED``, not in the paper)."""
+  LOCAL = "local"
+  MIXED = "mixed"
 
 
 class SparkState(NamedTuple):
@@ -219,50 +237,48 @@ class SparkHParams:
   lr: float
   lr_decay: float
   taus: tuple[int, ...]
-  solver: str
-  select: str
-  kernel: str
+  solver: Solver
+  select: Select
+  kernel: Kernel
   subsample: int
   momentum: float
   nesterov: bool
-  velocity: str
+  velocity: Velocity
   select_momentum: bool
   share_cliques: bool
-  jacobian: str
-  projected_kernel: str
+  jacobian: JacobianPath
+  projected_kernel: ProjectedKernel
   distill: DistillHParams
   projection: SketchHParams
   compression: PackageCompressionHParams
   lr_boost: LrBoostHParams
   # Alg. 1's Option A (the receiver's w̄_i; configs stored before this existed ran it) or B (the sender's w̄_j).
-  linearise_at: str = "receiver"
+  linearise_at: LinearisationPoint = LinearisationPoint.RECEIVER
 
   def __post_init__(self):
     check_evolution(self)
-    for name, allowed in (("jacobian", JACOBIAN_MODES), ("projected_kernel", PROJECTED_KERNELS),
-                          ("velocity", VELOCITY_MODES), ("linearise_at", LINEARISATION_POINTS)):
-      validation.check_choice(f"config.algorithm.{name}", getattr(self, name), allowed)
     validation.check_int("config.algorithm.subsample", self.subsample, low=1)
     validation.check_real("config.algorithm.momentum (μ)", self.momentum, low=0, high=1, high_open=True)
     validation.check_bool("config.algorithm.nesterov", self.nesterov)
     validation.check_bool("config.algorithm.select_momentum", self.select_momentum)
     validation.check_bool("config.algorithm.share_cliques", self.share_cliques)
-    if self.select_momentum and self.select != "network":
+    if self.select_momentum and self.select != Select.NETWORK:
       raise ValueError("config.algorithm.select_momentum=True scores the network after the momentum step, so it "
                        f"needs select='network' (got select={self.select!r})")
     for name, kind in (("distill", DistillHParams), ("projection", SketchHParams),
                        ("compression", PackageCompressionHParams), ("lr_boost", LrBoostHParams)):
       if not isinstance(getattr(self, name), kind):
         raise ValueError(f"config.algorithm.{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
-    if self.projected_kernel == "structured" and self.projection.scheme == "flattened" and self.jacobian == "implicit":
+    if (self.projected_kernel == ProjectedKernel.STRUCTURED and self.projection.scheme == "flattened"
+        and self.jacobian == JacobianPath.IMPLICIT):
       raise ValueError("config.algorithm.projected_kernel='structured' with the flattened sketch builds J̃ from the "
                        "dense stack's Jacobian factors, so it needs jacobian 'auto' or 'explicit' (got 'implicit': "
                        "the matrix-free flattened kernel has no per-layer factorisation; use projected_kernel "
                        "'generic' or 'auto')")
-    if self.linearise_at == "sender" and self.jacobian == "implicit":
+    if self.linearise_at == LinearisationPoint.SENDER and self.jacobian == JacobianPath.IMPLICIT:
       raise ValueError("config.algorithm.linearise_at='sender' stacks Jacobians taken at the senders' own weights, "
                        "so the kernel needs them explicitly: use jacobian 'explicit' or 'auto' (got 'implicit')")
-    if self.compression.active and self.jacobian == "implicit":
+    if self.compression.active and self.jacobian == JacobianPath.IMPLICIT:
       raise ValueError("config.algorithm.jacobian='implicit' cannot apply the compression stack (keep_fraction < 1 "
                        "or bits < 32 needs the explicit sketched Jacobian): use 'explicit' or 'auto'")
 
@@ -289,8 +305,10 @@ def _tree_norm(tree):
 # ----------------------------------------------------------------------------- the method
 
 
-def make_spark(model: models.Model, federation, graphs: topology.Topology, hparams: SparkHParams, *, seed: int,
-               rounds: int, mixing: str = "uniform", shared_init: bool = True) -> Algorithm:
+def make_spark(model: models.Model, federation, graphs: topology.Topology,
+               hparams: SparkHParams, run=None, *,
+               seed: int | None = None, rounds: int | None = None, mixing: str | None = None,
+               shared_init: bool | None = None) -> Algorithm:
   """Builds SPARK for ``federation`` and ``model``; ``step`` is jit-compiled here.
 
   Args:
@@ -303,12 +321,16 @@ def make_spark(model: models.Model, federation, graphs: topology.Topology, hpara
     mixing: mixing scheme of the per-round averaging.
     shared_init: every client starts from the same initialisation.
   """
+  seed, mixing, shared_init, rounds = run_options(run, "SPARK", graphs, seed=seed, mixing=mixing,
+                                                  shared_init=shared_init, rounds=rounds)
+  if rounds is None:
+    raise TypeError("make_spark needs the run settings or rounds=")
   algo = hparams
   num_clients = federation.mask.shape[0]
   num_classes = model.num_classes
   # The step's options, parsed (and the τ grid checked) once here rather than on every trace.
   taus = evolve.check_taus(tuple(algo.taus))
-  solver, select, kernel_kind = evolve.Solver(algo.solver), evolve.Select(algo.select), evolve.Kernel(algo.kernel)
+  solver, select, kernel_kind = algo.solver, algo.select, algo.kernel
   traced = kernel_kind == evolve.Kernel.TRACED
   select_momentum = bool(algo.select_momentum)
   m2 = int(algo.subsample)
@@ -319,7 +341,7 @@ def make_spark(model: models.Model, federation, graphs: topology.Topology, hpara
                                   share_cliques=share_cliques)
   members = 1 + graphs.k_max                   # neighbourhood slots: the client and its k_max neighbour slots
   tx = momentum_transform(float(algo.momentum), bool(algo.nesterov))
-  mixed_velocity = algo.velocity == "mixed"
+  mixed_velocity = algo.velocity == Velocity.MIXED
 
   # The sketch: identical for all clients and rounds, generated once from the seed and the layer names.
   template = jax.eval_shape(model.init, jax.random.key(0))
@@ -328,19 +350,20 @@ def make_spark(model: models.Model, federation, graphs: topology.Topology, hpara
   sketched = any(s.kind != "identity" for s in plan)
   matrices = projection.sample_matrices(plan, seed) if sketched else tuple(None for _ in plan)
   keep, bits = float(algo.compression.keep_fraction), int(algo.compression.bits)
-  at_sender = algo.linearise_at == "sender"
-  explicit = (algo.jacobian == "explicit" or at_sender
-              or (algo.jacobian == "auto" and algo.compression.active))
+  at_sender = algo.linearise_at == LinearisationPoint.SENDER
+  explicit = (algo.jacobian == JacobianPath.EXPLICIT or at_sender
+              or (algo.jacobian == JacobianPath.AUTO and algo.compression.active))
   # A sketch of a dense stack never differentiates through P (unless projected_kernel='generic'):
   # * layer-wise and matrix-free: the structured kernel with each layer input A_l replaced by A_l P_l
   #   (ntk.projected_dense_ntk; a small proj500 round ran ~350x faster than with per-sample Jacobians of g);
   # * flattened (no kernel factorisation), or explicit Jacobians for the compression stack: J̃ assembled from the
   #   Jacobian's factors (projection.sketched_dense_jacobian, C times fewer flops than per-sample Jacobians of g).
   # Other models use the generic paths on the lifted network g.
-  dense = sketched and model.dense_stack is not None and algo.projected_kernel != "generic"
+  dense = sketched and model.dense_stack is not None and algo.projected_kernel != ProjectedKernel.GENERIC
   structured_sketch = dense and not explicit and algo.projection.scheme == "layerwise"
-  factored_jacobian = dense and not structured_sketch and algo.jacobian != "implicit"
-  if algo.projected_kernel == "structured" and sketched and not (structured_sketch or factored_jacobian):
+  factored_jacobian = dense and not structured_sketch and algo.jacobian != JacobianPath.IMPLICIT
+  if (algo.projected_kernel == ProjectedKernel.STRUCTURED and sketched
+      and not (structured_sketch or factored_jacobian)):
     raise ValueError("config.algorithm.projected_kernel='structured' needs a dense-stack model (and, for the "
                      "flattened sketch, jacobian 'auto' or 'explicit'); "
                      f"got model dense_stack={model.dense_stack is not None}, scheme={algo.projection.scheme!r}, "
@@ -510,7 +533,5 @@ def shared_rounds(stored: dict, current: dict) -> int:
 
 
 METHOD = Method(
-    make=lambda model, federation, graphs, hparams, run: make_spark(
-        model, federation, graphs, hparams, seed=run.seed, rounds=run.rounds, mixing=run.topology.mixing,
-        shared_init=run.model.shared_init),
+    make=make_spark,
     hyperparameters=SparkHParams, check=check, graph=True, shared_rounds=shared_rounds)
