@@ -217,10 +217,12 @@ def _check_override_keys(argv: list[str]) -> None:
     if path[0] == "algorithm":
       continue
     node = file_config
-    for key in path:
+    for depth, key in enumerate(path):
       if not hasattr(node, "keys") or key not in node:
-        sys.exit(f"error: unknown config key config.{'.'.join(path)}; every --config.<key> must name "
-                 "a field of the config file (or of the method's config.algorithm)")
+        import difflib  # pylint: disable=import-outside-toplevel
+        close = difflib.get_close_matches(key, list(node.keys()), n=1) if hasattr(node, "keys") else []
+        hint = f"; did you mean config.{'.'.join(path[:depth] + close)}?" if close else ""
+        sys.exit(f"error: unknown config key config.{'.'.join(path)}{hint}")
       node = node[key]
 
 

@@ -510,4 +510,4 @@ def test_synthetic_is_seeded_and_learnable():
 
 
 def test_dataset_names():
-  assert DATASETS == ("fashion_mnist", "mnist", "emnist_digits", "femnist", "cifar10", "synthetic")
+  assert DATASETS == ("fashion_mnist", "mnist", "emnist_digits", "femnist", "femnist_digits", "cifar10", "synthetic")

@@ -764,7 +764,7 @@ def test_resume_of_a_run_killed_before_its_first_checkpoint_starts_over_in_place
                          workdir], capture_output=True, text=True, timeout=300,
                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert proc.returncode == -9, proc.stderr[-2000:]
-  assert len(runner.read_metrics(workdir)) == 1 and not os.listdir(os.path.join(workdir, "checkpoints"))
+  assert len(rundir.read_metrics(workdir)) == 1 and not os.listdir(os.path.join(workdir, "checkpoints"))
   # A fresh run refuses the workdir, and its message names the request that works.
   with pytest.raises(ValueError, match="already holds a run.*--resume") as err:
     runner.run(_toy_config(), workdir)
@@ -889,7 +889,7 @@ def test_digest_of_real_method_states(tmp_path, name):
 _KILL_AFTER_CHECKPOINT = """
 import os, signal, sys
 sys.path.insert(0, {repo!r})
-from ntk_fl import checkpoint, runner
+from ntk_fl import checkpoint, rundir, runner
 from ntk_fl.config import load_config
 config = load_config(os.path.join({repo!r}, "tests", "configs", "toy.py"), "smoke")
 config.rounds = {rounds}
@@ -916,7 +916,7 @@ def test_event_file_follows_metrics_after_a_kill_right_after_a_checkpoint(uninte
   runner.run(_toy_config(), workdir, resume=True)
   assert _results(workdir) == expected
   scalars = events.scalars_by_step(events.read_events(workdir))
-  lines = runner.read_metrics(workdir)
+  lines = rundir.read_metrics(workdir)
   assert sorted(scalars) == [line["round"] for line in lines]
   for line in lines:
     want = summaries.round_scalars(line)

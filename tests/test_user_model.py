@@ -136,7 +136,7 @@ def test_make_model_builds_the_users_module(module_file):
 def test_an_ntk_round_runs_with_the_users_module(module_file, tmp_path):
   workdir = str(tmp_path / "run")
   summary = runner.run(_config(f"{module_file}:make"), workdir)
-  line = runner.read_metrics(workdir)[-1]
+  line = rundir.read_metrics(workdir)[-1]
   assert line["round"] == 1 and np.isfinite(line["test_loss"]) and 0 <= line["test_acc"] <= 1
   assert summary is not None
   # Reading the run back imports nothing new: only an already imported module is accepted.

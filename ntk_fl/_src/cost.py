@@ -98,12 +98,12 @@ def workload(settings, model, federation) -> Workload | None:
   options = lambda kernel: dict(taus=tuple(algo.taus), loss=getattr(algo, "loss", "ce"), solver=algo.solver,
                                 kernel=kernel, select=algo.select)
   if method in ("ntk_dfl", "spark"):
-    k = settings.graph.k_max
+    k = settings.built_topology.k_max
     m1 = int(getattr(algo, "jacobian_batches", 1))
     per_member = _ceil_div(_ceil_div(n_max, int(algo.subsample)), m1)
     steps = num_clients
-    if method == "spark" and algo.share_cliques and settings.graph.cliques:
-      steps = settings.graph.cliques
+    if method == "spark" and algo.share_cliques and settings.built_topology.cliques:
+      steps = settings.built_topology.cliques
     return Workload(steps * m1, (k + 1) * per_member, min(chunk, steps), options(algo.kernel))
   if method in ("ntk_fl", "cp_ntk_fl"):
     participants = algo.clients_per_round or num_clients

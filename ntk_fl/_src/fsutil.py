@@ -124,7 +124,7 @@ class WorkdirLock:
     """Takes the lock or raises :class:`WorkdirBusy` naming the holder.
 
     The record of a killed run (the file names a process, nobody holds the lock)
-    is taken over, and :attr:`taken_over` says so, when that process is provably
+    is taken over, and ``taken_over`` says so, when that process is provably
     dead: it ran on this host and either the host has rebooted since or no
     process with its pid exists. Otherwise (another host, or its pid is in use
     again) the run refuses, naming the file to delete once that run is known to be

@@ -470,7 +470,7 @@ def empirical_ntk(apply_fn: ApplyFn, params: Params, x1: jax.Array, x2: jax.Arra
 
   Args:
     apply_fn: ``apply_fn(params, x [B, *in]) -> [B, C]`` (a flax ``apply``), mapping samples
-      independently (per-sample; :func:`empirical_ntk_fn` with ``vmap_axes=None`` for other models).
+      independently (per-sample; :func:`ntk_fl.ntk.empirical_ntk_fn` with ``vmap_axes=None`` for other models).
     params: the linearisation point (a flax variables dict).
     x1: ``[N1, *in]`` inputs.
     x2: ``[N2, *in]`` inputs, or ``None`` for ``x2 = x1`` (shares work).

@@ -240,6 +240,8 @@ def parse_enums(hparams: Any, path: str = "config.algorithm") -> None:
   import enum  # pylint: disable=import-outside-toplevel
   import typing  # pylint: disable=import-outside-toplevel
 
+  if not dataclasses.is_dataclass(hparams):   # e.g. a namespace of already-checked values
+    return
   hints = typing.get_type_hints(type(hparams))
   for field in dataclasses.fields(hparams):
     kind = hints.get(field.name)
