@@ -15,6 +15,7 @@ selection) timed as separate jitted functions; RSS = peak resident set of the
 process, and the increase over the process's peak before the update was
 compiled (imports, data and parameters already resident).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,15 +31,21 @@ __all__ = ["main"]
 
 
 def _parse(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   p.add_argument("--n", type=int, default=1200, help="samples per client neighbourhood")
   p.add_argument("--taus", type=str, default="100,200,300,400,500,600,700,800")
   p.add_argument("--clients", type=str, default="1,4,8", help="comma-separated client batch sizes")
   p.add_argument("--no-ode", action="store_true", help="skip the ODE-solver configuration")
   p.add_argument("--lr", type=float, default=0.01)
   p.add_argument("--repeats", type=int, default=3)
-  p.add_argument("--data", choices=("random", "fashion_mnist"), default="random",
-                 help="random N(0,1) pixels (already normalised) or real Fashion-MNIST rows")
+  p.add_argument(
+    "--data",
+    choices=("random", "fashion_mnist"),
+    default="random",
+    help="random N(0,1) pixels (already normalised) or real Fashion-MNIST rows",
+  )
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--worker", type=str, default=None, help=argparse.SUPPRESS)
   return p.parse_args(argv)
@@ -52,9 +59,11 @@ def _data(args, num_clients):
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
+
   n = args.n
   if args.data == "fashion_mnist":
     from ntk_fl import data  # pylint: disable=import-outside-toplevel
+
     ds = data.load("fashion_mnist", seed=args.seed)
     rng = np.random.default_rng(args.seed)
     idx = rng.choice(ds.x_train.shape[0], size=(num_clients, n), replace=False)
@@ -68,6 +77,7 @@ def _data(args, num_clients):
 
 def _time(fn, *args, repeats):
   import jax  # pylint: disable=import-outside-toplevel
+
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
@@ -81,7 +91,6 @@ def _worker(args, spec):
   import functools  # pylint: disable=import-outside-toplevel
 
   import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
   from ntk_fl import evolve, models, ntk  # pylint: disable=import-outside-toplevel
   from ntk_fl.parallel import for_each_client  # pylint: disable=import-outside-toplevel
@@ -95,23 +104,36 @@ def _worker(args, spec):
   jax.block_until_ready((params, x, y, mask))
   rss_before = _rss_mb()
 
-  one = functools.partial(evolve.ntk_update, model.apply, lr=args.lr, taus=taus, solver=solver,
-                          dense_stack=model.dense_stack)
+  one = functools.partial(
+    evolve.ntk_update,
+    model.apply,
+    lr=args.lr,
+    taus=taus,
+    solver=solver,
+    dense_stack=model.dense_stack,
+  )
   update = jax.jit(for_each_client(lambda p, xi, yi, mi: one(p, xi, yi, mi)))
   start = time.perf_counter()
   compiled = update.lower(params, x, y, mask).compile()
   compile_s = time.perf_counter() - start
   jax.block_until_ready(compiled(params, x, y, mask))  # warm-up
   steady_s = _time(compiled, params, x, y, mask, repeats=args.repeats)
-  out = {"clients": num_clients, "solver": solver, "compile_s": compile_s, "steady_s": steady_s,
-         "rss_mb": _rss_mb(), "rss_before_mb": rss_before,
-         "tau": jax.device_get(compiled(params, x, y, mask)[1]["tau"]).tolist()}
+  out = {
+    "clients": num_clients,
+    "solver": solver,
+    "compile_s": compile_s,
+    "steady_s": steady_s,
+    "rss_mb": _rss_mb(),
+    "rss_before_mb": rss_before,
+    "tau": jax.device_get(compiled(params, x, y, mask)[1]["tau"]).tolist(),
+  }
 
   if num_clients == 1:  # Where the time goes.
     p0 = jax.tree_util.tree_map(lambda a: a[0], params)
     x0, y0, m0 = x[0], y[0], mask[0]
-    kernel_fn = jax.jit(lambda p, xi: ntk.empirical_ntk(model.apply, p, xi,
-                                                        dense_stack=model.dense_stack))
+    kernel_fn = jax.jit(
+      lambda p, xi: ntk.empirical_ntk(model.apply, p, xi, dense_stack=model.dense_stack)
+    )
     k = jax.block_until_ready(kernel_fn(p0, x0))
     f0 = model.apply(p0, x0)
     evolve_fn = jax.jit(functools.partial(evolve.evolve, lr=args.lr, taus=taus, solver=solver))
@@ -123,12 +145,17 @@ def _worker(args, spec):
 
 def _row(r):
   per_client = r["steady_s"] / r["clients"]
-  breakdown = (f"{r['kernel_s'] * 1e3:.0f} / {r['evolve_s'] * 1e3:.0f} / "
-               f"{max(r['steady_s'] - r['kernel_s'] - r['evolve_s'], 0) * 1e3:.0f}"
-               if "kernel_s" in r else "")
-  return (f"| {r['solver']} | {r['clients']} | {r['compile_s']:.1f} | {r['steady_s']:.3f} | "
-          f"{per_client:.3f} | {breakdown} | {r['rss_mb']:.0f} | "
-          f"{r['rss_mb'] - r['rss_before_mb']:.0f} |")
+  breakdown = (
+    f"{r['kernel_s'] * 1e3:.0f} / {r['evolve_s'] * 1e3:.0f} / "
+    f"{max(r['steady_s'] - r['kernel_s'] - r['evolve_s'], 0) * 1e3:.0f}"
+    if "kernel_s" in r
+    else ""
+  )
+  return (
+    f"| {r['solver']} | {r['clients']} | {r['compile_s']:.1f} | {r['steady_s']:.3f} | "
+    f"{per_client:.3f} | {breakdown} | {r['rss_mb']:.0f} | "
+    f"{r['rss_mb'] - r['rss_before_mb']:.0f} |"
+  )
 
 
 def main(argv=None):
@@ -139,17 +166,32 @@ def main(argv=None):
   specs = [{"clients": int(m), "solver": "euler"} for m in args.clients.split(",")]
   if not args.no_ode:
     specs.append({"clients": 1, "solver": "ode"})
-  passthrough = [f"--n={args.n}", f"--taus={args.taus}", f"--lr={args.lr}",
-                 f"--repeats={args.repeats}", f"--data={args.data}", f"--seed={args.seed}"]
+  passthrough = [
+    f"--n={args.n}",
+    f"--taus={args.taus}",
+    f"--lr={args.lr}",
+    f"--repeats={args.repeats}",
+    f"--data={args.data}",
+    f"--seed={args.seed}",
+  ]
   import jax  # pylint: disable=import-outside-toplevel
-  print(f"NTK client update: N={args.n}, MLP 784-100-10, CE, taus={args.taus}, lr={args.lr}, "
-        f"data={args.data}, backend={jax.default_backend()}, host CPUs={os.cpu_count()}\n")
-  print("| solver | clients | compile s | steady s | s / client | kernel / evolve / rest ms "
-        "(1 client) | peak RSS MB | RSS increase MB |")
+
+  print(
+    f"NTK client update: N={args.n}, MLP 784-100-10, CE, taus={args.taus}, lr={args.lr}, "
+    f"data={args.data}, backend={jax.default_backend()}, host CPUs={os.cpu_count()}\n"
+  )
+  print(
+    "| solver | clients | compile s | steady s | s / client | kernel / evolve / rest ms "
+    "(1 client) | peak RSS MB | RSS increase MB |"
+  )
   print("|---|---|---|---|---|---|---|---|")
   for spec in specs:
-    proc = subprocess.run([sys.executable, __file__, *passthrough, "--worker", json.dumps(spec)],
-                          capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+      [sys.executable, __file__, *passthrough, "--worker", json.dumps(spec)],
+      capture_output=True,
+      text=True,
+      check=False,
+    )
     if proc.returncode != 0:
       print(f"| {spec['solver']} | {spec['clients']} | failed: {proc.stderr.strip()[-300:]} |")
       continue

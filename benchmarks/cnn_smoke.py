@@ -8,6 +8,7 @@ Every run is ``python -m ntk_fl --config=<method>:smoke[,cnn]`` in a fresh proce
 and CNN of a method back to back. The target: the CNN run within 3x the MLP run. Prints a markdown
 table with the machine and commit; paste it into benchmarks/RESULTS.md.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,13 @@ def wall_time(method: str, variant: str) -> float:
   with tempfile.TemporaryDirectory(prefix=f"cnn-smoke-{method}-") as workdir:
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "ntk_fl", f"--config={method}:{variant}",
-                           f"--workdir={workdir}/run"], capture_output=True, text=True, env=env, check=False)
+    done = subprocess.run(
+      [sys.executable, "-m", "ntk_fl", f"--config={method}:{variant}", f"--workdir={workdir}/run"],
+      capture_output=True,
+      text=True,
+      env=env,
+      check=False,
+    )
     seconds = time.perf_counter() - start
   if done.returncode:
     raise RuntimeError(f"{method}:{variant} failed: {done.stderr.strip().splitlines()[-1:]}")
@@ -36,8 +42,9 @@ def wall_time(method: str, variant: str) -> float:
 
 def main(argv: list[str]) -> None:
   methods = argv or list(METHODS)
-  commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          check=False).stdout.strip()
+  commit = subprocess.run(
+    ["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+  ).stdout.strip()
   print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, commit {commit}")
   print("| method | MLP smoke (s) | CNN smoke (s) | CNN / MLP |\n|---|---:|---:|---:|")
   for method in methods:

@@ -14,6 +14,7 @@ Columns: XLA temp = the compiled program's temporary buffers
 (``memory_analysis().temp_size_in_bytes``); time = median wall time of a call
 (``block_until_ready``) after a compiling call.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,7 +27,9 @@ __all__ = ["main", "mix_gather_all_slots"]
 
 
 def _parse(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   p.add_argument("--clients", type=int, default=300)
   p.add_argument("--degree", type=int, default=5)
   p.add_argument("--repeats", type=int, default=10, help="timed calls after the compiling one")
@@ -40,7 +43,7 @@ def mix_gather_all_slots(stacked_params, neighbors, self_weight, neighbor_weight
 
   def one(own):
     extra = (1,) * (own.ndim - 1)
-    gathered = own[neighbors]                                                # [M, k, ...]
+    gathered = own[neighbors]  # [M, k, ...]
     weights = neighbor_weights.reshape(*neighbor_weights.shape, *extra)
     return self_weight.reshape(-1, *extra) * own + jnp.sum(weights * gathered, axis=1)
 
@@ -49,6 +52,7 @@ def mix_gather_all_slots(stacked_params, neighbors, self_weight, neighbor_weight
 
 def _time(fn, args, repeats):
   import jax  # pylint: disable=import-outside-toplevel
+
   compiled = jax.jit(fn).lower(*args).compile()
   out = jax.block_until_ready(compiled(*args))
   times = []
@@ -63,7 +67,6 @@ def main(argv=None):
   args = _parse(argv)
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
   from ntk_fl import gossip, models, topology  # pylint: disable=import-outside-toplevel
 
   model = models.mlp(input_dim=784, hidden=(100,), num_classes=10)
@@ -74,17 +77,28 @@ def main(argv=None):
 
   new, new_temp, new_time = _time(gossip.mix, inputs, args.repeats)
   old, old_temp, old_time = _time(mix_gather_all_slots, inputs, args.repeats)
-  diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old)))
+  diff = max(
+    float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old))
+  )
   if diff > 1e-5:
     raise AssertionError(f"gossip.mix and the gather-all reference differ by {diff}")
   load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-  print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {jax.default_backend()}, "
-        f"load average {load:.1f}; M = {args.clients}, κ = {args.degree}, max |difference| {diff:.1e}")
+  print(
+    f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {jax.default_backend()}, "
+    f"load average {load:.1f}; M = {args.clients}, κ = {args.degree}, max |difference| {diff:.1e}"
+  )
   print("| formulation | XLA temp | time per call |")
   print("|---|---:|---:|")
-  print(f"| all k slots gathered at once (before) | {old_temp / 2**20:.0f} MiB | {old_time * 1e3:.0f} ms |")
+  print(
+    f"| all k slots gathered at once (before) | {old_temp / 2**20:.0f} MiB | {old_time * 1e3:.0f} ms |"
+  )
   print(f"| slot by slot (`gossip.mix`) | {new_temp / 2**20:.0f} MiB | {new_time * 1e3:.0f} ms |")
-  return {"before_s": old_time, "after_s": new_time, "before_temp": old_temp, "after_temp": new_temp}
+  return {
+    "before_s": old_time,
+    "after_s": new_time,
+    "before_temp": old_temp,
+    "after_temp": new_temp,
+  }
 
 
 if __name__ == "__main__":

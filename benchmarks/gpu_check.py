@@ -20,6 +20,7 @@ Columns: ``first`` = the first call (trace + compile + one run); ``steady`` = th
 backend reports it (GPU/TPU), else the subprocess's peak host RSS. ``--quick`` shrinks every case (the
 ``smoke`` configs, chunk 5, N = 120) so the script's plumbing is exercised in seconds without an accelerator.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,9 +38,13 @@ CASES = ("ntk_dfl", "kernel", "dfedavg", "spark")
 
 
 def _parse(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   p.add_argument("--quick", action="store_true", help="seconds-sized cases (CI, CPU)")
-  p.add_argument("--chunks", default="0,60,10", help="NTK-DFL clients per vmap chunk to time (0 = all)")
+  p.add_argument(
+    "--chunks", default="0,60,10", help="NTK-DFL clients per vmap chunk to time (0 = all)"
+  )
   p.add_argument("--kernel_sizes", default="1200,4800", help="N for the structured-kernel case")
   p.add_argument("--cases", default=",".join(CASES), help=f"subset of {','.join(CASES)}")
   p.add_argument("--repeats", type=int, default=3, help="steady-state calls after the first")
@@ -53,6 +58,7 @@ def _parse(argv=None):
 
 def _peak_memory_bytes() -> tuple[int, str]:
   import jax  # pylint: disable=import-outside-toplevel
+
   stats = jax.local_devices()[0].memory_stats() or {}
   if "peak_bytes_in_use" in stats:
     return int(stats["peak_bytes_in_use"]), "device"
@@ -77,9 +83,15 @@ def _round_case(method: str, args) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
   from ntk_fl import runner  # pylint: disable=import-outside-toplevel
   from ntk_fl.config import load_config  # pylint: disable=import-outside-toplevel
-  config = load_config(os.path.join(REPO, "configs", f"{method}.py"), "smoke" if args.quick else None)
-  if method in ("ntk_dfl", "spark"):   # both at the same chunk: configs/spark.py's chunk 1 (the CPU's best)
-    config.chunk_size = args.size      # would run a GPU's 300 clients one after another
+
+  config = load_config(
+    os.path.join(REPO, "configs", f"{method}.py"), "smoke" if args.quick else None
+  )
+  if method in (
+    "ntk_dfl",
+    "spark",
+  ):  # both at the same chunk: configs/spark.py's chunk 1 (the CPU's best)
+    config.chunk_size = args.size  # would run a GPU's 300 clients one after another
   experiment = runner.build_experiment(config)
   algorithm = experiment.algorithm
   holder = {"state": algorithm.init(jax.random.key(config.seed)), "round": 0}
@@ -89,7 +101,9 @@ def _round_case(method: str, args) -> dict:
     jax.block_until_ready(state)
     holder["state"], holder["round"] = state, holder["round"] + 1
 
-  with experiment.device_policy():     # the config's devices and chunk size, read when the step is traced
+  with (
+    experiment.device_policy()
+  ):  # the config's devices and chunk size, read when the step is traced
     first, steady = _time_calls(one_round, args.repeats)
   data = config.data
   setting = f"{data.num_clients} clients, κ = {config.topology.degree}"
@@ -103,13 +117,20 @@ def _round_case(method: str, args) -> dict:
 def _kernel_case(args) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
   from ntk_fl import models, ntk  # pylint: disable=import-outside-toplevel
+
   model = models.mlp(784, (100,), 10)
   params = model.init(jax.random.key(0))
   x = jax.random.normal(jax.random.key(1), (args.size, 784))
-  kernel_fn = jax.jit(lambda p, x: ntk.empirical_ntk(model.apply, p, x, dense_stack=model.dense_stack))
+  kernel_fn = jax.jit(
+    lambda p, x: ntk.empirical_ntk(model.apply, p, x, dense_stack=model.dense_stack)
+  )
   first, steady = _time_calls(lambda: jax.block_until_ready(kernel_fn(params, x)), args.repeats)
-  return {"case": "structured NTK", "setting": f"N = {args.size}, traced, MLP 784-100-10",
-          "first_s": first, "steady_s": steady}
+  return {
+    "case": "structured NTK",
+    "setting": f"N = {args.size}, traced, MLP 784-100-10",
+    "first_s": first,
+    "steady_s": steady,
+  }
 
 
 def run_case(args) -> dict:
@@ -141,10 +162,13 @@ def _case_commands(args) -> list[tuple[str, int]]:
 
 def _device_description() -> str:
   import jax  # pylint: disable=import-outside-toplevel
+
   device = jax.local_devices()[0]
-  return (f"{getattr(device, 'device_kind', device.platform)} ({jax.default_backend()}, "
-          f"{jax.local_device_count()} local device(s)); jax {jax.__version__}; host {platform.machine()}, "
-          f"{os.cpu_count()} CPUs")
+  return (
+    f"{getattr(device, 'device_kind', device.platform)} ({jax.default_backend()}, "
+    f"{jax.local_device_count()} local device(s)); jax {jax.__version__}; host {platform.machine()}, "
+    f"{os.cpu_count()} CPUs"
+  )
 
 
 def main(argv=None) -> int:
@@ -155,16 +179,30 @@ def main(argv=None) -> int:
   print(_device_description(), flush=True)
   rows = []
   for case, size in _case_commands(args):
-    command = [sys.executable, os.path.abspath(__file__), "--run_case", case, "--size", str(size),
-               "--repeats", str(args.repeats)] + (["--quick"] if args.quick else [])
+    command = [
+      sys.executable,
+      os.path.abspath(__file__),
+      "--run_case",
+      case,
+      "--size",
+      str(size),
+      "--repeats",
+      str(args.repeats),
+    ] + (["--quick"] if args.quick else [])
     try:
-      done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, check=False)
+      done = subprocess.run(
+        command, capture_output=True, text=True, timeout=args.timeout, check=False
+      )
       lines = [l for l in done.stdout.splitlines() if l.startswith("GPU_CHECK_ROW ")]
       if done.returncode or not lines:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        row = {"case": case, "setting": f"size {size}", "error": " | ".join(tail) or f"exit {done.returncode}"}
+        row = {
+          "case": case,
+          "setting": f"size {size}",
+          "error": " | ".join(tail) or f"exit {done.returncode}",
+        }
       else:
-        row = json.loads(lines[-1][len("GPU_CHECK_ROW "):])
+        row = json.loads(lines[-1][len("GPU_CHECK_ROW ") :])
     except subprocess.TimeoutExpired:
       row = {"case": case, "setting": f"size {size}", "error": f"over {args.timeout:.0f} s"}
     rows.append(row)

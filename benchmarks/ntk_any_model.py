@@ -20,6 +20,7 @@ and the analytic count of the kernel's contractions (2 per multiply-add, ``d`` p
 route each takes (``ntk_fl._src.layerwise``: ``2·N²·T²·(d_in + C·d_out)`` factorised,
 ``2·N²·C·d_l`` contracted; traced).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,7 +39,9 @@ from ntk_fl._src import layerwise
 
 INPUTS = {"mlp": (784,), "cnn": (28, 28, 1)}
 OURS = ("jacobian", "ntvp", "structured")
-ORACLE_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "nt_oracle", "time_kernels.py")
+ORACLE_SCRIPT = os.path.join(
+  os.path.dirname(__file__), "..", "scripts", "nt_oracle", "time_kernels.py"
+)
 
 
 def make(net: str) -> models.Model:
@@ -64,12 +67,23 @@ def measure_ours(net: str, n: int, impl: str, trace_outputs: bool, reps: int) ->
   model = make(net)
   params = model.init(jax.random.PRNGKey(0))
   x = jax.random.uniform(jax.random.PRNGKey(1), (n, *INPUTS[net]))
-  fn = jax.jit(lambda p, a: ntk.empirical_ntk(model.apply, p, a, trace_outputs=trace_outputs,
-                                              implementation=impl, flax_apply=model.flax_apply))
+  fn = jax.jit(
+    lambda p, a: ntk.empirical_ntk(
+      model.apply,
+      p,
+      a,
+      trace_outputs=trace_outputs,
+      implementation=impl,
+      flax_apply=model.flax_apply,
+    )
+  )
   compiled = fn.lower(params, x).compile()
   mem = compiled.memory_analysis()
-  peak = None if mem is None else (mem.argument_size_in_bytes + mem.output_size_in_bytes
-                                   + mem.temp_size_in_bytes)
+  peak = (
+    None
+    if mem is None
+    else (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes)
+  )
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   jax.block_until_ready(compiled(params, x))
@@ -78,30 +92,60 @@ def measure_ours(net: str, n: int, impl: str, trace_outputs: bool, reps: int) ->
     start = time.perf_counter()
     jax.block_until_ready(compiled(params, x))
     times.append(time.perf_counter() - start)
-  return {"library": "ntk_fl", "net": net, "n": n, "kernel": "traced" if trace_outputs else "full",
-          "implementation": impl, "times": times, "peak_bytes": peak or None,
-          "xla_flops": None if not cost else cost.get("flops"),
-          "analytic_flops": analytic_flops(impl, model, params, n, trace_outputs)}
+  return {
+    "library": "ntk_fl",
+    "net": net,
+    "n": n,
+    "kernel": "traced" if trace_outputs else "full",
+    "implementation": impl,
+    "times": times,
+    "peak_bytes": peak or None,
+    "xla_flops": None if not cost else cost.get("flops"),
+    "analytic_flops": analytic_flops(impl, model, params, n, trace_outputs),
+  }
 
 
-def measure_oracle(python: str, net: str, n: int, impls, trace_outputs: bool, reps: int) -> list[dict]:
-  cmd = [python, ORACLE_SCRIPT, "--net", net, "--n", str(n), "--reps", str(reps),
-         "--impls", *map(str, impls)] + ([] if trace_outputs else ["--full"])
-  out = subprocess.run(cmd, check=True, capture_output=True, text=True,
-                       env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": ""})
+def measure_oracle(
+  python: str, net: str, n: int, impls, trace_outputs: bool, reps: int
+) -> list[dict]:
+  cmd = [
+    python,
+    ORACLE_SCRIPT,
+    "--net",
+    net,
+    "--n",
+    str(n),
+    "--reps",
+    str(reps),
+    "--impls",
+    *map(str, impls),
+  ] + ([] if trace_outputs else ["--full"])
+  out = subprocess.run(
+    cmd,
+    check=True,
+    capture_output=True,
+    text=True,
+    env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": ""},
+  )
   return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   parser.add_argument("--net", choices=tuple(INPUTS), default="cnn")
   parser.add_argument("--sizes", type=int, nargs="+", default=[50, 200, 600])
   parser.add_argument("--impls", nargs="+", default=list(OURS), choices=OURS)
   parser.add_argument("--oracle-impls", type=int, nargs="*", default=[1, 2, 3])
-  parser.add_argument("--full", action="store_true", help="full [N, N, C, C] kernel instead of traced")
+  parser.add_argument(
+    "--full", action="store_true", help="full [N, N, C, C] kernel instead of traced"
+  )
   parser.add_argument("--reps", type=int, default=3, help="timed runs per measurement")
   parser.add_argument("--rounds", type=int, default=1, help="repetitions of the back-to-back pair")
-  parser.add_argument("--oracle-python", default=None, help="the neural-tangents environment's python")
+  parser.add_argument(
+    "--oracle-python", default=None, help="the neural-tangents environment's python"
+  )
   parser.add_argument("--json", default=None, help="also append every measurement to this file")
   args = parser.parse_args(argv)
   trace_outputs = not args.full
@@ -111,8 +155,9 @@ def main(argv=None) -> None:
     for _ in range(args.rounds):
       results = [measure_ours(args.net, n, impl, trace_outputs, args.reps) for impl in args.impls]
       if args.oracle_python and args.oracle_impls:
-        results += measure_oracle(args.oracle_python, args.net, n, args.oracle_impls, trace_outputs,
-                                  args.reps)
+        results += measure_oracle(
+          args.oracle_python, args.net, n, args.oracle_impls, trace_outputs, args.reps
+        )
       for r in results:
         key = (r["library"].split()[0], r["n"], str(r["implementation"]))
         entry = rows.setdefault(key, {**r, "times": []})
@@ -122,15 +167,19 @@ def main(argv=None) -> None:
             f.write(json.dumps(r) + "\n")
       print(json.dumps(results), file=sys.stderr, flush=True)
 
-  print(f"{args.net}, {'traced [N, N]' if trace_outputs else 'full [N, N, C, C]'} kernel, float32, "
-        f"device {jax.devices()[0].device_kind}; median of {args.rounds}x{args.reps} runs\n")
+  print(
+    f"{args.net}, {'traced [N, N]' if trace_outputs else 'full [N, N, C, C]'} kernel, float32, "
+    f"device {jax.devices()[0].device_kind}; median of {args.rounds}x{args.reps} runs\n"
+  )
   print("| library | impl | N | time (s) | planned peak (MiB) | XLA GFLOP | analytic GFLOP |")
   print("|---|---|---:|---:|---:|---:|---:|")
   fmt = lambda v, scale, spec: "–" if not v else format(v / scale, spec)
   for (lib, n, impl), r in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2])):
-    print(f"| {lib} | {impl} | {n} | {statistics.median(r['times']):.3f} | "
-          f"{fmt(r.get('peak_bytes'), 2**20, ',.0f')} | {fmt(r.get('xla_flops'), 1e9, ',.1f')} | "
-          f"{fmt(r.get('analytic_flops'), 1e9, ',.1f')} |")
+    print(
+      f"| {lib} | {impl} | {n} | {statistics.median(r['times']):.3f} | "
+      f"{fmt(r.get('peak_bytes'), 2**20, ',.0f')} | {fmt(r.get('xla_flops'), 1e9, ',.1f')} | "
+      f"{fmt(r.get('analytic_flops'), 1e9, ',.1f')} |"
+    )
 
 
 if __name__ == "__main__":

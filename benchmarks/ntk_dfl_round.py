@@ -18,6 +18,7 @@ as the algorithm:
 Prints a markdown table (seconds) with the machine; paste it into
 benchmarks/RESULTS.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,7 +30,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -39,7 +39,10 @@ from ntk_fl import metrics as metrics_lib  # noqa: E402
 
 def _config(args):
   from ntk_fl.config import load_config  # pylint: disable=import-outside-toplevel
-  config = load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "ntk_dfl.py"), args.variant)
+
+  config = load_config(
+    os.path.join(os.path.dirname(__file__), "..", "configs", "ntk_dfl.py"), args.variant
+  )
   config.data.num_clients = args.clients
   config.topology.degree = args.degree
   config.chunk_size = args.chunk
@@ -50,7 +53,7 @@ def _config(args):
 
 
 def _timed(fn, *args, repeats):
-  jax.block_until_ready(fn(*args))                      # compile + warm up
+  jax.block_until_ready(fn(*args))  # compile + warm up
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
@@ -60,7 +63,9 @@ def _timed(fn, *args, repeats):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   parser.add_argument("--clients", type=int, default=300)
   parser.add_argument("--degree", type=int, default=5)
   parser.add_argument("--chunk", type=int, default=30, help="clients per vmap chunk (0 = all)")
@@ -68,7 +73,9 @@ def main():
   parser.add_argument("--repeats", type=int, default=2)
   parser.add_argument("--variant", default="")
   parser.add_argument("--max-train", type=int, default=0)
-  parser.add_argument("--skip-stages", action="store_true", help="time only the whole step and evaluation")
+  parser.add_argument(
+    "--skip-stages", action="store_true", help="time only the whole step and evaluation"
+  )
   args = parser.parse_args()
 
   config = _config(args)
@@ -79,14 +86,16 @@ def main():
   algo = config.algorithm
   rows = []
 
-  with experiment.device_policy():     # the config's devices and chunk size, read when a step is traced
+  with (
+    experiment.device_policy()
+  ):  # the config's devices and chunk size, read when a step is traced
     step_time = _timed(algorithm.step, state, inputs, repeats=args.repeats)
     if not args.skip_stages:
       data = jax.device_put(fed)
 
       @jax.jit
       def average(params, inputs):
-        return topology.mix(params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
+        return gossip.mix(params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
 
       def neighbourhood(idx, nbrs, nbr_mask, data):
         members = jnp.concatenate([idx[None], nbrs])
@@ -104,11 +113,22 @@ def main():
             kernel = ntk.empirical_ntk(model.apply, p, x, dense_stack=model.dense_stack)
             if not with_evolution:
               return kernel[0, :4]
-            evo = evolve.evolve(kernel, model.apply(p, x), targets, mask, lr=algo.lr, taus=tuple(algo.taus),
-                                loss="ce", solver=algo.solver)
+            evo = evolve.evolve(
+              kernel,
+              model.apply(p, x),
+              targets,
+              mask,
+              lr=algo.lr,
+              taus=tuple(algo.taus),
+              loss="ce",
+              solver=algo.solver,
+            )
             return evo.residual_sums[:, 0, :]
+
           return parallel.for_each_client(per_client)(
-              params, jnp.arange(fed.n.shape[0]), inputs.neighbors, inputs.neighbor_mask)
+            params, jnp.arange(fed.n.shape[0]), inputs.neighbors, inputs.neighbor_mask
+          )
+
         return stage
 
       rows.append(("average (eq. 1)", _timed(average, state.params, inputs, repeats=args.repeats)))
@@ -116,20 +136,37 @@ def main():
       evolve_time = _timed(make_stage(True), state.params, inputs, data, repeats=args.repeats)
       rows.append(("neighbourhood gather + structured NTK", kernel_time))
       rows.append(("Euler CE evolution (τ_max steps)", evolve_time - kernel_time))
-      rows.append(("VJP updates + τ selection (step − the above)", step_time - evolve_time - rows[0][1]))
+      rows.append(
+        ("VJP updates + τ selection (step − the above)", step_time - evolve_time - rows[0][1])
+      )
     rows.append(("**whole step**", step_time))
 
-    evaluator = metrics_lib.make_evaluator(model.apply, experiment.dataset.x_test, experiment.dataset.y_test,
-                                           batch_size=config.eval.batch_size)
-    rows.append(("evaluation (aggregated + all clients)",
-                 _timed(lambda p: (evaluator.aggregate(p), evaluator.clients(p)),
-                        state.params, repeats=args.repeats)))
+    evaluator = metrics_lib.make_evaluator(
+      model.apply,
+      experiment.dataset.x_test,
+      experiment.dataset.y_test,
+      batch_size=config.eval.batch_size,
+    )
+    rows.append(
+      (
+        "evaluation (aggregated + all clients)",
+        _timed(
+          lambda p: (evaluator.aggregate(p), evaluator.clients(p)),
+          state.params,
+          repeats=args.repeats,
+        ),
+      )
+    )
 
   peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-  print(f"NTK-DFL round: {args.clients} clients, κ={args.degree}, N≈{(args.degree + 1) * fed.index.shape[1]} "
-        f"per neighbourhood, τ ≤ {args.tau_max}, chunk {config.chunk_size}, solver {algo.solver}")
-  print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__} "
-        f"{jax.devices()[0].platform}; peak RSS {peak_mb:.0f} MB\n")
+  print(
+    f"NTK-DFL round: {args.clients} clients, κ={args.degree}, N≈{(args.degree + 1) * fed.index.shape[1]} "
+    f"per neighbourhood, τ ≤ {args.tau_max}, chunk {config.chunk_size}, solver {algo.solver}"
+  )
+  print(
+    f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__} "
+    f"{jax.devices()[0].platform}; peak RSS {peak_mb:.0f} MB\n"
+  )
   print("| stage | seconds |\n|---|---|")
   for name, seconds in rows:
     print(f"| {name} | {seconds:.2f} |")

@@ -23,6 +23,7 @@ multiply-add = 2 FLOPs; lower-order terms such as forward passes omitted):
 
 Run on a quiet machine for reportable numbers: the timings are wall-clock.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,15 @@ from ntk_fl import models, ntk
 IMPLS = ("structured", "jacobian", "ntvp")
 
 
-def flops(impl: str, n: int, *, trace_outputs: bool, input_dim: int = 784, hidden: int = 100,
-          num_classes: int = 10) -> float:
+def flops(
+  impl: str,
+  n: int,
+  *,
+  trace_outputs: bool,
+  input_dim: int = 784,
+  hidden: int = 100,
+  num_classes: int = 10,
+) -> float:
   """FLOPs (2 per multiply-add) an implementation needs for the ``n × n`` kernel of the one-hidden-layer MLP."""
   d = input_dim * hidden + hidden + hidden * num_classes + num_classes
   c = num_classes
@@ -73,26 +81,46 @@ def _peak_bytes(compiled) -> float | None:
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   parser.add_argument("--sizes", type=int, nargs="+", default=[200, 600, 1200, 2400, 4200])
   parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
-  parser.add_argument("--full", action="store_true", help="full [N, N, C, C] kernel instead of traced")
+  parser.add_argument(
+    "--full", action="store_true", help="full [N, N, C, C] kernel instead of traced"
+  )
   parser.add_argument("--reps", type=int, default=5)
-  parser.add_argument("--chunk-size", type=int, default=None, help="samples per block (default: automatic)")
-  parser.add_argument("--time-budget", type=float, default=60.0,
-                      help="skip a combination whose estimated seconds per call exceed this")
-  parser.add_argument("--assumed-gflops", type=float, default=50.0,
-                      help="throughput used for the time estimate (GFLOP/s)")
-  parser.add_argument("--memory-budget-gb", type=float, default=8.0,
-                      help="skip a combination whose planned peak memory exceeds this")
+  parser.add_argument(
+    "--chunk-size", type=int, default=None, help="samples per block (default: automatic)"
+  )
+  parser.add_argument(
+    "--time-budget",
+    type=float,
+    default=60.0,
+    help="skip a combination whose estimated seconds per call exceed this",
+  )
+  parser.add_argument(
+    "--assumed-gflops",
+    type=float,
+    default=50.0,
+    help="throughput used for the time estimate (GFLOP/s)",
+  )
+  parser.add_argument(
+    "--memory-budget-gb",
+    type=float,
+    default=8.0,
+    help="skip a combination whose planned peak memory exceeds this",
+  )
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)
   trace_outputs = not args.full
 
   model = models.mlp(784, (100,), 10, "relu")
   params = model.init(jax.random.key(args.seed))
-  print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}; kernel: "
-        f"{'traced [N, N]' if trace_outputs else 'full [N, N, C, C]'}; median of {args.reps} runs\n")
+  print(
+    f"device: {jax.devices()[0].device_kind} x{jax.device_count()}; kernel: "
+    f"{'traced [N, N]' if trace_outputs else 'full [N, N, C, C]'}; median of {args.reps} runs\n"
+  )
   print("| impl | N | GFLOP | time (ms) | GFLOP/s | planned peak (MiB) | note |")
   print("|---|---:|---:|---:|---:|---:|---|")
   for impl in args.impls:
@@ -102,11 +130,21 @@ def main(argv=None) -> None:
       row = f"| {impl} | {n} | {gflop:,.1f} |"
       estimate = gflop / args.assumed_gflops
       if estimate > args.time_budget:
-        print(f"{row} – | – | – | skipped: ~{estimate:,.0f} s/call at {args.assumed_gflops:g} GFLOP/s |")
+        print(
+          f"{row} – | – | – | skipped: ~{estimate:,.0f} s/call at {args.assumed_gflops:g} GFLOP/s |"
+        )
         continue
-      fn = jax.jit(lambda p, a, impl=impl: ntk.empirical_ntk(
-          model.apply, p, a, trace_outputs=trace_outputs, implementation=impl,
-          dense_stack=model.dense_stack, chunk_size=args.chunk_size))
+      fn = jax.jit(
+        lambda p, a, impl=impl: ntk.empirical_ntk(
+          model.apply,
+          p,
+          a,
+          trace_outputs=trace_outputs,
+          implementation=impl,
+          dense_stack=model.dense_stack,
+          chunk_size=args.chunk_size,
+        )
+      )
       compiled = fn.lower(params, x).compile()
       peak = _peak_bytes(compiled)
       peak_mib = "–" if peak is None else f"{peak / 2**20:,.0f}"

@@ -20,27 +20,34 @@ without sub-sampling (``flat10000``). Prints a markdown table: median wall time
 of ``--reps`` runs after compilation, the FLOP count and the achieved GFLOP/s,
 and the largest difference between the two results (they must agree).
 """
+
 from __future__ import annotations
 
 import argparse
 
 import jax
 import jax.numpy as jnp
-from ntk_kernels import _median_time  # the sibling benchmark's timer: warm-up, then the median of reps
+from ntk_kernels import (
+  _median_time,
+)  # the sibling benchmark's timer: warm-up, then the median of reps
 
 from ntk_fl import models, projection
 
 METHODS = ("factored", "lifted")
 
 
-def flops(method: str, n: int, *, num_classes: int = 10, size: int = 784 * 100, k_proj: int = 10_000) -> float:
+def flops(
+  method: str, n: int, *, num_classes: int = 10, size: int = 784 * 100, k_proj: int = 10_000
+) -> float:
   """FLOPs (2 per multiply-add) of the flattened sketch of ``dense_0``'s kernel for ``n`` samples."""
   per_row = 2 * size * k_proj
   return n * per_row * (num_classes if method == "lifted" else 1)
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   parser.add_argument("--sizes", type=int, nargs="+", default=[40, 240])
   parser.add_argument("--k-proj", type=int, default=10_000)
   parser.add_argument("--reps", type=int, default=3)
@@ -60,7 +67,9 @@ def main(argv=None) -> None:
   def lifted(params, mats, x):
     g, u0 = projection.lift(model.apply, params, plan, mats)
     one = lambda xi: jax.jacrev(lambda u: g(u, xi[None])[0])(u0)
-    return jax.lax.map(one, x, batch_size=8)     # 8 samples at a time: the [8, C, ...] cotangents stay small
+    return jax.lax.map(
+      one, x, batch_size=8
+    )  # 8 samples at a time: the [8, C, ...] cotangents stay small
 
   fns = {"factored": factored, "lifted": lifted}
   print(f"devices: {jax.devices()}")
@@ -75,10 +84,16 @@ def main(argv=None) -> None:
       if method == "factored":
         reference, diff = out, 0.0
       else:
-        diff = (max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(out), reference))
-                if reference is not None else float("nan"))
+        diff = (
+          max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(out), reference))
+          if reference is not None
+          else float("nan")
+        )
       gflop = flops(method, n, k_proj=args.k_proj) / 1e9
-      print(f"| {n} | {method} | {seconds:.2f} | {gflop:.0f} | {gflop / seconds:.1f} | {diff:.1e} |", flush=True)
+      print(
+        f"| {n} | {method} | {seconds:.2f} | {gflop:.0f} | {gflop / seconds:.1f} | {diff:.1e} |",
+        flush=True,
+      )
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ that part costs:
 
 Prints a markdown table with the machine; paste it into benchmarks/RESULTS.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,28 +64,34 @@ def time_step(config, repeats: int) -> float:
 
 
 ROWS = (
-    ("ntk_dfl", "ntk_dfl", {}),
-    ("spark", "spark", {}),
-    ("spark momentum=0", "spark", {"algorithm.momentum": 0.0}),
-    ("spark distill off", "spark", {"algorithm.distill.enabled": False}),
+  ("ntk_dfl", "ntk_dfl", {}),
+  ("spark", "spark", {}),
+  ("spark momentum=0", "spark", {"algorithm.momentum": 0.0}),
+  ("spark distill off", "spark", {"algorithm.distill.enabled": False}),
 )
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   parser.add_argument("--clients", type=int, default=60)
   parser.add_argument("--degree", type=int, default=5)
   parser.add_argument("--chunk", type=int, default=1, help="clients per vmap chunk (0 = all)")
   parser.add_argument("--tau-max", type=int, default=800)
   parser.add_argument("--repeats", type=int, default=2)
-  parser.add_argument("--variant", default="", help="config variant tokens for both methods, e.g. 'iid'")
+  parser.add_argument(
+    "--variant", default="", help="config variant tokens for both methods, e.g. 'iid'"
+  )
   parser.add_argument("--max-train", type=int, default=0)
   parser.add_argument("--rows", default="", help="comma-separated row names (default: all)")
   args = parser.parse_args(argv)
   wanted = set(filter(None, args.rows.split(",")))
-  print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, jax {jax.__version__} "
-        f"({jax.default_backend()}); {args.clients} clients, κ = {args.degree}, chunk {args.chunk or 'all'}, "
-        f"τ ≤ {args.tau_max}")
+  print(
+    f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, jax {jax.__version__} "
+    f"({jax.default_backend()}); {args.clients} clients, κ = {args.degree}, chunk {args.chunk or 'all'}, "
+    f"τ ≤ {args.tau_max}"
+  )
   print("| step | s |\n|---|---:|")
   base = None
   for name, method, overrides in ROWS:

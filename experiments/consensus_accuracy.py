@@ -23,6 +23,7 @@ round when the run scored its clients then. Runs with ``config.eval.consensus``
 (SPARK's default) log the consensus accuracy every round
 (``consensus_acc_*``); this script serves the runs without it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,13 +36,17 @@ from ntk_fl import metrics, rundir, runner, topology
 from ntk_fl.checkpoint import Checkpoints
 
 
-def client_accuracies(workdir: str, round_: int | None = None, *, trust_method_module: str | None = None) -> dict:
+def client_accuracies(
+  workdir: str, round_: int | None = None, *, trust_method_module: str | None = None
+) -> dict:
   """Aggregated, own-model and consensus-model test accuracies after ``round_`` rounds of the run in ``workdir``.
 
   Returns:
     ``{"round", "aggregated", "own" [M], "consensus" [M]}`` (accuracies as floats / numpy arrays).
   """
-  experiment = runner.build_experiment(rundir.rebuild_config(workdir, trust_method_module=trust_method_module))
+  experiment = runner.build_experiment(
+    rundir.rebuild_config(workdir, trust_method_module=trust_method_module)
+  )
   algorithm, settings = experiment.algorithm, experiment.settings
   template = algorithm.init(jax.random.key(settings.seed))
   with Checkpoints(rundir.checkpoint_dir(workdir), read_only=True) as checkpoints:
@@ -51,9 +56,13 @@ def client_accuracies(workdir: str, round_: int | None = None, *, trust_method_m
     state = checkpoints.restore(round_, template)
   own = algorithm.client_params(state)
   consensus = topology.consensus(own, algorithm.round_inputs(round_))
-  with experiment.device_policy():     # the run's devices and chunk size, as the runner evaluated
-    evaluator = metrics.make_evaluator(experiment.model.apply, experiment.dataset.x_test, experiment.dataset.y_test,
-                                       batch_size=settings.eval.batch_size)
+  with experiment.device_policy():  # the run's devices and chunk size, as the runner evaluated
+    evaluator = metrics.make_evaluator(
+      experiment.model.apply,
+      experiment.dataset.x_test,
+      experiment.dataset.y_test,
+      batch_size=settings.eval.batch_size,
+    )
     aggregated = float(evaluator.aggregate(own)[0])
     own_acc = np.asarray(evaluator.clients(own)[0])
     consensus_acc = np.asarray(evaluator.clients(consensus)[0])
@@ -62,19 +71,30 @@ def client_accuracies(workdir: str, round_: int | None = None, *, trust_method_m
 
 def row(name: str, result: dict) -> str:
   spread = lambda a: f"{100 * a.mean():.2f} ({100 * a.min():.1f}–{100 * a.max():.1f})"
-  return (f"| {name} | {result['round']} | {100 * result['aggregated']:.2f} | {spread(result['own'])} | "
-          f"{spread(result['consensus'])} |")
+  return (
+    f"| {name} | {result['round']} | {100 * result['aggregated']:.2f} | {spread(result['own'])} | "
+    f"{spread(result['consensus'])} |"
+  )
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   parser.add_argument("workdirs", nargs="+")
-  parser.add_argument("--round", type=int, default=None, help="checkpoint to score (default: the latest)")
-  parser.add_argument("--method_module", default=None,
-                      help="a run whose config.json names a method_module (a user's own method) needs it named "
-                           "here too: a run directory is not trusted to import code on its own")
+  parser.add_argument(
+    "--round", type=int, default=None, help="checkpoint to score (default: the latest)"
+  )
+  parser.add_argument(
+    "--method_module",
+    default=None,
+    help="a run whose config.json names a method_module (a user's own method) needs it named "
+    "here too: a run directory is not trusted to import code on its own",
+  )
   args = parser.parse_args()
-  print("| run | round | aggregated % | own models: mean (min–max) % | consensus models: mean (min–max) % |")
+  print(
+    "| run | round | aggregated % | own models: mean (min–max) % | consensus models: mean (min–max) % |"
+  )
   print("|---|---:|---:|---:|---:|")
   for workdir in args.workdirs:
     result = client_accuracies(workdir, args.round, trust_method_module=args.method_module)

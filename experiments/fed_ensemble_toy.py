@@ -29,6 +29,7 @@ Writes ``toy.json`` (settings and one row per K), ``toy.md`` (the table beside
 the paper's) and ``toy.png`` (bias/variance vs K; predictive bands for K = 1
 and the largest K, as in Fig. 2).
 """
+
 from __future__ import annotations
 
 import json
@@ -45,18 +46,49 @@ import numpy as np
 from ntk_fl.algorithms import fed_ensemble
 from ntk_fl.rng import Stream, jax_key, numpy_rng
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/fed_ensemble_toy.py", "toy regression config")
+_CONFIG = config_flags.DEFINE_config_file(
+  "config", "configs/fed_ensemble_toy.py", "toy regression config"
+)
 _OUT = flags.DEFINE_string("out", "runs/fed_ensemble_toy", "output directory")
 
 # Table 1 of the paper, verbatim (bias, variance) for K = 1 (FedAvg), 2, 10, 20, 40.
-PAPER = {1: (0.109, 0.0496), 2: (0.117, 0.0115), 10: (0.112, 0.0063), 20: (0.113, 0.0045), 40: (0.112, 0.0042)}
+PAPER = {
+  1: (0.109, 0.0496),
+  2: (0.117, 0.0115),
+  10: (0.112, 0.0063),
+  20: (0.113, 0.0045),
+  40: (0.112, 0.0042),
+}
 # Training lengths (rounds) at which the exact FedAvg curve of bias and variance is recorded.
-CURVE_ROUNDS = (1, 2, 3, 4, 5, 6, 8, 10, 15, 20, 30, 40, 60, 80, 120, 160, 240, 320, 640, 1000, 3000, 10000)
+CURVE_ROUNDS = (
+  1,
+  2,
+  3,
+  4,
+  5,
+  6,
+  8,
+  10,
+  15,
+  20,
+  30,
+  40,
+  60,
+  80,
+  120,
+  160,
+  240,
+  320,
+  640,
+  1000,
+  3000,
+  10000,
+)
 
 
 def rbf_features(x, centres, bandwidth):
   """``[n] -> [n, F]`` features ``exp(-(x - nu_k)^2 / (2 b^2))``."""
-  return jnp.exp(-jnp.square(x[:, None] - centres[None, :]) / (2.0 * bandwidth ** 2))
+  return jnp.exp(-jnp.square(x[:, None] - centres[None, :]) / (2.0 * bandwidth**2))
 
 
 def make_data(config):
@@ -74,7 +106,7 @@ def schedules(config, num_modes: int) -> np.ndarray:
   """int32 ``[rounds, R, N]``: the mode each client trains, per round and repetition (full participation)."""
   out = np.empty((config.rounds, config.repetitions, config.num_clients), np.int32)
   for rep in range(config.repetitions):
-    seed = config.seed * 100_003 + rep   # one schedule per repetition, all from the config seed
+    seed = config.seed * 100_003 + rep  # one schedule per repetition, all from the config seed
     strata = fed_ensemble.make_strata(config.num_clients, 0, seed)
     for r in range(config.rounds):
       out[r, rep] = fed_ensemble.round_modes(strata, num_modes, seed, r)
@@ -93,10 +125,11 @@ def train(config, phi, y, assignment, init):
   def local(w, phi_i, y_i):  # full-batch GD on (1 / (2 n_i)) ||phi_i w - y_i||^2
     def step(w, _):
       return w - config.lr * phi_i.T @ (phi_i @ w - y_i) / phi_i.shape[0], None
+
     return jax.lax.scan(step, w, None, length=config.local_steps)[0]
 
-  def one_rep(modes, assign):                                   # modes [K, F], assign [N]
-    trained = jax.vmap(local)(modes[assign], phi, y)            # [N, F]
+  def one_rep(modes, assign):  # modes [K, F], assign [N]
+    trained = jax.vmap(local)(modes[assign], phi, y)  # [N, F]
     new, _ = fed_ensemble.aggregate_modes(modes, trained, assign, jnp.ones(num_clients))
     return new
 
@@ -134,9 +167,12 @@ def fedavg_closed_form(config, phi, y, phi_grid, truth, rounds):
   for r in range(1, max(rounds) + 1):
     w, power = a_bar @ w + b_bar, a_bar @ power
     if r in rounds:
-      variance = config.init_std ** 2 * np.mean(np.sum((phi_grid @ power) ** 2, axis=1))
-      out[r] = (float(np.mean((phi_grid @ w - truth) ** 2)), float(variance),
-                float(np.mean((np.einsum("nif,f->ni", phi, w) - y) ** 2)))
+      variance = config.init_std**2 * np.mean(np.sum((phi_grid @ power) ** 2, axis=1))
+      out[r] = (
+        float(np.mean((phi_grid @ w - truth) ** 2)),
+        float(variance),
+        float(np.mean((np.einsum("nif,f->ni", phi, w) - y) ** 2)),
+      )
   return out
 
 
@@ -156,40 +192,75 @@ def run(config, out_dir: str) -> dict:
   rows, bands = [], {}
   for k in config.modes:
     t0 = time.perf_counter()
-    init = config.init_std * jax.random.normal(jax_key(config.seed, Stream.ROUND_KEYS, k),
-                                               (config.repetitions, k, config.num_features))
+    init = config.init_std * jax.random.normal(
+      jax_key(config.seed, Stream.ROUND_KEYS, k), (config.repetitions, k, config.num_features)
+    )
     modes = train(config, phi, jnp.asarray(y), jnp.asarray(schedules(config, k)), init)
-    per_mode = np.asarray(jnp.einsum("gf,rkf->rkg", phi_grid, modes))        # [R, K, G]
+    per_mode = np.asarray(jnp.einsum("gf,rkf->rkg", phi_grid, modes))  # [R, K, G]
     ensemble = per_mode.mean(axis=1)
     bias, variance = bias_variance(ensemble, truth)
     train_pred = np.asarray(jnp.einsum("nif,rkf->rkni", phi, modes)).mean(axis=1)
-    rows.append({"K": k, "bias": bias, "rms_bias": float(np.sqrt(bias)), "variance": variance,
-                 "single_mode_variance": float(np.mean(np.var(per_mode, axis=(0, 1)))),
-                 "train_mse": float(np.mean((train_pred - y) ** 2)),
-                 "paper_bias": PAPER.get(k, (None, None))[0], "paper_variance": PAPER.get(k, (None, None))[1],
-                 "seconds": time.perf_counter() - t0})
+    rows.append(
+      {
+        "K": k,
+        "bias": bias,
+        "rms_bias": float(np.sqrt(bias)),
+        "variance": variance,
+        "single_mode_variance": float(np.mean(np.var(per_mode, axis=(0, 1)))),
+        "train_mse": float(np.mean((train_pred - y) ** 2)),
+        "paper_bias": PAPER.get(k, (None, None))[0],
+        "paper_variance": PAPER.get(k, (None, None))[1],
+        "seconds": time.perf_counter() - t0,
+      }
+    )
     bands[k] = per_mode[0], ensemble
-    print(f"K={k:3d}  bias {bias:.4f}  variance {variance:.5f}  ({rows[-1]['seconds']:.1f}s)", flush=True)
-  curve = fedavg_closed_form(config, phi, y, phi_grid, truth, sorted(set(CURVE_ROUNDS) | {config.rounds}))
+    print(
+      f"K={k:3d}  bias {bias:.4f}  variance {variance:.5f}  ({rows[-1]['seconds']:.1f}s)",
+      flush=True,
+    )
+  curve = fedavg_closed_form(
+    config, phi, y, phi_grid, truth, sorted(set(CURVE_ROUNDS) | {config.rounds})
+  )
   exact = curve[config.rounds]
-  print(f"K=1 exact (closed form, R = {config.rounds}): bias {exact[0]:.4f} (rms {np.sqrt(exact[0]):.4f})  "
-        f"variance {exact[1]:.5f}", flush=True)
-  result = {"config": config.to_dict(), "rows": rows,
-            "fedavg_exact": {"bias": exact[0], "rms_bias": float(np.sqrt(exact[0])), "variance": exact[1]},
-            "fedavg_exact_by_rounds": [{"rounds": r, "bias": b, "rms_bias": float(np.sqrt(b)), "variance": v,
-                                        "train_mse": m} for r, (b, v, m) in sorted(curve.items())]}
+  print(
+    f"K=1 exact (closed form, R = {config.rounds}): bias {exact[0]:.4f} (rms {np.sqrt(exact[0]):.4f})  "
+    f"variance {exact[1]:.5f}",
+    flush=True,
+  )
+  result = {
+    "config": config.to_dict(),
+    "rows": rows,
+    "fedavg_exact": {"bias": exact[0], "rms_bias": float(np.sqrt(exact[0])), "variance": exact[1]},
+    "fedavg_exact_by_rounds": [
+      {"rounds": r, "bias": b, "rms_bias": float(np.sqrt(b)), "variance": v, "train_mse": m}
+      for r, (b, v, m) in sorted(curve.items())
+    ],
+  }
   with open(os.path.join(out_dir, "toy.json"), "w") as f:
     json.dump(result, f, indent=2)
-  lines = ["| K | bias = eq. (3), squared (ours) | sqrt(bias) (ours) | variance (ours) | bias (paper) | "
-           "variance (paper) |", "|---|---|---|---|---|---|"]
+  lines = [
+    "| K | bias = eq. (3), squared (ours) | sqrt(bias) (ours) | variance (ours) | bias (paper) | "
+    "variance (paper) |",
+    "|---|---|---|---|---|---|",
+  ]
   fmt = lambda v, spec: "-" if v is None else format(v, spec)
   for row in rows:
-    lines.append(f"| {row['K']} | {row['bias']:.4f} | {row['rms_bias']:.3f} | {row['variance']:.4f} | "
-                 f"{fmt(row['paper_bias'], '.3f')} | {fmt(row['paper_variance'], '.4f')} |")
-  lines += ["", f"K = 1 exact (closed form): bias {exact[0]:.4f}, sqrt(bias) {np.sqrt(exact[0]):.3f}, "
-            f"variance {exact[1]:.4f}.", "", "| rounds (K = 1, exact) | bias | sqrt(bias) | variance | train MSE |",
-            "|---|---|---|---|---|"]
-  lines += [f"| {r} | {b:.4f} | {np.sqrt(b):.3f} | {v:.4f} | {m:.4f} |" for r, (b, v, m) in sorted(curve.items())]
+    lines.append(
+      f"| {row['K']} | {row['bias']:.4f} | {row['rms_bias']:.3f} | {row['variance']:.4f} | "
+      f"{fmt(row['paper_bias'], '.3f')} | {fmt(row['paper_variance'], '.4f')} |"
+    )
+  lines += [
+    "",
+    f"K = 1 exact (closed form): bias {exact[0]:.4f}, sqrt(bias) {np.sqrt(exact[0]):.3f}, "
+    f"variance {exact[1]:.4f}.",
+    "",
+    "| rounds (K = 1, exact) | bias | sqrt(bias) | variance | train MSE |",
+    "|---|---|---|---|---|",
+  ]
+  lines += [
+    f"| {r} | {b:.4f} | {np.sqrt(b):.3f} | {v:.4f} | {m:.4f} |"
+    for r, (b, v, m) in sorted(curve.items())
+  ]
   with open(os.path.join(out_dir, "toy.md"), "w") as f:
     f.write("\n".join(lines) + "\n")
   _plot(rows, bands, grid, truth, x, y, os.path.join(out_dir, "toy.png"))
@@ -198,6 +269,7 @@ def run(config, out_dir: str) -> dict:
 
 def _plot(rows, bands, grid, truth, x, y, path):
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
@@ -213,7 +285,9 @@ def _plot(rows, bands, grid, truth, x, y, path):
   axes[0].legend(fontsize=8)
   for ax, k in zip(axes[1:], (ks[0], ks[-1])):
     members, ensemble = bands[k]
-    lo, hi = np.percentile(members, [5, 95], axis=0) if members.shape[0] > 1 else (members[0], members[0])
+    lo, hi = (
+      np.percentile(members, [5, 95], axis=0) if members.shape[0] > 1 else (members[0], members[0])
+    )
     ax.fill_between(grid, lo, hi, color="tab:green", alpha=0.3, label="modes (5-95%)")
     ax.plot(grid, ensemble[0], color="tab:blue", label="averaged")
     ax.plot(grid, truth, "k--", lw=1, label="sin(2 pi x)")
@@ -229,7 +303,9 @@ def main(argv):
   del argv
   config = _CONFIG.value
   if config.method != "fed_ensemble_toy":
-    raise ValueError(f"expected the toy config (configs/fed_ensemble_toy.py), got method {config.method!r}")
+    raise ValueError(
+      f"expected the toy config (configs/fed_ensemble_toy.py), got method {config.method!r}"
+    )
   run(config, _OUT.value)
 
 

@@ -9,6 +9,7 @@ Same flags and behaviour as the installed ``ntk-fl`` console script (see
 :mod:`ntk_fl.cli`); ``--config`` also takes a packaged config's name
 (``--config=ntk_dfl:smoke``).
 """
+
 from ntk_fl import cli
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ A setting with fewer than two shared seeds is listed with its values and no
 test. A run that has not logged ``--round`` yet, two runs of one side with the
 same setting and seed, or no shared setting at all is an error.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,10 @@ def accuracy_at(run: dict, round_: int) -> float:
     if line["round"] == round_ and line.get("test_acc") is not None:
       return float(line["test_acc"])
   logged = run["lines"][-1]["round"] if run["lines"] else 0
-  raise ValueError(f"{run['workdir']} has no aggregated accuracy for round {round_} (logged through round "
-                   f"{logged}); pick --round within every run")
+  raise ValueError(
+    f"{run['workdir']} has no aggregated accuracy for round {round_} (logged through round "
+    f"{logged}); pick --round within every run"
+  )
 
 
 def by_setting_and_seed(runs: list[dict], side: str) -> dict[str, dict[int, dict]]:
@@ -45,8 +48,10 @@ def by_setting_and_seed(runs: list[dict], side: str) -> dict[str, dict[int, dict
   for run in runs:
     key, seed = setting_key(run["config"]), int(run["config"]["seed"])
     if seed in cells[key]:
-      raise ValueError(f"two {side} runs for {key}, seed {seed}: {cells[key][seed]['workdir']} and "
-                       f"{run['workdir']}; pass one")
+      raise ValueError(
+        f"two {side} runs for {key}, seed {seed}: {cells[key][seed]['workdir']} and "
+        f"{run['workdir']}; pass one"
+      )
     cells[key][seed] = run
   return cells
 
@@ -56,11 +61,16 @@ def paired_rows(method_runs: list[dict], baseline_runs: list[dict], round_: int)
 
   ``test`` is a :class:`ntk_fl.stats.PairedTest` in percentage points, or ``None`` with fewer than two shared seeds.
   """
-  method, baseline = by_setting_and_seed(method_runs, "--method"), by_setting_and_seed(baseline_runs, "--baseline")
+  method, baseline = (
+    by_setting_and_seed(method_runs, "--method"),
+    by_setting_and_seed(baseline_runs, "--baseline"),
+  )
   shared = [key for key in method if key in baseline and set(method[key]) & set(baseline[key])]
   if not shared:
-    raise ValueError(f"no setting and seed is on both sides: --method has {sorted(method)}, --baseline has "
-                     f"{sorted(baseline)}")
+    raise ValueError(
+      f"no setting and seed is on both sides: --method has {sorted(method)}, --baseline has "
+      f"{sorted(baseline)}"
+    )
   rows = []
   for key in shared:
     seeds = sorted(set(method[key]) & set(baseline[key]))
@@ -72,8 +82,10 @@ def paired_rows(method_runs: list[dict], baseline_runs: list[dict], round_: int)
 
 
 def table(rows: list[dict], round_: int) -> str:
-  head = [f"| setting | seeds | method, round {round_} (%) | baseline (%) | gain (points) | 95 % CI | p | d_z |",
-          "|---|---|---|---|---:|---|---:|---:|"]
+  head = [
+    f"| setting | seeds | method, round {round_} (%) | baseline (%) | gain (points) | 95 % CI | p | d_z |",
+    "|---|---|---|---|---:|---|---:|---:|",
+  ]
   for row in rows:
     values = [", ".join(f"{v:.2f}" for v in row[side]) for side in ("method", "baseline")]
     test = row["test"]
@@ -81,22 +93,37 @@ def table(rows: list[dict], round_: int) -> str:
       gain = row["method"][0] - row["baseline"][0]
       cells = f"{gain:+.2f} | needs ≥ 2 shared seeds | — | —"
     else:
-      cells = (f"{test.gain:+.2f} | [{test.ci_low:.2f}, {test.ci_high:.2f}] | "
-               f"{test.p:.2g} | {test.d_z:.2f}")
-    head.append(f"| {row['setting']} | {', '.join(map(str, row['seeds']))} | {values[0]} | {values[1]} | {cells} |")
+      cells = (
+        f"{test.gain:+.2f} | [{test.ci_low:.2f}, {test.ci_high:.2f}] | "
+        f"{test.p:.2g} | {test.d_z:.2f}"
+      )
+    head.append(
+      f"| {row['setting']} | {', '.join(map(str, row['seeds']))} | {values[0]} | {values[1]} | {cells} |"
+    )
   return "\n".join(head)
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--method", nargs="+", required=True, help="workdirs of the method (e.g. SPARK)")
-  parser.add_argument("--baseline", nargs="+", required=True, help="workdirs of the baseline (e.g. NTK-DFL)")
-  parser.add_argument("--round", type=int, default=30, help="1-based round whose aggregated accuracy is compared "
-                      "(30 = the paper's 0-based 'round 29')")
+  parser = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  parser.add_argument(
+    "--method", nargs="+", required=True, help="workdirs of the method (e.g. SPARK)"
+  )
+  parser.add_argument(
+    "--baseline", nargs="+", required=True, help="workdirs of the baseline (e.g. NTK-DFL)"
+  )
+  parser.add_argument(
+    "--round",
+    type=int,
+    default=30,
+    help="1-based round whose aggregated accuracy is compared "
+    "(30 = the paper's 0-based 'round 29')",
+  )
   args = parser.parse_args()
   if args.round < 1:
     parser.error(f"--round must be >= 1; got {args.round}")
-  read = lambda dirs: [rundir.read_run(d) for d in dirs]   # noqa: E731
+  read = lambda dirs: [rundir.read_run(d) for d in dirs]  # noqa: E731
   try:
     rows = paired_rows(read(args.method), read(args.baseline), args.round)
   except ValueError as error:

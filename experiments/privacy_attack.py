@@ -38,6 +38,7 @@ Writes ``privacy_attack.png`` (rows: original, no compression, sparsified,
 sparsified + projected; columns: images), ``privacy_attack_sparsity.png`` (the
 sweep) and ``privacy_attack.json`` to ``--out_dir``.
 """
+
 from __future__ import annotations
 
 import json
@@ -62,8 +63,12 @@ from ntk_fl import compression, data, jacobians, models, privacy, validation  # 
 from ntk_fl.rng import Stream, jax_key, numpy_rng  # noqa: E402
 
 DATASETS = ("fashion_mnist", "mnist")
-ROWS = (("original", "original"), ("none", "no compression"), ("sparse", "sparsified"),
-        ("sparse_proj", "sparsified + projected"))
+ROWS = (
+  ("original", "original"),
+  ("none", "no compression"),
+  ("sparse", "sparsified"),
+  ("sparse_proj", "sparsified + projected"),
+)
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -73,10 +78,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.dataset = "fashion_mnist"
   config.data_dir = ""
   config.num_images = 6
-  config.hidden = (100,)              # the papers' 784-100-10 ReLU MLP
-  config.keep_fraction = 0.25         # NTK-DFL App. F: "sparsity 0.25"
-  config.bits = 32                    # 32 = float32 values; fewer quantises the kept values
-  config.proj_dim = 200               # NTK-DFL App. F / CP-NTK-FL Table 1: d1' = 200
+  config.hidden = (100,)  # the papers' 784-100-10 ReLU MLP
+  config.keep_fraction = 0.25  # NTK-DFL App. F: "sparsity 0.25"
+  config.bits = 32  # 32 = float32 values; fewer quantises the kept values
+  config.proj_dim = 200  # NTK-DFL App. F / CP-NTK-FL Table 1: d1' = 200
   config.projection_scale = "sqrt_input"
   config.sweep = (1.0, 0.5, 0.1, 0.05, 0.01)  # extra keep fractions for the SSIM-vs-sparsity curve
   config.attack = ml_collections.ConfigDict()
@@ -87,8 +92,12 @@ def get_config() -> ml_collections.ConfigDict:
   return config
 
 
-_CONFIG = config_flags.DEFINE_config_dict("config", get_config(), "Attack setting; override with --config.key=value.")
-_OUT_DIR = flags.DEFINE_string("out_dir", "docs/figures", "Folder receiving the PNGs and privacy_attack.json.")
+_CONFIG = config_flags.DEFINE_config_dict(
+  "config", get_config(), "Attack setting; override with --config.key=value."
+)
+_OUT_DIR = flags.DEFINE_string(
+  "out_dir", "docs/figures", "Folder receiving the PNGs and privacy_attack.json."
+)
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
@@ -96,7 +105,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   validation.check_int("config.seed", config.seed, low=0)
   validation.check_choice("config.dataset", config.dataset, DATASETS)
   if not isinstance(config.data_dir, str):
-    raise ValueError(f"config.data_dir must be a string ('' = default search path), got {config.data_dir!r}")
+    raise ValueError(
+      f"config.data_dir must be a string ('' = default search path), got {config.data_dir!r}"
+    )
   validation.check_int("config.num_images", config.num_images, low=1, high=64)
   for width in config.hidden:
     validation.check_int("config.hidden entry", width, low=1)
@@ -106,9 +117,13 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if config.bits != compression.FLOAT_BITS:
     validation.check_int("config.bits", config.bits, low=1, high=16)
   validation.check_int("config.proj_dim", config.proj_dim, low=1, high=783)
-  validation.check_choice("config.projection_scale", config.projection_scale, jacobians.PROJECTION_SCALES)
+  validation.check_choice(
+    "config.projection_scale", config.projection_scale, jacobians.PROJECTION_SCALES
+  )
   validation.check_int("config.attack.steps", config.attack.steps, low=1)
-  validation.check_real("config.attack.learning_rate", config.attack.learning_rate, 0.0, low_open=True)
+  validation.check_real(
+    "config.attack.learning_rate", config.attack.learning_rate, 0.0, low_open=True
+  )
   validation.check_choice("config.attack.distance", config.attack.distance, privacy.DISTANCES)
   validation.check_choice("config.attack.optimizer", config.attack.optimizer, privacy.OPTIMIZERS)
 
@@ -121,7 +136,9 @@ def load_images(config):
   data_dir = config.data_dir or None
   standardised = data.load(config.dataset, data_dir)
   raw = data.load(config.dataset, data_dir, normalize=False)
-  idx = numpy_rng(config.seed, Stream.PRIVACY_ATTACK, 0).choice(len(raw.y_train), config.num_images, replace=False)
+  idx = numpy_rng(config.seed, Stream.PRIVACY_ATTACK, 0).choice(
+    len(raw.y_train), config.num_images, replace=False
+  )
   x, pixels = standardised.x_train[idx], raw.x_train[idx]
   # The loader's affine standardisation, read back from the two views (x = (pixel - mean) / std).
   std, mean = np.polyfit(x.reshape(-1), pixels.reshape(-1), 1)
@@ -130,11 +147,18 @@ def load_images(config):
 
 def attack_all(config, model, params, inputs, keep_fraction, key, scale=1.0):
   """Observes every sample's (compressed) Jacobian and inverts it; reconstructions ``[n, *in]``."""
-  jac = jacobians.flat_jacobian(model.apply, params, inputs)                   # [n, C, d]
+  jac = jacobians.flat_jacobian(model.apply, params, inputs)  # [n, C, d]
   observations = jax.vmap(lambda j: privacy.observe(j, keep_fraction, config.bits))(jac)
-  attack = privacy.make_attack(model.apply, params, model.input_shape, steps=config.attack.steps,
-                               learning_rate=config.attack.learning_rate, distance=config.attack.distance,
-                               optimizer=config.attack.optimizer, scale=scale)
+  attack = privacy.make_attack(
+    model.apply,
+    params,
+    model.input_shape,
+    steps=config.attack.steps,
+    learning_rate=config.attack.learning_rate,
+    distance=config.attack.distance,
+    optimizer=config.attack.optimizer,
+    scale=scale,
+  )
   keys = jax.random.split(key, inputs.shape[0])
   result = jax.jit(jax.vmap(attack.run))(observations, keys)
   return result.x, result.losses[:, -1]
@@ -145,12 +169,18 @@ def to_pixels(x, mean, std):
 
 
 def scores(recon_pixels, pixels):
-  return {"ssim": np.asarray(privacy.ssim(recon_pixels, pixels)).tolist(),
-          "mse": np.asarray(privacy.mse(recon_pixels, pixels)).tolist()}
+  return {
+    "ssim": np.asarray(privacy.ssim(recon_pixels, pixels)).tolist(),
+    "mse": np.asarray(privacy.mse(recon_pixels, pixels)).tolist(),
+  }
 
 
 def summarize(entry):
-  return {**entry, "ssim_mean": float(np.mean(entry["ssim"])), "mse_mean": float(np.mean(entry["mse"]))}
+  return {
+    **entry,
+    "ssim_mean": float(np.mean(entry["ssim"])),
+    "mse_mean": float(np.mean(entry["mse"])),
+  }
 
 
 # ---------------------------------------------------------------------------- experiment
@@ -163,7 +193,7 @@ def run(config, out_dir: str) -> dict:
   seed = config.seed
   attack_key = jax_key(seed, Stream.PRIVACY_ATTACK, 1)
   model = models.mlp(d1, tuple(config.hidden), 10)
-  params = model.init(jax.random.key(seed))   # the round-0 global model of a run with this seed
+  params = model.init(jax.random.key(seed))  # the round-0 global model of a run with this seed
   images, results = {"original": pixels}, {}
   timings = {}
 
@@ -182,44 +212,74 @@ def run(config, out_dir: str) -> dict:
   for name, keep in (("none", 1.0), ("sparse", config.keep_fraction)):
     recon, final_loss = timed(name, lambda: attack_all(config, model, params, x, keep, attack_key))
     images[name] = to_pixels(recon, mean, std)
-    results[name] = summarize({"keep_fraction": keep, **scores(images[name], pixels),
-                               "input_rel_err": np.asarray(_rel_err(recon, x)).tolist(),
-                               "final_loss": np.asarray(final_loss).tolist()})
+    results[name] = summarize(
+      {
+        "keep_fraction": keep,
+        **scores(images[name], pixels),
+        "input_rel_err": np.asarray(_rel_err(recon, x)).tolist(),
+        "final_loss": np.asarray(final_loss).tolist(),
+      }
+    )
 
   # CP-NTK-FL: the network sees z = x P; the attacker inverts that network, then needs P for an image.
-  projection = jacobians.projection_matrix(jax_key(seed, Stream.INPUT_PROJECTION), d1, config.proj_dim,
-                                           scale=config.projection_scale)
-  guess = jacobians.projection_matrix(jax_key(seed, Stream.PRIVACY_ATTACK, 2), d1, config.proj_dim,
-                                      scale=config.projection_scale)
+  projection = jacobians.projection_matrix(
+    jax_key(seed, Stream.INPUT_PROJECTION), d1, config.proj_dim, scale=config.projection_scale
+  )
+  guess = jacobians.projection_matrix(
+    jax_key(seed, Stream.PRIVACY_ATTACK, 2), d1, config.proj_dim, scale=config.projection_scale
+  )
   z = jacobians.project_inputs(x, projection)
   proj_model = models.mlp(config.proj_dim, tuple(config.hidden), 10)
   proj_params = proj_model.init(jax.random.key(seed))
   # The attacker knows P's distribution: with an unscaled P, z_j ~ N(0, |x|^2) has size ~ sqrt(d1).
   z_scale = 1.0 if config.projection_scale == "sqrt_input" else float(np.sqrt(d1))
-  z_hat, final_loss = timed("sparse_proj", lambda: attack_all(config, proj_model, proj_params, z,
-                                                              config.keep_fraction, attack_key, z_scale))
+  z_hat, final_loss = timed(
+    "sparse_proj",
+    lambda: attack_all(
+      config, proj_model, proj_params, z, config.keep_fraction, attack_key, z_scale
+    ),
+  )
   images["sparse_proj"] = to_pixels(privacy.unproject(z_hat, guess), mean, std)
-  results["sparse_proj"] = summarize({
-      "keep_fraction": config.keep_fraction, "proj_dim": config.proj_dim,
+  results["sparse_proj"] = summarize(
+    {
+      "keep_fraction": config.keep_fraction,
+      "proj_dim": config.proj_dim,
       **scores(images["sparse_proj"], pixels),
-      "z_rel_err": np.asarray(_rel_err(z_hat, z)).tolist(), "final_loss": np.asarray(final_loss).tolist()})
-  results["sparse_proj_key_leaked"] = summarize(scores(to_pixels(privacy.unproject(z_hat, projection), mean, std),
-                                                       pixels))
-  results["projection_limit"] = summarize(scores(to_pixels(privacy.unproject(z, projection), mean, std), pixels))
+      "z_rel_err": np.asarray(_rel_err(z_hat, z)).tolist(),
+      "final_loss": np.asarray(final_loss).tolist(),
+    }
+  )
+  results["sparse_proj_key_leaked"] = summarize(
+    scores(to_pixels(privacy.unproject(z_hat, projection), mean, std), pixels)
+  )
+  results["projection_limit"] = summarize(
+    scores(to_pixels(privacy.unproject(z, projection), mean, std), pixels)
+  )
 
   sweep = []
   # The figure's own keep fraction joins the curve (its attack is reused, not re-run).
-  for keep in sorted(set(config.sweep) | ({config.keep_fraction} if config.sweep else set()), reverse=True):
-    if keep == 1.0 or keep == config.keep_fraction:   # already attacked above
+  for keep in sorted(
+    set(config.sweep) | ({config.keep_fraction} if config.sweep else set()), reverse=True
+  ):
+    if keep == 1.0 or keep == config.keep_fraction:  # already attacked above
       entry = results["none" if keep == 1.0 else "sparse"]
     else:
-      recon, _ = timed(f"sweep_{keep:g}", lambda: attack_all(config, model, params, x, keep, attack_key))
+      recon, _ = timed(
+        f"sweep_{keep:g}", lambda: attack_all(config, model, params, x, keep, attack_key)
+      )
       entry = summarize(scores(to_pixels(recon, mean, std), pixels))
-    sweep.append({"keep_fraction": keep, "ssim_mean": entry["ssim_mean"], "mse_mean": entry["mse_mean"]})
+    sweep.append(
+      {"keep_fraction": keep, "ssim_mean": entry["ssim_mean"], "mse_mean": entry["mse_mean"]}
+    )
 
-  summary = {"config": config.to_dict(), "num_params": models.num_params(params),
-             "num_params_projected": models.num_params(proj_params), "results": results,
-             "sweep": sorted(sweep, key=lambda e: -e["keep_fraction"]), "timings_s": timings}
+  summary = {
+    "config": config.to_dict(),
+    "num_params": models.num_params(params),
+    "num_params_projected": models.num_params(proj_params),
+    "results": results,
+    "sweep": sorted(sweep, key=lambda e: -e["keep_fraction"]),
+    "timings_s": timings,
+  }
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, "privacy_attack.json"), "w") as f:
     json.dump(summary, f, indent=1, default=_jsonable)
@@ -253,8 +313,11 @@ def plot_grid(images, results, path, config):
       if key != "original":
         ax.set_title(f"SSIM {results[key]['ssim'][c]:.2f}", fontsize=7, pad=2)
     axes[r, 0].set_ylabel(label, fontsize=7)
-  fig.suptitle(f"DLG on per-sample Jacobians, {config.dataset}, MLP 784-{'-'.join(map(str, config.hidden))}-10 "
-               f"at init; keep {config.keep_fraction:g}, d1'={config.proj_dim}", fontsize=8)
+  fig.suptitle(
+    f"DLG on per-sample Jacobians, {config.dataset}, MLP 784-{'-'.join(map(str, config.hidden))}-10 "
+    f"at init; keep {config.keep_fraction:g}, d1'={config.proj_dim}",
+    fontsize=8,
+  )
   fig.tight_layout()
   fig.savefig(path, dpi=150)
   plt.close(fig)

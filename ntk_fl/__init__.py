@@ -27,6 +27,7 @@ the datasets). The modules behind them, each documented in its own docstring:
 docs/ARCHITECTURE.md says how they fit together and where a new method, kernel,
 topology or dataset plugs in.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -48,13 +49,28 @@ def _export(module: str, *names: str, rename: dict[str, str] | None = None) -> N
 # Configs, checked once into typed settings.
 _export("ntk_fl.config", "base_config", "load_config", "apply_variants")
 _export("ntk_fl.schema", "validate_config")
-_export("ntk_fl.settings", "RunSettings", "DataSettings", "ModelSettings", "TopologySettings", "EvalSettings")
+_export(
+  "ntk_fl.settings",
+  "RunSettings",
+  "DataSettings",
+  "ModelSettings",
+  "TopologySettings",
+  "EvalSettings",
+)
 # Runs and run directories.
 _export("ntk_fl.runner", "run", "build_experiment", "make_algorithm", "Experiment")
-_export("ntk_fl.rundir", "read_run", "read_metrics", "read_config", "read_summary", "rebuild_config")
+_export(
+  "ntk_fl.rundir", "read_run", "read_metrics", "read_config", "read_summary", "rebuild_config"
+)
 # Methods: the interface, the registry, the factories and their hyperparameters.
-_export("ntk_fl.algorithms", "Algorithm", "Method", "register", "get_method",
-        rename={"available_methods": "available"})
+_export(
+  "ntk_fl.algorithms",
+  "Algorithm",
+  "Method",
+  "register",
+  "get_method",
+  rename={"available_methods": "available"},
+)
 _export("ntk_fl.algorithms.base", "GraphRound", "graph_round_inputs")
 _export("ntk_fl.algorithms.ntk_dfl", "make_ntk_dfl", "make_neighbourhood_round", "NTKDFLHParams")
 _export("ntk_fl.algorithms.spark", "make_spark", "SparkHParams")
@@ -62,19 +78,49 @@ _export("ntk_fl.algorithms.server_ntk", "make_server_ntk", "NTKFLHParams")
 _export("ntk_fl.algorithms.fed_ensemble", "make_fed_ensemble", "FedEnsembleHParams")
 _export("ntk_fl.algorithms.local", "make_local_update", "LocalHParams")
 # Building blocks.
-_export("ntk_fl.data", "Federation", "make_federation", "partition", rename={"load_dataset": "load"})
+_export(
+  "ntk_fl.data", "Federation", "make_federation", "partition", rename={"load_dataset": "load"}
+)
 _export("ntk_fl.models", "Model", "mlp", "cnn", "init_clients")
-_export("ntk_fl.topology", "Topology", "Graph", "make_topology", "mixing_weights", "mix", "consensus")
+_export(
+  "ntk_fl.topology", "Topology", "Graph", "make_topology", "mixing_weights", "mix", "consensus"
+)
 _export("ntk_fl.ntk", "empirical_ntk", "empirical_ntk_fn", "NtkImplementation")
 _export("ntk_fl.evolve", "ntk_step", "ntk_update")
 _export("ntk_fl.parallel", "for_each_client", "use_devices", "Shared")
 _export("ntk_fl.metrics", "evaluate", "evaluate_clients", "average_params", "make_evaluator")
 
-_SUBMODULES = ("algorithms", "checkpoint", "cli", "compression", "config", "config_docs", "configs",
-               "data", "evolve", "jacobians",
-               "metrics", "models", "ntk", "parallel", "plotting", "privacy", "projection", "rng", "rundir", "runner",
-               "schema", "settings", "stats", "topology", "validation", "gossip", "communication",
-               "distributed", "summaries")
+_SUBMODULES = (
+  "algorithms",
+  "checkpoint",
+  "cli",
+  "compression",
+  "config",
+  "config_docs",
+  "configs",
+  "data",
+  "evolve",
+  "jacobians",
+  "metrics",
+  "models",
+  "ntk",
+  "parallel",
+  "plotting",
+  "privacy",
+  "projection",
+  "rng",
+  "rundir",
+  "runner",
+  "schema",
+  "settings",
+  "stats",
+  "topology",
+  "validation",
+  "gossip",
+  "communication",
+  "distributed",
+  "summaries",
+)
 
 __all__ = ["__version__", *_EXPORTS]
 
@@ -83,7 +129,7 @@ def __getattr__(name: str) -> Any:
   if name in _EXPORTS:
     module, attr = _EXPORTS[name]
     value = getattr(importlib.import_module(module), attr)
-    globals()[name] = value            # later lookups skip __getattr__
+    globals()[name] = value  # later lookups skip __getattr__
     return value
   if name in _SUBMODULES:
     return importlib.import_module(f"ntk_fl.{name}")

@@ -31,12 +31,14 @@ inspected or moved back by hand.
 Typed PRNG keys (``jax.random.key``) are stored as their raw key data and
 re-wrapped on restore, so states may hold either key flavour.
 """
+
 from __future__ import annotations
 
 import datetime
 import hashlib
 import os
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from absl import logging
 import jax
@@ -70,8 +72,12 @@ def _to_storable(tree):
 
 def _from_storable(restored, template):
   return jax.tree.map(
-      lambda r, t: jax.random.wrap_key_data(r, impl=jax.random.key_impl(t)) if _is_typed_key(t) else r,
-      restored, template)
+    lambda r, t: (
+      jax.random.wrap_key_data(r, impl=jax.random.key_impl(t)) if _is_typed_key(t) else r
+    ),
+    restored,
+    template,
+  )
 
 
 def state_digest(storable) -> str | None:
@@ -122,20 +128,33 @@ class Checkpoints:
       identity as given (the arrays are still checked against the digest).
   """
 
-  def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 2, keep: Sequence[int] = (),
-               read_only: bool = False, identity: str | None = None):
+  def __init__(
+    self,
+    directory: str | os.PathLike,
+    *,
+    max_to_keep: int = 2,
+    keep: Sequence[int] = (),
+    read_only: bool = False,
+    identity: str | None = None,
+  ):
     self.directory = os.path.abspath(os.fspath(directory))
     self.read_only = read_only
     self.identity = identity
     preserve = ocp.checkpoint_managers
     policy = preserve.LatestN(n=max_to_keep)
     if keep:
-      policy = preserve.AnyPreservationPolicy([policy, preserve.CustomSteps(steps=[int(k) for k in keep])])
+      policy = preserve.AnyPreservationPolicy(
+        [policy, preserve.CustomSteps(steps=[int(k) for k in keep])]
+      )
     # Synchronous saves: the runner checkpoints between rounds and must know the
     # checkpoint is final before it moves on (and before a test kills the run).
     options = ocp.CheckpointManagerOptions(
-        preservation_policy=policy, enable_async_checkpointing=False, create=not read_only,
-        cleanup_tmp_directories=not read_only, read_only=read_only)
+      preservation_policy=policy,
+      enable_async_checkpointing=False,
+      create=not read_only,
+      cleanup_tmp_directories=not read_only,
+      read_only=read_only,
+    )
     self._manager = ocp.CheckpointManager(self.directory, options=options)
 
   def path(self, rounds_done: int) -> str:
@@ -147,10 +166,17 @@ class Checkpoints:
     digest = state_digest(storable)
     run = self.identity or ""
     # Arrays spread over processes: no process sees them all, so no digest (a restore verifies).
-    record = {"digest": None if digest is None else _tied(digest, run), "run": run,
-              "sharded": digest is None}
-    self._manager.save(rounds_done, args=ocp.args.StandardSave(storable), force=True,
-                       custom_metadata={_CUSTOM_KEY: record})
+    record = {
+      "digest": None if digest is None else _tied(digest, run),
+      "run": run,
+      "sharded": digest is None,
+    }
+    self._manager.save(
+      rounds_done,
+      args=ocp.args.StandardSave(storable),
+      force=True,
+      custom_metadata={_CUSTOM_KEY: record},
+    )
     self._manager.wait_until_finished()
 
   def _listed_steps(self) -> list[int]:
@@ -159,7 +185,9 @@ class Checkpoints:
 
   def steps(self) -> list[int]:
     """Completed-round indices of the finalised checkpoints (metadata file present), ascending."""
-    return [s for s in self._listed_steps() if os.path.isfile(os.path.join(self.path(s), _METADATA_FILE))]
+    return [
+      s for s in self._listed_steps() if os.path.isfile(os.path.join(self.path(s), _METADATA_FILE))
+    ]
 
   def incomplete_steps(self) -> list[int]:
     """Step directories orbax lists that lack their metadata file (an interrupted copy, a deleted file)."""
@@ -177,13 +205,17 @@ class Checkpoints:
       custom = self._manager.metadata(rounds_done).custom_metadata
     except Exception as err:  # orbax raises JSON, OSError, ... for a damaged metadata file
       raise CheckpointDamaged(
-          path, f"its {_METADATA_FILE} is unreadable ({_first_line(err)})") from err
+        path, f"its {_METADATA_FILE} is unreadable ({_first_line(err)})"
+      ) from err
     record = (custom or {}).get(_CUSTOM_KEY) if isinstance(custom, dict) else None
     recorded = isinstance(record, dict) and (
-        isinstance(record.get("digest"), str) or record.get("sharded") is True)
+      isinstance(record.get("digest"), str) or record.get("sharded") is True
+    )
     if not recorded:
-      raise CheckpointDamaged(path, f"its {_METADATA_FILE} records no digest (unreadable, "
-                              "emptied, or not written by ntk_fl)")
+      raise CheckpointDamaged(
+        path,
+        f"its {_METADATA_FILE} records no digest (unreadable, emptied, or not written by ntk_fl)",
+      )
     return record
 
   def _check_digest(self, rounds_done: int, storable) -> None:
@@ -191,20 +223,24 @@ class Checkpoints:
     # Without an identity (an analysis script reading a run's checkpoints) the recorded one is
     # taken as given.
     identity = self.identity if self.identity is not None else str(record.get("run", ""))
-    other_run = CheckpointDamaged(self.path(rounds_done),
-                                  "it was written by a different run (another config or seed)")
+    other_run = CheckpointDamaged(
+      self.path(rounds_done), "it was written by a different run (another config or seed)"
+    )
     if record.get("sharded") is True and record.get("digest") is None:
       if record.get("run", "") != identity:
         raise other_run
       return
     digest = state_digest(storable)
     if digest is None:
-      return         # restored spread over processes: the recorded digest cannot be recomputed here
+      return  # restored spread over processes: the recorded digest cannot be recomputed here
     if _tied(digest, identity) != record["digest"]:
       if record.get("run", "") != identity:
         raise other_run
-      raise CheckpointDamaged(self.path(rounds_done), "its arrays do not match the digest recorded "
-                              "when it was written (a data file was changed after the save)")
+      raise CheckpointDamaged(
+        self.path(rounds_done),
+        "its arrays do not match the digest recorded "
+        "when it was written (a data file was changed after the save)",
+      )
 
   def verify(self, rounds_done: int) -> None:
     """Restores checkpoint ``rounds_done`` without a template and checks its digest.
@@ -215,7 +251,7 @@ class Checkpoints:
     path = self.path(rounds_done)
     if not os.path.isfile(os.path.join(path, _METADATA_FILE)):
       raise CheckpointDamaged(path, f"incomplete: no {_METADATA_FILE} file")
-    self._record(rounds_done)   # first: an unreadable record is damage, not a skipped check
+    self._record(rounds_done)  # first: an unreadable record is damage, not a skipped check
     try:
       restored = self._manager.restore(rounds_done, args=ocp.args.StandardRestore())
     except Exception as err:  # orbax/TensorStore raise many types (JSON, DATA_LOSS, OSError, ...)
@@ -231,17 +267,21 @@ class Checkpoints:
     """
     if rounds_done not in self.steps():
       raise FileNotFoundError(
-          f"no finalised checkpoint for round {rounds_done} in {self.directory}; have {self.steps()}")
+        f"no finalised checkpoint for round {rounds_done} in {self.directory}; have {self.steps()}"
+      )
     restored = self._manager.restore(
-        rounds_done, args=ocp.args.StandardRestore(_to_storable(template)))
+      rounds_done, args=ocp.args.StandardRestore(_to_storable(template))
+    )
     self._check_digest(rounds_done, restored)
     return _from_storable(restored, template)
 
   def set_aside(self, rounds_done: int, why: str) -> str:
     """Renames step directory ``rounds_done`` out of orbax's view (never deleted); returns the new path."""
     if self.read_only:
-      raise PermissionError(f"cannot set aside {self.path(rounds_done)}: these checkpoints are opened read-only")
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+      raise PermissionError(
+        f"cannot set aside {self.path(rounds_done)}: these checkpoints are opened read-only"
+      )
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S%fZ")
     target = f"{self.path(rounds_done)}{SET_ASIDE_MARK}{why}-{stamp}"
     if jax.process_index() == 0:
       os.rename(self.path(rounds_done), target)
@@ -276,16 +316,24 @@ class Checkpoints:
     """
     for step in self.incomplete_steps():
       target = self.set_aside(step, "incomplete")
-      logging.warning("checkpoint %s is incomplete (no %s file); set aside as %s",
-                      self.path(step), _METADATA_FILE, target)
+      logging.warning(
+        "checkpoint %s is incomplete (no %s file); set aside as %s",
+        self.path(step),
+        _METADATA_FILE,
+        target,
+      )
     if upto is not None:
       if upto not in self.steps():
-        raise FileNotFoundError(f"no finalised checkpoint after round {upto} in {self.directory}; "
-                                f"checkpoints after rounds {self.steps()}")
+        raise FileNotFoundError(
+          f"no finalised checkpoint after round {upto} in {self.directory}; "
+          f"checkpoints after rounds {self.steps()}"
+        )
       self.verify(upto)
       for step in [s for s in self.steps() if s > upto]:
         target = self.set_aside(step, "superseded")
-        logging.warning("resuming from round %d: checkpoint %s set aside as %s", upto, self.path(step), target)
+        logging.warning(
+          "resuming from round %d: checkpoint %s set aside as %s", upto, self.path(step), target
+        )
       return upto
     for step in reversed(self.steps()):
       try:

@@ -44,6 +44,7 @@ Subcommands: ``ntk-fl compare RUN_DIR...`` (:mod:`ntk_fl.compare`) tabulates and
 plots runs grouped by setting; ``ntk-fl reproduce NAME`` (:mod:`ntk_fl.reproduce`)
 runs one of the papers' tables or figures as a resumable queue and renders it.
 """
+
 from __future__ import annotations
 
 import errno
@@ -53,7 +54,7 @@ import os
 import sys
 import threading
 import traceback
-from typing import Sequence
+from collections.abc import Sequence
 
 from absl import app
 from absl import flags
@@ -63,14 +64,21 @@ from tqdm.auto import tqdm
 
 from ntk_fl._src import fsutil
 
-__all__ = ["LOG_FILE", "main", "one_line", "report_failure", "resolve_config_args", "shadow_note",
-           "unknown_key_message"]
+__all__ = [
+  "LOG_FILE",
+  "main",
+  "one_line",
+  "report_failure",
+  "resolve_config_args",
+  "shadow_note",
+  "unknown_key_message",
+]
 
 LOG_FILE = "log.txt"
 """The run's absl log, in its workdir (appended to by ``--resume``)."""
 
 _FLAGS: dict = {}
-_ARGV: list = []     # the command line main() was given
+_ARGV: list = []  # the command line main() was given
 
 
 def _define_flags() -> None:
@@ -78,55 +86,88 @@ def _define_flags() -> None:
   if _FLAGS:
     return
   _FLAGS["config"] = config_flags.DEFINE_config_file(
-      "config", None, "Config: a packaged config's name (ntk_dfl, spark:iid, ntk_dfl:smoke) or a config file "
-      "(configs/ntk_dfl.py:smoke); text after ':' is the variant list. Any field is overridden "
-      "with --config.<key>=value; --print_config lists every field with its meaning, "
-      "--list_configs the configs.",
-      # A method's own hyperparameter dataclass may have fields the config file lacks (a subclass registered
-      # through config.method_module): --config.algorithm.<field> is accepted here and checked by the schema
-      # against the method's dataclass; every other override must name a field of the file (_parse_flags).
-      lock_config=False, accept_new_attributes=True)
+    "config",
+    None,
+    "Config: a packaged config's name (ntk_dfl, spark:iid, ntk_dfl:smoke) or a config file "
+    "(configs/ntk_dfl.py:smoke); text after ':' is the variant list. Any field is overridden "
+    "with --config.<key>=value; --print_config lists every field with its meaning, "
+    "--list_configs the configs.",
+    # A method's own hyperparameter dataclass may have fields the config file lacks (a subclass registered
+    # through config.method_module): --config.algorithm.<field> is accepted here and checked by the schema
+    # against the method's dataclass; every other override must name a field of the file (_parse_flags).
+    lock_config=False,
+    accept_new_attributes=True,
+  )
   _FLAGS["workdir"] = flags.DEFINE_string("workdir", None, "Output directory of the run.")
   _FLAGS["resume"] = flags.DEFINE_bool(
-      "resume", False, "Continue the run in --workdir from its newest good checkpoint (damaged or incomplete "
-      "ones are set aside: renamed, never deleted).")
+    "resume",
+    False,
+    "Continue the run in --workdir from its newest good checkpoint (damaged or incomplete "
+    "ones are set aside: renamed, never deleted).",
+  )
   _FLAGS["resume_from_step"] = flags.DEFINE_integer(
-      "resume_from_step", None, "Continue the run in --workdir from its checkpoint after this many rounds "
-      "(implies --resume); later checkpoints are set aside and their rounds recomputed.")
+    "resume_from_step",
+    None,
+    "Continue the run in --workdir from its checkpoint after this many rounds "
+    "(implies --resume); later checkpoints are set aside and their rounds recomputed.",
+  )
   _FLAGS["branch_from"] = flags.DEFINE_string(
-      "branch_from", None, "Start from the checkpoint of the run in this workdir (its config must equal --config, "
-      "or the method must certify the rounds they share).")
+    "branch_from",
+    None,
+    "Start from the checkpoint of the run in this workdir (its config must equal --config, "
+    "or the method must certify the rounds they share).",
+  )
   _FLAGS["branch_round"] = flags.DEFINE_integer(
-      "branch_round", None, "The --branch_from checkpoint to start from (default: the latest one allowed).")
+    "branch_round",
+    None,
+    "The --branch_from checkpoint to start from (default: the latest one allowed).",
+  )
   _FLAGS["distributed"] = flags.DEFINE_bool(
-      "distributed", False, "Multi-host: join a multi-process run whose coordinator, process count and rank JAX "
-      "detects (SLURM, Open MPI, ...) before anything else, so --config.devices=0 spans every host's devices.")
+    "distributed",
+    False,
+    "Multi-host: join a multi-process run whose coordinator, process count and rank JAX "
+    "detects (SLURM, Open MPI, ...) before anything else, so --config.devices=0 spans every host's devices.",
+  )
   _FLAGS["num_processes"] = flags.DEFINE_integer(
-      "num_processes", 1, "Processes of the run. Alone: start that many processes on this machine (coordinator "
-      "on localhost), each owning a slice of the clients. With --process_id: the run's process count.",
-      lower_bound=1)
+    "num_processes",
+    1,
+    "Processes of the run. Alone: start that many processes on this machine (coordinator "
+    "on localhost), each owning a slice of the clients. With --process_id: the run's process count.",
+    lower_bound=1,
+  )
   _FLAGS["process_id"] = flags.DEFINE_integer(
-      "process_id", None, "This process's rank in a multi-process run (with --num_processes and "
-      "--coordinator_address; set by the local launcher).", lower_bound=0)
+    "process_id",
+    None,
+    "This process's rank in a multi-process run (with --num_processes and "
+    "--coordinator_address; set by the local launcher).",
+    lower_bound=0,
+  )
   _FLAGS["coordinator_address"] = flags.DEFINE_string(
-      "coordinator_address", None, "host:port of process 0's coordinator in a multi-process run.")
+    "coordinator_address", None, "host:port of process 0's coordinator in a multi-process run."
+  )
   _FLAGS["print_config"] = flags.DEFINE_bool(
-      "print_config", False, "Print the resolved --config (after variants and --config.<key> "
-      "overrides), each field with its one-line meaning, and exit (no --workdir needed, no data "
-      "loaded).")
+    "print_config",
+    False,
+    "Print the resolved --config (after variants and --config.<key> "
+    "overrides), each field with its one-line meaning, and exit (no --workdir needed, no data "
+    "loaded).",
+  )
   _FLAGS["list_configs"] = flags.DEFINE_bool(
-      "list_configs", False, "List the packaged configs with their variants and exit.")
+    "list_configs", False, "List the packaged configs with their variants and exit."
+  )
   _FLAGS["version"] = flags.DEFINE_bool("version", False, "Print the ntk_fl version and exit.")
   # --config and --workdir are required, except for the flags that only print something and exit.
   flags.register_multi_flags_validator(
-      ["config", "list_configs", "version"],
-      lambda f: f["config"] is not None or f["list_configs"] or f["version"],
-      message="--config is required (a packaged config's name or a config file; --list_configs "
-      "lists them)")
+    ["config", "list_configs", "version"],
+    lambda f: f["config"] is not None or f["list_configs"] or f["version"],
+    message="--config is required (a packaged config's name or a config file; --list_configs "
+    "lists them)",
+  )
   flags.register_multi_flags_validator(
-      ["workdir", "print_config", "list_configs", "version"],
-      lambda f: f["workdir"] is not None or f["print_config"] or f["list_configs"] or f["version"],
-      message="--workdir is required (the run's output directory)")
+    ["workdir", "print_config", "list_configs", "version"],
+    lambda f: f["workdir"] is not None or f["print_config"] or f["list_configs"] or f["version"],
+    message="--workdir is required (the run's output directory)",
+  )
 
 
 def resolve_config_args(argv: Sequence[str]) -> list[str]:
@@ -141,12 +182,12 @@ def resolve_config_args(argv: Sequence[str]) -> list[str]:
 
   out = list(argv)
   for i, arg in enumerate(out):
-    value = arg[len("--config="):] if arg.startswith("--config=") else None
+    value = arg[len("--config=") :] if arg.startswith("--config=") else None
     note = shadow_note(value) if value else None
     if note:
       sys.stderr.write(f"note: {note}\n")
     if arg.startswith("--config="):
-      out[i] = "--config=" + configs.resolve(arg[len("--config="):])
+      out[i] = "--config=" + configs.resolve(arg[len("--config=") :])
     elif arg == "--config" and i + 1 < len(out):
       out[i + 1] = configs.resolve(out[i + 1])
   return out
@@ -161,6 +202,7 @@ def shadow_note(spec: str, cwd: str | None = None) -> str | None:
   nothing is shadowed.
   """
   from ntk_fl import configs  # pylint: disable=import-outside-toplevel
+
   name = spec.partition(":")[0]
   cwd = cwd or os.getcwd()
   stem = name.removesuffix(".py")
@@ -168,11 +210,15 @@ def shadow_note(spec: str, cwd: str | None = None) -> str | None:
     return None
   local, packaged = os.path.join(cwd, f"{stem}.py"), configs.CONFIG_DIR / f"{stem}.py"
   if name == stem and os.path.isfile(local):
-    return (f"--config={spec} runs the packaged config {packaged}, not {local} in the current "
-            f"directory (--config=./{stem}.py runs that file)")
+    return (
+      f"--config={spec} runs the packaged config {packaged}, not {local} in the current "
+      f"directory (--config=./{stem}.py runs that file)"
+    )
   if name.endswith(".py") and os.path.isfile(os.path.join(cwd, name)):
-    return (f"--config={spec} runs the file {os.path.join(cwd, name)} (Python code), not the "
-            f"packaged config {stem} (--config={stem} runs that one)")
+    return (
+      f"--config={spec} runs the file {os.path.join(cwd, name)} (Python code), not the "
+      f"packaged config {stem} (--config={stem} runs that one)"
+    )
   return None
 
 
@@ -189,11 +235,15 @@ def _parse_flags(argv: list[str]) -> list[str]:
   try:
     rest = flags.FLAGS(argv)
   except flags.Error as e:
-    if "Error whilst parsing config file" in str(e):   # config_flags puts the config's traceback in the message
+    if "Error whilst parsing config file" in str(
+      e
+    ):  # config_flags puts the config's traceback in the message
       cause = [line for line in str(e).strip().splitlines() if line.strip()][-1]
       value = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith("--config=")), "")
       sys.exit(f"error: --config={value}: {cause}")
-    sys.exit(f"FATAL Flags parsing error: {e}\nPass --helpshort or --helpfull to see help on flags.")
+    sys.exit(
+      f"FATAL Flags parsing error: {e}\nPass --helpshort or --helpfull to see help on flags."
+    )
   except (AttributeError, KeyError) as e:
     sys.exit(f"error: {unknown_key_message(str(e.args[0] if e.args else e), argv[1:])}")
   _check_override_keys(argv)
@@ -208,19 +258,25 @@ def _check_override_keys(argv: list[str]) -> None:
   """
   overrides = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.")]
   config = flags.FLAGS["config"].value
-  if (not any(not o.startswith("--config.algorithm.") for o in overrides) or config is None
-      or type(config).__name__ == "_ErrorConfig"):
+  if (
+    not any(not o.startswith("--config.algorithm.") for o in overrides)
+    or config is None
+    or type(config).__name__ == "_ErrorConfig"
+  ):
     return
   file_config = _config_before_overrides()
   for override in overrides:
-    path = override[len("--config."):].split(".")
+    path = override[len("--config.") :].split(".")
     if path[0] == "algorithm":
       continue
     node = file_config
     for depth, key in enumerate(path):
       if not hasattr(node, "keys") or key not in node:
         import difflib  # pylint: disable=import-outside-toplevel
-        close = difflib.get_close_matches(key, list(node.keys()), n=1) if hasattr(node, "keys") else []
+
+        close = (
+          difflib.get_close_matches(key, list(node.keys()), n=1) if hasattr(node, "keys") else []
+        )
         hint = f"; did you mean config.{'.'.join(path[:depth] + close)}?" if close else ""
         sys.exit(f"error: unknown config key config.{'.'.join(path)}{hint}")
       node = node[key]
@@ -234,6 +290,7 @@ def unknown_key_message(error: str, args: Sequence[str]) -> str:
   command line, whose ``--config.<key>`` override names the whole path.
   """
   import re  # pylint: disable=import-outside-toplevel
+
   names = re.findall(r"[A-Za-z_][A-Za-z0-9_]*", error)
   key = names[0] if names else error
   suggestion = re.search(r'Did you mean [\\\'"]*([A-Za-z0-9_]+)', error)
@@ -252,9 +309,10 @@ class _QuietLibraries(std_logging.Filter):
   pass."""
 
   def filter(self, record: std_logging.LogRecord) -> bool:
-    noisy = (any(part in record.pathname for part in ("/orbax/", "/etils/"))
-             or (record.pathname.endswith("xla_bridge.py")
-                 and str(record.msg).startswith("Unable to initialize backend")))
+    noisy = any(part in record.pathname for part in ("/orbax/", "/etils/")) or (
+      record.pathname.endswith("xla_bridge.py")
+      and str(record.msg).startswith("Unable to initialize backend")
+    )
     return record.levelno >= std_logging.WARNING or not noisy
 
 
@@ -266,13 +324,18 @@ class _LibraryFailuresToTheLog(std_logging.Filter):
   """
 
   def filter(self, record: std_logging.LogRecord) -> bool:
-    return record.levelno < std_logging.ERROR or not any(part in record.pathname for part in ("/orbax/", "/etils/"))
+    return record.levelno < std_logging.ERROR or not any(
+      part in record.pathname for part in ("/orbax/", "/etils/")
+    )
 
 
 def _thread_failure_to_the_log(args) -> None:
   """An exception left in a library's helper thread (after the failure the main thread reports) goes to the log."""
-  logging.info("exception in thread %s", getattr(args.thread, "name", "?"),
-               exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
+  logging.info(
+    "exception in thread %s",
+    getattr(args.thread, "name", "?"),
+    exc_info=(args.exc_type, args.exc_value, args.exc_traceback),
+  )
 
 
 class _AboveTheBar(std_logging.Handler):
@@ -336,13 +399,17 @@ def one_line(err: BaseException) -> str:
   :class:`ntk_fl.data.sources.DataNotFoundError`) keeps all its lines.
   """
   # TensorStore (orbax's array writer) reports a full disk as a ValueError with the OS's text.
-  if (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "No space left on device" in str(err):
+  if (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "No space left on device" in str(
+    err
+  ):
     filename = getattr(err, "filename", None)
     where = f" while writing {filename}" if filename else ""
-    return (f"disk full{where} (No space left on device); free some space, then continue the run with --resume "
-            "(every completed checkpoint and metrics line is intact)")
+    return (
+      f"disk full{where} (No space left on device); free some space, then continue the run with --resume "
+      "(every completed checkpoint and metrics line is intact)"
+    )
   lines = [line for line in str(err).strip().splitlines() if line.strip()]
-  if getattr(err, "help_message", False) and lines:   # missing data: where it looked, how to get it
+  if getattr(err, "help_message", False) and lines:  # missing data: where it looked, how to get it
     return "\n".join(lines)
   return lines[0] if lines else type(err).__name__
 
@@ -361,7 +428,7 @@ def report_failure(err: BaseException, workdir: str | None, *, verbose: bool) ->
       log_path = os.path.join(os.path.abspath(workdir), LOG_FILE)
       with fsutil.open_append(log_path) as f:
         f.write(f"error: {message}\n{trace}\n")
-    except OSError:          # e.g. the disk is full: the traceback then only goes to stderr on request
+    except OSError:  # e.g. the disk is full: the traceback then only goes to stderr on request
       log_path = None
   if verbose:
     sys.stderr.write(trace)
@@ -388,12 +455,12 @@ def _remove_log_only_workdir(workdir: str) -> None:
     handler = logging.get_absl_handler().python_handler
     stream = getattr(handler, "stream", None)
     if stream is not None and stream not in (sys.stderr, sys.stdout):
-      handler.stream = io.StringIO()    # later log lines of this process go nowhere
+      handler.stream = io.StringIO()  # later log lines of this process go nowhere
       stream.close()
     os.remove(os.path.join(workdir, LOG_FILE))
     os.rmdir(workdir)
   except OSError:
-    pass                                 # best effort: a workdir that cannot be cleaned up stays
+    pass  # best effort: a workdir that cannot be cleaned up stays
 
 
 def _print_and_exit(config) -> bool:
@@ -402,6 +469,7 @@ def _print_and_exit(config) -> bool:
 
   if _FLAGS["version"].value:
     import ntk_fl  # pylint: disable=import-outside-toplevel
+
     print(f"ntk_fl {ntk_fl.__version__}")
   elif _FLAGS["list_configs"].value:
     print(config_docs.format_configs())
@@ -439,37 +507,46 @@ def _close_log() -> None:
 def _closing_line(summary: dict, workdir: str) -> str:
   """One line with the result of a run, for the console."""
   acc = summary.get("final_test_acc")
-  targets = ", ".join(f"{float(t):.0%} at round {r}" if r is not None else f"{float(t):.0%} not reached"
-                      for t, r in (summary.get("rounds_to_target") or {}).items())
+  targets = ", ".join(
+    f"{float(t):.0%} at round {r}" if r is not None else f"{float(t):.0%} not reached"
+    for t, r in (summary.get("rounds_to_target") or {}).items()
+  )
   accuracy = "not evaluated" if acc is None else f"{acc:.4f}"
-  return (f"{summary.get('method')}: {summary.get('rounds_run')} rounds, final aggregated accuracy {accuracy}"
-          f"{'; ' + targets if targets else ''}; {summary.get('wall_time', 0.0):.1f} s. Outputs in {workdir}")
+  return (
+    f"{summary.get('method')}: {summary.get('rounds_run')} rounds, final aggregated accuracy {accuracy}"
+    f"{'; ' + targets if targets else ''}; {summary.get('wall_time', 0.0):.1f} s. Outputs in {workdir}"
+  )
 
 
 def _interrupted(workdir: str) -> str:
   """The line for Ctrl-C: ``--resume`` once the run has started, else the same command again."""
   if os.path.isfile(os.path.join(workdir, "config.json")):
     return f"interrupted; continue the run with --resume (workdir {workdir})"
-  return (f"interrupted before the run started (nothing written to {workdir}); run the same "
-          "command again")
+  return (
+    f"interrupted before the run started (nothing written to {workdir}); run the same command again"
+  )
 
 
 def _launch(command: list[str], workdir: str, num_processes: int) -> int:
   """The local launcher: holds the workdir's lock for its workers; Ctrl-C and failures: one line."""
   from ntk_fl import distributed, rundir  # pylint: disable=import-outside-toplevel
+
   try:
     env, fd = rundir.lock_for_children(workdir)
   except (ValueError, OSError) as e:
     sys.exit(f"error: {one_line(e)}")
   try:
-    status = distributed.launch_local(command, num_processes, env={**os.environ, **env},
-                                      pass_fds=(fd,))
+    status = distributed.launch_local(
+      command, num_processes, env={**os.environ, **env}, pass_fds=(fd,)
+    )
   except KeyboardInterrupt:
     sys.stderr.write(f"\n{_interrupted(workdir)}\n")
     return 130
   if status < 0:
-    sys.stderr.write(f"error: a process of the run was killed by signal {-status} and the others "
-                     f"were stopped; {_interrupted(workdir).split('; ', 1)[-1]}\n")
+    sys.stderr.write(
+      f"error: a process of the run was killed by signal {-status} and the others "
+      f"were stopped; {_interrupted(workdir).split('; ', 1)[-1]}\n"
+    )
   return status
 
 
@@ -477,13 +554,19 @@ def _join_processes() -> bool:
   """Joins a multi-process run when the flags ask for one; returns whether this process is process 0."""
   from ntk_fl import distributed  # pylint: disable=import-outside-toplevel
 
-  rank, count, address = (_FLAGS[k].value for k in ("process_id", "num_processes", "coordinator_address"))
+  rank, count, address = (
+    _FLAGS[k].value for k in ("process_id", "num_processes", "coordinator_address")
+  )
   if rank is None and not _FLAGS["distributed"].value:
     return True
   if rank is not None and (rank >= count or not address):
-    sys.exit(f"error: --process_id={rank} needs --num_processes > {rank} and --coordinator_address=HOST:PORT "
-             f"(got --num_processes={count}, --coordinator_address={address!r})")
-  distributed.initialize(address, count if rank is not None else None, rank)  # before any jax call lists devices
+    sys.exit(
+      f"error: --process_id={rank} needs --num_processes > {rank} and --coordinator_address=HOST:PORT "
+      f"(got --num_processes={count}, --coordinator_address={address!r})"
+    )
+  distributed.initialize(
+    address, count if rank is not None else None, rank
+  )  # before any jax call lists devices
   return distributed.is_primary()
 
 
@@ -493,37 +576,58 @@ def _main(argv: list[str]) -> None:
 
   if len(argv) > 1:
     raise app.UsageError(f"unexpected positional arguments: {argv[1:]}")
-  if _FLAGS["process_id"].value is None and _FLAGS["num_processes"].value > 1 and not _FLAGS["distributed"].value:
+  if (
+    _FLAGS["process_id"].value is None
+    and _FLAGS["num_processes"].value > 1
+    and not _FLAGS["distributed"].value
+  ):
     # The local launcher: P copies of this command, each told its rank and the coordinator.
-    command = [sys.executable, "-m", "ntk_fl", *distributed.strip_flags(_ARGV[1:], ["num_processes"])]
+    command = [
+      sys.executable,
+      "-m",
+      "ntk_fl",
+      *distributed.strip_flags(_ARGV[1:], ["num_processes"]),
+    ]
     status = _launch(command, _FLAGS["workdir"].value, _FLAGS["num_processes"].value)
     sys.exit(status if status >= 0 else 128 - status)
   logging.get_absl_handler().addFilter(_QuietLibraries())
   primary = _join_processes()
   if not primary:
-    logging.set_verbosity(logging.WARNING)    # process 0 logs the run; the others only their warnings
-  held = _hold_log() if primary else None   # before the first jax call: the backend probe's INFO lines belong in the log file
+    logging.set_verbosity(logging.WARNING)  # process 0 logs the run; the others only their warnings
+  held = (
+    _hold_log() if primary else None
+  )  # before the first jax call: the backend probe's INFO lines belong in the log file
   config = _FLAGS["config"].value
-  if type(config).__name__ == "_ErrorConfig":   # config_flags' stand-in for a config file it could not load
+  if (
+    type(config).__name__ == "_ErrorConfig"
+  ):  # config_flags' stand-in for a config file it could not load
     value = flags.FLAGS["config"].config_filename
     path = value.split(":", 1)[0]
     if not os.path.isfile(path):
-      sys.exit(f"error: --config={value}: no config file {os.path.abspath(path)} (and no packaged config of that "
-               "name); give a packaged config's name (e.g. ntk_dfl:smoke) or the path of a config file")
-    sys.exit(f"error: --config={value}: cannot load the config file: "
-             f"{one_line(object.__getattribute__(config, '_error'))}")
+      sys.exit(
+        f"error: --config={value}: no config file {os.path.abspath(path)} (and no packaged config of that "
+        "name); give a packaged config's name (e.g. ntk_dfl:smoke) or the path of a config file"
+      )
+    sys.exit(
+      f"error: --config={value}: cannot load the config file: "
+      f"{one_line(object.__getattribute__(config, '_error'))}"
+    )
   if _print_and_exit(config):
     return
   workdir = _FLAGS["workdir"].value
-  start = dict(resume=_FLAGS["resume"].value, resume_from_step=_FLAGS["resume_from_step"].value,
-               branch_from=_FLAGS["branch_from"].value, branch_round=_FLAGS["branch_round"].value)
+  start = dict(
+    resume=_FLAGS["resume"].value,
+    resume_from_step=_FLAGS["resume_from_step"].value,
+    branch_from=_FLAGS["branch_from"].value,
+    branch_round=_FLAGS["branch_round"].value,
+  )
   verbose = logging.get_verbosity() >= 1
   try:
     # Everything that can be wrong with the request fails here, before any data is loaded; the config is
     # checked once and travels on as typed settings.
     settings = schema.validate_config(config, reference=_config_before_overrides())
-    fresh = not os.path.isdir(workdir) or not os.listdir(workdir)   # before the lock file is made
-    rundir.hold_workdir(workdir)        # one run per workdir, held until this process exits
+    fresh = not os.path.isdir(workdir) or not os.listdir(workdir)  # before the lock file is made
+    rundir.hold_workdir(workdir)  # one run per workdir, held until this process exits
     rundir.check_start(settings, workdir, **start)
   except (*_ONE_LINE_ERRORS, CheckpointDamaged) as e:
     if verbose:
@@ -532,21 +636,27 @@ def _main(argv: list[str]) -> None:
   try:
     _log_to_workdir(held, workdir)
     summary = runner.run(settings, workdir, **start)
-  except runner.Diverged as e:   # an outcome of the experiment, not a failure of the code: no traceback
+  except (
+    runner.Diverged
+  ) as e:  # an outcome of the experiment, not a failure of the code: no traceback
     sys.exit(f"error: {e}")
   except (*_ONE_LINE_ERRORS, CheckpointDamaged) as e:
     message = report_failure(e, workdir, verbose=verbose)
     if fresh and getattr(e, "help_message", False):
       _remove_log_only_workdir(workdir)
-    _close_log()     # a full disk must not fail once more, with a traceback, when the log is flushed at exit
+    _close_log()  # a full disk must not fail once more, with a traceback, when the log is flushed at exit
     sys.exit(f"error: {message}")
   except KeyboardInterrupt:
     sys.stderr.write(f"\n{_interrupted(workdir)}\n")
     sys.exit(130)
   if primary:
     print(_closing_line(summary, os.path.abspath(workdir)), flush=True)
-    logging.info("rounds to target: %s; final aggregated accuracy: %s; wall time %.1fs",
-                 summary["rounds_to_target"], summary["final_test_acc"], summary["wall_time"])
+    logging.info(
+      "rounds to target: %s; final aggregated accuracy: %s; wall time %.1fs",
+      summary["rounds_to_target"],
+      summary["final_test_acc"],
+      summary["wall_time"],
+    )
   distributed.shutdown()
 
 
@@ -556,16 +666,17 @@ SUBCOMMANDS = {"compare": "ntk_fl.compare", "reproduce": "ntk_fl.reproduce"}
 
 def _subcommand(name: str):
   import importlib  # pylint: disable=import-outside-toplevel
+
   return importlib.import_module(SUBCOMMANDS[name]).main
 
 
 def main(argv: Sequence[str] | None = None) -> None:
   """The ``ntk-fl`` console script (and ``experiments/main.py``, ``python -m ntk_fl``)."""
   argv = list(sys.argv if argv is None else argv)
-  if len(argv) > 1 and argv[1] in SUBCOMMANDS:    # ntk-fl compare ... / ntk-fl reproduce ...
+  if len(argv) > 1 and argv[1] in SUBCOMMANDS:  # ntk-fl compare ... / ntk-fl reproduce ...
     sys.exit(_subcommand(argv[1])(argv[2:]))
   _define_flags()
-  _ARGV[:] = argv      # the launcher of a multi-process run repeats them for each process
+  _ARGV[:] = argv  # the launcher of a multi-process run repeats them for each process
   # --helpshort lists the key flags of the program being run (absl keys them by argv[0]) and prints its
   # __main__ docstring; a console script has neither, so lend it this module's.
   for holder in _FLAGS.values():
@@ -575,7 +686,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     main_module.__doc__ = __doc__
   try:
     app.run(_main, argv=argv, flags_parser=_parse_flags)
-  except KeyboardInterrupt:     # before the run's own handler: imports, flag parsing, the checks
+  except KeyboardInterrupt:  # before the run's own handler: imports, flag parsing, the checks
     workdir = flags.FLAGS["workdir"].value if flags.FLAGS.is_parsed() else None
     line = _interrupted(workdir) if workdir else "interrupted; nothing was started"
     sys.stderr.write(f"\n{line}\n")

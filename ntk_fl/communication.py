@@ -14,6 +14,7 @@ Server-side NTK methods (NTK-FL, CP-NTK-FL) upload, per sampled client
 sparsified and quantised (:func:`jacobian_payload_bits`), plus ``n_i·C`` float32
 logits and ``n_i·⌈log2 C⌉`` label bits.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,11 +24,22 @@ import jax.numpy as jnp
 from ntk_fl import validation
 from ntk_fl.compression import FLOAT_BITS, num_kept, payload_bits, sparse_payload_bits
 
-__all__ = ["jacobian_package_bits", "neighbourhood_round_bits", "jacobian_payload_bits", "server_upload_bits"]
+__all__ = [
+  "jacobian_package_bits",
+  "neighbourhood_round_bits",
+  "jacobian_payload_bits",
+  "server_upload_bits",
+]
 
 
-def jacobian_package_bits(num_samples: int, num_classes: int, tensor_sizes, *, keep_fraction: float = 1.0,
-                          bits: int = FLOAT_BITS) -> int:
+def jacobian_package_bits(
+  num_samples: int,
+  num_classes: int,
+  tensor_sizes,
+  *,
+  keep_fraction: float = 1.0,
+  bits: int = FLOAT_BITS,
+) -> int:
   """Bits of one neighbourhood-NTK package: a Jacobian, function values and labels of ``num_samples`` samples.
 
   Args:
@@ -56,8 +68,15 @@ def jacobian_package_bits(num_samples: int, num_classes: int, tensor_sizes, *, k
   return total + num_samples * num_classes * FLOAT_BITS + num_samples * label_bits
 
 
-def neighbourhood_round_bits(num_neighbors, package, num_params: int, *, broadcast: bool = False,
-                             averaging: bool = True, velocity: bool = False):
+def neighbourhood_round_bits(
+  num_neighbors,
+  package,
+  num_params: int,
+  *,
+  broadcast: bool = False,
+  averaging: bool = True,
+  velocity: bool = False,
+):
   """Bits client(s) send in one neighbourhood-NTK round: weights and one Jacobian package per neighbour.
 
   Args:
@@ -83,8 +102,14 @@ def neighbourhood_round_bits(num_neighbors, package, num_params: int, *, broadca
   return num_neighbors * (out_weights + weights + package)
 
 
-def jacobian_payload_bits(num_rows, row_size: int, *, keep_fraction: float = 1.0, bits: int = FLOAT_BITS,
-                          num_tensors: int = 1):
+def jacobian_payload_bits(
+  num_rows,
+  row_size: int,
+  *,
+  keep_fraction: float = 1.0,
+  bits: int = FLOAT_BITS,
+  num_tensors: int = 1,
+):
   """Uplink bits of ``num_rows`` Jacobian rows of ``row_size`` entries each.
 
   ``keep_fraction = 1``: dense (``row_size`` values per row). Otherwise every
@@ -102,8 +127,14 @@ def jacobian_payload_bits(num_rows, row_size: int, *, keep_fraction: float = 1.0
   return payload_bits(num_rows * k, bits, num_tensors=num_tensors) + num_rows * support
 
 
-def server_upload_bits(num_samples, num_params: int, num_classes: int, *, keep_fraction: float = 1.0,
-                       bits: int = FLOAT_BITS):
+def server_upload_bits(
+  num_samples,
+  num_params: int,
+  num_classes: int,
+  *,
+  keep_fraction: float = 1.0,
+  bits: int = FLOAT_BITS,
+):
   """Uplink bits of one client of a server-side NTK round: its samples' Jacobians, logits and labels.
 
   Args:
@@ -113,8 +144,9 @@ def server_upload_bits(num_samples, num_params: int, num_classes: int, *, keep_f
     keep_fraction, bits: the rows' top-k fraction and bits per value
       (:func:`jacobian_payload_bits`, one quantised tensor per client).
   """
-  jac = jacobian_payload_bits(num_samples * num_classes, num_params, keep_fraction=keep_fraction, bits=bits,
-                              num_tensors=1)
+  jac = jacobian_payload_bits(
+    num_samples * num_classes, num_params, keep_fraction=keep_fraction, bits=bits, num_tensors=1
+  )
   logits = num_samples * num_classes * FLOAT_BITS
   labels = num_samples * max(1, math.ceil(math.log2(num_classes)))
   return jac + logits + labels

@@ -31,7 +31,7 @@ import os
 import shutil
 import statistics
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from scipy import stats as scipy_stats

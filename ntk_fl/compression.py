@@ -23,6 +23,7 @@ whichever is smaller (:func:`sparse_payload_bits`).
 What a particular protocol sends per round (the neighbourhood-NTK methods' packages and weights) is counted
 in :mod:`ntk_fl.communication`, from these primitives.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,10 +33,22 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["quantize", "quantize_tree", "topk_mask", "top_k_by_key", "magnitude_key", "max_magnitude_key",
-           "sparsify_topk", "num_kept", "compress_packages", "payload_bits", "sparse_payload_bits",
-           "tree_payload_bits",
-           "FLOAT_BITS", "SIDE_BITS"]
+__all__ = [
+  "quantize",
+  "quantize_tree",
+  "topk_mask",
+  "top_k_by_key",
+  "magnitude_key",
+  "max_magnitude_key",
+  "sparsify_topk",
+  "num_kept",
+  "compress_packages",
+  "payload_bits",
+  "sparse_payload_bits",
+  "tree_payload_bits",
+  "FLOAT_BITS",
+  "SIDE_BITS",
+]
 
 FLOAT_BITS = 32
 """Bits of one uncompressed value (float32)."""
@@ -48,8 +61,10 @@ _MAX_BITS = 16  # 2**16 levels already resolve float32 weights far below their s
 
 def _check_bits(bits: Any) -> int:
   if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or not 1 <= bits <= _MAX_BITS:
-    raise ValueError(f"bits must be an int in [1, {_MAX_BITS}] (32 = no quantisation is handled by the caller), "
-                     f"got {bits!r}")
+    raise ValueError(
+      f"bits must be an int in [1, {_MAX_BITS}] (32 = no quantisation is handled by the caller), "
+      f"got {bits!r}"
+    )
   return int(bits)
 
 
@@ -72,7 +87,7 @@ def quantize(x, bits: int, *, key=None, stochastic: bool = False):
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"quantize expects a float array, got dtype {x.dtype}")
-  levels = 2 ** bits - 1
+  levels = 2**bits - 1
   lo, hi = jnp.min(x), jnp.max(x)
   step = (hi - lo) / levels
   # A constant tensor has step 0: divide by 1 instead (every level is then 0, reconstruction = lo).
@@ -88,14 +103,23 @@ def quantize(x, bits: int, *, key=None, stochastic: bool = False):
 def quantize_tree(tree, bits: int, *, key=None, stochastic: bool = False):
   """:func:`quantize` applied to every leaf (one ``lo``/``s`` pair per leaf; independent keys)."""
   leaves, treedef = jax.tree_util.tree_flatten(tree)
-  keys = list(jax.random.split(key, len(leaves))) if stochastic and key is not None else [key] * len(leaves)
+  keys = (
+    list(jax.random.split(key, len(leaves)))
+    if stochastic and key is not None
+    else [key] * len(leaves)
+  )
   return jax.tree_util.tree_unflatten(
-      treedef, [quantize(leaf, bits, key=k, stochastic=stochastic) for leaf, k in zip(leaves, keys)])
+    treedef, [quantize(leaf, bits, key=k, stochastic=stochastic) for leaf, k in zip(leaves, keys)]
+  )
 
 
 def num_kept(size: int, keep_fraction: float) -> int:
   """Entries kept by :func:`sparsify_topk` out of ``size``: ``ceil(keep_fraction * size)``, at least 1."""
-  if isinstance(keep_fraction, bool) or not isinstance(keep_fraction, numbers.Real) or not 0 < keep_fraction <= 1:
+  if (
+    isinstance(keep_fraction, bool)
+    or not isinstance(keep_fraction, numbers.Real)
+    or not 0 < keep_fraction <= 1
+  ):
     raise ValueError(f"keep_fraction must be a real in (0, 1], got {keep_fraction!r}")
   if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
     raise ValueError(f"size must be an int >= 1, got {size!r}")
@@ -126,10 +150,10 @@ def top_k_by_key(keys, k):
     raise ValueError(f"top_k_by_key expects signed integer keys, got dtype {keys.dtype}")
   int_type = keys.dtype
   batch = keys.shape[:-1]
-  k = jnp.asarray(k)        # not cast to the keys' type: a 16-bit key type cannot hold every k
+  k = jnp.asarray(k)  # not cast to the keys' type: a 16-bit key type cannot hold every k
 
   def halve(_, bounds):
-    lo, hi = bounds                       # invariant: count(keys >= lo) >= k > count(keys >= hi), or k <= 0
+    lo, hi = bounds  # invariant: count(keys >= lo) >= k > count(keys >= hi), or k <= 0
     mid = lo + (hi - lo) // 2
     enough = jnp.sum(keys >= mid[..., None], axis=-1) >= k
     return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
@@ -203,12 +227,22 @@ def sparsify_topk(x, keep_fraction: float, *, axis: int | None = None):
     mask = topk_mask(jnp.abs(flat), num_kept(flat.size, keep_fraction)).reshape(x.shape)
   else:
     moved = jnp.moveaxis(x, axis, -1)
-    mask = jnp.moveaxis(topk_mask(jnp.abs(moved), num_kept(moved.shape[-1], keep_fraction)), -1, axis)
+    mask = jnp.moveaxis(
+      topk_mask(jnp.abs(moved), num_kept(moved.shape[-1], keep_fraction)), -1, axis
+    )
   return jnp.where(mask, x, jnp.zeros_like(x)), mask
 
 
-def compress_packages(leaves, mask, num_senders: int, keep_fraction: float, bits: int, *, sent=None,
-                      count_real_rows: bool = True):
+def compress_packages(
+  leaves,
+  mask,
+  num_senders: int,
+  keep_fraction: float,
+  bits: int,
+  *,
+  sent=None,
+  count_real_rows: bool = True,
+):
   """Each sender's package of Jacobian rows, per tensor: zero padding rows, top-k magnitudes, ``bits``-bit values.
 
   The neighbourhood-NTK methods (NTK-DFL App. E.3, SPARK) stack the rows their
@@ -238,7 +272,9 @@ def compress_packages(leaves, mask, num_senders: int, keep_fraction: float, bits
   """
   mask = jnp.asarray(mask, bool)
   slots = mask.shape[0] // num_senders
-  real_rows = mask.reshape(num_senders, -1).sum(axis=1) if count_real_rows else jnp.full(num_senders, slots)
+  real_rows = (
+    mask.reshape(num_senders, -1).sum(axis=1) if count_real_rows else jnp.full(num_senders, slots)
+  )
 
   def one_package(package, k):
     kept = None
@@ -256,11 +292,19 @@ def compress_packages(leaves, mask, num_senders: int, keep_fraction: float, bits
     rows = leaf.reshape((num_senders, -1) + leaf.shape[1:])
     row_size = math.prod(rows.shape[2:])
     # k of a package with r real rows, exact in integers (a float32 product would round above 2**24 entries).
-    table = jnp.asarray([0] + [num_kept(r * row_size, keep_fraction) if keep_fraction < 1 else 0
-                               for r in range(1, rows.shape[1] + 1)], jnp.int32)
+    table = jnp.asarray(
+      [0]
+      + [
+        num_kept(r * row_size, keep_fraction) if keep_fraction < 1 else 0
+        for r in range(1, rows.shape[1] + 1)
+      ],
+      jnp.int32,
+    )
     packed = jax.vmap(one_package)(rows, table[real_rows])
     if sent is not None:
-      packed = jnp.where(jnp.asarray(sent, bool).reshape((-1,) + (1,) * (rows.ndim - 1)), packed, rows)
+      packed = jnp.where(
+        jnp.asarray(sent, bool).reshape((-1,) + (1,) * (rows.ndim - 1)), packed, rows
+      )
     out.append(packed.reshape(leaf.shape))
   return tuple(out)
 

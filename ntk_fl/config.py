@@ -64,11 +64,19 @@ below it they travel as the frozen dataclasses of :mod:`ntk_fl.settings`):
   names the client and the stage. Slow; for finding which client fails where.
 * ``algorithm``: the method's own hyperparameters.
 """
+
 from __future__ import annotations
 
 import ml_collections
 
-__all__ = ["base_config", "apply_variants", "COMMON_VARIANTS", "load_config", "smoke_slice", "SMOKE_CNN_SAMPLES"]
+__all__ = [
+  "base_config",
+  "apply_variants",
+  "COMMON_VARIANTS",
+  "load_config",
+  "smoke_slice",
+  "SMOKE_CNN_SAMPLES",
+]
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -182,12 +190,14 @@ def _set_authors_map(config, token: str) -> None:
   """``authors_alpha<α>[_d<draw>]`` / ``authors_iid[_d<draw>]``: the shipped map, draw 0 by default."""
   from ntk_fl.data import index_map  # pylint: disable=import-outside-toplevel
 
-  level, _, draw = token[len("authors_"):].partition("_d")
+  level, _, draw = token[len("authors_") :].partition("_d")
   if draw and not draw.isdigit():
     raise ValueError(f"variant {token!r}: the draw must be a number, e.g. 'authors_alpha0.1_d3'")
   if level != "iid" and not level.startswith("alpha"):
-    raise ValueError(f"variant {token!r}: expected authors_alpha<α>[_d<draw>] or authors_iid[_d<draw>]")
-  alpha = None if level == "iid" else level[len("alpha"):]
+    raise ValueError(
+      f"variant {token!r}: expected authors_alpha<α>[_d<draw>] or authors_iid[_d<draw>]"
+    )
+  alpha = None if level == "iid" else level[len("alpha") :]
   try:
     name = index_map.authors_map_name("iid" if alpha is None else alpha, int(draw or 0))
   except ValueError as e:
@@ -212,13 +222,13 @@ def _set_femnist_digits(config) -> None:
 
 
 COMMON_VARIANTS = {
-    "paper": lambda config: None,
-    "cnn": _set_cnn,
-    "iid": _set_iid,
-    "static": _set_static,
-    "mnist": lambda config: setattr(config.data, "name", "mnist"),
-    "contiguous": _set_contiguous,
-    "femnist_digits": _set_femnist_digits,
+  "paper": lambda config: None,
+  "cnn": _set_cnn,
+  "iid": _set_iid,
+  "static": _set_static,
+  "mnist": lambda config: setattr(config.data, "name", "mnist"),
+  "contiguous": _set_contiguous,
+  "femnist_digits": _set_femnist_digits,
 }
 """Variant tokens every method's config understands, plus ``alpha<float>`` (e.g. ``alpha0.5``) and the
 authors' shipped Fashion-MNIST partitions ``authors_alpha<α>[_d<draw>]`` (α ∈ {0.1, ..., 0.5}, draws
@@ -229,8 +239,9 @@ images instead of the MLP; with ``smoke``, :data:`SMOKE_CNN_SAMPLES` samples per
 ``femnist_digits``: FEMNIST's digit samples, one client per writer (LEAF files, see :mod:`ntk_fl.data`)."""
 
 
-def apply_variants(config: ml_collections.ConfigDict, arg: str | None, method_variants=None,
-                   valued_variants=None):
+def apply_variants(
+  config: ml_collections.ConfigDict, arg: str | None, method_variants=None, valued_variants=None
+):
   """Applies the comma-separated variant tokens of ``--config=file.py:tok1,tok2``.
 
   Tokens are applied left to right: ``COMMON_VARIANTS``, ``alpha<float>`` (the
@@ -246,17 +257,23 @@ def apply_variants(config: ml_collections.ConfigDict, arg: str | None, method_va
   variants = {**COMMON_VARIANTS, **(method_variants or {})}
   valued = dict(valued_variants or {})
   for token in filter(None, (t.strip() for t in (arg or "").split(","))):
-    prefix = next((p for p in sorted(valued, key=len, reverse=True)
-                   if token.startswith(p) and len(token) > len(p)), None)
+    prefix = next(
+      (
+        p
+        for p in sorted(valued, key=len, reverse=True)
+        if token.startswith(p) and len(token) > len(p)
+      ),
+      None,
+    )
     if token in variants:
       variants[token](config)
     elif prefix is not None:
-      valued[prefix](config, token[len(prefix):])
+      valued[prefix](config, token[len(prefix) :])
     elif token.startswith("authors_"):
       _set_authors_map(config, token)
     elif token.startswith("alpha"):
       try:
-        alpha = float(token[len("alpha"):])
+        alpha = float(token[len("alpha") :])
       except ValueError:
         alpha = float("nan")
       if not alpha > 0:
@@ -264,8 +281,10 @@ def apply_variants(config: ml_collections.ConfigDict, arg: str | None, method_va
       _set_alpha(config, alpha)
     else:
       extra = "".join(f", {p}<value>" for p in sorted(valued))
-      raise ValueError(f"unknown config variant {token!r}; known: {', '.join(sorted(variants))}, alpha<float>, "
-                       f"authors_alpha<float>[_d<draw>], authors_iid[_d<draw>]{extra}")
+      raise ValueError(
+        f"unknown config variant {token!r}; known: {', '.join(sorted(variants))}, alpha<float>, "
+        f"authors_alpha<float>[_d<draw>], authors_iid[_d<draw>]{extra}"
+      )
   return config
 
 

@@ -27,6 +27,7 @@ neighbourhoods cross process boundaries and change every round; the rows a chunk
 of clients needs from other devices (neighbours' samples and weights) are
 fetched inside the step by XLA collectives (:class:`ntk_fl.parallel.Shared`).
 """
+
 from __future__ import annotations
 
 import os
@@ -35,19 +36,32 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-__all__ = ["initialize", "shutdown", "launch_local", "is_primary", "barrier", "to_host", "client_shardings", "free_port",
-           "place_federation"]
+__all__ = [
+  "initialize",
+  "shutdown",
+  "launch_local",
+  "is_primary",
+  "barrier",
+  "to_host",
+  "client_shardings",
+  "free_port",
+  "place_federation",
+]
 
 
-def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None) -> None:
+def initialize(
+  coordinator_address: str | None = None,
+  num_processes: int | None = None,
+  process_id: int | None = None,
+) -> None:
   """Joins this process to a multi-process JAX run (before any JAX computation).
 
   Args:
@@ -59,8 +73,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   # CPU devices of different processes talk through gloo (the default CPU client has no
   # cross-process collectives); GPU/TPU backends ignore this option.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                             process_id=process_id)
+  jax.distributed.initialize(
+    coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
+  )
 
 
 def shutdown() -> None:
@@ -84,13 +99,20 @@ def _parent_death_signal():
   """The C library's ``prctl``, looked up in the parent (never in a forked child); ``None`` if absent."""
   try:
     import ctypes  # pylint: disable=import-outside-toplevel
+
     return ctypes.CDLL(None, use_errno=True).prctl
   except (OSError, AttributeError):  # not Linux: the launcher's finally still stops its processes
     return None
 
 
-def launch_local(command: Sequence[str], num_processes: int, *, env: dict | None = None,
-                 poll_seconds: float = 0.2, pass_fds: Sequence[int] = ()) -> int:
+def launch_local(
+  command: Sequence[str],
+  num_processes: int,
+  *,
+  env: dict | None = None,
+  poll_seconds: float = 0.2,
+  pass_fds: Sequence[int] = (),
+) -> int:
   """Runs ``num_processes`` copies of ``command`` on this machine as one multi-process JAX run.
 
   Process ``i`` gets ``--process_id=i --num_processes=P --coordinator_address=localhost:PORT``
@@ -110,20 +132,31 @@ def launch_local(command: Sequence[str], num_processes: int, *, env: dict | None
   address = f"localhost:{free_port()}"
   launcher, prctl = os.getpid(), _parent_death_signal()
 
-  def start_child():       # in the child, before exec: only a C call and a check (fork-safe)
+  def start_child():  # in the child, before exec: only a C call and a check (fork-safe)
     if prctl is not None:
-      prctl(1, signal.SIGTERM)        # PR_SET_PDEATHSIG: SIGTERM when the launcher dies
-    if os.getppid() != launcher:      # the launcher died before the signal was armed
+      prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: SIGTERM when the launcher dies
+    if os.getppid() != launcher:  # the launcher died before the signal was armed
       os._exit(1)  # pylint: disable=protected-access
+
   # A launcher stopped by SIGTERM (a job scheduler, a test) stops its processes too (via the finally below).
   previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-  procs = [subprocess.Popen([*command, f"--process_id={i}", f"--num_processes={num_processes}",
-                             f"--coordinator_address={address}"], env=env, pass_fds=tuple(pass_fds),
-                            preexec_fn=start_child)
-           for i in range(num_processes)]
+  procs = [
+    subprocess.Popen(
+      [
+        *command,
+        f"--process_id={i}",
+        f"--num_processes={num_processes}",
+        f"--coordinator_address={address}",
+      ],
+      env=env,
+      pass_fds=tuple(pass_fds),
+      preexec_fn=start_child,
+    )
+    for i in range(num_processes)
+  ]
   try:
     while True:
-      status = [p.poll() for p in procs]         # every process polled each time (no short circuit)
+      status = [p.poll() for p in procs]  # every process polled each time (no short circuit)
       failed = next((rc for rc in status if rc not in (None, 0)), None)
       if failed is not None or None not in status:
         break
@@ -163,10 +196,12 @@ def to_host(tree: Any) -> Any:
   """``tree``'s arrays as numpy, gathered from every process when they are sharded across processes."""
   if jax.process_count() == 1:
     return jax.device_get(tree)
+
   def fetch(x):
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
       return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x) if isinstance(x, jax.Array) else x
+
   return jax.tree.map(fetch, tree)
 
 
@@ -186,14 +221,19 @@ def client_shardings(shapes: Any, num_clients: int, mesh) -> Any:
   if mesh is None:
     return None
   from ntk_fl.parallel import CLIENTS  # pylint: disable=g-import-not-at-top
+
   size = mesh.shape[CLIENTS]
+
   def sharding(leaf):
     split = leaf.ndim >= 1 and leaf.shape[0] == num_clients and num_clients % size == 0
     return NamedSharding(mesh, PartitionSpec(CLIENTS) if split else PartitionSpec())
+
   return jax.tree.map(sharding, shapes)
 
 
-def place_federation(x: np.ndarray, y: np.ndarray, client_indices, mesh, *, n_max: int | None = None):
+def place_federation(
+  x: np.ndarray, y: np.ndarray, client_indices, mesh, *, n_max: int | None = None
+):
   """A :class:`ntk_fl.data.Federation` whose samples are split over ``mesh``'s devices, one block each.
 
   Device ``d`` gets the samples of the clients :func:`ntk_fl.parallel.for_each_client`
@@ -220,6 +260,7 @@ def place_federation(x: np.ndarray, y: np.ndarray, client_indices, mesh, *, n_ma
   """
   from ntk_fl.data import federation as federation_lib  # pylint: disable=g-import-not-at-top
   from ntk_fl.parallel import CLIENTS  # pylint: disable=g-import-not-at-top
+
   y = federation_lib.check_samples(x, y)
   num_blocks = int(mesh.shape[CLIENTS])
   layout = federation_lib.block_layout(client_indices, x.shape[0], num_blocks, n_max=n_max)
@@ -230,16 +271,21 @@ def place_federation(x: np.ndarray, y: np.ndarray, client_indices, mesh, *, n_ma
   def block(index, which: int) -> np.ndarray:
     start = index[0].start or 0
     if start % size:
-      raise AssertionError(f"a device's slice starts at row {start}, not at a block boundary (block size {size})")
+      raise AssertionError(
+        f"a device's slice starts at row {start}, not at a block boundary (block size {size})"
+      )
     b = start // size
     if b not in blocks:
       blocks[b] = layout.block_samples(x, y, b)
     return blocks[b][which]
 
-  samples_x = jax.make_array_from_callback((num_blocks * size, *x.shape[1:]), sharding, lambda i: block(i, 0))
+  samples_x = jax.make_array_from_callback(
+    (num_blocks * size, *x.shape[1:]), sharding, lambda i: block(i, 0)
+  )
   samples_y = jax.make_array_from_callback((num_blocks * size,), sharding, lambda i: block(i, 1))
-  return federation_lib.Federation(samples_x=samples_x, samples_y=samples_y, index=layout.index,
-                                   mask=layout.mask, n=layout.n)
+  return federation_lib.Federation(
+    samples_x=samples_x, samples_y=samples_y, index=layout.index, mask=layout.mask, n=layout.n
+  )
 
 
 def strip_flags(argv: Sequence[str], names: Sequence[str]) -> list[str]:

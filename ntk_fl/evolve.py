@@ -67,50 +67,72 @@ Matrix products with the kernel use ``Precision.HIGHEST``: they multiply an
 costs next to nothing, whereas the TF32 default of recent GPUs would inject
 ~1e-3 relative error into each of the ``τ_max`` steps. On CPU it changes nothing.
 """
+
 from __future__ import annotations
 
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from ntk_fl._src.evolution import Evolution, evolve, evolve_ce_euler, evolve_ce_ode, evolve_mse_closed_form
-from ntk_fl._src.ntk_step import (ParamMap, TauChoice, identity_map, mean_loss, ntk_step, select_tau,
-                              weight_update_from_jacobian, weight_update_vjp)
-from ntk_fl._src.options import (Choice, Implementation, Kernel, Loss, MseForm, Select, Solver, TauGrid,
-                                 check_loss_solver, check_taus)
+from ntk_fl._src.evolution import (
+  Evolution,
+  evolve,
+  evolve_ce_euler,
+  evolve_ce_ode,
+  evolve_mse_closed_form,
+)
+from ntk_fl._src.ntk_step import (
+  ParamMap,
+  TauChoice,
+  identity_map,
+  mean_loss,
+  ntk_step,
+  select_tau,
+  weight_update_from_jacobian,
+  weight_update_vjp,
+)
+from ntk_fl._src.options import (
+  Choice,
+  Kernel,
+  Loss,
+  MseForm,
+  Select,
+  Solver,
+  TauGrid,
+  check_loss_solver,
+  check_taus,
+)
 
 __all__ = [
-    "Evolution",
-    "TauChoice",
-    "TauGrid",
-    "ParamMap",
-    "Choice",
-    "Loss",
-    "Solver",
-    "Select",
-    "Kernel",
-    "MseForm",
-    "check_taus",
-    "check_loss_solver",
-    "evolve",
-    "evolve_ce_euler",
-    "evolve_ce_ode",
-    "evolve_mse_closed_form",
-    "weight_update_vjp",
-    "weight_update_from_jacobian",
-    "mean_loss",
-    "select_tau",
-    "identity_map",
-    "ntk_step",
-    "ntk_update",
+  "Evolution",
+  "TauChoice",
+  "TauGrid",
+  "ParamMap",
+  "Choice",
+  "Loss",
+  "Solver",
+  "Select",
+  "Kernel",
+  "MseForm",
+  "check_taus",
+  "check_loss_solver",
+  "evolve",
+  "evolve_ce_euler",
+  "evolve_ce_ode",
+  "evolve_mse_closed_form",
+  "weight_update_vjp",
+  "weight_update_from_jacobian",
+  "mean_loss",
+  "select_tau",
+  "identity_map",
+  "ntk_step",
+  "ntk_update",
 ]
 
 
 def ntk_update(apply_fn, params, x: jax.Array, targets, mask: jax.Array, **step_options):
   """:func:`ntk_step` applied: returns ``(params + delta, info)`` (same arguments)."""
   delta, info = ntk_step(apply_fn, params, x, targets, mask, **step_options)
-  return jax.tree_util.tree_map(jnp.add, params if step_options.get("start") is None else step_options["start"],
-                                delta), info
-
-
+  return jax.tree_util.tree_map(
+    jnp.add, params if step_options.get("start") is None else step_options["start"], delta
+  ), info

@@ -6,6 +6,7 @@ is what a jitted round does with them: :func:`mix` (NTK-DFL's eq. 1, every gossi
 averaging, SPARK's mixed velocity), its per-client row :func:`mix_one` (formed inside the mapped
 client function) and :func:`consensus` (the models a round starts from).
 """
+
 from __future__ import annotations
 
 import chex
@@ -85,7 +86,7 @@ def mix_one(stacked_params, own, neighbors, self_weight, neighbor_weights):
     stacked_params = parallel.Shared(stacked_params)
   rows = stacked_params.take(neighbors)
 
-  def one(neighbour_rows, w):                       # neighbour_rows [k, ...]
+  def one(neighbour_rows, w):  # neighbour_rows [k, ...]
     total = jnp.asarray(self_weight).astype(w.dtype) * w
     for slot in range(neighbors.shape[0]):
       total = total + neighbor_weights[slot].astype(w.dtype) * neighbour_rows[slot]
@@ -105,8 +106,16 @@ def consensus(stacked_params, round_inputs):
   Raises:
     ValueError: ``round_inputs`` has no graph (a server method's inputs).
   """
-  missing = [name for name in ("neighbors", "self_weight", "neighbor_weights") if not hasattr(round_inputs, name)]
+  missing = [
+    name
+    for name in ("neighbors", "self_weight", "neighbor_weights")
+    if not hasattr(round_inputs, name)
+  ]
   if missing:
-    raise ValueError(f"consensus models need a decentralized method's round inputs (a graph and mixing weights); "
-                     f"{type(round_inputs).__name__} has no {', '.join(missing)}")
-  return mix(stacked_params, round_inputs.neighbors, round_inputs.self_weight, round_inputs.neighbor_weights)
+    raise ValueError(
+      f"consensus models need a decentralized method's round inputs (a graph and mixing weights); "
+      f"{type(round_inputs).__name__} has no {', '.join(missing)}"
+    )
+  return mix(
+    stacked_params, round_inputs.neighbors, round_inputs.self_weight, round_inputs.neighbor_weights
+  )

@@ -33,12 +33,14 @@ in float32; d1' = 200 projection: 0.84 MB). :func:`per_sample_jacobian` keeps
 one chunk's Jacobians (``chunk_size·C·d`` floats; default below ``2**26``
 floats = 256 MiB) live beyond the output.
 """
+
 from __future__ import annotations
 
 import functools
 import math
 import numbers
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -46,20 +48,20 @@ import jax.numpy as jnp
 from ntk_fl import compression, rng, validation
 
 __all__ = [
-    "PROJECTION_SCALES",
-    "per_sample_jacobian",
-    "flatten_jacobian",
-    "unflatten_jacobian",
-    "flat_jacobian",
-    "jacobian_kernel",
-    "projection_matrix",
-    "project_inputs",
-    "fold_projection",
-    "subsample",
-    "num_subsampled",
-    "sparsify_rows",
-    "quantize_kept",
-    "shuffle_rows",
+  "PROJECTION_SCALES",
+  "per_sample_jacobian",
+  "flatten_jacobian",
+  "unflatten_jacobian",
+  "flat_jacobian",
+  "jacobian_kernel",
+  "projection_matrix",
+  "project_inputs",
+  "fold_projection",
+  "subsample",
+  "num_subsampled",
+  "sparsify_rows",
+  "quantize_kept",
+  "shuffle_rows",
 ]
 
 PROJECTION_SCALES = ("sqrt_input", "none")
@@ -67,7 +69,7 @@ PROJECTION_SCALES = ("sqrt_input", "none")
 unit-variance features for standardised inputs) or none (the paper as printed; ``z`` then has
 variance ``≈ d1``, 784 for images, which saturates a Kaiming-initialised network)."""
 
-_BLOCK_FLOATS = 2**26   # one chunk's Jacobian stays below this (256 MiB float32) by default
+_BLOCK_FLOATS = 2**26  # one chunk's Jacobian stays below this (256 MiB float32) by default
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 Array = jax.Array
@@ -116,8 +118,12 @@ def flatten_jacobian(jac) -> Array:
   """Pytree of ``[N, C, *leaf]`` leaves -> ``[N, C, d]`` (leaves in ``jax.tree.leaves`` order)."""
   leaves = jax.tree.leaves(jac)
   if not leaves or any(leaf.ndim < 2 for leaf in leaves):
-    raise ValueError(f"flatten_jacobian needs leaves [N, C, *leaf], got {[leaf.shape for leaf in leaves]}")
-  return jnp.concatenate([leaf.reshape(leaf.shape[0], leaf.shape[1], -1) for leaf in leaves], axis=-1)
+    raise ValueError(
+      f"flatten_jacobian needs leaves [N, C, *leaf], got {[leaf.shape for leaf in leaves]}"
+    )
+  return jnp.concatenate(
+    [leaf.reshape(leaf.shape[0], leaf.shape[1], -1) for leaf in leaves], axis=-1
+  )
 
 
 def unflatten_jacobian(flat: Array, params):
@@ -129,8 +135,10 @@ def unflatten_jacobian(flat: Array, params):
   offsets = [0]
   for size in sizes:
     offsets.append(offsets[-1] + size)
-  parts = [flat[..., a:b].reshape(*flat.shape[:-1], *leaf.shape)
-           for a, b, leaf in zip(offsets[:-1], offsets[1:], leaves)]
+  parts = [
+    flat[..., a:b].reshape(*flat.shape[:-1], *leaf.shape)
+    for a, b, leaf in zip(offsets[:-1], offsets[1:], leaves)
+  ]
   return jax.tree.unflatten(treedef, parts)
 
 
@@ -154,16 +162,26 @@ def jacobian_kernel(jac1, jac2=None, *, trace_outputs: bool = True) -> Array:
   """
   leaves1 = jax.tree.leaves(jac1)
   leaves2 = leaves1 if jac2 is None else jax.tree.leaves(jac2)
-  if (not leaves1 or len(leaves1) != len(leaves2)
-      or any(a.ndim < 3 or b.ndim < 3 or a.shape[1:] != b.shape[1:] for a, b in zip(leaves1, leaves2))):
-    raise ValueError("jacobians must be [N, C, d] (or pytrees of [N, C, *leaf] leaves) with equal C and "
-                     f"parameter shapes, got {[a.shape for a in leaves1]} and {[b.shape for b in leaves2]}")
+  if (
+    not leaves1
+    or len(leaves1) != len(leaves2)
+    or any(a.ndim < 3 or b.ndim < 3 or a.shape[1:] != b.shape[1:] for a, b in zip(leaves1, leaves2))
+  ):
+    raise ValueError(
+      "jacobians must be [N, C, d] (or pytrees of [N, C, *leaf] leaves) with equal C and "
+      f"parameter shapes, got {[a.shape for a in leaves1]} and {[b.shape for b in leaves2]}"
+    )
   flat = lambda a: a.reshape(a.shape[0], a.shape[1], -1)
-  if trace_outputs:     # each leaf's term is averaged over the outputs before the leaves are summed
-    terms = [jnp.einsum("icp,jcp->ij", flat(a), flat(b), precision=_HIGHEST) / a.shape[1]
-             for a, b in zip(leaves1, leaves2)]
+  if trace_outputs:  # each leaf's term is averaged over the outputs before the leaves are summed
+    terms = [
+      jnp.einsum("icp,jcp->ij", flat(a), flat(b), precision=_HIGHEST) / a.shape[1]
+      for a, b in zip(leaves1, leaves2)
+    ]
   else:
-    terms = [jnp.einsum("iap,jbp->ijab", flat(a), flat(b), precision=_HIGHEST) for a, b in zip(leaves1, leaves2)]
+    terms = [
+      jnp.einsum("iap,jbp->ijab", flat(a), flat(b), precision=_HIGHEST)
+      for a, b in zip(leaves1, leaves2)
+    ]
   return functools.reduce(jnp.add, terms)
 
 
@@ -171,8 +189,9 @@ def jacobian_kernel(jac1, jac2=None, *, trace_outputs: bool = True) -> Array:
 # Input projection.
 
 
-def projection_matrix(key, input_dim: int, proj_dim: int, *, scale: str = "sqrt_input",
-                      dtype=jnp.float32) -> Array:
+def projection_matrix(
+  key, input_dim: int, proj_dim: int, *, scale: str = "sqrt_input", dtype=jnp.float32
+) -> Array:
   """The shared random projection ``P [d1, d1']`` with i.i.d. standard normal entries.
 
   Every client and the evaluator derive the same ``P`` from the same key (the
@@ -196,8 +215,10 @@ def projection_matrix(key, input_dim: int, proj_dim: int, *, scale: str = "sqrt_
 def project_inputs(x: Array, projection: Array) -> Array:
   """``Z = X P``: ``x [..., d1]`` -> ``[..., d1']`` (full float32 precision on accelerators)."""
   if x.shape[-1] != projection.shape[0]:
-    raise ValueError(f"inputs have {x.shape[-1]} features but the projection expects {projection.shape[0]} "
-                     "(flatten the inputs first)")
+    raise ValueError(
+      f"inputs have {x.shape[-1]} features but the projection expects {projection.shape[0]} "
+      "(flatten the inputs first)"
+    )
   return jnp.matmul(x, projection, precision=_HIGHEST)
 
 
@@ -212,12 +233,16 @@ def fold_projection(params, projection: Array, *, layer: str = "dense_0"):
   """
   inner = params["params"]
   if layer not in inner or "kernel" not in inner[layer]:
-    raise ValueError(f"fold_projection: params have no dense layer {layer!r} with a 'kernel' "
-                     f"(layers: {sorted(inner)})")
+    raise ValueError(
+      f"fold_projection: params have no dense layer {layer!r} with a 'kernel' "
+      f"(layers: {sorted(inner)})"
+    )
   kernel = inner[layer]["kernel"]
   if kernel.shape[-2] != projection.shape[1]:
-    raise ValueError(f"layer {layer!r} takes {kernel.shape[-2]} inputs but the projection gives "
-                     f"{projection.shape[1]}")
+    raise ValueError(
+      f"layer {layer!r} takes {kernel.shape[-2]} inputs but the projection gives "
+      f"{projection.shape[1]}"
+    )
   folded = jnp.matmul(projection, kernel, precision=_HIGHEST)
   return {**params, "params": {**inner, layer: {**inner[layer], "kernel": folded}}}
 
@@ -264,7 +289,9 @@ def sparsify_rows(jac: Array, keep_fraction: float) -> tuple[Array, Array]:
   return compression.sparsify_topk(jac, keep_fraction, axis=-1)
 
 
-def quantize_kept(values: Array, mask: Array, bits: int, *, key=None, stochastic: bool = False) -> Array:
+def quantize_kept(
+  values: Array, mask: Array, bits: int, *, key=None, stochastic: bool = False
+) -> Array:
   """``b``-bit min-max quantisation of the entries in ``mask`` (one ``lo``/step pair for all of them).
 
   :func:`ntk_fl.compression.quantize` over the kept values only: the range is
@@ -292,6 +319,8 @@ def shuffle_rows(key, tree):
     raise ValueError("shuffle_rows needs at least one array")
   n = leaves[0].shape[0]
   if any(leaf.shape[:1] != (n,) for leaf in leaves):
-    raise ValueError(f"every leaf must share leading axis {n}, got {[leaf.shape for leaf in leaves]}")
+    raise ValueError(
+      f"every leaf must share leading axis {n}, got {[leaf.shape for leaf in leaves]}"
+    )
   perm = jax.random.permutation(key, n)
   return jax.tree.map(lambda a: a[perm], tree), perm

@@ -21,11 +21,13 @@ evaluation lifts the single-model evaluation with
 * :func:`selection_curves`: final model averaging with client selection
   (NTK-DFL Sec. 5.1 / Fig. 6): best-to-worst, random and worst-to-best orders.
 """
+
 from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
 
 import chex
 import jax
@@ -37,19 +39,19 @@ from ntk_fl.parallel import for_each_client, policy_chunk_size
 from ntk_fl.rng import Stream, numpy_rng
 
 __all__ = [
-    "AGGREGATES",
-    "ENSEMBLE_METRICS",
-    "Batches",
-    "Evaluator",
-    "average_params",
-    "batch_test_set",
-    "evaluate",
-    "evaluate_clients",
-    "make_evaluator",
-    "model_deviation",
-    "rounds_to_target",
-    "selection_curves",
-    "SELECTION_ORDERS",
+  "AGGREGATES",
+  "ENSEMBLE_METRICS",
+  "Batches",
+  "Evaluator",
+  "average_params",
+  "batch_test_set",
+  "evaluate",
+  "evaluate_clients",
+  "make_evaluator",
+  "model_deviation",
+  "rounds_to_target",
+  "selection_curves",
+  "SELECTION_ORDERS",
 ]
 
 SELECTION_ORDERS = ("best_to_worst", "random", "worst_to_best")
@@ -67,6 +69,7 @@ class Batches(NamedTuple):
     y: ``[num_batches, batch]`` int32 labels (0 in padding rows).
     mask: ``[num_batches, batch]`` bool, True for real samples.
   """
+
   x: Any
   y: Any
   mask: Any
@@ -77,7 +80,9 @@ def batch_test_set(x, y, batch_size: int = 10_000) -> Batches:
   x = np.asarray(x)
   y = np.asarray(y)
   if x.ndim < 1 or y.ndim != 1 or x.shape[0] != y.shape[0]:
-    raise ValueError(f"expected x [N, ...] and y [N] with equal N, got shapes {x.shape} and {y.shape}")
+    raise ValueError(
+      f"expected x [N, ...] and y [N] with equal N, got shapes {x.shape} and {y.shape}"
+    )
   n = x.shape[0]
   if n == 0:
     raise ValueError("cannot evaluate on an empty set (N = 0)")
@@ -90,9 +95,9 @@ def batch_test_set(x, y, batch_size: int = 10_000) -> Batches:
   x = np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)])
   y = np.concatenate([y.astype(np.int32), np.zeros(pad, np.int32)])
   return Batches(
-      x=x.reshape(num_batches, batch, *x.shape[1:]),
-      y=y.reshape(num_batches, batch),
-      mask=mask.reshape(num_batches, batch),
+    x=x.reshape(num_batches, batch, *x.shape[1:]),
+    y=y.reshape(num_batches, batch),
+    mask=mask.reshape(num_batches, batch),
   )
 
 
@@ -108,8 +113,10 @@ def _accuracy_and_loss(apply_fn: Callable, params, batches: Batches):
     nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), batch.y[:, None], axis=-1)[:, 0]
     correct = jnp.argmax(logits, axis=-1) == batch.y
     correct_sum, nll_sum = carry
-    return (correct_sum + jnp.sum(correct & batch.mask),
-            nll_sum + jnp.sum(jnp.where(batch.mask, nll, 0.0))), None
+    return (
+      correct_sum + jnp.sum(correct & batch.mask),
+      nll_sum + jnp.sum(jnp.where(batch.mask, nll, 0.0)),
+    ), None
 
   (correct, nll), _ = jax.lax.scan(body, (jnp.int32(0), jnp.float32(0.0)), batches)
   n = jnp.sum(batches.mask)
@@ -143,8 +150,15 @@ def evaluate(apply_fn: Callable, params, x, y, *, batch_size: int = 10_000):
   return _evaluate_jit(apply_fn, params, batch_test_set(x, y, batch_size))
 
 
-def evaluate_clients(apply_fn: Callable, stacked_params, x, y, *, batch_size: int = 10_000,
-                     chunk_size: int | None = None):
+def evaluate_clients(
+  apply_fn: Callable,
+  stacked_params,
+  x,
+  y,
+  *,
+  batch_size: int = 10_000,
+  chunk_size: int | None = None,
+):
   """Accuracy and mean cross-entropy of every client model on the same set.
 
   Args:
@@ -159,10 +173,12 @@ def evaluate_clients(apply_fn: Callable, stacked_params, x, y, *, batch_size: in
   Returns:
     ``(accuracy [M], loss [M])`` float32.
   """
-  chex.assert_equal_shape_prefix(jax.tree_util.tree_leaves(stacked_params), 1)   # one client axis M
+  chex.assert_equal_shape_prefix(jax.tree_util.tree_leaves(stacked_params), 1)  # one client axis M
   # Resolved here, not at trace time: the compiled program is cached per chunk size.
   chunk_size = policy_chunk_size() if chunk_size is None else chunk_size
-  return _evaluate_clients_jit(apply_fn, stacked_params, batch_test_set(x, y, batch_size), chunk_size)
+  return _evaluate_clients_jit(
+    apply_fn, stacked_params, batch_test_set(x, y, batch_size), chunk_size
+  )
 
 
 def average_params(stacked_params, weights=None):
@@ -179,7 +195,7 @@ def average_params(stacked_params, weights=None):
   leaves = jax.tree_util.tree_leaves(stacked_params)
   if not leaves:
     raise ValueError("average_params needs at least one parameter array")
-  chex.assert_equal_shape_prefix(leaves, 1)   # every leaf has the same client axis M
+  chex.assert_equal_shape_prefix(leaves, 1)  # every leaf has the same client axis M
   if weights is None:
     return jax.tree.map(lambda w: jnp.mean(w, axis=0), stacked_params)
   weights = jnp.asarray(weights, jnp.float32)
@@ -206,11 +222,12 @@ def model_deviation(stacked_params):
   leaves = jax.tree_util.tree_leaves(stacked_params)
   if not leaves:
     raise ValueError("model_deviation needs at least one parameter array")
-  chex.assert_equal_shape_prefix(leaves, 1)   # every leaf has the same client axis M
+  chex.assert_equal_shape_prefix(leaves, 1)  # every leaf has the same client axis M
   # Per-leaf sums avoid concatenating all d parameters of all clients.
   total = sum(
-      jnp.sum(jnp.sqrt(jnp.sum(jnp.square(w - jnp.mean(w, axis=0)), axis=0)), dtype=jnp.float32)
-      for w in leaves)
+    jnp.sum(jnp.sqrt(jnp.sum(jnp.square(w - jnp.mean(w, axis=0)), axis=0)), dtype=jnp.float32)
+    for w in leaves
+  )
   d = sum(math.prod(w.shape[1:]) for w in leaves)
   return total / d
 
@@ -231,8 +248,9 @@ def rounds_to_target(accuracies: Sequence[float | None], target: float) -> int |
   return None
 
 
-def _ensemble_metrics(apply_fn: Callable, stacked_params, batches: Batches, aggregate: str,
-                      chunk_size: int | None):
+def _ensemble_metrics(
+  apply_fn: Callable, stacked_params, batches: Batches, aggregate: str, chunk_size: int | None
+):
   """Accuracy, cross-entropy and entropies of the ensemble of the ``K`` stacked models.
 
   Per test sample the ensemble predicts ``q = (1/K) sum_k softmax(f_k)``
@@ -250,16 +268,22 @@ def _ensemble_metrics(apply_fn: Callable, stacked_params, batches: Batches, aggr
 
   def body(carry, batch):
     member = lambda p: apply_fn(p, batch.x).astype(jnp.float32)
-    logits = for_each_client(member, chunk_size=chunk_size)(stacked_params)                   # [K, B, C]
+    logits = for_each_client(member, chunk_size=chunk_size)(stacked_params)  # [K, B, C]
     log_p = jax.nn.log_softmax(logits)
     if aggregate == "ensemble_probs":
       log_q = jax.nn.logsumexp(log_p, axis=0) - jnp.log(jnp.float32(num_models))
     else:
       log_q = jax.nn.log_softmax(jnp.mean(logits, axis=0))
     nll = -jnp.take_along_axis(log_q, batch.y[:, None], axis=-1)[:, 0]
-    values = (jnp.argmax(log_q, axis=-1) == batch.y, nll, jnp.mean(entropy(log_p), axis=0), entropy(log_q))
-    return tuple(c + jnp.sum(jnp.where(batch.mask, v, 0), dtype=jnp.float32)
-                 for c, v in zip(carry, values)), None
+    values = (
+      jnp.argmax(log_q, axis=-1) == batch.y,
+      nll,
+      jnp.mean(entropy(log_p), axis=0),
+      entropy(log_q),
+    )
+    return tuple(
+      c + jnp.sum(jnp.where(batch.mask, v, 0), dtype=jnp.float32) for c, v in zip(carry, values)
+    ), None
 
   sums, _ = jax.lax.scan(body, (jnp.float32(0.0),) * 4, batches)
   n = jnp.sum(batches.mask)
@@ -278,13 +302,21 @@ class Evaluator(NamedTuple):
     extra_names: names of the extra aggregated metrics (``()`` for
       ``'params'``, :data:`ENSEMBLE_METRICS` for an ensemble).
   """
+
   aggregate: Callable[[Any], tuple[Any, ...]]
   clients: Callable[[Any], tuple[Any, Any]]
   extra_names: tuple[str, ...] = ()
 
 
-def make_evaluator(apply_fn: Callable, x, y, *, batch_size: int = 10_000,
-                   chunk_size: int | None = None, aggregate: str = "params") -> Evaluator:
+def make_evaluator(
+  apply_fn: Callable,
+  x,
+  y,
+  *,
+  batch_size: int = 10_000,
+  chunk_size: int | None = None,
+  aggregate: str = "params",
+) -> Evaluator:
   """Builds the jitted evaluation closures the runner calls every round.
 
   The batched test set is put on the device once and passed as an argument (not
@@ -307,8 +339,9 @@ def make_evaluator(apply_fn: Callable, x, y, *, batch_size: int = 10_000,
     if aggregate == "params":
       acc, loss = _accuracy_and_loss(apply_fn, average_params(stacked_params), batches)
       return acc, loss, model_deviation(stacked_params)
-    acc, loss, mode_entropy, ensemble_entropy = _ensemble_metrics(apply_fn, stacked_params, batches,
-                                                                  aggregate, chunk_size)
+    acc, loss, mode_entropy, ensemble_entropy = _ensemble_metrics(
+      apply_fn, stacked_params, batches, aggregate, chunk_size
+    )
     return acc, loss, model_deviation(stacked_params), mode_entropy, ensemble_entropy
 
   @jax.jit
@@ -316,8 +349,11 @@ def make_evaluator(apply_fn: Callable, x, y, *, batch_size: int = 10_000,
     one = lambda p: _accuracy_and_loss(apply_fn, p, batches)
     return for_each_client(one, chunk_size=chunk_size)(stacked_params)
 
-  return Evaluator(aggregate=lambda p: _aggregate(p, batches), clients=lambda p: _clients(p, batches),
-                   extra_names=() if aggregate == "params" else ENSEMBLE_METRICS)
+  return Evaluator(
+    aggregate=lambda p: _aggregate(p, batches),
+    clients=lambda p: _clients(p, batches),
+    extra_names=() if aggregate == "params" else ENSEMBLE_METRICS,
+  )
 
 
 @jax.jit
@@ -332,8 +368,16 @@ def _running_means(stacked_params, order):
   return jax.tree.map(one, stacked_params)
 
 
-def selection_curves(apply_fn: Callable, stacked_params, x_test, y_test, *, seed: int,
-                     batch_size: int = 10_000, chunk_size: int | None = None) -> dict[str, np.ndarray]:
+def selection_curves(
+  apply_fn: Callable,
+  stacked_params,
+  x_test,
+  y_test,
+  *,
+  seed: int,
+  batch_size: int = 10_000,
+  chunk_size: int | None = None,
+) -> dict[str, np.ndarray]:
   """Final model averaging with client selection (NTK-DFL Sec. 5.1, Fig. 6).
 
   The test set is split 50:50 (a permutation from the ``Stream.SELECTION`` stream of ``seed``) into a
@@ -362,18 +406,19 @@ def selection_curves(apply_fn: Callable, stacked_params, x_test, y_test, *, seed
     raise ValueError(f"selection needs at least 2 test samples to split 50:50, got {n}")
   rng = numpy_rng(seed, Stream.SELECTION)
   perm = rng.permutation(n)
-  val_idx, test_idx = perm[: n // 2], perm[n // 2:]
-  eval_clients = functools.partial(evaluate_clients, apply_fn, batch_size=batch_size,
-                                   chunk_size=chunk_size)
+  val_idx, test_idx = perm[: n // 2], perm[n // 2 :]
+  eval_clients = functools.partial(
+    evaluate_clients, apply_fn, batch_size=batch_size, chunk_size=chunk_size
+  )
 
   val_acc = to_host(eval_clients(stacked_params, x_test[val_idx], y_test[val_idx])[0])
   test_acc = to_host(eval_clients(stacked_params, x_test[test_idx], y_test[test_idx])[0])
   num_clients = val_acc.shape[0]
   best_to_worst = np.argsort(-val_acc, kind="stable")
   orders = {
-      "best_to_worst": best_to_worst,
-      "random": rng.permutation(num_clients),
-      "worst_to_best": best_to_worst[::-1].copy(),
+    "best_to_worst": best_to_worst,
+    "random": rng.permutation(num_clients),
+    "worst_to_best": best_to_worst[::-1].copy(),
   }
   result = {"validation_accuracy": val_acc, "test_accuracy": test_acc}
   for name, order in orders.items():

@@ -13,12 +13,14 @@ Initialisation follows the authors' code (PyTorch ``kaiming_normal_`` with
   or differently activated variants.
 * :func:`cnn`: conv32-pool-conv64-pool-fc100-fc10 (the authors' ``NaiveCNN``).
 """
+
 from __future__ import annotations
 
 import functools
 import math
 import numbers
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
 
 import chex
 import flax.linen as nn
@@ -29,19 +31,19 @@ from ntk_fl import parallel, validation
 from ntk_fl._src.dense_stack import DenseStack
 
 __all__ = [
-    "DenseStack",
-    "Model",
-    "ACTIVATIONS",
-    "MODELS",
-    "mlp",
-    "mlp_on_inputs",
-    "cnn",
-    "make_model",
-    "flat_inputs",
-    "from_flax",
-    "check_dense_stack",
-    "init_clients",
-    "num_params",
+  "DenseStack",
+  "Model",
+  "ACTIVATIONS",
+  "MODELS",
+  "mlp",
+  "mlp_on_inputs",
+  "cnn",
+  "make_model",
+  "flat_inputs",
+  "from_flax",
+  "check_dense_stack",
+  "init_clients",
+  "num_params",
 ]
 
 
@@ -63,6 +65,7 @@ class Model(NamedTuple):
       methods then compute the kernel from per-sample Jacobians; ``False`` differentiates the
       whole batch at once (neural-tangents' ``vmap_axes=None``).
   """
+
   init: Callable[[Any], Any]
   apply: Callable[[Any, Any], Any]
   input_shape: tuple[int, ...]
@@ -87,16 +90,16 @@ def _identity(x):
 
 
 _ACTIVATIONS: dict[str, Callable[[Any], Any]] = {
-    "relu": jax.nn.relu,
-    "tanh": jnp.tanh,
-    # Exact (erf) GELU, as PyTorch's default; jax.nn.gelu defaults to the tanh approximation.
-    "gelu": functools.partial(jax.nn.gelu, approximate=False),
-    "sigmoid": jax.nn.sigmoid,
-    "softplus": jax.nn.softplus,
-    "elu": jax.nn.elu,
-    "silu": jax.nn.silu,
-    "erf": jax.scipy.special.erf,
-    "identity": _identity,
+  "relu": jax.nn.relu,
+  "tanh": jnp.tanh,
+  # Exact (erf) GELU, as PyTorch's default; jax.nn.gelu defaults to the tanh approximation.
+  "gelu": functools.partial(jax.nn.gelu, approximate=False),
+  "sigmoid": jax.nn.sigmoid,
+  "softplus": jax.nn.softplus,
+  "elu": jax.nn.elu,
+  "silu": jax.nn.silu,
+  "erf": jax.scipy.special.erf,
+  "identity": _identity,
 }
 ACTIVATIONS = tuple(_ACTIVATIONS)
 
@@ -111,8 +114,13 @@ def _check_positive_int(name: str, value: Any) -> int:
   return validation.check_int(name, value, low=1)
 
 
-def _pure(module: nn.Module, input_shape: tuple[int, ...], num_classes: int,
-          dense_stack: DenseStack | None, per_sample: bool = True) -> Model:
+def _pure(
+  module: nn.Module,
+  input_shape: tuple[int, ...],
+  num_classes: int,
+  dense_stack: DenseStack | None,
+  per_sample: bool = True,
+) -> Model:
   """Wraps a flax module taking ``[B, *input_shape]`` into a :class:`Model`.
 
   ``apply`` accepts any number of leading batch axes (including none, handy
@@ -125,19 +133,26 @@ def _pure(module: nn.Module, input_shape: tuple[int, ...], num_classes: int,
     return module.init(key, jnp.zeros((1, *input_shape), jnp.float32))
 
   def apply(params, x):
-    if x.ndim < n_in or tuple(x.shape[x.ndim - n_in:]) != input_shape:
-      raise ValueError(f"inputs must have shape [..., {', '.join(map(str, input_shape))}], "
-                       f"got {tuple(x.shape)}")
-    batch = x.shape[:x.ndim - n_in]
+    if x.ndim < n_in or tuple(x.shape[x.ndim - n_in :]) != input_shape:
+      raise ValueError(
+        f"inputs must have shape [..., {', '.join(map(str, input_shape))}], got {tuple(x.shape)}"
+      )
+    batch = x.shape[: x.ndim - n_in]
     logits = module.apply(params, x.reshape(-1, *input_shape))
-    chex.assert_shape(logits, (None, num_classes))   # a module whose head disagrees with num_classes
+    chex.assert_shape(logits, (None, num_classes))  # a module whose head disagrees with num_classes
     return logits.reshape(*batch, num_classes)
 
   # jit: one compiled program instead of one dispatch per flax op for eager callers
   # (it inlines into an enclosing jit/vmap as usual).
-  model = Model(init=jax.jit(init), apply=jax.jit(apply), input_shape=input_shape,
-                num_classes=num_classes, dense_stack=dense_stack, flax_apply=apply,
-                per_sample=per_sample)
+  model = Model(
+    init=jax.jit(init),
+    apply=jax.jit(apply),
+    input_shape=input_shape,
+    num_classes=num_classes,
+    dense_stack=dense_stack,
+    flax_apply=apply,
+    per_sample=per_sample,
+  )
   if dense_stack is not None:
     check_dense_stack(model)
   return model
@@ -161,25 +176,32 @@ def check_dense_stack(model: Model, *, rtol: float = 1e-4) -> None:
   for k, name in enumerate(stack.layers):
     layer = tree.get(name) if hasattr(tree, "get") else None
     if layer is None or "kernel" not in layer or "bias" not in layer:
-      raise ValueError(f"dense_stack layer {name!r} is not a dense layer with 'kernel' and 'bias' "
-                       f"among the model's parameters (available: {sorted(tree)})")
+      raise ValueError(
+        f"dense_stack layer {name!r} is not a dense layer with 'kernel' and 'bias' "
+        f"among the model's parameters (available: {sorted(tree)})"
+      )
     w, b = layer["kernel"], layer["bias"]
     if w.ndim != 2 or w.shape[0] != a.shape[1] or b.shape != w.shape[1:]:
-      raise ValueError(f"dense_stack layer {name!r}: kernel {w.shape} and bias {b.shape} do not "
-                       f"take the previous layer's {a.shape[1]} features")
+      raise ValueError(
+        f"dense_stack layer {name!r}: kernel {w.shape} and bias {b.shape} do not "
+        f"take the previous layer's {a.shape[1]} features"
+      )
     a = jnp.matmul(a, w, precision=jax.lax.Precision.HIGHEST) + b
     if k < len(stack.layers) - 1:
       a = stack.activation(a)
   y = model.apply(params, x)
   if a.shape != y.shape:
-    raise ValueError(f"dense_stack {stack.layers} gives outputs {a.shape} on a probe batch, "
-                     f"apply gives {y.shape}")
+    raise ValueError(
+      f"dense_stack {stack.layers} gives outputs {a.shape} on a probe batch, apply gives {y.shape}"
+    )
   err = float(jnp.max(jnp.abs(a - y)) / jnp.maximum(jnp.max(jnp.abs(y)), 1e-30))
   if not err <= rtol:
     act = getattr(stack.activation, "__name__", repr(stack.activation))
-    raise ValueError(f"dense_stack (layers {stack.layers}, activation {act}) does not compute the "
-                     f"model's apply: on a probe batch its outputs differ by {err:.3g} of the largest "
-                     f"output (allowed {rtol:g}); check the activation and the layers' names and order")
+    raise ValueError(
+      f"dense_stack (layers {stack.layers}, activation {act}) does not compute the "
+      f"model's apply: on a probe batch its outputs differ by {err:.3g} of the largest "
+      f"output (allowed {rtol:g}); check the activation and the layers' names and order"
+    )
 
 
 def _check_per_sample(model: Model) -> None:
@@ -187,17 +209,25 @@ def _check_per_sample(model: Model) -> None:
   params = model.init(jax.random.PRNGKey(0))
   x = jax.random.normal(jax.random.PRNGKey(1), (4, *model.input_shape), jnp.float32)
   batch = model.apply(params, x)
-  single = jnp.concatenate([model.apply(params, x[i:i + 1]) for i in range(4)])
+  single = jnp.concatenate([model.apply(params, x[i : i + 1]) for i in range(4)])
   err = float(jnp.max(jnp.abs(batch - single)) / jnp.maximum(jnp.max(jnp.abs(single)), 1e-30))
   if not err <= 1e-4:
-    raise ValueError(f"per_sample=True, but the model's outputs on a probe batch of 4 differ from "
-                     f"its outputs on each sample alone by {err:.3g} of the largest output: the "
-                     "outputs depend on the rest of the batch (e.g. batch statistics); use "
-                     "per_sample=False")
+    raise ValueError(
+      f"per_sample=True, but the model's outputs on a probe batch of 4 differ from "
+      f"its outputs on each sample alone by {err:.3g} of the largest output: the "
+      "outputs depend on the rest of the batch (e.g. batch statistics); use "
+      "per_sample=False"
+    )
 
 
-def from_flax(module: nn.Module, input_shape: Sequence[int], num_classes: int, *,
-              per_sample: bool = False, dense_stack: DenseStack | None = None) -> Model:
+def from_flax(
+  module: nn.Module,
+  input_shape: Sequence[int],
+  num_classes: int,
+  *,
+  per_sample: bool = False,
+  dense_stack: DenseStack | None = None,
+) -> Model:
   """A :class:`Model` of the user's flax module (any architecture).
 
   Args:
@@ -237,6 +267,7 @@ def from_flax(module: nn.Module, input_shape: Sequence[int], num_classes: int, *
 
 class _MLP(nn.Module):
   """Dense layers ``features[0], ..., features[-1]`` with ``activation`` between them."""
+
   features: tuple[int, ...]
   activation: Callable[[Any], Any]
 
@@ -249,8 +280,12 @@ class _MLP(nn.Module):
     return x
 
 
-def mlp(input_dim: int = 784, hidden: Sequence[int] = (100,), num_classes: int = 10,
-        activation: str = "relu") -> Model:
+def mlp(
+  input_dim: int = 784,
+  hidden: Sequence[int] = (100,),
+  num_classes: int = 10,
+  activation: str = "relu",
+) -> Model:
   """A fully connected network ``input_dim -> hidden... -> num_classes``.
 
   Args:
@@ -282,12 +317,18 @@ def mlp_on_inputs(model: Model, input_dim: int) -> Model:
   ``d1'``: the same architecture with a narrower first layer.
   """
   if model.dense_stack is None:
-    raise ValueError("mlp_on_inputs needs an MLP (a model with a dense_stack), e.g. model.name='mlp'")
+    raise ValueError(
+      "mlp_on_inputs needs an MLP (a model with a dense_stack), e.g. model.name='mlp'"
+    )
   input_dim = _check_positive_int("input_dim", input_dim)
   shapes = jax.eval_shape(model.init, jax.random.key(0))["params"]
   features = tuple(int(shapes[name]["kernel"].shape[-1]) for name in model.dense_stack.layers)
-  return _pure(_MLP(features=features, activation=model.dense_stack.activation), (input_dim,), model.num_classes,
-               model.dense_stack)
+  return _pure(
+    _MLP(features=features, activation=model.dense_stack.activation),
+    (input_dim,),
+    model.num_classes,
+    model.dense_stack,
+  )
 
 
 # ---------------------------------------------------------------------- CNN
@@ -295,6 +336,7 @@ def mlp_on_inputs(model: Model, input_dim: int) -> Model:
 
 class _CNN(nn.Module):
   """conv32-relu-pool-conv64-relu-pool-fc100-relu-fc(num_classes) on NHWC images."""
+
   num_classes: int
   kernel_size: int
 
@@ -302,16 +344,18 @@ class _CNN(nn.Module):
   def __call__(self, x):  # [B, H, W, C] -> [B, num_classes]
     k = (self.kernel_size, self.kernel_size)
     for i, channels in enumerate((32, 64)):
-      x = nn.Conv(channels, k, padding="SAME", kernel_init=_KAIMING, bias_init=_ZEROS,
-                  name=f"conv_{i}")(x)
+      x = nn.Conv(
+        channels, k, padding="SAME", kernel_init=_KAIMING, bias_init=_ZEROS, name=f"conv_{i}"
+      )(x)
       x = nn.max_pool(jax.nn.relu(x), (2, 2), strides=(2, 2))
     x = x.reshape(x.shape[0], -1)
     x = jax.nn.relu(nn.Dense(100, kernel_init=_KAIMING, bias_init=_ZEROS, name="dense_0")(x))
     return nn.Dense(self.num_classes, kernel_init=_KAIMING, bias_init=_ZEROS, name="dense_1")(x)
 
 
-def cnn(input_shape: Sequence[int] = (32, 32, 3), num_classes: int = 10, *,
-        kernel_size: int = 3) -> Model:
+def cnn(
+  input_shape: Sequence[int] = (32, 32, 3), num_classes: int = 10, *, kernel_size: int = 3
+) -> Model:
   """The small CNN of the NTK papers' code: conv32-pool-conv64-pool-fc100-fc10, ReLU.
 
   The papers state no kernel size; the authors' ``NaiveCNN`` uses 3x3 kernels with
@@ -330,15 +374,19 @@ def cnn(input_shape: Sequence[int] = (32, 32, 3), num_classes: int = 10, *,
   """
   input_shape = tuple(input_shape)
   if len(input_shape) != 3 or any(
-      isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 1 for d in input_shape):
-    raise ValueError(f"cnn needs input_shape (H, W, channels) of positive ints, got {input_shape}; "
-                     "load image data with flatten=False")
+    isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 1 for d in input_shape
+  ):
+    raise ValueError(
+      f"cnn needs input_shape (H, W, channels) of positive ints, got {input_shape}; "
+      "load image data with flatten=False"
+    )
   if input_shape[0] < 4 or input_shape[1] < 4:
     raise ValueError(f"cnn pools twice by 2, so H and W must be >= 4, got {input_shape}")
   num_classes = _check_positive_int("num_classes", num_classes)
   kernel_size = _check_positive_int("kernel_size", kernel_size)
-  return _pure(_CNN(num_classes=num_classes, kernel_size=kernel_size), input_shape, num_classes,
-               None)
+  return _pure(
+    _CNN(num_classes=num_classes, kernel_size=kernel_size), input_shape, num_classes, None
+  )
 
 
 # --------------------------------------------------------------- from config
@@ -365,17 +413,23 @@ def make_model(model_config: Any, input_shape: Sequence[int], num_classes: int) 
   spec = getattr(model_config, "module", "")
   if spec:
     from ntk_fl._src import user_model  # pylint: disable=import-outside-toplevel
+
     input_shape = tuple(input_shape)
-    return from_flax(user_model.build_module(spec, input_shape, num_classes), input_shape, num_classes,
-                     per_sample=bool(model_config.per_sample))
+    return from_flax(
+      user_model.build_module(spec, input_shape, num_classes),
+      input_shape,
+      num_classes,
+      per_sample=bool(model_config.per_sample),
+    )
   if name not in MODELS:
     raise ValueError(f"unknown model {name!r}; choose one of {MODELS}")
   init_mode = getattr(model_config, "init", None)
   if init_mode is not None and init_mode not in _INIT_MODES:
     raise ValueError(f"unknown model.init {init_mode!r}; choose one of {_INIT_MODES}")
   if name == "mlp":
-    return mlp(math.prod(input_shape), tuple(model_config.hidden), num_classes,
-               model_config.activation)
+    return mlp(
+      math.prod(input_shape), tuple(model_config.hidden), num_classes, model_config.activation
+    )
   return cnn(tuple(input_shape), num_classes)
 
 

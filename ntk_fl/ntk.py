@@ -58,23 +58,41 @@ all clients); there are no Python loops over samples. Contractions run at
 ``Precision.HIGHEST`` so accelerators do not silently drop to TF32/bf16 passes
 (on CPU float32 matmuls are exact float32 anyway).
 """
+
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import jax
 
 from ntk_fl._src import kernels as _kernels
 from ntk_fl._src.dense_stack import DenseStack
-from ntk_fl._src.kernels import (DenseJacobianFactors, DenseProjection, empirical_ntk, full_to_matrix,
-                                 num_params_of)
+from ntk_fl._src.kernels import (
+  DenseJacobianFactors,
+  DenseProjection,
+  empirical_ntk,
+  full_to_matrix,
+  num_params_of,
+)
 from ntk_fl._src.neural_tangents_api import empirical_ntk_fn
 from ntk_fl._src.options import IMPLEMENTATIONS, Implementation, NtkImplementation
 
-__all__ = ["Implementation", "IMPLEMENTATIONS", "empirical_ntk", "make_ntk_fn", "full_to_matrix", "DenseProjection",
-           "projected_dense_ntk", "DenseJacobianFactors", "dense_jacobian_factors",
-           "NtkImplementation", "empirical_ntk_fn"]
+__all__ = [
+  "Implementation",
+  "num_params_of",
+  "IMPLEMENTATIONS",
+  "empirical_ntk",
+  "make_ntk_fn",
+  "full_to_matrix",
+  "DenseProjection",
+  "projected_dense_ntk",
+  "DenseJacobianFactors",
+  "dense_jacobian_factors",
+  "NtkImplementation",
+  "empirical_ntk_fn",
+]
 
 Params = Any
 ApplyFn = Callable[[Params, jax.Array], jax.Array]
@@ -96,14 +114,23 @@ def dense_jacobian_factors(stack: DenseStack, params: Params, x: jax.Array) -> D
   kernels, biases = _kernels.dense_weights(stack, params)
   feat = math.prod(x.shape[1:])
   if feat != kernels[0].shape[0]:
-    raise ValueError(f"dense Jacobian factors: inputs have {feat} features per sample (shape {x.shape[1:]}) "
-                     f"but the first layer {stack.layers[0]!r} takes {kernels[0].shape[0]}")
+    raise ValueError(
+      f"dense Jacobian factors: inputs have {feat} features per sample (shape {x.shape[1:]}) "
+      f"but the first layer {stack.layers[0]!r} takes {kernels[0].shape[0]}"
+    )
   return _kernels.jacobian_factors(stack, kernels, biases, x)
 
 
-
-def projected_dense_ntk(stack: DenseStack, params: Params, x1: jax.Array, x2: jax.Array | None = None, *,
-                        projections, trace_outputs: bool = True, chunk_size: int | None = None) -> jax.Array:
+def projected_dense_ntk(
+  stack: DenseStack,
+  params: Params,
+  x1: jax.Array,
+  x2: jax.Array | None = None,
+  *,
+  projections,
+  trace_outputs: bool = True,
+  chunk_size: int | None = None,
+) -> jax.Array:
   """NTK of a dense stack in layer-wise sketch coordinates: ``J̃ J̃ᵀ`` with ``J̃ = J P`` (SPARK).
 
   ``P = blkdiag(P_l ⊗ I, P_b)`` sketches each layer's kernel along its input
@@ -148,9 +175,13 @@ def projected_dense_ntk(stack: DenseStack, params: Params, x1: jax.Array, x2: ja
   projections = _kernels.check_projections(stack, kernels, tuple(projections))
   feat = math.prod(x1.shape[1:])
   if feat != kernels[0].shape[0]:
-    raise ValueError(f"projected structured NTK: inputs have {feat} features per sample (shape "
-                     f"{x1.shape[1:]}) but the first layer {stack.layers[0]!r} takes {kernels[0].shape[0]}")
-  features = lambda x: _kernels.projected_features(stack, kernels, biases, projections, x, trace_outputs)
+    raise ValueError(
+      f"projected structured NTK: inputs have {feat} features per sample (shape "
+      f"{x1.shape[1:]}) but the first layer {stack.layers[0]!r} takes {kernels[0].shape[0]}"
+    )
+  features = lambda x: _kernels.projected_features(
+    stack, kernels, biases, projections, x, trace_outputs
+  )
   contract = _kernels.projected_contract(trace_outputs, kernels[-1].shape[1])
   f1 = features(x1)
   f2 = f1 if x2 is None else features(x2)
@@ -161,9 +192,15 @@ def projected_dense_ntk(stack: DenseStack, params: Params, x1: jax.Array, x2: ja
 # Public API.
 
 
-def make_ntk_fn(apply_fn: ApplyFn, *, trace_outputs: bool = True, implementation: Implementation | str = Implementation.AUTO,
-                dense_stack: DenseStack | None = None, flax_apply: ApplyFn | None = None,
-                chunk_size: int | None = None):
+def make_ntk_fn(
+  apply_fn: ApplyFn,
+  *,
+  trace_outputs: bool = True,
+  implementation: Implementation | str = Implementation.AUTO,
+  dense_stack: DenseStack | None = None,
+  flax_apply: ApplyFn | None = None,
+  chunk_size: int | None = None,
+):
   """A ``jit``-compiled ``ntk_fn(params, x1, x2=None)`` with the options fixed (neural-tangents style).
 
   The options are validated here, before any tracing. ``ntk_fn`` compiles once
@@ -174,7 +211,16 @@ def make_ntk_fn(apply_fn: ApplyFn, *, trace_outputs: bool = True, implementation
   _kernels.check_chunk_size(chunk_size)
 
   def ntk_fn(params: Params, x1: jax.Array, x2: jax.Array | None = None) -> jax.Array:
-    return empirical_ntk(apply_fn, params, x1, x2, trace_outputs=trace_outputs, implementation=impl,
-                         dense_stack=dense_stack, flax_apply=flax_apply, chunk_size=chunk_size)
+    return empirical_ntk(
+      apply_fn,
+      params,
+      x1,
+      x2,
+      trace_outputs=trace_outputs,
+      implementation=impl,
+      dense_stack=dense_stack,
+      flax_apply=flax_apply,
+      chunk_size=chunk_size,
+    )
 
   return jax.jit(ntk_fn)

@@ -53,12 +53,14 @@ device, so a breakpoint or a print inside it sees concrete values; an exception 
 for a client comes back as a :class:`ClientError` that names the client's index and the
 stage (the per-client function's name). Results equal the mapped ones up to float rounding.
 """
+
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import threading
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
+from collections.abc import Callable, Iterator, Sequence
 
 import chex
 import jax
@@ -68,14 +70,27 @@ from jax.sharding import AxisType, Mesh, PartitionSpec
 
 from ntk_fl import validation
 
-__all__ = ["CLIENTS", "ClientError", "debug_clients", "for_each_client", "make_client_mesh", "use_devices",
-           "num_client_shards", "current_mesh",
-           "policy_chunk_size", "Shared", "is_client_split", "to_device"]
+__all__ = [
+  "CLIENTS",
+  "ClientError",
+  "debug_clients",
+  "for_each_client",
+  "make_client_mesh",
+  "use_devices",
+  "num_client_shards",
+  "current_mesh",
+  "policy_chunk_size",
+  "Shared",
+  "is_client_split",
+  "to_device",
+]
 
 CLIENTS = "clients"
 """Name of the mesh axis the client axis is sharded over."""
 
-_STATE = threading.local()   # .policies: the stack of use_devices: (mesh or None = single device, chunk_size, debug)
+_STATE = (
+  threading.local()
+)  # .policies: the stack of use_devices: (mesh or None = single device, chunk_size, debug)
 
 
 class ClientError(RuntimeError):
@@ -135,16 +150,19 @@ def make_client_mesh(devices: int | Sequence[jax.Device] = 0) -> Mesh:
     available = jax.devices()
     count = validation.check_int("devices (0 = all)", devices, low=0)
     if count > len(available):
-      raise ValueError(f"devices = {count} but only {len(available)} {available[0].platform} device(s) exist; "
-                       f"use 0 for all of them or a number in [1, {len(available)}]")
-    chosen = available[:count or len(available)]
+      raise ValueError(
+        f"devices = {count} but only {len(available)} {available[0].platform} device(s) exist; "
+        f"use 0 for all of them or a number in [1, {len(available)}]"
+      )
+    chosen = available[: count or len(available)]
   # Auto (not Explicit) axes: XLA's partitioner places the rest of the step around the shard_map.
   return Mesh(np.asarray(chosen), (CLIENTS,), axis_types=(AxisType.Auto,))
 
 
 @contextlib.contextmanager
-def use_devices(devices: int | Sequence[jax.Device] = 0, *, chunk_size: int = 0,
-                debug: bool = False) -> Iterator[Mesh | None]:
+def use_devices(
+  devices: int | Sequence[jax.Device] = 0, *, chunk_size: int = 0, debug: bool = False
+) -> Iterator[Mesh | None]:
   """The device policy: every :func:`for_each_client` *traced* inside shards clients over ``devices``.
 
   Args:
@@ -206,6 +224,7 @@ class Shared:
     tree: a pytree of arrays with a common leading row axis.
     split: whether ``tree`` is split in per-device blocks (see above).
   """
+
   tree: Any
   split: bool = False
 
@@ -226,10 +245,12 @@ def _take_from_blocks(block, rows):
   """
   me = jax.lax.axis_index(CLIENTS)
   size = block.shape[0]
-  requests = jax.lax.all_gather(rows, CLIENTS)                            # [D, ...]
+  requests = jax.lax.all_gather(rows, CLIENTS)  # [D, ...]
   mine = requests // size == me
-  values = block[jnp.where(mine, requests - me * size, 0)]                # [D, ..., *row_shape]
-  values = jnp.where(mine.reshape(mine.shape + (1,) * (block.ndim - 1)), values, jnp.zeros((), block.dtype))
+  values = block[jnp.where(mine, requests - me * size, 0)]  # [D, ..., *row_shape]
+  values = jnp.where(
+    mine.reshape(mine.shape + (1,) * (block.ndim - 1)), values, jnp.zeros((), block.dtype)
+  )
   return jax.lax.psum_scatter(values, CLIENTS, scatter_dimension=0, tiled=False)
 
 
@@ -239,13 +260,17 @@ def to_device(tree):
   ``jax.device_put`` of a whole federation would try to move arrays already placed
   across processes (:func:`ntk_fl.distributed.place_federation`) onto one device.
   """
-  return jax.tree.map(lambda leaf: leaf if isinstance(leaf, jax.Array) else jax.device_put(leaf), tree)
+  return jax.tree.map(
+    lambda leaf: leaf if isinstance(leaf, jax.Array) else jax.device_put(leaf), tree
+  )
 
 
 def is_client_split(array) -> bool:
   """Whether ``array`` is a jax array split over the ``'clients'`` axis of a mesh of more than one device."""
   sharding = getattr(array, "sharding", None)
-  if not isinstance(sharding, jax.sharding.NamedSharding) or CLIENTS not in sharding.mesh.axis_names:
+  if (
+    not isinstance(sharding, jax.sharding.NamedSharding) or CLIENTS not in sharding.mesh.axis_names
+  ):
     return False
   spec = tuple(sharding.spec)
   return bool(spec) and spec[0] == CLIENTS and sharding.mesh.shape[CLIENTS] > 1
@@ -258,8 +283,10 @@ def _num_clients(stacked_args) -> int:
   sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in leaves}
   if len(sizes) != 1 or None in sizes:
     shapes = sorted({str(np.shape(leaf)) for leaf in leaves})
-    raise ValueError("every argument leaf of a for_each_client function needs the same leading client axis M; "
-                     f"got leaf shapes {shapes}")
+    raise ValueError(
+      "every argument leaf of a for_each_client function needs the same leading client axis M; "
+      f"got leaf shapes {shapes}"
+    )
   return sizes.pop()
 
 
@@ -272,7 +299,7 @@ def _chunked(fn, chunk_size, stacked_args):
 
 
 def _stage_name(fn) -> str:
-  while hasattr(fn, "func"):          # functools.partial
+  while hasattr(fn, "func"):  # functools.partial
     fn = fn.func
   return getattr(fn, "__qualname__", None) or type(fn).__name__
 
@@ -281,7 +308,7 @@ def _client_loop(fn, stage: str, stacked_args):
   """``fn`` client by client in a Python loop (debug mode); an exception names the client and ``stage``."""
   outputs = []
   for client in range(_num_clients(stacked_args)):
-    client_args = jax.tree.map(lambda leaf: leaf[client], stacked_args)   # pylint: disable=cell-var-from-loop
+    client_args = jax.tree.map(lambda leaf: leaf[client], stacked_args)  # pylint: disable=cell-var-from-loop
     try:
       outputs.append(fn(*client_args))
     except Exception as e:  # pylint: disable=broad-except -- re-raised with the client and the stage
@@ -291,11 +318,13 @@ def _client_loop(fn, stage: str, stacked_args):
 
 def _pad_clients(stacked_args, total: int):
   """Extends every leaf's client axis to ``total`` rows by repeating its last client."""
+
   def pad(leaf):
     extra = total - leaf.shape[0]
     if not extra:
       return leaf
     return jnp.concatenate([leaf, jnp.repeat(leaf[-1:], extra, axis=0)], axis=0)
+
   return jax.tree.map(pad, stacked_args)
 
 
@@ -346,9 +375,11 @@ def for_each_client(fn: Callable[..., Any], *, chunk_size: int | None = None) ->
     def with_shared(shared_trees):
       """``fn`` of the mapped arguments alone, the shared ones (in their places) given whole."""
       views = {i: Shared(tree, shared_at[i].split) for i, tree in zip(shared_at, shared_trees)}
+
       def per_client(*client_args):
         it = iter(client_args)
         return fn(*(views[i] if i in views else next(it) for i in range(len(args))))
+
       return per_client
 
     shared_trees = tuple(a.tree for a in shared_at.values())
@@ -364,16 +395,23 @@ def for_each_client(fn: Callable[..., Any], *, chunk_size: int | None = None) ->
     padded = -(-num_clients // shards) * shards
     # Split shared rows enter as their per-device blocks (padded like the clients, so block d holds the
     # rows of device d's clients); the others are replicated.
-    shared_specs = tuple(PartitionSpec(CLIENTS) if a.split else PartitionSpec() for a in shared_at.values())
-    shared_trees = tuple(_pad_rows(t, shards) if a.split else t for t, a in zip(shared_trees, shared_at.values()))
+    shared_specs = tuple(
+      PartitionSpec(CLIENTS) if a.split else PartitionSpec() for a in shared_at.values()
+    )
+    shared_trees = tuple(
+      _pad_rows(t, shards) if a.split else t for t, a in zip(shared_trees, shared_at.values())
+    )
     sharded = jax.shard_map(
-        lambda shared, *args: _chunked(with_shared(shared), chunk, args),
-        mesh=_current_mesh(), in_specs=(shared_specs, *(PartitionSpec(CLIENTS),) * len(stacked_args)),
-        out_specs=PartitionSpec(CLIENTS), axis_names=frozenset({CLIENTS}),
-        # No replication (vma) checking: per-client code carries loops whose initial values are
-        # device-invariant constants but whose updates vary by client (e.g. scan carries in the
-        # evolution); every output here is per-client and stacked, so there is nothing to check.
-        check_vma=False)
+      lambda shared, *args: _chunked(with_shared(shared), chunk, args),
+      mesh=_current_mesh(),
+      in_specs=(shared_specs, *(PartitionSpec(CLIENTS),) * len(stacked_args)),
+      out_specs=PartitionSpec(CLIENTS),
+      axis_names=frozenset({CLIENTS}),
+      # No replication (vma) checking: per-client code carries loops whose initial values are
+      # device-invariant constants but whose updates vary by client (e.g. scan carries in the
+      # evolution); every output here is per-client and stacked, so there is nothing to check.
+      check_vma=False,
+    )
     out = sharded(shared_trees, *_pad_clients(stacked_args, padded))
     if padded != num_clients:
       out = jax.tree.map(lambda leaf: leaf[:num_clients], out)

@@ -7,19 +7,31 @@ file. ``plot_*(..., path)`` writes ``path`` (a ``.png``, 200 dpi) and the same
 figure as a PDF beside it (``accuracy.png`` -> ``accuracy.pdf``), for papers.
 :func:`plot_run` draws every per-run figure from a run's metrics lines.
 """
+
 from __future__ import annotations
 
 import os
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-__all__ = ["ACCURACY_PLOT", "COMMUNICATION_PLOT", "LOSS_PLOT", "accuracy_figure",
-           "communication_figure", "loss_figure", "plot_accuracy", "plot_communication",
-           "plot_losses", "plot_run", "plot_selection_curves", "selection_figure"]
+__all__ = [
+  "ACCURACY_PLOT",
+  "COMMUNICATION_PLOT",
+  "LOSS_PLOT",
+  "accuracy_figure",
+  "communication_figure",
+  "loss_figure",
+  "plot_accuracy",
+  "plot_communication",
+  "plot_losses",
+  "plot_run",
+  "plot_selection_curves",
+  "selection_figure",
+]
 
 ACCURACY_PLOT = "accuracy.png"
 """Test accuracy vs round (:func:`plot_accuracy`; also ``accuracy.pdf``)."""
@@ -32,9 +44,9 @@ methods that report ``bits_cumulative``."""
 DPI = 200
 
 _SELECTION_STYLE = {  # NTK-DFL Fig. 6 colours: proposed order red, random green, lower bound blue
-    "best_to_worst": ("best to worst (validation half)", "tab:red"),
-    "random": ("random", "tab:green"),
-    "worst_to_best": ("worst to best", "tab:blue"),
+  "best_to_worst": ("best to worst (validation half)", "tab:red"),
+  "random": ("random", "tab:green"),
+  "worst_to_best": ("worst to best", "tab:blue"),
 }
 
 
@@ -56,36 +68,59 @@ def _label_axes(ax, xlabel: str, ylabel: str, title: str) -> None:
   """Axis labels, integer x ticks, a light grid, the legend below the axes (never over a curve), the title."""
   ax.set_xlabel(xlabel)
   ax.set_ylabel(ylabel)
-  ax.xaxis.set_major_locator(MaxNLocator(integer=True))   # rounds and client counts are whole numbers
+  ax.xaxis.set_major_locator(
+    MaxNLocator(integer=True)
+  )  # rounds and client counts are whole numbers
   ax.grid(alpha=0.3)
   ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, frameon=False)
   if title:
     ax.set_title(title)
 
 
-def accuracy_figure(rounds: Sequence[int], aggregated: Sequence[float | None],
-                    client_mean: Sequence[float | None], client_min: Sequence[float | None],
-                    client_max: Sequence[float | None], *, title: str = "") -> Figure:
+def accuracy_figure(
+  rounds: Sequence[int],
+  aggregated: Sequence[float | None],
+  client_mean: Sequence[float | None],
+  client_min: Sequence[float | None],
+  client_max: Sequence[float | None],
+  *,
+  title: str = "",
+) -> Figure:
   """The figure of :func:`plot_accuracy` (for callers that add to it or save it themselves)."""
   rounds = np.asarray(rounds)
   fig = Figure(figsize=(6, 4.4))
   ax = fig.add_subplot()
   agg = _as_float(aggregated)
   ok = ~np.isnan(agg)
-  ax.plot(rounds[ok], agg[ok], "-o", ms=3, color="tab:blue", label="aggregated model (mean of client weights)")
+  ax.plot(
+    rounds[ok],
+    agg[ok],
+    "-o",
+    ms=3,
+    color="tab:blue",
+    label="aggregated model (mean of client weights)",
+  )
   mean, low, high = _as_float(client_mean), _as_float(client_min), _as_float(client_max)
   ok = ~np.isnan(mean)
   if ok.any():
     ax.plot(rounds[ok], mean[ok], "--", color="tab:orange", label="mean over clients")
-    ax.fill_between(rounds[ok], low[ok], high[ok], color="tab:orange", alpha=0.2, label="client min to max")
+    ax.fill_between(
+      rounds[ok], low[ok], high[ok], color="tab:orange", alpha=0.2, label="client min to max"
+    )
   _label_axes(ax, "communication round", "accuracy on the test set", title)
   return fig
 
 
-def plot_accuracy(rounds: Sequence[int], aggregated: Sequence[float | None],
-                  client_mean: Sequence[float | None], client_min: Sequence[float | None],
-                  client_max: Sequence[float | None], path: str | os.PathLike, *,
-                  title: str = "") -> None:
+def plot_accuracy(
+  rounds: Sequence[int],
+  aggregated: Sequence[float | None],
+  client_mean: Sequence[float | None],
+  client_min: Sequence[float | None],
+  client_max: Sequence[float | None],
+  path: str | os.PathLike,
+  *,
+  title: str = "",
+) -> None:
   """Test accuracy vs round: aggregated model, mean client and the client min-max band.
 
   Args:
@@ -105,8 +140,12 @@ def selection_figure(curves: Mapping[str, Sequence[float]], *, title: str = "") 
   for name, (label, color) in _SELECTION_STYLE.items():
     acc = np.asarray(curves[name], dtype=float)
     ax.plot(np.arange(1, acc.size + 1), acc, color=color, label=label)
-  _label_axes(ax, "k clients averaged (ranked on the validation half of the test set)",
-              "accuracy of their average on the test half", title)
+  _label_axes(
+    ax,
+    "k clients averaged (ranked on the validation half of the test set)",
+    "accuracy of their average on the test half",
+    title,
+  )
   if "test_accuracy" in curves:
     hist = fig.add_subplot(1, 2, 2)
     hist.hist(np.asarray(curves["test_accuracy"], dtype=float), bins=20, color="tab:gray")
@@ -118,8 +157,9 @@ def selection_figure(curves: Mapping[str, Sequence[float]], *, title: str = "") 
   return fig
 
 
-def plot_selection_curves(curves: Mapping[str, Sequence[float]], path: str | os.PathLike, *,
-                          title: str = "") -> None:
+def plot_selection_curves(
+  curves: Mapping[str, Sequence[float]], path: str | os.PathLike, *, title: str = ""
+) -> None:
   """Test accuracy of the running average vs number of clients averaged (NTK-DFL Fig. 6).
 
   Args:
@@ -150,26 +190,48 @@ def loss_figure(lines: Sequence[Mapping], *, title: str = "") -> Figure | None:
   fig = Figure(figsize=(6, 4.4))
   ax = fig.add_subplot()
   drawn = [
-      _plot_present(ax, rounds, _column(lines, "test_loss"), "-o", ms=3, color="tab:blue",
-                    label="aggregated model: test loss"),
-      _plot_present(ax, rounds, _column(lines, "client_loss_mean"), "--", color="tab:orange",
-                    label="clients' own models: mean test loss"),
-      _plot_present(ax, rounds, _column(lines, "loss_mean"), "-", color="tab:green",
-                    label="training loss: mean over clients"),
+    _plot_present(
+      ax,
+      rounds,
+      _column(lines, "test_loss"),
+      "-o",
+      ms=3,
+      color="tab:blue",
+      label="aggregated model: test loss",
+    ),
+    _plot_present(
+      ax,
+      rounds,
+      _column(lines, "client_loss_mean"),
+      "--",
+      color="tab:orange",
+      label="clients' own models: mean test loss",
+    ),
+    _plot_present(
+      ax,
+      rounds,
+      _column(lines, "loss_mean"),
+      "-",
+      color="tab:green",
+      label="training loss: mean over clients",
+    ),
   ]
   low, high = _column(lines, "loss_min"), _column(lines, "loss_max")
   ok = ~np.isnan(low) & ~np.isnan(high)
   if ok.any():
-    ax.fill_between(rounds[ok], low[ok], high[ok], color="tab:green", alpha=0.2,
-                    label="training loss: min to max")
+    ax.fill_between(
+      rounds[ok], low[ok], high[ok], color="tab:green", alpha=0.2, label="training loss: min to max"
+    )
   if not any(drawn):
     return None
-  values = np.concatenate([_column(lines, name)
-                           for name in ("test_loss", "client_loss_mean", "loss_mean", "loss_min")])
+  values = np.concatenate(
+    [_column(lines, name) for name in ("test_loss", "client_loss_mean", "loss_mean", "loss_min")]
+  )
   if np.nanmin(values) > 0:
-    ax.set_yscale("log")        # losses fall by decades over a run
-  _label_axes(ax, "communication round", "loss (test: cross-entropy; training: the method's own)",
-              title)
+    ax.set_yscale("log")  # losses fall by decades over a run
+  _label_axes(
+    ax, "communication round", "loss (test: cross-entropy; training: the method's own)", title
+  )
   ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
   return fig
 
@@ -200,8 +262,14 @@ def communication_figure(lines: Sequence[Mapping], *, title: str = "") -> Figure
     return None
   fig = Figure(figsize=(6, 4.4))
   ax = fig.add_subplot()
-  ax.plot(bits[ok], acc[ok], "-o", ms=3, color="tab:blue",
-          label="aggregated model (mean of client weights)")
+  ax.plot(
+    bits[ok],
+    acc[ok],
+    "-o",
+    ms=3,
+    color="tab:blue",
+    label="aggregated model (mean of client weights)",
+  )
   ax.set_xlabel("bits sent since round 1 (all clients)")
   ax.set_ylabel("accuracy on the test set")
   if bits[ok].min() > 0 and bits[ok].max() / bits[ok].min() > 100:
@@ -213,8 +281,9 @@ def communication_figure(lines: Sequence[Mapping], *, title: str = "") -> Figure
   return fig
 
 
-def plot_communication(lines: Sequence[Mapping], path: str | os.PathLike, *,
-                       title: str = "") -> bool:
+def plot_communication(
+  lines: Sequence[Mapping], path: str | os.PathLike, *, title: str = ""
+) -> bool:
   """Aggregated test accuracy vs cumulative bits sent (the NTK papers' communication axis).
 
   Args:
@@ -241,9 +310,15 @@ def plot_run(lines: Sequence[Mapping], workdir: str | os.PathLike, *, title: str
   """
   workdir = os.fspath(workdir)
   column = lambda name: [line.get(name) for line in lines]
-  plot_accuracy([line["round"] for line in lines], column("test_acc"), column("client_acc_mean"),
-                column("client_acc_min"), column("client_acc_max"),
-                os.path.join(workdir, ACCURACY_PLOT), title=title)
+  plot_accuracy(
+    [line["round"] for line in lines],
+    column("test_acc"),
+    column("client_acc_mean"),
+    column("client_acc_min"),
+    column("client_acc_max"),
+    os.path.join(workdir, ACCURACY_PLOT),
+    title=title,
+  )
   written = [ACCURACY_PLOT]
   if plot_losses(lines, os.path.join(workdir, LOSS_PLOT), title=title):
     written.append(LOSS_PLOT)

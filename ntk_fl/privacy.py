@@ -45,9 +45,11 @@ study): no method, the runner or the commands import this module. It lives in th
 package, beside :mod:`ntk_fl.jacobians` whose transmitted Jacobians it attacks, so
 a researcher can run the attack on any model from the flat API.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -56,20 +58,20 @@ import optax
 from ntk_fl import compression, jacobians, validation
 
 __all__ = [
-    "DISTANCES",
-    "OPTIMIZERS",
-    "Observation",
-    "AttackState",
-    "AttackResult",
-    "Attack",
-    "sample_jacobian",
-    "observe",
-    "jacobian_distance",
-    "make_attack",
-    "unproject",
-    "gaussian_window",
-    "ssim",
-    "mse",
+  "DISTANCES",
+  "OPTIMIZERS",
+  "Observation",
+  "AttackState",
+  "AttackResult",
+  "Attack",
+  "sample_jacobian",
+  "observe",
+  "jacobian_distance",
+  "make_attack",
+  "unproject",
+  "gaussian_window",
+  "ssim",
+  "mse",
 ]
 
 DISTANCES = ("l2", "cosine")
@@ -93,6 +95,7 @@ class Observation(NamedTuple):
       sparse payload carries its support (bitmap or index list,
       :func:`ntk_fl.communication.jacobian_payload_bits`), so the receiver knows it.
   """
+
   jacobian: jax.Array
   mask: jax.Array
 
@@ -108,7 +111,9 @@ def sample_jacobian(apply_fn: ApplyFn, params: Params, x: jax.Array) -> jax.Arra
   return jacobians.flat_jacobian(apply_fn, params, x[None])[0]
 
 
-def observe(jacobian: jax.Array, keep_fraction: float = 1.0, bits: int = compression.FLOAT_BITS) -> Observation:
+def observe(
+  jacobian: jax.Array, keep_fraction: float = 1.0, bits: int = compression.FLOAT_BITS
+) -> Observation:
   """The receiver's view of one sample's Jacobian after CP-NTK-FL's compression.
 
   Args:
@@ -141,7 +146,9 @@ def observe(jacobian: jax.Array, keep_fraction: float = 1.0, bits: int = compres
 # The attack.
 
 
-def jacobian_distance(dummy_jacobian: jax.Array, observation: Observation, distance: str = "l2") -> jax.Array:
+def jacobian_distance(
+  dummy_jacobian: jax.Array, observation: Observation, distance: str = "l2"
+) -> jax.Array:
   """``D(M ⊙ J(x'), J_obs)`` (see the module docstring); a scalar.
 
   Args:
@@ -162,7 +169,8 @@ def jacobian_distance(dummy_jacobian: jax.Array, observation: Observation, dista
 
 class AttackState(NamedTuple):
   """The optimiser's state: dummy ``x' = scale · u``; ``u`` is what is optimised."""
-  u: jax.Array          # [*input_shape]
+
+  u: jax.Array  # [*input_shape]
   opt_state: Any
 
 
@@ -174,6 +182,7 @@ class AttackResult(NamedTuple):
       or projected inputs ``z``).
     losses: ``[steps]`` the distance before each optimiser step.
   """
+
   x: jax.Array
   losses: jax.Array
 
@@ -186,14 +195,23 @@ class Attack(NamedTuple):
     step: ``step(state, observation) -> (state, loss)``: one optimiser step.
     run: ``run(observation, key) -> AttackResult``: ``init`` then ``steps`` steps.
   """
+
   init: Callable[[jax.Array], AttackState]
   step: Callable[[AttackState, Observation], tuple[AttackState, jax.Array]]
   run: Callable[[Observation, jax.Array], AttackResult]
 
 
-def make_attack(apply_fn: ApplyFn, params: Params, input_shape: Sequence[int], *, steps: int,
-                learning_rate: float, distance: str = "l2", optimizer: str = "adam",
-                scale: float = 1.0) -> Attack:
+def make_attack(
+  apply_fn: ApplyFn,
+  params: Params,
+  input_shape: Sequence[int],
+  *,
+  steps: int,
+  learning_rate: float,
+  distance: str = "l2",
+  optimizer: str = "adam",
+  scale: float = 1.0,
+) -> Attack:
   """DLG on one sample's (possibly sparsified) Jacobian at the known weights ``params``.
 
   Args:
@@ -241,8 +259,9 @@ def make_attack(apply_fn: ApplyFn, params: Params, input_shape: Sequence[int], *
     if optimizer == "lbfgs":
       # L-BFGS's line search reuses the value/gradient it stored at the accepted point.
       loss, grad = optax.value_and_grad_from_state(objective)(state.u, state=state.opt_state)
-      updates, opt_state = tx.update(grad, state.opt_state, state.u, value=loss, grad=grad,
-                                     value_fn=objective)
+      updates, opt_state = tx.update(
+        grad, state.opt_state, state.u, value=loss, grad=grad, value_fn=objective
+      )
     else:
       loss, grad = jax.value_and_grad(objective)(state.u)
       updates, opt_state = tx.update(grad, state.opt_state, state.u)
@@ -269,12 +288,20 @@ def unproject(z: jax.Array, projection: jax.Array) -> jax.Array:
     (an SVD of ``P`` is ~100x slower on CPU): ``P`` must have full column rank,
     and the error grows with ``cond(P)²`` -- about 9 for a Gaussian 784 × 200 ``P``.
   """
-  if projection.ndim != 2 or z.shape[-1] != projection.shape[1] or projection.shape[1] > projection.shape[0]:
-    raise ValueError(f"unproject needs z [..., d1'] and P [d1, d1'] with d1' <= d1, got {z.shape} and "
-                     f"{projection.shape}")
-  gram = jnp.matmul(projection.T, projection, precision=_HIGHEST)                       # [d1', d1']
-  coeffs = jnp.linalg.solve(gram, z.reshape(-1, z.shape[-1]).T).T                      # [B, d1']
-  return jnp.matmul(coeffs, projection.T, precision=_HIGHEST).reshape(*z.shape[:-1], projection.shape[0])
+  if (
+    projection.ndim != 2
+    or z.shape[-1] != projection.shape[1]
+    or projection.shape[1] > projection.shape[0]
+  ):
+    raise ValueError(
+      f"unproject needs z [..., d1'] and P [d1, d1'] with d1' <= d1, got {z.shape} and "
+      f"{projection.shape}"
+    )
+  gram = jnp.matmul(projection.T, projection, precision=_HIGHEST)  # [d1', d1']
+  coeffs = jnp.linalg.solve(gram, z.reshape(-1, z.shape[-1]).T).T  # [B, d1']
+  return jnp.matmul(coeffs, projection.T, precision=_HIGHEST).reshape(
+    *z.shape[:-1], projection.shape[0]
+  )
 
 
 # ----------------------------------------------------------------------------
@@ -286,7 +313,7 @@ def gaussian_window(size: int = 11, sigma: float = 1.5) -> jax.Array:
   size = validation.check_int("window_size", size, low=1)
   sigma = validation.check_real("sigma", sigma, 0.0, low_open=True)
   offsets = jnp.arange(size, dtype=jnp.float32) - (size - 1) / 2
-  g = jnp.exp(-offsets ** 2 / (2 * sigma ** 2))
+  g = jnp.exp(-(offsets**2) / (2 * sigma**2))
   window = jnp.outer(g, g)
   return window / jnp.sum(window)
 
@@ -299,8 +326,16 @@ def _filter_valid(image: jax.Array, window: jax.Array) -> jax.Array:
   return jax.scipy.signal.convolve2d(image, window, mode="valid", precision=_HIGHEST)
 
 
-def ssim(x: jax.Array, y: jax.Array, *, data_range: float = 1.0, window_size: int = 11,
-         sigma: float = 1.5, k1: float = 0.01, k2: float = 0.03) -> jax.Array:
+def ssim(
+  x: jax.Array,
+  y: jax.Array,
+  *,
+  data_range: float = 1.0,
+  window_size: int = 11,
+  sigma: float = 1.5,
+  k1: float = 0.01,
+  k2: float = 0.03,
+) -> jax.Array:
   """Structural similarity (Wang, Bovik, Sheikh, Simoncelli 2004) of grayscale images.
 
   Per window position, with Gaussian-weighted means ``μ``, variances ``σ²`` and
@@ -323,19 +358,25 @@ def ssim(x: jax.Array, y: jax.Array, *, data_range: float = 1.0, window_size: in
   """
   x, y = jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32)
   if x.shape != y.shape or x.ndim < 2:
-    raise ValueError(f"ssim needs two images [..., H, W] of the same shape, got {x.shape} and {y.shape}")
+    raise ValueError(
+      f"ssim needs two images [..., H, W] of the same shape, got {x.shape} and {y.shape}"
+    )
   window = gaussian_window(window_size, sigma)
   if x.shape[-2] < window_size or x.shape[-1] < window_size:
-    raise ValueError(f"ssim needs images at least window_size={window_size} on each side, got {x.shape[-2:]}")
+    raise ValueError(
+      f"ssim needs images at least window_size={window_size} on each side, got {x.shape[-2:]}"
+    )
   data_range = validation.check_real("data_range", data_range, 0.0, low_open=True)
   c1, c2 = (k1 * data_range) ** 2, (k2 * data_range) ** 2
 
   def one(a, b):
     mu_a, mu_b = _filter_valid(a, window), _filter_valid(b, window)
-    var_a = _filter_valid(a * a, window) - mu_a ** 2
-    var_b = _filter_valid(b * b, window) - mu_b ** 2
+    var_a = _filter_valid(a * a, window) - mu_a**2
+    var_b = _filter_valid(b * b, window) - mu_b**2
     cov = _filter_valid(a * b, window) - mu_a * mu_b
-    ssim_map = ((2 * mu_a * mu_b + c1) * (2 * cov + c2)) / ((mu_a ** 2 + mu_b ** 2 + c1) * (var_a + var_b + c2))
+    ssim_map = ((2 * mu_a * mu_b + c1) * (2 * cov + c2)) / (
+      (mu_a**2 + mu_b**2 + c1) * (var_a + var_b + c2)
+    )
     return jnp.mean(ssim_map)
 
   batch = x.shape[:-2]
@@ -347,5 +388,7 @@ def mse(x: jax.Array, y: jax.Array) -> jax.Array:
   """Mean squared error per image pair: ``[..., H, W]`` -> ``[...]``."""
   x, y = jnp.asarray(x), jnp.asarray(y)
   if x.shape != y.shape or x.ndim < 2:
-    raise ValueError(f"mse needs two images [..., H, W] of the same shape, got {x.shape} and {y.shape}")
+    raise ValueError(
+      f"mse needs two images [..., H, W] of the same shape, got {x.shape} and {y.shape}"
+    )
   return jnp.mean(jnp.square(x - y), axis=(-2, -1))

@@ -45,11 +45,13 @@ arguments). Memory: a flattened sketch of the 784×100 MLP kernel at
 ``k_proj = 10,000`` is a 78,400 × 10,000 matrix (3.1 GB float32), generated
 once per run and shared by all clients.
 """
+
 from __future__ import annotations
 
 import hashlib
 import math
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -59,9 +61,25 @@ from ntk_fl._src.dense_stack import DenseStack
 from ntk_fl.evolve import ParamMap
 from ntk_fl.ntk import DenseProjection, dense_jacobian_factors
 
-__all__ = ["SCHEMES", "LeafSketch", "leaf_names", "make_plan", "layer_key", "sample_matrices",
-           "project_leaf", "back_project_leaf", "project_jacobian", "back_project", "sketch_dims",
-           "compression_ratio", "lift", "sketch_map", "dense_matrix", "dense_stack_projections", "sketched_dense_jacobian"]
+__all__ = [
+  "SCHEMES",
+  "LeafSketch",
+  "leaf_names",
+  "make_plan",
+  "layer_key",
+  "sample_matrices",
+  "project_leaf",
+  "back_project_leaf",
+  "project_jacobian",
+  "back_project",
+  "sketch_dims",
+  "compression_ratio",
+  "lift",
+  "sketch_map",
+  "dense_matrix",
+  "dense_stack_projections",
+  "sketched_dense_jacobian",
+]
 
 SCHEMES = ("none", "layerwise", "flattened")
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -78,6 +96,7 @@ class LeafSketch(NamedTuple):
     d_in: size of the projected dimension (axis length, or the tensor size for ``'flat'``).
     k: sketch size ``k_l`` (``d_in`` for ``'identity'``).
   """
+
   name: str
   shape: tuple[int, ...]
   kind: str
@@ -90,7 +109,7 @@ class LeafSketch(NamedTuple):
     if self.kind == "flat":
       return (self.k,)
     if self.kind == "axis":
-      return self.shape[:self.axis] + (self.k,) + self.shape[self.axis + 1:]
+      return self.shape[: self.axis] + (self.k,) + self.shape[self.axis + 1 :]
     return self.shape
 
 
@@ -110,7 +129,9 @@ def _input_axis(ndim: int) -> int:
   return 0 if ndim <= 1 else ndim - 2
 
 
-def make_plan(params, scheme: str, k_proj: int, *, skip_uncompressed: bool = True) -> tuple[LeafSketch, ...]:
+def make_plan(
+  params, scheme: str, k_proj: int, *, skip_uncompressed: bool = True
+) -> tuple[LeafSketch, ...]:
   """The static sketch plan of every leaf of ``params`` (arrays or ``ShapeDtypeStruct``s).
 
   Args:
@@ -187,12 +208,16 @@ def back_project_leaf(sketch: LeafSketch, matrix, x, lead: int = 0):
   return jnp.moveaxis(jnp.matmul(moved, matrix.T, precision=_HIGHEST), -1, lead + sketch.axis)
 
 
-def project_jacobian(plan: Sequence[LeafSketch], matrices, jac_leaves, lead: int = 2) -> tuple[Any, ...]:
+def project_jacobian(
+  plan: Sequence[LeafSketch], matrices, jac_leaves, lead: int = 2
+) -> tuple[Any, ...]:
   """``J̃ = J P`` leaf by leaf (``jac_leaves [N, C, *shape]`` in ``jax.tree.leaves`` order)."""
   return tuple(project_leaf(s, m, j, lead) for s, m, j in zip(plan, matrices, jac_leaves))
 
 
-def back_project(plan: Sequence[LeafSketch], matrices, tilde_leaves, lead: int = 0) -> tuple[Any, ...]:
+def back_project(
+  plan: Sequence[LeafSketch], matrices, tilde_leaves, lead: int = 0
+) -> tuple[Any, ...]:
   """``Δw = P Δw̃`` leaf by leaf."""
   return tuple(back_project_leaf(s, m, t, lead) for s, m, t in zip(plan, matrices, tilde_leaves))
 
@@ -240,7 +265,9 @@ def sketch_map(apply_fn: Callable, params, plan: Sequence[LeafSketch], matrices)
   """
   g, u0 = lift(apply_fn, params, plan, matrices)
   treedef = jax.tree.structure(params)
-  to_params = lambda tilde: jax.tree.unflatten(treedef, back_project(plan, matrices, tuple(tilde), lead=1))
+  to_params = lambda tilde: jax.tree.unflatten(
+    treedef, back_project(plan, matrices, tuple(tilde), lead=1)
+  )
   return ParamMap(g, u0, to_params)
 
 
@@ -250,12 +277,14 @@ def dense_matrix(plan: Sequence[LeafSketch], matrices) -> jax.Array:
   for sketch, matrix in zip(plan, matrices):
     n_in = math.prod(sketch.projected_shape)
     basis = jnp.eye(n_in, dtype=jnp.float32).reshape((n_in,) + sketch.projected_shape)
-    block = back_project_leaf(sketch, matrix, basis, lead=1).reshape(n_in, -1).T    # [size, n_in]
+    block = back_project_leaf(sketch, matrix, basis, lead=1).reshape(n_in, -1).T  # [size, n_in]
     blocks.append(block)
   return jax.scipy.linalg.block_diag(*blocks)
 
 
-def dense_stack_projections(plan: Sequence[LeafSketch], matrices, stack: DenseStack) -> tuple[DenseProjection, ...]:
+def dense_stack_projections(
+  plan: Sequence[LeafSketch], matrices, stack: DenseStack
+) -> tuple[DenseProjection, ...]:
   """The sketch as per-layer :class:`ntk_fl.ntk.DenseProjection` s for :func:`ntk_fl.ntk.projected_dense_ntk`.
 
   Layer ``l`` of ``stack`` owns the leaves named ``.../<layer>/kernel`` and
@@ -271,8 +300,10 @@ def dense_stack_projections(plan: Sequence[LeafSketch], matrices, stack: DenseSt
   by_name = {}
   for sketch, matrix in zip(plan, matrices):
     if sketch.kind == "flat":
-      raise ValueError(f"tensor {sketch.name!r} has a flattened sketch: the structured projected kernel needs "
-                       "the 'layerwise' scheme (use the generic kernel of the lifted network)")
+      raise ValueError(
+        f"tensor {sketch.name!r} has a flattened sketch: the structured projected kernel needs "
+        "the 'layerwise' scheme (use the generic kernel of the lifted network)"
+      )
     by_name[tuple(sketch.name.split("/")[-2:])] = (sketch, matrix)
   used, out = set(), []
   for layer in stack.layers:
@@ -280,21 +311,27 @@ def dense_stack_projections(plan: Sequence[LeafSketch], matrices, stack: DenseSt
     for part in ("kernel", "bias"):
       entry = by_name.get((layer, part))
       if entry is None:
-        raise ValueError(f"dense_stack layer {layer!r} has no '{part}' among the sketched tensors "
-                         f"{[s.name for s in plan]}")
+        raise ValueError(
+          f"dense_stack layer {layer!r} has no '{part}' among the sketched tensors "
+          f"{[s.name for s in plan]}"
+        )
       sketch, matrix = entry
       used.add((layer, part))
       if sketch.kind == "identity":
         parts[part] = None
       elif sketch.axis != 0 or len(sketch.shape) != (2 if part == "kernel" else 1):
-        raise ValueError(f"tensor {sketch.name!r} (shape {sketch.shape}) is sketched along axis {sketch.axis}; "
-                         "a dense kernel [in, out] must be sketched along axis 0 and a bias along its only axis")
+        raise ValueError(
+          f"tensor {sketch.name!r} (shape {sketch.shape}) is sketched along axis {sketch.axis}; "
+          "a dense kernel [in, out] must be sketched along axis 0 and a bias along its only axis"
+        )
       else:
         parts[part] = matrix
     out.append(DenseProjection(**parts))
   stray = [s.name for key, (s, _) in by_name.items() if key not in used and s.kind != "identity"]
   if stray:
-    raise ValueError(f"sketched tensors {stray} are not kernels or biases of the dense stack {stack.layers}")
+    raise ValueError(
+      f"sketched tensors {stray} are not kernels or biases of the dense stack {stack.layers}"
+    )
   return tuple(out)
 
 
@@ -303,20 +340,24 @@ def _layer_of(sketch: LeafSketch, stack: DenseStack) -> tuple[int, str]:
   parts = sketch.name.split("/")
   layer, part = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
   if layer not in stack.layers or part not in ("kernel", "bias"):
-    raise ValueError(f"tensor {sketch.name!r} is not a kernel or bias of the dense stack {stack.layers}")
+    raise ValueError(
+      f"tensor {sketch.name!r} is not a kernel or bias of the dense stack {stack.layers}"
+    )
   return stack.layers.index(layer), part
 
 
 def _sketched_leaf(sketch: LeafSketch, matrix, part: str, a, m, sample_block: int):
   """One leaf of ``J̃`` ``[N, C, *projected_shape]`` from ``A [N, in]`` and ``M [N, out, C]``."""
-  if part == "bias":                                   # ∂f_c/∂b[q] = M[q, c]; any sketch of a 1-D tensor is P_b
+  if part == "bias":  # ∂f_c/∂b[q] = M[q, c]; any sketch of a 1-D tensor is P_b
     if sketch.kind == "identity":
       return jnp.swapaxes(m, 1, 2)
     return jnp.einsum("nqc,qk->nck", m, matrix, precision=_HIGHEST)
-  if sketch.kind == "identity":                        # ∂f_c/∂W[p, q] = A[p] M[q, c]
+  if sketch.kind == "identity":  # ∂f_c/∂W[p, q] = A[p] M[q, c]
     return jnp.einsum("np,nqc->ncpq", a, m, precision=_HIGHEST)
-  if sketch.kind == "axis":                            # the input axis: (A P)[k] M[q, c]
-    return jnp.einsum("nk,nqc->nckq", jnp.matmul(a, matrix, precision=_HIGHEST), m, precision=_HIGHEST)
+  if sketch.kind == "axis":  # the input axis: (A P)[k] M[q, c]
+    return jnp.einsum(
+      "nk,nqc->nckq", jnp.matmul(a, matrix, precision=_HIGHEST), m, precision=_HIGHEST
+    )
   # Flattened (row-major [in, out] -> p·out + q): J̃[c, k] = Σ_q M[q, c] Σ_p A[p] P[p, q, k]. Contracting A
   # first costs in·out·k per sample, C times less than projecting the C rows of J; blocks of samples bound
   # the [block, out, k] intermediate.
@@ -327,11 +368,14 @@ def _sketched_leaf(sketch: LeafSketch, matrix, part: str, a, m, sample_block: in
     t = jnp.matmul(a_n, stacked, precision=_HIGHEST).reshape(n_out, sketch.k)
     return jnp.einsum("qk,qc->ck", t, m_n, precision=_HIGHEST)
 
-  return jax.lax.map(lambda args: one_sample(*args), (a, m), batch_size=min(sample_block, a.shape[0]))
+  return jax.lax.map(
+    lambda args: one_sample(*args), (a, m), batch_size=min(sample_block, a.shape[0])
+  )
 
 
-def sketched_dense_jacobian(plan: Sequence[LeafSketch], matrices, stack: DenseStack, params, x, *,
-                            sample_block: int = 32) -> tuple[Any, ...]:
+def sketched_dense_jacobian(
+  plan: Sequence[LeafSketch], matrices, stack: DenseStack, params, x, *, sample_block: int = 32
+) -> tuple[Any, ...]:
   """``J̃ = J P`` of a dense stack, per sample, assembled from the Jacobian's factors.
 
   Equals :func:`project_jacobian` of the per-sample Jacobian (and the Jacobian
@@ -360,10 +404,16 @@ def sketched_dense_jacobian(plan: Sequence[LeafSketch], matrices, stack: DenseSt
   validation.check_int("sample_block", sample_block, low=1)
   shapes = tuple(tuple(int(s) for s in leaf.shape) for leaf in jax.tree.leaves(params))
   if shapes != tuple(s.shape for s in plan):
-    raise ValueError(f"plan is for tensors of shapes {[s.shape for s in plan]}, params have {list(shapes)}")
+    raise ValueError(
+      f"plan is for tensors of shapes {[s.shape for s in plan]}, params have {list(shapes)}"
+    )
   factors = dense_jacobian_factors(stack, params, x)
   out = []
   for sketch, matrix in zip(plan, matrices):
     layer, part = _layer_of(sketch, stack)
-    out.append(_sketched_leaf(sketch, matrix, part, factors.inputs[layer], factors.outputs[layer], sample_block))
+    out.append(
+      _sketched_leaf(
+        sketch, matrix, part, factors.inputs[layer], factors.outputs[layer], sample_block
+      )
+    )
   return tuple(out)

@@ -15,6 +15,7 @@ non-zero, and putting the stream id *before* the round index rules that out.
 :func:`ntk_fl.data.partition` called with a seed draws the same partition as a
 run with that config seed; no other stream may use the bare seed.
 """
+
 from __future__ import annotations
 
 import enum
@@ -28,22 +29,27 @@ __all__ = ["Stream", "numpy_rng", "jax_key", "masked_permutation"]
 
 class Stream(enum.IntEnum):
   """Stream ids (distinct and, except the partition's bare seed, non-zero)."""
-  PARTITION = 0        # data.partition: default_rng(seed)
-  SUBSAMPLE = 1        # runner: optional training-set subsample (config.data.max_train)
-  PARTICIPATION = 2    # server methods: clients sampled in round r
-  SHARED_SET = 3       # DataShare's global set
-  ROUND_KEYS = 4       # per-round device keys of every method (minibatches, subsampling, SAM noise)
-  TOPOLOGY = 5         # the graph of round r
-  SELECTION = 6        # final-averaging selection: validation/test split and random order
-  SYNTHETIC_DATA = 7   # the 'synthetic' dataset's draw
-  MASKS = 8            # DisPFL's initial sparse masks
-  ENSEMBLE_SCHEDULE = 9  # Fed-ensemble: client strata (index 0) and each age's permutation matrix (1, age)
-  PROJECTION = 10     # SPARK's Jacobian random projections: index = 32-bit hash of (seed, layer name)
-  INPUT_PROJECTION = 11  # CP-NTK-FL's shared input projection P (d1 -> d1'), fixed for the whole run
+
+  PARTITION = 0  # data.partition: default_rng(seed)
+  SUBSAMPLE = 1  # runner: optional training-set subsample (config.data.max_train)
+  PARTICIPATION = 2  # server methods: clients sampled in round r
+  SHARED_SET = 3  # DataShare's global set
+  ROUND_KEYS = 4  # per-round device keys of every method (minibatches, subsampling, SAM noise)
+  TOPOLOGY = 5  # the graph of round r
+  SELECTION = 6  # final-averaging selection: validation/test split and random order
+  SYNTHETIC_DATA = 7  # the 'synthetic' dataset's draw
+  MASKS = 8  # DisPFL's initial sparse masks
+  ENSEMBLE_SCHEDULE = (
+    9  # Fed-ensemble: client strata (index 0) and each age's permutation matrix (1, age)
+  )
+  PROJECTION = 10  # SPARK's Jacobian random projections: index = 32-bit hash of (seed, layer name)
+  INPUT_PROJECTION = (
+    11  # CP-NTK-FL's shared input projection P (d1 -> d1'), fixed for the whole run
+  )
   PRIVACY_ATTACK = 12  # experiments/privacy_attack.py: victim images (0), dummy inits (1), attacker's guess of P (2)
   TEST_SUBSAMPLE = 13  # runner: optional test-set subsample (config.data.max_test)
   VALIDATION_CLIENTS = 14  # NTK-FL: the clients held out to score τ (select='validation')
-  STRAGGLERS = 15     # Fed-ensemble's straggler latency model: the selected clients' speeds in round r
+  STRAGGLERS = 15  # Fed-ensemble's straggler latency model: the selected clients' speeds in round r
 
 
 def numpy_rng(seed: int, stream: Stream, *indices: int) -> np.random.Generator:

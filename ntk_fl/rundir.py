@@ -28,6 +28,7 @@ or the method's ``shared_rounds`` must certify that they compute rounds 1..k
 identically (SPARK's ablation rows share the hard-label warm-up). Only the run
 holding the workdir's lock (:func:`hold_workdir`) may start or write in it.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -52,43 +53,43 @@ from ntk_fl.algorithms.base import config_without
 from ntk_fl.checkpoint import Checkpoints
 
 __all__ = [
-    "CONFIG_FILE",
-    "METRICS_FILE",
-    "SUMMARY_FILE",
-    "CHECKPOINT_DIR",
-    "ACCURACY_PLOT",
-    "SELECTION_PLOT",
-    "BRANCH_FILE",
-    "check_branch",
-    "check_start",
-    "check_workdir",
-    "check_writable",
-    "check_links",
-    "hold_workdir",
-    "release_workdir",
-    "workdir_lock",
-    "lock_for_children",
-    "run_identity",
-    "drop_event_files",
-    "stored_identity",
-    "LOCK_FILE",
-    "checkpoint_dir",
-    "jsonable",
-    "is_run",
-    "metrics_line",
-    "metrics_up_to",
-    "read_branch",
-    "read_config",
-    "read_run",
-    "rebuild_config",
-    "copy_run",
-    "split_label",
-    "read_metrics",
-    "read_summary",
-    "write_config",
-    "write_branch",
-    "write_metrics",
-    "write_summary",
+  "CONFIG_FILE",
+  "METRICS_FILE",
+  "SUMMARY_FILE",
+  "CHECKPOINT_DIR",
+  "ACCURACY_PLOT",
+  "SELECTION_PLOT",
+  "BRANCH_FILE",
+  "check_branch",
+  "check_start",
+  "check_workdir",
+  "check_writable",
+  "check_links",
+  "hold_workdir",
+  "release_workdir",
+  "workdir_lock",
+  "lock_for_children",
+  "run_identity",
+  "drop_event_files",
+  "stored_identity",
+  "LOCK_FILE",
+  "checkpoint_dir",
+  "jsonable",
+  "is_run",
+  "metrics_line",
+  "metrics_up_to",
+  "read_branch",
+  "read_config",
+  "read_run",
+  "rebuild_config",
+  "copy_run",
+  "split_label",
+  "read_metrics",
+  "read_summary",
+  "write_config",
+  "write_branch",
+  "write_metrics",
+  "write_summary",
 ]
 
 CONFIG_FILE = "config.json"
@@ -101,11 +102,22 @@ BRANCH_FILE = "branched_from.json"
 
 # Keys that do not change the trajectory (where clients run, which checkpoints are kept, whether the
 # consensus models are also scored); resume and branch ignore them.
-_RESULT_NEUTRAL_KEYS = ("devices", "checkpoint_keep", "eval.consensus", "on_divergence", "debug_clients")
+_RESULT_NEUTRAL_KEYS = (
+  "devices",
+  "checkpoint_keep",
+  "eval.consensus",
+  "on_divergence",
+  "debug_clients",
+)
 # Keys added to the schema after runs were stored, each with the value that reproduces those runs: a stored
 # config.json without one ran with that value (resume, branch and read_config fill it in).
-_ADDED_KEYS = {"data.max_test": 0, "eval.consensus": False, "data.partition_file": "", "on_divergence": "stop",
-               "debug_clients": False}
+_ADDED_KEYS = {
+  "data.max_test": 0,
+  "eval.consensus": False,
+  "data.partition_file": "",
+  "on_divergence": "stop",
+  "debug_clients": False,
+}
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -120,7 +132,7 @@ def jsonable(obj):
   """
   if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
     obj = settings.to_dict(obj)
-  elif callable(getattr(obj, "to_dict", None)):     # an ml_collections.ConfigDict
+  elif callable(getattr(obj, "to_dict", None)):  # an ml_collections.ConfigDict
     obj = obj.to_dict()
   if isinstance(obj, dict):
     return {str(k): jsonable(v) for k, v in obj.items()}
@@ -169,7 +181,9 @@ def read_metrics(workdir: str) -> list[dict]:
         break
       raise ValueError(f"{path}: line {i + 1} is not valid JSON") from None
     if not isinstance(line, dict):
-      raise ValueError(f"{path}: line {i + 1} is not a metrics record (a JSON object), got {text[:60]!r}")
+      raise ValueError(
+        f"{path}: line {i + 1} is not a metrics record (a JSON object), got {text[:60]!r}"
+      )
     lines.append(line)
   return lines
 
@@ -188,8 +202,10 @@ def metrics_up_to(workdir: str, rounds: int, action: str) -> list[dict]:
   """The metrics lines of rounds ``1..rounds`` in ``workdir`` (``action`` names the caller in the error)."""
   lines = read_metrics(workdir)[:rounds]
   if [line.get("round") for line in lines] != list(range(1, rounds + 1)):
-    raise ValueError(f"{os.path.join(workdir, METRICS_FILE)} does not hold rounds 1..{rounds} of the checkpoint; "
-                     f"cannot {action}")
+    raise ValueError(
+      f"{os.path.join(workdir, METRICS_FILE)} does not hold rounds 1..{rounds} of the checkpoint; "
+      f"cannot {action}"
+    )
   return lines
 
 
@@ -219,8 +235,11 @@ def write_summary(workdir: str, summary: dict) -> None:
 
 def _config_diff(old, new, prefix: str = "") -> list[str]:
   if isinstance(old, dict) and isinstance(new, dict):
-    return [d for k in sorted(set(old) | set(new))
-            for d in _config_diff(old.get(k, "<missing>"), new.get(k, "<missing>"), f"{prefix}{k}.")]
+    return [
+      d
+      for k in sorted(set(old) | set(new))
+      for d in _config_diff(old.get(k, "<missing>"), new.get(k, "<missing>"), f"{prefix}{k}.")
+    ]
   return [] if old == new else [f"{prefix[:-1]}: {old!r} -> {new!r}"]
 
 
@@ -228,16 +247,22 @@ def _stored_config(workdir: str, action: str) -> dict:
   """``workdir``'s ``config.json`` as a JSON dict, keys added to the schema since it was written filled in."""
   config_path = os.path.join(workdir, CONFIG_FILE)
   if not os.path.isfile(config_path):
-    raise FileNotFoundError(f"cannot {action}: {config_path} does not exist (no run was started in {workdir})")
+    raise FileNotFoundError(
+      f"cannot {action}: {config_path} does not exist (no run was started in {workdir})"
+    )
   try:
     with open(config_path) as f:
       stored = json.load(f)
   except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
     e = "nested too deeply" if isinstance(e, RecursionError) else e
-    raise ValueError(f"cannot {action}: {config_path} is not a readable config ({e}); it is the run's record "
-                     "of its config: restore it from a copy, or start the run again in an empty workdir") from None
+    raise ValueError(
+      f"cannot {action}: {config_path} is not a readable config ({e}); it is the run's record "
+      "of its config: restore it from a copy, or start the run again in an empty workdir"
+    ) from None
   if not isinstance(stored, dict):
-    raise ValueError(f"cannot {action}: {config_path} holds {type(stored).__name__}, not a config object")
+    raise ValueError(
+      f"cannot {action}: {config_path} holds {type(stored).__name__}, not a config object"
+    )
   for path, value in _ADDED_KEYS.items():
     *parents, leaf = path.split(".")
     node = stored
@@ -260,7 +285,7 @@ def _fill_hyperparameter_defaults(stored: dict) -> None:
     return
   try:
     spec = get_method(method)
-  except ValueError:          # a method of a module not imported here: nothing to fill
+  except ValueError:  # a method of a module not imported here: nothing to fill
     return
   for field in dataclasses.fields(spec.hyperparameters):
     if field.compare and field.default is not dataclasses.MISSING:
@@ -301,18 +326,26 @@ def rebuild_config(workdir: str, *, trust_method_module: str | None = None) -> d
   if spec and not (trusted or method_module_imported(spec)):
     if stored.get("method") not in available():
       raise ValueError(
-          f"{path} names method_module {spec!r} for method {stored.get('method')!r}; a run directory is not "
-          f"trusted to import code: pass --method_module={spec} (trust_method_module=...) to import it, or "
-          "register the method before reading the run")
-    logging.warning("%s: method %r is registered; not importing its stored method_module %r",
-                    path, stored.get("method"), spec)
+        f"{path} names method_module {spec!r} for method {stored.get('method')!r}; a run directory is not "
+        f"trusted to import code: pass --method_module={spec} (trust_method_module=...) to import it, or "
+        "register the method before reading the run"
+      )
+    logging.warning(
+      "%s: method %r is registered; not importing its stored method_module %r",
+      path,
+      stored.get("method"),
+      spec,
+    )
     stored["method_module"] = ""
   model_spec = (stored.get("model") or {}).get("module") or ""
   if model_spec:
     from ntk_fl._src import user_model  # pylint: disable=g-import-not-at-top
+
     if not user_model.imported(model_spec):
-      raise ValueError(f"{path} names model.module {model_spec!r}; a run directory is not trusted to import "
-                       "code: import that module in your script first, then read the run")
+      raise ValueError(
+        f"{path} names model.module {model_spec!r}; a run directory is not trusted to import "
+        "code: import that module in your script first, then read the run"
+      )
   return stored
 
 
@@ -345,8 +378,13 @@ def read_run(workdir: str) -> dict:
     half-written last line is left out) and :func:`read_summary` (``None`` while
     the run has not finished).
   """
-  return {"name": os.path.basename(os.path.normpath(workdir)), "workdir": workdir, "config": read_config(workdir),
-          "lines": read_metrics(workdir), "summary": read_summary(workdir)}
+  return {
+    "name": os.path.basename(os.path.normpath(workdir)),
+    "workdir": workdir,
+    "config": read_config(workdir),
+    "lines": read_metrics(workdir),
+    "summary": read_summary(workdir),
+  }
 
 
 def copy_run(workdir: str, target: str, *, drop: tuple[str, ...] = ()) -> None:
@@ -356,7 +394,9 @@ def copy_run(workdir: str, target: str, *, drop: tuple[str, ...] = ()) -> None:
   for name in (CONFIG_FILE, SUMMARY_FILE):
     if os.path.isfile(os.path.join(workdir, name)):
       shutil.copyfile(os.path.join(workdir, name), os.path.join(target, name))
-  write_metrics(target, [{k: v for k, v in line.items() if k not in drop} for line in read_metrics(workdir)])
+  write_metrics(
+    target, [{k: v for k, v in line.items() if k not in drop} for line in read_metrics(workdir)]
+  )
 
 
 def split_label(config: dict) -> str:
@@ -386,10 +426,14 @@ def _experiment_configs(config, workdir: str, action: str) -> tuple[dict, dict]:
   """``workdir``'s stored config and ``config`` as JSON dicts, without the placement keys."""
   stored = _stored_config(workdir, action)
   current = json.loads(json.dumps(jsonable(config)))
-  _fill_hyperparameter_defaults(current)   # a config written without a defaulted key means its default
+  _fill_hyperparameter_defaults(
+    current
+  )  # a config written without a defaulted key means its default
   # Where clients run is not part of the experiment: a run may resume on another device count
   # (results agree up to float rounding), and runs started before these keys existed lack them.
-  return config_without(stored, *_RESULT_NEUTRAL_KEYS), config_without(current, *_RESULT_NEUTRAL_KEYS)
+  return config_without(stored, *_RESULT_NEUTRAL_KEYS), config_without(
+    current, *_RESULT_NEUTRAL_KEYS
+  )
 
 
 def check_writable(workdir: str) -> None:
@@ -401,15 +445,19 @@ def check_writable(workdir: str) -> None:
   """
   workdir = os.path.abspath(workdir)
   if os.path.exists(workdir) and not os.path.isdir(workdir):
-    raise ValueError(f"workdir {workdir} is a file, not a directory; choose a directory (it is created if missing)")
+    raise ValueError(
+      f"workdir {workdir} is a file, not a directory; choose a directory (it is created if missing)"
+    )
   existing = workdir
   while not os.path.exists(existing):
     existing = os.path.dirname(existing)
   if not os.path.isdir(existing):
     raise ValueError(f"workdir {workdir} cannot be created: {existing} is a file, not a directory")
   if not os.access(existing, os.W_OK | os.X_OK):
-    raise ValueError(f"workdir {workdir} cannot be written: {existing} is not writable by this user "
-                     "(or is on a read-only file system)")
+    raise ValueError(
+      f"workdir {workdir} cannot be written: {existing} is not writable by this user "
+      "(or is on a read-only file system)"
+    )
 
 
 # ----------------------------------------------------------------------------- one run per workdir
@@ -440,9 +488,14 @@ def hold_workdir(workdir: str, *, primary: bool | None = None) -> fsutil.Workdir
   check_writable(path)
   lock = fsutil.WorkdirLock(path, fd=int(fd) if fd and locked == path else None).acquire()
   if lock.taken_over:
-    logging.warning("workdir %s: the run recorded in %s (pid %s on this host, started %s) ended "
-                    "without releasing it (it was killed); this run takes the lock over", path,
-                    lock.path, lock.taken_over.get("pid"), lock.taken_over.get("started"))
+    logging.warning(
+      "workdir %s: the run recorded in %s (pid %s on this host, started %s) ended "
+      "without releasing it (it was killed); this run takes the lock over",
+      path,
+      lock.path,
+      lock.taken_over.get("pid"),
+      lock.taken_over.get("started"),
+    )
   _HELD[path] = lock
   atexit.register(release_workdir, path)
   return lock
@@ -477,8 +530,17 @@ def lock_for_children(workdir: str) -> tuple[dict, int]:
 
 
 # The files a run writes; a link at one of these names would send the run's writes elsewhere.
-_RUN_NAMES = ("config.json", "metrics.jsonl", "summary.json", "branched_from.json", "log.txt",
-              "accuracy.png", "selection.png", "checkpoints", LOCK_FILE)
+_RUN_NAMES = (
+  "config.json",
+  "metrics.jsonl",
+  "summary.json",
+  "branched_from.json",
+  "log.txt",
+  "accuracy.png",
+  "selection.png",
+  "checkpoints",
+  LOCK_FILE,
+)
 
 
 def check_links(workdir: str, *, fresh: bool) -> None:
@@ -488,8 +550,10 @@ def check_links(workdir: str, *, fresh: bool) -> None:
   names = sorted(os.listdir(workdir)) if fresh else _RUN_NAMES
   links = [n for n in names if os.path.islink(os.path.join(workdir, n))]
   if links:
-    raise ValueError(f"workdir {workdir} holds symbolic links ({', '.join(links)}); a run writes "
-                     "only its own files: remove the links, or choose an empty workdir")
+    raise ValueError(
+      f"workdir {workdir} holds symbolic links ({', '.join(links)}); a run writes "
+      "only its own files: remove the links, or choose an empty workdir"
+    )
 
 
 def run_identity(config) -> str:
@@ -517,17 +581,24 @@ def drop_event_files(workdir: str) -> None:
 
 
 # Outputs of a run that resume moves aside when it has nothing to resume from.
-_RESTART_NAMES = ("config.json", "metrics.jsonl", "summary.json", "branched_from.json",
-                  "accuracy.png", "selection.png")
+_RESTART_NAMES = (
+  "config.json",
+  "metrics.jsonl",
+  "summary.json",
+  "branched_from.json",
+  "accuracy.png",
+  "selection.png",
+)
 
 
 def _move_unfinished_aside(workdir: str) -> str | None:
   """Moves a started run's outputs (no usable checkpoint) to ``workdir/unfinished-<UTC time>/``."""
-  names = [n for n in os.listdir(workdir)
-           if n in _RESTART_NAMES or n.startswith("events.out.tfevents")]
+  names = [
+    n for n in os.listdir(workdir) if n in _RESTART_NAMES or n.startswith("events.out.tfevents")
+  ]
   if not names:
     return None
-  stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+  stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S%fZ")
   target = os.path.join(workdir, f"unfinished-{stamp}")
   if distributed.is_primary():
     os.makedirs(target)
@@ -537,7 +608,9 @@ def _move_unfinished_aside(workdir: str) -> str | None:
   return target
 
 
-def check_workdir(config, workdir: str, *, resume: bool, resume_from_step: int | None = None) -> int:
+def check_workdir(
+  config, workdir: str, *, resume: bool, resume_from_step: int | None = None
+) -> int:
   """Checks ``workdir`` before any work; returns the round count to start from.
 
   A fresh run refuses a workdir that already holds a run (never overwrites one
@@ -552,26 +625,40 @@ def check_workdir(config, workdir: str, *, resume: bool, resume_from_step: int |
   check_links(workdir, fresh=not resume)
   ckpt_dir = checkpoint_dir(workdir)
   if not resume:
-    existing = [n for n in (CONFIG_FILE, METRICS_FILE, CHECKPOINT_DIR) if os.path.exists(os.path.join(workdir, n))]
+    existing = [
+      n
+      for n in (CONFIG_FILE, METRICS_FILE, CHECKPOINT_DIR)
+      if os.path.exists(os.path.join(workdir, n))
+    ]
     if existing:
-      raise ValueError(f"workdir {workdir} already holds a run ({', '.join(existing)}); continue "
-                       "it with --resume (resume=True; with no checkpoint yet it restarts from "
-                       "round 0, the old files moved aside) or choose an empty workdir")
+      raise ValueError(
+        f"workdir {workdir} already holds a run ({', '.join(existing)}); continue "
+        "it with --resume (resume=True; with no checkpoint yet it restarts from "
+        "round 0, the old files moved aside) or choose an empty workdir"
+      )
     return 0
   steps = [n for n in os.listdir(ckpt_dir) if n.isdigit()] if os.path.isdir(ckpt_dir) else []
   if not os.path.exists(os.path.join(workdir, CONFIG_FILE)) and not steps:
     moved = _move_unfinished_aside(workdir) if os.path.isdir(workdir) else None
-    logging.warning("nothing to resume in %s (no %s): starting the run from round 0%s", workdir,
-                    CONFIG_FILE, f"; its earlier files were moved to {moved}" if moved else "")
+    logging.warning(
+      "nothing to resume in %s (no %s): starting the run from round 0%s",
+      workdir,
+      CONFIG_FILE,
+      f"; its earlier files were moved to {moved}" if moved else "",
+    )
     return 0
   stored, current = _experiment_configs(config, workdir, "resume")
   diff = _config_diff(stored, current)
   if diff:
     hint = ""
     if [d.split(":")[0] for d in diff] == ["rounds"] and current["rounds"] > stored["rounds"]:
-      hint = (f"; to run more rounds, start a new run from this one's checkpoint: --workdir=NEW_DIR "
-              f"--branch_from={workdir} (branch_from=...; allowed where the method certifies the shared rounds)")
-    raise ValueError(f"cannot resume {workdir} with a different config; changed: {'; '.join(diff)}{hint}")
+      hint = (
+        f"; to run more rounds, start a new run from this one's checkpoint: --workdir=NEW_DIR "
+        f"--branch_from={workdir} (branch_from=...; allowed where the method certifies the shared rounds)"
+      )
+    raise ValueError(
+      f"cannot resume {workdir} with a different config; changed: {'; '.join(diff)}{hint}"
+    )
   if resume_from_step is not None:
     validation.check_int("resume_from_step", resume_from_step, low=1)
   start = None
@@ -582,20 +669,33 @@ def check_workdir(config, workdir: str, *, resume: bool, resume_from_step: int |
       if start is not None and start > held and resume_from_step is None:
         # metrics lines were lost after the checkpoint was written: resume from one they cover
         older = [s for s in ckpt.steps() if s <= held]
-        logging.warning("%s holds rounds 1..%d only, not 1..%d of the newest checkpoint; resuming "
-                        "from %s", os.path.join(workdir, METRICS_FILE), held, start,
-                        f"checkpoint {older[-1]}" if older else "round 0")
+        logging.warning(
+          "%s holds rounds 1..%d only, not 1..%d of the newest checkpoint; resuming from %s",
+          os.path.join(workdir, METRICS_FILE),
+          held,
+          start,
+          f"checkpoint {older[-1]}" if older else "round 0",
+        )
         start = ckpt.recover(upto=older[-1]) if older else None
   if start is None:
     if resume_from_step is not None:
-      raise FileNotFoundError(f"cannot resume from round {resume_from_step}: no finalised "
-                              f"checkpoint in {ckpt_dir}")
+      raise FileNotFoundError(
+        f"cannot resume from round {resume_from_step}: no finalised checkpoint in {ckpt_dir}"
+      )
     moved = _move_unfinished_aside(workdir)
-    logging.warning("nothing to resume in %s: no good checkpoint in %s (config.checkpoint_every = "
-                    "%d); starting the run from round 0 in place; its earlier files were moved "
-                    "to %s", workdir, ckpt_dir, config.checkpoint_every, moved)
+    logging.warning(
+      "nothing to resume in %s: no good checkpoint in %s (config.checkpoint_every = "
+      "%d); starting the run from round 0 in place; its earlier files were moved "
+      "to %s",
+      workdir,
+      ckpt_dir,
+      config.checkpoint_every,
+      moved,
+    )
     return 0
-  metrics_up_to(workdir, start, "resume")   # the lines the resumed run keeps must be readable: checked now
+  metrics_up_to(
+    workdir, start, "resume"
+  )  # the lines the resumed run keeps must be readable: checked now
   return start
 
 
@@ -611,8 +711,15 @@ def _metrics_rounds(workdir: str) -> int:
   return held
 
 
-def check_start(config, workdir: str, *, resume: bool = False, resume_from_step: int | None = None,
-                branch_from: str | None = None, branch_round: int | None = None) -> int:
+def check_start(
+  config,
+  workdir: str,
+  *,
+  resume: bool = False,
+  resume_from_step: int | None = None,
+  branch_from: str | None = None,
+  branch_round: int | None = None,
+) -> int:
   """Checks how a run of ``config`` in ``workdir`` may start; returns the round count to start from.
 
   A fresh run (empty ``workdir``), ``resume`` (:func:`check_workdir`; from
@@ -622,15 +729,21 @@ def check_start(config, workdir: str, *, resume: bool = False, resume_from_step:
   """
   resume = resume or resume_from_step is not None
   data_dir = config.data.data_dir
-  if data_dir and not os.path.isdir(os.path.expanduser(data_dir)):   # now, not after the data load
-    raise ValueError(f"config.data.data_dir = {data_dir!r} is not a directory; give the folder "
-                     "that holds the data set's files, or '' to search the default places")
+  if data_dir and not os.path.isdir(os.path.expanduser(data_dir)):  # now, not after the data load
+    raise ValueError(
+      f"config.data.data_dir = {data_dir!r} is not a directory; give the folder "
+      "that holds the data set's files, or '' to search the default places"
+    )
   if resume and branch_from is not None:
-    raise ValueError("resume and branch_from exclude each other (--resume, --branch_from; a branched run resumes "
-                     "from its own checkpoints)")
+    raise ValueError(
+      "resume and branch_from exclude each other (--resume, --branch_from; a branched run resumes "
+      "from its own checkpoints)"
+    )
   if branch_round is not None and branch_from is None:
-    raise ValueError(f"branch_round={branch_round} needs branch_from (--branch_round={branch_round} needs "
-                     "--branch_from: the run to branch from)")
+    raise ValueError(
+      f"branch_round={branch_round} needs branch_from (--branch_round={branch_round} needs "
+      "--branch_from: the run to branch from)"
+    )
   start = check_workdir(config, workdir, resume=resume, resume_from_step=resume_from_step)
   return start if branch_from is None else check_branch(config, branch_from, branch_round)
 
@@ -655,8 +768,10 @@ def check_branch(config, source: str, branch_round: int | None = None) -> int:
     method = get_method(config.method) if stored.get("method") == current["method"] else None
     shared = method.shared_rounds(stored, current) if method and method.shared_rounds else 0
     if shared < 1:
-      raise ValueError(f"cannot branch from {source}: its config differs ({'; '.join(diff)}) and method "
-                       f"{config.method!r} does not certify that any round is computed the same under both")
+      raise ValueError(
+        f"cannot branch from {source}: its config differs ({'; '.join(diff)}) and method "
+        f"{config.method!r} does not certify that any round is computed the same under both"
+      )
   ckpt_dir = checkpoint_dir(source)
   steps = []
   if os.path.isdir(ckpt_dir):
@@ -664,22 +779,32 @@ def check_branch(config, source: str, branch_round: int | None = None) -> int:
     with Checkpoints(ckpt_dir, read_only=True, identity=run_identity(stored)) as ckpt:
       steps, damaged = ckpt.good_steps()
     for step, why in damaged.items():
-      logging.warning("cannot branch from checkpoint %s: %s", os.path.join(ckpt_dir, str(step)), why)
+      logging.warning(
+        "cannot branch from checkpoint %s: %s", os.path.join(ckpt_dir, str(step)), why
+      )
   limit = min(shared, config.rounds - 1)
   if branch_round is None:
     usable = [s for s in steps if s <= limit]
     if not usable:
-      raise FileNotFoundError(f"cannot branch from {source}: no finalised checkpoint within the {limit} rounds the "
-                              f"two configs share (checkpoints after rounds {steps})")
+      raise FileNotFoundError(
+        f"cannot branch from {source}: no finalised checkpoint within the {limit} rounds the "
+        f"two configs share (checkpoints after rounds {steps})"
+      )
     return usable[-1]
   validation.check_int("branch_round", branch_round, low=1)
   if branch_round > limit:
-    why = f"the two configs compute only rounds 1..{shared} identically" if shared < config.rounds \
-        else f"the new run has {config.rounds} rounds"
-    raise ValueError(f"cannot branch from {source} after round {branch_round}: {why}"
-                     + (f" (changed: {'; '.join(diff)})" if diff else ""))
+    why = (
+      f"the two configs compute only rounds 1..{shared} identically"
+      if shared < config.rounds
+      else f"the new run has {config.rounds} rounds"
+    )
+    raise ValueError(
+      f"cannot branch from {source} after round {branch_round}: {why}"
+      + (f" (changed: {'; '.join(diff)})" if diff else "")
+    )
   if branch_round not in steps:
-    raise FileNotFoundError(f"cannot branch from {source} after round {branch_round}: no finalised checkpoint "
-                            f"for it (checkpoints after rounds {steps})")
+    raise FileNotFoundError(
+      f"cannot branch from {source} after round {branch_round}: no finalised checkpoint "
+      f"for it (checkpoints after rounds {steps})"
+    )
   return branch_round
-

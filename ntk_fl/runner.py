@@ -39,13 +39,15 @@ an uninterrupted run's except for wall-clock times. A branched run
 of the run in ``SOURCE`` after ``k`` rounds and copies its metrics lines 1..k;
 it equals the run started from scratch.
 """
+
 from __future__ import annotations
 
 import contextlib
 import math
 import os
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
+from collections.abc import Callable
 
 from absl import logging
 import jax
@@ -65,19 +67,35 @@ from ntk_fl.schema import validate_config
 from ntk_fl.settings import RunSettings
 
 __all__ = [
-    "Diverged",
-    "Experiment",
-    "make_finite_check",
-    "build_experiment",
-    "make_algorithm",
-    "run",
+  "Diverged",
+  "Experiment",
+  "make_finite_check",
+  "build_experiment",
+  "make_algorithm",
+  "run",
 ]
 
 # Keys the runner writes into every metrics line; an algorithm metric may not reuse them.
-_RESERVED = frozenset({
-    "round", "step_time", "eval_time", "test_acc", "test_loss", "deviation", "client_acc_mean",
-    "client_acc_min", "client_acc_max", "client_loss_mean", "consensus_acc_mean", "consensus_acc_min",
-    "consensus_acc_max", "consensus_loss_mean", "clients", *metrics_lib.ENSEMBLE_METRICS})
+_RESERVED = frozenset(
+  {
+    "round",
+    "step_time",
+    "eval_time",
+    "test_acc",
+    "test_loss",
+    "deviation",
+    "client_acc_mean",
+    "client_acc_min",
+    "client_acc_max",
+    "client_loss_mean",
+    "consensus_acc_mean",
+    "consensus_acc_min",
+    "consensus_acc_max",
+    "consensus_loss_mean",
+    "clients",
+    *metrics_lib.ENSEMBLE_METRICS,
+  }
+)
 
 
 # ----------------------------------------------------------------------------- building
@@ -96,6 +114,7 @@ class Experiment(NamedTuple):
     model: the :class:`ntk_fl.models.Model`.
     algorithm: the method's :class:`Algorithm`.
   """
+
   settings: RunSettings
   dataset: Any
   client_indices: list
@@ -109,8 +128,9 @@ class Experiment(NamedTuple):
     The policy is read when a step is first traced: call ``algorithm.step`` (and
     the evaluators) inside it to get what the runner does.
     """
-    return parallel.use_devices(self.settings.devices, chunk_size=self.settings.chunk_size,
-                                debug=self.settings.debug_clients)
+    return parallel.use_devices(
+      self.settings.devices, chunk_size=self.settings.chunk_size, debug=self.settings.debug_clients
+    )
 
 
 def _keep(n: int, size: int, rng: np.random.Generator) -> np.ndarray:
@@ -124,19 +144,25 @@ def _subsample(dataset, max_train: int, max_test: int, seed: int):
   The two draws come from their own streams (original order kept), so capping one
   split leaves the other's draw unchanged.
   """
-  for split, size, n in (("max_train", max_train, dataset.x_train.shape[0]),
-                         ("max_test", max_test, dataset.x_test.shape[0])):
+  for split, size, n in (
+    ("max_train", max_train, dataset.x_train.shape[0]),
+    ("max_test", max_test, dataset.x_test.shape[0]),
+  ):
     if size > n:
-      raise ValueError(f"config.data.{split} = {size} exceeds the {n} {split[4:]} samples of "
-                       f"{dataset.name!r}; use 0 for all of them")
+      raise ValueError(
+        f"config.data.{split} = {size} exceeds the {n} {split[4:]} samples of "
+        f"{dataset.name!r}; use 0 for all of them"
+      )
   if max_train and max_train != dataset.x_train.shape[0]:
     keep = _keep(dataset.x_train.shape[0], max_train, numpy_rng(seed, Stream.SUBSAMPLE))
     writers = None if dataset.writers_train is None else dataset.writers_train[keep]
     from ntk_fl.data.sources import LazyFeatures  # pylint: disable=g-import-not-at-top
+
     x_train = dataset.x_train
     x_train = x_train.subset(keep) if isinstance(x_train, LazyFeatures) else x_train[keep]
-    dataset = dataset._replace(x_train=x_train, y_train=dataset.y_train[keep],
-                               writers_train=writers)
+    dataset = dataset._replace(
+      x_train=x_train, y_train=dataset.y_train[keep], writers_train=writers
+    )
   if max_test and max_test != dataset.x_test.shape[0]:
     keep = _keep(dataset.x_test.shape[0], max_test, numpy_rng(seed, Stream.TEST_SUBSAMPLE))
     dataset = dataset._replace(x_test=dataset.x_test[keep], y_test=dataset.y_test[keep])
@@ -162,27 +188,51 @@ def build_experiment(config) -> Experiment:
   mesh = parallel.current_mesh()
   # Several processes: each converts (and keeps) only its own clients' training samples.
   split = jax.process_count() > 1 and mesh is not None
-  dataset = data.load(data_settings.name, data_settings.data_dir or None,
-                      flatten=models.flat_inputs(settings.model), seed=settings.seed, lazy_train=split)
+  dataset = data.load(
+    data_settings.name,
+    data_settings.data_dir or None,
+    flatten=models.flat_inputs(settings.model),
+    seed=settings.seed,
+    lazy_train=split,
+  )
   dataset = _subsample(dataset, data_settings.max_train, data_settings.max_test, settings.seed)
   client_indices = data.partition(
-      dataset.y_train, data_settings.partition, data_settings.num_clients, seed=settings.seed,
-      alpha=data_settings.alpha, samples_per_client=data_settings.samples_per_client or None,
-      classes_per_client=data_settings.classes_per_client, writers=dataset.writers_train,
-      partition_file=data_settings.partition_file or None)
+    dataset.y_train,
+    data_settings.partition,
+    data_settings.num_clients,
+    seed=settings.seed,
+    alpha=data_settings.alpha,
+    samples_per_client=data_settings.samples_per_client or None,
+    classes_per_client=data_settings.classes_per_client,
+    writers=dataset.writers_train,
+    partition_file=data_settings.partition_file or None,
+  )
   model = models.make_model(settings.model, dataset.x_train.shape[1:], dataset.num_classes)
   if split:
     # Several processes: each keeps only its own clients' samples (one block per local device) and drops
     # the rest of the training set; neighbours' samples are fetched inside the step (parallel.Shared).
-    federation = distributed.place_federation(dataset.x_train, dataset.y_train, client_indices, mesh)
+    federation = distributed.place_federation(
+      dataset.x_train, dataset.y_train, client_indices, mesh
+    )
     held = sum(shard.data.shape[0] for shard in federation.samples_x.addressable_shards)
     held = distributed.process_allgather_ints(held)
-    logging.info("processes hold %s of the %d training samples' rows (one block of %d rows per device)",
-                 " / ".join(map(str, held)), dataset.x_train.shape[0], federation.samples_x.shape[0] // mesh.size)
+    logging.info(
+      "processes hold %s of the %d training samples' rows (one block of %d rows per device)",
+      " / ".join(map(str, held)),
+      dataset.x_train.shape[0],
+      federation.samples_x.shape[0] // mesh.size,
+    )
     dataset = dataset._replace(x_train=None)
   else:
     federation = data.make_federation(dataset.x_train, dataset.y_train, client_indices)
-  return Experiment(settings, dataset, client_indices, federation, model, make_algorithm(settings, model, federation))
+  return Experiment(
+    settings,
+    dataset,
+    client_indices,
+    federation,
+    model,
+    make_algorithm(settings, model, federation),
+  )
 
 
 def make_algorithm(config, model, federation) -> Algorithm:
@@ -194,8 +244,9 @@ def make_algorithm(config, model, federation) -> Algorithm:
   over a graph), its typed hyperparameters and the run settings.
   """
   settings = validate_config(config)
-  return get_method(settings.method).make(model, federation, settings.built_topology, settings.algorithm, settings)
-
+  return get_method(settings.method).make(
+    model, federation, settings.built_topology, settings.algorithm, settings
+  )
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -225,7 +276,7 @@ class _NoEvents:
   def write_config(self, config) -> None:
     del config
 
-  def __enter__(self) -> "_NoEvents":
+  def __enter__(self) -> _NoEvents:
     return self
 
   def __exit__(self, *exc) -> None:
@@ -239,10 +290,15 @@ def _initial_state(algorithm: Algorithm, config):
     return _canonical(algorithm.init(key))
   mesh = parallel.current_mesh()
   if mesh is not None and config.data.num_clients % mesh.size:
-    logging.warning("%d clients do not divide over %d devices: every process holds every client's model "
-                    "(choose a client count that is a multiple of the device count to split them)",
-                    config.data.num_clients, mesh.size)
-  shardings = distributed.client_shardings(jax.eval_shape(algorithm.init, key), config.data.num_clients, mesh)
+    logging.warning(
+      "%d clients do not divide over %d devices: every process holds every client's model "
+      "(choose a client count that is a multiple of the device count to split them)",
+      config.data.num_clients,
+      mesh.size,
+    )
+  shardings = distributed.client_shardings(
+    jax.eval_shape(algorithm.init, key), config.data.num_clients, mesh
+  )
   return _canonical(jax.jit(algorithm.init, out_shardings=shardings)(key))
 
 
@@ -279,16 +335,24 @@ def make_finite_check(client_params: Callable[[Any], Any]) -> Callable[[Any, dic
   non-finite kernel shows up in the same round: the evolution and the weight
   update consume it, so the losses and the models it produces are not finite.
   """
+
   def check(state, step_metrics):
     floats = [x for x in jax.tree_util.tree_leaves(state) if _inexact(x)]
-    state_ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in floats])) if floats else jnp.array(True)
+    state_ok = (
+      jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in floats])) if floats else jnp.array(True)
+    )
     params = [x for x in jax.tree_util.tree_leaves(client_params(state)) if _inexact(x)]
     num_clients = params[0].shape[0]
-    clients_ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x.reshape(num_clients, -1)), axis=1) for x in params]),
-                         axis=0)
-    metrics_ok = {name: jnp.all(jnp.isfinite(jnp.asarray(value)))
-                  for name, value in step_metrics.items() if _inexact(value)}
+    clients_ok = jnp.all(
+      jnp.stack([jnp.all(jnp.isfinite(x.reshape(num_clients, -1)), axis=1) for x in params]), axis=0
+    )
+    metrics_ok = {
+      name: jnp.all(jnp.isfinite(jnp.asarray(value)))
+      for name, value in step_metrics.items()
+      if _inexact(value)
+    }
     return {"state": state_ok, "clients": clients_ok, "metrics": metrics_ok}
+
   return jax.jit(check)
 
 
@@ -302,23 +366,40 @@ def _non_finite(flags: dict, line: dict) -> list[str]:
   elif not flags["state"]:
     found.append("the algorithm state (a non-parameter leaf, e.g. momentum or a server model)")
   found += [f"the algorithm metric {name!r}" for name, ok in flags["metrics"].items() if not ok]
-  found += [f"the aggregated model's {key}" for key in ("test_loss",)
-            if key in line and not math.isfinite(line[key])]
+  found += [
+    f"the aggregated model's {key}"
+    for key in ("test_loss",)
+    if key in line and not math.isfinite(line[key])
+  ]
   return found
 
 
-def _divergence_message(config, round_: int, found: list[str], last_checkpoint: int | None, ckpt_dir: str | None,
-                        stop: bool) -> str:
+def _divergence_message(
+  config,
+  round_: int,
+  found: list[str],
+  last_checkpoint: int | None,
+  ckpt_dir: str | None,
+  stop: bool,
+) -> str:
   lr = getattr(config.algorithm, "lr", None)
-  cause = (f"the learning rate is likely too large (config.algorithm.lr = {lr!r})" if lr is not None
-           else "the learning rate (config.algorithm) is likely too large")
+  cause = (
+    f"the learning rate is likely too large (config.algorithm.lr = {lr!r})"
+    if lr is not None
+    else "the learning rate (config.algorithm) is likely too large"
+  )
   text = f"round {round_}: the run diverged: non-finite {'; '.join(found)}; {cause}"
   if not stop:
     return text + " (config.on_divergence = 'continue': the run goes on)"
-  kept = (f"the last good checkpoint (after round {last_checkpoint}) is kept in {ckpt_dir}"
-          if last_checkpoint is not None else "no checkpoint was written before it")
-  return (f"{text}. Stopped at round {round_}; {kept}; summary.json has status 'diverged'. Lower the learning "
-          "rate, or set config.on_divergence='continue' to study the divergence")
+  kept = (
+    f"the last good checkpoint (after round {last_checkpoint}) is kept in {ckpt_dir}"
+    if last_checkpoint is not None
+    else "no checkpoint was written before it"
+  )
+  return (
+    f"{text}. Stopped at round {round_}; {kept}; summary.json has status 'diverged'. Lower the learning "
+    "rate, or set config.on_divergence='continue' to study the divergence"
+  )
 
 
 def _algorithm_metrics(step_metrics: dict, num_clients: int) -> tuple[dict, dict]:
@@ -326,7 +407,9 @@ def _algorithm_metrics(step_metrics: dict, num_clients: int) -> tuple[dict, dict
   line, clients = {}, {}
   for name, value in distributed.to_host(step_metrics).items():
     if name in _RESERVED:
-      raise ValueError(f"algorithm metric {name!r} clashes with a runner metric; reserved: {sorted(_RESERVED)}")
+      raise ValueError(
+        f"algorithm metric {name!r} clashes with a runner metric; reserved: {sorted(_RESERVED)}"
+      )
     value = np.asarray(value)
     if value.ndim == 0:
       line[name] = float(value)
@@ -340,8 +423,13 @@ def _algorithm_metrics(step_metrics: dict, num_clients: int) -> tuple[dict, dict
   return line, clients
 
 
-def _evaluate(evaluator: metrics_lib.Evaluator, stacked_params, round_: int, config,
-              consensus_of: Callable[[Any], Any] | None = None) -> tuple[dict, dict]:
+def _evaluate(
+  evaluator: metrics_lib.Evaluator,
+  stacked_params,
+  round_: int,
+  config,
+  consensus_of: Callable[[Any], Any] | None = None,
+) -> tuple[dict, dict]:
   """The round's evaluation line and per-client arrays; ``consensus_of(params)`` gives the consensus models."""
   line, clients = {}, {}
   if _due(round_, config.eval.every, config.rounds):
@@ -350,69 +438,101 @@ def _evaluate(evaluator: metrics_lib.Evaluator, stacked_params, round_: int, con
     line.update((name, float(value)) for name, value in zip(evaluator.extra_names, extra))
   if config.eval.clients_every and _due(round_, config.eval.clients_every, config.rounds):
     acc, loss = distributed.to_host(evaluator.clients(stacked_params))
-    line.update(client_acc_mean=float(np.mean(acc)), client_acc_min=float(np.min(acc)),
-                client_acc_max=float(np.max(acc)), client_loss_mean=float(np.mean(loss)))
+    line.update(
+      client_acc_mean=float(np.mean(acc)),
+      client_acc_min=float(np.min(acc)),
+      client_acc_max=float(np.max(acc)),
+      client_loss_mean=float(np.mean(loss)),
+    )
     clients["test_acc"] = acc.tolist()
     if consensus_of is not None:
       acc, loss = distributed.to_host(evaluator.clients(consensus_of(stacked_params)))
-      line.update(consensus_acc_mean=float(np.mean(acc)), consensus_acc_min=float(np.min(acc)),
-                  consensus_acc_max=float(np.max(acc)), consensus_loss_mean=float(np.mean(loss)))
+      line.update(
+        consensus_acc_mean=float(np.mean(acc)),
+        consensus_acc_min=float(np.min(acc)),
+        consensus_acc_max=float(np.max(acc)),
+        consensus_loss_mean=float(np.mean(loss)),
+      )
       clients["consensus_acc"] = acc.tolist()
   return line, clients
 
 
 def _reached_stop(line: dict, config) -> bool:
   """Early stop (``config.eval.stop_at > 0``): this round's aggregated accuracy reached it."""
-  return bool(config.eval.stop_at) and line.get("test_acc") is not None and line["test_acc"] >= config.eval.stop_at
+  return (
+    bool(config.eval.stop_at)
+    and line.get("test_acc") is not None
+    and line["test_acc"] >= config.eval.stop_at
+  )
 
 
-def _summarize(config, lines: list[dict], *, num_params: int, selection: dict | None,
-               wall_time: float, resumed_from: int | None, branched_from: dict | None,
-               diverged: dict | None = None) -> dict:
+def _summarize(
+  config,
+  lines: list[dict],
+  *,
+  num_params: int,
+  selection: dict | None,
+  wall_time: float,
+  resumed_from: int | None,
+  branched_from: dict | None,
+  diverged: dict | None = None,
+) -> dict:
   acc = [line.get("test_acc") for line in lines]
   evaluated = [(a, line["round"]) for a, line in zip(acc, lines) if a is not None]
   best_acc, best_round = max(evaluated, key=lambda p: (p[0], -p[1])) if evaluated else (None, None)
-  last_with = lambda key: next((line[key] for line in reversed(lines) if line.get(key) is not None), None)
+  last_with = lambda key: next(
+    (line[key] for line in reversed(lines) if line.get(key) is not None), None
+  )
   step_times = [line["step_time"] for line in lines]
   round_times = [line["step_time"] + line["eval_time"] for line in lines]
   stopped = diverged is not None and config.on_divergence == "stop"
-  if stopped:    # no "final" numbers: the run ended on a non-finite round, not after its last one
+  if stopped:  # no "final" numbers: the run ended on a non-finite round, not after its last one
     last_with = lambda key: None
   return {
-      "method": config.method,
-      "seed": config.seed,
-      "status": "diverged" if diverged is not None else "finished",
-      # {"round", "quantities", "message"} of the first non-finite round, or None
-      "diverged": diverged,
-      "rounds": config.rounds,
-      "rounds_run": len(lines),
-      "stopped_early": bool(lines) and len(lines) < config.rounds and _reached_stop(lines[-1], config),
-      "num_clients": config.data.num_clients,
-      "num_params": num_params,
-      "rounds_to_target": {str(float(t)): metrics_lib.rounds_to_target(acc, float(t))
-                           for t in config.eval.targets},
-      "final_test_acc": last_with("test_acc"),
-      "final_test_loss": last_with("test_loss"),
-      "final_client_acc_mean": last_with("client_acc_mean"),
-      "final_consensus_acc_mean": last_with("consensus_acc_mean"),
-      "final_deviation": last_with("deviation"),
-      "best_test_acc": best_acc,
-      "best_round": best_round,
-      "wall_time": wall_time,
-      "train_time": float(sum(step_times)),
-      "time_per_round": float(np.mean(round_times)),
-      # The first step includes jit compilation; later ones are the steady state.
-      "step_time_per_round": float(np.mean(step_times[1:] if len(step_times) > 1 else step_times)),
-      "resumed_from": resumed_from,
-      "branched_from": branched_from,   # {"source": workdir, "round": rounds taken from it} or None
-      "selection": selection,
-      "config": config,
+    "method": config.method,
+    "seed": config.seed,
+    "status": "diverged" if diverged is not None else "finished",
+    # {"round", "quantities", "message"} of the first non-finite round, or None
+    "diverged": diverged,
+    "rounds": config.rounds,
+    "rounds_run": len(lines),
+    "stopped_early": bool(lines)
+    and len(lines) < config.rounds
+    and _reached_stop(lines[-1], config),
+    "num_clients": config.data.num_clients,
+    "num_params": num_params,
+    "rounds_to_target": {
+      str(float(t)): metrics_lib.rounds_to_target(acc, float(t)) for t in config.eval.targets
+    },
+    "final_test_acc": last_with("test_acc"),
+    "final_test_loss": last_with("test_loss"),
+    "final_client_acc_mean": last_with("client_acc_mean"),
+    "final_consensus_acc_mean": last_with("consensus_acc_mean"),
+    "final_deviation": last_with("deviation"),
+    "best_test_acc": best_acc,
+    "best_round": best_round,
+    "wall_time": wall_time,
+    "train_time": float(sum(step_times)),
+    "time_per_round": float(np.mean(round_times)),
+    # The first step includes jit compilation; later ones are the steady state.
+    "step_time_per_round": float(np.mean(step_times[1:] if len(step_times) > 1 else step_times)),
+    "resumed_from": resumed_from,
+    "branched_from": branched_from,  # {"source": workdir, "round": rounds taken from it} or None
+    "selection": selection,
+    "config": config,
   }
 
 
-def run(config, workdir: str, *, resume: bool = False, resume_from_step: int | None = None,
-        branch_from: str | None = None, branch_round: int | None = None,
-        on_round_end: Callable[[int, dict], None] | None = None) -> dict:
+def run(
+  config,
+  workdir: str,
+  *,
+  resume: bool = False,
+  resume_from_step: int | None = None,
+  branch_from: str | None = None,
+  branch_round: int | None = None,
+  on_round_end: Callable[[int, dict], None] | None = None,
+) -> dict:
   """Runs the experiment described by ``config`` in ``workdir``; returns the summary.
 
   Args:
@@ -444,19 +564,46 @@ def run(config, workdir: str, *, resume: bool = False, resume_from_step: int | N
   started = time.perf_counter()
   settings = validate_config(config)
   # Every step/evaluation is traced inside the device policy, so for_each_client shards and chunks clients by it.
-  with parallel.use_devices(settings.devices, chunk_size=settings.chunk_size, debug=settings.debug_clients), \
-      rundir.workdir_lock(workdir):       # one run per workdir (held by the caller already: kept)
-    return _run(settings, workdir, resume=resume or resume_from_step is not None, resume_from_step=resume_from_step,
-                branch_from=branch_from, branch_round=branch_round, on_round_end=on_round_end, started=started)
+  with (
+    parallel.use_devices(
+      settings.devices, chunk_size=settings.chunk_size, debug=settings.debug_clients
+    ),
+    rundir.workdir_lock(workdir),
+  ):  # one run per workdir (held by the caller already: kept)
+    return _run(
+      settings,
+      workdir,
+      resume=resume or resume_from_step is not None,
+      resume_from_step=resume_from_step,
+      branch_from=branch_from,
+      branch_round=branch_round,
+      on_round_end=on_round_end,
+      started=started,
+    )
 
 
-def _run(config, workdir: str, *, resume: bool, resume_from_step: int | None, branch_from: str | None,
-         branch_round: int | None, on_round_end, started: float) -> dict:
+def _run(
+  config,
+  workdir: str,
+  *,
+  resume: bool,
+  resume_from_step: int | None,
+  branch_from: str | None,
+  branch_round: int | None,
+  on_round_end,
+  started: float,
+) -> dict:
   """:func:`run` after validation, inside the device mesh: set up, start or restore, the rounds, the summary."""
   workdir = os.path.abspath(workdir)
-  start = rundir.check_start(config, workdir, resume=resume, resume_from_step=resume_from_step,
-                             branch_from=branch_from, branch_round=branch_round)
-  resume = resume and start > 0   # nothing to resume: the old files were moved aside; a fresh start
+  start = rundir.check_start(
+    config,
+    workdir,
+    resume=resume,
+    resume_from_step=resume_from_step,
+    branch_from=branch_from,
+    branch_round=branch_round,
+  )
+  resume = resume and start > 0  # nothing to resume: the old files were moved aside; a fresh start
   if branch_from is not None:
     branch_from = os.path.abspath(branch_from)
 
@@ -464,47 +611,78 @@ def _run(config, workdir: str, *, resume: bool, resume_from_step: int | None, br
   algorithm = exp.algorithm
   _check_selection(config, algorithm)
   os.makedirs(workdir, exist_ok=True)
-  if start < config.rounds and jax.process_count() == 1:   # NTK methods: FLOPs, memory, time of a round, logged
+  if (
+    start < config.rounds and jax.process_count() == 1
+  ):  # NTK methods: FLOPs, memory, time of a round, logged
     cost.run_estimate(config, exp.model, exp.federation)
   state = _initial_state(algorithm, config)
   num_clients = jax.tree_util.tree_leaves(algorithm.client_params(state))[0].shape[0]
-  num_params = sum(math.prod(w.shape[1:]) for w in jax.tree_util.tree_leaves(algorithm.client_params(state)))
+  num_params = sum(
+    math.prod(w.shape[1:]) for w in jax.tree_util.tree_leaves(algorithm.client_params(state))
+  )
   consensus = _consensus_scorer(algorithm, state, config)
   keep = tuple(int(r) for r in config.checkpoint_keep)
   ckpt = None
   if config.checkpoint_every or keep:
-    ckpt = Checkpoints(rundir.checkpoint_dir(workdir), keep=keep,
-                       identity=rundir.run_identity(config))
+    ckpt = Checkpoints(
+      rundir.checkpoint_dir(workdir), keep=keep, identity=rundir.run_identity(config)
+    )
   # Every process has checked the workdir (and, resuming, will read its metrics) before process 0 writes to it.
   distributed.barrier("ntk_fl.runner: workdir checked")
 
   try:
-    state, lines = _start(config, workdir, state, start, ckpt, resume=resume, branch_from=branch_from)
-    state, diverged = _rounds(exp, config, workdir, state, lines, start, ckpt, consensus, num_clients,
-                              branch_from=branch_from, on_round_end=on_round_end)
+    state, lines = _start(
+      config, workdir, state, start, ckpt, resume=resume, branch_from=branch_from
+    )
+    state, diverged = _rounds(
+      exp,
+      config,
+      workdir,
+      state,
+      lines,
+      start,
+      ckpt,
+      consensus,
+      num_clients,
+      branch_from=branch_from,
+      on_round_end=on_round_end,
+    )
   finally:
     if ckpt is not None:
       ckpt.close()
-  return _finish(exp, config, workdir, state, lines, num_params=num_params, started=started,
-                 resumed_from=start if resume else None, diverged=diverged)
+  return _finish(
+    exp,
+    config,
+    workdir,
+    state,
+    lines,
+    num_params=num_params,
+    started=started,
+    resumed_from=start if resume else None,
+    diverged=diverged,
+  )
 
 
 def _check_selection(config, algorithm: Algorithm) -> None:
   if config.eval.selection and algorithm.aggregate != "params":
     # Selection curves average client *weights*; for an ensemble of independent models that is meaningless.
-    raise ValueError(f"method {config.method!r} evaluates an ensemble (aggregate = {algorithm.aggregate!r}); "
-                     "weight-averaging selection curves do not apply: set config.eval.selection = False")
+    raise ValueError(
+      f"method {config.method!r} evaluates an ensemble (aggregate = {algorithm.aggregate!r}); "
+      "weight-averaging selection curves do not apply: set config.eval.selection = False"
+    )
 
 
 def _consensus_scorer(algorithm: Algorithm, state, config):
   """The jitted neighbourhood averaging ``config.eval.consensus`` scores, or ``None``."""
   if not config.eval.consensus:
     return None
-  try:                # traces only: a method without a graph in its round inputs fails here, before any round
+  try:  # traces only: a method without a graph in its round inputs fails here, before any round
     jax.eval_shape(gossip.consensus, algorithm.client_params(state), algorithm.round_inputs(0))
   except ValueError as e:
-    raise ValueError(f"config.eval.consensus=True scores neighbourhood averages, which method {config.method!r} "
-                     f"does not have: {e}") from None
+    raise ValueError(
+      f"config.eval.consensus=True scores neighbourhood averages, which method {config.method!r} "
+      f"does not have: {e}"
+    ) from None
   return jax.jit(gossip.consensus)
 
 
@@ -515,14 +693,19 @@ def _start(config, workdir: str, state, start: int, ckpt, *, resume: bool, branc
     lines = rundir.metrics_up_to(workdir, start, "resume")
     logging.info("Resuming %s from the checkpoint after round %d", workdir, start)
   elif branch_from is not None:
-    with Checkpoints(rundir.checkpoint_dir(branch_from), read_only=True,
-                     identity=rundir.stored_identity(branch_from)) as source:
+    with Checkpoints(
+      rundir.checkpoint_dir(branch_from),
+      read_only=True,
+      identity=rundir.stored_identity(branch_from),
+    ) as source:
       state = _canonical(source.restore(start, state))
     lines = rundir.metrics_up_to(branch_from, start, "branch")
     rundir.write_config(workdir, config)
     rundir.write_branch(workdir, branch_from, start)
     if ckpt is not None:
-      ckpt.save(start, state)   # the branch resumes from its own workdir, whatever happens to the source
+      ckpt.save(
+        start, state
+      )  # the branch resumes from its own workdir, whatever happens to the source
     logging.info("Branching %s from %s after round %d", workdir, branch_from, start)
   else:
     rundir.write_config(workdir, config)
@@ -536,8 +719,20 @@ def _stopped(diverged: dict | None, config) -> bool:
   return diverged is not None and config.on_divergence == "stop"
 
 
-def _rounds(exp: Experiment, config, workdir: str, state, lines: list[dict], start: int, ckpt, consensus,
-            num_clients: int, *, branch_from: str | None, on_round_end):
+def _rounds(
+  exp: Experiment,
+  config,
+  workdir: str,
+  state,
+  lines: list[dict],
+  start: int,
+  ckpt,
+  consensus,
+  num_clients: int,
+  *,
+  branch_from: str | None,
+  on_round_end,
+):
   """Rounds ``start + 1 ..`` until ``config.rounds``, the stop accuracy or a stopping divergence.
 
   Appends each round's metrics line to ``lines`` (and the files), checkpoints as configured.
@@ -549,24 +744,38 @@ def _rounds(exp: Experiment, config, workdir: str, state, lines: list[dict], sta
   algorithm, rounds = exp.algorithm, config.rounds
   keep = tuple(int(r) for r in config.checkpoint_keep)
   finite_check = make_finite_check(algorithm.client_params)
-  diverged = None     # {"round", "quantities", "message"} of the first non-finite round
-  step = algorithm.step   # compiled by the method's factory (see Algorithm); re-jitting would bake
-                          # the federation arrays it passes as arguments into the program as constants
+  diverged = None  # {"round", "quantities", "message"} of the first non-finite round
+  step = algorithm.step  # compiled by the method's factory (see Algorithm); re-jitting would bake
+  # the federation arrays it passes as arguments into the program as constants
   evaluator = metrics_lib.make_evaluator(
-      exp.model.apply, exp.dataset.x_test, exp.dataset.y_test,
-      batch_size=config.eval.batch_size, aggregate=algorithm.aggregate)
-  primary = distributed.is_primary()      # only process 0 writes files, logs and the progress bar
+    exp.model.apply,
+    exp.dataset.x_test,
+    exp.dataset.y_test,
+    batch_size=config.eval.batch_size,
+    aggregate=algorithm.aggregate,
+  )
+  primary = distributed.is_primary()  # only process 0 writes files, logs and the progress bar
   if primary and start:
-    rundir.drop_event_files(workdir)   # metrics.jsonl is the record; a killed writer lost rounds
+    rundir.drop_event_files(workdir)  # metrics.jsonl is the record; a killed writer lost rounds
   events = summaries.EventWriter(workdir, first_round=start + 1) if primary else _NoEvents()
-  events.write_config(rundir.jsonable(config))   # TensorBoard's HParams tab compares runs by it
-  events.write_all(lines)   # rounds 1..start: the source's (branch) or this run's own (resume)
+  events.write_config(rundir.jsonable(config))  # TensorBoard's HParams tab compares runs by it
+  events.write_all(lines)  # rounds 1..start: the source's (branch) or this run's own (resume)
   # The first round's step and evaluation compile first: the bar says so until that round is done.
-  bar = tqdm(total=rounds, initial=start, desc=f"{config.method}: compiling round {start + 1}",
-             unit="round", dynamic_ncols=True, disable=not primary)
+  bar = tqdm(
+    total=rounds,
+    initial=start,
+    desc=f"{config.method}: compiling round {start + 1}",
+    unit="round",
+    dynamic_ncols=True,
+    disable=not primary,
+  )
   last_round = start
   metrics_path = os.path.join(workdir, rundir.METRICS_FILE)
-  with events, bar, (open(metrics_path, "a") if primary else contextlib.nullcontext()) as metrics_file:
+  with (
+    events,
+    bar,
+    open(metrics_path, "a") if primary else contextlib.nullcontext() as metrics_file,
+  ):
     for r in range(start, rounds):
       if lines and _reached_stop(lines[-1], config):
         break
@@ -580,54 +789,92 @@ def _rounds(exp: Experiment, config, workdir: str, state, lines: list[dict], sta
       algo_line, algo_clients = _algorithm_metrics(step_metrics, num_clients)
       t1 = time.perf_counter()
       consensus_of = None
-      if consensus is not None:      # the models the next round (0-based index r + 1) starts from; its graph
+      if (
+        consensus is not None
+      ):  # the models the next round (0-based index r + 1) starts from; its graph
         # is drawn only when _evaluate scores the clients this round (called within this iteration)
         consensus_of = lambda params: consensus(params, algorithm.round_inputs(r + 1))  # pylint: disable=cell-var-from-loop
-      eval_line, eval_clients = _evaluate(evaluator, algorithm.client_params(state), round_, config, consensus_of)
+      eval_line, eval_clients = _evaluate(
+        evaluator, algorithm.client_params(state), round_, config, consensus_of
+      )
       t2 = time.perf_counter()
-      line = {"round": round_, "step_time": t1 - t0, "eval_time": t2 - t1, **eval_line, **algo_line,
-              "clients": {**eval_clients, **algo_clients}}
+      line = {
+        "round": round_,
+        "step_time": t1 - t0,
+        "eval_time": t2 - t1,
+        **eval_line,
+        **algo_line,
+        "clients": {**eval_clients, **algo_clients},
+      }
       if primary:
         metrics_file.write(rundir.metrics_line(line))
         metrics_file.flush()
-      lines.append(rundir.jsonable(line))   # exactly what was logged (NaN -> None), as a resumed run reads it
+      lines.append(
+        rundir.jsonable(line)
+      )  # exactly what was logged (NaN -> None), as a resumed run reads it
       events.write(lines[-1])
       found = _non_finite(flags, line)
       if found and diverged is None:
         diverged = _divergence(config, round_, found, ckpt)
-        if _stopped(diverged, config):   # the non-finite state is not checkpointed: the last good one stays
-          logging.info("%s", diverged["message"])   # to the log; the caller reports the Diverged run raises
+        if _stopped(
+          diverged, config
+        ):  # the non-finite state is not checkpointed: the last good one stays
+          logging.info(
+            "%s", diverged["message"]
+          )  # to the log; the caller reports the Diverged run raises
           break
         logging.warning("%s", diverged["message"])
-      if ckpt is not None and ((config.checkpoint_every and _due(round_, config.checkpoint_every, rounds))
-                               or round_ in keep):
+      if ckpt is not None and (
+        (config.checkpoint_every and _due(round_, config.checkpoint_every, rounds))
+        or round_ in keep
+      ):
         ckpt.save(round_, state)
-      _show_progress(bar, line, first=r == start, method=config.method, primary=primary, t0=t0, t1=t1, t2=t2)
+      _show_progress(
+        bar, line, first=r == start, method=config.method, primary=primary, t0=t0, t1=t1, t2=t2
+      )
       last_round = round_
       if on_round_end is not None:
         on_round_end(round_, line)
-  if (ckpt is not None and config.checkpoint_every and last_round not in ckpt.steps()
-      and not _stopped(diverged, config)):
+  if (
+    ckpt is not None
+    and config.checkpoint_every
+    and last_round not in ckpt.steps()
+    and not _stopped(diverged, config)
+  ):
     ckpt.save(last_round, state)  # e.g. a resumed run whose last checkpoint was deleted
   return state, diverged
 
 
 def _divergence(config, round_: int, found, ckpt) -> dict:
   """``{"round", "quantities", "message"}`` of the first non-finite round."""
-  last_good = max((s for s in ckpt.steps() if s < round_), default=None) if ckpt is not None else None
-  message = _divergence_message(config, round_, found, last_good, ckpt.directory if ckpt is not None else None,
-                                config.on_divergence == "stop")
+  last_good = (
+    max((s for s in ckpt.steps() if s < round_), default=None) if ckpt is not None else None
+  )
+  message = _divergence_message(
+    config,
+    round_,
+    found,
+    last_good,
+    ckpt.directory if ckpt is not None else None,
+    config.on_divergence == "stop",
+  )
   return {"round": round_, "quantities": found, "message": message}
 
 
-def _show_progress(bar, line: dict, *, first: bool, method: str, primary: bool, t0: float, t1: float,
-                   t2: float) -> None:
+def _show_progress(
+  bar, line: dict, *, first: bool, method: str, primary: bool, t0: float, t1: float, t2: float
+) -> None:
   """The progress bar (and the log line) after a round."""
   postfix = {}
   if "test_acc" in line and primary:
     postfix["acc"] = f"{line['test_acc']:.4f}"
-    logging.info("round %d: aggregated acc %.4f, step %.2fs, eval %.2fs",
-                 line["round"], line["test_acc"], t1 - t0, t2 - t1)
+    logging.info(
+      "round %d: aggregated acc %.4f, step %.2fs, eval %.2fs",
+      line["round"],
+      line["test_acc"],
+      t1 - t0,
+      t2 - t1,
+    )
   postfix["last round"] = f"{t2 - t0:.2f}s"
   if first:
     bar.set_description_str(method, refresh=False)
@@ -635,30 +882,59 @@ def _show_progress(bar, line: dict, *, first: bool, method: str, primary: bool, 
   bar.update(1)
 
 
-def _finish(exp: Experiment, config, workdir: str, state, lines: list[dict], *, num_params: int, started: float,
-            resumed_from: int | None, diverged: dict | None) -> dict:
+def _finish(
+  exp: Experiment,
+  config,
+  workdir: str,
+  state,
+  lines: list[dict],
+  *,
+  num_params: int,
+  started: float,
+  resumed_from: int | None,
+  diverged: dict | None,
+) -> dict:
   """Selection curves, plots and ``summary.json`` of a run whose rounds are done; raises :class:`Diverged`."""
   algorithm = exp.algorithm
   selection = None
   title = f"{config.method} ({config.data.name}, seed {config.seed})"
-  if config.eval.selection and diverged is None:   # curves of non-finite models would say nothing
+  if config.eval.selection and diverged is None:  # curves of non-finite models would say nothing
     curves = metrics_lib.selection_curves(
-        exp.model.apply, algorithm.client_params(state), exp.dataset.x_test, exp.dataset.y_test,
-        seed=config.seed, batch_size=config.eval.batch_size)
+      exp.model.apply,
+      algorithm.client_params(state),
+      exp.dataset.x_test,
+      exp.dataset.y_test,
+      seed=config.seed,
+      batch_size=config.eval.batch_size,
+    )
     selection = {k: v.tolist() for k, v in curves.items()}
     if distributed.is_primary():
-      plotting.plot_selection_curves(curves, os.path.join(workdir, rundir.SELECTION_PLOT), title=title)
+      plotting.plot_selection_curves(
+        curves, os.path.join(workdir, rundir.SELECTION_PLOT), title=title
+      )
   if distributed.is_primary():
-    plotting.plot_run(lines, workdir, title=title)   # accuracy, losses, bits vs accuracy; PNG, PDF
+    plotting.plot_run(lines, workdir, title=title)  # accuracy, losses, bits vs accuracy; PNG, PDF
 
-  summary = rundir.jsonable(_summarize(config, lines, num_params=num_params, selection=selection,
-                                 wall_time=time.perf_counter() - started,
-                                 resumed_from=resumed_from,
-                                 branched_from=rundir.read_branch(workdir), diverged=diverged))
+  summary = rundir.jsonable(
+    _summarize(
+      config,
+      lines,
+      num_params=num_params,
+      selection=selection,
+      wall_time=time.perf_counter() - started,
+      resumed_from=resumed_from,
+      branched_from=rundir.read_branch(workdir),
+      diverged=diverged,
+    )
+  )
   rundir.write_summary(workdir, summary)
-  distributed.barrier("ntk_fl.runner: run written")   # no process leaves before the run's files are written
+  distributed.barrier(
+    "ntk_fl.runner: run written"
+  )  # no process leaves before the run's files are written
   if _stopped(diverged, config):
     raise Diverged(diverged["message"], diverged["round"], diverged["quantities"], summary)
   if distributed.is_primary():
-    logging.info("Finished %s: %s", workdir, {k: summary[k] for k in ("rounds_to_target", "final_test_acc")})
+    logging.info(
+      "Finished %s: %s", workdir, {k: summary[k] for k in ("rounds_to_target", "final_test_acc")}
+    )
   return summary

@@ -13,12 +13,13 @@ found through ``config.method_module``: a dotted module name or a path to a
 ``.py`` file, imported (:func:`import_method_module`) before ``config.method``
 is resolved; importing it should call :func:`ntk_fl.algorithms.register`.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
 import numbers
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax
 import ml_collections
@@ -29,8 +30,15 @@ from ntk_fl.algorithms import get_method
 from ntk_fl.config import base_config
 from ntk_fl.settings import DataSettings, EvalSettings, ModelSettings, RunSettings, TopologySettings
 
-__all__ = ["DIVERGENCE_POLICIES", "changed_fields", "ignored_settings", "import_method_module",
-           "method_module_imported", "validate_config", "warn_ignored_settings"]
+__all__ = [
+  "DIVERGENCE_POLICIES",
+  "changed_fields",
+  "ignored_settings",
+  "import_method_module",
+  "method_module_imported",
+  "validate_config",
+  "warn_ignored_settings",
+]
 
 #: ``config.on_divergence``: end the run at a non-finite round, or log it and go on.
 DIVERGENCE_POLICIES = ("stop", "continue")
@@ -62,16 +70,22 @@ def _check_keys(config) -> None:
   schema = base_config()
   unknown = set(config.keys()) - set(schema.keys()) - _EXTRA_TOP_LEVEL
   if unknown:
-    raise ValueError(f"unknown config key(s) {sorted(unknown)}; known top-level keys: "
-                     f"{sorted(set(schema.keys()) | _EXTRA_TOP_LEVEL)}")
+    raise ValueError(
+      f"unknown config key(s) {sorted(unknown)}; known top-level keys: "
+      f"{sorted(set(schema.keys()) | _EXTRA_TOP_LEVEL)}"
+    )
   for block in _SCHEMA_BLOCKS:
     if not isinstance(_get(config, block), Mapping):
-      raise ValueError(f"config.{block} must be a block of keys {sorted(schema[block].keys())}, "
-                       f"got {_get(config, block)!r:.80}")
+      raise ValueError(
+        f"config.{block} must be a block of keys {sorted(schema[block].keys())}, "
+        f"got {_get(config, block)!r:.80}"
+      )
     unknown = set(_get(config, block).keys()) - set(schema[block].keys())
     if unknown:
-      raise ValueError(f"unknown key(s) {sorted(f'{block}.{k}' for k in unknown)}; "
-                       f"config.{block} has: {sorted(schema[block].keys())}")
+      raise ValueError(
+        f"unknown key(s) {sorted(f'{block}.{k}' for k in unknown)}; "
+        f"config.{block} has: {sorted(schema[block].keys())}"
+      )
 
 
 def validate_config(config, reference=None) -> RunSettings:
@@ -110,34 +124,46 @@ def validate_config(config, reference=None) -> RunSettings:
     raise ValueError(f"config.method must name a registered method, got {method!r}")
   method_module = config.get("method_module", "")
   if not isinstance(method_module, str):
-    raise ValueError(f"config.method_module must be a module name or .py path, got {method_module!r}")
+    raise ValueError(
+      f"config.method_module must be a module name or .py path, got {method_module!r}"
+    )
   # The seed becomes an int64 PRNG key.
   validation.check_int("config.seed", _get(config, "seed"), low=0, high=2**63 - 1)
   _int(config, "rounds", 1)
   _int(config, "checkpoint_every", 0)
   keep = _get(config, "checkpoint_keep")
   if not isinstance(keep, (tuple, list)):
-    raise ValueError(f"config.checkpoint_keep must be a tuple of 1-based round numbers, got {keep!r}")
+    raise ValueError(
+      f"config.checkpoint_keep must be a tuple of 1-based round numbers, got {keep!r}"
+    )
   for r in keep:
     validation.check_int("config.checkpoint_keep (1-based round numbers)", r, low=1)
   _choice(config, "on_divergence", DIVERGENCE_POLICIES)
   _int(config, "chunk_size", 0)
   devices = _int(config, "devices", 0)
   if devices > jax.device_count():
-    raise ValueError(f"config.devices = {devices} but only {jax.device_count()} device(s) exist; "
-                     f"use 0 for all of them or a number in [1, {jax.device_count()}]")
+    raise ValueError(
+      f"config.devices = {devices} but only {jax.device_count()} device(s) exist; "
+      f"use 0 for all of them or a number in [1, {jax.device_count()}]"
+    )
   if jax.process_count() > 1 and devices not in (0, jax.device_count()):
-    raise ValueError(f"config.devices = {devices} in a run of {jax.process_count()} processes: the clients are "
-                     f"split over every process's devices; use 0 (all {jax.device_count()} of them)")
+    raise ValueError(
+      f"config.devices = {devices} in a run of {jax.process_count()} processes: the clients are "
+      f"split over every process's devices; use 0 (all {jax.device_count()} of them)"
+    )
 
   dataset = _choice(config, "data.name", data.DATASETS)
   if not isinstance(_get(config, "data.data_dir"), str):
-    raise ValueError(f"config.data.data_dir must be a string ('' = search path), got {_get(config, 'data.data_dir')!r}")
+    raise ValueError(
+      f"config.data.data_dir must be a string ('' = search path), got {_get(config, 'data.data_dir')!r}"
+    )
   partition = _choice(config, "data.partition", data.PARTITIONS)
   if partition == "by_writer" and dataset not in ("femnist", "femnist_digits"):
-    raise ValueError(f"config.data.partition = 'by_writer' needs writer ids; only 'femnist' and 'femnist_digits' "
-                     "have them, "
-                     f"got data.name = {dataset!r}")
+    raise ValueError(
+      f"config.data.partition = 'by_writer' needs writer ids; only 'femnist' and 'femnist_digits' "
+      "have them, "
+      f"got data.name = {dataset!r}"
+    )
   num_clients = _int(config, "data.num_clients", 1)
   alpha = _get(config, "data.alpha")
   if not isinstance(alpha, numbers.Real) or not math.isfinite(alpha) or alpha <= 0:
@@ -151,8 +177,9 @@ def validate_config(config, reference=None) -> RunSettings:
 
   _choice(config, "model.name", models.MODELS)
   hidden = _get(config, "model.hidden")
-  if (not isinstance(hidden, (tuple, list))
-      or not all(isinstance(h, numbers.Integral) and not isinstance(h, bool) and h >= 1 for h in hidden)):
+  if not isinstance(hidden, (tuple, list)) or not all(
+    isinstance(h, numbers.Integral) and not isinstance(h, bool) and h >= 1 for h in hidden
+  ):
     raise ValueError(f"config.model.hidden must be a tuple of positive ints, got {hidden!r}")
   _choice(config, "model.activation", models.ACTIVATIONS)
   _choice(config, "model.init", ("shared", "per_client"))
@@ -168,35 +195,66 @@ def validate_config(config, reference=None) -> RunSettings:
   _int(config, "eval.batch_size", 1)
   targets = _get(config, "eval.targets")
   if not isinstance(targets, (tuple, list)) or not all(
-      isinstance(t, numbers.Real) and not isinstance(t, bool) and 0 < t <= 1 for t in targets):
-    raise ValueError(f"config.eval.targets must be a tuple of accuracies in (0, 1], got {targets!r}")
+    isinstance(t, numbers.Real) and not isinstance(t, bool) and 0 < t <= 1 for t in targets
+  ):
+    raise ValueError(
+      f"config.eval.targets must be a tuple of accuracies in (0, 1], got {targets!r}"
+    )
   stop_at = _get(config, "eval.stop_at")
   if not validation.is_real(stop_at) or not 0 <= stop_at <= 1:
-    raise ValueError(f"config.eval.stop_at must be an accuracy in [0, 1] (0 = run every round), got {stop_at!r}")
+    raise ValueError(
+      f"config.eval.stop_at must be an accuracy in [0, 1] (0 = run every round), got {stop_at!r}"
+    )
   if stop_at and _get(config, "eval.every") != 1:
-    raise ValueError(f"config.eval.stop_at = {stop_at} needs the aggregated accuracy every round: "
-                     f"config.eval.every must be 1, got {_get(config, 'eval.every')!r}")
+    raise ValueError(
+      f"config.eval.stop_at = {stop_at} needs the aggregated accuracy every round: "
+      f"config.eval.every must be 1, got {_get(config, 'eval.every')!r}"
+    )
   for flag in ("eval.consensus", "eval.selection", "topology.dynamic", "debug_clients"):
     if not isinstance(_get(config, flag), bool):
       raise ValueError(f"config.{flag} must be a bool, got {_get(config, flag)!r}")
 
   import_method_module(method_module)
   spec = get_method(method)
-  shared = {name: settings.from_mapping(cls, config[name], f"config.{name}")
-            for name, cls in (("data", DataSettings), ("model", ModelSettings), ("topology", TopologySettings),
-                              ("eval", EvalSettings))}
-  hyperparameters = settings.from_mapping(spec.hyperparameters, _get(config, "algorithm"),
-                                          f"config.algorithm (method {method!r})")
-  run = RunSettings(method=method, method_module=method_module, seed=config["seed"], rounds=config["rounds"],
-                    checkpoint_every=config["checkpoint_every"], checkpoint_keep=tuple(keep),
-                    on_divergence=config["on_divergence"], chunk_size=config["chunk_size"], devices=devices,
-                    debug_clients=config["debug_clients"],
-                    algorithm=hyperparameters, **shared)
+  shared = {
+    name: settings.from_mapping(cls, config[name], f"config.{name}")
+    for name, cls in (
+      ("data", DataSettings),
+      ("model", ModelSettings),
+      ("topology", TopologySettings),
+      ("eval", EvalSettings),
+    )
+  }
+  hyperparameters = settings.from_mapping(
+    spec.hyperparameters, _get(config, "algorithm"), f"config.algorithm (method {method!r})"
+  )
+  run = RunSettings(
+    method=method,
+    method_module=method_module,
+    seed=config["seed"],
+    rounds=config["rounds"],
+    checkpoint_every=config["checkpoint_every"],
+    checkpoint_keep=tuple(keep),
+    on_divergence=config["on_divergence"],
+    chunk_size=config["chunk_size"],
+    devices=devices,
+    debug_clients=config["debug_clients"],
+    algorithm=hyperparameters,
+    **shared,
+  )
   if spec.graph:
     t = run.topology
-    built = topology.make_topology(t.name, run.data.num_clients, seed=run.seed, degree=t.degree, p=t.p,
-                                   mean_degree=t.mean_degree, cluster_size=t.cluster_size, dynamic=t.dynamic,
-                                   k_max=t.k_max)
+    built = topology.make_topology(
+      t.name,
+      run.data.num_clients,
+      seed=run.seed,
+      degree=t.degree,
+      p=t.p,
+      mean_degree=t.mean_degree,
+      cluster_size=t.cluster_size,
+      dynamic=t.dynamic,
+      k_max=t.k_max,
+    )
     run = dataclasses.replace(run, built_topology=built)
   if spec.check is not None:
     spec.check(hyperparameters, run)
@@ -212,15 +270,19 @@ def _check_user_module(config, dataset: str) -> None:
   model = _get(config, "model")
   spec, per_sample = model.get("module", ""), model.get("per_sample", False)
   if not isinstance(spec, str):
-    raise ValueError(f"config.model.module must be a string 'package.module:factory' ('' = model.name), "
-                     f"got {spec!r}")
+    raise ValueError(
+      f"config.model.module must be a string 'package.module:factory' ('' = model.name), "
+      f"got {spec!r}"
+    )
   if not isinstance(per_sample, bool):
     raise ValueError(f"config.model.per_sample must be a bool, got {per_sample!r}")
   if not spec:
     return
   if model["name"] != "mlp":
-    raise ValueError(f"config.model.module = {spec!r} and config.model.name = {model['name']!r} both name a "
-                     "model; leave model.name at 'mlp' (the module replaces name, hidden and activation)")
+    raise ValueError(
+      f"config.model.module = {spec!r} and config.model.name = {model['name']!r} both name a "
+      "model; leave model.name at 'mlp' (the module replaces name, hidden and activation)"
+    )
   user_model.check_module(spec, *user_model.dataset_input(dataset))
 
 
@@ -237,21 +299,36 @@ def _check_partition_fits(config, partition: str, dataset: str, num_clients: int
   standard = index_map.TRAIN_SIZES.get(dataset)
   max_train, per_client = _get(config, "data.max_train"), _get(config, "data.samples_per_client")
   if standard is not None and max_train > standard:
-    raise ValueError(f"config.data.max_train = {max_train} exceeds the {standard} training samples of "
-                     f"{dataset!r}; use at most {standard}, or 0 for all of them")
+    raise ValueError(
+      f"config.data.max_train = {max_train} exceeds the {standard} training samples of "
+      f"{dataset!r}; use at most {standard}, or 0 for all of them"
+    )
   n = max_train or standard
   if n is None or partition in ("by_writer", "index_map"):
     return
   where = f"the {n} training samples" + (" (data.max_train)" if max_train else f" of {dataset!r}")
   if num_clients > n:
-    raise ValueError(f"config.data.num_clients = {num_clients} exceeds {where}: every client needs at least one")
+    raise ValueError(
+      f"config.data.num_clients = {num_clients} exceeds {where}: every client needs at least one"
+    )
   if partition == "iid" and per_client and num_clients * per_client > n:
-    raise ValueError(f"config.data.samples_per_client = {per_client} too large for iid: {num_clients} disjoint "
-                     f"clients need {num_clients * per_client} samples, more than {where}")
-  num_classes = 10   # every dataset but FEMNIST (62 classes, of which a max_train subset may lack some)
-  if partition == "dirichlet_fixed_size" and dataset not in ("femnist", "femnist_digits") and per_client and per_client > n // num_classes:
-    raise ValueError(f"config.data.samples_per_client = {per_client} too large for dirichlet_fixed_size: at most "
-                     f"the class-pool size floor(N / C) = {n} // {num_classes} = {n // num_classes} for {where}")
+    raise ValueError(
+      f"config.data.samples_per_client = {per_client} too large for iid: {num_clients} disjoint "
+      f"clients need {num_clients * per_client} samples, more than {where}"
+    )
+  num_classes = (
+    10  # every dataset but FEMNIST (62 classes, of which a max_train subset may lack some)
+  )
+  if (
+    partition == "dirichlet_fixed_size"
+    and dataset not in ("femnist", "femnist_digits")
+    and per_client
+    and per_client > n // num_classes
+  ):
+    raise ValueError(
+      f"config.data.samples_per_client = {per_client} too large for dirichlet_fixed_size: at most "
+      f"the class-pool size floor(N / C) = {n} // {num_classes} = {n // num_classes} for {where}"
+    )
 
 
 def _check_partition_file(config, partition: str, dataset: str, num_clients: int) -> None:
@@ -263,23 +340,30 @@ def _check_partition_file(config, partition: str, dataset: str, num_clients: int
     raise ValueError(f"config.data.partition_file must be a string, got {partition_file!r}")
   if partition != "index_map":
     if partition_file:
-      raise ValueError(f"config.data.partition_file = {partition_file!r} is only read by "
-                       f"data.partition = 'index_map', got data.partition = {partition!r}")
+      raise ValueError(
+        f"config.data.partition_file = {partition_file!r} is only read by "
+        f"data.partition = 'index_map', got data.partition = {partition!r}"
+      )
     return
   if index_map.is_vendored(partition_file) and dataset != index_map.VENDORED_DATASET:
-    raise ValueError(f"config.data.partition_file = {partition_file!r} is a {index_map.VENDORED_DATASET} "
-                     f"partition, but data.name = {dataset!r}")
+    raise ValueError(
+      f"config.data.partition_file = {partition_file!r} is a {index_map.VENDORED_DATASET} "
+      f"partition, but data.name = {dataset!r}"
+    )
   max_train = _get(config, "data.max_train")
   if max_train:
-    raise ValueError(f"config.data.max_train = {max_train}: an index map's indices refer to "
-                     "the whole training set, so data.partition = 'index_map' needs max_train = 0")
-  index_map.load_index_map(partition_file, num_clients=num_clients,
-                           num_samples=index_map.TRAIN_SIZES.get(dataset))
+    raise ValueError(
+      f"config.data.max_train = {max_train}: an index map's indices refer to "
+      "the whole training set, so data.partition = 'index_map' needs max_train = 0"
+    )
+  index_map.load_index_map(
+    partition_file, num_clients=num_clients, num_samples=index_map.TRAIN_SIZES.get(dataset)
+  )
 
 
 # ------------------------------------------------------------------------ settings without effect
 
-_DIRICHLET = ("dirichlet", "dirichlet_fixed_size", "index_map")   # index_map: alpha labels the map
+_DIRICHLET = ("dirichlet", "dirichlet_fixed_size", "index_map")  # index_map: alpha labels the map
 _SIZED = ("iid", "dirichlet_fixed_size", "contiguous")
 
 
@@ -301,43 +385,94 @@ def _only(block: str, readers: str):
 # (field, condition on the checked settings under which nothing reads it, why). The one place for
 # which fields each partition, topology, model and method option reads.
 _UNREAD = (
-    ("data.alpha", lambda r: r.data.partition not in _DIRICHLET,
-     lambda r: f"data.partition = {r.data.partition!r} draws no Dirichlet proportions (only "
-               "'dirichlet' and 'dirichlet_fixed_size' read it)"),
-    ("data.samples_per_client", lambda r: r.data.partition not in _SIZED,
-     lambda r: f"data.partition = {r.data.partition!r} sets the client sizes itself (only "
-               f"{', '.join(_SIZED)} read it)"),
-    ("data.classes_per_client", lambda r: r.data.partition != "shards",
-     lambda r: f"data.partition = {r.data.partition!r} (only 'shards' reads it)"),
-    ("model.hidden", lambda r: r.model.name != "mlp", _only("model", "'mlp'")),
-    ("model.activation", lambda r: r.model.name != "mlp", _only("model", "'mlp'")),
-    ("topology.degree", lambda r: r.topology.name != "regular",
-     _only("topology", "'regular'")),
-    ("topology.p", lambda r: r.topology.name != "erdos_renyi",
-     _only("topology", "'erdos_renyi'")),
-    ("topology.mean_degree", lambda r: r.topology.name != "erdos_renyi",
-     _only("topology", "'erdos_renyi'")),
-    ("topology.cluster_size", lambda r: r.topology.name != "clustered",
-     _only("topology", "'clustered'")),
-    ("topology.dynamic", lambda r: r.topology.name == "complete",
-     lambda r: "the complete graph is the same in every round"),
-    ("algorithm.nesterov", lambda r: _algo(r, "momentum") == 0,
-     lambda r: "algorithm.momentum = 0 (Nesterov's variant needs momentum)"),
-    ("algorithm.stochastic_rounding", lambda r: _algo(r, "quantize_bits") == 32,
-     lambda r: "algorithm.quantize_bits = 32 (nothing is quantised)"),
-    *((f"algorithm.{name}", lambda r: _algo(r, "local_training") not in (None, "ntk"),
-       lambda r: f"algorithm.local_training = {_algo(r, 'local_training')!r} (only 'ntk' "
-                 "evolves over taus)")
-      for name in ("taus", "solver", "select")),
-    *((f"algorithm.distill.{name}", lambda r: _algo(r, "distill", "enabled") is False,
-       lambda r: "algorithm.distill.enabled = False")
-      for name in ("warmup_rounds", "anneal_rounds", "alpha_init", "alpha_final", "temp_init",
-                   "temp_final")),
-    *((f"algorithm.projection.{name}", lambda r: _algo(r, "projection", "scheme") == "none",
-       lambda r: "algorithm.projection.scheme = 'none'")
-      for name in ("k_proj", "skip_uncompressed")),
-    ("algorithm.lr_boost.factor", lambda r: _algo(r, "lr_boost", "rounds") == (),
-     lambda r: "algorithm.lr_boost.rounds = () (no round is boosted)"),
+  (
+    "data.alpha",
+    lambda r: r.data.partition not in _DIRICHLET,
+    lambda r: (
+      f"data.partition = {r.data.partition!r} draws no Dirichlet proportions (only "
+      "'dirichlet' and 'dirichlet_fixed_size' read it)"
+    ),
+  ),
+  (
+    "data.samples_per_client",
+    lambda r: r.data.partition not in _SIZED,
+    lambda r: (
+      f"data.partition = {r.data.partition!r} sets the client sizes itself (only "
+      f"{', '.join(_SIZED)} read it)"
+    ),
+  ),
+  (
+    "data.classes_per_client",
+    lambda r: r.data.partition != "shards",
+    lambda r: f"data.partition = {r.data.partition!r} (only 'shards' reads it)",
+  ),
+  ("model.hidden", lambda r: r.model.name != "mlp", _only("model", "'mlp'")),
+  ("model.activation", lambda r: r.model.name != "mlp", _only("model", "'mlp'")),
+  ("topology.degree", lambda r: r.topology.name != "regular", _only("topology", "'regular'")),
+  ("topology.p", lambda r: r.topology.name != "erdos_renyi", _only("topology", "'erdos_renyi'")),
+  (
+    "topology.mean_degree",
+    lambda r: r.topology.name != "erdos_renyi",
+    _only("topology", "'erdos_renyi'"),
+  ),
+  (
+    "topology.cluster_size",
+    lambda r: r.topology.name != "clustered",
+    _only("topology", "'clustered'"),
+  ),
+  (
+    "topology.dynamic",
+    lambda r: r.topology.name == "complete",
+    lambda r: "the complete graph is the same in every round",
+  ),
+  (
+    "algorithm.nesterov",
+    lambda r: _algo(r, "momentum") == 0,
+    lambda r: "algorithm.momentum = 0 (Nesterov's variant needs momentum)",
+  ),
+  (
+    "algorithm.stochastic_rounding",
+    lambda r: _algo(r, "quantize_bits") == 32,
+    lambda r: "algorithm.quantize_bits = 32 (nothing is quantised)",
+  ),
+  *(
+    (
+      f"algorithm.{name}",
+      lambda r: _algo(r, "local_training") not in (None, "ntk"),
+      lambda r: (
+        f"algorithm.local_training = {_algo(r, 'local_training')!r} (only 'ntk' evolves over taus)"
+      ),
+    )
+    for name in ("taus", "solver", "select")
+  ),
+  *(
+    (
+      f"algorithm.distill.{name}",
+      lambda r: _algo(r, "distill", "enabled") is False,
+      lambda r: "algorithm.distill.enabled = False",
+    )
+    for name in (
+      "warmup_rounds",
+      "anneal_rounds",
+      "alpha_init",
+      "alpha_final",
+      "temp_init",
+      "temp_final",
+    )
+  ),
+  *(
+    (
+      f"algorithm.projection.{name}",
+      lambda r: _algo(r, "projection", "scheme") == "none",
+      lambda r: "algorithm.projection.scheme = 'none'",
+    )
+    for name in ("k_proj", "skip_uncompressed")
+  ),
+  (
+    "algorithm.lr_boost.factor",
+    lambda r: _algo(r, "lr_boost", "rounds") == (),
+    lambda r: "algorithm.lr_boost.rounds = () (no round is boosted)",
+  ),
 )
 
 
@@ -358,8 +493,11 @@ def changed_fields(config, reference) -> set[str]:
   """Dotted paths whose value in ``config`` differs from ``reference`` (configs or mappings)."""
   as_dict = lambda c: c.to_dict() if isinstance(c, ml_collections.ConfigDict) else c
   before = dict(_leaves(as_dict(reference)))
-  return {path for path, value in _leaves(as_dict(config))
-          if path not in before or _plain(before[path]) != _plain(value)}
+  return {
+    path
+    for path, value in _leaves(as_dict(config))
+    if path not in before or _plain(before[path]) != _plain(value)
+  }
 
 
 def ignored_settings(run: RunSettings, changed) -> list[str]:
@@ -371,9 +509,12 @@ def ignored_settings(run: RunSettings, changed) -> list[str]:
   messages = []
   graph = get_method(run.method).graph
   if not graph:
-    messages += [f"config.{path} = {_value(run, path)!r} has no effect: method {run.method!r} "
-                 "does not mix over a graph"
-                 for path in sorted(changed) if path.startswith("topology.")]
+    messages += [
+      f"config.{path} = {_value(run, path)!r} has no effect: method {run.method!r} "
+      "does not mix over a graph"
+      for path in sorted(changed)
+      if path.startswith("topology.")
+    ]
   for path, unread, why in _UNREAD:
     if path in changed and (graph or not path.startswith("topology.")) and unread(run):
       messages.append(f"config.{path} = {_value(run, path)!r} has no effect: {why(run)}")

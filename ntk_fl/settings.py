@@ -13,21 +13,31 @@ tuples, turns strings into the members of fields typed with an enum (``loss: Los
 the value and the allowed ones), recurses into fields whose type is itself a dataclass, and leaves the
 value checks to the dataclass (``__post_init__``) and the schema.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import enum
 import typing
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
-__all__ = ["DataSettings", "ModelSettings", "TopologySettings", "EvalSettings", "RunSettings",
-           "from_mapping", "to_dict"]
+__all__ = [
+  "DataSettings",
+  "ModelSettings",
+  "TopologySettings",
+  "EvalSettings",
+  "RunSettings",
+  "from_mapping",
+  "to_dict",
+]
 
 
 @dataclasses.dataclass(frozen=True)
 class DataSettings:
   """``config.data``: dataset, partition and client count (see :mod:`ntk_fl.config`)."""
+
   name: str
   data_dir: str
   partition: str
@@ -43,12 +53,15 @@ class DataSettings:
 @dataclasses.dataclass(frozen=True)
 class ModelSettings:
   """``config.model``: architecture and whether clients share one initialisation."""
+
   name: str
   hidden: tuple[int, ...]
   activation: str
   init: str
-  module: str = ""          # 'package.module:factory' of the user's own flax module ('' = ``name``)
-  per_sample: bool = False  # ``module`` only: its outputs per sample do not depend on the rest of the batch
+  module: str = ""  # 'package.module:factory' of the user's own flax module ('' = ``name``)
+  per_sample: bool = (
+    False  # ``module`` only: its outputs per sample do not depend on the rest of the batch
+  )
 
   @property
   def shared_init(self) -> bool:
@@ -58,6 +71,7 @@ class ModelSettings:
 @dataclasses.dataclass(frozen=True)
 class TopologySettings:
   """``config.topology``: the graph family (:func:`ntk_fl.topology.make_topology`) and mixing scheme."""
+
   name: str
   degree: int
   p: float
@@ -71,6 +85,7 @@ class TopologySettings:
 @dataclasses.dataclass(frozen=True)
 class EvalSettings:
   """``config.eval``: what the runner scores, how often, and when it stops."""
+
   every: int
   clients_every: int
   targets: tuple[float, ...]
@@ -89,6 +104,7 @@ class RunSettings:
   settings) for methods that mix over a graph (``None`` otherwise); it is not a
   config field and not part of :func:`to_dict`.
   """
+
   method: str
   method_module: str
   seed: int
@@ -126,20 +142,31 @@ def from_mapping(cls, mapping: Mapping[str, Any], path: str):
       holds a key ``cls`` does not have (each named with the allowed keys).
   """
   if not isinstance(mapping, Mapping):
-    raise ValueError(f"{path} must be a block of keys {[f.name for f in _config_fields(cls)]}, got {mapping!r}")
+    raise ValueError(
+      f"{path} must be a block of keys {[f.name for f in _config_fields(cls)]}, got {mapping!r}"
+    )
   fields = _config_fields(cls)
   names = [f.name for f in fields]
   unknown = sorted(set(mapping) - set(names))
-  missing = [f.name for f in fields if f.name not in mapping
-             and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+  missing = [
+    f.name
+    for f in fields
+    if f.name not in mapping
+    and f.default is dataclasses.MISSING
+    and f.default_factory is dataclasses.MISSING
+  ]
   if len(unknown) == 1 and not missing:
     # One mistyped key (the usual case): the command line's own words, with the nearest field.
     close = difflib.get_close_matches(unknown[0], names, n=1)
     if close:
-      raise ValueError(f"unknown config key {path.split(' ')[0]}.{unknown[0]}; "
-                       f"did you mean {path.split(' ')[0]}.{close[0]}?")
+      raise ValueError(
+        f"unknown config key {path.split(' ')[0]}.{unknown[0]}; "
+        f"did you mean {path.split(' ')[0]}.{close[0]}?"
+      )
   if unknown or missing:
-    problems = ([f"unknown key(s) {unknown}"] if unknown else []) + ([f"missing key(s) {missing}"] if missing else [])
+    problems = ([f"unknown key(s) {unknown}"] if unknown else []) + (
+      [f"missing key(s) {missing}"] if missing else []
+    )
     raise ValueError(f"{path}: {', '.join(problems)}; the keys are {names}")
   hints = typing.get_type_hints(cls)
   values = {}
@@ -154,9 +181,11 @@ def from_mapping(cls, mapping: Mapping[str, Any], path: str):
       try:
         value = hint(value)
       except ValueError:
-        base, sep, note = path.partition(" (")      # 'config.algorithm (method ...)' -> field first
-        raise ValueError(f"{base}.{name}{' (' + note if sep else ''} must be one of "
-                         f"{tuple(m.value for m in hint)}, got {value!r}") from None
+        base, sep, note = path.partition(" (")  # 'config.algorithm (method ...)' -> field first
+        raise ValueError(
+          f"{base}.{name}{' (' + note if sep else ''} must be one of "
+          f"{tuple(m.value for m in hint)}, got {value!r}"
+        ) from None
     values[name] = _tuples(value)
   return cls(**values)
 
@@ -164,7 +193,9 @@ def from_mapping(cls, mapping: Mapping[str, Any], path: str):
 def _config_fields(cls):
   if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
     raise TypeError(f"expected a dataclass type, got {cls!r}")
-  return [f for f in dataclasses.fields(cls) if f.compare]   # RunSettings.built_topology is built, not configured
+  return [
+    f for f in dataclasses.fields(cls) if f.compare
+  ]  # RunSettings.built_topology is built, not configured
 
 
 def to_dict(settings) -> dict:

@@ -10,10 +10,12 @@ paper: "not comparable to between-group Cohen's d"). The test itself is
 chosen level and the degenerate case of identical differences, and is read by
 :mod:`ntk_fl.compare`, :mod:`ntk_fl.reproduce` and ``experiments/paired_test.py``.
 """
+
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
+from collections.abc import Sequence
 
 import numpy as np
 from scipy import stats as scipy_stats
@@ -21,17 +23,19 @@ from scipy import stats as scipy_stats
 
 class PairedTest(NamedTuple):
   """A two-sided paired t-test of ``treatment − control`` over ``n`` matched pairs."""
+
   n: int
-  gain: float            # mean(Δ), in the inputs' unit
-  ci_low: float          # the ``confidence`` interval of mean(Δ)
+  gain: float  # mean(Δ), in the inputs' unit
+  ci_low: float  # the ``confidence`` interval of mean(Δ)
   ci_high: float
-  t: float               # mean(Δ) / (sd(Δ) / sqrt(n)); ±inf when every Δ is the same non-zero value
-  p: float               # two-sided, n − 1 degrees of freedom
-  d_z: float             # mean(Δ) / sd(Δ)
+  t: float  # mean(Δ) / (sd(Δ) / sqrt(n)); ±inf when every Δ is the same non-zero value
+  p: float  # two-sided, n − 1 degrees of freedom
+  d_z: float  # mean(Δ) / sd(Δ)
 
 
-def paired_t_test(treatment: Sequence[float], control: Sequence[float], *,
-                  confidence: float = 0.95) -> PairedTest:
+def paired_t_test(
+  treatment: Sequence[float], control: Sequence[float], *, confidence: float = 0.95
+) -> PairedTest:
   """Paired t-test of ``treatment[i] − control[i]``; pairs are matched by position (e.g. by seed).
 
   Args:
@@ -46,24 +50,37 @@ def paired_t_test(treatment: Sequence[float], control: Sequence[float], *,
   treatment = np.asarray(treatment, dtype=np.float64)
   control = np.asarray(control, dtype=np.float64)
   if treatment.ndim != 1 or treatment.shape != control.shape:
-    raise ValueError(f"paired_t_test needs two 1-D sequences of equal length; got shapes {treatment.shape} "
-                     f"and {control.shape}")
+    raise ValueError(
+      f"paired_t_test needs two 1-D sequences of equal length; got shapes {treatment.shape} "
+      f"and {control.shape}"
+    )
   n = treatment.shape[0]
   if n < 2:
-    raise ValueError(f"paired_t_test needs at least 2 pairs (the spread of the differences); got {n}")
+    raise ValueError(
+      f"paired_t_test needs at least 2 pairs (the spread of the differences); got {n}"
+    )
   if not (np.all(np.isfinite(treatment)) and np.all(np.isfinite(control))):
-    raise ValueError(f"paired_t_test got non-finite values: treatment {treatment.tolist()}, "
-                     f"control {control.tolist()}")
+    raise ValueError(
+      f"paired_t_test got non-finite values: treatment {treatment.tolist()}, "
+      f"control {control.tolist()}"
+    )
   if not 0 < confidence < 1:
     raise ValueError(f"confidence must be in (0, 1); got {confidence}")
   diff = treatment - control
   gain = float(diff.mean())
   sd = float(diff.std(ddof=1))
-  if sd == 0:                # identical differences: no spread, the interval is the point itself
+  if sd == 0:  # identical differences: no spread, the interval is the point itself
     t = 0.0 if gain == 0 else math.copysign(math.inf, gain)
     p = 1.0 if gain == 0 else 0.0
     return PairedTest(n, gain, gain, gain, t, p, t)
-  result = scipy_stats.ttest_rel(treatment, control)        # two-sided, n − 1 degrees of freedom
+  result = scipy_stats.ttest_rel(treatment, control)  # two-sided, n − 1 degrees of freedom
   interval = result.confidence_interval(confidence_level=confidence)
-  return PairedTest(n, gain, float(interval.low), float(interval.high), float(result.statistic),
-                    float(result.pvalue), gain / sd)
+  return PairedTest(
+    n,
+    gain,
+    float(interval.low),
+    float(interval.high),
+    float(result.statistic),
+    float(result.pvalue),
+    gain / sd,
+  )

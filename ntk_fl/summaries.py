@@ -23,38 +23,39 @@ writer (:meth:`EventWriter.write_config`): every field as a hyperparameter of
 TensorBoard's HParams tab (which tabulates and filters runs by them) and the
 whole config as JSON under the ``config`` text tag.
 """
+
 from __future__ import annotations
 
 import collections
 import json
 import math
 import os
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
 __all__ = ["EventWriter", "hparams_of", "round_scalars"]
 
 _GROUPS = (  # metric-name prefix -> (tag group, tag name after the prefix is removed)
-    ("test_acc", "accuracy/aggregated"),
-    ("client_acc_", "accuracy/client_"),
-    ("consensus_acc_", "accuracy/consensus_"),
-    ("test_loss", "loss/aggregated"),
-    ("client_loss_", "loss/client_"),
-    ("consensus_loss_", "loss/consensus_"),
-    ("loss_", "train_loss/"),
-    ("deviation", "deviation/inter_client"),
-    ("tau_", "tau/"),
-    ("bits_", "communication/bits_"),
-    ("step_time", "time/step_s"),
-    ("eval_time", "time/eval_s"),
+  ("test_acc", "accuracy/aggregated"),
+  ("client_acc_", "accuracy/client_"),
+  ("consensus_acc_", "accuracy/consensus_"),
+  ("test_loss", "loss/aggregated"),
+  ("client_loss_", "loss/client_"),
+  ("consensus_loss_", "loss/consensus_"),
+  ("loss_", "train_loss/"),
+  ("deviation", "deviation/inter_client"),
+  ("tau_", "tau/"),
+  ("bits_", "communication/bits_"),
+  ("step_time", "time/step_s"),
+  ("eval_time", "time/eval_s"),
 )
 
 
 def _tag(name: str) -> str:
   for prefix, tag in _GROUPS:
     if name == prefix or (prefix.endswith("_") and name.startswith(prefix)):
-      return tag + name[len(prefix):] if prefix.endswith("_") else tag
+      return tag + name[len(prefix) :] if prefix.endswith("_") else tag
   return f"algorithm/{name}"
 
 
@@ -66,7 +67,9 @@ def round_scalars(line: Mapping) -> dict[str, float]:
   """
   scalars = {}
   for name, value in line.items():
-    if name in ("round", "clients") or isinstance(value, bool) or not isinstance(value, (int, float)):
+    if (
+      name in ("round", "clients") or isinstance(value, bool) or not isinstance(value, (int, float))
+    ):
       continue
     if math.isfinite(value):
       scalars[_tag(name)] = float(value)
@@ -78,8 +81,12 @@ def round_scalars(line: Mapping) -> dict[str, float]:
 
 
 _TENSORBOARD_BUCKET_END = 1e20
-_HPARAM_METRICS = ("accuracy/aggregated", "accuracy/client_mean", "loss/aggregated",
-                   "communication/bits_cumulative")
+_HPARAM_METRICS = (
+  "accuracy/aggregated",
+  "accuracy/client_mean",
+  "loss/aggregated",
+  "communication/bits_cumulative",
+)
 
 
 def hparams_of(config: Mapping, prefix: str = "") -> dict[str, bool | int | float | str]:
@@ -116,8 +123,12 @@ class EventWriter:
 
     # The file name holds the time in seconds; the first round keeps a resumed run's file (same second,
     # e.g. in tests) from replacing the interrupted one's.
-    self._writer = SummaryWriter(logdir=os.fspath(workdir), purge_step=first_round if first_round > 1 else None,
-                                 flush_secs=30, filename_suffix=f".from_round_{first_round}")
+    self._writer = SummaryWriter(
+      logdir=os.fspath(workdir),
+      purge_step=first_round if first_round > 1 else None,
+      flush_secs=30,
+      filename_suffix=f".from_round_{first_round}",
+    )
 
   def write(self, line: Mapping) -> None:
     """One metrics line (``round`` is the step)."""
@@ -151,7 +162,7 @@ class EventWriter:
   def close(self) -> None:
     self._writer.close()
 
-  def __enter__(self) -> "EventWriter":
+  def __enter__(self) -> EventWriter:
     return self
 
   def __exit__(self, *exc) -> None:

@@ -44,41 +44,42 @@ possible (an all-``False`` mask row).
 Mixing weights (``MIXING_SCHEMES``): each client's new value is
 ``self_weight[i] * v_i + sum_k neighbor_weights[i, k] * v_{neighbors[i, k]}``.
 """
+
 from __future__ import annotations
 
 import itertools
 import math
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
+from collections.abc import Callable
 
 import chex
-import jax
-import jax.numpy as jnp
 import networkx as nx
 import numpy as np
 from scipy import stats
 
 from ntk_fl import validation
+
 # The on-device mixing step lives in ntk_fl.gossip; these names stay importable from here.
 from ntk_fl.gossip import consensus, mix, mix_one
 from ntk_fl.rng import Stream, numpy_rng
 
 __all__ = [
-    "mix",
-    "mix_one",
-    "consensus",
-    "Graph",
-    "Topology",
-    "TOPOLOGIES",
-    "MIXING_SCHEMES",
-    "make_topology",
-    "graph_from_networkx",
-    "graph_to_networkx",
-    "degrees",
-    "mixing_weights",
-    "mixing_matrix",
-    "slem",
-    "spectral_gap",
-    "squared_spectral_gap",
+  "mix",
+  "mix_one",
+  "consensus",
+  "Graph",
+  "Topology",
+  "TOPOLOGIES",
+  "MIXING_SCHEMES",
+  "make_topology",
+  "graph_from_networkx",
+  "graph_to_networkx",
+  "degrees",
+  "mixing_weights",
+  "mixing_matrix",
+  "slem",
+  "spectral_gap",
+  "squared_spectral_gap",
 ]
 
 TOPOLOGIES = ("regular", "erdos_renyi", "ring", "line", "complete", "clustered")
@@ -96,6 +97,7 @@ class Graph(NamedTuple):
       ascending order followed by padding slots equal to ``i``.
     mask: bool ``[M, k_max]``; ``True`` where ``neighbors`` is a real neighbour.
   """
+
   neighbors: np.ndarray
   mask: np.ndarray
 
@@ -113,6 +115,7 @@ class Topology(NamedTuple):
       ``clustered`` family: every closed neighbourhood is a whole clique); 0 for
       the other families.
   """
+
   name: str
   num_clients: int
   k_max: int
@@ -124,8 +127,9 @@ class Topology(NamedTuple):
 # --------------------------------------------------------------------------- graphs
 
 
-def graph_from_networkx(g: nx.Graph, k_max: int, *, num_clients: int | None = None,
-                        round: int | None = None) -> Graph:
+def graph_from_networkx(
+  g: nx.Graph, k_max: int, *, num_clients: int | None = None, round: int | None = None
+) -> Graph:
   """Pads an undirected networkx graph on nodes ``0..M-1`` into a :class:`Graph`.
 
   Args:
@@ -155,8 +159,9 @@ def graph_from_networkx(g: nx.Graph, k_max: int, *, num_clients: int | None = No
   if deg.size and deg.max() > k_max:
     where = "" if round is None else f"round {round}: "
     raise ValueError(
-        f"{where}drawn graph has a client of degree {int(deg.max())} > k_max={k_max}; "
-        "pass a larger k_max (neighbour lists are never truncated)")
+      f"{where}drawn graph has a client of degree {int(deg.max())} > k_max={k_max}; "
+      "pass a larger k_max (neighbour lists are never truncated)"
+    )
   slot = np.arange(src.size) - (np.cumsum(deg) - deg)[src]
   neighbors = np.repeat(np.arange(m, dtype=np.int32)[:, None], k_max, axis=1)
   mask = np.zeros((m, k_max), dtype=bool)
@@ -218,6 +223,7 @@ def _clustered(cluster_size: int) -> Callable[[int, np.random.Generator], nx.Gra
     for clique in np.array_split(rng.permutation(m), m // cluster_size):
       g.add_edges_from(itertools.combinations(clique.tolist(), 2))
     return g
+
   return generate
 
 
@@ -237,8 +243,9 @@ _check_int = validation.check_int
 def _erdos_renyi_p(m: int, p: float, mean_degree: float) -> float:
   if (p > 0) == (mean_degree > 0):
     raise ValueError(
-        f"erdos_renyi needs exactly one of p > 0 or mean_degree > 0 (the other 0), "
-        f"got p={p}, mean_degree={mean_degree}")
+      f"erdos_renyi needs exactly one of p > 0 or mean_degree > 0 (the other 0), "
+      f"got p={p}, mean_degree={mean_degree}"
+    )
   if p < 0 or mean_degree < 0:
     raise ValueError(f"p and mean_degree must be >= 0, got p={p}, mean_degree={mean_degree}")
   if mean_degree > 0:
@@ -250,9 +257,18 @@ def _erdos_renyi_p(m: int, p: float, mean_degree: float) -> float:
   return float(p)
 
 
-def make_topology(name: str, num_clients: int, *, seed: int, degree: int = 5, p: float = 0.0,
-                  mean_degree: float = 0.0, cluster_size: int = 6, dynamic: bool = True,
-                  k_max: int = 0) -> Topology:
+def make_topology(
+  name: str,
+  num_clients: int,
+  *,
+  seed: int,
+  degree: int = 5,
+  p: float = 0.0,
+  mean_degree: float = 0.0,
+  cluster_size: int = 6,
+  dynamic: bool = True,
+  k_max: int = 0,
+) -> Topology:
   """Builds a topology; every argument is validated here, before any graph is drawn.
 
   Args:
@@ -275,15 +291,19 @@ def make_topology(name: str, num_clients: int, *, seed: int, degree: int = 5, p:
   seed = _check_int("seed", seed, 0)
   k_max = _check_int("k_max", k_max, 0)
   if not isinstance(dynamic, (bool, np.bool_)):
-    raise ValueError(f"dynamic must be a bool (re-draw the graph every round or not), got {dynamic!r}")
+    raise ValueError(
+      f"dynamic must be a bool (re-draw the graph every round or not), got {dynamic!r}"
+    )
   dynamic = bool(dynamic)
 
   cliques = 0
   if name == "regular":
     degree = _check_int("degree", degree, 1, m - 1)
     if (m * degree) % 2:
-      raise ValueError(f"a {degree}-regular graph on {m} clients needs num_clients * degree even, "
-                       f"got {m} * {degree} = {m * degree}")
+      raise ValueError(
+        f"a {degree}-regular graph on {m} clients needs num_clients * degree even, "
+        f"got {m} * {degree} = {m * degree}"
+      )
     generate, max_degree = _regular(degree), degree
   elif name == "erdos_renyi":
     prob = _erdos_renyi_p(m, p, mean_degree)
@@ -308,8 +328,10 @@ def make_topology(name: str, num_clients: int, *, seed: int, degree: int = 5, p:
     derived = max_degree
     # The maximum degree is attained by every draw: a smaller k_max can never work.
     if 0 < k_max < max_degree:
-      raise ValueError(f"k_max={k_max} is below the degree {max_degree} that every {name!r} graph "
-                       f"on {m} clients reaches; use k_max=0 (derive) or >= {max_degree}")
+      raise ValueError(
+        f"k_max={k_max} is below the degree {max_degree} that every {name!r} graph "
+        f"on {m} clients reaches; use k_max=0 (derive) or >= {max_degree}"
+      )
   slots = k_max or derived
 
   def draw(round_: int) -> Graph:
@@ -320,8 +342,9 @@ def make_topology(name: str, num_clients: int, *, seed: int, degree: int = 5, p:
     r = _check_int("round", round, 0)
     return draw(r if dynamic else 0)
 
-  return Topology(name=name, num_clients=m, k_max=slots, dynamic=dynamic, sample=sample,
-                  cliques=cliques)
+  return Topology(
+    name=name, num_clients=m, k_max=slots, dynamic=dynamic, sample=sample, cliques=cliques
+  )
 
 
 # -------------------------------------------------------------- mixing weights
@@ -343,8 +366,9 @@ def _check_sizes(sizes: Any, m: int) -> np.ndarray:
   return sizes
 
 
-def mixing_weights(graph: Graph, scheme: str = "uniform",
-                   sizes: Any = None) -> tuple[np.ndarray, np.ndarray]:
+def mixing_weights(
+  graph: Graph, scheme: str = "uniform", sizes: Any = None
+) -> tuple[np.ndarray, np.ndarray]:
   """Per-client gossip weights on a padded graph (host-side, numpy).
 
   Schemes:
@@ -380,7 +404,9 @@ def mixing_weights(graph: Graph, scheme: str = "uniform",
     total = sizes + nbr_sizes.sum(axis=1)
     if np.any(total <= 0):
       bad = int(np.argmax(total <= 0))
-      raise ValueError(f"client {bad} and its neighbours hold 0 samples; data_size weights undefined")
+      raise ValueError(
+        f"client {bad} and its neighbours hold 0 samples; data_size weights undefined"
+      )
     self_w = sizes / total
     nbr_w = nbr_sizes / total[:, None]
   else:  # metropolis
@@ -420,8 +446,9 @@ def slem(w: Any, *, atol: float = 1e-5) -> float:
   if w.ndim != 2 or w.shape[0] != w.shape[1] or w.shape[0] < 2:
     raise ValueError(f"W must be a square [M, M] matrix with M >= 2, got shape {w.shape}")
   if not np.allclose(w, w.T, rtol=0.0, atol=atol):
-    raise ValueError("W must be symmetric (eigenvalues real); use scheme='metropolis' "
-                     "on non-regular graphs")
+    raise ValueError(
+      "W must be symmetric (eigenvalues real); use scheme='metropolis' on non-regular graphs"
+    )
   if not np.allclose(w.sum(axis=1), 1.0, rtol=0.0, atol=atol):
     raise ValueError("W must be (doubly) stochastic: rows must sum to 1")
   eig = np.linalg.eigvalsh(w)  # ascending: eig[-1] = lambda_1 = 1

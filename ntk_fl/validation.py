@@ -6,13 +6,23 @@ got, so a bad value fails early with a message that says how to fix it.
 Integers are ``numbers.Integral`` (numpy ints included) but never ``bool``;
 reals are finite ``numbers.Real`` but never ``bool``.
 """
+
 from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
-__all__ = ["is_int", "is_real", "check_int", "check_real", "check_bool", "check_choice", "check_keys"]
+__all__ = [
+  "is_int",
+  "is_real",
+  "check_int",
+  "check_real",
+  "check_bool",
+  "check_choice",
+  "check_keys",
+]
 
 
 def is_int(value: Any) -> bool:
@@ -36,14 +46,30 @@ def check_int(name: str, value: Any, low: int | None = None, high: int | None = 
   return int(value)
 
 
-def check_real(name: str, value: Any, low: float | None = None, high: float | None = None, *,
-               low_open: bool = False, high_open: bool = False) -> float:
+def check_real(
+  name: str,
+  value: Any,
+  low: float | None = None,
+  high: float | None = None,
+  *,
+  low_open: bool = False,
+  high_open: bool = False,
+) -> float:
   """``value`` as a finite ``float`` within the bounds (closed unless ``*_open``)."""
-  too_low = low is not None and (value <= low if low_open else value < low) if is_real(value) else False
-  too_high = high is not None and (value >= high if high_open else value > high) if is_real(value) else False
+  too_low = (
+    low is not None and (value <= low if low_open else value < low) if is_real(value) else False
+  )
+  too_high = (
+    high is not None and (value >= high if high_open else value > high) if is_real(value) else False
+  )
   if not is_real(value) or too_low or too_high:
-    interval = (("(" if low_open else "[") + ("-inf" if low is None else f"{low:g}") + ", "
-                + ("inf" if high is None else f"{high:g}") + (")" if high_open or high is None else "]"))
+    interval = (
+      ("(" if low_open else "[")
+      + ("-inf" if low is None else f"{low:g}")
+      + ", "
+      + ("inf" if high is None else f"{high:g}")
+      + (")" if high_open or high is None else "]")
+    )
     raise ValueError(f"{name} must be a finite number in {interval}, got {value!r}")
   return float(value)
 
@@ -67,4 +93,6 @@ def check_keys(name: str, block: Any, keys: Iterable[str], method: str) -> None:
   missing = [k for k in keys if k not in block]
   unknown = sorted(set(block) - set(keys))
   if missing or unknown:
-    raise ValueError(f"{name} for method {method!r}: missing {missing}, unknown {unknown}; the keys are {list(keys)}")
+    raise ValueError(
+      f"{name} for method {method!r}: missing {missing}, unknown {unknown}; the keys are {list(keys)}"
+    )

@@ -12,6 +12,7 @@ processes write the same file at once (JAX takes no lock unless eviction is
 on); subprocesses a test launches (``experiments/main.py``, the multi-device
 check) inherit the directory while their worker waits for them.
 """
+
 import atexit
 import os
 import shutil
@@ -19,14 +20,16 @@ import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:     # a cache the caller chose is left to jax
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # a cache the caller chose is left to jax
   _worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
   _cache_dir = tempfile.mkdtemp(prefix=f"ntk_fl-tests-xla-cache-{_worker}-")
   atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
   # The environment reaches the subprocesses tests launch; the config updates reach this process
   # even if a plugin imported jax before this file ran.
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
-  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"   # the repeats are many small programs
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = (
+    "0"  # the repeats are many small programs
+  )
 
   import jax
 

@@ -1,4 +1,5 @@
 """Read TensorBoard event files back without TensorFlow: a TFRecord reader and tensorboardX's protobufs."""
+
 from __future__ import annotations
 
 import glob
@@ -18,8 +19,8 @@ def read_event_file(path: str) -> list[event_pb2.Event]:
     data = f.read()
   events, pos = [], 0
   while pos < len(data):
-    (length,) = struct.unpack("<Q", data[pos:pos + 8])
-    events.append(event_pb2.Event.FromString(data[pos + 12:pos + 12 + length]))
+    (length,) = struct.unpack("<Q", data[pos : pos + 8])
+    events.append(event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length]))
     pos += 12 + length + 4
   return events
 
@@ -40,4 +41,8 @@ def scalars_by_step(events) -> dict[int, dict[str, float]]:
 
 def purge_steps(events) -> list[int]:
   """Steps of the session-start events a writer with ``purge_step`` leaves (TensorBoard drops later steps)."""
-  return [e.step for e in events if e.HasField("session_log") and e.session_log.status == e.session_log.START]
+  return [
+    e.step
+    for e in events
+    if e.HasField("session_log") and e.session_log.status == e.session_log.START
+  ]

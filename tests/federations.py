@@ -1,11 +1,13 @@
 """A tiny random federation shared by the algorithm tests (ragged clients, so padding is exercised)."""
+
 import numpy as np
 
 from ntk_fl.data import Federation, federation_from_padded
 
 
-def ragged_federation(rng: np.random.Generator, sizes, n_max: int | None = None, *, dim: int = 5,
-                      num_classes: int = 3) -> Federation:
+def ragged_federation(
+  rng: np.random.Generator, sizes, n_max: int | None = None, *, dim: int = 5, num_classes: int = 3
+) -> Federation:
   """Client ``i`` holds ``sizes[i]`` standard-normal ``dim``-feature samples with uniform labels.
 
   Draws client by client (features, then labels) from ``rng``; rows past a

@@ -11,6 +11,7 @@ Regenerate (only when a change is *meant* to move results, and say so in the com
   PYTHONPATH=$PWD python tests/golden_runs.py spark      # one config (all its runs)
   PYTHONPATH=$PWD python tests/golden_runs.py spark-proj500-compressed   # one run
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,16 @@ CONFIG_DIR = REPO / "ntk_fl" / "configs"
 # Per round: scalars kept from the metrics line (absent ones are skipped), and per-client arrays kept from
 # its "clients" block. The rest (timings, min/max of the kept arrays, per-client test accuracy) follows from
 # these or from the wall clock.
-ROUND_SCALARS = ("test_acc", "test_loss", "client_acc_mean", "client_loss_mean", "consensus_acc_mean",
-                 "loss_mean", "bits_cumulative", "lr")
+ROUND_SCALARS = (
+  "test_acc",
+  "test_loss",
+  "client_acc_mean",
+  "client_loss_mean",
+  "consensus_acc_mean",
+  "loss_mean",
+  "bits_cumulative",
+  "lr",
+)
 CLIENT_ARRAYS = ("tau", "loss")
 
 
@@ -40,26 +49,29 @@ CLIENT_ARRAYS = ("tau", "loss")
 # over-selection.
 # (SPARK's ``full_stack`` itself holds a 79,510 x 10,000 flattened sketch, 3.2 GB: too big for a test.)
 EXTRA_VARIANTS = (
-    ("ntk_dfl", "smoke,batched,subsample"),
-    ("ntk_dfl", "smoke,mse"),
-    ("ntk_dfl", "smoke,topk0.5,bits6,subsample,proj20,clustered"),
-    ("spark", "smoke,proj500"),
-    ("spark", "smoke,proj500,compressed"),
-    ("spark", "smoke,option_b,compressed"),
-    ("ntk_fl", "smoke,explicit,linearized"),
-    ("cp_ntk_fl", "smoke,table1"),
-    ("cp_ntk_fl", "smoke,table1,shuffle"),
-    ("fed_ensemble", "smoke,ntk"),
-    ("fedavg", "smoke,adam"),
-    ("fed_ensemble", "smoke,stragglers"),
-    ("ntk_fl", "smoke,validation"),
+  ("ntk_dfl", "smoke,batched,subsample"),
+  ("ntk_dfl", "smoke,mse"),
+  ("ntk_dfl", "smoke,topk0.5,bits6,subsample,proj20,clustered"),
+  ("spark", "smoke,proj500"),
+  ("spark", "smoke,proj500,compressed"),
+  ("spark", "smoke,option_b,compressed"),
+  ("ntk_fl", "smoke,explicit,linearized"),
+  ("cp_ntk_fl", "smoke,table1"),
+  ("cp_ntk_fl", "smoke,table1,shuffle"),
+  ("fed_ensemble", "smoke,ntk"),
+  ("fedavg", "smoke,adam"),
+  ("fed_ensemble", "smoke,stragglers"),
+  ("ntk_fl", "smoke,validation"),
 )
 
 
 # Variant tokens of these runs that no config file defines: config fields set after loading.
 OVERRIDES = {
-    "compressed": {"algorithm.compression.keep_fraction": 0.5, "algorithm.compression.bits": 6,
-                   "algorithm.subsample": 5},
+  "compressed": {
+    "algorithm.compression.keep_fraction": 0.5,
+    "algorithm.compression.bits": 6,
+    "algorithm.subsample": 5,
+  },
 }
 
 
@@ -73,8 +85,11 @@ def smoke_configs() -> list[str]:
   from ntk_fl.config import load_config
 
   methods = set(algorithms.available())
-  return sorted(p.stem for p in CONFIG_DIR.glob("*.py")
-                if not p.stem.startswith("_") and load_config(str(p)).method in methods)
+  return sorted(
+    p.stem
+    for p in CONFIG_DIR.glob("*.py")
+    if not p.stem.startswith("_") and load_config(str(p)).method in methods
+  )
 
 
 def golden_runs() -> list[tuple[str, str]]:
@@ -88,7 +103,9 @@ def record(name: str, variant: str = "smoke") -> dict:
   from ntk_fl.config import load_config
 
   tokens = variant.split(",")
-  config = load_config(str(CONFIG_DIR / f"{name}.py"), ",".join(t for t in tokens if t not in OVERRIDES))
+  config = load_config(
+    str(CONFIG_DIR / f"{name}.py"), ",".join(t for t in tokens if t not in OVERRIDES)
+  )
   for token in tokens:
     config.update_from_flattened_dict(OVERRIDES.get(token, {}))
   # Neither changes a metric: checkpoints are written after the round's line, selection curves after the run.

@@ -12,13 +12,16 @@ many devices ``for_each_client`` split clients over while tracing) and
 every assertion live in the test. Without a mesh, a 4-device process runs the
 exact single-device code (everything on device 0), so one process serves both.
 """
+
 from __future__ import annotations
 
 import os
 import sys
 import time
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = (
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402  (after the environment is set)
@@ -40,7 +43,9 @@ def _leaves(tree):
 
 
 def _devices_of(tree):
-  return max(len(leaf.sharding.device_set) for leaf in jax.tree.leaves(tree) if hasattr(leaf, "sharding"))
+  return max(
+    len(leaf.sharding.device_set) for leaf in jax.tree.leaves(tree) if hasattr(leaf, "sharding")
+  )
 
 
 def toy_case(num_clients: int, chunk_size):
@@ -52,9 +57,11 @@ def toy_case(num_clients: int, chunk_size):
   @jax.jit
   def run(params, index, scale):
     shards.append(parallel.num_client_shards())
+
     def one(p, i):
-      nbr = table[(i + 1) % num_clients]                         # gathers another client's row
-      return {"out": jnp.tanh((table[i] + nbr) @ weights) * p * scale, "norm": jnp.sum(p ** 2)}
+      nbr = table[(i + 1) % num_clients]  # gathers another client's row
+      return {"out": jnp.tanh((table[i] + nbr) @ weights) * p * scale, "norm": jnp.sum(p**2)}
+
     return parallel.for_each_client(one, chunk_size=chunk_size)(params, index)
 
   params = jnp.asarray(np.random.default_rng(3).normal(size=(num_clients, 3)), jnp.float32)
@@ -70,6 +77,7 @@ def nested_case():
     def one(p):
       shards.append(parallel.num_client_shards())
       return parallel.for_each_client(lambda v: jnp.sin(v) * jnp.sum(p))(p)
+
     return parallel.for_each_client(one, chunk_size=2)(params)
 
   params = jnp.asarray(np.random.default_rng(4).normal(size=(6, 5)), jnp.float32)
@@ -90,8 +98,10 @@ def _tiny_federation(num_clients: int, n_max: int = 8, seed: int = 0) -> Federat
 
 def shared_case(num_clients: int, chunk_size):
   """Rows of a :class:`parallel.Shared` table read by every client (split over the devices when sharded)."""
-  table = {"a": jnp.asarray(np.random.default_rng(5).normal(size=(10, 3)), jnp.float32),
-           "b": jnp.arange(10, dtype=jnp.int32) * 7}
+  table = {
+    "a": jnp.asarray(np.random.default_rng(5).normal(size=(10, 3)), jnp.float32),
+    "b": jnp.arange(10, dtype=jnp.int32) * 7,
+  }
   rows = jnp.asarray(np.random.default_rng(6).integers(0, 10, size=(num_clients, 5)), jnp.int32)
   shards = []
 
@@ -99,9 +109,15 @@ def shared_case(num_clients: int, chunk_size):
   def run(rows):
     shards.append(parallel.num_client_shards())
     shared = parallel.Shared(table, split=parallel.num_client_shards() > 1)
+
     def one(store, r):
       got = store.take(r)
-      return {"a": got["a"], "b": got["b"], "want_a": table["a"][r]}   # the direct gather, to compare
+      return {
+        "a": got["a"],
+        "b": got["b"],
+        "want_a": table["a"][r],
+      }  # the direct gather, to compare
+
     return parallel.for_each_client(one, chunk_size=chunk_size)(shared, rows)
 
   return lambda: run(rows), shards
@@ -111,11 +127,17 @@ def _split_like(federation: Federation) -> Federation:
   """``federation``'s clients with their samples split over the current mesh's devices."""
   index, mask = np.asarray(federation.index), np.asarray(federation.mask)
   clients = [index[m][mask[m]] for m in range(mask.shape[0])]
-  return distributed.place_federation(np.asarray(federation.samples_x)[:-1], np.asarray(federation.samples_y)[:-1],
-                                      clients, parallel.current_mesh())
+  return distributed.place_federation(
+    np.asarray(federation.samples_x)[:-1],
+    np.asarray(federation.samples_y)[:-1],
+    clients,
+    parallel.current_mesh(),
+  )
 
 
-def algorithm_case(method: str, num_clients: int, chunk_size: int, rounds: int = 2, split: bool = False):
+def algorithm_case(
+  method: str, num_clients: int, chunk_size: int, rounds: int = 2, split: bool = False
+):
   """``rounds`` rounds of ``method`` on a tiny federation (MLP 5-8-3, degree-2 dynamic graphs).
 
   ``split``: on the sharded path the federation's samples are split over the devices
@@ -146,6 +168,7 @@ def algorithm_case(method: str, num_clients: int, chunk_size: int, rounds: int =
       for r in range(rounds):
         state, metrics = algorithm.step(state, algorithm.round_inputs(r))
     return {"params": algorithm.client_params(state), "metrics": metrics}
+
   return run, [None]
 
 
@@ -157,15 +180,20 @@ def runner_case(workdir: str, devices: int):
   config.eval.selection = False
   runner.run(config, os.path.join(workdir, f"devices{devices}"))
   lines = rundir.read_metrics(os.path.join(workdir, f"devices{devices}"))
-  return [np.asarray([line[key] for line in lines], np.float64)
-          for key in ("test_acc", "test_loss", "client_acc_mean", "deviation")]
+  return [
+    np.asarray([line[key] for line in lines], np.float64)
+    for key in ("test_acc", "test_loss", "client_acc_mean", "deviation")
+  ]
 
 
 def main(out_dir: str) -> None:
   assert jax.device_count() == NUM_DEVICES, jax.devices()
   results = {}
-  cases = {f"toy_m{m}_chunk{c}": (lambda m=m, c=c: toy_case(m, c)) for m in (3, 6, 8) for c in (None, 1)}
-  cases.update({
+  cases = {
+    f"toy_m{m}_chunk{c}": (lambda m=m, c=c: toy_case(m, c)) for m in (3, 6, 8) for c in (None, 1)
+  }
+  cases.update(
+    {
       "nested_m6": nested_case,
       "ntk_dfl_m6": lambda: algorithm_case("ntk_dfl", 6, chunk_size=0),
       "ntk_dfl_m8_chunk1": lambda: algorithm_case("ntk_dfl", 8, chunk_size=1, rounds=1),
@@ -173,10 +201,13 @@ def main(out_dir: str) -> None:
       "shared_m6_chunkNone": lambda: shared_case(6, None),
       "shared_m7_chunk2": lambda: shared_case(7, 2),
       "ntk_dfl_m6_split": lambda: algorithm_case("ntk_dfl", 6, chunk_size=0, split=True),
-      "ntk_dfl_m8_chunk1_split": lambda: algorithm_case("ntk_dfl", 8, chunk_size=1, rounds=1, split=True),
+      "ntk_dfl_m8_chunk1_split": lambda: algorithm_case(
+        "ntk_dfl", 8, chunk_size=1, rounds=1, split=True
+      ),
       "dfedavg_m6_split": lambda: algorithm_case("dfedavg", 6, chunk_size=0, split=True),
       "fedavg_m6_split": lambda: algorithm_case("fedavg", 6, chunk_size=0, split=True),
-  })
+    }
+  )
   for name, make in cases.items():
     started = time.perf_counter()
     # A fresh jitted function per path: the device policy is read at trace time and jit reuses traces.

@@ -1,4 +1,5 @@
 """Import a script from ``experiments/`` or ``benchmarks/`` by file path (neither folder is a package)."""
+
 from __future__ import annotations
 
 import importlib.util

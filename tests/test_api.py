@@ -1,4 +1,5 @@
 """The README's functional-API and own-method examples run as written and learn (Fashion-MNIST slices, seconds)."""
+
 import json
 import os
 import pathlib
@@ -24,7 +25,7 @@ def test_readme_functional_api_example_runs_and_learns(monkeypatch):
   namespace = {}
   exec(compile(readme_example(), "README.md", "exec"), namespace)  # pylint: disable=exec-used
   accuracy = float(namespace["accuracy"])
-  assert accuracy > 0.5, accuracy                    # 10 classes: chance is 0.1
+  assert accuracy > 0.5, accuracy  # 10 classes: chance is 0.1
   taus = np.asarray(namespace["round_metrics"]["tau"])
   assert taus.shape == (namespace["config"].data.num_clients,)
   assert set(taus.tolist()) <= set(namespace["config"].algorithm.taus)
@@ -37,8 +38,9 @@ def own_method_example() -> str:
   return match.group(1)
 
 
-def _run_own_method(tmp_path, monkeypatch, beta: float | None = None,
-                    variant: str = "") -> tuple[dict, list[dict]]:
+def _run_own_method(
+  tmp_path, monkeypatch, beta: float | None = None, variant: str = ""
+) -> tuple[dict, list[dict]]:
   """Runs the README's own-method code in ``tmp_path`` (optionally with another ``BETA`` and config variant)."""
   from ntk_fl import rundir  # pylint: disable=import-outside-toplevel
 
@@ -47,7 +49,9 @@ def _run_own_method(tmp_path, monkeypatch, beta: float | None = None,
     code, count = re.subn(r"^BETA = [0-9.]+", f"BETA = {beta!r}", code, flags=re.M)
     assert count == 1
   if variant:
-    code, count = re.subn(r'load_config\("ntk_dfl", "smoke"\)', f'load_config("ntk_dfl", "smoke,{variant}")', code)
+    code, count = re.subn(
+      r'load_config\("ntk_dfl", "smoke"\)', f'load_config("ntk_dfl", "smoke,{variant}")', code
+    )
     assert count == 1
   monkeypatch.chdir(tmp_path)
   namespace = {}
@@ -93,18 +97,22 @@ def test_readme_own_method_keeps_every_setting(tmp_path, monkeypatch, variant):
     np.testing.assert_allclose(line["clients"]["loss"], want["clients"]["loss"], rtol=1e-6)
     assert line["test_acc"] == want["test_acc"]
   # ... and the setting changed the run: its losses are not cross-entropy's unbatched full-data ones.
-  assert any(not np.allclose(line["clients"]["loss"], want["clients_loss"], rtol=1e-3)
-             for line, want in zip(lines, _golden_ntk_dfl()))
+  assert any(
+    not np.allclose(line["clients"]["loss"], want["clients_loss"], rtol=1e-3)
+    for line, want in zip(lines, _golden_ntk_dfl())
+  )
 
 
 def test_readme_own_method_runs_through_the_runner_and_learns(tmp_path, monkeypatch):
   summary, lines = _run_own_method(tmp_path, monkeypatch)
-  assert summary["final_test_acc"] > 0.5, summary["final_test_acc"]     # 10 classes: chance is 0.1
+  assert summary["final_test_acc"] > 0.5, summary["final_test_acc"]  # 10 classes: chance is 0.1
   assert summary["method"] == "ntk_dfl_mix"
   golden = _golden_ntk_dfl()
   # The soft part of the targets changes the evolution: some client's selected loss differs from NTK-DFL's.
-  assert any(not np.allclose(line["clients"]["loss"], want["clients_loss"], rtol=1e-3)
-             for line, want in zip(lines, golden))
+  assert any(
+    not np.allclose(line["clients"]["loss"], want["clients_loss"], rtol=1e-3)
+    for line, want in zip(lines, golden)
+  )
 
 
 _LABEL_SMOOTHING_METHOD = """
@@ -137,18 +145,39 @@ def test_own_hyperparameter_is_set_from_the_command_line(tmp_path):
   a key neither the file nor the method has is refused by name."""
   module = tmp_path / "smooth_method.py"
   module.write_text(_LABEL_SMOOTHING_METHOD)
-  base = [sys.executable, "-m", "ntk_fl", "--config=ntk_dfl:smoke", "--config.method=ntk_dfl_smooth",
-          f"--config.method_module={module}", "--config.rounds=1"]
+  base = [
+    sys.executable,
+    "-m",
+    "ntk_fl",
+    "--config=ntk_dfl:smoke",
+    "--config.method=ntk_dfl_smooth",
+    f"--config.method_module={module}",
+    "--config.rounds=1",
+  ]
   env = {**os.environ, "PYTHONPATH": str(REPO)}
-  proc = subprocess.run([*base, "--config.algorithm.eps=0.25", f"--workdir={tmp_path / 'run'}"],
-                        capture_output=True, text=True, env=env, cwd=tmp_path, check=False)
+  proc = subprocess.run(
+    [*base, "--config.algorithm.eps=0.25", f"--workdir={tmp_path / 'run'}"],
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=tmp_path,
+    check=False,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   stored = json.loads((tmp_path / "run" / "config.json").read_text())
   assert stored["algorithm"]["eps"] == 0.25 and stored["method"] == "ntk_dfl_smooth"
-  proc = subprocess.run([*base, "--config.algorithm.epz=0.25", f"--workdir={tmp_path / 'bad'}"],
-                        capture_output=True, text=True, env=env, cwd=tmp_path, check=False)
+  proc = subprocess.run(
+    [*base, "--config.algorithm.epz=0.25", f"--workdir={tmp_path / 'bad'}"],
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=tmp_path,
+    check=False,
+  )
   assert proc.returncode != 0
-  assert "unknown config key config.algorithm.epz; did you mean config.algorithm.eps?" in proc.stderr, proc.stderr[-2000:]
+  assert (
+    "unknown config key config.algorithm.epz; did you mean config.algorithm.eps?" in proc.stderr
+  ), proc.stderr[-2000:]
   assert "Traceback" not in proc.stderr
 
 
@@ -157,16 +186,25 @@ def test_a_graph_method_registered_without_graph_fails_early_and_clearly():
   from ntk_fl.algorithms import ntk_dfl  # pylint: disable=import-outside-toplevel
   from ntk_fl.config import load_config  # pylint: disable=import-outside-toplevel
 
-  algorithms.register("ntk_dfl_no_graph", algorithms.Method(make=ntk_dfl.make_ntk_dfl,
-                                                            hyperparameters=ntk_dfl.NTKDFLHParams))
+  algorithms.register(
+    "ntk_dfl_no_graph",
+    algorithms.Method(make=ntk_dfl.make_ntk_dfl, hyperparameters=ntk_dfl.NTKDFLHParams),
+  )
   config = load_config("ntk_dfl", "smoke")
   config.method = "ntk_dfl_no_graph"
   with pytest.raises(ValueError, match="graph=True"):
     runner.build_experiment(config)
 
 
-@pytest.mark.parametrize("run", ["authors_partitions/ntk_dfl_authors_a0.1_s0", "spark_ablation/abl_distill_s0",
-                                 "fed_ensemble_gap/k1_e2", "ntk_fl_partitions/ntk_a0.1d0_s2"])
+@pytest.mark.parametrize(
+  "run",
+  [
+    "authors_partitions/ntk_dfl_authors_a0.1_s0",
+    "spark_ablation/abl_distill_s0",
+    "fed_ensemble_gap/k1_e2",
+    "ntk_fl_partitions/ntk_a0.1d0_s2",
+  ],
+)
 def test_stored_configs_load_with_enum_options_and_store_plain_strings(run):
   """Run directories written before the options were enums still load; their enum fields become members
   and turn back into the same plain strings in JSON."""
@@ -179,7 +217,7 @@ def test_stored_configs_load_with_enum_options_and_store_plain_strings(run):
   hparams = run_settings.algorithm
   enums = {k: v for k, v in vars(hparams).items() if isinstance(v, Choice)}
   assert enums, hparams
-  dumped = json.loads(json.dumps(settings.to_dict(hparams)))     # what a new config.json holds
+  dumped = json.loads(json.dumps(settings.to_dict(hparams)))  # what a new config.json holds
   for name, value in enums.items():
     assert value.value == dumped[name] and type(dumped[name]) is str
     # A field added after the run was stored takes its default (rundir.rebuild_config fills it in).

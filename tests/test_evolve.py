@@ -7,6 +7,7 @@ explicit ``jacrev`` Jacobians, and per-``τ`` network losses recomputed by hand.
 Exactness checks run in float64 (``jax.enable_x64``) with tolerances derived
 from the dtype's epsilon; float32 checks use float32-derived tolerances.
 """
+
 from __future__ import annotations
 
 import jax
@@ -49,10 +50,16 @@ def _coupled_model(key, dtype):
 
 def _mlp_model(key, dtype):
   k1, k2 = jax.random.split(key)
-  params = {"l1": {"kernel": jax.random.normal(k1, (D, 7), dtype) / np.sqrt(D),
-                   "bias": jnp.zeros((7,), dtype)},
-            "l2": {"kernel": jax.random.normal(k2, (7, C), dtype) / np.sqrt(7),
-                   "bias": jnp.zeros((C,), dtype)}}
+  params = {
+    "l1": {
+      "kernel": jax.random.normal(k1, (D, 7), dtype) / np.sqrt(D),
+      "bias": jnp.zeros((7,), dtype),
+    },
+    "l2": {
+      "kernel": jax.random.normal(k2, (7, C), dtype) / np.sqrt(7),
+      "bias": jnp.zeros((C,), dtype),
+    },
+  }
 
   def apply(p, x):
     h = jnp.tanh(x @ p["l1"]["kernel"] + p["l1"]["bias"])
@@ -111,8 +118,9 @@ def _stacked_flat(tree):
 
 def _gd(loss_of_w, w0, lr, taus):
   """Plain GD on weights; returns (w_τ for each τ) as flat vectors."""
-  step = jax.jit(lambda w: jax.tree_util.tree_map(lambda a, g: a - lr * g, w,
-                                                  jax.grad(loss_of_w)(w)))
+  step = jax.jit(
+    lambda w: jax.tree_util.tree_map(lambda a, g: a - lr * g, w, jax.grad(loss_of_w)(w))
+  )
   w, out = w0, []
   for s in range(1, max(taus) + 1):
     w = step(w)
@@ -133,10 +141,17 @@ def _mean_ce(f, y):
 # MSE closed forms.
 
 
-@pytest.mark.parametrize("model,kernel,lr_scale", [
-    ("linear", "traced", 0.3), ("linear", "full", 0.3), ("coupled", "full", 0.3),
+@pytest.mark.parametrize(
+  "model,kernel,lr_scale",
+  [
+    ("linear", "traced", 0.3),
+    ("linear", "full", 0.3),
+    ("coupled", "full", 0.3),
     # lr_scale > 1 puts the top eigenvalues at ελ > 1 (oscillating GD branch).
-    ("coupled", "full", 1.5), ("linear", "traced", 1.5)])
+    ("coupled", "full", 1.5),
+    ("linear", "traced", 1.5),
+  ],
+)
 def test_mse_discrete_equals_weight_space_gd(model, kernel, lr_scale):
   with jax.enable_x64(True):
     apply, params = MODELS[model](jax.random.key(0), jnp.float64)
@@ -152,8 +167,9 @@ def test_mse_discrete_equals_weight_space_gd(model, kernel, lr_scale):
     ws = _gd(lambda w: _half_mse(apply(w, x), y), params, lr, taus)
     tol = _tol(jnp.float64, 1e5)
     for t, w in enumerate(ws):
-      np.testing.assert_allclose(_stacked_flat(deltas)[t], _flat(w) - _flat(params), rtol=tol,
-                                 atol=tol)
+      np.testing.assert_allclose(
+        _stacked_flat(deltas)[t], _flat(w) - _flat(params), rtol=tol, atol=tol
+      )
       np.testing.assert_allclose(evo.f_at_taus[t], apply(w, x), rtol=tol, atol=tol)
 
 
@@ -164,8 +180,7 @@ def test_mse_traced_kernel_differs_from_gd_when_outputs_are_coupled():
     x, y = _data(jax.random.key(1), dtype=jnp.float64)
     k = _kernels(apply, params, x)["traced"]
     lr = 0.3 * N * C / np.linalg.eigvalsh(np.asarray(k)).max()
-    evo = ev.evolve_mse_closed_form(k, apply(params, x), y, jnp.ones((N,), bool), lr=lr,
-                                    taus=(15,))
+    evo = ev.evolve_mse_closed_form(k, apply(params, x), y, jnp.ones((N,), bool), lr=lr, taus=(15,))
     (w,) = _gd(lambda w: _half_mse(apply(w, x), y), params, lr, (15,))
     assert np.max(np.abs(evo.f_at_taus[0] - apply(w, x))) > 1e-3
 
@@ -178,8 +193,9 @@ def test_mse_continuous_equals_expm(kernel):
     k = _kernels(apply, params, x)[kernel]
     f0 = apply(params, x)
     lr, taus = 0.05, (3, 40, 200)
-    evo = ev.evolve_mse_closed_form(k, f0, y, jnp.ones((N,), bool), lr=lr, taus=taus,
-                                    form="continuous")
+    evo = ev.evolve_mse_closed_form(
+      k, f0, y, jnp.ones((N,), bool), lr=lr, taus=taus, form="continuous"
+    )
     eps = lr / (N * C)
     if kernel == "traced":  # Same kernel on every column = kron(H, I_C) in sample-major order.
       mat = np.kron(np.asarray(k), np.eye(C))
@@ -194,23 +210,33 @@ def test_mse_continuous_equals_expm(kernel):
       block[:m, :m] = -eps * mat
       block[:m, m:] = np.eye(m)
       e = scipy.linalg.expm(block * tau)
-      np.testing.assert_allclose(np.asarray(evo.f_at_taus[t]).reshape(-1),
-                                 np.asarray(y).reshape(-1) + e[:m, :m] @ r0, rtol=tol, atol=tol)
-      np.testing.assert_allclose(np.asarray(evo.residual_sums[t]).reshape(-1),
-                                 e[:m, m:] @ r0, rtol=tol, atol=tol)
+      np.testing.assert_allclose(
+        np.asarray(evo.f_at_taus[t]).reshape(-1),
+        np.asarray(y).reshape(-1) + e[:m, :m] @ r0,
+        rtol=tol,
+        atol=tol,
+      )
+      np.testing.assert_allclose(
+        np.asarray(evo.residual_sums[t]).reshape(-1), e[:m, m:] @ r0, rtol=tol, atol=tol
+      )
 
 
 def test_mse_tiny_eigenvalues_are_stable_in_float32():
   """Geometric sums for ελ far below float32's eps must tend to τ, not cancel (1 - q^τ, q ≈ 1)."""
-  lam = np.array([0.0, 1e-9, 1e-6, 1e-3, 0.5, 3.0, 15.0])   # ελ from 0 to 1.5 (oscillating GD)
+  lam = np.array([0.0, 1e-9, 1e-6, 1e-3, 0.5, 3.0, 15.0])  # ελ from 0 to 1.5 (oscillating GD)
   q, _ = np.linalg.qr(np.random.default_rng(0).normal(size=(lam.size, lam.size)))
   h = (q * lam) @ q.T
   h = (h + h.T) / 2
   r0 = np.random.default_rng(1).normal(size=(lam.size, 2))
   eps, taus = 0.1, (7, 300)
-  evo = ev.evolve_mse_closed_form(jnp.asarray(h, jnp.float32), jnp.asarray(r0, jnp.float32),
-                                  jnp.zeros((lam.size, 2), jnp.float32),
-                                  jnp.ones((lam.size,), bool), lr=eps * lam.size * 2, taus=taus)
+  evo = ev.evolve_mse_closed_form(
+    jnp.asarray(h, jnp.float32),
+    jnp.asarray(r0, jnp.float32),
+    jnp.zeros((lam.size, 2), jnp.float32),
+    jnp.ones((lam.size,), bool),
+    lr=eps * lam.size * 2,
+    taus=taus,
+  )
   # Reference: the GD residuals summed directly in float64 (no closed form).
   a = np.eye(lam.size) - eps * h
   r, total, sums = r0.copy(), np.zeros_like(r0), {}
@@ -219,8 +245,9 @@ def test_mse_tiny_eigenvalues_are_stable_in_float32():
     sums[s] = total.copy()
   tol = _tol(jnp.float32, 1000)
   for t, tau in enumerate(taus):
-    np.testing.assert_allclose(evo.residual_sums[t], sums[tau], rtol=tol,
-                               atol=tol * np.abs(sums[tau]).max())
+    np.testing.assert_allclose(
+      evo.residual_sums[t], sums[tau], rtol=tol, atol=tol * np.abs(sums[tau]).max()
+    )
 
 
 # ----------------------------------------------------------------------------
@@ -234,8 +261,9 @@ def _linearized_ce_gd(apply, params, x, y, lr, taus):
   return ws, [f0 + lin(jax.tree_util.tree_map(jnp.subtract, w, params)) for w in ws]
 
 
-@pytest.mark.parametrize("model,kernel", [("mlp", "full"), ("linear", "full"),
-                                          ("linear", "traced")])
+@pytest.mark.parametrize(
+  "model,kernel", [("mlp", "full"), ("linear", "full"), ("linear", "traced")]
+)
 def test_ce_euler_equals_linearized_gd(model, kernel):
   with jax.enable_x64(True):
     apply, params = MODELS[model](jax.random.key(4), jnp.float64)
@@ -247,8 +275,9 @@ def test_ce_euler_equals_linearized_gd(model, kernel):
     ws, fs = _linearized_ce_gd(apply, params, x, y, lr, taus)
     tol = _tol(jnp.float64, 1e5)
     for t in range(len(taus)):
-      np.testing.assert_allclose(_stacked_flat(deltas)[t], _flat(ws[t]) - _flat(params),
-                                 rtol=tol, atol=tol)
+      np.testing.assert_allclose(
+        _stacked_flat(deltas)[t], _flat(ws[t]) - _flat(params), rtol=tol, atol=tol
+      )
       np.testing.assert_allclose(evo.f_at_taus[t], fs[t], rtol=tol, atol=tol)
 
 
@@ -261,9 +290,11 @@ def test_ce_traced_equals_full_for_block_identical_kernel_only():
       apply, params = MODELS[model](jax.random.key(7), jnp.float64)
       ks = _kernels(apply, params, x)
       run = lambda k: ev.evolve_ce_euler(k, apply(params, x), y, mask, lr=2.0, taus=(20,))
-      results[model] = np.max(np.abs(run(ks["traced"]).residual_sums - run(ks["full"]).residual_sums))
+      results[model] = np.max(
+        np.abs(run(ks["traced"]).residual_sums - run(ks["full"]).residual_sums)
+      )
     assert results["linear"] < _tol(jnp.float64, 1e4)
-    assert results["mlp"] > 1e-4   # negative control: a hidden layer couples the outputs.
+    assert results["mlp"] > 1e-4  # negative control: a hidden layer couples the outputs.
 
 
 # ----------------------------------------------------------------------------
@@ -276,7 +307,7 @@ def test_ode_and_euler_agree_to_first_order_in_lr():
     x, y = _data(jax.random.key(9), dtype=jnp.float64)
     k = _kernels(apply, params, x)["traced"]
     f0, mask = apply(params, x), jnp.ones((N,), bool)
-    horizon = 16.0   # t = η τ kept fixed.
+    horizon = 16.0  # t = η τ kept fixed.
     errors = []
     for lr in (0.8, 0.4):
       tau = int(round(horizon / lr))
@@ -284,27 +315,39 @@ def test_ode_and_euler_agree_to_first_order_in_lr():
       e = ev.evolve_ce_euler(k, f0, y, mask, lr=lr, taus=taus)
       o = ev.evolve_ce_ode(k, f0, y, mask, lr=lr, taus=taus)
       # lr·S is the (Riemann-sum) time integral of the residual, i.e. Δw up to Jᵀ/N.
-      errors.append(max(np.max(np.abs(lr * (e.residual_sums - o.residual_sums))),
-                        np.max(np.abs(e.f_at_taus - o.f_at_taus))))
-    assert errors[0] > 1e-4   # the Euler discretisation error is visible ...
-    assert 1.7 < errors[0] / errors[1] < 2.3, errors   # ... and first order in η.
+      errors.append(
+        max(
+          np.max(np.abs(lr * (e.residual_sums - o.residual_sums))),
+          np.max(np.abs(e.f_at_taus - o.f_at_taus)),
+        )
+      )
+    assert errors[0] > 1e-4  # the Euler discretisation error is visible ...
+    assert 1.7 < errors[0] / errors[1] < 2.3, errors  # ... and first order in η.
 
 
 def test_ode_matches_dense_reference_solution():
   """The block-wise solve equals a single diffrax solve that saves every readout."""
   import diffrax  # pylint: disable=import-outside-toplevel
+
   with jax.enable_x64(True):
     apply, params = _mlp_model(jax.random.key(10), jnp.float64)
     x, y = _data(jax.random.key(11), dtype=jnp.float64, soft=True)
     k = _kernels(apply, params, x)["traced"]
     f0, lr, taus = apply(params, x), 0.5, (10, 30, 70)
-    evo = ev.evolve_ce_ode(k, f0, y, jnp.ones((N,), bool), lr=lr, taus=taus, rtol=1e-10,
-                           atol=1e-12)
+    evo = ev.evolve_ce_ode(k, f0, y, jnp.ones((N,), bool), lr=lr, taus=taus, rtol=1e-10, atol=1e-12)
     vf = lambda t, f, _: -(1 / N) * k @ (jax.nn.softmax(f) - y)
     ts = lr * jnp.arange(max(taus) + 1.0)
-    sol = diffrax.diffeqsolve(diffrax.ODETerm(vf), diffrax.Tsit5(), 0.0, ts[-1], None, f0,
-                              saveat=diffrax.SaveAt(ts=ts), max_steps=100_000,
-                              stepsize_controller=diffrax.PIDController(rtol=1e-11, atol=1e-12))
+    sol = diffrax.diffeqsolve(
+      diffrax.ODETerm(vf),
+      diffrax.Tsit5(),
+      0.0,
+      ts[-1],
+      None,
+      f0,
+      saveat=diffrax.SaveAt(ts=ts),
+      max_steps=100_000,
+      stepsize_controller=diffrax.PIDController(rtol=1e-11, atol=1e-12),
+    )
     res = jax.nn.softmax(sol.ys) - y
     for t, tau in enumerate(taus):
       np.testing.assert_allclose(evo.residual_sums[t], res[:tau].sum(0), rtol=1e-7, atol=1e-8)
@@ -321,8 +364,9 @@ def test_weight_update_vjp_and_jacobian_paths_equal_explicit_contraction():
   s = jax.random.normal(jax.random.key(14), (4, N, C))
   lr, norm = 0.3, 7.0
   jf = _flat_jacobian(apply, params, x)
-  expected = -(lr / norm) * np.einsum("tnc,ncp->tp", np.asarray(s, np.float64),
-                                      np.asarray(jf, np.float64))
+  expected = -(lr / norm) * np.einsum(
+    "tnc,ncp->tp", np.asarray(s, np.float64), np.asarray(jf, np.float64)
+  )
   via_vjp = _stacked_flat(ev.weight_update_vjp(apply, params, x, s, lr=lr, norm=norm))
   jac = jax.jacrev(lambda p: apply(p, x))(params)
   via_jac = _stacked_flat(ev.weight_update_from_jacobian(jac, s, lr=lr, norm=norm))
@@ -337,10 +381,12 @@ def test_weight_update_vjp_and_jacobian_paths_equal_explicit_contraction():
 # ----------------------------------------------------------------------------
 # The client update: padding, permutation, selection, jit, vmap.
 
-CASES = [dict(loss="ce", solver="euler", kernel="traced"),
-         dict(loss="ce", solver="euler", kernel="full", select="linearized"),
-         dict(loss="mse", kernel="traced", mse_form="continuous"),
-         dict(loss="ce", solver="ode", kernel="traced")]
+CASES = [
+  dict(loss="ce", solver="euler", kernel="traced"),
+  dict(loss="ce", solver="euler", kernel="full", select="linearized"),
+  dict(loss="mse", kernel="traced", mse_form="continuous"),
+  dict(loss="ce", solver="ode", kernel="traced"),
+]
 
 
 @pytest.mark.parametrize("opts", CASES, ids=lambda o: "-".join(o.values()))
@@ -444,18 +490,22 @@ def test_vmap_over_clients_equals_loop():
   xs, ys = jax.vmap(lambda k: _data(k, soft=True))(keys)
   masks = jnp.arange(N)[None, :] < jnp.array([N, N - 3, N - 5])[:, None]
   stacked = jax.tree_util.tree_map(
-      lambda p: p[None] + 0.05 * jnp.arange(m, dtype=p.dtype).reshape((m,) + (1,) * p.ndim),
-      params)
+    lambda p: p[None] + 0.05 * jnp.arange(m, dtype=p.dtype).reshape((m,) + (1,) * p.ndim), params
+  )
   lrs = jnp.array([1.0, 0.7, 0.4])
-  one = jax.jit(lambda p, x, y, mk, lr: ev.ntk_update(apply, p, x, y, mk, lr=lr, taus=(2, 6, 12),
-                                                       kernel_impl="jacobian"))
+  one = jax.jit(
+    lambda p, x, y, mk, lr: ev.ntk_update(
+      apply, p, x, y, mk, lr=lr, taus=(2, 6, 12), kernel_impl="jacobian"
+    )
+  )
   out, infos = jax.jit(for_each_client(one))(stacked, xs, ys, masks, lrs)
   tol = _tol(jnp.float32, 100)
   for i in range(m):
     pi = jax.tree_util.tree_map(lambda p: p[i], stacked)
     ref, info = one(pi, xs[i], ys[i], masks[i], lrs[i])
-    np.testing.assert_allclose(_flat(jax.tree_util.tree_map(lambda p: p[i], out)), _flat(ref),
-                               rtol=tol, atol=tol)
+    np.testing.assert_allclose(
+      _flat(jax.tree_util.tree_map(lambda p: p[i], out)), _flat(ref), rtol=tol, atol=tol
+    )
     assert int(infos["tau"][i]) == int(info["tau"])
     np.testing.assert_allclose(infos["losses"][i], info["losses"], rtol=tol)
 
@@ -476,21 +526,39 @@ def test_precomputed_kernel_equals_computed_kernel():
 # Errors.
 
 
-@pytest.mark.parametrize("taus,match", [((3, 2), "ascending"), ((2, 2), "ascending"),
-                                        ((0, 5), "positive"), ((-1,), "positive"),
-                                        ((), "non-empty"), ((1.5, 3), "ints"),
-                                        ((True,), "ints"), (jnp.array([1, 2]), "static"),
-                                        (5, "static")])
+@pytest.mark.parametrize(
+  "taus,match",
+  [
+    ((3, 2), "ascending"),
+    ((2, 2), "ascending"),
+    ((0, 5), "positive"),
+    ((-1,), "positive"),
+    ((), "non-empty"),
+    ((1.5, 3), "ints"),
+    ((True,), "ints"),
+    (jnp.array([1, 2]), "static"),
+    (5, "static"),
+  ],
+)
 def test_bad_taus(taus, match):
   with pytest.raises(ValueError, match=match):
     ev.check_taus(taus)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(loss="hinge"), "loss='hinge'"), (dict(solver="rk4"), "solver='rk4'"),
-    (dict(select="best"), "select='best'"), (dict(kernel="diag"), "kernel='diag'"),
-    (dict(mse_form="exact"), "mse_form='exact'"), (dict(loss="mse", solver="ode"), "only defined"),
-    (dict(lr=-0.1), "lr"), (dict(lr=float("nan")), "lr"), (dict(taus=(5, 1)), "ascending")])
+@pytest.mark.parametrize(
+  "kwargs,match",
+  [
+    (dict(loss="hinge"), "loss='hinge'"),
+    (dict(solver="rk4"), "solver='rk4'"),
+    (dict(select="best"), "select='best'"),
+    (dict(kernel="diag"), "kernel='diag'"),
+    (dict(mse_form="exact"), "mse_form='exact'"),
+    (dict(loss="mse", solver="ode"), "only defined"),
+    (dict(lr=-0.1), "lr"),
+    (dict(lr=float("nan")), "lr"),
+    (dict(taus=(5, 1)), "ascending"),
+  ],
+)
 def test_bad_options_fail_before_work(kwargs, match):
   apply, params = _mlp_model(jax.random.key(29), jnp.float32)
   x, y = _data(jax.random.key(30))
@@ -524,7 +592,7 @@ def test_vmapped_ode_evolution_equals_loop():
   lrs = jnp.array([0.5, 1.0, 0.2])
   run = lambda k, f, y, mk, lr: ev.evolve_ce_ode(k, f, y, mk, lr=lr, taus=(4, 8))
   batched = jax.jit(jax.vmap(run))(kernels, f0s, ys, masks, lrs)
-  single = jax.jit(run)   # one compilation for the whole loop
+  single = jax.jit(run)  # one compilation for the whole loop
   for i in range(m):
     ref = single(kernels[i], f0s[i], ys[i], masks[i], lrs[i])
     # Batched adaptive steps differ per member only within the solver tolerance.
@@ -541,14 +609,30 @@ def test_start_moves_the_initial_condition_but_not_the_linearisation_point():
   targets = jax.nn.one_hot(jnp.arange(9) % 3, 3)
   mask = jnp.ones(9, bool)
   taus = (3, 6)
-  delta, info = evolve.ntk_step(model.apply, params, x, targets, mask, lr=0.1, taus=taus,
-                                 dense_stack=model.dense_stack, start=start)
+  delta, info = evolve.ntk_step(
+    model.apply,
+    params,
+    x,
+    targets,
+    mask,
+    lr=0.1,
+    taus=taus,
+    dense_stack=model.dense_stack,
+    start=start,
+  )
   kernel = ntk.empirical_ntk(model.apply, params, x, dense_stack=model.dense_stack)
-  evo = evolve.evolve(kernel, model.apply(start, x), targets, mask, lr=0.1, taus=taus, loss="ce",
-                      solver="euler")
+  evo = evolve.evolve(
+    kernel, model.apply(start, x), targets, mask, lr=0.1, taus=taus, loss="ce", solver="euler"
+  )
   deltas = evolve.weight_update_vjp(model.apply, params, x, evo.residual_sums, 0.1, 9.0)
-  losses = [float(evolve.mean_loss(model.apply(jax.tree_util.tree_map(lambda s, d: s + d[k], start, deltas), x),
-                                   targets, mask)) for k in range(len(taus))]
+  losses = [
+    float(
+      evolve.mean_loss(
+        model.apply(jax.tree_util.tree_map(lambda s, d: s + d[k], start, deltas), x), targets, mask
+      )
+    )
+    for k in range(len(taus))
+  ]
   k = int(np.argmin(losses))
   assert int(info["tau"]) == taus[k]
   for got, want in zip(jax.tree_util.tree_leaves(delta), jax.tree_util.tree_leaves(deltas)):

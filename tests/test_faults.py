@@ -1,5 +1,6 @@
 """Fault injection: bad inputs, damaged files and failing systems end either in an exact
 resume or in a clear stop with nothing lost (docs/RELIABILITY.md lists each fault and its outcome)."""
+
 from __future__ import annotations
 
 import gzip
@@ -42,8 +43,8 @@ class _Execs:
 def _malicious_payloads(marker):
   touch = f"open({str(marker)!r}, 'w').close()"
   return {
-      "os.system": _RunsShell(f"touch {marker}"),
-      "builtins.exec": _Execs(touch),
+    "os.system": _RunsShell(f"touch {marker}"),
+    "builtins.exec": _Execs(touch),
   }
 
 
@@ -52,7 +53,10 @@ def _malicious_payloads(marker):
 def test_crafted_pickle_is_refused_before_running(tmp_path, kind, protocol):
   marker = tmp_path / "pwned"
   payload = pickle.dumps(_malicious_payloads(marker)[kind], protocol=protocol)
-  with pytest.raises(safe_pickle.UnsafePickleError, match=r"evil\.pkl: refused to unpickle global '(posix|os|builtins|__builtin__)\.(system|exec)'"):
+  with pytest.raises(
+    safe_pickle.UnsafePickleError,
+    match=r"evil\.pkl: refused to unpickle global '(posix|os|builtins|__builtin__)\.(system|exec)'",
+  ):
     safe_pickle.loads(payload, source="evil.pkl")
   assert not marker.exists()
 
@@ -76,7 +80,9 @@ def test_crafted_mnist_pickle_is_refused_by_load(tmp_path, monkeypatch):
   marker = tmp_path / "pwned"
   path = tmp_path / "data" / "mnist" / "mnist.pkl.gz"
   path.parent.mkdir(parents=True)
-  path.write_bytes(gzip.compress(pickle.dumps(_malicious_payloads(marker)["os.system"], protocol=2)))
+  path.write_bytes(
+    gzip.compress(pickle.dumps(_malicious_payloads(marker)["os.system"], protocol=2))
+  )
   with pytest.raises(ValueError, match=rf"{path}: refused to unpickle global '(posix|os)\.system'"):
     sources.load("mnist", tmp_path / "data")
   assert not marker.exists()
@@ -91,9 +97,15 @@ def test_crafted_cifar_batch_is_refused_by_load(tmp_path, monkeypatch):
   for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
     (root / name).write_bytes(pickle.dumps(good, protocol=2))
   # Hidden inside an otherwise valid batch dict.
-  evil = {b"labels": [1, 2], b"data": np.zeros((2, 3072), np.uint8), b"x": _malicious_payloads(marker)["builtins.exec"]}
+  evil = {
+    b"labels": [1, 2],
+    b"data": np.zeros((2, 3072), np.uint8),
+    b"x": _malicious_payloads(marker)["builtins.exec"],
+  }
   (root / "data_batch_2").write_bytes(pickle.dumps(evil, protocol=2))
-  with pytest.raises(ValueError, match=r"data_batch_2: refused to unpickle global '__builtin__\.exec'"):
+  with pytest.raises(
+    ValueError, match=r"data_batch_2: refused to unpickle global '__builtin__\.exec'"
+  ):
     sources.load("cifar10", tmp_path / "data")
   assert not marker.exists()
 
@@ -125,10 +137,20 @@ def _assert_identical(got, want):
 def test_formats_round_trip_exactly(protocol):
   rng = np.random.default_rng(0)
   mnist = tuple((rng.random((4, 784), dtype=np.float32), rng.integers(0, 10, 4)) for _ in range(3))
-  cifar = {b"batch_label": b"training batch 1 of 5", b"labels": [3, 1], "str_key": "x",
-           b"data": rng.integers(0, 256, (2, 3072), dtype=np.uint8), b"filenames": [b"a.png", b"b.png"]}
+  cifar = {
+    b"batch_label": b"training batch 1 of 5",
+    b"labels": [3, 1],
+    "str_key": "x",
+    b"data": rng.integers(0, 256, (2, 3072), dtype=np.uint8),
+    b"filenames": [b"a.png", b"b.png"],
+  }
   # A partition map of the reference codes: client -> sample indices (int64 arrays, numpy or Python int keys).
-  partition = {0: np.array([5, 1], np.int64), np.int64(1): np.arange(3), 2: np.array([], np.int64), 3: {7, 8}}
+  partition = {
+    0: np.array([5, 1], np.int64),
+    np.int64(1): np.arange(3),
+    2: np.array([], np.int64),
+    3: {7, 8},
+  }
   for obj in (mnist, cifar, partition):
     data = pickle.dumps(obj, protocol=protocol)
     for variant in (data, _py2_style(data)) if protocol <= 2 else (data,):
@@ -148,7 +170,10 @@ def test_partition_map_from_gzip_file(tmp_path):
 
 
 def test_object_arrays_and_other_dtypes_are_refused():
-  with pytest.raises(safe_pickle.UnsafePickleError, match=r"x\.pkl: refused to unpickle an array of dtype dtype\('O'\)"):
+  with pytest.raises(
+    safe_pickle.UnsafePickleError,
+    match=r"x\.pkl: refused to unpickle an array of dtype dtype\('O'\)",
+  ):
     safe_pickle.loads(pickle.dumps(np.array([1, "a"], dtype=object), protocol=2), source="x.pkl")
   structured = np.zeros(2, dtype=[("a", "f4"), ("b", "i4")])
   with pytest.raises(safe_pickle.UnsafePickleError, match="x.pkl: refused"):
@@ -160,10 +185,13 @@ def test_object_arrays_and_other_dtypes_are_refused():
 
 def test_extra_globals_widen_the_allow_list():
   import collections  # pylint: disable=g-import-not-at-top
+
   data = pickle.dumps(collections.OrderedDict(a=np.int64(1)), protocol=2)
   with pytest.raises(safe_pickle.UnsafePickleError, match="'collections.OrderedDict'"):
     safe_pickle.loads(data)
-  restored = safe_pickle.loads(data, extra_globals={("collections", "OrderedDict"): collections.OrderedDict})
+  restored = safe_pickle.loads(
+    data, extra_globals={("collections", "OrderedDict"): collections.OrderedDict}
+  )
   assert restored == collections.OrderedDict(a=1)
 
 
@@ -199,14 +227,16 @@ def test_run_directory_method_module_is_not_imported_unless_trusted(tmp_path):
   from ntk_fl import rundir, schema  # pylint: disable=g-import-not-at-top
 
   workdir, module, marker = _run_dir_naming_module(tmp_path, "unregistered_method")
-  with pytest.raises(ValueError, match=rf"run/config.json names method_module '{module}'.*--method_module={module}"):
+  with pytest.raises(
+    ValueError, match=rf"run/config.json names method_module '{module}'.*--method_module={module}"
+  ):
     rundir.rebuild_config(workdir)
   assert not marker.exists()
   # The explicit opt-in naming that file imports it (and only then).
   config = rundir.rebuild_config(workdir, trust_method_module=module)
   assert config["method_module"] == module and not marker.exists()
   with pytest.raises(ValueError, match="unknown method 'unregistered_method'"):
-    schema.validate_config(config)   # the file ran (it registers nothing)
+    schema.validate_config(config)  # the file ran (it registers nothing)
   assert marker.exists()
 
 
@@ -222,16 +252,23 @@ def test_run_directory_of_a_registered_method_skips_its_method_module(tmp_path):
 
 # ----------------------------------------------------------------------------- checkpoint faults
 
-_ROUNDS = 5   # toy smoke with 5 rounds: checkpoints after rounds 2, 4 and 5; the last two are kept
+_ROUNDS = 5  # toy smoke with 5 rounds: checkpoints after rounds 2, 4 and 5; the last two are kept
 _TIMES = ("step_time", "eval_time")
-_SUMMARY_TIMES = ("wall_time", "train_time", "time_per_round", "step_time_per_round", "resumed_from")
+_SUMMARY_TIMES = (
+  "wall_time",
+  "train_time",
+  "time_per_round",
+  "step_time_per_round",
+  "resumed_from",
+)
 
 
 def _toy_config(**overrides):
   from ntk_fl.config import load_config  # pylint: disable=g-import-not-at-top
+
   config = load_config(os.path.join(_REPO, "tests", "configs", "toy.py"), "smoke")
   config.rounds = _ROUNDS
-  config.update_from_flattened_dict(overrides)      # dotted keys: {"data.num_clients": 4}
+  config.update_from_flattened_dict(overrides)  # dotted keys: {"data.num_clients": 4}
   return config
 
 
@@ -239,7 +276,10 @@ def _results(workdir):
   """metrics lines and summary without wall-clock times: what an exact resume must reproduce."""
   import json  # pylint: disable=g-import-not-at-top
   from ntk_fl import rundir  # pylint: disable=g-import-not-at-top
-  lines = [{k: v for k, v in line.items() if k not in _TIMES} for line in rundir.read_metrics(workdir)]
+
+  lines = [
+    {k: v for k, v in line.items() if k not in _TIMES} for line in rundir.read_metrics(workdir)
+  ]
   with open(os.path.join(workdir, rundir.SUMMARY_FILE)) as f:
     summary = {k: v for k, v in json.load(f).items() if k not in _SUMMARY_TIMES}
   return lines, summary
@@ -248,6 +288,7 @@ def _results(workdir):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
   from ntk_fl import runner  # pylint: disable=g-import-not-at-top
+
   workdir = str(tmp_path_factory.mktemp("uninterrupted") / "run")
   runner.run(_toy_config(), workdir)
   return workdir, _results(workdir)
@@ -255,6 +296,7 @@ def uninterrupted(tmp_path_factory):
 
 def _copy_run(source, tmp_path):
   import shutil  # pylint: disable=g-import-not-at-top
+
   workdir = str(tmp_path / "run")
   shutil.copytree(source, workdir)
   os.remove(os.path.join(workdir, "summary.json"))
@@ -262,8 +304,12 @@ def _copy_run(source, tmp_path):
 
 
 def _largest_data_file(step_dir):
-  files = [os.path.join(root, name) for root, _, names in os.walk(os.path.join(step_dir, "default"))
-           for name in names if os.sep + "d" + os.sep in os.path.join(root, name)]
+  files = [
+    os.path.join(root, name)
+    for root, _, names in os.walk(os.path.join(step_dir, "default"))
+    for name in names
+    if os.sep + "d" + os.sep in os.path.join(root, name)
+  ]
   return max(files, key=os.path.getsize)
 
 
@@ -274,11 +320,11 @@ def _damage(step_dir, how):
     path = _largest_data_file(step_dir)
     with open(path, "r+b") as f:
       f.truncate(os.path.getsize(path) // 2)
-  elif how == "zero-filled":      # the file keeps its size: only the digest can tell
+  elif how == "zero-filled":  # the file keeps its size: only the digest can tell
     path = _largest_data_file(step_dir)
     with open(path, "r+b") as f:
       f.write(b"\0" * os.path.getsize(path))
-  elif how == "zero block":       # a block inside the compressed data: still decodes, to wrong numbers
+  elif how == "zero block":  # a block inside the compressed data: still decodes, to wrong numbers
     path = _largest_data_file(step_dir)
     with open(path, "r+b") as f:
       f.seek(os.path.getsize(path) // 3)
@@ -287,28 +333,43 @@ def _damage(step_dir, how):
     raise ValueError(how)
 
 
-@pytest.mark.parametrize("how,label", [("metadata removed", "incomplete"), ("truncated", "damaged"),
-                                       ("zero-filled", "damaged"), ("zero block", "damaged")])
-def test_damaged_latest_checkpoint_is_set_aside_and_resume_is_exact(uninterrupted, tmp_path, how, label, caplog):
+@pytest.mark.parametrize(
+  "how,label",
+  [
+    ("metadata removed", "incomplete"),
+    ("truncated", "damaged"),
+    ("zero-filled", "damaged"),
+    ("zero block", "damaged"),
+  ],
+)
+def test_damaged_latest_checkpoint_is_set_aside_and_resume_is_exact(
+  uninterrupted, tmp_path, how, label, caplog
+):
   from ntk_fl import runner  # pylint: disable=g-import-not-at-top
+
   source, expected = uninterrupted
   workdir = _copy_run(source, tmp_path)
   ckpt_dir = os.path.join(workdir, "checkpoints")
   _damage(os.path.join(ckpt_dir, "5"), how)
-  with open(os.path.join(ckpt_dir, "5", "default", "_METADATA"), "rb") if how != "metadata removed" else \
-      open(os.devnull, "rb") as f:
+  with (
+    open(os.path.join(ckpt_dir, "5", "default", "_METADATA"), "rb")
+    if how != "metadata removed"
+    else open(os.devnull, "rb") as f
+  ):
     kept_bytes = f.read()
 
   summary = runner.run(_toy_config(), workdir, resume=True)
-  assert summary["resumed_from"] == 4           # the newest good checkpoint
-  assert _results(workdir) == expected          # identical to the uninterrupted run
+  assert summary["resumed_from"] == 4  # the newest good checkpoint
+  assert _results(workdir) == expected  # identical to the uninterrupted run
   set_aside = [n for n in os.listdir(ckpt_dir) if n.startswith(f"5.set-aside-{label}-")]
-  assert len(set_aside) == 1                    # renamed, not deleted: the damaged files are all still there
+  assert len(set_aside) == 1  # renamed, not deleted: the damaged files are all still there
   if how != "metadata removed":
     with open(os.path.join(ckpt_dir, set_aside[0], "default", "_METADATA"), "rb") as f:
       assert f.read() == kept_bytes
   assert sorted(n for n in os.listdir(ckpt_dir) if SET_ASIDE not in n) == ["4", "5"]
-  assert any(f"{ckpt_dir}/5" in r.getMessage() and "set aside as" in r.getMessage() for r in caplog.records)
+  assert any(
+    f"{ckpt_dir}/5" in r.getMessage() and "set aside as" in r.getMessage() for r in caplog.records
+  )
 
 
 SET_ASIDE = ".set-aside-"
@@ -316,6 +377,7 @@ SET_ASIDE = ".set-aside-"
 
 def test_resume_from_step_sets_later_checkpoints_aside(uninterrupted, tmp_path):
   from ntk_fl import runner  # pylint: disable=g-import-not-at-top
+
   source, expected = uninterrupted
   workdir = _copy_run(source, tmp_path)
   summary = runner.run(_toy_config(), workdir, resume_from_step=4)
@@ -323,12 +385,17 @@ def test_resume_from_step_sets_later_checkpoints_aside(uninterrupted, tmp_path):
   ckpt_dir = os.path.join(workdir, "checkpoints")
   assert any(n.startswith("5.set-aside-superseded-") for n in os.listdir(ckpt_dir))
   # A step that is not there (round 2 was rotated out) is a clear error naming the ones that are.
-  with pytest.raises(FileNotFoundError, match=r"no finalised checkpoint after round 2 .*rounds \[4, 5\]"):
+  with pytest.raises(
+    FileNotFoundError, match=r"no finalised checkpoint after round 2 .*rounds \[4, 5\]"
+  ):
     runner.run(_toy_config(), workdir, resume_from_step=2)
 
 
-def test_every_checkpoint_damaged_restarts_in_place_keeping_everything(uninterrupted, tmp_path, caplog):
+def test_every_checkpoint_damaged_restarts_in_place_keeping_everything(
+  uninterrupted, tmp_path, caplog
+):
   from ntk_fl import runner  # pylint: disable=g-import-not-at-top
+
   source, expected = uninterrupted
   workdir = _copy_run(source, tmp_path)
   for step in ("4", "5"):
@@ -336,8 +403,12 @@ def test_every_checkpoint_damaged_restarts_in_place_keeping_everything(uninterru
   summary = runner.run(_toy_config(), workdir, resume=True)
   assert summary["resumed_from"] is None and _results(workdir) == expected
   assert len([n for n in os.listdir(os.path.join(workdir, "checkpoints")) if SET_ASIDE in n]) == 2
-  assert [n for n in os.listdir(workdir) if n.startswith("unfinished-")]   # the old metrics and config kept
-  assert any("no good checkpoint" in r.getMessage() and "round 0" in r.getMessage() for r in caplog.records)
+  assert [
+    n for n in os.listdir(workdir) if n.startswith("unfinished-")
+  ]  # the old metrics and config kept
+  assert any(
+    "no good checkpoint" in r.getMessage() and "round 0" in r.getMessage() for r in caplog.records
+  )
 
 
 _KILL_DRIVER = """
@@ -380,10 +451,16 @@ def test_kill_9_then_resume_equals_the_uninterrupted_run(uninterrupted, tmp_path
   import subprocess  # pylint: disable=g-import-not-at-top
   from ntk_fl import rundir, runner  # pylint: disable=g-import-not-at-top
   from ntk_fl.checkpoint import Checkpoints  # pylint: disable=g-import-not-at-top
+
   _, expected = uninterrupted
   workdir = str(tmp_path / "run")
-  proc = subprocess.run([sys.executable, "-c", _KILL_DRIVER.format(repo=_REPO, rounds=_ROUNDS), where, workdir],
-                        capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  proc = subprocess.run(
+    [sys.executable, "-c", _KILL_DRIVER.format(repo=_REPO, rounds=_ROUNDS), where, workdir],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
   assert proc.returncode == -9, proc.stderr[-2000:]
   with Checkpoints(os.path.join(workdir, "checkpoints"), read_only=True) as ckpt:
     assert ckpt.steps() == [latest]
@@ -415,15 +492,23 @@ cli.main()
 """
 
 
-def test_ctrl_c_stops_with_a_resume_hint_and_resume_equals_the_uninterrupted_run(uninterrupted, tmp_path):
+def test_ctrl_c_stops_with_a_resume_hint_and_resume_equals_the_uninterrupted_run(
+  uninterrupted, tmp_path
+):
   """SIGINT in the middle of a round, through the command line: exit 130, one hint line, an exact resume."""
   import subprocess  # pylint: disable=g-import-not-at-top
   from ntk_fl import rundir, runner  # pylint: disable=g-import-not-at-top
   from ntk_fl.checkpoint import Checkpoints  # pylint: disable=g-import-not-at-top
+
   _, expected = uninterrupted
   workdir = str(tmp_path / "run")
-  proc = subprocess.run([sys.executable, "-c", _INTERRUPT_DRIVER.format(repo=_REPO, rounds=_ROUNDS), workdir],
-                        capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  proc = subprocess.run(
+    [sys.executable, "-c", _INTERRUPT_DRIVER.format(repo=_REPO, rounds=_ROUNDS), workdir],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
   assert proc.returncode == 130, proc.stderr[-2000:]
   assert f"interrupted; continue the run with --resume (workdir {workdir})" in proc.stderr
   assert "Traceback" not in proc.stderr
@@ -458,6 +543,7 @@ def _poison_client_at_round(monkeypatch, round_: int, client: int):
         poison = lambda w: w.at[client].set(jnp.nan) if jnp.issubdtype(w.dtype, jnp.floating) else w
         state = state._replace(params=jax.tree.map(poison, state.params))
       return state, metrics
+
     return algorithm._replace(step=step)
 
   monkeypatch.setitem(algorithms._REGISTRY, "toy_gd", method._replace(make=make))
@@ -467,6 +553,7 @@ def test_nan_in_a_client_stops_the_run_and_resume_is_exact(uninterrupted, tmp_pa
   import json  # pylint: disable=g-import-not-at-top
   from ntk_fl import runner  # pylint: disable=g-import-not-at-top
   from ntk_fl.checkpoint import Checkpoints  # pylint: disable=g-import-not-at-top
+
   _, expected = uninterrupted
   workdir = str(tmp_path / "run")
   with monkeypatch.context() as patch:
@@ -475,14 +562,21 @@ def test_nan_in_a_client_stops_the_run_and_resume_is_exact(uninterrupted, tmp_pa
       runner.run(_toy_config(), workdir)
   message = str(err.value)
   assert err.value.round == 3
-  assert message.startswith("round 3: the run diverged: non-finite the models of 1 of 10 clients (7)")
-  assert "config.algorithm.lr = 0.5" in message and "last good checkpoint (after round 2) is kept" in message
+  assert message.startswith(
+    "round 3: the run diverged: non-finite the models of 1 of 10 clients (7)"
+  )
+  assert (
+    "config.algorithm.lr = 0.5" in message
+    and "last good checkpoint (after round 2) is kept" in message
+  )
   with open(os.path.join(workdir, "summary.json")) as f:
     summary = json.load(f)
   assert summary["status"] == "diverged" and summary["diverged"]["round"] == 3
-  assert summary["final_test_acc"] is None and summary["rounds_run"] == 3   # no stale "final" numbers
+  assert (
+    summary["final_test_acc"] is None and summary["rounds_run"] == 3
+  )  # no stale "final" numbers
   with Checkpoints(os.path.join(workdir, "checkpoints"), read_only=True) as ckpt:
-    assert ckpt.steps() == [2]           # the non-finite state was not saved
+    assert ckpt.steps() == [2]  # the non-finite state was not saved
   # Nothing lost: the same run resumed (no fault this time) is the uninterrupted one.
   runner.run(_toy_config(), workdir, resume=True)
   assert _results(workdir) == expected
@@ -490,6 +584,7 @@ def test_nan_in_a_client_stops_the_run_and_resume_is_exact(uninterrupted, tmp_pa
 
 def test_on_divergence_continue_records_and_goes_on(tmp_path, monkeypatch):
   from ntk_fl import runner  # pylint: disable=g-import-not-at-top
+
   _poison_client_at_round(monkeypatch, round_=2, client=0)
   summary = runner.run(_toy_config(on_divergence="continue"), str(tmp_path / "run"))
   assert summary["status"] == "diverged" and summary["diverged"]["round"] == 2
@@ -499,21 +594,42 @@ def test_on_divergence_continue_records_and_goes_on(tmp_path, monkeypatch):
 def test_finite_check_flags_each_quantity():
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from ntk_fl import runner  # pylint: disable=g-import-not-at-top
+
   check = runner.make_finite_check(lambda state: state["params"])
-  state = {"params": {"w": jnp.ones((4, 3, 2)), "b": jnp.zeros((4, 2))}, "momentum": jnp.zeros(5),
-           "steps": jnp.int32(3)}
+  state = {
+    "params": {"w": jnp.ones((4, 3, 2)), "b": jnp.zeros((4, 2))},
+    "momentum": jnp.zeros(5),
+    "steps": jnp.int32(3),
+  }
   metrics = {"loss": jnp.ones(4), "tau": jnp.arange(4)}
   flags = check(state, metrics)
-  assert bool(flags["state"]) and np.asarray(flags["clients"]).all() and set(flags["metrics"]) == {"loss"}
-  bad = {**state, "params": {"w": state["params"]["w"].at[2, 1, 0].set(jnp.inf), "b": state["params"]["b"]}}
+  assert (
+    bool(flags["state"])
+    and np.asarray(flags["clients"]).all()
+    and set(flags["metrics"]) == {"loss"}
+  )
+  bad = {
+    **state,
+    "params": {"w": state["params"]["w"].at[2, 1, 0].set(jnp.inf), "b": state["params"]["b"]},
+  }
   flags = check(bad, {"loss": jnp.array([1.0, jnp.nan, 1.0, 1.0]), "tau": metrics["tau"]})
-  assert not bool(flags["state"]) and np.asarray(flags["clients"]).tolist() == [True, True, False, True]
+  assert not bool(flags["state"]) and np.asarray(flags["clients"]).tolist() == [
+    True,
+    True,
+    False,
+    True,
+  ]
   assert not bool(flags["metrics"]["loss"])
   found = runner._non_finite(flags, {"test_loss": float("nan")})
-  assert found == ["the models of 1 of 4 clients (2)", "the algorithm metric 'loss'", "the aggregated model's test_loss"]
+  assert found == [
+    "the models of 1 of 4 clients (2)",
+    "the algorithm metric 'loss'",
+    "the aggregated model's test_loss",
+  ]
   flags = check({**state, "momentum": jnp.full(5, jnp.nan)}, metrics)
   assert runner._non_finite(flags, {"test_loss": 0.3}) == [
-      "the algorithm state (a non-parameter leaf, e.g. momentum or a server model)"]
+    "the algorithm state (a non-parameter leaf, e.g. momentum or a server model)"
+  ]
 
 
 # ----------------------------------------------------------------------------- one clear line, early
@@ -521,8 +637,15 @@ def test_finite_check_flags_each_quantity():
 
 def _cli(*args, timeout=300):
   import subprocess  # pylint: disable=g-import-not-at-top
-  return subprocess.run([sys.executable, os.path.join(_REPO, "experiments", "main.py"), *args], cwd=_REPO,
-                        capture_output=True, text=True, timeout=timeout, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+  return subprocess.run(
+    [sys.executable, os.path.join(_REPO, "experiments", "main.py"), *args],
+    cwd=_REPO,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
 
 
 def _assert_one_error_line(proc, *fragments):
@@ -536,40 +659,66 @@ def _assert_one_error_line(proc, *fragments):
 
 
 def test_cli_bad_requests_are_one_line_before_any_data(tmp_path):
-  import json  # pylint: disable=g-import-not-at-top
   from ntk_fl import rundir  # pylint: disable=g-import-not-at-top
+
   toy = "--config=tests/configs/toy.py:smoke"
   # A missing config file (was: "config must be an ml_collections.ConfigDict, got _ErrorConfig").
-  lines = _assert_one_error_line(_cli("--config=configs/no_such.py:smoke", f"--workdir={tmp_path / 'a'}"),
-                                 "no config file", "no_such.py")
+  lines = _assert_one_error_line(
+    _cli("--config=configs/no_such.py:smoke", f"--workdir={tmp_path / 'a'}"),
+    "no config file",
+    "no_such.py",
+  )
   assert len(lines) == 1
   # A workdir that is a file: found before the data and the model are built.
   (tmp_path / "file").write_text("x")
-  lines = _assert_one_error_line(_cli(toy, f"--workdir={tmp_path / 'file'}"), "is a file, not a directory")
+  lines = _assert_one_error_line(
+    _cli(toy, f"--workdir={tmp_path / 'file'}"), "is a file, not a directory"
+  )
   assert len(lines) == 1
   # A corrupt config.json of the run to resume names the file.
   run = tmp_path / "corrupt"
   run.mkdir()
   (run / rundir.CONFIG_FILE).write_text('{"method": "toy_gd", ')
-  lines = _assert_one_error_line(_cli(toy, f"--workdir={run}", "--resume"), f"{run}/config.json",
-                                 "not a readable config")
+  lines = _assert_one_error_line(
+    _cli(toy, f"--workdir={run}", "--resume"), f"{run}/config.json", "not a readable config"
+  )
   assert len(lines) == 1
-  assert not (run / "log.txt").exists()    # a bad request leaves the workdir alone
+  assert not (run / "log.txt").exists()  # a bad request leaves the workdir alone
 
 
 def test_pre_data_checks_name_the_fix(tmp_path, monkeypatch):
   """The same checks the CLI runs before any data (its error line is the message), without a subprocess each."""
   import json  # pylint: disable=g-import-not-at-top
   from ntk_fl import data, rundir, schema  # pylint: disable=g-import-not-at-top
+
   monkeypatch.setattr(data, "load", lambda *a, **k: pytest.fail("data loaded"))
   for overrides, fragment in [
-      ({"data.max_train": 500, "data.num_clients": 600}, "num_clients = 600 exceeds the 500 training samples"),
-      ({"data.name": "fashion_mnist", "data.num_clients": 100_000}, "num_clients = 100000 exceeds the 60000"),
-      ({"data.name": "fashion_mnist", "data.max_train": 70_000}, "max_train = 70000 exceeds the 60000"),
-      ({"data.name": "fashion_mnist", "data.max_train": 6_000, "data.partition": "dirichlet_fixed_size",
-        "data.samples_per_client": 700}, "samples_per_client = 700 too large for dirichlet_fixed_size"),
-      ({"data.max_train": 600, "data.samples_per_client": 100}, "samples_per_client = 100 too large for iid"),
-      ({"on_divergence": "ignore"}, "config.on_divergence"),
+    (
+      {"data.max_train": 500, "data.num_clients": 600},
+      "num_clients = 600 exceeds the 500 training samples",
+    ),
+    (
+      {"data.name": "fashion_mnist", "data.num_clients": 100_000},
+      "num_clients = 100000 exceeds the 60000",
+    ),
+    (
+      {"data.name": "fashion_mnist", "data.max_train": 70_000},
+      "max_train = 70000 exceeds the 60000",
+    ),
+    (
+      {
+        "data.name": "fashion_mnist",
+        "data.max_train": 6_000,
+        "data.partition": "dirichlet_fixed_size",
+        "data.samples_per_client": 700,
+      },
+      "samples_per_client = 700 too large for dirichlet_fixed_size",
+    ),
+    (
+      {"data.max_train": 600, "data.samples_per_client": 100},
+      "samples_per_client = 100 too large for iid",
+    ),
+    ({"on_divergence": "ignore"}, "config.on_divergence"),
   ]:
     with pytest.raises(ValueError, match=fragment):
       schema.validate_config(_toy_config(**overrides))
@@ -577,29 +726,41 @@ def test_pre_data_checks_name_the_fix(tmp_path, monkeypatch):
   run = tmp_path / "run"
   run.mkdir()
   (run / rundir.CONFIG_FILE).write_text(json.dumps(rundir.jsonable(_toy_config())))
-  with pytest.raises(ValueError, match=rf"rounds: {_ROUNDS} -> 9; to run more rounds.*--branch_from={run}"):
+  with pytest.raises(
+    ValueError, match=rf"rounds: {_ROUNDS} -> 9; to run more rounds.*--branch_from={run}"
+  ):
     rundir.check_workdir(_toy_config(rounds=9), str(run), resume=True)
 
 
 def test_cli_data_file_and_divergence_errors_are_one_line(tmp_path):
   import json  # pylint: disable=g-import-not-at-top
+
   toy = "--config=tests/configs/toy.py:smoke"
   # A crafted data file: refused (the marker is never written), one line, the traceback kept in the workdir's log.txt.
   marker = tmp_path / "pwned"
   data_dir = tmp_path / "data"
   (data_dir / "mnist").mkdir(parents=True)
   (data_dir / "mnist" / "mnist.pkl.gz").write_bytes(
-      gzip.compress(pickle.dumps(_malicious_payloads(marker)["os.system"], protocol=2)))
+    gzip.compress(pickle.dumps(_malicious_payloads(marker)["os.system"], protocol=2))
+  )
   workdir = tmp_path / "pickle_run"
-  _assert_one_error_line(_cli(toy, f"--workdir={workdir}", "--config.data.name=mnist",
-                              f"--config.data.data_dir={data_dir}"),
-                         "mnist.pkl.gz: refused to unpickle global", f"traceback in {workdir}/log.txt")
+  _assert_one_error_line(
+    _cli(
+      toy, f"--workdir={workdir}", "--config.data.name=mnist", f"--config.data.data_dir={data_dir}"
+    ),
+    "mnist.pkl.gz: refused to unpickle global",
+    f"traceback in {workdir}/log.txt",
+  )
   assert not marker.exists()
   assert "Traceback" in (workdir / "log.txt").read_text()
   # Divergence: a non-zero exit, one line naming the round, the quantity and the learning rate.
   workdir = tmp_path / "diverged"
-  _assert_one_error_line(_cli(toy, f"--workdir={workdir}", "--config.algorithm.lr=1e30"),
-                         "round 1: the run diverged", "test_loss", "config.algorithm.lr = 1e+30")
+  _assert_one_error_line(
+    _cli(toy, f"--workdir={workdir}", "--config.algorithm.lr=1e30"),
+    "round 1: the run diverged",
+    "test_loss",
+    "config.algorithm.lr = 1e+30",
+  )
   with open(workdir / "summary.json") as f:
     assert json.load(f)["status"] == "diverged"
 
@@ -609,6 +770,7 @@ def test_cli_data_file_and_divergence_errors_are_one_line(tmp_path):
 
 def _disk_full(path="metrics.jsonl"):
   import errno  # pylint: disable=g-import-not-at-top
+
   return OSError(errno.ENOSPC, "No space left on device", path)
 
 
@@ -616,25 +778,34 @@ def _disk_full(path="metrics.jsonl"):
 def test_disk_full_is_one_line_and_resume_is_exact(uninterrupted, tmp_path, monkeypatch, writer):
   import orbax.checkpoint._src.path.atomicity as atomicity  # pylint: disable=g-import-not-at-top
   from ntk_fl import cli, rundir, runner  # pylint: disable=g-import-not-at-top
+
   _, expected = uninterrupted
   workdir = str(tmp_path / "run")
   with monkeypatch.context() as patch:
-    if writer == "metrics":     # the line of round 4 cannot be written
+    if writer == "metrics":  # the line of round 4 cannot be written
       metrics_line = rundir.metrics_line
-      patch.setattr(rundir, "metrics_line",
-                    lambda line: (_ for _ in ()).throw(_disk_full()) if line["round"] == 4 else metrics_line(line))
-    else:                       # checkpoint 4's files are written, its final rename fails
+      patch.setattr(
+        rundir,
+        "metrics_line",
+        lambda line: (
+          (_ for _ in ()).throw(_disk_full()) if line["round"] == 4 else metrics_line(line)
+        ),
+      )
+    else:  # checkpoint 4's files are written, its final rename fails
       finalize = atomicity.AtomicRenameTemporaryPath.finalize
 
       async def finalize_or_fail(self):
         if os.path.basename(str(self._final_path)) == "4":
           raise _disk_full(str(self._final_path))
         await finalize(self)
+
       patch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", finalize_or_fail)
     with pytest.raises(OSError) as err:
       runner.run(_toy_config(), workdir)
   message = cli.report_failure(err.value, workdir, verbose=False)
-  assert message.startswith("disk full while writing") and "--resume" in message and "\n" not in message
+  assert (
+    message.startswith("disk full while writing") and "--resume" in message and "\n" not in message
+  )
   assert "Traceback" in open(os.path.join(workdir, cli.LOG_FILE)).read()
   summary = runner.run(_toy_config(), workdir, resume=True)
   assert summary["resumed_from"] == 2 and _results(workdir) == expected
@@ -642,6 +813,7 @@ def test_disk_full_is_one_line_and_resume_is_exact(uninterrupted, tmp_path, monk
 
 def test_bad_metrics_file_is_found_before_data(uninterrupted, tmp_path, monkeypatch):
   from ntk_fl import data, runner  # pylint: disable=g-import-not-at-top
+
   source, _ = uninterrupted
   workdir = _copy_run(source, tmp_path)
   path = os.path.join(workdir, "metrics.jsonl")
@@ -658,21 +830,33 @@ def test_event_file_takes_the_huge_values_of_a_diverging_round(tmp_path):
   # Losses of 1e26 (NTK-DFL at lr = 1e6, one round before they overflow) are outside TensorBoard's
   # histogram buckets; the event writer must log them rather than end the run.
   from ntk_fl import summaries  # pylint: disable=g-import-not-at-top
+
   with summaries.EventWriter(tmp_path) as events:
-    events.write({"round": 2, "step_time": 0.1, "eval_time": 0.1, "loss_mean": 2.7e26,
-                  "clients": {"loss": [2.7e26, 1e25, None, -4e22]}})
+    events.write(
+      {
+        "round": 2,
+        "step_time": 0.1,
+        "eval_time": 0.1,
+        "loss_mean": 2.7e26,
+        "clients": {"loss": [2.7e26, 1e25, None, -4e22]},
+      }
+    )
   assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path))
 
 
 def test_a_full_disk_reported_by_tensorstore_is_recognised():
   # The error orbax raised when a checkpoint filled a 1.1 MB tmpfs (orbax-checkpoint 0.12.8, TensorStore).
   from ntk_fl import cli  # pylint: disable=g-import-not-at-top
-  err = ValueError('RESOURCE_EXHAUSTED: Error writing "params.params.dense_0.kernel/0.0.0" in OCDBT database at '
-                   'local file "/mnt/run/checkpoints/5.orbax-checkpoint-tmp/default.orbax-checkpoint-tmp/'
-                   'ocdbt.process_0/": Failed to write 466763 bytes to file 13: No space left on device '
-                   "[os_error_code='28']")
-  assert cli.one_line(err).startswith("disk full (No space left on device); free some space, then continue "
-                                      "the run with --resume")
+
+  err = ValueError(
+    'RESOURCE_EXHAUSTED: Error writing "params.params.dense_0.kernel/0.0.0" in OCDBT database at '
+    'local file "/mnt/run/checkpoints/5.orbax-checkpoint-tmp/default.orbax-checkpoint-tmp/'
+    'ocdbt.process_0/": Failed to write 466763 bytes to file 13: No space left on device '
+    "[os_error_code='28']"
+  )
+  assert cli.one_line(err).startswith(
+    "disk full (No space left on device); free some space, then continue the run with --resume"
+  )
 
 
 # ----------------------------------------------------------------------------- one run per workdir
@@ -691,8 +875,13 @@ time.sleep(120)
 def _holder(workdir):
   """A process holding ``workdir``'s lock as a run does (killed by the caller)."""
   import subprocess  # pylint: disable=g-import-not-at-top
-  proc = subprocess.Popen([sys.executable, "-c", _HOLD_DRIVER.format(repo=_REPO), str(workdir)],
-                          stdout=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+  proc = subprocess.Popen(
+    [sys.executable, "-c", _HOLD_DRIVER.format(repo=_REPO), str(workdir)],
+    stdout=subprocess.PIPE,
+    text=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
   assert proc.stdout.readline().strip() == "held"
   return proc
 
@@ -700,12 +889,16 @@ def _holder(workdir):
 def test_a_second_run_in_a_held_workdir_is_refused_naming_the_holder(tmp_path):
   import socket  # pylint: disable=g-import-not-at-top
   from ntk_fl import runner  # pylint: disable=g-import-not-at-top
+
   workdir = tmp_path / "run"
   holder = _holder(workdir)
   try:
     # The command line: one line naming pid and host, before anything is written (no log.txt, no config.json).
-    lines = _assert_one_error_line(_cli("--config=tests/configs/toy.py:smoke", f"--workdir={workdir}"),
-                                   "is in use by another run", f"pid {holder.pid} on host {socket.gethostname()}")
+    lines = _assert_one_error_line(
+      _cli("--config=tests/configs/toy.py:smoke", f"--workdir={workdir}"),
+      "is in use by another run",
+      f"pid {holder.pid} on host {socket.gethostname()}",
+    )
     assert len(lines) == 1 and sorted(os.listdir(workdir)) == ["run.lock"]
     # The API refuses the same way (also with --resume: a resume must not set checkpoints aside under a run).
     for resume in (False, True):
@@ -717,13 +910,16 @@ def test_a_second_run_in_a_held_workdir_is_refused_naming_the_holder(tmp_path):
   # The holder was killed: its record stays, no lock is held, its pid is gone -> taken over with a warning.
   assert f"pid={holder.pid}" in (workdir / "run.lock").read_text()
   summary = runner.run(_toy_config(rounds=1), str(workdir))
-  assert summary["rounds_run"] == 1 and (workdir / "run.lock").read_text() == ""   # released when done
+  assert (
+    summary["rounds_run"] == 1 and (workdir / "run.lock").read_text() == ""
+  )  # released when done
 
 
 def test_a_lock_record_that_cannot_be_proven_stale_is_refused_with_the_fix(tmp_path, caplog):
   import socket  # pylint: disable=g-import-not-at-top
   from ntk_fl import rundir  # pylint: disable=g-import-not-at-top
   from ntk_fl._src import fsutil  # pylint: disable=g-import-not-at-top
+
   workdir = tmp_path / "run"
   workdir.mkdir()
   lock = workdir / "run.lock"
@@ -736,7 +932,9 @@ def test_a_lock_record_that_cannot_be_proven_stale_is_refused_with_the_fix(tmp_p
   with pytest.raises(fsutil.WorkdirBusy, match=rf"its pid is in use.*delete {lock}"):
     rundir.hold_workdir(str(workdir), primary=True)
   # Written before this host's last boot: provably over, taken over with a warning naming it.
-  lock.write_text(f"pid={os.getppid()}\nhost={socket.gethostname()}\nboot=an-earlier-boot\nstarted=then\n")
+  lock.write_text(
+    f"pid={os.getppid()}\nhost={socket.gethostname()}\nboot=an-earlier-boot\nstarted=then\n"
+  )
   held = rundir.hold_workdir(str(workdir), primary=True)
   try:
     assert held.taken_over["pid"] == str(os.getppid())
@@ -755,16 +953,25 @@ def test_a_lock_record_that_cannot_be_proven_stale_is_refused_with_the_fix(tmp_p
 # ----------------------------------------------------------------------------- no dead end before a checkpoint
 
 
-def test_resume_of_a_run_killed_before_its_first_checkpoint_starts_over_in_place(uninterrupted, tmp_path, caplog):
+def test_resume_of_a_run_killed_before_its_first_checkpoint_starts_over_in_place(
+  uninterrupted, tmp_path, caplog
+):
   import subprocess  # pylint: disable=g-import-not-at-top
   from ntk_fl import rundir, runner  # pylint: disable=g-import-not-at-top
+
   _, expected = uninterrupted
   workdir = str(tmp_path / "run")
-  proc = subprocess.run([sys.executable, "-c", _KILL_DRIVER.format(repo=_REPO, rounds=_ROUNDS), "first round",
-                         workdir], capture_output=True, text=True, timeout=300,
-                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  proc = subprocess.run(
+    [sys.executable, "-c", _KILL_DRIVER.format(repo=_REPO, rounds=_ROUNDS), "first round", workdir],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
   assert proc.returncode == -9, proc.stderr[-2000:]
-  assert len(rundir.read_metrics(workdir)) == 1 and not os.listdir(os.path.join(workdir, "checkpoints"))
+  assert len(rundir.read_metrics(workdir)) == 1 and not os.listdir(
+    os.path.join(workdir, "checkpoints")
+  )
   # A fresh run refuses the workdir, and its message names the request that works.
   with pytest.raises(ValueError, match="already holds a run.*--resume") as err:
     runner.run(_toy_config(), workdir)
@@ -773,7 +980,9 @@ def test_resume_of_a_run_killed_before_its_first_checkpoint_starts_over_in_place
   assert summary["resumed_from"] is None and _results(workdir) == expected
   aside = [n for n in os.listdir(workdir) if n.startswith("unfinished-")]
   assert len(aside) == 1 and len(rundir.read_metrics(os.path.join(workdir, aside[0]))) == 1
-  assert any("nothing to resume" in r.getMessage() and "round 0" in r.getMessage() for r in caplog.records)
+  assert any(
+    "nothing to resume" in r.getMessage() and "round 0" in r.getMessage() for r in caplog.records
+  )
   # --resume of an empty workdir starts the run too.
   summary = runner.run(_toy_config(rounds=1), str(tmp_path / "empty"), resume=True)
   assert summary["rounds_run"] == 1
@@ -781,7 +990,10 @@ def test_resume_of_a_run_killed_before_its_first_checkpoint_starts_over_in_place
 
 def test_interrupt_hint_names_the_command_that_works(tmp_path):
   from ntk_fl import cli  # pylint: disable=g-import-not-at-top
-  assert cli._interrupted(str(tmp_path)).endswith("run the same command again")   # no run started: no --resume
+
+  assert cli._interrupted(str(tmp_path)).endswith(
+    "run the same command again"
+  )  # no run started: no --resume
   (tmp_path / "config.json").write_text("{}")
   assert "continue the run with --resume" in cli._interrupted(str(tmp_path))
 
@@ -792,21 +1004,26 @@ def test_interrupt_hint_names_the_command_that_works(tmp_path):
 def _swap_data(workdir, step, donor):
   """Replaces checkpoint ``step``'s arrays by checkpoint ``donor``'s (same shapes; the metadata stays ``step``'s)."""
   import shutil  # pylint: disable=g-import-not-at-top
+
   ckpt = os.path.join(workdir, "checkpoints")
   shutil.rmtree(os.path.join(ckpt, step, "default"))
   shutil.copytree(os.path.join(donor, "default"), os.path.join(ckpt, step, "default"))
 
 
-@pytest.mark.parametrize("how", ["emptied", "zero-filled", "truncated", "emptied, data changed",
-                                 "data of another round"])
-def test_unreadable_or_digestless_metadata_and_changed_values_are_damage(uninterrupted, tmp_path, how):
+@pytest.mark.parametrize(
+  "how", ["emptied", "zero-filled", "truncated", "emptied, data changed", "data of another round"]
+)
+def test_unreadable_or_digestless_metadata_and_changed_values_are_damage(
+  uninterrupted, tmp_path, how
+):
   from ntk_fl import runner  # pylint: disable=g-import-not-at-top
+
   source, expected = uninterrupted
   workdir = _copy_run(source, tmp_path)
   ckpt_dir = os.path.join(workdir, "checkpoints")
   meta = os.path.join(ckpt_dir, "5", "_CHECKPOINT_METADATA")
   size = os.path.getsize(meta)
-  if "data" in how:    # loads fine, to the values of round 4: only the digest can tell
+  if "data" in how:  # loads fine, to the values of round 4: only the digest can tell
     _swap_data(workdir, "5", os.path.join(ckpt_dir, "4"))
   if how.startswith("emptied"):
     open(meta, "w").close()
@@ -826,13 +1043,16 @@ def test_a_checkpoint_of_another_run_is_damage(uninterrupted, tmp_path):
   from ntk_fl import runner  # pylint: disable=g-import-not-at-top
   from ntk_fl.checkpoint import CheckpointDamaged, Checkpoints  # pylint: disable=g-import-not-at-top
   from ntk_fl import rundir  # pylint: disable=g-import-not-at-top
+
   source, expected = uninterrupted
   other = str(tmp_path / "seed1")
   runner.run(_toy_config(seed=1), other)
   workdir = _copy_run(source, tmp_path)
   ckpt_dir = os.path.join(workdir, "checkpoints")
   shutil.rmtree(os.path.join(ckpt_dir, "5"))
-  shutil.copytree(os.path.join(other, "checkpoints", "5"), os.path.join(ckpt_dir, "5"))   # same shapes
+  shutil.copytree(
+    os.path.join(other, "checkpoints", "5"), os.path.join(ckpt_dir, "5")
+  )  # same shapes
   planted = shutil.copytree(ckpt_dir, str(tmp_path / "planted"))
   summary = runner.run(_toy_config(), workdir, resume=True)
   assert summary["resumed_from"] == 4 and _results(workdir) == expected
@@ -846,8 +1066,10 @@ def _method_state(name):
   import jax  # pylint: disable=g-import-not-at-top
   from ntk_fl import models, runner, schema  # pylint: disable=g-import-not-at-top
   from ntk_fl.config import load_config  # pylint: disable=g-import-not-at-top
+
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   from federations import ragged_federation  # pylint: disable=g-import-not-at-top
+
   config = load_config(os.path.join(_CONFIGS, f"{name}.py"), "smoke")
   config.data.num_clients = 4
   settings = schema.validate_config(config)
@@ -862,6 +1084,7 @@ def _method_state(name):
 def test_digest_of_real_method_states(tmp_path, name):
   import jax  # pylint: disable=g-import-not-at-top
   from ntk_fl.checkpoint import Checkpoints, _to_storable, state_digest  # pylint: disable=g-import-not-at-top
+
   state = _method_state(name)
   # A checkpoint of the real state verifies (template-free restore: dicts) and restores (NamedTuples).
   with Checkpoints(tmp_path / "ckpt") as ckpt:
@@ -880,7 +1103,7 @@ def test_digest_of_real_method_states(tmp_path, name):
     if flat.size == 0:
       continue
     flat[flat.size // 2] = flat[flat.size // 2] + 1 if flat.dtype != bool else ~flat[flat.size // 2]
-    changed = leaves[:i] + [flat.reshape(np.shape(leaf))] + leaves[i + 1:]
+    changed = leaves[:i] + [flat.reshape(np.shape(leaf))] + leaves[i + 1 :]
     assert state_digest(jax.tree_util.tree_unflatten(treedef, changed)) != digest, i
 
 
@@ -889,7 +1112,7 @@ def test_digest_of_real_method_states(tmp_path, name):
 _KILL_AFTER_CHECKPOINT = """
 import os, signal, sys
 sys.path.insert(0, {repo!r})
-from ntk_fl import checkpoint, rundir, runner
+from ntk_fl import checkpoint, runner
 from ntk_fl.config import load_config
 config = load_config(os.path.join({repo!r}, "tests", "configs", "toy.py"), "smoke")
 config.rounds = {rounds}
@@ -905,13 +1128,20 @@ runner.run(config, sys.argv[1])
 
 def test_event_file_follows_metrics_after_a_kill_right_after_a_checkpoint(uninterrupted, tmp_path):
   import subprocess  # pylint: disable=g-import-not-at-top
-  from ntk_fl import runner, summaries  # pylint: disable=g-import-not-at-top
+  from ntk_fl import rundir, runner, summaries  # pylint: disable=g-import-not-at-top
+
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import events  # pylint: disable=g-import-not-at-top
+
   _, expected = uninterrupted
   workdir = str(tmp_path / "run")
-  proc = subprocess.run([sys.executable, "-c", _KILL_AFTER_CHECKPOINT.format(repo=_REPO, rounds=_ROUNDS), workdir],
-                        capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  proc = subprocess.run(
+    [sys.executable, "-c", _KILL_AFTER_CHECKPOINT.format(repo=_REPO, rounds=_ROUNDS), workdir],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
   assert proc.returncode == -9, proc.stderr[-2000:]
   runner.run(_toy_config(), workdir, resume=True)
   assert _results(workdir) == expected
@@ -920,7 +1150,9 @@ def test_event_file_follows_metrics_after_a_kill_right_after_a_checkpoint(uninte
   assert sorted(scalars) == [line["round"] for line in lines]
   for line in lines:
     want = summaries.round_scalars(line)
-    assert {tag: scalars[line["round"]][tag] for tag in want} == pytest.approx(want, rel=1e-6), line["round"]
+    assert {tag: scalars[line["round"]][tag] for tag in want} == pytest.approx(want, rel=1e-6), (
+      line["round"]
+    )
 
 
 # ----------------------------------------------------------------------------- links and atomic writes
@@ -928,6 +1160,7 @@ def test_event_file_follows_metrics_after_a_kill_right_after_a_checkpoint(uninte
 
 def test_atomic_writes_never_follow_a_planted_link_and_are_durable(tmp_path, monkeypatch):
   from ntk_fl import rundir  # pylint: disable=g-import-not-at-top
+
   victim = tmp_path / "victim"
   victim.write_text("precious")
   workdir = tmp_path / "run"
@@ -935,16 +1168,21 @@ def test_atomic_writes_never_follow_a_planted_link_and_are_durable(tmp_path, mon
   (workdir / "config.json.tmp").symlink_to(victim)
   events = []
   fsync, replace = os.fsync, os.replace
-  monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.path.isdir(f"/proc/self/fd/{fd}"))),
-                                               fsync(fd))[1])
-  monkeypatch.setattr(os, "replace",
-                      lambda a, b: (events.append(("replace", os.path.basename(b))), replace(a, b))[1])
+  monkeypatch.setattr(
+    os,
+    "fsync",
+    lambda fd: (events.append(("fsync", os.path.isdir(f"/proc/self/fd/{fd}"))), fsync(fd))[1],
+  )
+  monkeypatch.setattr(
+    os, "replace", lambda a, b: (events.append(("replace", os.path.basename(b))), replace(a, b))[1]
+  )
   rundir.write_config(str(workdir), {"a": 1})
   assert victim.read_text() == "precious" and (workdir / "config.json").read_text().startswith("{")
   # the file's data, then the rename, then the directory entry
   assert events == [("fsync", False), ("replace", "config.json"), ("fsync", True)]
   monkeypatch.undo()
   from ntk_fl._src import fsutil  # pylint: disable=g-import-not-at-top
+
   # A log.txt link: appending refuses it (the target is left alone).
   (workdir / "log.txt").symlink_to(victim)
   with pytest.raises(OSError, match="symbolic link"):
@@ -952,8 +1190,11 @@ def test_atomic_writes_never_follow_a_planted_link_and_are_durable(tmp_path, mon
   assert victim.read_text() == "precious"
 
 
-def test_a_fresh_run_refuses_links_and_a_dangling_checkpoints_link_is_caught_before_data(tmp_path, monkeypatch):
+def test_a_fresh_run_refuses_links_and_a_dangling_checkpoints_link_is_caught_before_data(
+  tmp_path, monkeypatch
+):
   from ntk_fl import data, runner  # pylint: disable=g-import-not-at-top
+
   monkeypatch.setattr(data, "load", lambda *a, **k: pytest.fail("data loaded"))
   victim = tmp_path / "victim"
   victim.write_text("precious")
@@ -977,18 +1218,23 @@ def test_a_fresh_run_refuses_links_and_a_dangling_checkpoints_link_is_caught_bef
 def _npz_with_header(path, shapes, payload=b""):
   """A zip holding ``indices.npy`` / ``offsets.npy`` whose headers declare ``shapes`` (int32), with ``payload``."""
   import zipfile  # pylint: disable=g-import-not-at-top
+
   with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive:
     for key, shape in shapes.items():
       header = {"descr": "<i4", "fortran_order": False, "shape": shape}
       buffer = __import__("io").BytesIO()
       np.lib.format.write_array_header_1_0(buffer, header)
-      archive.writestr(f"{key}.npy", buffer.getvalue() + (payload if key == "indices" else
-                                                           np.arange(shape[0], dtype="<i4").tobytes()))
+      archive.writestr(
+        f"{key}.npy",
+        buffer.getvalue()
+        + (payload if key == "indices" else np.arange(shape[0], dtype="<i4").tobytes()),
+      )
 
 
 def test_index_map_sizes_are_checked_before_allocating(tmp_path):
   import tracemalloc  # pylint: disable=g-import-not-at-top
   from ntk_fl.data import index_map  # pylint: disable=g-import-not-at-top
+
   # A header declaring 2^40 indices (a few hundred bytes on disk): a clear error, nothing allocated.
   path = tmp_path / "huge.npz"
   _npz_with_header(path, {"offsets": (3,), "indices": (1 << 40,)})
@@ -1011,9 +1257,12 @@ def test_index_map_sizes_are_checked_before_allocating(tmp_path):
 def test_a_gzip_idx_file_is_read_no_further_than_its_header_declares(tmp_path):
   import gzip as gz  # pylint: disable=g-import-not-at-top
   import tracemalloc  # pylint: disable=g-import-not-at-top
-  header = bytes([0, 0, 0x08, 1]) + (10).to_bytes(4, "big")      # 10 unsigned bytes declared
+
+  header = bytes([0, 0, 0x08, 1]) + (10).to_bytes(4, "big")  # 10 unsigned bytes declared
   path = tmp_path / "labels.gz"
-  path.write_bytes(gz.compress(header + bytes(64 << 20), 9))    # ... followed by 64 MiB of zeros (65 kB on disk)
+  path.write_bytes(
+    gz.compress(header + bytes(64 << 20), 9)
+  )  # ... followed by 64 MiB of zeros (65 kB on disk)
   assert os.path.getsize(path) < 200_000
   tracemalloc.start()
   try:
@@ -1033,7 +1282,7 @@ def test_a_gzip_idx_file_is_read_no_further_than_its_header_declares(tmp_path):
 def test_zero_stride_and_bufferless_arrays_in_a_pickle_are_refused(tmp_path):
   from ntk_fl.data import index_map  # pylint: disable=g-import-not-at-top
 
-  class _Strided:    # pickles to numpy.ndarray((2**28,), int64, 8-byte buffer, 0, (0,)): 2 GiB from 8 bytes
+  class _Strided:  # pickles to numpy.ndarray((2**28,), int64, 8-byte buffer, 0, (0,)): 2 GiB from 8 bytes
     def __reduce__(self):
       return np.ndarray, ((1 << 28,), np.dtype("i8"), b"\0" * 8, 0, (0,))
 
@@ -1041,8 +1290,10 @@ def test_zero_stride_and_bufferless_arrays_in_a_pickle_are_refused(tmp_path):
     def __reduce__(self):
       return np.ndarray, ((1 << 28,), np.dtype("i8"))
 
-  for payload, match in ((_Strided(), "strided array"),
-                         (_Bufferless(), r"claim \d+ bytes or more, but the pickle holds only")):
+  for payload, match in (
+    (_Strided(), "strided array"),
+    (_Bufferless(), r"claim \d+ bytes or more, but the pickle holds only"),
+  ):
     path = tmp_path / "map.dat"
     path.write_bytes(pickle.dumps({0: payload, 1: np.arange(3)}, protocol=2))
     assert os.path.getsize(path) < 400
@@ -1062,16 +1313,21 @@ def test_zero_stride_and_bufferless_arrays_in_a_pickle_are_refused(tmp_path):
 
 
 def test_out_of_range_values_and_malformed_blocks_are_one_clear_error(tmp_path, monkeypatch):
-  import json  # pylint: disable=g-import-not-at-top
   from ntk_fl import data, rundir, schema  # pylint: disable=g-import-not-at-top
   from ntk_fl.config import load_config  # pylint: disable=g-import-not-at-top
+
   monkeypatch.setattr(data, "load", lambda *a, **k: pytest.fail("data loaded"))
   ntk_dfl = load_config(os.path.join(_CONFIGS, "ntk_dfl.py"), "smoke")
   ntk_dfl.algorithm.taus = (4294967396,)
-  with pytest.raises(ValueError, match=r"taus must be positive ints <= 2\*\*31 - 1, got \(4294967396,\)"):
+  with pytest.raises(
+    ValueError, match=r"taus must be positive ints <= 2\*\*31 - 1, got \(4294967396,\)"
+  ):
     schema.validate_config(ntk_dfl)
-  with pytest.raises(ValueError, match=r"config.seed must be an int in \[0, 9223372036854775807\], got "
-                                       "18446744073709551616"):
+  with pytest.raises(
+    ValueError,
+    match=r"config.seed must be an int in \[0, 9223372036854775807\], got "
+    "18446744073709551616",
+  ):
     schema.validate_config(_toy_config(seed=2**64))
   stored = rundir.jsonable(_toy_config())
   for block, value in (("data", 5), ("model", [1]), ("eval", "x"), ("topology", None)):
@@ -1085,20 +1341,23 @@ def test_out_of_range_values_and_malformed_blocks_are_one_clear_error(tmp_path, 
     rundir.check_workdir(_toy_config(), str(run), resume=True)
   # A data_dir that does not exist: found before any data.
   with pytest.raises(ValueError, match=r"config.data.data_dir = '/no/such/dir' is not a directory"):
-    rundir.check_start(schema.validate_config(_toy_config(**{"data.data_dir": "/no/such/dir"})),
-                       str(tmp_path / "a"))
+    rundir.check_start(
+      schema.validate_config(_toy_config(**{"data.data_dir": "/no/such/dir"})), str(tmp_path / "a")
+    )
 
 
 def test_unknown_key_and_bad_npz_messages_are_clean(tmp_path):
   from ntk_fl import cli  # pylint: disable=g-import-not-at-top
   from ntk_fl.data import index_map  # pylint: disable=g-import-not-at-top
+
   # What ml_collections raises for --config.algorithm.lrr (its repr, with the suggestion, escaped twice).
   error = "'\\\\\\'lrr\\\\\\'\\\\nDid you mean \"lr\" instead of \"lrr\"?'"
   assert cli.unknown_key_message(error, ["--config=ntk_dfl", "--config.algorithm.lrr=1"]) == (
-      "unknown config key config.algorithm.lrr; did you mean config.algorithm.lr?")
+    "unknown config key config.algorithm.lrr; did you mean config.algorithm.lr?"
+  )
   assert cli.unknown_key_message("'nme'", ["--config.nme=1"]) == "unknown config key config.nme"
   path = tmp_path / "m.npz"
-  path.write_bytes(b"hello world")      # 11 bytes, not a zip
+  path.write_bytes(b"hello world")  # 11 bytes, not a zip
   with pytest.raises(ValueError, match="not a zip archive") as err:
     index_map.load_index_map(str(path))
   assert "pickled" not in str(err.value)
@@ -1108,14 +1367,26 @@ def test_cli_unknown_key_and_ctrl_c_during_start_up_are_one_line(tmp_path):
   import signal  # pylint: disable=g-import-not-at-top
   import subprocess  # pylint: disable=g-import-not-at-top
   import time  # pylint: disable=g-import-not-at-top
-  lines = _assert_one_error_line(_cli("--config=tests/configs/toy.py:smoke", "--config.algorithm.lrr=1",
-                                      f"--workdir={tmp_path / 'a'}"))
-  assert lines == ["error: unknown config key config.algorithm.lrr; did you mean config.algorithm.lr?"]
+
+  lines = _assert_one_error_line(
+    _cli(
+      "--config=tests/configs/toy.py:smoke",
+      "--config.algorithm.lrr=1",
+      f"--workdir={tmp_path / 'a'}",
+    )
+  )
+  assert lines == [
+    "error: unknown config key config.algorithm.lrr; did you mean config.algorithm.lr?"
+  ]
   # Ctrl-C one second in (imports, flag parsing): exit 130, no traceback, nothing advised that would fail.
   workdir = tmp_path / "b"
-  proc = subprocess.Popen([sys.executable, "-m", "ntk_fl", "--config=tests/configs/toy.py:smoke",
-                           f"--workdir={workdir}"], cwd=_REPO, stderr=subprocess.PIPE, text=True,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": _REPO})
+  proc = subprocess.Popen(
+    [sys.executable, "-m", "ntk_fl", "--config=tests/configs/toy.py:smoke", f"--workdir={workdir}"],
+    cwd=_REPO,
+    stderr=subprocess.PIPE,
+    text=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": _REPO},
+  )
   time.sleep(1.0)
   proc.send_signal(signal.SIGINT)
   _, stderr = proc.communicate(timeout=120)
@@ -1125,12 +1396,19 @@ def test_cli_unknown_key_and_ctrl_c_during_start_up_are_one_line(tmp_path):
 
 def test_a_packaged_config_shadowed_by_a_local_file_says_which_one_runs(tmp_path):
   from ntk_fl import cli, configs  # pylint: disable=g-import-not-at-top
+
   assert cli.shadow_note("ntk_dfl:smoke", str(tmp_path)) is None
   (tmp_path / "ntk_dfl.py").write_text("raise SystemExit('a local config file runs')\n")
   note = cli.shadow_note("ntk_dfl:smoke", str(tmp_path))
-  assert f"runs the packaged config {configs.CONFIG_DIR / 'ntk_dfl.py'}, not {tmp_path / 'ntk_dfl.py'}" in note
+  assert (
+    f"runs the packaged config {configs.CONFIG_DIR / 'ntk_dfl.py'}, not {tmp_path / 'ntk_dfl.py'}"
+    in note
+  )
   note = cli.shadow_note("ntk_dfl.py:smoke", str(tmp_path))
-  assert f"runs the file {tmp_path / 'ntk_dfl.py'} (Python code), not the packaged config ntk_dfl" in note
+  assert (
+    f"runs the file {tmp_path / 'ntk_dfl.py'} (Python code), not the packaged config ntk_dfl"
+    in note
+  )
 
 
 # ----------------------------------------------------------------------------- no orphaned workers
@@ -1149,27 +1427,33 @@ def test_workers_die_with_a_killed_launcher(tmp_path):
   import signal  # pylint: disable=g-import-not-at-top
   import subprocess  # pylint: disable=g-import-not-at-top
   import time  # pylint: disable=g-import-not-at-top
+
   marker = str(tmp_path / "worker")
-  launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER.format(repo=_REPO), marker],
-                              env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  launcher = subprocess.Popen(
+    [sys.executable, "-c", _LAUNCHER.format(repo=_REPO), marker],
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
   deadline = time.monotonic() + 120
   while len(glob.glob(marker + ".*")) < 2:
     assert time.monotonic() < deadline and launcher.poll() is None
     time.sleep(0.05)
   workers = [int(path.rsplit(".", 1)[1]) for path in glob.glob(marker + ".*")]
-  launcher.send_signal(signal.SIGKILL)      # no finally, no handler: only the kernel can stop the workers
+  launcher.send_signal(
+    signal.SIGKILL
+  )  # no finally, no handler: only the kernel can stop the workers
   launcher.wait()
 
   def alive(pid):
     try:
       with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"     # a zombie has ended
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
     except OSError:
       return False
+
   deadline = time.monotonic() + 10
   while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
     time.sleep(0.05)
   survivors = [pid for pid in workers if alive(pid)]
-  for pid in survivors:          # clean up what the code under test left running
+  for pid in survivors:  # clean up what the code under test left running
     os.kill(pid, signal.SIGKILL)
   assert not survivors, "workers outlived their killed launcher"

@@ -17,6 +17,7 @@
   finite-time linearised prediction == centralised gradient descent in closed
   form (one client) and leaves an idle mode at its NNGP prior.
 """
+
 from __future__ import annotations
 
 import pathlib
@@ -82,7 +83,9 @@ def test_strata_are_a_fixed_near_equal_split():
   np.testing.assert_array_equal(np.sort(np.bincount(strata)), [4, 4, 5, 5, 5])
   np.testing.assert_array_equal(strata, fed_ensemble.make_strata(23, 5, seed=3))
   assert not np.array_equal(strata, fed_ensemble.make_strata(23, 5, seed=4))
-  np.testing.assert_array_equal(np.sort(fed_ensemble.make_strata(7, 0, seed=0)), np.arange(7))  # Q = N
+  np.testing.assert_array_equal(
+    np.sort(fed_ensemble.make_strata(7, 0, seed=0)), np.arange(7)
+  )  # Q = N
 
 
 @pytest.mark.parametrize("num_strata", [3, 0])
@@ -91,12 +94,16 @@ def test_every_stratum_trains_every_mode_once_per_age(num_strata):
   strata = fed_ensemble.make_strata(n, num_strata, seed)
   ages = []
   for age in range(3):
-    modes = np.stack([fed_ensemble.round_modes(strata, k, seed, age * k + r) for r in range(k)], axis=1)  # [N, K]
+    modes = np.stack(
+      [fed_ensemble.round_modes(strata, k, seed, age * k + r) for r in range(k)], axis=1
+    )  # [N, K]
     for i in range(n):
-      np.testing.assert_array_equal(np.sort(modes[i]), np.arange(k))            # each mode exactly once
-      np.testing.assert_array_equal(modes[i], modes[strata == strata[i]][0])    # a stratum moves together
+      np.testing.assert_array_equal(np.sort(modes[i]), np.arange(k))  # each mode exactly once
+      np.testing.assert_array_equal(
+        modes[i], modes[strata == strata[i]][0]
+      )  # a stratum moves together
     ages.append(modes)
-  assert not np.array_equal(ages[0], ages[1])                                   # a new P every age
+  assert not np.array_equal(ages[0], ages[1])  # a new P every age
 
 
 def test_participant_sampling():
@@ -108,8 +115,9 @@ def test_participant_sampling():
   config, fed = tiny("fedavg", sizes=(4,) * 12, clients_per_round=5)
   fedavg = runner.make_algorithm(config, MODEL, fed)
   for r in range(3):
-    np.testing.assert_array_equal(fed_ensemble.sample_participants(strata, 5, "uniform", 0, r),
-                                  fedavg.round_inputs(r).clients)
+    np.testing.assert_array_equal(
+      fed_ensemble.sample_participants(strata, 5, "uniform", 0, r), fedavg.round_inputs(r).clients
+    )
 
 
 # ----------------------------------------------------------------------------- training
@@ -117,11 +125,15 @@ def test_participant_sampling():
 
 @pytest.mark.parametrize("base, extra", [("fedavg", {}), ("fedprox", {"prox_mu": 0.1})])
 def test_one_mode_is_fedavg_bit_for_bit(base, extra):
-  common = dict(epochs=2, batch_size=4, lr=0.2, lr_gamma=0.9, clients_per_round=4, **extra)  # minibatches, partial
+  common = dict(
+    epochs=2, batch_size=4, lr=0.2, lr_gamma=0.9, clients_per_round=4, **extra
+  )  # minibatches, partial
   sizes = (6, 3, 5, 6, 2, 6)
   base_config, base_fed = tiny(base, sizes=sizes, **common)
   reference, ref_metrics = run_rounds(runner.make_algorithm(base_config, MODEL, base_fed), 3)
-  config, fed = tiny(sizes=sizes, num_modes=1, aggregation_weights="data_size", local_training=base, **common)
+  config, fed = tiny(
+    sizes=sizes, num_modes=1, aggregation_weights="data_size", local_training=base, **common
+  )
   ensemble = runner.make_algorithm(config, MODEL, fed)
   state, step_metrics = run_rounds(ensemble, 3)
   for got, want in zip(leaves(state.modes), leaves(reference.params), strict=True):
@@ -134,18 +146,30 @@ def test_each_mode_averages_exactly_the_clients_that_trained_it():
   sizes = (6, 3, 5, 6, 2, 6)
   update = None
   for weights in ("uniform", "data_size"):
-    config, fed = tiny(sizes=sizes, num_modes=3, epochs=2, batch_size=4, lr=0.3, aggregation_weights=weights,
-                       clients_per_round=5, seed=2)
+    config, fed = tiny(
+      sizes=sizes,
+      num_modes=3,
+      epochs=2,
+      batch_size=4,
+      lr=0.3,
+      aggregation_weights=weights,
+      clients_per_round=5,
+      seed=2,
+    )
     algorithm = runner.make_algorithm(config, MODEL, fed)
     state0 = algorithm.init(jax.random.key(0))
     for r in range(2):  # two rounds, so round 1 starts from three distinct trained modes
       inputs = algorithm.round_inputs(r)
       state1, step_metrics = algorithm.step(state0, inputs)
-      update = update or jax.jit(local.local_update_from_hparams(MODEL.apply, schema.validate_config(config).algorithm))  # one client
+      update = update or jax.jit(
+        local.local_update_from_hparams(MODEL.apply, schema.validate_config(config).algorithm)
+      )  # one client
       lr = float(local.round_lr(config.algorithm, r))
       client_keys = jax.random.split(jax.random.split(inputs.key)[0], len(inputs.clients))
       trained = {}
-      for slot, (c, m) in enumerate(zip(inputs.clients, inputs.modes)):  # one client at a time, no vmap
+      for slot, (c, m) in enumerate(
+        zip(inputs.clients, inputs.modes)
+      ):  # one client at a time, no vmap
         start = jax.tree.map(lambda w: w[m], state0.modes)
         trained[slot] = update(start, fed.x[c], fed.y[c], fed.mask[c], client_keys[slot], lr).params
       counts = np.bincount(inputs.modes, minlength=3)
@@ -155,22 +179,28 @@ def test_each_mode_averages_exactly_the_clients_that_trained_it():
         new = jax.tree.map(lambda w: w[m], state1.modes)
         slots = [s for s in range(len(inputs.clients)) if inputs.modes[s] == m]
         if not slots:
-          assert_trees_close(new, old, rtol=0, atol=0)   # idle mode untouched
+          assert_trees_close(new, old, rtol=0, atol=0)  # idle mode untouched
           continue
         w = np.array([1.0 if weights == "uniform" else sizes[inputs.clients[s]] for s in slots])
-        want = jax.tree.map(lambda *ws: sum(wi * np.asarray(x) for wi, x in zip(w, ws)) / w.sum(),
-                            *[trained[s] for s in slots])
+        want = jax.tree.map(
+          lambda *ws: sum(wi * np.asarray(x) for wi, x in zip(w, ws)) / w.sum(),
+          *[trained[s] for s in slots],
+        )
         assert_trees_close(new, want)
       state0 = state1
 
 
 def test_idle_modes_stay_and_modes_start_independent():
-  config, fed = tiny(num_modes=5, clients_per_round=2)  # 2 participants: >= 3 modes idle every round
+  config, fed = tiny(
+    num_modes=5, clients_per_round=2
+  )  # 2 participants: >= 3 modes idle every round
   algorithm = runner.make_algorithm(config, MODEL, fed)
   state0 = algorithm.init(jax.random.key(0))
-  kernel = np.asarray(state0.modes["params"]["dense_0"]["kernel"])             # (biases start at zero)
+  kernel = np.asarray(state0.modes["params"]["dense_0"]["kernel"])  # (biases start at zero)
   assert all(not np.array_equal(kernel[0], kernel[k]) for k in range(1, 5))
-  np.testing.assert_array_equal(kernel[0], MODEL.init(jax.random.key(0))["params"]["dense_0"]["kernel"])
+  np.testing.assert_array_equal(
+    kernel[0], MODEL.init(jax.random.key(0))["params"]["dense_0"]["kernel"]
+  )
   inputs = algorithm.round_inputs(0)
   state1, _ = algorithm.step(state0, inputs)
   for k in set(range(5)) - set(inputs.modes.tolist()):
@@ -179,19 +209,29 @@ def test_idle_modes_stay_and_modes_start_independent():
 
 
 def test_ntk_local_training_evolves_each_mode_on_its_pooled_participants():
-  config, fed = tiny(sizes=(5, 3, 5, 4, 5, 2), num_modes=2, local_training="ntk", aggregation_weights="data_size",
-                     lr=0.5, taus=(2, 5, 9), seed=1)
+  config, fed = tiny(
+    sizes=(5, 3, 5, 4, 5, 2),
+    num_modes=2,
+    local_training="ntk",
+    aggregation_weights="data_size",
+    lr=0.5,
+    taus=(2, 5, 9),
+    seed=1,
+  )
   algorithm = runner.make_algorithm(config, MODEL, fed)
   state0 = algorithm.init(jax.random.key(0))
   inputs = algorithm.round_inputs(0)
   state1, step_metrics = algorithm.step(state0, inputs)
   for m in range(2):
     members = inputs.clients[inputs.modes == m]
-    x = np.concatenate([fed.x[c][fed.mask[c]] for c in members])               # pooled real samples only
+    x = np.concatenate([fed.x[c][fed.mask[c]] for c in members])  # pooled real samples only
     y = np.concatenate([fed.y[c][fed.mask[c]] for c in members])
     start = jax.tree.map(lambda w: w[m], state0.modes)
-    reference = jax.jit(lambda p, x, t, mask: evolve.ntk_update(MODEL.apply, p, x, t, mask, lr=0.5, taus=(2, 5, 9),
-                                                                kernel_impl="jacobian"))
+    reference = jax.jit(
+      lambda p, x, t, mask: evolve.ntk_update(
+        MODEL.apply, p, x, t, mask, lr=0.5, taus=(2, 5, 9), kernel_impl="jacobian"
+      )
+    )
     want, info = reference(start, x, jax.nn.one_hot(y, 3), np.ones(len(y), bool))
     assert_trees_close(jax.tree.map(lambda w: w[m], state1.modes), want, rtol=1e-4, atol=1e-5)
     assert int(step_metrics["tau"][m]) == int(info["tau"])
@@ -201,20 +241,31 @@ def test_ntk_local_training_evolves_each_mode_on_its_pooled_participants():
 
 
 def _numpy_ensemble(stacked, x, y, aggregate):
-  logits = np.stack([np.asarray(MODEL.apply(jax.tree.map(lambda w: w[k], stacked), x), np.float64)
-                     for k in range(jax.tree.leaves(stacked)[0].shape[0])])
-  softmax = lambda z: np.exp(z - z.max(-1, keepdims=True)) / np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)
+  logits = np.stack(
+    [
+      np.asarray(MODEL.apply(jax.tree.map(lambda w: w[k], stacked), x), np.float64)
+      for k in range(jax.tree.leaves(stacked)[0].shape[0])
+    ]
+  )
+  softmax = lambda z: (
+    np.exp(z - z.max(-1, keepdims=True))
+    / np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)
+  )
   probs = softmax(logits)
   q = probs.mean(0) if aggregate == "ensemble_probs" else softmax(logits.mean(0))
   entropy = lambda p: -(p * np.log(p)).sum(-1)
-  return ((q.argmax(-1) == y).mean(), -np.log(q[np.arange(len(y)), y]).mean(), entropy(probs).mean(),
-          entropy(q).mean())
+  return (
+    (q.argmax(-1) == y).mean(),
+    -np.log(q[np.arange(len(y)), y]).mean(),
+    entropy(probs).mean(),
+    entropy(q).mean(),
+  )
 
 
 @pytest.mark.parametrize("aggregate", ["ensemble_probs", "ensemble_logits"])
 def test_ensemble_evaluator_matches_numpy(aggregate):
   stacked = fed_ensemble.init_modes(MODEL, jax.random.key(3), 4)
-  stacked = jax.tree.map(lambda w: 3.0 * w, stacked)                               # confident, diverse members
+  stacked = jax.tree.map(lambda w: 3.0 * w, stacked)  # confident, diverse members
   rng = np.random.default_rng(0)
   x, y = rng.normal(size=(23, 5)).astype(np.float32), rng.integers(0, 3, size=23)
   ev = metrics.make_evaluator(MODEL.apply, x, y, batch_size=7, chunk_size=3, aggregate=aggregate)
@@ -235,23 +286,31 @@ def test_ensemble_evaluator_matches_numpy(aggregate):
 
 def test_evaluator_rejects_unknown_aggregate():
   with pytest.raises(ValueError, match="aggregate"):
-    metrics.make_evaluator(MODEL.apply, np.zeros((2, 5), np.float32), np.zeros(2, np.int32), aggregate="mean")
+    metrics.make_evaluator(
+      MODEL.apply, np.zeros((2, 5), np.float32), np.zeros(2, np.int32), aggregate="mean"
+    )
 
 
 # ----------------------------------------------------------------------------- config and runner
 
 
-@pytest.mark.parametrize("change, match", [
+@pytest.mark.parametrize(
+  "change, match",
+  [
     (("num_modes", 0), "num_modes"),
     (("sampling", "random"), "sampling"),
     (("prox_mu", 0.1), "prox_mu"),
     (("local_training", "fedprox"), "prox_mu"),
     (("aggregation_weights", "median"), "aggregation_weights"),
     (("prediction", "vote"), "prediction"),
-    (("clients_per_round", 7), "clients_per_round"),     # stratified below: 7 is not a multiple of Q = 10
+    (
+      ("clients_per_round", 7),
+      "clients_per_round",
+    ),  # stratified below: 7 is not a multiple of Q = 10
     (("taus", (5, 3)), "taus"),
     (("unknown_key", 1), "unknown key"),
-])
+  ],
+)
 def test_bad_config_values_raise_before_any_work(change, match):
   config = load("stratified")
   setattr(config.algorithm, *change)
@@ -273,8 +332,20 @@ def test_config_consistency_rules():
 
 
 def test_variants_validate():
-  for arg in (None, "paper", "iid", "k1,data_size", "k1,data_size,fedprox", "k80", "ntk", "stratified", "logits",
-              "cnn", "fmnist", "smoke"):
+  for arg in (
+    None,
+    "paper",
+    "iid",
+    "k1,data_size",
+    "k1,data_size,fedprox",
+    "k80",
+    "ntk",
+    "stratified",
+    "logits",
+    "cnn",
+    "fmnist",
+    "smoke",
+  ):
     schema.validate_config(load(arg))
   toy = config_lib.load_config(str(REPO / "configs" / "fed_ensemble_toy.py"))
   assert toy.method == "fed_ensemble_toy" and toy.modes == (1, 2, 10, 20, 40)
@@ -286,18 +357,22 @@ def test_smoke_config_runs_through_the_runner(tmp_path):
   config.data.partition = "iid"
   config.data.num_clients = 8
   config.data.samples_per_client = 0
-  config.data.max_train = config.data.max_test = 0    # the synthetic set is smaller than the smoke slices
+  config.data.max_train = config.data.max_test = (
+    0  # the synthetic set is smaller than the smoke slices
+  )
   config.model.hidden = (8,)
   config.algorithm.clients_per_round = 4
-  config.checkpoint_every = config.rounds        # one (final) checkpoint of the K-mode state is enough here
+  config.checkpoint_every = (
+    config.rounds
+  )  # one (final) checkpoint of the K-mode state is enough here
   summary = runner.run(config, str(tmp_path))
   lines = rundir.read_metrics(str(tmp_path))
   assert len(lines) == config.rounds
   last = lines[-1]
-  assert len(last["clients"]["test_acc"]) == config.algorithm.num_modes          # per-mode metrics
+  assert len(last["clients"]["test_acc"]) == config.algorithm.num_modes  # per-mode metrics
   assert sum(last["clients"]["mode_participants"]) == 4
   assert 0 < last["mode_entropy"] <= np.log(10) + 1e-6
-  assert last["ensemble_entropy"] >= last["mode_entropy"] - 1e-6                # entropy is concave
+  assert last["ensemble_entropy"] >= last["mode_entropy"] - 1e-6  # entropy is concave
   assert summary["final_test_acc"] == last["test_acc"]
   assert (tmp_path / "checkpoints").is_dir() and any((tmp_path / "checkpoints").iterdir())
 
@@ -310,38 +385,45 @@ def test_toy_training_matches_the_closed_form_fedavg_bias_and_variance():
   config = config_lib.load_config(str(REPO / "configs" / "fed_ensemble_toy.py"))
   config.num_clients, config.num_features, config.rounds, config.local_steps = 5, 12, 3, 2
   x, y, centres = toy.make_data(config)
-  phi = toy.rbf_features(jnp.asarray(x.reshape(-1)), centres, config.bandwidth).reshape(*x.shape, -1)
+  phi = toy.rbf_features(jnp.asarray(x.reshape(-1)), centres, config.bandwidth).reshape(
+    *x.shape, -1
+  )
   grid = np.linspace(-1.0, 1.0, 33, dtype=np.float32)
   phi_grid = np.asarray(toy.rbf_features(jnp.asarray(grid), centres, config.bandwidth))
   truth = np.sin(2 * np.pi * grid)
   # Training is linear in w_0: from 0 it gives the mean over initialisations, from init_std * e_j (minus the
   # mean) the j-th column of init_std * Abar^R, whose squared norms sum to the variance.
-  init = config.init_std * np.concatenate([np.zeros((1, 12)), np.eye(12)])[:, None, :].astype(np.float32)
+  init = config.init_std * np.concatenate([np.zeros((1, 12)), np.eye(12)])[:, None, :].astype(
+    np.float32
+  )
   assignment = np.zeros((config.rounds, 13, config.num_clients), np.int32)
-  modes = np.asarray(toy.train(config, phi, jnp.asarray(y), jnp.asarray(assignment), jnp.asarray(init)), np.float64)
-  pred = phi_grid @ modes[:, 0].T                                                     # [G, 1 + F]
+  modes = np.asarray(
+    toy.train(config, phi, jnp.asarray(y), jnp.asarray(assignment), jnp.asarray(init)), np.float64
+  )
+  pred = phi_grid @ modes[:, 0].T  # [G, 1 + F]
   bias = np.mean((pred[:, 0] - truth) ** 2)
   variance = np.mean(np.sum((pred[:, 1:] - pred[:, :1]) ** 2, axis=1))
   exact = toy.fedavg_closed_form(config, phi, y, phi_grid, truth, (config.rounds,))[config.rounds]
   assert bias == pytest.approx(exact[0], rel=1e-4)
   assert variance == pytest.approx(exact[1], rel=1e-4)
-  assert exact[0] > 0.01 and exact[1] > 0.01                                          # neither is trivially 0
+  assert exact[0] > 0.01 and exact[1] > 0.01  # neither is trivially 0
 
 
 def test_ntk_check_prediction_is_closed_form_gradient_descent():
   check = load_experiment("fed_ensemble_ntk_check")
   x, y, x_test = check.make_data(0)
-  x1, y1 = x.reshape(1, -1, 2), y.reshape(1, -1)       # one client holding everything: centralised GD
+  x1, y1 = x.reshape(1, -1, 2), y.reshape(1, -1)  # one client holding everything: centralised GD
   rounds, tau, lr = 5, 3, 0.7
-  mean, variance, cross = check.linearised_prediction(x1, y1, x_test, np.zeros((1, rounds, 1), np.int64), 2,
-                                                      tau, lr)
+  mean, variance, cross = check.linearised_prediction(
+    x1, y1, x_test, np.zeros((1, rounds, 1), np.int64), 2, tau, lr
+  )
   kxx, txx = check.kernels(x1[0], x1[0])
   ksx, tsx = check.kernels(x_test, x1[0])
   kss, _ = check.kernels(x_test, x_test)
   # f_t = f_0 + Theta(x, X) Theta^-1 (I - (I - lr Theta / n)^t) (Y - f_0(X)), t = rounds * tau steps.
   evals, evecs = np.linalg.eigh(txx)
   decay = evecs @ np.diag((1 - (1 - lr * evals / y1.size) ** (rounds * tau)) / evals) @ evecs.T
-  a = tsx @ decay                                                                      # [T, n]
+  a = tsx @ decay  # [T, n]
   np.testing.assert_allclose(mean[0, 0], a @ y1[0], rtol=1e-7, atol=1e-9)
   want_var = np.diag(kss) + np.einsum("ij,jk,ik->i", a, kxx, a) - 2 * np.einsum("ij,ij->i", a, ksx)
   np.testing.assert_allclose(variance[0, 0], want_var, rtol=1e-7, atol=1e-9)
@@ -349,4 +431,4 @@ def test_ntk_check_prediction_is_closed_form_gradient_descent():
   np.testing.assert_allclose(mean[0, 1], 0.0, atol=1e-12)
   np.testing.assert_allclose(variance[0, 1], np.diag(kss), rtol=1e-9)
   np.testing.assert_allclose(cross[0], (want_var + np.diag(kss)) / 4, rtol=1e-7)
-  assert np.all(want_var < 0.9 * np.diag(kss))                                        # training did shrink it
+  assert np.all(want_var < 0.9 * np.diag(kss))  # training did shrink it

@@ -4,6 +4,7 @@ Reference: the selected clients redrawn with numpy's generator of the participat
 finishing time ``n_i · exp(σ z_i)`` computed in a Python loop, and the fastest kept by sorting (client, time)
 pairs.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -35,17 +36,21 @@ def test_a_round_aggregates_only_the_first_to_finish():
   seen = set()
   for round_index in range(4):
     inputs = algorithm.round_inputs(round_index)
-    selected = fed_ensemble.sample_participants(np.zeros(20, np.int32), 8, "uniform", config.seed, round_index)
-    expected = fed_ensemble.first_to_finish(selected, np.asarray(federation.n), 6, 0.5, config.seed, round_index)
+    selected = fed_ensemble.sample_participants(
+      np.zeros(20, np.int32), 8, "uniform", config.seed, round_index
+    )
+    expected = fed_ensemble.first_to_finish(
+      selected, np.asarray(federation.n), 6, 0.5, config.seed, round_index
+    )
     np.testing.assert_array_equal(inputs.clients, expected)
     assert len(inputs.clients) == 6 and set(inputs.clients) <= set(selected)
     seen |= set(selected.tolist()) - set(inputs.clients.tolist())
-  assert seen                                              # some selected clients were dropped as stragglers
+  assert seen  # some selected clients were dropped as stragglers
 
 
 def test_straggler_config_checks():
   config = load_config("fed_ensemble", "smoke")
-  config.algorithm.over_selected = 5                      # fewer than the 6 aggregated
+  config.algorithm.over_selected = 5  # fewer than the 6 aggregated
   with pytest.raises(ValueError, match="clients_per_round < over_selected"):
     schema.validate_config(config)
   config.algorithm.over_selected = 30

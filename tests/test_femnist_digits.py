@@ -3,6 +3,7 @@
 The fixture is a small LEAF dataset written by the test (two train files, one test file, labels across all
 62 classes); the expectation is computed from the fixture directly.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -18,8 +19,12 @@ from test_data_sources import _leaf_file, isolated  # noqa: F401  (the fixture)
 def _fixture(root, rng):
   def user(n):
     return rng.integers(0, 256, (n, 28, 28), dtype=np.uint8), rng.integers(0, 62, n)
-  files = {"train/a.json": {"f0100_45": user(9), "f0007_12": user(7)}, "train/b.json": {"f0500_01": user(8)},
-           "test/a.json": {"f0007_12": user(5), "f0999_99": user(4)}}
+
+  files = {
+    "train/a.json": {"f0100_45": user(9), "f0007_12": user(7)},
+    "train/b.json": {"f0500_01": user(8)},
+    "test/a.json": {"f0007_12": user(5), "f0999_99": user(4)},
+  }
   for name, users in files.items():
     _leaf_file(root / "femnist" / name, users)
   return files
@@ -36,13 +41,14 @@ def test_digits_keep_the_samples_labelled_0_to_9_with_their_writers(isolated):  
     want_y = np.concatenate([y[k] for (_, _, y), k in zip(records, keep)])
     want_w = np.concatenate([np.full(k.sum(), ids[u]) for (u, _, _), k in zip(records, keep)])
     want_x = np.concatenate([x[k] for (_, x, _), k in zip(records, keep)])
-    assert 0 < len(want_y) < sum(len(y) for _, _, y in records)     # the fixture has letters to drop
+    assert 0 < len(want_y) < sum(len(y) for _, _, y in records)  # the fixture has letters to drop
     np.testing.assert_array_equal(getattr(ds, f"y_{split}"), want_y)
     np.testing.assert_array_equal(getattr(ds, f"writers_{split}"), want_w)
     np.testing.assert_allclose(getattr(ds, f"x_{split}")[..., 0] * 255, want_x, atol=1e-4)
   # by_writer: one client per writer, holding exactly that writer's digit samples.
-  clients = partition(ds.y_train, "by_writer", len(set(ds.writers_train.tolist())), seed=0,
-                      writers=ds.writers_train)
+  clients = partition(
+    ds.y_train, "by_writer", len(set(ds.writers_train.tolist())), seed=0, writers=ds.writers_train
+  )
   for members in clients:
     assert len(set(ds.writers_train[members].tolist())) == 1
   assert sorted(np.concatenate(clients).tolist()) == list(range(len(ds.y_train)))

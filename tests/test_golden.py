@@ -26,6 +26,7 @@ is ``QUANTIZED_RTOL = 1e-3``; τ, bits and accuracies keep their checks.
 Where the computation order is unchanged the values are bit-identical (the runs are deterministic on one
 machine); the tolerances only admit reordered float32 arithmetic.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,13 @@ import golden_runs
 
 RTOL = 1e-4
 QUANTIZED_RTOL = 1e-3
-QUANTIZED_RUNS = ("spark:smoke,proj500,compressed", "cp_ntk_fl:smoke,table1", "cp_ntk_fl:smoke,table1,shuffle",
-                  "ntk_dfl:smoke,topk0.5,bits6,subsample,proj20,clustered", "spark:smoke,option_b,compressed")
+QUANTIZED_RUNS = (
+  "spark:smoke,proj500,compressed",
+  "cp_ntk_fl:smoke,table1",
+  "cp_ntk_fl:smoke,table1,shuffle",
+  "ntk_dfl:smoke,topk0.5,bits6,subsample,proj20,clustered",
+  "spark:smoke,option_b,compressed",
+)
 ACC_ATOL = 2 / 2_000
 EXACT = ("round", "bits_cumulative", "clients_tau")
 ACCURACIES = ("test_acc", "client_acc_mean", "consensus_acc_mean")
@@ -48,12 +54,16 @@ def _compare(name: str, expected: dict, actual: dict) -> None:
   assert [r["round"] for r in actual["rounds"]] == [r["round"] for r in expected["rounds"]], name
   for want, got in zip(expected["rounds"], actual["rounds"]):
     where = f"{name}, round {want['round']}"
-    assert sorted(got) == sorted(want), f"{where}: recorded fields {sorted(want)}, now {sorted(got)}"
+    assert sorted(got) == sorted(want), (
+      f"{where}: recorded fields {sorted(want)}, now {sorted(got)}"
+    )
     for key, value in want.items():
       if key in EXACT:
         np.testing.assert_array_equal(got[key], value, err_msg=f"{where}: {key}")
       elif key in ACCURACIES:
-        np.testing.assert_allclose(got[key], value, rtol=0, atol=ACC_ATOL, err_msg=f"{where}: {key}")
+        np.testing.assert_allclose(
+          got[key], value, rtol=0, atol=ACC_ATOL, err_msg=f"{where}: {key}"
+        )
       else:
         rtol = QUANTIZED_RTOL if name in QUANTIZED_RUNS else RTOL
         np.testing.assert_allclose(got[key], value, rtol=rtol, atol=0, err_msg=f"{where}: {key}")
@@ -61,12 +71,17 @@ def _compare(name: str, expected: dict, actual: dict) -> None:
 
 def test_every_config_has_a_golden_file():
   recorded = sorted(p.name for p in golden_runs.GOLDEN_DIR.glob("*.json"))
-  expected = sorted(golden_runs.path(name, variant).name for name, variant in golden_runs.golden_runs())
+  expected = sorted(
+    golden_runs.path(name, variant).name for name, variant in golden_runs.golden_runs()
+  )
   assert recorded == expected
 
 
-@pytest.mark.parametrize("name,variant", golden_runs.golden_runs(),
-                         ids=[golden_runs.path(n, v).stem for n, v in golden_runs.golden_runs()])
+@pytest.mark.parametrize(
+  "name,variant",
+  golden_runs.golden_runs(),
+  ids=[golden_runs.path(n, v).stem for n, v in golden_runs.golden_runs()],
+)
 def test_smoke_run_matches_golden(name, variant):
   expected = json.loads(golden_runs.path(name, variant).read_text())
   _compare(f"{name}:{variant}", expected, golden_runs.record(name, variant))

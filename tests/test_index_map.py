@@ -1,4 +1,5 @@
 """Partitions read from a file (index_map), the shipped authors' maps, their variants, the contiguous split."""
+
 from __future__ import annotations
 
 import gzip
@@ -36,7 +37,11 @@ def fmnist_labels():
 
 
 def test_round_trip_keeps_every_client_in_the_file_order(tmp_path):
-  clients = [np.array([5, 1, 3]), np.array([0]), np.array([9, 9, 2, 7])]  # unsorted, a repeat, reuse
+  clients = [
+    np.array([5, 1, 3]),
+    np.array([0]),
+    np.array([9, 9, 2, 7]),
+  ]  # unsorted, a repeat, reuse
   path = index_map.save_index_map(tmp_path / "m.npz", clients)
   with np.load(path) as f:
     assert f["indices"].dtype == np.int32 and f["offsets"].dtype == np.int32
@@ -46,20 +51,41 @@ def test_round_trip_keeps_every_client_in_the_file_order(tmp_path):
   assert all(c.dtype == np.int64 for c in loaded)
 
 
-@pytest.mark.parametrize("arrays,match", [
-    (dict(indices=np.int32([1, 2]), offsets=np.int32([0, 1, 2]), extra=np.int32([0])), "exactly the arrays"),
+@pytest.mark.parametrize(
+  "arrays,match",
+  [
+    (
+      dict(indices=np.int32([1, 2]), offsets=np.int32([0, 1, 2]), extra=np.int32([0])),
+      "exactly the arrays",
+    ),
     (dict(indices=np.int32([1, 2])), "exactly the arrays"),
     (dict(indices=np.int64([1, 2]), offsets=np.int32([0, 1, 2])), "'indices' must be a 1-D int32"),
-    (dict(indices=np.int32([1, 2]), offsets=np.float32([0, 1, 2])), "'offsets' must be a 1-D int32"),
-    (dict(indices=np.int32([[1, 2]]), offsets=np.int32([0, 1, 2])), "'indices' must be a 1-D int32"),
+    (
+      dict(indices=np.int32([1, 2]), offsets=np.float32([0, 1, 2])),
+      "'offsets' must be a 1-D int32",
+    ),
+    (
+      dict(indices=np.int32([[1, 2]]), offsets=np.int32([0, 1, 2])),
+      "'indices' must be a 1-D int32",
+    ),
     (dict(indices=np.int32([1, 2]), offsets=np.int32([1, 1, 2])), "must start at 0, got 1"),
-    (dict(indices=np.int32([1, 2, 3]), offsets=np.int32([0, 2, 1, 3])), r"non-decreasing, but offsets\[2\] = 1"),
-    (dict(indices=np.int32([1, 2, 3]), offsets=np.int32([0, 1, 2])), "last offset must equal the number of indices"),
+    (
+      dict(indices=np.int32([1, 2, 3]), offsets=np.int32([0, 2, 1, 3])),
+      r"non-decreasing, but offsets\[2\] = 1",
+    ),
+    (
+      dict(indices=np.int32([1, 2, 3]), offsets=np.int32([0, 1, 2])),
+      "last offset must equal the number of indices",
+    ),
     (dict(indices=np.int32([1, 2]), offsets=np.int32([0, 1, 1, 2])), "client 1 has no samples"),
     (dict(indices=np.int32([1, -2]), offsets=np.int32([0, 1, 2])), "must be >= 0, got -2"),
-    (dict(indices=np.int32([1, 10]), offsets=np.int32([0, 1, 2])), r"index 10 is outside the training set of 10"),
+    (
+      dict(indices=np.int32([1, 10]), offsets=np.int32([0, 1, 2])),
+      r"index 10 is outside the training set of 10",
+    ),
     (dict(indices=np.int32([]), offsets=np.int32([0])), "M \\+ 1 >= 2 entries"),
-])
+  ],
+)
 def test_a_malformed_map_is_named_and_explained(arrays, match, tmp_path):
   path = tmp_path / "bad.npz"
   np.savez(path, **arrays)
@@ -74,12 +100,18 @@ def test_the_client_count_must_match_the_config(tmp_path):
     index_map.load_index_map(path, num_clients=3)
 
 
-@pytest.mark.parametrize("value,match", [
+@pytest.mark.parametrize(
+  "value,match",
+  [
     ("", "must name an index map"),
     ("fmnist_alpha0.1_9", "neither a .npz index map nor a shipped map"),
-    ("maps/user_dataidx_map_0.10_0.dat", "convert it first with `python -m ntk_fl.data.index_map convert"),
+    (
+      "maps/user_dataidx_map_0.10_0.dat",
+      "convert it first with `python -m ntk_fl.data.index_map convert",
+    ),
     ("/no/such/map.npz", "no such file"),
-])
+  ],
+)
 def test_bad_partition_file_values(value, match):
   with pytest.raises(ValueError, match=match):
     index_map.resolve(value)
@@ -103,7 +135,9 @@ def test_a_pickled_object_inside_the_npz_is_refused(tmp_path):
 
 
 def test_every_shipped_map_exists_and_nothing_else_is_shipped():
-  shipped = sorted(p.removesuffix(".npz") for p in os.listdir(index_map.VENDORED_DIR) if p.endswith(".npz"))
+  shipped = sorted(
+    p.removesuffix(".npz") for p in os.listdir(index_map.VENDORED_DIR) if p.endswith(".npz")
+  )
   assert shipped == sorted(index_map.VENDORED_MAPS) and len(shipped) == 28
 
 
@@ -115,10 +149,10 @@ def test_shipped_maps_have_the_documented_sizes(name):
   assert all(np.unique(c).size == c.size for c in clients), "no sample twice within a client"
   if "iid" in name:
     assert (sizes == 200).all()
-    np.testing.assert_array_equal(np.sort(used), np.arange(60_000))   # disjoint, every sample once
+    np.testing.assert_array_equal(np.sort(used), np.arange(60_000))  # disjoint, every sample once
   else:
     assert 193 <= sizes.min() and sizes.max() <= 199
-    assert 37_000 <= np.unique(used).size <= 38_000                   # samples reused across clients
+    assert 37_000 <= np.unique(used).size <= 38_000  # samples reused across clients
 
 
 def test_alpha_0_1_draw_0_statistics_and_label_skew():
@@ -136,6 +170,7 @@ def test_alpha_0_1_draw_0_statistics_and_label_skew():
       p = np.bincount(lab[c], minlength=10) / c.size
       h.append(-(p[p > 0] * np.log(p[p > 0])).sum())
     return float(np.mean(h))
+
   assert mean_entropy(labels) == pytest.approx(0.82, abs=0.01)
   assert mean_entropy(shuffled) > 2.2
 
@@ -149,14 +184,19 @@ def test_a_shipped_map_is_the_same_as_the_path_to_its_file():
 # ----------------------------------------------------------------------------- config variants
 
 
-@pytest.mark.parametrize("config_file", ["ntk_dfl", "dfedavg", "dpsgd", "spark", "ntk_fl", "cp_ntk_fl"])
-@pytest.mark.parametrize("variant,expected", [
+@pytest.mark.parametrize(
+  "config_file", ["ntk_dfl", "dfedavg", "dpsgd", "spark", "ntk_fl", "cp_ntk_fl"]
+)
+@pytest.mark.parametrize(
+  "variant,expected",
+  [
     ("authors_alpha0.1", "fmnist_alpha0.1_0"),
     ("authors_alpha0.1_d3", "fmnist_alpha0.1_3"),
     ("authors_alpha0.5_d4", "fmnist_alpha0.5_4"),
     ("authors_iid", "fmnist_iid_0"),
     ("authors_iid_d2", "fmnist_iid_2"),
-])
+  ],
+)
 def test_authors_variants_select_the_shipped_file(config_file, variant, expected):
   config = config_lib.load_config(os.path.join(CONFIGS, f"{config_file}.py"), variant)
   assert config.data.partition == "index_map" and config.data.partition_file == expected
@@ -166,12 +206,15 @@ def test_authors_variants_select_the_shipped_file(config_file, variant, expected
   schema.validate_config(config)
 
 
-@pytest.mark.parametrize("variant,match", [
+@pytest.mark.parametrize(
+  "variant,match",
+  [
     ("authors_alpha0.7", r"no shipped partition 'fmnist_alpha0.7_0'"),
     ("authors_iid_d3", r"no shipped partition 'fmnist_iid_3'.*iid with draws 0-2"),
     ("authors_alpha0.1_dx", "the draw must be a number"),
     ("authors_dirichlet", "expected authors_alpha"),
-])
+  ],
+)
 def test_bad_authors_variants(variant, match):
   with pytest.raises(ValueError, match=match):
     config_lib.load_config(os.path.join(CONFIGS, "ntk_dfl.py"), variant)
@@ -189,20 +232,39 @@ def test_contiguous_variant():
 
 def toy(**overrides):
   config = config_lib.load_config(TOY_CONFIG, "smoke")
-  config.update_from_flattened_dict(overrides)      # dotted keys: {"data.num_clients": 4}
+  config.update_from_flattened_dict(overrides)  # dotted keys: {"data.num_clients": 4}
   return config
 
 
-@pytest.mark.parametrize("overrides,match", [
+@pytest.mark.parametrize(
+  "overrides,match",
+  [
     ({"data.partition": "index_map"}, "must name an index map"),
     ({"data.partition_file": "fmnist_iid_0"}, "only read by data.partition = 'index_map'"),
-    ({"data.partition": "index_map", "data.partition_file": "fmnist_iid_0"},
-     "is a fashion_mnist partition, but data.name = 'synthetic'"),
-    ({"data.partition": "index_map", "data.partition_file": "fmnist_iid_0", "data.name": "fashion_mnist"},
-     "holds 300 clients but config.data.num_clients = 10"),
-    ({"data.partition": "index_map", "data.partition_file": "fmnist_iid_0", "data.name": "fashion_mnist",
-      "data.num_clients": 300, "data.max_train": 500}, "needs max_train = 0"),
-])
+    (
+      {"data.partition": "index_map", "data.partition_file": "fmnist_iid_0"},
+      "is a fashion_mnist partition, but data.name = 'synthetic'",
+    ),
+    (
+      {
+        "data.partition": "index_map",
+        "data.partition_file": "fmnist_iid_0",
+        "data.name": "fashion_mnist",
+      },
+      "holds 300 clients but config.data.num_clients = 10",
+    ),
+    (
+      {
+        "data.partition": "index_map",
+        "data.partition_file": "fmnist_iid_0",
+        "data.name": "fashion_mnist",
+        "data.num_clients": 300,
+        "data.max_train": 500,
+      },
+      "needs max_train = 0",
+    ),
+  ],
+)
 def test_bad_index_map_configs_fail_before_data_loads(overrides, match, tmp_path, monkeypatch):
   monkeypatch.setattr(data, "load", lambda *a, **k: pytest.fail("data loaded before validation"))
   with pytest.raises(ValueError, match=match):
@@ -213,8 +275,14 @@ def test_bad_index_map_configs_fail_before_data_loads(overrides, match, tmp_path
 def test_out_of_range_fmnist_indices_fail_before_data_loads(tmp_path, monkeypatch):
   monkeypatch.setattr(data, "load", lambda *a, **k: pytest.fail("data loaded before validation"))
   path = write_map(tmp_path / "m.npz", np.int32([0, 60_000]), np.int32([0, 1, 2]))
-  config = toy(**{"data.partition": "index_map", "data.partition_file": path, "data.name": "fashion_mnist",
-                  "data.num_clients": 2})
+  config = toy(
+    **{
+      "data.partition": "index_map",
+      "data.partition_file": path,
+      "data.name": "fashion_mnist",
+      "data.num_clients": 2,
+    }
+  )
   with pytest.raises(ValueError, match="index 60000 is outside the training set of 60000"):
     schema.validate_config(config)
 
@@ -222,7 +290,7 @@ def test_out_of_range_fmnist_indices_fail_before_data_loads(tmp_path, monkeypatc
 def test_out_of_range_indices_of_other_datasets_fail_when_the_partition_is_built(tmp_path):
   path = write_map(tmp_path / "m.npz", np.int32(np.arange(1_000, 1_010)), np.int32(np.arange(11)))
   config = toy(**{"data.partition": "index_map", "data.partition_file": path})
-  schema.validate_config(config)   # the synthetic set's size is known only once it is generated
+  schema.validate_config(config)  # the synthetic set's size is known only once it is generated
   with pytest.raises(ValueError, match="index 1009 is outside the training set of 1000"):
     runner.build_experiment(config)
 
@@ -235,15 +303,17 @@ def test_smoke_run_uses_the_map_in_its_order(tmp_path):
   clients = [rng.choice(1_000, size=20 + 3 * i, replace=False) for i in range(10)]
   path = index_map.save_index_map(tmp_path / "m.npz", clients)
   workdir = str(tmp_path / "run")
-  runner.run(toy(**{"data.partition": "index_map", "data.partition_file": str(path), "rounds": 2}), workdir)
+  runner.run(
+    toy(**{"data.partition": "index_map", "data.partition_file": str(path), "rounds": 2}), workdir
+  )
   with open(os.path.join(workdir, rundir.CONFIG_FILE)) as f:
     assert json.load(f)["data"]["partition_file"] == str(path)
   assert len(rundir.read_metrics(workdir)) == 2
   exp = runner.build_experiment(rundir.rebuild_config(workdir))
   np.testing.assert_array_equal(exp.federation.n, [c.size for c in clients])
-  for m, c in enumerate(clients):   # client m's rows are its map entries, in the map's order
-    np.testing.assert_array_equal(exp.federation.y[m, :c.size], exp.dataset.y_train[c])
-    np.testing.assert_array_equal(exp.federation.x[m, :c.size], exp.dataset.x_train[c])
+  for m, c in enumerate(clients):  # client m's rows are its map entries, in the map's order
+    np.testing.assert_array_equal(exp.federation.y[m, : c.size], exp.dataset.y_train[c])
+    np.testing.assert_array_equal(exp.federation.x[m, : c.size], exp.dataset.x_train[c])
 
 
 def test_ntk_fl_smoke_run_on_a_map_of_fashion_mnist(tmp_path):
@@ -268,7 +338,7 @@ def test_ntk_fl_smoke_run_on_a_map_of_fashion_mnist(tmp_path):
 def test_contiguous_blocks_in_training_set_order():
   clients = partition(np.zeros(1_000, np.int64), "contiguous", 4, seed=3, samples_per_client=200)
   assert [c.tolist() for c in clients] == [list(range(200 * i, 200 * i + 200)) for i in range(4)]
-  default = partition(np.zeros(1_001, np.int64), "contiguous", 4, seed=0)   # floor(N / M) = 250
+  default = partition(np.zeros(1_001, np.int64), "contiguous", 4, seed=0)  # floor(N / M) = 250
   assert [(c[0], c[-1]) for c in default] == [(0, 249), (250, 499), (500, 749), (750, 999)]
   with pytest.raises(ValueError, match="samples_per_client=300 too large for contiguous"):
     partition(np.zeros(1_000, np.int64), "contiguous", 4, seed=0, samples_per_client=300)
@@ -288,7 +358,7 @@ def test_converter_writes_the_npz_of_a_pickled_map(tmp_path):
   mapping = {i: rng.choice(500, size=5 + i, replace=False) for i in range(6)}
   source = tmp_path / "user_dataidx_map_0.10_0.dat"
   with open(source, "wb") as f:
-    pickle.dump(dict(reversed(list(mapping.items()))), f, protocol=2)   # keys stored out of order
+    pickle.dump(dict(reversed(list(mapping.items()))), f, protocol=2)  # keys stored out of order
   target = tmp_path / "m.npz"
   assert index_map.main(["convert", str(source), str(target)]) == 0
   loaded = index_map.load_index_map(str(target), num_clients=6)
@@ -305,11 +375,14 @@ def test_converter_refuses_a_pickle_that_builds_arbitrary_objects(tmp_path, caps
   assert not (tmp_path / "m.npz").exists()
 
 
-@pytest.mark.parametrize("mapping,match", [
+@pytest.mark.parametrize(
+  "mapping,match",
+  [
     ({0: np.arange(3), 2: np.arange(2)}, r"client ids must be the integers 0 .. 1"),
     ({0: np.arange(3), 1: np.zeros((2, 2), np.int64)}, "client 1 must map to a 1-D integer array"),
     ([np.arange(3)], "expected a non-empty dict"),
-])
+  ],
+)
 def test_converter_checks_the_pickled_structure(mapping, match, tmp_path):
   source = tmp_path / "m.dat"
   with open(source, "wb") as f:

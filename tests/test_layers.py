@@ -1,4 +1,5 @@
 """The package's layering: what importing a module loads, and which modules may import which."""
+
 from __future__ import annotations
 
 import ast
@@ -40,6 +41,7 @@ def test_the_kernels_load_neither_flax_nor_the_device_code():
 def test_dense_stack_is_one_class_wherever_it_is_named():
   from ntk_fl import models, ntk, projection  # pylint: disable=import-outside-toplevel
   from ntk_fl._src.dense_stack import DenseStack  # pylint: disable=import-outside-toplevel
+
   assert models.DenseStack is DenseStack and ntk.DenseStack is DenseStack
   assert projection.DenseStack is DenseStack
 
@@ -67,7 +69,7 @@ def _layer_table() -> list[tuple[str, list[str]]]:
   text = _ARCHITECTURE.read_text()
   table = text.split("<!-- layers: begin -->", 1)[1].split("<!-- layers: end -->", 1)[0]
   layers = []
-  for row in table.strip().splitlines()[2:]:                     # after the header and the rule
+  for row in table.strip().splitlines()[2:]:  # after the header and the rule
     name, modules = (cell.strip() for cell in row.strip().strip("|").split("|"))
     layers.append((name, [m.strip().strip("`") for m in modules.split(",")]))
   return layers
@@ -86,7 +88,8 @@ def _modules() -> dict[str, pathlib.Path]:
 
 def _import_graph(modules: dict[str, pathlib.Path]) -> dict[str, set[str]]:
   """module -> the package's modules it imports anywhere in its source (top level and inside functions)."""
-  def resolve(name):                                 # ``ntk_fl.x.attr`` -> ``ntk_fl.x``
+
+  def resolve(name):  # ``ntk_fl.x.attr`` -> ``ntk_fl.x``
     while name and name not in modules:
       name = name.rpartition(".")[0]
     return name
@@ -101,10 +104,10 @@ def _import_graph(modules: dict[str, pathlib.Path]) -> dict[str, set[str]]:
       elif isinstance(node, ast.ImportFrom):
         base = node.module or ""
         if node.level:
-          base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+          base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
         if base.split(".")[0] != "ntk_fl":
           continue
-        for alias in node.names:                     # ``from ntk_fl import rundir`` names a module
+        for alias in node.names:  # ``from ntk_fl import rundir`` names a module
           full = f"{base}.{alias.name}"
           deps.add(full if full in modules else resolve(base))
     graph[name] = deps - {name, ""}
@@ -134,10 +137,12 @@ def _layer_of(modules) -> dict[str, int]:
 def _longest_chains(graph) -> dict[str, list[str]]:
   """module -> its longest chain of imports (itself first), in an acyclic ``graph``."""
   best: dict[str, list[str]] = {}
+
   def chain(module):
     if module not in best:
       best[module] = [module] + max((chain(d) for d in graph[module]), key=len, default=[])
     return best[module]
+
   for module in graph:
     chain(module)
   return best
@@ -151,29 +156,37 @@ def test_the_layer_table_lists_every_module_and_only_existing_ones():
   for _, patterns in _layer_table():
     for pattern in patterns:
       full = "ntk_fl" if pattern == "ntk_fl" else f"ntk_fl.{pattern}"
-      assert full.removesuffix(".*") in modules, f"the layer table names {pattern}, which does not exist"
+      assert full.removesuffix(".*") in modules, (
+        f"the layer table names {pattern}, which does not exist"
+      )
 
 
 def test_imports_go_only_downwards_by_the_layer_table():
   modules = _modules()
   graph, layers = _import_graph(modules), _layer_of(modules)
   names = [name for name, _ in _layer_table()]
-  upward = sorted(f"{m} (layer {names[layers[m]]!r}) imports {d} (layer {names[layers[d]]!r})"
-                  for m, deps in graph.items() for d in deps if layers[d] > layers[m])
+  upward = sorted(
+    f"{m} (layer {names[layers[m]]!r}) imports {d} (layer {names[layers[d]]!r})"
+    for m, deps in graph.items()
+    for d in deps
+    if layers[d] > layers[m]
+  )
   assert not upward, "\n".join(upward)
 
 
 def test_the_import_graph_has_no_cycle():
   graph = _import_graph(_modules())
-  state: dict[str, int] = {}                          # 1 = on the current path, 2 = done
+  state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+
   def visit(module, path):
     state[module] = 1
     for dep in sorted(graph[module]):
       if state.get(dep) == 1:
-        raise AssertionError("import cycle: " + " -> ".join(path[path.index(dep):] + [dep]))
+        raise AssertionError("import cycle: " + " -> ".join(path[path.index(dep) :] + [dep]))
       if dep not in state:
         visit(dep, path + [dep])
     state[module] = 2
+
   for module in sorted(graph):
     if module not in state:
       visit(module, [module])
@@ -194,7 +207,9 @@ def test_the_checker_sees_function_level_and_relative_imports(tmp_path):
     modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
   graph = _import_graph(modules)
   assert graph["ntk_fl.low"] == {"ntk_fl.high"} and graph["ntk_fl.high"] == {"ntk_fl.low"}
-  assert graph["ntk_fl.sub"] == {"ntk_fl.sub.leaf", "ntk_fl.low"} and graph["ntk_fl.sub.leaf"] == set()
+  assert (
+    graph["ntk_fl.sub"] == {"ntk_fl.sub.leaf", "ntk_fl.low"} and graph["ntk_fl.sub.leaf"] == set()
+  )
 
 
 def test_the_import_chains_stay_short():
@@ -202,8 +217,15 @@ def test_the_import_chains_stay_short():
   # top, through a run's reading and the methods, to the kernels), and the kernels and the NTK step.
   graph = _import_graph(_modules())
   # The config layer reads no run directory: the config files load in three levels.
-  for top, most in (("ntk_fl.reproduce", 15), ("ntk_fl.cli", 12), ("ntk_fl.runner", 11), ("ntk_fl.schema", 10),
-                    ("ntk_fl.config", 3), ("ntk_fl.evolve", 7), ("ntk_fl.ntk", 5)):
+  for top, most in (
+    ("ntk_fl.reproduce", 15),
+    ("ntk_fl.cli", 12),
+    ("ntk_fl.runner", 11),
+    ("ntk_fl.schema", 10),
+    ("ntk_fl.config", 3),
+    ("ntk_fl.evolve", 7),
+    ("ntk_fl.ntk", 5),
+  ):
     chain = _longest_chains(graph)[top]
     assert len(chain) <= most, " -> ".join(chain)
   assert max(len(chain) for chain in _longest_chains(graph).values()) <= 15

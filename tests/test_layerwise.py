@@ -5,6 +5,7 @@ respect to all of its parameters (flattened), in float64, to 1e-10 of the kernel
 Both routes of every layer (factorisation and contraction) are forced on each model, so the test
 does not depend on which the cost rule picks.
 """
+
 from __future__ import annotations
 
 import flax.linen as nn
@@ -34,7 +35,9 @@ def brute_force(apply_fn, params, x1, x2, trace_outputs, per_sample=True):
   ``per_sample=False``: the Jacobian of the whole batch's outputs at once."""
   flat, unravel = ravel_pytree(params)
   if per_sample:
-    jac = lambda x: jax.vmap(lambda xi: jax.jacobian(lambda w: apply_fn(unravel(w), xi[None])[0])(flat))(x)
+    jac = lambda x: jax.vmap(
+      lambda xi: jax.jacobian(lambda w: apply_fn(unravel(w), xi[None])[0])(flat)
+    )(x)
   else:
     jac = lambda x: jax.jacobian(lambda w: apply_fn(unravel(w), x))(flat)
   j1, j2 = jax.jit(jac)(x1), jax.jit(jac)(x2)
@@ -64,8 +67,11 @@ def setup(module, in_shape, n1=4, n2=3, seed=0):
 
 
 def _kernel(apply_fn, params, x1, x2, trace_outputs, chunk, route):
-  fn = jax.jit(lambda p, a, b: layerwise.layerwise_kernel(apply_fn, p, a, b, trace_outputs, chunk,
-                                                          route=route, blocked=_blocked_kernel))
+  fn = jax.jit(
+    lambda p, a, b: layerwise.layerwise_kernel(
+      apply_fn, p, a, b, trace_outputs, chunk, route=route, blocked=_blocked_kernel
+    )
+  )
   return fn(params, x1, x2)
 
 
@@ -133,8 +139,9 @@ class _Convs(nn.Module):
   @nn.compact
   def __call__(self, x):
     x = jnp.tanh(nn.Conv(3, (3, 3), strides=2, padding="VALID", name="c0")(x))
-    x = jnp.tanh(nn.Conv(4, (2, 2), padding=((1, 0), (0, 1)), kernel_dilation=1, use_bias=False,
-                         name="c1")(x))
+    x = jnp.tanh(
+      nn.Conv(4, (2, 2), padding=((1, 0), (0, 1)), kernel_dilation=1, use_bias=False, name="c1")(x)
+    )
     x = jnp.tanh(nn.Conv(2, (2, 2), padding="SAME", kernel_dilation=2, name="c2")(x))
     return nn.Dense(3, name="head")(x.reshape(x.shape[0], -1))
 
@@ -149,12 +156,23 @@ def test_library_cnn():
   for trace_outputs in (True, False):
     ref = brute_force(module.flax_apply, params, x1, x2, trace_outputs)
     for impl in ("structured", "auto"):
-      k = jax.jit(lambda p, a, b: empirical_ntk(
-          module.apply, p, a, b, trace_outputs=trace_outputs, implementation=impl,
-          flax_apply=module.flax_apply))(params, x1, x2)
+      k = jax.jit(
+        lambda p, a, b: empirical_ntk(
+          module.apply,
+          p,
+          a,
+          b,
+          trace_outputs=trace_outputs,
+          implementation=impl,
+          flax_apply=module.flax_apply,
+        )
+      )(params, x1, x2)
       assert rel(k, ref) < RTOL
-  check_routes(models._CNN(num_classes=5, kernel_size=3), (8, 8, 1),
-               {("conv_0",), ("conv_1",), ("dense_0",), ("dense_1",)})
+  check_routes(
+    models._CNN(num_classes=5, kernel_size=3),
+    (8, 8, 1),
+    {("conv_0",), ("conv_1",), ("dense_0",), ("dense_1",)},
+  )
 
 
 def test_library_cnn_routes_and_flops():
@@ -178,8 +196,12 @@ def test_non_layer_parameters():
 
 def test_dense_on_positions():
   params, x1, _ = check_routes(_Positions(), (12,), {("token",), ("token_out",), ("head",)})
-  layer = {layer.path: layer for layer in layerwise.make_plan(
-      _Positions().apply, params, x1[:1], True, "factorise").factorised}[("token",)]
+  layer = {
+    layer.path: layer
+    for layer in layerwise.make_plan(
+      _Positions().apply, params, x1[:1], True, "factorise"
+    ).factorised
+  }[("token",)]
   assert layer.positions == 4 and layer.d_in == 3
 
 
@@ -198,10 +220,14 @@ def test_empirical_ntk_fn_structured_on_module_apply():
   params, x1, x2 = setup(module, (5,))
   for trace_axes in ((-1,), ()):
     ref = brute_force(module.apply, params, x1, x2, trace_axes == (-1,))
-    for impl in (NtkImplementation.STRUCTURED_DERIVATIVES, NtkImplementation.AUTO,
-                 NtkImplementation.JACOBIAN_CONTRACTION):
-      k = jax.jit(empirical_ntk_fn(module.apply, trace_axes=trace_axes, vmap_axes=0,
-                                   implementation=impl))(x1, x2, params)
+    for impl in (
+      NtkImplementation.STRUCTURED_DERIVATIVES,
+      NtkImplementation.AUTO,
+      NtkImplementation.JACOBIAN_CONTRACTION,
+    ):
+      k = jax.jit(
+        empirical_ntk_fn(module.apply, trace_axes=trace_axes, vmap_axes=0, implementation=impl)
+      )(x1, x2, params)
       assert rel(k, ref) < RTOL, (trace_axes, impl)
 
 
@@ -235,10 +261,12 @@ def test_from_flax_per_sample_and_structured_ntk_step():
   y = jax.nn.one_hot(jnp.arange(6) % 3, 3, dtype=jnp.float64)
   mask = jnp.ones(6, bool)
   common = dict(lr=0.5, taus=(1, 2, 4))
-  d_generic, info_generic = evolve.ntk_step(model.apply, params, x, y, mask, kernel_impl="jacobian",
-                                            **common)
-  d_struct, info_struct = evolve.ntk_step(model.apply, params, x, y, mask, flax_apply=model.flax_apply,
-                                          kernel_impl="structured", **common)
+  d_generic, info_generic = evolve.ntk_step(
+    model.apply, params, x, y, mask, kernel_impl="jacobian", **common
+  )
+  d_struct, info_struct = evolve.ntk_step(
+    model.apply, params, x, y, mask, flax_apply=model.flax_apply, kernel_impl="structured", **common
+  )
   assert rel(ravel_pytree(d_struct)[0], ravel_pytree(d_generic)[0]) < 1e-9
   np.testing.assert_allclose(info_struct["losses"], info_generic["losses"], rtol=1e-10)
 
@@ -253,34 +281,71 @@ def test_ntk_step_whole_batch_model():
   j = jax.jacobian(lambda w: model.apply(unravel(w), x))(flat)
   assert rel(k, jnp.einsum("icd,jcd->ij", j, j) / 3) < RTOL
   y = jax.nn.one_hot(jnp.arange(5) % 3, 3, dtype=jnp.float64)
-  delta, info = evolve.ntk_step(model.apply, params, x, y, jnp.ones(5, bool), lr=0.5, taus=(1, 2),
-                                per_sample=False)
+  delta, info = evolve.ntk_step(
+    model.apply, params, x, y, jnp.ones(5, bool), lr=0.5, taus=(1, 2), per_sample=False
+  )
   assert np.all(np.isfinite(info["losses"]))
   with pytest.raises(ValueError, match="per-sample model"):
-    evolve.ntk_step(model.apply, params, x, y, jnp.ones(5, bool), lr=0.5, taus=(1, 2), per_sample=False,
-                    kernel_impl="structured")
+    evolve.ntk_step(
+      model.apply,
+      params,
+      x,
+      y,
+      jnp.ones(5, bool),
+      lr=0.5,
+      taus=(1, 2),
+      per_sample=False,
+      kernel_impl="structured",
+    )
 
 
 def test_wrong_dense_stack_is_an_error():
   relu_mlp = models._MLP(features=(7, 3), activation=jax.nn.relu)
   with pytest.raises(ValueError, match="activation tanh"):
-    models.from_flax(relu_mlp, (6,), 3, per_sample=True,
-                     dense_stack=models.DenseStack(("dense_0", "dense_1"), jnp.tanh))
+    models.from_flax(
+      relu_mlp,
+      (6,),
+      3,
+      per_sample=True,
+      dense_stack=models.DenseStack(("dense_0", "dense_1"), jnp.tanh),
+    )
   with pytest.raises(ValueError, match="dense_stack layer 'dense_9'"):
-    models.from_flax(relu_mlp, (6,), 3, per_sample=True,
-                     dense_stack=models.DenseStack(("dense_0", "dense_9"), jax.nn.relu))
-  with pytest.raises(ValueError, match="does not compute"):   # the layers in the wrong order
-    models.from_flax(models._MLP(features=(6, 6, 3), activation=jax.nn.relu), (6,), 3, per_sample=True,
-                     dense_stack=models.DenseStack(("dense_1", "dense_0", "dense_2"), jax.nn.relu))
-  ok = models.from_flax(relu_mlp, (6,), 3, per_sample=True,
-                        dense_stack=models.DenseStack(("dense_0", "dense_1"), jax.nn.relu))
+    models.from_flax(
+      relu_mlp,
+      (6,),
+      3,
+      per_sample=True,
+      dense_stack=models.DenseStack(("dense_0", "dense_9"), jax.nn.relu),
+    )
+  with pytest.raises(ValueError, match="does not compute"):  # the layers in the wrong order
+    models.from_flax(
+      models._MLP(features=(6, 6, 3), activation=jax.nn.relu),
+      (6,),
+      3,
+      per_sample=True,
+      dense_stack=models.DenseStack(("dense_1", "dense_0", "dense_2"), jax.nn.relu),
+    )
+  ok = models.from_flax(
+    relu_mlp,
+    (6,),
+    3,
+    per_sample=True,
+    dense_stack=models.DenseStack(("dense_0", "dense_1"), jax.nn.relu),
+  )
   assert ok.dense_stack is not None
 
 
 def test_structured_needs_an_interceptable_function():
   model = models.cnn((8, 8, 1), 5)
   with pytest.raises(ValueError, match="not be jax.jit-compiled"):
-    empirical_ntk(model.apply, None, jnp.zeros((2, 8, 8, 1)), implementation="structured",
-                  flax_apply=model.apply)
+    empirical_ntk(
+      model.apply,
+      None,
+      jnp.zeros((2, 8, 8, 1)),
+      implementation="structured",
+      flax_apply=model.apply,
+    )
   with pytest.raises(ValueError, match="not jax.jit-compiled"):
-    empirical_ntk_fn(model.apply, vmap_axes=0, implementation=NtkImplementation.STRUCTURED_DERIVATIVES)
+    empirical_ntk_fn(
+      model.apply, vmap_axes=0, implementation=NtkImplementation.STRUCTURED_DERIVATIVES
+    )

@@ -6,6 +6,7 @@ mean cross-entropy of each minibatch and applies PyTorch's SGD update by hand
 (``d = g + wd w``; ``buf = mu buf + d`` (``buf = d`` on the first step);
 ``w -= lr buf``). Only the epoch order helper is shared (and tested on its own).
 """
+
 from __future__ import annotations
 
 import math
@@ -39,14 +40,16 @@ def ce(params, x, y):
   return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(MODEL.apply(params, x), y))
 
 
-def reference_client(params, x, y, mask, key, lr, *, epochs, batch_size, momentum=0.0, weight_decay=0.0):
+def reference_client(
+  params, x, y, mask, key, lr, *, epochs, batch_size, momentum=0.0, weight_decay=0.0
+):
   """Plain Python SGD over real samples only (see the module docstring)."""
   n = int(mask.sum())
   buf = None
   for epoch_key in jax.random.split(key, epochs):
     order = np.asarray(local.epoch_order(epoch_key, jnp.asarray(mask)))[:n]
     for start in range(0, n, batch_size):
-      idx = order[start:start + batch_size]
+      idx = order[start : start + batch_size]
       g = jax.grad(ce)(params, jnp.asarray(x[idx]), jnp.asarray(y[idx]))
       d = jax.tree.map(lambda gi, w: gi + weight_decay * w, g, params)
       buf = d if buf is None else jax.tree.map(lambda b, di: momentum * b + di, buf, d)
@@ -69,20 +72,37 @@ def test_epoch_order_is_a_permutation_of_real_samples_first():
 
 
 def test_vmapped_local_training_matches_per_client_reference():
-  sizes, n_max, epochs, batch = (7, 4, 10), 10, 2, 3  # ragged: 3, 2 and 4 real minibatches per epoch
+  sizes, n_max, epochs, batch = (
+    (7, 4, 10),
+    10,
+    2,
+    3,
+  )  # ragged: 3, 2 and 4 real minibatches per epoch
   x, y, mask = make_clients(sizes, n_max)
   params = models.init_clients(MODEL, jax.random.key(1), len(sizes), shared=False)
   keys = jax.random.split(jax.random.key(2), len(sizes))
   lr, momentum, wd = 0.3, 0.9, 0.01
-  update = local.make_local_update(MODEL.apply, epochs=epochs, batch_size=batch, momentum=momentum,
-                                   weight_decay=wd)
+  update = local.make_local_update(
+    MODEL.apply, epochs=epochs, batch_size=batch, momentum=momentum, weight_decay=wd
+  )
   # chunk_size=2 < M exercises the chunked (lax.map) path as well as vmap inside a chunk.
-  result = jax.jit(parallel.for_each_client(lambda p, a, b, c, k: update(p, a, b, c, k, lr), chunk_size=2))(
-      params, x, y, mask, keys)
+  result = jax.jit(
+    parallel.for_each_client(lambda p, a, b, c, k: update(p, a, b, c, k, lr), chunk_size=2)
+  )(params, x, y, mask, keys)
   for i, n in enumerate(sizes):
     client = jax.tree.map(lambda w: w[i], params)
-    expected = reference_client(client, x[i], y[i], mask[i], keys[i], lr, epochs=epochs, batch_size=batch,
-                                momentum=momentum, weight_decay=wd)
+    expected = reference_client(
+      client,
+      x[i],
+      y[i],
+      mask[i],
+      keys[i],
+      lr,
+      epochs=epochs,
+      batch_size=batch,
+      momentum=momentum,
+      weight_decay=wd,
+    )
     assert_trees_close(jax.tree.map(lambda w: w[i], result.params), expected)
     assert int(result.steps[i]) == epochs * math.ceil(n / batch)
 
@@ -121,8 +141,12 @@ def test_sam_with_zero_radius_is_sgd():
   params, x, y, mask, update = full_batch_step(sam_rho=0.0, sam_adaptive=True)
   _, _, _, _, plain = full_batch_step()
   key = jax.random.key(0)
-  assert_trees_close(update(params, x, y, mask, key, 0.5).params, plain(params, x, y, mask, key, 0.5).params,
-                     rtol=0, atol=0)
+  assert_trees_close(
+    update(params, x, y, mask, key, 0.5).params,
+    plain(params, x, y, mask, key, 0.5).params,
+    rtol=0,
+    atol=0,
+  )
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
@@ -131,8 +155,11 @@ def test_sam_step_matches_formula(adaptive):
   params, x, y, mask, update = full_batch_step(sam_rho=rho, sam_adaptive=adaptive)
   g = jax.grad(ce)(params, x, y)
   t = (lambda w: jnp.abs(w)) if adaptive else (lambda w: 1.0)
-  norm = math.sqrt(sum(float(jnp.sum((t(w) * gi) ** 2)) for w, gi in zip(jax.tree.leaves(params),
-                                                                         jax.tree.leaves(g))))
+  norm = math.sqrt(
+    sum(
+      float(jnp.sum((t(w) * gi) ** 2)) for w, gi in zip(jax.tree.leaves(params), jax.tree.leaves(g))
+    )
+  )
   perturbed = jax.tree.map(lambda w, gi: w + rho * t(w) ** 2 * gi / norm, params, g)
   g_sam = jax.grad(ce)(perturbed, x, y)
   expected = jax.tree.map(lambda w, gi: w - lr * gi, params, g_sam)
@@ -145,7 +172,9 @@ def test_fedprox_step_adds_proximal_gradient():
   anchor = jax.tree.map(lambda w: w + 0.1, params)
   g = jax.grad(ce)(params, x, y)
   expected = jax.tree.map(lambda w, gi, a: w - lr * (gi + mu * (w - a)), params, g, anchor)
-  assert_trees_close(update(params, x, y, mask, jax.random.key(0), lr, anchor=anchor).params, expected)
+  assert_trees_close(
+    update(params, x, y, mask, jax.random.key(0), lr, anchor=anchor).params, expected
+  )
   with pytest.raises(ValueError, match="anchor"):
     update(params, x, y, mask, jax.random.key(0), lr)
 
@@ -173,17 +202,29 @@ def test_sgd_matches_torch_semantics_with_lr_gamma_and_weight_decay():
     buf = d if buf is None else 0.9 * buf + d
     w_ref = w_ref - 0.1 * buf
   np.testing.assert_allclose(w_opt, w_ref, rtol=1e-6)
-  hparams = local.LocalHParams(lr=0.01, lr_gamma=0.95, epochs=1, batch_size=1, momentum=0.0, nesterov=False,
-                               weight_decay=0.0, quantize_bits=32, stochastic_rounding=False)
+  hparams = local.LocalHParams(
+    lr=0.01,
+    lr_gamma=0.95,
+    epochs=1,
+    batch_size=1,
+    momentum=0.0,
+    nesterov=False,
+    weight_decay=0.0,
+    quantize_bits=32,
+    stochastic_rounding=False,
+  )
   np.testing.assert_allclose(local.round_lr(hparams, 3), 0.01 * 0.95**3, rtol=1e-6)
 
 
-@pytest.mark.parametrize("kwargs, match", [
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
     (dict(epochs=0, batch_size=2), "epochs"),
     (dict(epochs=1, batch_size=0), "batch_size"),
     (dict(epochs=1, batch_size=2, momentum=1.0), "momentum"),
     (dict(epochs=1, batch_size=2, sam_rho=-0.1), "sam_rho"),
-])
+  ],
+)
 def test_bad_hyperparameters_raise(kwargs, match):
   with pytest.raises(ValueError, match=match):
     local.make_local_update(MODEL.apply, **kwargs)

@@ -1,11 +1,11 @@
 """ntk_fl.metrics against independent numpy computations on hand-made linear models."""
+
 from __future__ import annotations
 
 import math
 
 import chex
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -22,10 +22,12 @@ def linear_apply(params, x):
 
 def make_clients(num_clients, dim=6, classes=4, seed=0):
   rng = np.random.default_rng(seed)
-  return {"params": {
+  return {
+    "params": {
       "w": rng.normal(size=(num_clients, dim, classes)).astype(np.float32),
       "b": rng.normal(size=(num_clients, classes)).astype(np.float32),
-  }}
+    }
+  }
 
 
 def make_data(n, dim=6, classes=4, seed=1):
@@ -66,7 +68,9 @@ def test_batch_test_set_pads_and_masks():
   np.testing.assert_array_equal(b.y.reshape(12)[:10], y)
 
 
-@pytest.mark.parametrize("bad", [dict(x=np.zeros((3, 2)), y=np.zeros(4)), dict(x=np.zeros((0, 2)), y=np.zeros(0))])
+@pytest.mark.parametrize(
+  "bad", [dict(x=np.zeros((3, 2)), y=np.zeros(4)), dict(x=np.zeros((0, 2)), y=np.zeros(0))]
+)
 def test_batch_test_set_rejects_bad_shapes(bad):
   with pytest.raises(ValueError):
     metrics.batch_test_set(bad["x"], bad["y"])
@@ -76,7 +80,9 @@ def test_batch_test_set_rejects_bad_shapes(bad):
 def test_evaluate_clients_matches_per_client_numpy(chunk_size):
   stacked = make_clients(5)
   x, y = make_data(23)
-  acc, loss = metrics.evaluate_clients(linear_apply, stacked, x, y, batch_size=7, chunk_size=chunk_size)
+  acc, loss = metrics.evaluate_clients(
+    linear_apply, stacked, x, y, batch_size=7, chunk_size=chunk_size
+  )
   assert acc.shape == (5,) and loss.shape == (5,)
   for i in range(5):
     want_acc, want_loss = numpy_acc_loss(jax.tree.map(np.asarray, client(stacked, i)), x, y)
@@ -89,7 +95,9 @@ def test_make_evaluator_matches_functions():
   x, y = make_data(19)
   ev = metrics.make_evaluator(linear_apply, x, y, batch_size=6, chunk_size=3)
   acc, loss, dev = ev.aggregate(stacked)
-  want_acc, want_loss = numpy_acc_loss(jax.tree.map(np.asarray, metrics.average_params(stacked)), x, y)
+  want_acc, want_loss = numpy_acc_loss(
+    jax.tree.map(np.asarray, metrics.average_params(stacked)), x, y
+  )
   assert float(acc) == pytest.approx(want_acc, abs=1e-7)
   assert float(loss) == pytest.approx(want_loss, rel=RTOL)
   assert float(dev) == pytest.approx(float(metrics.model_deviation(stacked)), rel=RTOL)
@@ -112,14 +120,17 @@ class AveragingTest(chex.TestCase):
     chex.assert_trees_all_equal_shapes_and_dtypes(avg, jax.tree.map(lambda w: w[0], stacked))
     weights = np.array([1.0, 3.0, 0.0])
     wavg = self.variant(metrics.average_params)(stacked, weights)
-    want = jax.tree.map(lambda w: (np.asarray(w[0], np.float64) * 1 + np.asarray(w[1], np.float64) * 3) / 4,
-                        stacked)
+    want = jax.tree.map(
+      lambda w: (np.asarray(w[0], np.float64) * 1 + np.asarray(w[1], np.float64) * 3) / 4, stacked
+    )
     chex.assert_trees_all_close(wavg, want, rtol=RTOL, atol=1e-7)
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_model_deviation_matches_eq12_numpy(self):
     stacked = make_clients(7, seed=3)
-    flat = np.concatenate([np.asarray(w).reshape(7, -1) for w in jax.tree_util.tree_leaves(stacked)], axis=1)
+    flat = np.concatenate(
+      [np.asarray(w).reshape(7, -1) for w in jax.tree_util.tree_leaves(stacked)], axis=1
+    )
     flat = flat.astype(np.float64)
     want = np.mean(np.sqrt(np.sum((flat - flat.mean(0)) ** 2, axis=0)))
     got = self.variant(metrics.model_deviation)(stacked)
@@ -134,7 +145,9 @@ def test_average_params_rejects_bad_weights_and_client_axes():
   # Leaves that disagree on the client axis M: chex names the shapes.
   ragged = {"w": np.zeros((3, 2), np.float32), "b": np.zeros((4,), np.float32)}
   for fn in (metrics.average_params, metrics.model_deviation):
-    with pytest.raises(AssertionError, match=r"equal_shape_prefix.*different shape prefixes: \[\(4,\), \(3,\)\]"):
+    with pytest.raises(
+      AssertionError, match=r"equal_shape_prefix.*different shape prefixes: \[\(4,\), \(3,\)\]"
+    ):
       fn(ragged)
 
 
@@ -144,7 +157,9 @@ def test_model_deviation_closed_forms():
   assert float(metrics.model_deviation(identical)) == 0.0
   # Clients +w and -w: mean 0, so every coordinate contributes sqrt(2 w_j^2) = sqrt(2)|w_j|.
   opposite = {"a": np.stack([w, -w])}
-  assert float(metrics.model_deviation(opposite)) == pytest.approx(math.sqrt(2) * np.abs(w).mean(), rel=RTOL)
+  assert float(metrics.model_deviation(opposite)) == pytest.approx(
+    math.sqrt(2) * np.abs(w).mean(), rel=RTOL
+  )
 
 
 def test_rounds_to_target_edge_cases():
@@ -152,7 +167,9 @@ def test_rounds_to_target_edge_cases():
   assert metrics.rounds_to_target([0.5, 0.85, 0.9], 0.85) == 2  # equality counts
   assert metrics.rounds_to_target([0.5, 0.6], 0.85) is None
   assert metrics.rounds_to_target([], 0.85) is None
-  assert metrics.rounds_to_target([None, float("nan"), 0.9], 0.85) == 3  # unevaluated rounds keep their index
+  assert (
+    metrics.rounds_to_target([None, float("nan"), 0.9], 0.85) == 3
+  )  # unevaluated rounds keep their index
   assert metrics.rounds_to_target([0.3, 1.0], 1.0) == 2
   for bad in (0.0, -0.1, 1.5):
     with pytest.raises(ValueError, match="target"):
@@ -161,18 +178,24 @@ def test_rounds_to_target_edge_cases():
 
 def _test_half(n, seed):
   perm = numpy_rng(seed, Stream.SELECTION).permutation(n)  # the documented split
-  return perm[: n // 2], perm[n // 2:]
+  return perm[: n // 2], perm[n // 2 :]
 
 
 def test_selection_curves_against_brute_force():
   num_clients, seed = 6, 11
   stacked = jax.tree.map(np.asarray, make_clients(num_clients, seed=5))
   x, y = make_data(41, seed=6)
-  curves = metrics.selection_curves(linear_apply, stacked, x, y, seed=seed, batch_size=9, chunk_size=4)
+  curves = metrics.selection_curves(
+    linear_apply, stacked, x, y, seed=seed, batch_size=9, chunk_size=4
+  )
   val_idx, test_idx = _test_half(len(y), seed)
 
-  val_acc = np.array([numpy_acc_loss(client(stacked, i), x[val_idx], y[val_idx])[0] for i in range(num_clients)])
-  test_acc = np.array([numpy_acc_loss(client(stacked, i), x[test_idx], y[test_idx])[0] for i in range(num_clients)])
+  val_acc = np.array(
+    [numpy_acc_loss(client(stacked, i), x[val_idx], y[val_idx])[0] for i in range(num_clients)]
+  )
+  test_acc = np.array(
+    [numpy_acc_loss(client(stacked, i), x[test_idx], y[test_idx])[0] for i in range(num_clients)]
+  )
   np.testing.assert_allclose(curves["validation_accuracy"], val_acc, atol=1e-7)
   np.testing.assert_allclose(curves["test_accuracy"], test_acc, atol=1e-7)
 
@@ -191,7 +214,9 @@ def test_selection_curves_against_brute_force():
     order = curves[f"{name}_order"]
     for k in range(1, num_clients + 1):
       avg = jax.tree.map(lambda w: w[order[:k]].astype(np.float64).mean(0), stacked)
-      assert curves[name][k - 1] == pytest.approx(numpy_acc_loss(avg, x[test_idx], y[test_idx])[0], abs=1e-7)
+      assert curves[name][k - 1] == pytest.approx(
+        numpy_acc_loss(avg, x[test_idx], y[test_idx])[0], abs=1e-7
+      )
   # All curves end at the all-client average.
   all_avg = jax.tree.map(lambda w: w.astype(np.float64).mean(0), stacked)
   end = numpy_acc_loss(all_avg, x[test_idx], y[test_idx])[0]

@@ -1,4 +1,5 @@
 """Tests for ntk_fl.models: parameter counts, initialisation statistics, forward passes, clients."""
+
 from __future__ import annotations
 
 import math
@@ -17,11 +18,11 @@ def _np_params(params):
 
 
 _NP_ACT = {
-    "relu": lambda z: np.maximum(z, 0.0),
-    "tanh": np.tanh,
-    "sigmoid": lambda z: 1.0 / (1.0 + np.exp(-z)),
-    "softplus": lambda z: np.log1p(np.exp(z)),
-    "identity": lambda z: z,
+  "relu": lambda z: np.maximum(z, 0.0),
+  "tanh": np.tanh,
+  "sigmoid": lambda z: 1.0 / (1.0 + np.exp(-z)),
+  "softplus": lambda z: np.log1p(np.exp(z)),
+  "identity": lambda z: z,
 }
 
 
@@ -33,9 +34,12 @@ def test_paper_mlp_has_79510_parameters():
   params = jax.eval_shape(model.init, jax.random.key(0))  # shapes only: nothing is computed
   assert M.num_params(params) == 784 * 100 + 100 + 100 * 10 + 10 == 79_510
   assert model.input_shape == (784,) and model.num_classes == 10
-  assert jax.tree.map(lambda a: a.shape, params) == {"params": {
+  assert jax.tree.map(lambda a: a.shape, params) == {
+    "params": {
       "dense_0": {"kernel": (784, 100), "bias": (100,)},
-      "dense_1": {"kernel": (100, 10), "bias": (10,)}}}
+      "dense_1": {"kernel": (100, 10), "bias": (10,)},
+    }
+  }
   assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(params))
 
 
@@ -133,15 +137,19 @@ def _cnn_param_count(h, w, c, classes, k):
   return conv1 + conv2 + fc1 + 100 * classes + classes
 
 
-@pytest.mark.parametrize("shape,classes,k", [((32, 32, 3), 10, 3), ((28, 28, 1), 10, 3),
-                                             ((10, 13, 2), 5, 5)])
+@pytest.mark.parametrize(
+  "shape,classes,k", [((32, 32, 3), 10, 3), ((28, 28, 1), 10, 3), ((10, 13, 2), 5, 5)]
+)
 def test_cnn_shapes_and_parameter_count(shape, classes, k):
   model = M.cnn(shape, classes, kernel_size=k)
   params = jax.eval_shape(model.init, jax.random.key(0))
   assert model.dense_stack is None and model.input_shape == shape
   assert M.num_params(params) == _cnn_param_count(*shape, classes, k)
   assert params["params"]["conv_0"]["kernel"].shape == (k, k, shape[2], 32)
-  assert params["params"]["dense_0"]["kernel"].shape == (64 * (shape[0] // 4) * (shape[1] // 4), 100)
+  assert params["params"]["dense_0"]["kernel"].shape == (
+    64 * (shape[0] // 4) * (shape[1] // 4),
+    100,
+  )
   batch = jax.ShapeDtypeStruct((3, *shape), jnp.float32)
   assert jax.eval_shape(model.apply, params, batch).shape == (3, classes)
   one = jax.ShapeDtypeStruct(shape, jnp.float32)
@@ -163,8 +171,12 @@ def test_cnn_matches_an_independent_lax_forward():
   x = jax.random.normal(jax.random.key(4), (2, *shape))
 
   def conv_relu_pool(h, layer):
-    h = jax.lax.conv_general_dilated(h, layer["kernel"], (1, 1), "SAME",
-                                     dimension_numbers=("NHWC", "HWIO", "NHWC")) + layer["bias"]
+    h = (
+      jax.lax.conv_general_dilated(
+        h, layer["kernel"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+      )
+      + layer["bias"]
+    )
     h = jnp.maximum(h, 0.0)
     return jax.lax.reduce_window(h, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
 
@@ -227,12 +239,15 @@ def test_make_model_from_base_config():
   assert conv.dense_stack is None and conv.input_shape == (32, 32, 3)
 
 
-@pytest.mark.parametrize("field,value,match", [
+@pytest.mark.parametrize(
+  "field,value,match",
+  [
     ("name", "resnet", r"unknown model 'resnet'; choose one of \('mlp', 'cnn'\)"),
     ("activation", "swishy", r"unknown activation 'swishy'; choose one of \('relu'"),
     ("hidden", (100, 0), "hidden width must be an int >= 1, got 0"),
     ("init", "random", r"unknown model.init 'random'"),
-])
+  ],
+)
 def test_make_model_rejects_bad_config(field, value, match):
   cfg = config_lib.base_config().model
   setattr(cfg, field, value)

@@ -17,6 +17,7 @@ client computed on the wrong data or a lost update). Accuracies count correct
 predictions among 2,000 test samples; a reordered sum can flip a prediction that
 sits on a tie, so they may differ by at most 2 samples (0.001; observed: equal).
 """
+
 from __future__ import annotations
 
 import os
@@ -29,7 +30,6 @@ import time
 
 import numpy as np
 import psutil
-import pytest
 
 from ntk_fl import cli, distributed, rundir, runner
 from ntk_fl.config import load_config
@@ -53,11 +53,26 @@ def _reference(tmp_path, name: str, **overrides) -> list[dict]:
 
 def _launch(workdir, name: str, *extra: str) -> subprocess.Popen:
   """``main.py --num_processes=2`` on the smoke config, 2 devices per process; output in ``workdir.log``."""
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONPATH": str(REPO)}
-  log = open(f"{workdir}.log", "w")      # closed with the process (the launcher inherits it)
+  env = {
+    **os.environ,
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    "PYTHONPATH": str(REPO),
+  }
+  log = open(f"{workdir}.log", "w")  # closed with the process (the launcher inherits it)
   return subprocess.Popen(
-      [sys.executable, str(MAIN), f"--config={REPO / 'configs' / name}.py:smoke", f"--workdir={workdir}",
-       "--num_processes=2", *extra], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    [
+      sys.executable,
+      str(MAIN),
+      f"--config={REPO / 'configs' / name}.py:smoke",
+      f"--workdir={workdir}",
+      "--num_processes=2",
+      *extra,
+    ],
+    env=env,
+    stdout=log,
+    stderr=subprocess.STDOUT,
+    cwd=REPO,
+  )
 
 
 def _wait(proc: subprocess.Popen, workdir) -> str:
@@ -73,12 +88,19 @@ def _compare(lines: list[dict], reference: list[dict]) -> None:
     assert sorted(set(line) - {"step_time", "eval_time", "clients"}) == keys
     for key in keys:
       atol = ACC_ATOL if "acc" in key else 0.0
-      np.testing.assert_allclose(line[key], ref[key], rtol=RTOL, atol=atol, err_msg=f"round {ref['round']} {key}")
+      np.testing.assert_allclose(
+        line[key], ref[key], rtol=RTOL, atol=atol, err_msg=f"round {ref['round']} {key}"
+      )
     assert sorted(line["clients"]) == sorted(ref["clients"])
     for key, values in ref["clients"].items():
-      atol = ACC_ATOL * 10 if "acc" in key else 0.0     # one client's accuracy: on 2,000 samples too
-      np.testing.assert_allclose(line["clients"][key], values, rtol=RTOL, atol=atol,
-                                 err_msg=f"round {ref['round']} clients.{key}")
+      atol = ACC_ATOL * 10 if "acc" in key else 0.0  # one client's accuracy: on 2,000 samples too
+      np.testing.assert_allclose(
+        line["clients"][key],
+        values,
+        rtol=RTOL,
+        atol=atol,
+        err_msg=f"round {ref['round']} clients.{key}",
+      )
 
 
 def _only_process_0_wrote(workdir, console: str, rounds: int) -> None:
@@ -97,14 +119,17 @@ def _each_process_held_only_its_blocks(workdir, name: str) -> None:
   num_samples = exp.dataset.x_train.shape[0]
   layout = block_layout(exp.client_indices, num_samples, 4)
   log = (workdir / cli.LOG_FILE).read_text()
-  found = re.findall(r"processes hold (\d+) / (\d+) of the (\d+) training samples' rows \(one block of (\d+) rows", log)
+  found = re.findall(
+    r"processes hold (\d+) / (\d+) of the (\d+) training samples' rows \(one block of (\d+) rows",
+    log,
+  )
   assert found, log[-3000:]
   *held, total, size = map(int, found[-1])
   assert (total, size) == (num_samples, layout.block_size)
   for rank, rows in enumerate(held):
     assert rows == 2 * layout.block_size
     # The samples its 10 clients use, once each (the partition reuses samples across clients).
-    used = np.unique(np.concatenate(exp.client_indices[10 * rank:10 * rank + 10])).size
+    used = np.unique(np.concatenate(exp.client_indices[10 * rank : 10 * rank + 10])).size
     assert used <= rows < num_samples // 2
 
 
@@ -140,7 +165,9 @@ def test_killed_process_resumes_to_the_same_numbers_ntk_dfl(tmp_path):
   assert proc.returncode != 0, "the launcher must report the killed process"
   done = len(rundir.read_metrics(str(workdir)))
   assert done < rounds, "the run ended before the kill; nothing was resumed"
-  assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children), "a process outlived the launcher"
+  assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children), (
+    "a process outlived the launcher"
+  )
 
   proc = _launch(workdir, "ntk_dfl", *flags, "--resume")
   log = _wait(proc, workdir)
@@ -154,14 +181,16 @@ def test_killed_process_resumes_to_the_same_numbers_ntk_dfl(tmp_path):
 def test_launcher_stops_the_others_when_one_process_fails(tmp_path):
   """Rank 1 fails at once; rank 0 (which would wait an hour) is stopped and rank 1's status returned."""
   script = tmp_path / "rank.py"
-  script.write_text("import sys, time\n"
-                    "rank = int([a for a in sys.argv if a.startswith('--process_id=')][0].split('=')[1])\n"
-                    "open(sys.argv[1] + f'.{rank}', 'w').write(' '.join(sys.argv[2:]))\n"
-                    "if rank == 0:\n  time.sleep(3600)\n"
-                    "import os\n"
-                    "while not os.path.exists(sys.argv[1] + '.0'):  # fail once rank 0 is surely running\n"
-                    "  time.sleep(0.05)\n"
-                    "sys.exit(3)\n")
+  script.write_text(
+    "import sys, time\n"
+    "rank = int([a for a in sys.argv if a.startswith('--process_id=')][0].split('=')[1])\n"
+    "open(sys.argv[1] + f'.{rank}', 'w').write(' '.join(sys.argv[2:]))\n"
+    "if rank == 0:\n  time.sleep(3600)\n"
+    "import os\n"
+    "while not os.path.exists(sys.argv[1] + '.0'):  # fail once rank 0 is surely running\n"
+    "  time.sleep(0.05)\n"
+    "sys.exit(3)\n"
+  )
   started = time.monotonic()
   status = distributed.launch_local([sys.executable, str(script), str(tmp_path / "args")], 2)
   assert status == 3
@@ -173,5 +202,16 @@ def test_launcher_stops_the_others_when_one_process_fails(tmp_path):
 
 
 def test_strip_flags_removes_only_the_named_flags():
-  argv = ["--config=c.py", "--num_processes=2", "--num_processes", "3", "--num_processes_x=1", "--workdir=w"]
-  assert distributed.strip_flags(argv, ["num_processes"]) == ["--config=c.py", "--num_processes_x=1", "--workdir=w"]
+  argv = [
+    "--config=c.py",
+    "--num_processes=2",
+    "--num_processes",
+    "3",
+    "--num_processes_x=1",
+    "--workdir=w",
+  ]
+  assert distributed.strip_flags(argv, ["num_processes"]) == [
+    "--config=c.py",
+    "--num_processes_x=1",
+    "--workdir=w",
+  ]

@@ -11,6 +11,7 @@ cases, in float64. Settings the file does not cover (batch axes other than 0,
 over the batch axis with ``x2`` given, scalar outputs) are checked against a
 kernel contracted from ``jax.jacrev`` Jacobians of the whole batch.
 """
+
 from __future__ import annotations
 
 import functools
@@ -36,7 +37,7 @@ RTOL64 = 1e-11
 IMPL = NtkImplementation
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference():
   data = np.load(REFERENCE)
   return {k: data[k] for k in data.files}
@@ -51,13 +52,15 @@ def _params(net, dtype=jnp.float32):
   tree = {}
   for key, value in _reference().items():
     if key.startswith(prefix):
-      layer, name = key[len(prefix):].split("/")
+      layer, name = key[len(prefix) :].split("/")
       tree.setdefault(layer, {})[name] = jnp.asarray(value, dtype)
   return {"params": tree}
 
 
 def _conv_same(p, x):
-  y = jax.lax.conv_general_dilated(x, p["kernel"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  y = jax.lax.conv_general_dilated(
+    x, p["kernel"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+  )
   return y + p["bias"]
 
 
@@ -84,8 +87,14 @@ def _kernel(case, implementation, vmap_axes=0, dtype=jnp.float32):
   x1 = jnp.asarray(ref[f"{net}/x1"], dtype)
   x2 = None if case["x2"] is None else jnp.asarray(ref[f"{net}/{case['x2']}"], dtype)
   dense_stack = MLP.dense_stack if net == "mlp" else None
-  ntk_fn = empirical_ntk_fn(NETWORKS[net], case["trace_axes"], case["diagonal_axes"], vmap_axes,
-                            implementation, dense_stack=dense_stack)
+  ntk_fn = empirical_ntk_fn(
+    NETWORKS[net],
+    case["trace_axes"],
+    case["diagonal_axes"],
+    vmap_axes,
+    implementation,
+    dense_stack=dense_stack,
+  )
   return jax.jit(ntk_fn)(x1, x2, _params(net, dtype))
 
 
@@ -114,8 +123,9 @@ def test_neural_tangents_trace_is_the_mean_over_outputs():
   ref = _reference()
   full, traced = ref["mlp/full/kernel"], ref["mlp/trace_last/kernel"]
   np.testing.assert_allclose(np.einsum("ijcc->ij", full) / 10, traced, rtol=1e-12)
-  traced_kernel = jax.jit(functools.partial(empirical_ntk, MLP.apply, trace_outputs=True,
-                                            implementation="jacobian"))
+  traced_kernel = jax.jit(
+    functools.partial(empirical_ntk, MLP.apply, trace_outputs=True, implementation="jacobian")
+  )
   ours = traced_kernel(_params("mlp"), jnp.asarray(ref["mlp/x1"]), jnp.asarray(ref["mlp/x2"]))
   assert _max_rel(ours, ref["mlp/trace_last/kernel_float32"]) < RTOL32
   assert _max_rel(ours, traced) < RTOL32
@@ -125,36 +135,64 @@ def test_neural_tangents_trace_is_the_mean_over_outputs():
 # empirical_ntk_fn against the references.
 
 ORACLE_RUNS = (
-    # every case of the cheap networks with every implementation
-    [(c["name"], impl) for c in _cases() if c["network"] == "mlp"
-     for impl in (IMPL.JACOBIAN_CONTRACTION, IMPL.NTK_VECTOR_PRODUCTS, IMPL.STRUCTURED_DERIVATIVES)]
-    + [(c["name"], impl) for c in _cases() if c["network"] == "conv_features"
-       for impl in (IMPL.JACOBIAN_CONTRACTION, IMPL.NTK_VECTOR_PRODUCTS)]
-    # the CNN (slow to compile): each implementation once
-    + [("cnn/trace_last", IMPL.JACOBIAN_CONTRACTION), ("cnn/full", IMPL.NTK_VECTOR_PRODUCTS),
-       ("cnn/diag_batch", IMPL.AUTO)]
-    + [("mlp/trace_last", IMPL.AUTO), ("conv_features/trace_spatial", IMPL.AUTO)]
+  # every case of the cheap networks with every implementation
+  [
+    (c["name"], impl)
+    for c in _cases()
+    if c["network"] == "mlp"
+    for impl in (IMPL.JACOBIAN_CONTRACTION, IMPL.NTK_VECTOR_PRODUCTS, IMPL.STRUCTURED_DERIVATIVES)
+  ]
+  + [
+    (c["name"], impl)
+    for c in _cases()
+    if c["network"] == "conv_features"
+    for impl in (IMPL.JACOBIAN_CONTRACTION, IMPL.NTK_VECTOR_PRODUCTS)
+  ]
+  # the CNN (slow to compile): each implementation once
+  + [
+    ("cnn/trace_last", IMPL.JACOBIAN_CONTRACTION),
+    ("cnn/full", IMPL.NTK_VECTOR_PRODUCTS),
+    ("cnn/diag_batch", IMPL.AUTO),
+  ]
+  + [("mlp/trace_last", IMPL.AUTO), ("conv_features/trace_spatial", IMPL.AUTO)]
 )
 
 
-@pytest.mark.parametrize("name,implementation", ORACLE_RUNS, ids=[f"{n}-{i.name}" for n, i in ORACLE_RUNS])
+@pytest.mark.parametrize(
+  "name,implementation", ORACLE_RUNS, ids=[f"{n}-{i.name}" for n, i in ORACLE_RUNS]
+)
 def test_matches_neural_tangents(name, implementation):
   case = next(c for c in _cases() if c["name"] == name)
   assert _max_rel(_kernel(case, implementation), _reference()[f"{name}/kernel"]) < RTOL32
 
 
-@pytest.mark.parametrize("name", ["mlp/full", "mlp/diag_batch", "conv_features/trace_spatial",
-                                  "conv_features/diag_batch_last_trace_rows"])
+@pytest.mark.parametrize(
+  "name",
+  [
+    "mlp/full",
+    "mlp/diag_batch",
+    "conv_features/trace_spatial",
+    "conv_features/diag_batch_last_trace_rows",
+  ],
+)
 def test_matches_neural_tangents_without_vmap_axes(name):
   case = next(c for c in _cases() if c["name"] == name)
-  assert _max_rel(_kernel(case, IMPL.JACOBIAN_CONTRACTION, vmap_axes=None),
-                  _reference()[f"{name}/kernel"]) < RTOL32
+  assert (
+    _max_rel(
+      _kernel(case, IMPL.JACOBIAN_CONTRACTION, vmap_axes=None), _reference()[f"{name}/kernel"]
+    )
+    < RTOL32
+  )
 
 
-@pytest.mark.parametrize("name,implementation", [("mlp/full", IMPL.STRUCTURED_DERIVATIVES),
-                                                 ("mlp/diag_outputs", IMPL.NTK_VECTOR_PRODUCTS),
-                                                 ("conv_features/diag_spatial_trace_last",
-                                                  IMPL.JACOBIAN_CONTRACTION)])
+@pytest.mark.parametrize(
+  "name,implementation",
+  [
+    ("mlp/full", IMPL.STRUCTURED_DERIVATIVES),
+    ("mlp/diag_outputs", IMPL.NTK_VECTOR_PRODUCTS),
+    ("conv_features/diag_spatial_trace_last", IMPL.JACOBIAN_CONTRACTION),
+  ],
+)
 def test_matches_neural_tangents_in_float64(name, implementation):
   case = next(c for c in _cases() if c["name"] == name)
   with jax.enable_x64(True):
@@ -170,8 +208,9 @@ def test_cnn_layerwise_structured_matches_neural_tangents(name):
   ref = _reference()
   x1 = jnp.asarray(ref["cnn/x1"])
   x2 = None if case["x2"] is None else jnp.asarray(ref[f"cnn/{case['x2']}"])
-  ntk_fn = empirical_ntk_fn(CNN.flax_apply, case["trace_axes"], case["diagonal_axes"], 0,
-                            IMPL.STRUCTURED_DERIVATIVES)
+  ntk_fn = empirical_ntk_fn(
+    CNN.flax_apply, case["trace_axes"], case["diagonal_axes"], 0, IMPL.STRUCTURED_DERIVATIVES
+  )
   assert _max_rel(jax.jit(ntk_fn)(x1, x2, _params("cnn")), ref[f"{name}/kernel"]) < RTOL32
   with jax.enable_x64(True):
     x1, x2 = (None if a is None else a.astype(jnp.float64) for a in (x1, x2))
@@ -215,23 +254,36 @@ def _batch_last_mlp(params, x):
   return (jnp.tanh(x.T @ params["w1"] + params["b1"]) @ params["w2"].T).T
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _small_problem():
   k = jax.random.split(jax.random.PRNGKey(3), 6)
-  params = {"w1": jax.random.normal(k[0], (5, 7)) / 2, "b1": jax.random.normal(k[1], (7,)),
-            "w2": jax.random.normal(k[2], (3, 7)) / 2}
-  return params, jax.random.normal(k[3], (5, 4)), jax.random.normal(k[4], (5, 4)), jax.random.normal(k[5], (5, 2))
+  params = {
+    "w1": jax.random.normal(k[0], (5, 7)) / 2,
+    "b1": jax.random.normal(k[1], (7,)),
+    "w2": jax.random.normal(k[2], (3, 7)) / 2,
+  }
+  return (
+    params,
+    jax.random.normal(k[3], (5, 4)),
+    jax.random.normal(k[4], (5, 4)),
+    jax.random.normal(k[5], (5, 2)),
+  )
 
 
 @pytest.mark.parametrize("implementation", [IMPL.JACOBIAN_CONTRACTION, IMPL.NTK_VECTOR_PRODUCTS])
-@pytest.mark.parametrize("trace_axes,diagonal_axes,second", [
-    ((0,), (), "x2"),          # trace over outputs (axis 0 here), batch pairs kept
-    ((), (1,), "x2"),          # diagonal over the batch with x2 != x1
-    ((1,), (), "x2"),          # trace over the batch with x2 != x1: mean over i of K(x1_i, x2_i)
-    ((), (), "x3"),            # full kernel, N1 = 4, N2 = 2
-    ((-2, -1), (), None),      # negative axes: trace over everything
-])
-def test_batch_axis_elsewhere_matches_brute_force(implementation, trace_axes, diagonal_axes, second):
+@pytest.mark.parametrize(
+  "trace_axes,diagonal_axes,second",
+  [
+    ((0,), (), "x2"),  # trace over outputs (axis 0 here), batch pairs kept
+    ((), (1,), "x2"),  # diagonal over the batch with x2 != x1
+    ((1,), (), "x2"),  # trace over the batch with x2 != x1: mean over i of K(x1_i, x2_i)
+    ((), (), "x3"),  # full kernel, N1 = 4, N2 = 2
+    ((-2, -1), (), None),  # negative axes: trace over everything
+  ],
+)
+def test_batch_axis_elsewhere_matches_brute_force(
+  implementation, trace_axes, diagonal_axes, second
+):
   params, x1, x2, x3 = _small_problem()
   other = {"x2": x2, "x3": x3, None: None}[second]
   ntk_fn = empirical_ntk_fn(_batch_last_mlp, trace_axes, diagonal_axes, (1, 1, {}), implementation)
@@ -243,7 +295,9 @@ def test_batch_axis_elsewhere_matches_brute_force(implementation, trace_axes, di
 def test_unbatched_inputs_of_different_shapes_match_brute_force(trace_axes, diagonal_axes):
   """vmap_axes=None with x1 [5, 4] and x2 [5, 2]: f's outputs [3, 4] and [3, 2] are one sample each."""
   params, x1, _, x3 = _small_problem()
-  ntk_fn = empirical_ntk_fn(_batch_last_mlp, trace_axes, diagonal_axes, None, IMPL.NTK_VECTOR_PRODUCTS)
+  ntk_fn = empirical_ntk_fn(
+    _batch_last_mlp, trace_axes, diagonal_axes, None, IMPL.NTK_VECTOR_PRODUCTS
+  )
   expected = _brute_force(_batch_last_mlp, params, x1, x3, trace_axes, diagonal_axes)
   assert _max_rel(jax.jit(ntk_fn)(x1, x3, params), expected) < RTOL32
 
@@ -263,7 +317,8 @@ def test_default_is_the_library_traced_kernel():
   ref = _reference()
   x1, x2 = jnp.asarray(ref["mlp/x1"]), jnp.asarray(ref["mlp/x2"])
   expected = jax.jit(functools.partial(empirical_ntk, MLP.apply, dense_stack=MLP.dense_stack))(
-      _params("mlp"), x1, x2)
+    _params("mlp"), x1, x2
+  )
   kernel = jax.jit(empirical_ntk_fn(MLP.apply, dense_stack=MLP.dense_stack))(x1, x2, _params("mlp"))
   assert _max_rel(kernel, expected) < RTOL32
 
@@ -272,7 +327,9 @@ def test_default_is_the_library_traced_kernel():
 # Errors, early and naming the bad value.
 
 
-@pytest.mark.parametrize("kwargs,match", [
+@pytest.mark.parametrize(
+  "kwargs,match",
+  [
     (dict(implementation=7), "unknown implementation 7"),
     (dict(implementation="jacobian"), "must be an NtkImplementation"),
     (dict(implementation=IMPL.STRUCTURED_DERIVATIVES), "needs dense_stack"),
@@ -281,19 +338,23 @@ def test_default_is_the_library_traced_kernel():
     (dict(vmap_axes=(0, 0, {"mask": 0})), "batched keyword arguments"),
     (dict(vmap_axes="batch"), "vmap_axes must be None"),
     (dict(chunk_size=0), "chunk_size must be"),
-])
+  ],
+)
 def test_bad_options_are_rejected_when_the_function_is_made(kwargs, match):
   with pytest.raises(ValueError, match=match):
     empirical_ntk_fn(MLP.apply, **kwargs)
 
 
-@pytest.mark.parametrize("kwargs,x2_rows,match", [
+@pytest.mark.parametrize(
+  "kwargs,x2_rows,match",
+  [
     (dict(trace_axes=(-1,), diagonal_axes=(1,)), 3, "share an output axis"),
     (dict(trace_axes=(2,)), 3, "out of range"),
     (dict(trace_axes=(0,)), 3, r"must agree on it; got shapes \(4, 10\) and \(3, 10\)"),
     (dict(diagonal_axes=(0,)), 3, "must agree on it"),
     (dict(vmap_axes=(2, 0, {})), 3, "in_axis 2 is out of range"),
-])
+  ],
+)
 def test_bad_axes_are_rejected_when_called(kwargs, x2_rows, match):
   ref = _reference()
   ntk_fn = empirical_ntk_fn(MLP.apply, **kwargs)
@@ -313,7 +374,11 @@ def test_mismatched_inputs_and_pytrees_are_rejected():
   for vmap_axes in (0, None):
     with pytest.raises(ValueError, match="pytree outputs are not supported"):
       empirical_ntk_fn(two_outputs, vmap_axes=vmap_axes)(x1, None, _params("mlp"))
-  structured = empirical_ntk_fn(conv_features, vmap_axes=0, implementation=IMPL.STRUCTURED_DERIVATIVES,
-                                dense_stack=MLP.dense_stack)
+  structured = empirical_ntk_fn(
+    conv_features,
+    vmap_axes=0,
+    implementation=IMPL.STRUCTURED_DERIVATIVES,
+    dense_stack=MLP.dense_stack,
+  )
   with pytest.raises(ValueError, match=r"outputs \[C\] per sample"):
     structured(jnp.asarray(ref["conv_features/x1"]), None, _params("conv_features"))

@@ -1,8 +1,9 @@
 """Tests for ntk_fl.ntk: every implementation against a brute-force Jacobian kernel, plus API properties."""
+
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -23,6 +24,7 @@ RTOL = 100 * float(jnp.finfo(jnp.float32).eps)
 
 class DenseNet(nn.Module):
   """Dense stack with named layers ``dense_0..dense_L`` and random (non-zero) biases."""
+
   hidden: tuple[int, ...]
   num_classes: int
   activation: Callable = nn.relu
@@ -51,13 +53,13 @@ class SmallCNN(nn.Module):
 
 
 MODELS = {
-    "mlp_relu": (DenseNet((9,), 3, nn.relu), (6,)),
-    "mlp_tanh_deep": (DenseNet((7, 6, 5), 4, jnp.tanh), (5,)),
-    "cnn": (SmallCNN(3), (6, 6, 2)),
+  "mlp_relu": (DenseNet((9,), 3, nn.relu), (6,)),
+  "mlp_tanh_deep": (DenseNet((7, 6, 5), 4, jnp.tanh), (5,)),
+  "cnn": (SmallCNN(3), (6, 6, 2)),
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _setup(name, n1=5, n2=4, seed=0):
   """(module, params, x1 [n1, *in], x2 [n2, *in], dense_stack or None); cached, arrays are immutable."""
   module, in_shape = MODELS[name]
@@ -74,9 +76,10 @@ def _brute_full(apply_fn, params, x1, x2):
   flat, unravel = ravel_pytree(params)
 
   # One jacrev of both sets (one compile): [N1 + N2, C, d].
-  jac = np.asarray(jax.jit(jax.jacrev(lambda w: apply_fn(unravel(w), jnp.concatenate([x1, x2]))))(flat),
-                   np.float64)
-  return np.einsum("iap,jbp->ijab", jac[: x1.shape[0]], jac[x1.shape[0]:])
+  jac = np.asarray(
+    jax.jit(jax.jacrev(lambda w: apply_fn(unravel(w), jnp.concatenate([x1, x2]))))(flat), np.float64
+  )
+  return np.einsum("iap,jbp->ijab", jac[: x1.shape[0]], jac[x1.shape[0] :])
 
 
 def _kernel(apply_fn, params, x1, x2=None, **options):
@@ -84,7 +87,7 @@ def _kernel(apply_fn, params, x1, x2=None, **options):
   return jax.jit(lambda p, a, b: ntk.empirical_ntk(apply_fn, p, a, b, **options))(params, x1, x2)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(name):
   """Brute-force full kernel of the default :func:`_setup` of ``name``."""
   module, params, x1, x2, _ = _setup(name)
@@ -115,7 +118,9 @@ def test_matches_brute_force(name, impl, chunk_size):
 
   def both(p, a, b):
     kw = dict(implementation=impl, dense_stack=stack, chunk_size=chunk_size)
-    return tuple(ntk.empirical_ntk(module.apply, p, a, b, trace_outputs=t, **kw) for t in (True, False))
+    return tuple(
+      ntk.empirical_ntk(module.apply, p, a, b, trace_outputs=t, **kw) for t in (True, False)
+    )
 
   traced, k_full = jax.jit(both)(params, x1, x2)
   assert traced.dtype == k_full.dtype == jnp.float32
@@ -139,8 +144,12 @@ def test_traced_is_mean_of_full_diagonal(impl):
   kw = dict(implementation=impl, dense_stack=stack)
   traced = _kernel(module.apply, params, x1, x2, trace_outputs=True, **kw)
   full = _kernel(module.apply, params, x1, x2, trace_outputs=False, **kw)
-  np.testing.assert_allclose(traced, jnp.mean(jnp.diagonal(full, axis1=2, axis2=3), -1),
-                             rtol=0, atol=RTOL * float(jnp.max(jnp.abs(traced))))
+  np.testing.assert_allclose(
+    traced,
+    jnp.mean(jnp.diagonal(full, axis1=2, axis2=3), -1),
+    rtol=0,
+    atol=RTOL * float(jnp.max(jnp.abs(traced))),
+  )
 
 
 @pytest.mark.parametrize("trace_outputs", [True, False])
@@ -161,7 +170,9 @@ def test_full_to_matrix_is_sample_major_gram():
   module, params, x1, x2, _ = _setup("mlp_relu")
   flat, unravel = ravel_pytree(params)
   jac = jax.jit(jax.jacrev(lambda w, x: module.apply(unravel(w), x).reshape(-1)))
-  expected = np.asarray(jac(flat, x1), np.float64) @ np.asarray(jac(flat, x2), np.float64).T  # (sample, output) rows
+  expected = (
+    np.asarray(jac(flat, x1), np.float64) @ np.asarray(jac(flat, x2), np.float64).T
+  )  # (sample, output) rows
   full = _kernel(module.apply, params, x1, x2, trace_outputs=False, implementation="jacobian")
   _assert_close(ntk.full_to_matrix(full), expected)
 
@@ -171,7 +182,9 @@ def test_vmap_over_param_sets_equals_loop(impl):
   module, _, x1, x2, stack = _setup("mlp_relu")
   param_sets = [module.init(jax.random.key(10 + s), x1) for s in range(3)]
   stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *param_sets)
-  fn = lambda p: ntk.empirical_ntk(module.apply, p, x1, x2, implementation=impl, dense_stack=stack, chunk_size=2)
+  fn = lambda p: ntk.empirical_ntk(
+    module.apply, p, x1, x2, implementation=impl, dense_stack=stack, chunk_size=2
+  )
   batched = jax.jit(jax.vmap(fn))(stacked)
   looped = jnp.stack([fn(p) for p in param_sets])
   np.testing.assert_allclose(batched, looped, rtol=0, atol=RTOL * float(jnp.max(jnp.abs(looped))))
@@ -208,8 +221,9 @@ def test_zero_padding_rows_leave_other_entries_unchanged(impl):
   k = _kernel(module.apply, params, x1, x2, **kw)
   k_padded = _kernel(module.apply, params, pad(x1, 3), pad(x2, 2), **kw)
   assert k_padded.shape == (x1.shape[0] + 3, x2.shape[0] + 2)
-  np.testing.assert_allclose(k_padded[: x1.shape[0], : x2.shape[0]], k, rtol=0,
-                             atol=RTOL * float(jnp.max(jnp.abs(k))))
+  np.testing.assert_allclose(
+    k_padded[: x1.shape[0], : x2.shape[0]], k, rtol=0, atol=RTOL * float(jnp.max(jnp.abs(k)))
+  )
 
 
 def test_auto_picks_structured_when_dense_stack_given():
@@ -261,7 +275,9 @@ def test_structured_needs_dense_stack():
 def test_mismatched_feature_shapes(impl):
   module, params, x1, _, stack = _setup("mlp_relu")
   with pytest.raises(ValueError, match="same feature shape"):
-    ntk.empirical_ntk(module.apply, params, x1, jnp.zeros((3, 7)), implementation=impl, dense_stack=stack)
+    ntk.empirical_ntk(
+      module.apply, params, x1, jnp.zeros((3, 7)), implementation=impl, dense_stack=stack
+    )
 
 
 def test_structured_rejects_wrong_input_width_and_missing_layer():
@@ -314,10 +330,18 @@ def test_one_enum_for_the_implementation():
   # neural-tangents' values, this library's names as aliases and strings, one class under both names.
   impl = ntk.NtkImplementation
   assert impl is ntk.Implementation
-  assert [(m.name, int(m)) for m in impl] == [("AUTO", 0), ("JACOBIAN_CONTRACTION", 1),
-                                              ("NTK_VECTOR_PRODUCTS", 2), ("STRUCTURED_DERIVATIVES", 3)]
+  assert [(m.name, int(m)) for m in impl] == [
+    ("AUTO", 0),
+    ("JACOBIAN_CONTRACTION", 1),
+    ("NTK_VECTOR_PRODUCTS", 2),
+    ("STRUCTURED_DERIVATIVES", 3),
+  ]
   assert impl.JACOBIAN is impl.JACOBIAN_CONTRACTION and impl("ntvp") is impl.NTK_VECTOR_PRODUCTS
-  assert tuple(m.short_name for m in impl) == ntk.IMPLEMENTATIONS == ("auto", "jacobian", "ntvp", "structured")
+  assert (
+    tuple(m.short_name for m in impl)
+    == ntk.IMPLEMENTATIONS
+    == ("auto", "jacobian", "ntvp", "structured")
+  )
   module, params, x1, _, _ = _setup("mlp_relu")
   by_name = ntk.empirical_ntk(module.apply, params, x1, implementation="ntvp")
   by_member = ntk.empirical_ntk(module.apply, params, x1, implementation=impl.NTK_VECTOR_PRODUCTS)

@@ -5,6 +5,7 @@ vectorised code: numpy averaging with an explicit loop over clients and only the
 *real* samples of each neighbourhood (no padding), passed to the single-client
 :func:`ntk_fl.evolve.ntk_update`.
 """
+
 from __future__ import annotations
 
 import pathlib
@@ -55,10 +56,13 @@ def reference_round(config, model, federation, params, inputs, *, average=True):
   for i in range(num_clients):
     nbrs = [int(j) for j, m in zip(inputs.neighbors[i], inputs.neighbor_mask[i]) if m]
     if average:
-      weights = [float(inputs.self_weight[i])] + [float(w) for w, m in zip(inputs.neighbor_weights[i],
-                                                                            inputs.neighbor_mask[i]) if m]
-      wbar = jax.tree.map(lambda *leaves: sum(w * l for w, l in zip(weights, leaves)),
-                          *([flat[i]] + [flat[j] for j in nbrs]))
+      weights = [float(inputs.self_weight[i])] + [
+        float(w) for w, m in zip(inputs.neighbor_weights[i], inputs.neighbor_mask[i]) if m
+      ]
+      wbar = jax.tree.map(
+        lambda *leaves: sum(w * l for w, l in zip(weights, leaves)),
+        *([flat[i]] + [flat[j] for j in nbrs]),
+      )
     else:
       wbar = flat[i]
     members = [i] + nbrs
@@ -66,9 +70,19 @@ def reference_round(config, model, federation, params, inputs, *, average=True):
     y = np.concatenate([federation.y[j][federation.mask[j]] for j in members])
     targets = jax.nn.one_hot(y, model.num_classes)
     updated, info = evolve.ntk_update(
-        model.apply, wbar, jnp.asarray(x), targets, jnp.ones(len(y), bool), lr=lr,
-        taus=tuple(config.algorithm.taus), loss=config.algorithm.loss, solver=config.algorithm.solver,
-        dense_stack=model.dense_stack, kernel=config.algorithm.kernel, select=config.algorithm.select)
+      model.apply,
+      wbar,
+      jnp.asarray(x),
+      targets,
+      jnp.ones(len(y), bool),
+      lr=lr,
+      taus=tuple(config.algorithm.taus),
+      loss=config.algorithm.loss,
+      solver=config.algorithm.solver,
+      dense_stack=model.dense_stack,
+      kernel=config.algorithm.kernel,
+      select=config.algorithm.select,
+    )
     new.append(updated)
     taus.append(int(info["tau"]))
   return jax.tree.map(lambda *leaves: np.stack(leaves), *new), np.array(taus)
@@ -81,12 +95,18 @@ def assert_trees_close(a, b, rtol=2e-4, atol=2e-5):
 
 def test_neighbor_average_complete_graph_uniform_is_exact_mean():
   rng = np.random.default_rng(1)
-  params = {"w": jnp.asarray(rng.normal(size=(5, 3, 2)), jnp.float32), "b": jnp.asarray(rng.normal(size=(5,)))}
+  params = {
+    "w": jnp.asarray(rng.normal(size=(5, 3, 2)), jnp.float32),
+    "b": jnp.asarray(rng.normal(size=(5,))),
+  }
   neighbors = np.array([[j for j in range(5) if j != i] for i in range(5)], np.int32)
-  out = topology.mix(params, neighbors, np.full(5, 0.2, np.float32), np.full((5, 4), 0.2, np.float32))
+  out = topology.mix(
+    params, neighbors, np.full(5, 0.2, np.float32), np.full((5, 4), 0.2, np.float32)
+  )
   for leaf, original in zip(jax.tree.leaves(out), jax.tree.leaves(params)):
-    np.testing.assert_allclose(leaf, np.broadcast_to(np.mean(original, axis=0), original.shape), rtol=1e-6,
-                               atol=1e-6)
+    np.testing.assert_allclose(
+      leaf, np.broadcast_to(np.mean(original, axis=0), original.shape), rtol=1e-6, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("scheme", ["uniform", "data_size", "metropolis"])
@@ -103,12 +123,14 @@ def test_neighbor_average_equals_dense_mixing_matrix(scheme):
 @pytest.mark.parametrize("average", [True, False])
 def test_step_equals_client_by_client_reference(average):
   config, model, federation = tiny_setup(per_round_averaging=average)
-  config.model.init = "per_client"                      # distinct clients make averaging visible
+  config.model.init = "per_client"  # distinct clients make averaging visible
   algorithm = runner.make_algorithm(config, model, federation)
   state = algorithm.init(jax.random.key(0))
   for round_index in range(2):
     inputs = algorithm.round_inputs(round_index)
-    expected, expected_taus = reference_round(config, model, federation, state.params, inputs, average=average)
+    expected, expected_taus = reference_round(
+      config, model, federation, state.params, inputs, average=average
+    )
     state, metrics = algorithm.step(state, inputs)
     assert_trees_close(state.params, expected)
     np.testing.assert_array_equal(np.asarray(metrics["tau"]), expected_taus)
@@ -119,9 +141,10 @@ def test_step_equals_client_by_client_reference(average):
 def test_padding_does_not_change_the_round():
   config, model, federation = tiny_setup()
   wide = federation_from_padded(
-      np.pad(federation.x, [(0, 0), (0, 5), (0, 0)], constant_values=7.0),
-      np.pad(federation.y, [(0, 0), (0, 5)], constant_values=2),
-      np.pad(federation.mask, [(0, 0), (0, 5)]))
+    np.pad(federation.x, [(0, 0), (0, 5), (0, 0)], constant_values=7.0),
+    np.pad(federation.y, [(0, 0), (0, 5)], constant_values=2),
+    np.pad(federation.mask, [(0, 0), (0, 5)]),
+  )
   results = []
   for fed in (federation, wide):
     algorithm = runner.make_algorithm(config, model, fed)
@@ -144,7 +167,7 @@ def test_rounds_compile_once(monkeypatch):
   config, model, federation = tiny_setup()
   algorithm = runner.make_algorithm(config, model, federation)
   state = algorithm.init(jax.random.key(0))
-  for round_index in range(3):                    # a new random graph every round, same shapes
+  for round_index in range(3):  # a new random graph every round, same shapes
     state, _ = algorithm.step(state, algorithm.round_inputs(round_index))
   assert len(traces) == 1
 
@@ -155,7 +178,7 @@ def test_round_inputs_are_a_function_of_the_round():
   a, b = algorithm.round_inputs(4), algorithm.round_inputs(4)
   np.testing.assert_array_equal(a.neighbors, b.neighbors)
   np.testing.assert_array_equal(jax.random.key_data(a.key), jax.random.key_data(b.key))
-  assert not np.array_equal(algorithm.round_inputs(5).neighbors, a.neighbors)   # dynamic graph
+  assert not np.array_equal(algorithm.round_inputs(5).neighbors, a.neighbors)  # dynamic graph
 
 
 def test_chunked_clients_equal_unchunked():
@@ -163,7 +186,9 @@ def test_chunked_clients_equal_unchunked():
   outputs = []
   for chunk in (0, 4):
     algorithm = runner.make_algorithm(config, model, federation)
-    with parallel.use_devices(1, chunk_size=chunk):    # the device policy is read when the step is traced
+    with parallel.use_devices(
+      1, chunk_size=chunk
+    ):  # the device policy is read when the step is traced
       state, _ = algorithm.step(algorithm.init(jax.random.key(0)), algorithm.round_inputs(0))
     outputs.append(state.params)
   assert_trees_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-6)
@@ -175,7 +200,7 @@ def test_subsample_indices_draw_a_fraction_of_real_samples():
     mask[i, :n] = True
   idx, keep = ntk_dfl._subsample_indices(jax.random.key(0), jnp.asarray(mask), 4, 3)
   idx, keep = np.asarray(idx), np.asarray(keep)
-  np.testing.assert_array_equal(keep.sum(axis=1), [3, 3, 1, 1])   # floor(n/3), at least one
+  np.testing.assert_array_equal(keep.sum(axis=1), [3, 3, 1, 1])  # floor(n/3), at least one
   for i in range(4):
     chosen = idx[i][keep[i]]
     assert len(set(chosen.tolist())) == len(chosen)
@@ -194,8 +219,11 @@ def test_subsampled_round_uses_only_the_drawn_samples():
   n_sub = -(-federation.x.shape[1] // 2)
   idx, keep = ntk_dfl._subsample_indices(inputs.key, jnp.asarray(federation.mask), n_sub, 2)
   idx, keep = np.asarray(idx), np.asarray(keep)
-  reduced = federation_from_padded(np.take_along_axis(federation.x, idx[..., None], axis=1),
-                                   np.take_along_axis(federation.y, idx, axis=1), keep)
+  reduced = federation_from_padded(
+    np.take_along_axis(federation.x, idx[..., None], axis=1),
+    np.take_along_axis(federation.y, idx, axis=1),
+    keep,
+  )
   config.algorithm.subsample = 1
   expected, _ = reference_round(config, model, reduced, state.params, inputs)
   assert_trees_close(new_state.params, expected)
@@ -218,7 +246,7 @@ def test_communication_is_recorded_per_client_and_accumulated(average, subsample
   state = algorithm.init(jax.random.key(0))
   d = 5 * 8 + 8 + 8 * 3 + 3
   n = np.maximum(np.asarray(federation.n) // subsample, 1)
-  package = n * 3 * d * 32 + n * 3 * 32 + n * 2                       # Jacobian, function values, 2-bit labels
+  package = n * 3 * d * 32 + n * 3 * 32 + n * 2  # Jacobian, function values, 2-bit labels
   total = 0.0
   for round_index in range(2):
     inputs = algorithm.round_inputs(round_index)
@@ -232,7 +260,9 @@ def test_communication_is_recorded_per_client_and_accumulated(average, subsample
   np.testing.assert_allclose(float(state.bits_cumulative), total, rtol=1e-6)
 
 
-@pytest.mark.parametrize("field, value, message", [
+@pytest.mark.parametrize(
+  "field, value, message",
+  [
     ("lr", -0.1, "lr"),
     ("lr_decay", -1.0, "lr_decay"),
     ("taus", (200, 100), "taus"),
@@ -243,7 +273,8 @@ def test_communication_is_recorded_per_client_and_accumulated(average, subsample
     ("kernel", "diag", "kernel"),
     ("jacobian_batches", 0, "jacobian_batches"),
     ("subsample", 0, "subsample"),
-])
+  ],
+)
 def test_validate_config_rejects_bad_values(field, value, message):
   config = ntk_dfl_config()
   setattr(config.algorithm, field, value)
@@ -277,18 +308,30 @@ def test_jacobian_batching_is_sequential_block_evolution_at_a_fixed_linearisatio
     wbar = jax.tree.map(lambda leaf: leaf[i], wbars)
     current, block_taus, block_sizes = wbar, [], []
     for b in range(2):
-      rows = [(j, s) for j in members for s in range(b, n_max, 2) if federation.mask[j, s]]   # round-robin
+      rows = [
+        (j, s) for j in members for s in range(b, n_max, 2) if federation.mask[j, s]
+      ]  # round-robin
       x = jnp.asarray(np.stack([federation.x[j, s] for j, s in rows]))
       targets = jax.nn.one_hot(np.array([federation.y[j, s] for j, s in rows]), model.num_classes)
-      delta, info = evolve.ntk_step(model.apply, wbar, x, targets, jnp.ones(len(rows), bool), lr=lr,
-                                     taus=tuple(config.algorithm.taus), dense_stack=model.dense_stack,
-                                     start=current)
+      delta, info = evolve.ntk_step(
+        model.apply,
+        wbar,
+        x,
+        targets,
+        jnp.ones(len(rows), bool),
+        lr=lr,
+        taus=tuple(config.algorithm.taus),
+        dense_stack=model.dense_stack,
+        start=current,
+      )
       current = jax.tree.map(jnp.add, current, delta)
       block_taus.append(int(info["tau"]))
       block_sizes.append(len(rows))
     assert_trees_close(jax.tree.map(lambda leaf: leaf[i], new_state.params), current)
     sizes = np.array(block_sizes, float)
-    np.testing.assert_allclose(float(metrics["tau"][i]), np.dot(sizes / sizes.sum(), block_taus), rtol=1e-6)
+    np.testing.assert_allclose(
+      float(metrics["tau"][i]), np.dot(sizes / sizes.sum(), block_taus), rtol=1e-6
+    )
 
 
 def test_smoke_variant_runs_through_the_runner_and_learns(tmp_path):
@@ -297,7 +340,7 @@ def test_smoke_variant_runs_through_the_runner_and_learns(tmp_path):
   from ntk_fl.config import load_config
 
   summary = runner.run(load_config(str(REPO / "configs" / "ntk_dfl.py"), "smoke"), str(tmp_path))
-  assert summary["final_test_acc"] > 0.5                   # chance is 0.1
+  assert summary["final_test_acc"] > 0.5  # chance is 0.1
   assert summary["final_test_acc"] > summary["final_client_acc_mean"] - 0.05
   for name in ("metrics.jsonl", "summary.json", "accuracy.png", "selection.png", "checkpoints"):
     assert (tmp_path / name).exists(), name
@@ -317,15 +360,18 @@ def test_a_run_stopped_at_its_target_continues_as_the_longer_run(tmp_path):
     config.rounds, config.eval.stop_at, config.eval.selection = rounds, stop_at, False
     return config
 
-  stopped, continued, scratch = (str(tmp_path / name) for name in ("stopped", "continued", "scratch"))
-  first = runner.run(smoke(4, stop_at=0.05), stopped)            # any model beats 5 %: stops after round 1
+  stopped, continued, scratch = (
+    str(tmp_path / name) for name in ("stopped", "continued", "scratch")
+  )
+  first = runner.run(smoke(4, stop_at=0.05), stopped)  # any model beats 5 %: stops after round 1
   assert first["rounds_run"] == 1 and first["stopped_early"]
   summary = runner.run(smoke(3), continued, branch_from=stopped)
   runner.run(smoke(3), scratch)
   assert summary["branched_from"] == {"source": stopped, "round": 1}
   numbers = lambda line: {k: v for k, v in line.items() if k not in ("step_time", "eval_time")}
-  assert [numbers(line) for line in rundir.read_metrics(continued)] == \
-      [numbers(line) for line in rundir.read_metrics(scratch)]
+  assert [numbers(line) for line in rundir.read_metrics(continued)] == [
+    numbers(line) for line in rundir.read_metrics(scratch)
+  ]
   # Anything else changed is not certified.
   other = smoke(3)
   other.algorithm.lr = 0.02
@@ -333,7 +379,9 @@ def test_a_run_stopped_at_its_target_continues_as_the_longer_run(tmp_path):
     rundir.check_branch(other, stopped)
 
 
-@pytest.mark.parametrize("variant", ["clustered", "batched", "subsample", "mse", "static,per_client_init"])
+@pytest.mark.parametrize(
+  "variant", ["clustered", "batched", "subsample", "mse", "static,per_client_init"]
+)
 def test_paper_option_variants_run_a_round(variant):
   from ntk_fl import runner
   from ntk_fl.config import load_config
@@ -352,11 +400,11 @@ def test_paper_option_variants_run_a_round(variant):
 
 def test_validate_config_rejects_unknown_keys_and_bad_topology_before_any_data():
   config = ntk_dfl_config()
-  config.algorithm.mse_form = "continuous"               # not an NTK-DFL option: never silently ignored
+  config.algorithm.mse_form = "continuous"  # not an NTK-DFL option: never silently ignored
   with pytest.raises(ValueError, match="unknown"):
     schema.validate_config(config)
   config = ntk_dfl_config()
-  config.data.num_clients = 301                          # 301 · 5 is odd: no 5-regular graph exists
+  config.data.num_clients = 301  # 301 · 5 is odd: no 5-regular graph exists
   with pytest.raises(ValueError, match="even"):
     schema.validate_config(config)
 

@@ -5,6 +5,7 @@ The references are written here independently of the algorithm's vectorised code
 the min-max formula by hand, and the client's step on its real samples only
 (:func:`ntk_fl.evolve.ntk_update` with the explicit ``jacobian``).
 """
+
 from __future__ import annotations
 
 import math
@@ -32,8 +33,8 @@ def numpy_package(package: np.ndarray, keep: float, bits: int) -> np.ndarray:
     out = np.where(kept, flat, 0.0)
   if bits != 32:
     lo, hi = out.min(), out.max()
-    step = (hi - lo) / (2 ** bits - 1)
-    level = np.clip(np.round((out - lo) / step), 0, 2 ** bits - 1) if step > 0 else np.zeros_like(out)
+    step = (hi - lo) / (2**bits - 1)
+    level = np.clip(np.round((out - lo) / step), 0, 2**bits - 1) if step > 0 else np.zeros_like(out)
     out = np.where(kept, lo + level * step, 0.0)
   return out.reshape(package.shape)
 
@@ -52,25 +53,40 @@ def compressed_reference_round(config, model, federation, params, inputs):
   new, taus = [], []
   for i in range(num_clients):
     nbrs = [int(j) for j, m in zip(inputs.neighbors[i], inputs.neighbor_mask[i]) if m]
-    weights = [float(inputs.self_weight[i])] + [float(w) for w, m in zip(inputs.neighbor_weights[i],
-                                                                          inputs.neighbor_mask[i]) if m]
-    wbar = jax.tree.map(lambda *leaves: sum(w * l for w, l in zip(weights, leaves)),
-                        *([flat[i]] + [flat[j] for j in nbrs]))
+    weights = [float(inputs.self_weight[i])] + [
+      float(w) for w, m in zip(inputs.neighbor_weights[i], inputs.neighbor_mask[i]) if m
+    ]
+    wbar = jax.tree.map(
+      lambda *leaves: sum(w * l for w, l in zip(weights, leaves)),
+      *([flat[i]] + [flat[j] for j in nbrs]),
+    )
     xs, ys, jac_parts = [], [], []
     for slot, j in enumerate([i] + nbrs):
       xj = federation.x[j][federation.mask[j]]
       jac = one_jacobian(model, wbar, xj)
-      if slot > 0:                                  # a neighbour's package is compressed; the own rows are not
-        jac = jax.tree.map(lambda leaf: numpy_package(leaf, algo.sparsify_keep, algo.quantize_bits), jac)
+      if slot > 0:  # a neighbour's package is compressed; the own rows are not
+        jac = jax.tree.map(
+          lambda leaf: numpy_package(leaf, algo.sparsify_keep, algo.quantize_bits), jac
+        )
       xs.append(xj)
       ys.append(federation.y[j][federation.mask[j]])
       jac_parts.append(jac)
     jac = jax.tree.map(lambda *leaves: jnp.asarray(np.concatenate(leaves), jnp.float32), *jac_parts)
     x, y = np.concatenate(xs), np.concatenate(ys)
     updated, info = evolve.ntk_update(
-        model.apply, wbar, jnp.asarray(x), jax.nn.one_hot(y, model.num_classes), jnp.ones(len(y), bool),
-        lr=algo.lr, taus=tuple(algo.taus), loss=algo.loss, solver=algo.solver, kernel=algo.kernel,
-        select=algo.select, jacobian=jac)
+      model.apply,
+      wbar,
+      jnp.asarray(x),
+      jax.nn.one_hot(y, model.num_classes),
+      jnp.ones(len(y), bool),
+      lr=algo.lr,
+      taus=tuple(algo.taus),
+      loss=algo.loss,
+      solver=algo.solver,
+      kernel=algo.kernel,
+      select=algo.select,
+      jacobian=jac,
+    )
     new.append(updated)
     taus.append(int(info["tau"]))
   return jax.tree.map(lambda *leaves: np.stack(leaves), *new), np.array(taus)
@@ -84,7 +100,9 @@ def test_compressed_round_equals_client_by_client_reference(keep, bits):
   state = algorithm.init(jax.random.key(0))
   for round_index in range(2):
     inputs = algorithm.round_inputs(round_index)
-    expected, expected_taus = compressed_reference_round(config, model, federation, state.params, inputs)
+    expected, expected_taus = compressed_reference_round(
+      config, model, federation, state.params, inputs
+    )
     state, metrics = algorithm.step(state, inputs)
     assert_trees_close(state.params, expected, rtol=1e-3, atol=1e-4)
     np.testing.assert_array_equal(np.asarray(metrics["tau"]), expected_taus)
@@ -103,17 +121,22 @@ def test_compression_changes_the_round():
 
 def test_package_compression_counts_only_real_rows_and_spares_unsent_packages():
   rng = np.random.default_rng(1)
-  leaf = rng.normal(size=(3 * 4, 2, 5)).astype(np.float32)             # 3 senders x 4 slots
+  leaf = rng.normal(size=(3 * 4, 2, 5)).astype(np.float32)  # 3 senders x 4 slots
   mask = np.array([True] * 4 + [True, True, False, False] + [False] * 4)
   sent = np.array([False, True, True])
-  (out,) = compression.compress_packages((jnp.asarray(leaf),), jnp.asarray(mask), 3, 0.25, 32,
-                                         sent=jnp.asarray(sent))
+  (out,) = compression.compress_packages(
+    (jnp.asarray(leaf),), jnp.asarray(mask), 3, 0.25, 32, sent=jnp.asarray(sent)
+  )
   out = np.asarray(out).reshape(3, 4, 2, 5)
   ref = np.where(mask[:, None, None], leaf, 0).reshape(3, 4, 2, 5)
-  np.testing.assert_array_equal(out[0], ref[0])                         # the own package: exact
-  np.testing.assert_allclose(out[1], numpy_package(ref[1][:2], 0.25, 32).tolist() + [np.zeros((2, 5))] * 2)
-  assert np.count_nonzero(out[1]) == compression.num_kept(2 * 2 * 5, 0.25)   # k of the 2 real rows, not 4
-  np.testing.assert_array_equal(out[2], 0)                              # an empty slot sends nothing
+  np.testing.assert_array_equal(out[0], ref[0])  # the own package: exact
+  np.testing.assert_allclose(
+    out[1], numpy_package(ref[1][:2], 0.25, 32).tolist() + [np.zeros((2, 5))] * 2
+  )
+  assert np.count_nonzero(out[1]) == compression.num_kept(
+    2 * 2 * 5, 0.25
+  )  # k of the 2 real rows, not 4
+  np.testing.assert_array_equal(out[2], 0)  # an empty slot sends nothing
 
 
 def test_compressed_bits_by_hand():
@@ -133,8 +156,9 @@ def test_compressed_bits_by_hand():
       jac += k * 6 + 64 + min(entries, k * math.ceil(math.log2(entries)))
     expected.append(jac + int(n) * 3 * 32 + int(n) * 2)
   kappa = np.asarray(inputs.neighbor_mask).sum(axis=1)
-  np.testing.assert_allclose(np.asarray(metrics["bits_sent"]), kappa * (2 * d * 32 + np.array(expected)),
-                             rtol=1e-6)
+  np.testing.assert_allclose(
+    np.asarray(metrics["bits_sent"]), kappa * (2 * d * 32 + np.array(expected)), rtol=1e-6
+  )
 
 
 def test_projected_round_is_the_round_on_projected_inputs_and_scores_raw_inputs():
@@ -146,8 +170,9 @@ def test_projected_round_is_the_round_on_projected_inputs_and_scores_raw_inputs(
   np.testing.assert_allclose(p.std() * np.sqrt(5), 1.0, atol=0.5)
   projected = federation._replace(samples_x=np.asarray(federation.samples_x) @ p)
   small = models.mlp_on_inputs(model, 3)
-  assert jax.tree.leaves(state.params)[-1].shape[-2] == 8 and state.params["params"]["dense_0"]["kernel"].shape[1:] \
-      == (3, 8)
+  assert jax.tree.leaves(state.params)[-1].shape[-2] == 8 and state.params["params"]["dense_0"][
+    "kernel"
+  ].shape[1:] == (3, 8)
   inputs = algorithm.round_inputs(0)
   expected, taus = reference_round(config, small, projected, state.params, inputs)
   state, metrics = algorithm.step(state, inputs)
@@ -160,22 +185,34 @@ def test_projected_round_is_the_round_on_projected_inputs_and_scores_raw_inputs(
     on_raw = model.apply(jax.tree.map(lambda w: w[i], raw), x)
     on_projected = small.apply(jax.tree.map(lambda w: w[i], state.params), x @ p)
     np.testing.assert_allclose(on_raw, on_projected, rtol=1e-4, atol=1e-5)
-  d = 3 * 8 + 8 + 8 * 3 + 3                                             # the d1' = 3 model's parameters
+  d = 3 * 8 + 8 + 8 * 3 + 3  # the d1' = 3 model's parameters
   kappa = np.asarray(inputs.neighbor_mask).sum(axis=1)
   n = np.asarray(federation.n)
-  np.testing.assert_allclose(np.asarray(metrics["bits_sent"]), kappa * (2 * d * 32 + n * 3 * d * 32 + n * 3 * 32
-                                                                         + n * 2), rtol=1e-6)
+  np.testing.assert_allclose(
+    np.asarray(metrics["bits_sent"]),
+    kappa * (2 * d * 32 + n * 3 * d * 32 + n * 3 * 32 + n * 2),
+    rtol=1e-6,
+  )
 
 
 def test_variants_set_the_fields_and_bad_values_fail_clearly():
   config = ntk_dfl_config("topk0.5,bits6,subsample,proj200,clustered")
-  assert (config.algorithm.sparsify_keep, config.algorithm.quantize_bits, config.algorithm.subsample,
-          config.algorithm.projection_dim, config.topology.name) == (0.5, 6, 5, 200, "clustered")
+  assert (
+    config.algorithm.sparsify_keep,
+    config.algorithm.quantize_bits,
+    config.algorithm.subsample,
+    config.algorithm.projection_dim,
+    config.topology.name,
+  ) == (0.5, 6, 5, 200, "clustered")
   schema.validate_config(config)
   assert ntk_dfl_config("compressed").algorithm.projection_dim == 200
   with pytest.raises(ValueError, match="topk"):
     ntk_dfl_config("topkhalf")
-  for variant, message in (("topk1.5", "sparsify_keep"), ("bits40", "quantize_bits"), ("proj-1", "projection_dim")):
+  for variant, message in (
+    ("topk1.5", "sparsify_keep"),
+    ("bits40", "quantize_bits"),
+    ("proj-1", "projection_dim"),
+  ):
     with pytest.raises(ValueError, match=message):
       schema.validate_config(ntk_dfl_config(variant))
   with pytest.raises(ValueError, match="jacobian_batches=1"):
@@ -190,6 +227,7 @@ def test_a_config_stored_before_the_compression_keys_reads_as_uncompressed(tmp_p
   """Resume and branch compare configs: a stored NTK-DFL config without the keys ran uncompressed."""
   import json
   from ntk_fl import rundir
+
   current = json.loads(json.dumps(rundir.jsonable(ntk_dfl_config())))
   stored = json.loads(json.dumps(current))
   for key in ("sparsify_keep", "quantize_bits", "projection_dim", "projection_scale"):
@@ -202,10 +240,11 @@ def test_a_current_config_without_the_keys_compares_equal_to_a_stored_one_with_t
   """Resume compares the stored config with the current one; a missing defaulted key means its default."""
   import json
   from ntk_fl import rundir
+
   full = ntk_dfl_config()
   (tmp_path / rundir.CONFIG_FILE).write_text(json.dumps(rundir.jsonable(full)))
   lean = ntk_dfl_config()
   for key in ("sparsify_keep", "quantize_bits", "projection_dim", "projection_scale"):
     del lean.algorithm[key]
-  stored, current = rundir._experiment_configs(lean, str(tmp_path), "resume")   # pylint: disable=protected-access
+  stored, current = rundir._experiment_configs(lean, str(tmp_path), "resume")  # pylint: disable=protected-access
   assert stored == current

@@ -1,4 +1,5 @@
 """ntk.projected_dense_ntk: the structured kernel in layer-wise sketch coordinates vs (J P)(J P)ᵀ by brute force."""
+
 from __future__ import annotations
 
 import functools
@@ -15,14 +16,18 @@ from ntk_fl import models, ntk, projection
 RTOL = 100 * float(jnp.finfo(jnp.float32).eps)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _setup(activation="tanh", hidden=(7, 5), input_dim=6, num_classes=4):
   """A dense stack with random (non-zero) biases, inputs x1 [5, in] and x2 [4, in]."""
-  model = models.mlp(input_dim=input_dim, hidden=hidden, num_classes=num_classes, activation=activation)
+  model = models.mlp(
+    input_dim=input_dim, hidden=hidden, num_classes=num_classes, activation=activation
+  )
   params = model.init(jax.random.key(0))
   leaves, treedef = jax.tree.flatten(params)
   keys = jax.random.split(jax.random.key(1), len(leaves))
-  params = jax.tree.unflatten(treedef, [w + 0.3 * jax.random.normal(k, w.shape) for w, k in zip(leaves, keys)])
+  params = jax.tree.unflatten(
+    treedef, [w + 0.3 * jax.random.normal(k, w.shape) for w, k in zip(leaves, keys)]
+  )
   x1 = jax.random.normal(jax.random.key(2), (5, input_dim))
   x2 = jax.random.normal(jax.random.key(3), (4, input_dim))
   return model, params, x1, x2
@@ -35,19 +40,27 @@ def _sketch(params, k_proj, skip_uncompressed, seed=7):
 
 def _brute(model, params, plan, matrices, x1, x2):
   """Full ``[N1, N2, C, C]`` kernel of ``J̃ = J P`` from explicit Jacobians and the dense ``P`` (float64)."""
-  flat, unravel = ravel_pytree(params)                       # jax.tree.leaves order, as dense_matrix
-  jac = np.asarray(jax.jacrev(lambda w: model.apply(unravel(w), jnp.concatenate([x1, x2])))(flat), np.float64)
-  p = np.asarray(projection.dense_matrix(plan, matrices), np.float64)         # [d, d_proj]
-  sketched = jac @ p                                                           # [N1 + N2, C, d_proj]
+  flat, unravel = ravel_pytree(params)  # jax.tree.leaves order, as dense_matrix
+  jac = np.asarray(
+    jax.jacrev(lambda w: model.apply(unravel(w), jnp.concatenate([x1, x2])))(flat), np.float64
+  )
+  p = np.asarray(projection.dense_matrix(plan, matrices), np.float64)  # [d, d_proj]
+  sketched = jac @ p  # [N1 + N2, C, d_proj]
   n1 = x1.shape[0]
   return np.einsum("iap,jbp->ijab", sketched[:n1], sketched[n1:])
 
 
 def _kernels(model, params, projections, x1, x2, chunk_size=None):
   """Traced and full projected kernels under one jit."""
+
   def both(p, a, b, proj):
-    return tuple(ntk.projected_dense_ntk(model.dense_stack, p, a, b, projections=proj, trace_outputs=t,
-                                         chunk_size=chunk_size) for t in (True, False))
+    return tuple(
+      ntk.projected_dense_ntk(
+        model.dense_stack, p, a, b, projections=proj, trace_outputs=t, chunk_size=chunk_size
+      )
+      for t in (True, False)
+    )
+
   return jax.jit(both)(params, x1, x2, projections)
 
 
@@ -79,8 +92,12 @@ def test_symmetric_call_equals_the_cross_kernel():
   model, params, x1, _ = _setup()
   plan, matrices = _sketch(params, 3, False)
   projections = projection.dense_stack_projections(plan, matrices, model.dense_stack)
-  fn = jax.jit(lambda p, a, b, proj: ntk.projected_dense_ntk(model.dense_stack, p, a, b, projections=proj))
-  _assert_close(fn(params, x1, None, projections), np.asarray(fn(params, x1, x1, projections), np.float64))
+  fn = jax.jit(
+    lambda p, a, b, proj: ntk.projected_dense_ntk(model.dense_stack, p, a, b, projections=proj)
+  )
+  _assert_close(
+    fn(params, x1, None, projections), np.asarray(fn(params, x1, x1, projections), np.float64)
+  )
 
 
 def test_no_sketch_is_the_structured_kernel():
@@ -89,9 +106,17 @@ def test_no_sketch_is_the_structured_kernel():
   none = (None,) * len(model.dense_stack.layers)
   traced, full = _kernels(model, params, none, x1, x2)
   for t, got in ((True, traced), (False, full)):
-    want = jax.jit(lambda p, a, b, t=t: ntk.empirical_ntk(model.apply, p, a, b, trace_outputs=t,
-                                                          implementation="structured",
-                                                          dense_stack=model.dense_stack))(params, x1, x2)
+    want = jax.jit(
+      lambda p, a, b, t=t: ntk.empirical_ntk(
+        model.apply,
+        p,
+        a,
+        b,
+        trace_outputs=t,
+        implementation="structured",
+        dense_stack=model.dense_stack,
+      )
+    )(params, x1, x2)
     np.testing.assert_allclose(got, want, rtol=4 * float(jnp.finfo(jnp.float32).eps), atol=0)
 
 
@@ -101,10 +126,16 @@ def test_paper_mlp_cap_500_matches_the_lifted_network():
   params = model.init(jax.random.key(4))
   x = jax.random.normal(jax.random.key(5), (3, 784))
   plan, matrices = _sketch(params, 500, True)
-  assert [s.kind for s in plan] == ["identity", "axis", "identity", "identity"]    # leaves: bias, kernel, ...
+  assert [s.kind for s in plan] == [
+    "identity",
+    "axis",
+    "identity",
+    "identity",
+  ]  # leaves: bias, kernel, ...
   projections = projection.dense_stack_projections(plan, matrices, model.dense_stack)
-  got = jax.jit(lambda p, a, proj: ntk.projected_dense_ntk(model.dense_stack, p, a, projections=proj))(
-      params, x, projections)
+  got = jax.jit(
+    lambda p, a, proj: ntk.projected_dense_ntk(model.dense_stack, p, a, projections=proj)
+  )(params, x, projections)
   g, u0 = projection.lift(model.apply, params, plan, matrices)
   want = jax.jit(lambda u, a: ntk.empirical_ntk(g, u, a, implementation="jacobian"))(u0, x)
   _assert_close(got, np.asarray(want, np.float64))
@@ -116,7 +147,9 @@ def test_bad_projections_raise():
   projections = projection.dense_stack_projections(plan, matrices, model.dense_stack)
   with pytest.raises(ValueError, match="one DenseProjection per dense_stack layer"):
     ntk.projected_dense_ntk(model.dense_stack, params, x1, projections=projections[:2])
-  wrong = (ntk.DenseProjection(kernel=jnp.ones((5, 3))),) + projections[1:]       # dense_0 takes 6 inputs
+  wrong = (ntk.DenseProjection(kernel=jnp.ones((5, 3))),) + projections[
+    1:
+  ]  # dense_0 takes 6 inputs
   with pytest.raises(ValueError, match=r"projections\['dense_0'\].kernel must be \[6, k\]"):
     ntk.projected_dense_ntk(model.dense_stack, params, x1, projections=wrong)
   with pytest.raises(ValueError, match="DenseProjection or None"):

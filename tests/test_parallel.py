@@ -11,6 +11,7 @@ samples on that device only (``distributed.place_federation``), and a run
 through the runner with ``config.devices`` -- are done on the single-device path
 and sharded, and this file compares them.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -40,14 +41,16 @@ def _loop(fn, *stacked):
 
 
 def _client_fn(p, x):
-  return {"y": jnp.tanh(x @ p["w"]) + p["b"], "s": jnp.sum(x ** 2)}
+  return {"y": jnp.tanh(x @ p["w"]) + p["b"], "s": jnp.sum(x**2)}
 
 
 @pytest.mark.parametrize("m,chunk", [(7, None), (7, 0), (7, 1), (7, 3), (7, 7), (7, 50), (1, 2)])
 def test_for_each_client_equals_a_loop_over_clients(m, chunk):
   rng = np.random.default_rng(m)
-  params = {"w": jnp.asarray(rng.normal(size=(m, 4, 3)), jnp.float32),
-            "b": jnp.asarray(rng.normal(size=(m, 3)), jnp.float32)}
+  params = {
+    "w": jnp.asarray(rng.normal(size=(m, 4, 3)), jnp.float32),
+    "b": jnp.asarray(rng.normal(size=(m, 3)), jnp.float32),
+  }
   x = jnp.asarray(rng.normal(size=(m, 5, 4)), jnp.float32)
   got = jax.jit(parallel.for_each_client(_client_fn, chunk_size=chunk))(params, x)
   want = _loop(_client_fn, params, x)
@@ -58,10 +61,12 @@ def test_for_each_client_equals_a_loop_over_clients(m, chunk):
 
 def _temp_bytes(m, chunk):
   """XLA's planned scratch memory for m clients, each materialising two [512, 512] matrices."""
+
   def one(x):
     a = jnp.sin(x[:, None] * x[None, :])
-    b = a @ a                                                    # a dot's operands and output live in memory
+    b = a @ a  # a dot's operands and output live in memory
     return b.sum() + jnp.trace(b[:8, :8])
+
   mapped = jax.jit(parallel.for_each_client(one, chunk_size=chunk))
   compiled = mapped.lower(jax.ShapeDtypeStruct((m, 512), jnp.float32)).compile()
   return compiled.memory_analysis().temp_size_in_bytes
@@ -71,10 +76,10 @@ def test_chunking_bounds_scratch_memory_by_the_chunk_not_by_m():
   per_client = 2 * 512 * 512 * 4
   chunked_small, chunked_large = _temp_bytes(16, 4), _temp_bytes(64, 4)
   unchunked_small, unchunked_large = _temp_bytes(16, 0), _temp_bytes(64, 0)
-  assert chunked_large <= chunked_small + 64 * 512 * 4 * 2      # grows at most by O(M · input row)
-  assert chunked_large <= 4 * per_client * 1.01                  # one chunk of 4 clients' intermediates
-  assert unchunked_large >= 4 * unchunked_small * 0.99           # plain vmap grows with M ...
-  assert unchunked_large >= 64 * per_client * 0.99               # ... holding all 64 clients' at once
+  assert chunked_large <= chunked_small + 64 * 512 * 4 * 2  # grows at most by O(M · input row)
+  assert chunked_large <= 4 * per_client * 1.01  # one chunk of 4 clients' intermediates
+  assert unchunked_large >= 4 * unchunked_small * 0.99  # plain vmap grows with M ...
+  assert unchunked_large >= 64 * per_client * 0.99  # ... holding all 64 clients' at once
 
 
 def test_single_device_context_is_the_plain_path():
@@ -88,8 +93,16 @@ def test_single_device_context_is_the_plain_path():
   assert mesh.axis_names == (parallel.CLIENTS,) and mesh.size == 1
 
 
-@pytest.mark.parametrize("devices,match", [(2, "only 1 cpu device"), (-1, "devices"), (True, "devices"),
-                                           (1.5, "devices"), ([], "at least one device")])
+@pytest.mark.parametrize(
+  "devices,match",
+  [
+    (2, "only 1 cpu device"),
+    (-1, "devices"),
+    (True, "devices"),
+    (1.5, "devices"),
+    ([], "at least one device"),
+  ],
+)
 def test_bad_device_counts_raise(devices, match):
   with pytest.raises(ValueError, match=match):
     parallel.make_client_mesh(devices)
@@ -103,21 +116,27 @@ def test_bad_chunk_size_raises_at_once(chunk):
 
 def test_the_device_policy_sets_the_chunk_size_of_maps_that_name_none():
   rng = np.random.default_rng(0)
-  params = {"w": jnp.asarray(rng.normal(size=(7, 4, 3)), jnp.float32),
-            "b": jnp.asarray(rng.normal(size=(7, 3)), jnp.float32)}
+  params = {
+    "w": jnp.asarray(rng.normal(size=(7, 4, 3)), jnp.float32),
+    "b": jnp.asarray(rng.normal(size=(7, 3)), jnp.float32),
+  }
   x = jnp.asarray(rng.normal(size=(7, 5, 4)), jnp.float32)
-  by_policy = parallel.for_each_client(_client_fn)            # no chunk size of its own
+  by_policy = parallel.for_each_client(_client_fn)  # no chunk size of its own
   all_at_once = parallel.for_each_client(_client_fn, chunk_size=0)
   # lax.map over chunks traces a scan. A fresh wrapper per check: jax reuses the trace of a function it has seen,
   # which is why the policy must be in force when a step is first traced.
   chunked = lambda fn: "scan" in str(jax.make_jaxpr(lambda *args: fn(*args))(params, x))
-  assert parallel.policy_chunk_size() == 0 and not chunked(by_policy)  # outside any policy: plain vmap
+  assert parallel.policy_chunk_size() == 0 and not chunked(
+    by_policy
+  )  # outside any policy: plain vmap
   with parallel.use_devices(1, chunk_size=3):
     assert parallel.policy_chunk_size() == 3
     assert chunked(by_policy) and not chunked(all_at_once)
-    with parallel.use_devices(1):                               # the innermost policy wins
+    with parallel.use_devices(1):  # the innermost policy wins
       assert not chunked(by_policy)
-    np.testing.assert_allclose(by_policy(params, x)["y"], all_at_once(params, x)["y"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+      by_policy(params, x)["y"], all_at_once(params, x)["y"], rtol=1e-6, atol=1e-6
+    )
   assert parallel.policy_chunk_size() == 0
   with pytest.raises(ValueError, match="chunk_size"):
     with parallel.use_devices(1, chunk_size=-1):
@@ -135,7 +154,7 @@ def test_mismatched_or_missing_client_axes_raise():
 
 
 def _fails_for_client_3(client, x):
-  if int(client) == 3:                    # concrete values: the debug mode compiles nothing
+  if int(client) == 3:  # concrete values: the debug mode compiles nothing
     raise FloatingPointError(f"singular system, pivot {float(x[0]):.1f}")
   return x * 2
 
@@ -145,14 +164,17 @@ def test_debug_mode_names_the_failing_client_and_the_stage():
   x = jnp.arange(12.0).reshape(6, 2)
   with parallel.use_devices(1, debug=True):
     assert parallel.debug_clients()
-    with pytest.raises(parallel.ClientError, match=r"client 3, stage '_fails_for_client_3': "
-                       r"FloatingPointError: singular system, pivot 6\.0") as info:
+    with pytest.raises(
+      parallel.ClientError,
+      match=r"client 3, stage '_fails_for_client_3': "
+      r"FloatingPointError: singular system, pivot 6\.0",
+    ) as info:
       # jit is off in debug mode: the jitted map still runs client by client with concrete values.
       jax.jit(parallel.for_each_client(_fails_for_client_3))(clients, x)
   assert info.value.client == 3 and info.value.stage == "_fails_for_client_3"
   assert isinstance(info.value.__cause__, FloatingPointError)
   assert not parallel.debug_clients()
-  with pytest.raises(jax.errors.ConcretizationTypeError):   # outside it, the same function is traced
+  with pytest.raises(jax.errors.ConcretizationTypeError):  # outside it, the same function is traced
     jax.jit(parallel.for_each_client(_fails_for_client_3))(clients, x)
   with pytest.raises(ValueError, match="debug must be True or False"):
     with parallel.use_devices(1, debug="yes"):
@@ -164,19 +186,25 @@ def test_debug_mode_names_the_inner_client_of_a_nested_map():
     if float(v) < 0:
       raise ValueError("negative")
     return v
+
   def outer(row):
     return parallel.for_each_client(inner)(row)
+
   rows = jnp.asarray([[1.0, 2.0], [3.0, -4.0]])
   with parallel.use_devices(1, debug=True):
-    with pytest.raises(parallel.ClientError, match=r"client 1, stage '.*outer'.*client 1, stage '.*inner'"):
+    with pytest.raises(
+      parallel.ClientError, match=r"client 1, stage '.*outer'.*client 1, stage '.*inner'"
+    ):
       parallel.for_each_client(outer)(rows)
 
 
 @pytest.mark.parametrize("chunk", [0, 3])
 def test_debug_mode_equals_the_mapped_clients(chunk):
   rng = np.random.default_rng(1)
-  params = {"w": jnp.asarray(rng.normal(size=(7, 4, 3)), jnp.float32),
-            "b": jnp.asarray(rng.normal(size=(7, 3)), jnp.float32)}
+  params = {
+    "w": jnp.asarray(rng.normal(size=(7, 4, 3)), jnp.float32),
+    "b": jnp.asarray(rng.normal(size=(7, 3)), jnp.float32),
+  }
   x = jnp.asarray(rng.normal(size=(7, 5, 4)), jnp.float32)
   shared = parallel.Shared(jnp.asarray(rng.normal(size=(9, 3)), jnp.float32))
   fn = lambda p, rows, xi: {**_client_fn(p, xi), "r": rows.take(jnp.arange(2))}
@@ -196,7 +224,9 @@ def test_a_run_with_debug_clients_equals_the_compiled_run(tmp_path):
   runner.run(config, str(tmp_path / "compiled"))
   config.debug_clients = True
   runner.run(config, str(tmp_path / "debug"))
-  (compiled,), (debug,) = (rundir.read_metrics(str(tmp_path / name)) for name in ("compiled", "debug"))
+  (compiled,), (debug,) = (
+    rundir.read_metrics(str(tmp_path / name)) for name in ("compiled", "debug")
+  )
   assert debug.keys() == compiled.keys()
   floats = [k for k, v in compiled.items() if isinstance(v, float) and not k.endswith("_time")]
   assert "test_acc" in floats
@@ -230,12 +260,18 @@ def multidevice(tmp_path_factory, worker_id):
     root = root.parent
   out = root / "multidevice"
   with open(root / "multidevice.lock", "w") as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)           # the second worker waits here for the first one's results
+    fcntl.flock(lock, fcntl.LOCK_EX)  # the second worker waits here for the first one's results
     if not (out / "results.npz").exists():
       out.mkdir(exist_ok=True)
       env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-      proc = subprocess.run([sys.executable, str(REPO / "tests" / "multidevice_check.py"), str(out)],
-                            env=env, capture_output=True, text=True, timeout=600, check=False)
+      proc = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "multidevice_check.py"), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+      )
       assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with np.load(out / "results.npz") as f:
       return dict(f)
@@ -260,14 +296,14 @@ def _compare(results, name):
 def test_sharded_toy_function_equals_single_device(multidevice, m, chunk):
   name = f"toy_m{m}_chunk{chunk}"
   _compare(multidevice, name)
-  assert set(multidevice[f"{name}/shards"].tolist()) == {4}     # traced on the sharded path
-  assert int(multidevice[f"{name}/devices"]) == 4                # and the result lives on all 4 devices
+  assert set(multidevice[f"{name}/shards"].tolist()) == {4}  # traced on the sharded path
+  assert int(multidevice[f"{name}/devices"]) == 4  # and the result lives on all 4 devices
 
 
 @pytest.mark.multidevice
 def test_nested_for_each_client_shards_only_the_outer_axis(multidevice):
   _compare(multidevice, "nested_m6")
-  assert set(multidevice["nested_m6/shards"].tolist()) == {1}    # inner call saw the manual axis
+  assert set(multidevice["nested_m6/shards"].tolist()) == {1}  # inner call saw the manual axis
 
 
 @pytest.mark.multidevice
@@ -288,8 +324,9 @@ def test_shared_rows_split_over_devices_equal_the_direct_gather(multidevice, nam
 
 
 @pytest.mark.multidevice
-@pytest.mark.parametrize("name", ["ntk_dfl_m6_split", "ntk_dfl_m8_chunk1_split", "dfedavg_m6_split",
-                                  "fedavg_m6_split"])
+@pytest.mark.parametrize(
+  "name", ["ntk_dfl_m6_split", "ntk_dfl_m8_chunk1_split", "dfedavg_m6_split", "fedavg_m6_split"]
+)
 def test_rounds_with_samples_split_over_devices_equal_single_device(multidevice, name):
   """Each device holding only its clients' samples (a multi-process run's layout) changes no number."""
   _compare(multidevice, name)

@@ -1,4 +1,5 @@
 """The stream table: every stream of a seed is distinct from every other."""
+
 import itertools
 
 import jax
@@ -55,9 +56,13 @@ def test_topology_round_streams_do_not_replay_the_partition_stream():
   graphs = [topo.sample(r).neighbors for r in range(3)]
   assert not all(np.array_equal(graphs[0], g) for g in graphs[1:])
   expected = topology.graph_from_networkx(
-      __import__("networkx").random_regular_graph(
-          3, 20, seed=int(rng.numpy_rng(seed, rng.Stream.TOPOLOGY, 1).integers(2**31 - 1))),
-      topo.k_max, num_clients=20, round=1)
+    __import__("networkx").random_regular_graph(
+      3, 20, seed=int(rng.numpy_rng(seed, rng.Stream.TOPOLOGY, 1).integers(2**31 - 1))
+    ),
+    topo.k_max,
+    num_clients=20,
+    round=1,
+  )
   np.testing.assert_array_equal(graphs[1], expected.neighbors)
 
 

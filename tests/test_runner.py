@@ -4,6 +4,7 @@ The reference run goes through ``experiments/main.py`` in a subprocess (with a
 ``--config.rounds`` override); the in-process interrupted-and-resumed run must
 reproduce its every logged number exactly.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,20 +34,28 @@ SUMMARY_TIMES = ("wall_time", "train_time", "time_per_round", "step_time_per_rou
 def toy_config(arg: str = "smoke", **overrides):
   config = config_lib.load_config(TOY_CONFIG, arg)
   config.rounds = ROUNDS
-  config.update_from_flattened_dict(overrides)      # dotted keys: {"data.num_clients": 4}
+  config.update_from_flattened_dict(overrides)  # dotted keys: {"data.num_clients": 4}
   return config
 
 
 def main_py(*args, timeout=240):
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  return subprocess.run([sys.executable, os.path.join(REPO, "experiments", "main.py"), *args],
-                        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+  return subprocess.run(
+    [sys.executable, os.path.join(REPO, "experiments", "main.py"), *args],
+    cwd=REPO,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("reference") / "run")
-  proc = main_py("--config=tests/configs/toy.py:smoke", f"--config.rounds={ROUNDS}", f"--workdir={workdir}")
+  proc = main_py(
+    "--config=tests/configs/toy.py:smoke", f"--config.rounds={ROUNDS}", f"--workdir={workdir}"
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   with open(os.path.join(workdir, rundir.SUMMARY_FILE)) as f:
     summary = json.load(f)
@@ -73,10 +82,10 @@ def test_main_py_run_writes_every_output(reference):
     assert os.path.isfile(os.path.join(workdir, name))
   assert_png(os.path.join(workdir, rundir.ACCURACY_PLOT))
   assert_png(os.path.join(workdir, rundir.SELECTION_PLOT))
-  assert_png(os.path.join(workdir, plotting.LOSS_PLOT))     # the toy method reports a training loss
+  assert_png(os.path.join(workdir, plotting.LOSS_PLOT))  # the toy method reports a training loss
   for name in (rundir.ACCURACY_PLOT, rundir.SELECTION_PLOT, plotting.LOSS_PLOT):
     with open(os.path.join(workdir, name.replace(".png", ".pdf")), "rb") as f:
-      assert f.read(5) == b"%PDF-"                             # vector copies for papers
+      assert f.read(5) == b"%PDF-"  # vector copies for papers
   communication = os.path.isfile(os.path.join(workdir, plotting.COMMUNICATION_PLOT))
   assert communication == ("bits_cumulative" in lines[-1])
   with Checkpoints(os.path.join(workdir, rundir.CHECKPOINT_DIR)) as ckpt:
@@ -86,8 +95,20 @@ def test_main_py_run_writes_every_output(reference):
   assert [line["round"] for line in lines] == list(range(1, ROUNDS + 1))
   assert summary["rounds"] == ROUNDS and summary["method"] == "toy_gd" and summary["seed"] == 0
   for line in lines:
-    for key in ("test_acc", "test_loss", "deviation", "client_acc_mean", "client_acc_min", "client_acc_max",
-                "loss_mean", "loss_min", "loss_max", "kept_mean", "lr", *TIMES):
+    for key in (
+      "test_acc",
+      "test_loss",
+      "deviation",
+      "client_acc_mean",
+      "client_acc_min",
+      "client_acc_max",
+      "loss_mean",
+      "loss_min",
+      "loss_max",
+      "kept_mean",
+      "lr",
+      *TIMES,
+    ):
       assert isinstance(line[key], float), key
     # Per-client algorithm metrics are stored in full (ints stay ints) and summarised.
     kept = line["clients"]["kept"]
@@ -95,8 +116,10 @@ def test_main_py_run_writes_every_output(reference):
     assert line["kept_min"] == min(kept) and line["kept_max"] == max(kept)
     assert line["kept_mean"] == pytest.approx(np.mean(kept))
     acc = line["clients"]["test_acc"]
-    assert len(acc) == 10 and line["client_acc_min"] == min(acc) and line["client_acc_max"] == max(acc)
-  assert [line["lr"] for line in lines] == pytest.approx([0.5 * 0.9 ** r for r in range(ROUNDS)])
+    assert (
+      len(acc) == 10 and line["client_acc_min"] == min(acc) and line["client_acc_max"] == max(acc)
+    )
+  assert [line["lr"] for line in lines] == pytest.approx([0.5 * 0.9**r for r in range(ROUNDS)])
 
   # Summary numbers recomputed from the lines.
   acc = [line["test_acc"] for line in lines]
@@ -126,7 +149,9 @@ def test_logged_numbers_match_an_independent_evaluation(reference):
   algorithm = exp.algorithm
   state = algorithm.init(jax.random.PRNGKey(config.seed))
   step = algorithm.step
-  with exp.device_policy():     # the run's chunk size (4 clients at a time), as the runner traces the step
+  with (
+    exp.device_policy()
+  ):  # the run's chunk size (4 clients at a time), as the runner traces the step
     for r in range(ROUNDS):
       state, _ = step(state, algorithm.round_inputs(r))
   with Checkpoints(os.path.join(workdir, rundir.CHECKPOINT_DIR)) as ckpt:
@@ -141,7 +166,9 @@ def test_logged_numbers_match_an_independent_evaluation(reference):
   last = lines[-1]
   assert last["test_acc"] == pytest.approx(float(acc), abs=1e-6)
   assert last["test_loss"] == pytest.approx(float(loss), rel=1e-5)
-  flat = np.concatenate([np.asarray(w, np.float64).reshape(10, -1) for w in jax.tree_util.tree_leaves(params)], 1)
+  flat = np.concatenate(
+    [np.asarray(w, np.float64).reshape(10, -1) for w in jax.tree_util.tree_leaves(params)], 1
+  )
   want_dev = np.mean(np.sqrt(np.sum((flat - flat.mean(0)) ** 2, axis=0)))
   assert last["deviation"] == pytest.approx(want_dev, rel=1e-5)
   c_acc, _ = metrics.evaluate_clients(exp.model.apply, params, x, y)
@@ -181,7 +208,8 @@ def test_resume_after_interruption_equals_uninterrupted(reference, tmp_path):
   resumed = events.scalars_by_step(only)
   assert sorted(resumed) == [1, 2, 3, 4, 5]
   assert [resumed[r]["accuracy/aggregated"] for r in (1, 2, 3, 4, 5)] == pytest.approx(
-      [line["test_acc"] for line in lines], rel=1e-6)
+    [line["test_acc"] for line in lines], rel=1e-6
+  )
   with open(os.path.join(workdir, rundir.SUMMARY_FILE)) as f:
     assert json.load(f) == summary
 
@@ -201,7 +229,9 @@ def test_resume_refusals_fail_before_any_work(reference, tmp_path, monkeypatch):
   os.makedirs(tmp_path / "nockpt")
   with open(tmp_path / "nockpt" / rundir.CONFIG_FILE, "w") as f:
     json.dump(rundir.jsonable(toy_config()), f)
-  with pytest.raises(ValueError, match=r"different config.*seed: 0 -> 3"):  # checked before it restarts
+  with pytest.raises(
+    ValueError, match=r"different config.*seed: 0 -> 3"
+  ):  # checked before it restarts
     runner.run(toy_config(seed=3), str(tmp_path / "nockpt"), resume=True)
   # (resuming a run with nothing to resume restarts it: tests/test_faults.py)
 
@@ -212,7 +242,7 @@ def test_a_run_stored_before_a_schema_key_existed_resumes_with_its_old_value(ref
   shutil.copytree(ref_workdir, old)
   with open(os.path.join(old, rundir.CONFIG_FILE)) as f:
     stored = json.load(f)
-  del stored["data"]["max_test"]                     # config.json written before data.max_test was added
+  del stored["data"]["max_test"]  # config.json written before data.max_test was added
   with open(os.path.join(old, rundir.CONFIG_FILE), "w") as f:
     json.dump(stored, f)
   assert rundir.check_workdir(toy_config(), old, resume=True) == ROUNDS
@@ -228,40 +258,54 @@ def test_a_run_stored_before_a_schema_key_existed_resumes_with_its_old_value(ref
 def test_branch_of_the_same_experiment_equals_the_uninterrupted_run(reference, tmp_path):
   ref_workdir, ref_lines, ref_summary = reference
   workdir = str(tmp_path / "branch")
-  assert rundir.check_branch(toy_config(), ref_workdir) == 4   # checkpoints after 4 and 5; 5 leaves nothing to run
+  assert (
+    rundir.check_branch(toy_config(), ref_workdir) == 4
+  )  # checkpoints after 4 and 5; 5 leaves nothing to run
   summary = runner.run(toy_config(), workdir, branch_from=ref_workdir)
   lines = rundir.read_metrics(workdir)
   assert [without(line, TIMES) for line in lines] == [without(line, TIMES) for line in ref_lines]
-  assert lines[:4] == ref_lines[:4]                            # copied, timings included
-  by_step = events.scalars_by_step(events.read_events(workdir))   # the copied rounds are this run's too
+  assert lines[:4] == ref_lines[:4]  # copied, timings included
+  by_step = events.scalars_by_step(
+    events.read_events(workdir)
+  )  # the copied rounds are this run's too
   assert sorted(by_step) == [1, 2, 3, 4, 5]
   assert [by_step[r]["accuracy/aggregated"] for r in range(1, 6)] == pytest.approx(
-      [line["test_acc"] for line in lines], rel=1e-6)
+    [line["test_acc"] for line in lines], rel=1e-6
+  )
   assert summary["branched_from"] == {"source": ref_workdir, "round": 4}
   skip = SUMMARY_TIMES + ("branched_from",)
   assert without(summary, skip) == without(ref_summary, skip)
   with Checkpoints(os.path.join(workdir, rundir.CHECKPOINT_DIR)) as ckpt:
-    assert ckpt.steps() == [4, 5]                              # its own copy of the branch point
+    assert ckpt.steps() == [4, 5]  # its own copy of the branch point
   # The toy method certifies no shared rounds, so any config change is refused.
   with pytest.raises(ValueError, match=r"differs \(seed: 0 -> 3\).*does not certify"):
     rundir.check_branch(toy_config(seed=3), ref_workdir)
-  proc = main_py("--config=tests/configs/toy.py:smoke", f"--workdir={tmp_path / 'other'}", "--branch_round=2")
+  proc = main_py(
+    "--config=tests/configs/toy.py:smoke", f"--workdir={tmp_path / 'other'}", "--branch_round=2"
+  )
   assert proc.returncode != 0 and "--branch_round=2 needs --branch_from" in proc.stderr
 
 
 def test_checkpoint_keep_survives_the_rotation_and_is_result_neutral(reference, tmp_path):
   _, ref_lines, _ = reference
   workdir = str(tmp_path / "run")
-  proc = main_py("--config=tests/configs/toy.py:smoke", f"--config.rounds={ROUNDS}", "--config.checkpoint_keep=(1,)",
-                 f"--workdir={workdir}")
+  proc = main_py(
+    "--config=tests/configs/toy.py:smoke",
+    f"--config.rounds={ROUNDS}",
+    "--config.checkpoint_keep=(1,)",
+    f"--workdir={workdir}",
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   with Checkpoints(os.path.join(workdir, rundir.CHECKPOINT_DIR)) as ckpt:
-    assert ckpt.steps() == [1, 4, 5]     # 1 kept; of the every-2 checkpoints only the latest two
-  assert [without(line, TIMES) for line in rundir.read_metrics(workdir)] == \
-      [without(line, TIMES) for line in ref_lines]
-  assert rundir.check_workdir(toy_config(), workdir, resume=True) == ROUNDS   # not a config change
+    assert ckpt.steps() == [1, 4, 5]  # 1 kept; of the every-2 checkpoints only the latest two
+  assert [without(line, TIMES) for line in rundir.read_metrics(workdir)] == [
+    without(line, TIMES) for line in ref_lines
+  ]
+  assert rundir.check_workdir(toy_config(), workdir, resume=True) == ROUNDS  # not a config change
   assert rundir.check_branch(toy_config(), workdir, 1) == 1
-  with pytest.raises(ValueError, match=r"checkpoint_keep \(1-based round numbers\) must be an int >= 1, got 0"):
+  with pytest.raises(
+    ValueError, match=r"checkpoint_keep \(1-based round numbers\) must be an int >= 1, got 0"
+  ):
     schema.validate_config(toy_config(checkpoint_keep=(0,)))
 
 
@@ -278,12 +322,16 @@ def test_stop_at_ends_the_run_at_the_first_round_reaching_it(reference, tmp_path
   lines = rundir.read_metrics(workdir)
   assert len(lines) == summary["rounds_run"] == expected_round
   assert summary["stopped_early"] is True
-  assert [without(line, TIMES) for line in lines] == [without(line, TIMES) for line in ref_lines[:expected_round]]
+  assert [without(line, TIMES) for line in lines] == [
+    without(line, TIMES) for line in ref_lines[:expected_round]
+  ]
   with Checkpoints(os.path.join(workdir, rundir.CHECKPOINT_DIR)) as ckpt:
-    assert ckpt.latest() == expected_round   # the final state is checkpointed under its own round
+    assert ckpt.latest() == expected_round  # the final state is checkpointed under its own round
   # Resuming a run that already stopped trains no further round.
   again = runner.run(toy_config(**{"eval.stop_at": threshold}), workdir, resume=True)
-  assert again["rounds_run"] == expected_round and len(rundir.read_metrics(workdir)) == expected_round
+  assert (
+    again["rounds_run"] == expected_round and len(rundir.read_metrics(workdir)) == expected_round
+  )
 
 
 def test_stop_at_needs_evaluation_every_round(tmp_path):
@@ -292,8 +340,12 @@ def test_stop_at_needs_evaluation_every_round(tmp_path):
 
 
 def test_checkpoints_skip_half_written_and_restore_exactly(tmp_path):
-  state = {"w": jnp.arange(6.0).reshape(2, 3), "n": jnp.int32(7), "key": jax.random.key(3),
-           "raw_key": jax.random.PRNGKey(4)}
+  state = {
+    "w": jnp.arange(6.0).reshape(2, 3),
+    "n": jnp.int32(7),
+    "key": jax.random.key(3),
+    "raw_key": jax.random.PRNGKey(4),
+  }
   other = jax.tree.map(lambda x: x, state) | {"w": state["w"] + 1}
   directory = tmp_path / "ckpt"
   with Checkpoints(directory, max_to_keep=3) as ckpt:
@@ -311,14 +363,18 @@ def test_checkpoints_skip_half_written_and_restore_exactly(tmp_path):
   np.testing.assert_array_equal(restored["w"], other["w"])
   assert restored["n"].dtype == jnp.int32 and int(restored["n"]) == 7
   assert jax.dtypes.issubdtype(restored["key"].dtype, jax.dtypes.prng_key)
-  np.testing.assert_array_equal(jax.random.key_data(restored["key"]), jax.random.key_data(state["key"]))
+  np.testing.assert_array_equal(
+    jax.random.key_data(restored["key"]), jax.random.key_data(state["key"])
+  )
   np.testing.assert_array_equal(restored["raw_key"], state["raw_key"])
 
 
 # ----------------------------------------------------------------------------- bad configs
 
 
-@pytest.mark.parametrize("key,value,match", [
+@pytest.mark.parametrize(
+  "key,value,match",
+  [
     ("rounds", 0, "rounds"),
     ("seed", -1, "seed"),
     ("data.name", "imagenet", "data.name"),
@@ -342,7 +398,8 @@ def test_checkpoints_skip_half_written_and_restore_exactly(tmp_path):
     ("algorithm.lr", -1.0, "algorithm.lr"),  # the method's own validate_config
     ("data.typo_key", 1, "typo_key"),
     ("roundz", 3, "roundz"),
-])
+  ],
+)
 def test_bad_config_fails_before_data_load(key, value, match, tmp_path, monkeypatch):
   monkeypatch.setattr(data, "load", lambda *a, **k: pytest.fail("data loaded before validation"))
   with pytest.raises(ValueError, match=match):
@@ -373,26 +430,41 @@ def test_max_test_subsample_is_seeded_and_leaves_the_training_draw_alone():
   assert both.dataset.x_test.shape == (100, 784)
   np.testing.assert_array_equal(both.dataset.x_train, train_only.dataset.x_train)
   np.testing.assert_array_equal(train_only.dataset.x_test, full.dataset.x_test)
+
   # A subset of the full test set, in its original order, with its labels; another seed draws another one.
   def kept(subset, whole):
     rows = {r.tobytes(): i for i, r in enumerate(whole.dataset.x_test)}
     return [rows[r.tobytes()] for r in subset.dataset.x_test]
+
   idx = kept(both, full)
   assert idx == sorted(idx) and len(set(idx)) == 100
   np.testing.assert_array_equal(both.dataset.y_test, full.dataset.y_test[idx])
   seed1 = toy_config(**{"seed": 1})
-  assert kept(runner.build_experiment(toy_config(**{"data.max_test": 100, "seed": 1})),
-              runner.build_experiment(seed1)) != idx
+  assert (
+    kept(
+      runner.build_experiment(toy_config(**{"data.max_test": 100, "seed": 1})),
+      runner.build_experiment(seed1),
+    )
+    != idx
+  )
   with pytest.raises(ValueError, match="max_test = 301 exceeds the 300 test samples"):
     runner.build_experiment(toy_config(**{"data.max_test": 301}))
 
 
 def test_main_py_rejects_unknown_override_and_bad_value(tmp_path):
-  proc = main_py("--config=tests/configs/toy.py:smoke", "--config.nonexistent=1", f"--workdir={tmp_path / 'a'}")
+  proc = main_py(
+    "--config=tests/configs/toy.py:smoke", "--config.nonexistent=1", f"--workdir={tmp_path / 'a'}"
+  )
   assert proc.returncode != 0
-  assert "error: unknown config key config.nonexistent\n" in proc.stderr and "Traceback" not in proc.stderr
-  proc = main_py("--config=tests/configs/toy.py:smoke", "--config.data.partition=random",
-                 f"--workdir={tmp_path / 'b'}")
+  assert (
+    "error: unknown config key config.nonexistent\n" in proc.stderr
+    and "Traceback" not in proc.stderr
+  )
+  proc = main_py(
+    "--config=tests/configs/toy.py:smoke",
+    "--config.data.partition=random",
+    f"--workdir={tmp_path / 'b'}",
+  )
   assert proc.returncode != 0
   assert "config.data.partition must be one of" in proc.stderr and "'random'" in proc.stderr
   assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")

@@ -14,6 +14,7 @@
 * Uplink/downlink bits == a hand count; bad configs fail early; the smoke
   variants run through the runner and learn.
 """
+
 from __future__ import annotations
 
 import math
@@ -74,7 +75,11 @@ def pooled(federation, clients):
 
 
 def assert_trees_close(a, b, rtol=RTOL, atol=ATOL):
-  jax.tree.map(lambda u, v: np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=rtol, atol=atol), a, b)
+  jax.tree.map(
+    lambda u, v: np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=rtol, atol=atol),
+    a,
+    b,
+  )
 
 
 # ----------------------------------------------------------------------------- jacobians
@@ -83,10 +88,14 @@ def assert_trees_close(a, b, rtol=RTOL, atol=ATOL):
 def test_per_sample_jacobian_equals_jacrev_of_the_batch_chunked_or_not():
   params = MODEL.init(jax.random.key(1))
   x = jax.random.normal(jax.random.key(2), (7, D_IN))
-  reference = jax.jacrev(lambda p: MODEL.apply(p, x))(params)           # leaves [N, C, *leaf]
+  reference = jax.jacrev(lambda p: MODEL.apply(p, x))(params)  # leaves [N, C, *leaf]
   for chunk in (None, 1, 3, 7):
-    assert_trees_close(jacobians.per_sample_jacobian(MODEL.apply, params, x, chunk_size=chunk), reference,
-                       rtol=1e-6, atol=1e-6)
+    assert_trees_close(
+      jacobians.per_sample_jacobian(MODEL.apply, params, x, chunk_size=chunk),
+      reference,
+      rtol=1e-6,
+      atol=1e-6,
+    )
   flat = jacobians.flat_jacobian(MODEL.apply, params, x, chunk_size=3)
   assert flat.shape == (7, C, models.num_params(params))
   row = ravel_pytree(jax.tree.map(lambda leaf: leaf[4, 2], reference))[0]
@@ -100,32 +109,40 @@ def test_jacobian_kernel_equals_empirical_ntk(trace):
   x1 = jax.random.normal(jax.random.key(4), (6, D_IN))
   x2 = jax.random.normal(jax.random.key(5), (4, D_IN))
   j1, j2 = (jacobians.flat_jacobian(MODEL.apply, params, x) for x in (x1, x2))
-  expected = ntk.empirical_ntk(MODEL.apply, params, x1, x2, trace_outputs=trace, implementation="jacobian")
-  np.testing.assert_allclose(jacobians.jacobian_kernel(j1, j2, trace_outputs=trace), expected, rtol=1e-5,
-                             atol=1e-5)
+  expected = ntk.empirical_ntk(
+    MODEL.apply, params, x1, x2, trace_outputs=trace, implementation="jacobian"
+  )
+  np.testing.assert_allclose(
+    jacobians.jacobian_kernel(j1, j2, trace_outputs=trace), expected, rtol=1e-5, atol=1e-5
+  )
 
 
 def test_projection_is_seeded_gaussian_and_folds_into_the_first_layer():
   key = jax.random.key(9)
   p = jacobians.projection_matrix(key, D_IN, 4)
   np.testing.assert_allclose(p, jax.random.normal(key, (D_IN, 4)) / math.sqrt(D_IN), rtol=1e-6)
-  np.testing.assert_array_equal(jacobians.projection_matrix(key, D_IN, 4, scale="none"),
-                                jax.random.normal(key, (D_IN, 4)))
+  np.testing.assert_array_equal(
+    jacobians.projection_matrix(key, D_IN, 4, scale="none"), jax.random.normal(key, (D_IN, 4))
+  )
   small = models.mlp(4, HIDDEN, C)
   params = small.init(jax.random.key(1))
   x = jax.random.normal(jax.random.key(2), (5, D_IN))
-  np.testing.assert_allclose(MODEL.apply(jacobians.fold_projection(params, p), x), small.apply(params, x @ p),
-                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(
+    MODEL.apply(jacobians.fold_projection(params, p), x),
+    small.apply(params, x @ p),
+    rtol=1e-5,
+    atol=1e-5,
+  )
 
 
 def test_subsample_keeps_floor_beta_n_distinct_real_samples():
   mask = jnp.arange(20) < 13
   for seed in range(5):
     idx, keep = jacobians.subsample(jax.random.key(seed), mask, 0.4)
-    assert idx.shape == keep.shape == (8,)                     # floor(0.4 * 20) slots
+    assert idx.shape == keep.shape == (8,)  # floor(0.4 * 20) slots
     chosen = np.asarray(idx)[np.asarray(keep)]
-    assert len(chosen) == 5 and len(set(chosen)) == 5          # floor(0.4 * 13) distinct samples
-    assert np.all(chosen < 13)                                 # all real
+    assert len(chosen) == 5 and len(set(chosen)) == 5  # floor(0.4 * 13) distinct samples
+    assert np.all(chosen < 13)  # all real
   # Every real sample gets drawn by some key (uniform, not a fixed prefix).
   seen = set()
   for seed in range(40):
@@ -171,9 +188,12 @@ def test_payload_bits_match_a_hand_count():
   # Table 1's setting: 59 samples x 10 outputs, d' = 21,110 (MLP 200-100-10), top-2 %, 8 bits.
   rows, d = 59 * 10, 200 * 100 + 100 + 100 * 10 + 10
   assert d == 21_110
-  k = math.ceil(0.02 * d)                                      # 423 per row
-  index_bits = math.ceil(math.log2(d))                         # 15 (index list beats the 21,110-bit bitmap)
-  assert communication.jacobian_payload_bits(rows, d, keep_fraction=0.02, bits=8) == rows * k * (8 + index_bits) + 64
+  k = math.ceil(0.02 * d)  # 423 per row
+  index_bits = math.ceil(math.log2(d))  # 15 (index list beats the 21,110-bit bitmap)
+  assert (
+    communication.jacobian_payload_bits(rows, d, keep_fraction=0.02, bits=8)
+    == rows * k * (8 + index_bits) + 64
+  )
   # Dense float32 and dense 8-bit payloads.
   assert communication.jacobian_payload_bits(rows, d) == rows * d * 32
   assert communication.jacobian_payload_bits(rows, d, bits=8) == rows * d * 8 + 64
@@ -197,8 +217,9 @@ def test_uncompressed_round_is_ntk_update_on_the_pooled_data(loss):
   config, fed = tiny(loss=loss)
   _, state, inputs, new_state, metrics = one_round(config, fed)
   x, t, m = pooled(fed, inputs.clients)
-  expected, info = evolve.ntk_update(MODEL.apply, state.params, x, t, m, lr=0.5, taus=TAUS, loss=loss,
-                                     dense_stack=MODEL.dense_stack)
+  expected, info = evolve.ntk_update(
+    MODEL.apply, state.params, x, t, m, lr=0.5, taus=TAUS, loss=loss, dense_stack=MODEL.dense_stack
+  )
   assert_trees_close(new_state.params, expected)
   assert int(metrics["tau"]) == int(info["tau"])
   assert int(metrics["num_samples"]) == len(t)
@@ -223,18 +244,23 @@ def test_shuffling_server_leaves_the_update_unchanged(compress):
 def test_projected_round_is_the_d1_prime_model_on_projected_data():
   config, fed = tiny(projection_dim=4)
   algorithm, state, inputs, new_state, _ = one_round(config, fed)
-  assert new_state.params["params"]["dense_0"]["kernel"].shape == (4, HIDDEN[0])     # input layer is d1'
+  assert new_state.params["params"]["dense_0"]["kernel"].shape == (
+    4,
+    HIDDEN[0],
+  )  # input layer is d1'
   p = jacobians.projection_matrix(rng.jax_key(config.seed, rng.Stream.INPUT_PROJECTION), D_IN, 4)
   small = models.mlp(4, HIDDEN, C)
   x, t, m = pooled(fed, inputs.clients)
-  expected, _ = evolve.ntk_update(small.apply, state.params, x @ p, t, m, lr=0.5, taus=TAUS,
-                                  dense_stack=small.dense_stack)
+  expected, _ = evolve.ntk_update(
+    small.apply, state.params, x @ p, t, m, lr=0.5, taus=TAUS, dense_stack=small.dense_stack
+  )
   assert_trees_close(new_state.params, expected)
   # The runner scores client_params with the raw-input model: P folded into the first layer.
   x_test = jnp.asarray(np.random.default_rng(1).normal(size=(9, D_IN)), jnp.float32)
   folded = jax.tree.map(lambda w: w[0], algorithm.client_params(new_state))
-  np.testing.assert_allclose(MODEL.apply(folded, x_test), small.apply(new_state.params, x_test @ p), rtol=1e-4,
-                             atol=1e-5)
+  np.testing.assert_allclose(
+    MODEL.apply(folded, x_test), small.apply(new_state.params, x_test @ p), rtol=1e-4, atol=1e-5
+  )
 
 
 def test_subsampled_round_sends_floor_beta_n_samples_per_client():
@@ -255,7 +281,9 @@ def test_compressed_round_equals_a_numpy_reference():
     n = int(fed.n[c])
     x = jnp.asarray(fed.x[c, :n])
     jac = jax.jacrev(lambda p: MODEL.apply(p, x))(params)
-    flat = np.concatenate([np.asarray(leaf).reshape(n, C, -1) for leaf in jax.tree.leaves(jac)], axis=-1)
+    flat = np.concatenate(
+      [np.asarray(leaf).reshape(n, C, -1) for leaf in jax.tree.leaves(jac)], axis=-1
+    )
     sparse, mask = _numpy_topk_rows(flat, keep)
     jac_rows.append(_numpy_quantize(sparse, mask, bits))
     xs.append(x)
@@ -264,15 +292,25 @@ def test_compressed_round_equals_a_numpy_reference():
   x, y = jnp.concatenate(xs), np.concatenate(ys)
   targets, n_total = jax.nn.one_hot(y, C), len(y)
   kernel = np.einsum("icp,jcp->ij", jac, jac) / C
-  evo = evolve.evolve(jnp.asarray(kernel, jnp.float32), MODEL.apply(params, x), targets, jnp.ones(n_total, bool),
-                      lr=0.5, taus=TAUS)
+  evo = evolve.evolve(
+    jnp.asarray(kernel, jnp.float32),
+    MODEL.apply(params, x),
+    targets,
+    jnp.ones(n_total, bool),
+    lr=0.5,
+    taus=TAUS,
+  )
   deltas = -0.5 / n_total * np.einsum("tic,icp->tp", np.asarray(evo.residual_sums, np.float64), jac)
   flat0, unravel = ravel_pytree(params)
-  losses = [float(evolve.mean_loss(MODEL.apply(unravel(flat0 + dt), x), targets, jnp.ones(n_total, bool)))
-            for dt in deltas]
+  losses = [
+    float(evolve.mean_loss(MODEL.apply(unravel(flat0 + dt), x), targets, jnp.ones(n_total, bool)))
+    for dt in deltas
+  ]
   best = int(np.argmin(losses))
   assert int(metrics["tau"]) == TAUS[best]
-  np.testing.assert_allclose(ravel_pytree(new_state.params)[0], flat0 + deltas[best], rtol=RTOL, atol=ATOL)
+  np.testing.assert_allclose(
+    ravel_pytree(new_state.params)[0], flat0 + deltas[best], rtol=RTOL, atol=ATOL
+  )
   assert d == flat0.size
 
 
@@ -281,15 +319,17 @@ def test_bit_accounting_matches_a_hand_count_and_accumulates():
   config, fed = tiny(sparsify_keep=keep, quantize_bits=bits)
   algorithm = runner.make_algorithm(config, MODEL, fed)
   state = algorithm.init(jax.random.key(0))
-  d = models.num_params(state.params)                          # 8*6 + 6 + 6*3 + 3 = 75
+  d = models.num_params(state.params)  # 8*6 + 6 + 6*3 + 3 = 75
   k = math.ceil(keep * d)
-  support = min(d, k * math.ceil(math.log2(d)))                # bitmap (75) vs 19 indices of 7 bits (133)
+  support = min(d, k * math.ceil(math.log2(d)))  # bitmap (75) vs 19 indices of 7 bits (133)
   uplink, cumulative = 0.0, 0.0
   for r in range(2):
     inputs = algorithm.round_inputs(r)
     state, metrics = algorithm.step(state, inputs)
     sizes = [int(fed.n[c]) for c in inputs.clients]
-    per_client = [n * C * (k * bits + support) + 64 + n * C * 32 + n * 2 for n in sizes]   # labels: 2 bits
+    per_client = [
+      n * C * (k * bits + support) + 64 + n * C * 32 + n * 2 for n in sizes
+    ]  # labels: 2 bits
     uplink = sum(per_client)
     cumulative += uplink
     assert float(metrics["bits_sent_total"]) == pytest.approx(uplink, rel=1e-6)
@@ -312,7 +352,9 @@ def test_round_inputs_sample_clients_from_the_participation_stream():
 # ----------------------------------------------------------------------------- configs
 
 
-@pytest.mark.parametrize("field,value,message", [
+@pytest.mark.parametrize(
+  "field,value,message",
+  [
     ("clients_per_round", 9, "clients_per_round"),
     ("subsample_fraction", 0.0, "subsample_fraction"),
     ("sparsify_keep", 1.5, "sparsify_keep"),
@@ -322,7 +364,8 @@ def test_round_inputs_sample_clients_from_the_participation_stream():
     ("projection_scale", "unit", "projection_scale"),
     ("taus", (10, 5), "taus"),
     ("solver", "ode_mse", "solver"),
-])
+  ],
+)
 def test_validate_config_rejects_bad_values(field, value, message):
   config, _ = tiny()
   config.algorithm[field] = value
@@ -344,8 +387,16 @@ def test_validate_config_rejects_impossible_combinations():
     schema.validate_config(config)
 
 
-@pytest.mark.parametrize("name,variant", [("ntk_fl", None), ("ntk_fl", "busiest_node,iid"), ("ntk_fl", "mse"),
-                                          ("cp_ntk_fl", None), ("cp_ntk_fl", "table1,shuffle,stochastic")])
+@pytest.mark.parametrize(
+  "name,variant",
+  [
+    ("ntk_fl", None),
+    ("ntk_fl", "busiest_node,iid"),
+    ("ntk_fl", "mse"),
+    ("cp_ntk_fl", None),
+    ("cp_ntk_fl", "table1,shuffle,stochastic"),
+  ],
+)
 def test_config_variants_validate(name, variant):
   config = config_lib.load_config(str(REPO / "configs" / f"{name}.py"), variant)
   schema.validate_config(config)
@@ -360,7 +411,10 @@ def test_cp_ntk_fl_smoke_runs_through_the_runner_and_learns(tmp_path):
   config.rounds = 2
   summary = runner.run(config, str(tmp_path))
   lines = rundir.read_metrics(str(tmp_path))
-  assert summary["final_test_acc"] > 0.25                          # chance is 0.10
-  assert lines[-1]["uplink_mb_cumulative"] == pytest.approx(lines[-1]["bits_cumulative"] / 8 / 2**20, rel=1e-6)
-  assert lines[1]["bits_cumulative"] == pytest.approx(lines[0]["bits_sent_total"] + lines[1]["bits_sent_total"],
-                                                      rel=1e-6)
+  assert summary["final_test_acc"] > 0.25  # chance is 0.10
+  assert lines[-1]["uplink_mb_cumulative"] == pytest.approx(
+    lines[-1]["bits_cumulative"] / 8 / 2**20, rel=1e-6
+  )
+  assert lines[1]["bits_cumulative"] == pytest.approx(
+    lines[0]["bits_sent_total"] + lines[1]["bits_sent_total"], rel=1e-6
+  )

@@ -4,15 +4,15 @@ Reference: every candidate ``Δw_τ`` from its own single-τ step on the pooled 
 τ gives the same ``S_τ``), each candidate network scored by a numpy cross-entropy over the held-out clients'
 real samples, the argmin kept.
 """
+
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 
-from ntk_fl import evolve, rng, runner, schema
+from ntk_fl import evolve, rng, schema
 from ntk_fl.config import load_config
-from test_server_ntk import C, MODEL, TAUS, assert_trees_close, one_round, pooled, tiny
+from test_server_ntk import MODEL, TAUS, assert_trees_close, one_round, pooled, tiny
 
 SIZES = (7, 5, 6, 7, 4, 6, 5)
 
@@ -26,16 +26,24 @@ def numpy_ce(logits, labels):
 
 def test_tau_is_the_candidate_best_on_the_held_out_clients():
   config, fed = tiny(sizes=SIZES, select="validation", validation_clients=2)
-  held = np.sort(rng.numpy_rng(config.seed, rng.Stream.VALIDATION_CLIENTS).choice(len(SIZES), 2, replace=False))
-  vx = np.concatenate([fed.x[c, :int(fed.n[c])] for c in held])
-  vy = np.concatenate([fed.y[c, :int(fed.n[c])] for c in held])
-  chosen = set()  # noqa: the choices made (for a failing test's locals)
+  held = np.sort(
+    rng.numpy_rng(config.seed, rng.Stream.VALIDATION_CLIENTS).choice(len(SIZES), 2, replace=False)
+  )
+  vx = np.concatenate([fed.x[c, : int(fed.n[c])] for c in held])
+  vy = np.concatenate([fed.y[c, : int(fed.n[c])] for c in held])
+  chosen = set()  # the choices made (for a failing test's locals)
   for round_index in range(3):
     _, state, inputs, new_state, metrics = one_round(config, fed, round_index)
-    assert not set(np.asarray(inputs.clients).tolist()) & set(held.tolist())   # held-out clients never train
+    assert not set(np.asarray(inputs.clients).tolist()) & set(
+      held.tolist()
+    )  # held-out clients never train
     x, t, m = pooled(fed, inputs.clients)
-    candidates = [evolve.ntk_update(MODEL.apply, state.params, x, t, m, lr=0.5, taus=(tau,),
-                                    dense_stack=MODEL.dense_stack)[0] for tau in TAUS]
+    candidates = [
+      evolve.ntk_update(
+        MODEL.apply, state.params, x, t, m, lr=0.5, taus=(tau,), dense_stack=MODEL.dense_stack
+      )[0]
+      for tau in TAUS
+    ]
     scores = [numpy_ce(MODEL.apply(c, vx), vy) for c in candidates]
     best = int(np.argmin(scores))
     assert int(metrics["tau"]) == TAUS[best]

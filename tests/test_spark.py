@@ -1,7 +1,7 @@
 """SPARK: momentum closed form, schedules, NTK-DFL equivalence, a projected round by brute force, compression."""
+
 from __future__ import annotations
 
-import math
 import pathlib
 
 import jax
@@ -28,7 +28,7 @@ def tiny_setup(*, num_clients=6, n_max=6, variant="", **algo):
   config.algorithm.lr = 0.05
   config.algorithm.taus = (5, 10, 20)
   config.algorithm.distill.warmup_rounds = 1
-  config.algorithm.distill.temp_final = 3.0               # exercise T > 1 (the default holds T at 1)
+  config.algorithm.distill.temp_final = 3.0  # exercise T > 1 (the default holds T at 1)
   for key, value in algo.items():
     block = config.algorithm
     *parents, leaf = key.split("__")
@@ -46,34 +46,54 @@ def test_nesterov_step_equals_the_closed_form():
   mu = 0.9
   tx = spark.momentum_transform(mu)
   rng = np.random.default_rng(0)
-  params = {"a": jnp.asarray(rng.normal(size=(3, 2)), jnp.float32), "b": jnp.asarray(rng.normal(size=4), jnp.float32)}
+  params = {
+    "a": jnp.asarray(rng.normal(size=(3, 2)), jnp.float32),
+    "b": jnp.asarray(rng.normal(size=4), jnp.float32),
+  }
   state = tx.init(params)
   velocity = jax.tree.map(np.zeros_like, params)
   for _ in range(4):
-    wbar = jax.tree.map(lambda p: p + rng.normal(size=p.shape).astype(np.float32), params)   # a consensus step
+    wbar = jax.tree.map(
+      lambda p: p + rng.normal(size=p.shape).astype(np.float32), params
+    )  # a consensus step
     delta = jax.tree.map(lambda p: rng.normal(size=p.shape).astype(np.float32), params)
     params, state = spark.nesterov_step(tx, wbar, delta, state)
-    expected = jax.tree.map(lambda w, d, v: np.asarray(w) + (1 + mu) * d + mu ** 2 * v, wbar, delta, velocity)
+    expected = jax.tree.map(
+      lambda w, d, v: np.asarray(w) + (1 + mu) * d + mu**2 * v, wbar, delta, velocity
+    )
     velocity = jax.tree.map(lambda v, d: mu * v + d, velocity, delta)
     for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(expected)):
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_distillation_schedule_endpoints():
-  kw = dict(warmup_rounds=10, anneal_rounds=30, alpha_init=1.0, alpha_final=0.6, temp_init=1.5, temp_final=3.0)
-  for r in range(10):                                       # rounds k = 1..10: warm-up, hard labels
+  kw = dict(
+    warmup_rounds=10,
+    anneal_rounds=30,
+    alpha_init=1.0,
+    alpha_final=0.6,
+    temp_init=1.5,
+    temp_final=3.0,
+  )
+  for r in range(10):  # rounds k = 1..10: warm-up, hard labels
     assert tuple(map(float, spark.distill_schedule(r, **kw))) == (1.0, 1.0)
-  alpha, temp = spark.distill_schedule(29, **kw)            # k = R: p = 1
+  alpha, temp = spark.distill_schedule(29, **kw)  # k = R: p = 1
   np.testing.assert_allclose([alpha, temp], [0.6, 3.0], rtol=1e-6)
-  alpha, temp = spark.distill_schedule(19, **kw)            # k = 20: p = 1/2, cosine midpoint
+  alpha, temp = spark.distill_schedule(19, **kw)  # k = 20: p = 1/2, cosine midpoint
   np.testing.assert_allclose([alpha, temp], [0.8, 2.25], rtol=1e-6)
-  alpha, temp = spark.distill_schedule(10, **kw)            # k = 11: p = 1/20
-  np.testing.assert_allclose([alpha, temp], [0.6 + 0.2 * (1 + np.cos(np.pi / 20)), 1.5 + 1.5 / 20], rtol=1e-6)
-  np.testing.assert_allclose(spark.distill_schedule(40, **kw), [0.6, 3.0], rtol=1e-6)   # clipped after R
+  alpha, temp = spark.distill_schedule(10, **kw)  # k = 11: p = 1/20
+  np.testing.assert_allclose(
+    [alpha, temp], [0.6 + 0.2 * (1 + np.cos(np.pi / 20)), 1.5 + 1.5 / 20], rtol=1e-6
+  )
+  np.testing.assert_allclose(
+    spark.distill_schedule(40, **kw), [0.6, 3.0], rtol=1e-6
+  )  # clipped after R
   logits = jnp.asarray([[2.0, 0.0, -1.0]])
   hard = jnp.asarray([[0.0, 1.0, 0.0]])
   soft = np.exp(np.array([2.0, 0.0, -1.0]) / 2) / np.exp(np.array([2.0, 0.0, -1.0]) / 2).sum()
-  np.testing.assert_allclose(spark.distill_targets(logits, hard, 0.7, 2.0)[0], 0.7 * hard[0] + 0.3 * soft, rtol=1e-6)
+  np.testing.assert_allclose(
+    spark.distill_targets(logits, hard, 0.7, 2.0)[0], 0.7 * hard[0] + 0.3 * soft, rtol=1e-6
+  )
 
 
 @pytest.mark.parametrize("jacobian", ["implicit", "explicit"])
@@ -83,8 +103,13 @@ def test_without_momentum_and_distillation_spark_is_ntk_dfl(jacobian):
   config.model.init = "per_client"
   base = load_config(str(REPO / "configs" / "ntk_dfl.py"))
   base.data, base.model, base.topology, base.seed, base.chunk_size, base.rounds = (
-      config.data, config.model, config.topology, config.seed,
-                                                                       config.chunk_size, config.rounds)
+    config.data,
+    config.model,
+    config.topology,
+    config.seed,
+    config.chunk_size,
+    config.rounds,
+  )
   for key in ("lr", "lr_decay", "taus"):
     base.algorithm[key] = config.algorithm[key]
   a = runner.make_algorithm(config, model, federation)
@@ -106,18 +131,27 @@ def reference_round(config, model, federation, state, inputs, plan, mats):
   algo = config.algorithm
   taus = tuple(algo.taus)
   mu = algo.momentum
-  alpha, temp = spark.distill_schedule(int(inputs.round), warmup_rounds=algo.distill.warmup_rounds,
-                                       anneal_rounds=config.rounds, alpha_init=algo.distill.alpha_init,
-                                       alpha_final=algo.distill.alpha_final, temp_init=algo.distill.temp_init,
-                                       temp_final=algo.distill.temp_final)
+  alpha, temp = spark.distill_schedule(
+    int(inputs.round),
+    warmup_rounds=algo.distill.warmup_rounds,
+    anneal_rounds=config.rounds,
+    alpha_init=algo.distill.alpha_init,
+    alpha_final=algo.distill.alpha_final,
+    temp_init=algo.distill.temp_init,
+    temp_final=algo.distill.temp_final,
+  )
   p = np.asarray(projection.dense_matrix(plan, mats), np.float64)
   wbars = topology.mix(state.params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
-  velocities = -np.stack([np.asarray(ravel_pytree(jax.tree.map(lambda leaf: leaf[i], state.momentum[0].trace))[0])
-                          for i in range(federation.n.shape[0])])
-  if algo.velocity == "mixed":                              # v̄_i = s_i v_i + Σ_k a_ik v_{n_ik}
-    velocities = (np.asarray(inputs.self_weight)[:, None] * velocities
-                  + np.einsum("ik,ikp->ip", np.asarray(inputs.neighbor_weights),
-                              velocities[np.asarray(inputs.neighbors)]))
+  velocities = -np.stack(
+    [
+      np.asarray(ravel_pytree(jax.tree.map(lambda leaf: leaf[i], state.momentum[0].trace))[0])
+      for i in range(federation.n.shape[0])
+    ]
+  )
+  if algo.velocity == "mixed":  # v̄_i = s_i v_i + Σ_k a_ik v_{n_ik}
+    velocities = np.asarray(inputs.self_weight)[:, None] * velocities + np.einsum(
+      "ik,ikp->ip", np.asarray(inputs.neighbor_weights), velocities[np.asarray(inputs.neighbors)]
+    )
   new = []
   for i in range(federation.n.shape[0]):
     members = [i] + [int(j) for j, m in zip(inputs.neighbors[i], inputs.neighbor_mask[i]) if m]
@@ -126,30 +160,44 @@ def reference_round(config, model, federation, state, inputs, plan, mats):
     wbar = jax.tree.map(lambda leaf: leaf[i], wbars)
     flat, unravel = ravel_pytree(wbar)
     f0 = model.apply(wbar, x)
-    jac = np.asarray(jax.jacrev(lambda w: model.apply(unravel(w), x))(flat), np.float64)   # [N, C, d]
-    jt = jac @ p                                                                             # J̃ = J P
+    jac = np.asarray(
+      jax.jacrev(lambda w: model.apply(unravel(w), x))(flat), np.float64
+    )  # [N, C, d]
+    jt = jac @ p  # J̃ = J P
     kernel = np.einsum("icp,jcp->ij", jt, jt) / 3
     soft = np.asarray(jax.nn.softmax(f0 / temp))
     targets = float(alpha) * np.asarray(hard) + (1 - float(alpha)) * soft
-    evo = evolve.evolve(jnp.asarray(kernel, jnp.float32), f0, jnp.asarray(targets, jnp.float32),
-                        jnp.ones(len(x), bool), lr=algo.lr, taus=taus)
+    evo = evolve.evolve(
+      jnp.asarray(kernel, jnp.float32),
+      f0,
+      jnp.asarray(targets, jnp.float32),
+      jnp.ones(len(x), bool),
+      lr=algo.lr,
+      taus=taus,
+    )
     n = len(x)
     v_old = velocities[i]
     losses, deltas = [], []
     for t in range(len(taus)):
-      dw = p @ (-(algo.lr / n) * np.einsum("icp,ic->p", jt, np.asarray(evo.residual_sums[t], np.float64)))
-      scored = flat + (1 + mu) * dw + mu ** 2 * v_old if algo.select_momentum else flat + dw
+      dw = p @ (
+        -(algo.lr / n) * np.einsum("icp,ic->p", jt, np.asarray(evo.residual_sums[t], np.float64))
+      )
+      scored = flat + (1 + mu) * dw + mu**2 * v_old if algo.select_momentum else flat + dw
       logits = model.apply(unravel(jnp.asarray(scored, jnp.float32)), x)
       losses.append(float(evolve.mean_loss(logits, hard, jnp.ones(n, bool))))
       deltas.append(dw)
     dw = deltas[int(np.argmin(losses))]
-    new.append(np.asarray(flat) + (1 + mu) * dw + mu ** 2 * v_old)
+    new.append(np.asarray(flat) + (1 + mu) * dw + mu**2 * v_old)
   return np.stack(new)
 
 
-@pytest.mark.parametrize("projected_kernel,select_momentum,velocity,lr", [
-    ("structured", False, "local", 0.05), ("generic", True, "mixed", 0.5)])
-def test_projected_round_equals_brute_force_reference(projected_kernel, select_momentum, velocity, lr):
+@pytest.mark.parametrize(
+  "projected_kernel,select_momentum,velocity,lr",
+  [("structured", False, "local", 0.05), ("generic", True, "mixed", 0.5)],
+)
+def test_projected_round_equals_brute_force_reference(
+  projected_kernel, select_momentum, velocity, lr
+):
   """Layer-wise sketch + momentum + distillation, against explicit Jacobians and the dense P (rounds 1-2).
 
   k_proj = 3 sketches dense_0 (kernel and bias) and dense_1's kernel; 'structured' is the factorised kernel
@@ -157,20 +205,29 @@ def test_projected_round_equals_brute_force_reference(projected_kernel, select_m
   scores τ on the post-momentum network and averages the velocities with the weights; at lr 0.5 that changes
   the chosen τ of some clients (checked when the test was written: up to 1.1 in the weights vs plain selection).
   """
-  config, model, federation = tiny_setup(projection__scheme="layerwise", projection__k_proj=3,
-                                         projected_kernel=projected_kernel, select_momentum=select_momentum,
-                                         velocity=velocity, lr=lr)
+  config, model, federation = tiny_setup(
+    projection__scheme="layerwise",
+    projection__k_proj=3,
+    projected_kernel=projected_kernel,
+    select_momentum=select_momentum,
+    velocity=velocity,
+    lr=lr,
+  )
   algorithm = runner.make_algorithm(config, model, federation)
   template = jax.eval_shape(model.init, jax.random.key(0))
   plan = projection.make_plan(template, "layerwise", 3)
   mats = projection.sample_matrices(plan, config.seed)
   state = algorithm.init(jax.random.key(0))
-  for r in range(2):                                        # round 2 has α < 1, T > 1 and a non-zero velocity
+  for r in range(2):  # round 2 has α < 1, T > 1 and a non-zero velocity
     inputs = algorithm.round_inputs(r)
     expected = reference_round(config, model, federation, state, inputs, plan, mats)
     state, metrics = algorithm.step(state, inputs)
-    got = np.stack([np.asarray(ravel_pytree(jax.tree.map(lambda leaf: leaf[i], state.params))[0])
-                    for i in range(federation.n.shape[0])])
+    got = np.stack(
+      [
+        np.asarray(ravel_pytree(jax.tree.map(lambda leaf: leaf[i], state.params))[0])
+        for i in range(federation.n.shape[0])
+      ]
+    )
     np.testing.assert_allclose(got, expected, rtol=2e-3, atol=2e-4)
   assert float(metrics["alpha"]) < 1 and float(metrics["temperature"]) > 1
 
@@ -178,7 +235,9 @@ def test_projected_round_equals_brute_force_reference(projected_kernel, select_m
 def test_explicit_and_matrix_free_sketched_paths_agree():
   outputs = []
   for mode in ("implicit", "explicit"):
-    config, model, federation = tiny_setup(projection__scheme="flattened", projection__k_proj=8, jacobian=mode)
+    config, model, federation = tiny_setup(
+      projection__scheme="flattened", projection__k_proj=8, jacobian=mode
+    )
     algorithm = runner.make_algorithm(config, model, federation)
     state = algorithm.init(jax.random.key(0))
     for r in range(2):
@@ -194,8 +253,14 @@ def test_one_update_per_clique_equals_every_member_evolving():
   given to every member, == each member evolving its own neighbourhood (rounds 1-3)."""
   runs = []
   for share in (True, False):
-    config, model, federation = tiny_setup(num_clients=7, share_cliques=share, projection__scheme="flattened",
-                                           projection__k_proj=8, compression__keep_fraction=0.5, subsample=2)
+    config, model, federation = tiny_setup(
+      num_clients=7,
+      share_cliques=share,
+      projection__scheme="flattened",
+      projection__k_proj=8,
+      compression__keep_fraction=0.5,
+      subsample=2,
+    )
     config.topology.name, config.topology.cluster_size = "clustered", 3
     algorithm = runner.make_algorithm(config, model, federation)
     state, taus = algorithm.init(jax.random.key(0)), []
@@ -209,15 +274,25 @@ def test_one_update_per_clique_equals_every_member_evolving():
   for x, y in zip(jax.tree.leaves(shared), jax.tree.leaves(own)):
     np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
   graph = algorithm.round_inputs(0)
-  assert len({tuple(sorted({i, *np.asarray(graph.neighbors[i]).tolist()})) for i in range(7)}) == 2   # 2 cliques
+  assert (
+    len({tuple(sorted({i, *np.asarray(graph.neighbors[i]).tolist()})) for i in range(7)}) == 2
+  )  # 2 cliques
 
 
 def test_clique_sharing_needs_the_clustered_topology_and_plain_selection():
   config, model, federation = tiny_setup()
-  graphs = schema.validate_config(config).built_topology           # a regular graph: no cliques to share
+  graphs = schema.validate_config(config).built_topology  # a regular graph: no cliques to share
   with pytest.raises(ValueError, match="topology.name='clustered'"):
-    ntk_dfl.make_neighbourhood_round(model, federation, graphs, seed=config.seed, lr=0.1, lr_decay=0.0,
-                                     per_round_averaging=True, share_cliques=True)
+    ntk_dfl.make_neighbourhood_round(
+      model,
+      federation,
+      graphs,
+      seed=config.seed,
+      lr=0.1,
+      lr_decay=0.0,
+      per_round_averaging=True,
+      share_cliques=True,
+    )
   config.topology.name, config.algorithm.select_momentum = "clustered", True
   with pytest.raises(ValueError, match="share_cliques=False"):
     schema.validate_config(config)
@@ -227,15 +302,18 @@ def test_clique_sharing_needs_the_clustered_topology_and_plain_selection():
 
 def test_package_compression_keeps_top_k_and_quantises():
   rng = np.random.default_rng(0)
-  leaf = jnp.asarray(rng.normal(size=(12, 3, 5)), jnp.float32)        # 3 senders x 4 rows
+  leaf = jnp.asarray(rng.normal(size=(12, 3, 5)), jnp.float32)  # 3 senders x 4 rows
   mask = jnp.asarray([True] * 10 + [False] * 2)
   (out,) = compression.compress_packages((leaf,), mask, 3, 0.5, 6, count_real_rows=False)
-  out, ref = np.asarray(out).reshape(3, 4, 3, 5), np.asarray(jnp.where(mask[:, None, None], leaf, 0)).reshape(3, 4, 3, 5)
+  out, ref = (
+    np.asarray(out).reshape(3, 4, 3, 5),
+    np.asarray(jnp.where(mask[:, None, None], leaf, 0)).reshape(3, 4, 3, 5),
+  )
   for s in range(3):
     kept = out[s] != 0
     assert kept.sum() == compression.num_kept(60, 0.5)
     threshold = np.sort(np.abs(ref[s]).ravel())[-kept.sum()]
-    assert np.all(np.abs(ref[s][kept]) >= threshold - 1e-6)             # the largest magnitudes survive
+    assert np.all(np.abs(ref[s][kept]) >= threshold - 1e-6)  # the largest magnitudes survive
     step = (ref[s].max() - ref[s].min()) / 63
     assert np.all(np.abs(out[s][kept] - ref[s][kept]) <= step / 2 + 1e-6)
 
@@ -249,21 +327,32 @@ def test_spark_package_and_round_bits_by_hand():
   _, metrics = algorithm.step(algorithm.init(jax.random.key(0)), algorithm.round_inputs(0))
   d = sum(leaf.size for leaf in jax.tree.leaves(experiment.model.init(jax.random.key(0))))
   n = np.asarray(experiment.federation.n, np.float64)
-  package = n * 10 * d * 32 + n * 10 * 32 + n * 4                     # Jacobian, function values, 4-bit labels
+  package = n * 10 * d * 32 + n * 10 * 32 + n * 4  # Jacobian, function values, 4-bit labels
   kappa = np.asarray(algorithm.round_inputs(0).neighbor_mask).sum(axis=1)
   expected = kappa * (2 * d * 32 + package)
-  np.testing.assert_allclose(np.asarray(metrics["bits_sent"]), expected, rtol=1e-6)   # float32 metrics
+  np.testing.assert_allclose(
+    np.asarray(metrics["bits_sent"]), expected, rtol=1e-6
+  )  # float32 metrics
   np.testing.assert_allclose(float(metrics["bits_cumulative"]), expected.sum(), rtol=1e-6)
 
 
-@pytest.mark.parametrize("field, value, match", [
-    ("momentum", 1.0, "momentum"), ("kernel", "diag", "kernel"), ("jacobian", "dense", "jacobian"),
-    ("distill__warmup_rounds", 40, "anneal"), ("distill__alpha_final", 1.5, "alpha_final"),
-    ("distill__temp_final", 0.5, "temp_final"), ("projection__scheme", "srht", "scheme"),
-    ("compression__keep_fraction", 0.0, "keep_fraction"), ("compression__bits", 40, "bits"),
-    ("lr_boost__rounds", (0,), "lr_boost"), ("projected_kernel", "fast", "projected_kernel"),
+@pytest.mark.parametrize(
+  "field, value, match",
+  [
+    ("momentum", 1.0, "momentum"),
+    ("kernel", "diag", "kernel"),
+    ("jacobian", "dense", "jacobian"),
+    ("distill__warmup_rounds", 40, "anneal"),
+    ("distill__alpha_final", 1.5, "alpha_final"),
+    ("distill__temp_final", 0.5, "temp_final"),
+    ("projection__scheme", "srht", "scheme"),
+    ("compression__keep_fraction", 0.0, "keep_fraction"),
+    ("compression__bits", 40, "bits"),
+    ("lr_boost__rounds", (0,), "lr_boost"),
+    ("projected_kernel", "fast", "projected_kernel"),
     ("velocity", "shared", "velocity"),
-])
+  ],
+)
 def test_validate_config_rejects_bad_values(field, value, match):
   config = load_config(str(REPO / "configs" / "spark.py"))
   block = config.algorithm
@@ -278,7 +367,7 @@ def test_validate_config_rejects_bad_values(field, value, match):
 def test_structured_flattened_sketch_needs_explicit_jacobians():
   config = load_config(str(REPO / "configs" / "spark.py"), "flat10000")
   config.algorithm.projected_kernel = "structured"
-  schema.validate_config(config)                        # J̃ from the dense stack's factors
+  schema.validate_config(config)  # J̃ from the dense stack's factors
   config.algorithm.jacobian = "implicit"
   with pytest.raises(ValueError, match="no per-layer factorisation"):
     schema.validate_config(config)
@@ -290,8 +379,9 @@ def test_flattened_sketch_from_factors_equals_the_lifted_network(compression):
   (projected_kernel='auto') == per-sample Jacobians of g(u) = f(w̄ + P u) ('generic'), over two rounds."""
   outputs = []
   for kernel in ("auto", "generic"):
-    config, model, federation = tiny_setup(projection__scheme="flattened", projection__k_proj=8,
-                                           projected_kernel=kernel, **compression)
+    config, model, federation = tiny_setup(
+      projection__scheme="flattened", projection__k_proj=8, projected_kernel=kernel, **compression
+    )
     algorithm = runner.make_algorithm(config, model, federation)
     state = algorithm.init(jax.random.key(0))
     for r in range(2):
@@ -316,12 +406,20 @@ def test_config_variants():
   assert cfg("iid,abl_momentum").algorithm.distill.enabled is False
   assert cfg("abl_distill").algorithm.momentum == 0.0
   stack = cfg("full_stack")
-  assert (stack.algorithm.projection.scheme, stack.algorithm.projection.k_proj, stack.algorithm.compression.bits,
-          stack.algorithm.compression.keep_fraction, stack.algorithm.subsample, stack.topology.name) == (
-              "flattened", 10_000, 6, 0.5, 5, "clustered")
+  assert (
+    stack.algorithm.projection.scheme,
+    stack.algorithm.projection.k_proj,
+    stack.algorithm.compression.bits,
+    stack.algorithm.compression.keep_fraction,
+    stack.algorithm.subsample,
+    stack.topology.name,
+  ) == ("flattened", 10_000, 6, 0.5, 5, "clustered")
   assert cfg("proj750").algorithm.projection.k_proj == 750
   assert tuple(cfg("cyclic_lr").algorithm.lr_boost.rounds) == (10, 20)
-  assert (cfg(None).algorithm.distill.temp_final, cfg("temp3").algorithm.distill.temp_final) == (1.0, 3.0)
+  assert (cfg(None).algorithm.distill.temp_final, cfg("temp3").algorithm.distill.temp_final) == (
+    1.0,
+    3.0,
+  )
   with pytest.raises(ValueError, match="unknown config variant"):
     cfg("proj600")
 
@@ -339,7 +437,7 @@ def test_smoke_variant_runs_through_the_runner_and_learns(tmp_path):
   from ntk_fl import runner
 
   summary = runner.run(load_config(str(REPO / "configs" / "spark.py"), "smoke"), str(tmp_path))
-  assert summary["final_test_acc"] > 0.5                    # chance is 0.1
+  assert summary["final_test_acc"] > 0.5  # chance is 0.1
   lines = rundir.read_metrics(str(tmp_path))
   assert [line["round"] for line in lines] == [1, 2, 3, 4]
   assert lines[-1]["bits_cumulative"] > lines[0]["bits_cumulative"] > 0
@@ -354,7 +452,7 @@ def _json_config(variant: str, **algo) -> dict:
 
 def test_shared_rounds_are_the_warm_up_of_rows_that_differ_only_in_distillation():
   spark_iid, momentum_only = _json_config("iid"), _json_config("iid,abl_momentum")
-  assert spark.shared_rounds(spark_iid, momentum_only) == 10              # R_warm: hard labels in both
+  assert spark.shared_rounds(spark_iid, momentum_only) == 10  # R_warm: hard labels in both
   assert spark.shared_rounds(_json_config("iid,abl_none"), _json_config("iid,abl_distill")) == 10
   assert spark.shared_rounds(spark_iid, _json_config("iid,temp3")) == 10  # T departs after warm-up
   assert spark.shared_rounds(spark_iid, _json_config("iid", warmup_rounds=4)) == 4
@@ -368,10 +466,12 @@ def test_shared_rounds_are_the_warm_up_of_rows_that_differ_only_in_distillation(
 
 
 def _smoke(variant: str, **overrides):
-  config = load_config(str(REPO / "configs" / "spark.py"), f"smoke,{variant}" if variant else "smoke")
+  config = load_config(
+    str(REPO / "configs" / "spark.py"), f"smoke,{variant}" if variant else "smoke"
+  )
   config.algorithm.distill.warmup_rounds = 2
   config.checkpoint_every = 2
-  config.eval.selection = False   # final-only and unrelated to branching; saves ≈ 5 s per run
+  config.eval.selection = False  # final-only and unrelated to branching; saves ≈ 5 s per run
   for key, value in overrides.items():
     config[key] = value
   return config
@@ -384,25 +484,33 @@ def test_ablation_row_branched_after_the_warm_up_equals_its_run_from_scratch(tmp
   summary = runner.run(_smoke("abl_momentum"), branched, branch_from=source)
   runner.run(_smoke("abl_momentum"), scratch)
   assert summary["branched_from"] == {"source": source, "round": 2}
-  numbers = lambda line: {k: v for k, v in line.items() if k not in ("step_time", "eval_time", "clients")}
+  numbers = lambda line: {
+    k: v for k, v in line.items() if k not in ("step_time", "eval_time", "clients")
+  }
   got, want, spark_lines = (rundir.read_metrics(d) for d in (branched, scratch, source))
   assert [line["round"] for line in got] == [1, 2, 3, 4]
   for g, w in zip(got, want):
     assert numbers(g).keys() == numbers(w).keys()
     for key in numbers(w):
-      np.testing.assert_allclose(g[key], w[key], rtol=2e-5, atol=1e-6, err_msg=f"round {w['round']} {key}")
+      np.testing.assert_allclose(
+        g[key], w[key], rtol=2e-5, atol=1e-6, err_msg=f"round {w['round']} {key}"
+      )
   # The check can fail: after the warm-up SPARK's soft targets make round 3 differ from momentum only.
   assert abs(spark_lines[2]["loss_mean"] - want[2]["loss_mean"]) > 1e-4
 
 
 def test_branch_refusals_name_the_reason(tmp_path):
   source = str(tmp_path / "spark")
-  runner.run(_smoke("", rounds=3), source)      # checkpoints after rounds 2 and 3
-  with pytest.raises(ValueError, match=r"differs \(.*algorithm.momentum: 0.9 -> 0.0.*does not certify"):
+  runner.run(_smoke("", rounds=3), source)  # checkpoints after rounds 2 and 3
+  with pytest.raises(
+    ValueError, match=r"differs \(.*algorithm.momentum: 0.9 -> 0.0.*does not certify"
+  ):
     runner.run(_smoke("abl_none"), str(tmp_path / "a"), branch_from=source)
   with pytest.raises(ValueError, match=r"after round 3: the two configs compute only rounds 1..2"):
     rundir.check_branch(_smoke("abl_momentum"), source, 3)
-  with pytest.raises(FileNotFoundError, match=r"no finalised checkpoint for it \(checkpoints after rounds \[2, 3\]\)"):
+  with pytest.raises(
+    FileNotFoundError, match=r"no finalised checkpoint for it \(checkpoints after rounds \[2, 3\]\)"
+  ):
     rundir.check_branch(_smoke("abl_momentum"), source, 1)
   with pytest.raises(ValueError, match="exclude each other"):
     runner.run(_smoke("abl_momentum"), source, resume=True, branch_from=source)
@@ -410,6 +518,6 @@ def test_branch_refusals_name_the_reason(tmp_path):
     runner.run(_smoke("abl_momentum"), str(tmp_path / "b"), branch_round=2)
   with pytest.raises(FileNotFoundError, match="cannot branch"):
     rundir.check_branch(_smoke("abl_momentum"), str(tmp_path / "nothing"))
-  assert rundir.check_branch(_smoke("abl_momentum"), source) == 2          # not 3: past the warm-up
+  assert rundir.check_branch(_smoke("abl_momentum"), source) == 2  # not 3: past the warm-up
   # SPARK itself with more rounds anneals more slowly after the warm-up: again only the warm-up is shared.
   assert rundir.check_branch(_smoke("", rounds=4), source) == 2

@@ -6,6 +6,7 @@ member's own consensus weights, the traced kernel ``(1/C) J Jᵀ`` and the cross
 hard-label cross-entropy at ``w̄_i + Δw_τ``; no momentum and hard targets (distillation off), so the update
 is ``w ← w̄_i + Δw_τ*``.
 """
+
 from __future__ import annotations
 
 import jax
@@ -20,14 +21,21 @@ from test_spark import tiny_setup
 
 def reference_option_b(model, federation, params, inputs, lr, taus):
   num_clients = federation.n.shape[0]
-  clients = [jax.tree.map(lambda leaf: np.asarray(leaf[i], np.float64), params) for i in range(num_clients)]
+  clients = [
+    jax.tree.map(lambda leaf: np.asarray(leaf[i], np.float64), params) for i in range(num_clients)
+  ]
   wbars = []
   for i in range(num_clients):
     nbrs = [int(j) for j, m in zip(inputs.neighbors[i], inputs.neighbor_mask[i]) if m]
-    weights = [float(inputs.self_weight[i])] + [float(w) for w, m in zip(inputs.neighbor_weights[i],
-                                                                          inputs.neighbor_mask[i]) if m]
-    wbars.append(jax.tree.map(lambda *ls: sum(w * l for w, l in zip(weights, ls)),
-                              *([clients[i]] + [clients[j] for j in nbrs])))
+    weights = [float(inputs.self_weight[i])] + [
+      float(w) for w, m in zip(inputs.neighbor_weights[i], inputs.neighbor_mask[i]) if m
+    ]
+    wbars.append(
+      jax.tree.map(
+        lambda *ls: sum(w * l for w, l in zip(weights, ls)),
+        *([clients[i]] + [clients[j] for j in nbrs]),
+      )
+    )
   new, chosen = [], []
   for i in range(num_clients):
     members = [i] + [int(j) for j, m in zip(inputs.neighbors[i], inputs.neighbor_mask[i]) if m]
@@ -36,7 +44,7 @@ def reference_option_b(model, federation, params, inputs, lr, taus):
       w32 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), wbars[j])
       flat, unravel = ravel_pytree(w32)
       xj = np.asarray(federation.x[j][federation.mask[j]])
-      jac = jax.jacrev(lambda v: model.apply(unravel(v), jnp.asarray(xj)))(flat)      # [n, C, d]
+      jac = jax.jacrev(lambda v: model.apply(unravel(v), jnp.asarray(xj)))(flat)  # [n, C, d]
       rows.append(np.asarray(jac, np.float64))
       logits.append(np.asarray(model.apply(w32, jnp.asarray(xj)), np.float64))
       labels.append(np.asarray(federation.y[j][federation.mask[j]]))
@@ -54,7 +62,9 @@ def reference_option_b(model, federation, params, inputs, lr, taus):
       if t in taus:
         sums[t] = s_run.copy()
     flat_bar, unravel = ravel_pytree(jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), wbars[i]))
-    x_all = jnp.asarray(np.concatenate([np.asarray(federation.x[j][federation.mask[j]]) for j in members]))
+    x_all = jnp.asarray(
+      np.concatenate([np.asarray(federation.x[j][federation.mask[j]]) for j in members])
+    )
     best = None
     for t in taus:
       delta = -step * np.einsum("ic,icp->p", sums[t], jac)
@@ -71,8 +81,10 @@ def reference_option_b(model, federation, params, inputs, lr, taus):
 
 
 def test_option_b_round_equals_an_independent_reference():
-  config, model, federation = tiny_setup(momentum=0.0, distill__enabled=False, linearise_at="sender")
-  config.model.init = "per_client"               # distinct consensus weights: the two options differ
+  config, model, federation = tiny_setup(
+    momentum=0.0, distill__enabled=False, linearise_at="sender"
+  )
+  config.model.init = "per_client"  # distinct consensus weights: the two options differ
   config.algorithm.share_cliques = False
   algorithm = runner.make_algorithm(config, model, federation)
   state = algorithm.init(jax.random.key(0))
@@ -93,12 +105,15 @@ def test_option_b_differs_from_option_a_and_broadcasts_one_package():
     algorithm = runner.make_algorithm(config, model, federation)
     inputs = algorithm.round_inputs(0)
     state, metrics = algorithm.step(algorithm.init(jax.random.key(0)), inputs)
-    results[at] = (np.concatenate([np.asarray(l).ravel() for l in jax.tree.leaves(state.params)]),
-                   np.asarray(metrics["bits_sent"]), np.asarray(inputs.neighbor_mask).sum(axis=1))
+    results[at] = (
+      np.concatenate([np.asarray(l).ravel() for l in jax.tree.leaves(state.params)]),
+      np.asarray(metrics["bits_sent"]),
+      np.asarray(inputs.neighbor_mask).sum(axis=1),
+    )
   assert np.max(np.abs(results["receiver"][0] - results["sender"][0])) > 1e-4
   d = 5 * 6 + 6 + 6 * 3 + 3
   kappa = results["sender"][2]
-  package = (results["receiver"][1] - kappa * 2 * d * 32) / kappa      # Option A: κ·(2·d·32 + package)
+  package = (results["receiver"][1] - kappa * 2 * d * 32) / kappa  # Option A: κ·(2·d·32 + package)
   np.testing.assert_allclose(results["sender"][1], kappa * d * 32 + package, rtol=1e-6)
 
 
@@ -110,4 +125,5 @@ def test_option_b_config_checks():
   with pytest.raises(ValueError, match="linearise_at"):
     schema.validate_config(config)
   from ntk_fl.config import load_config
+
   assert load_config("spark", "option_b").algorithm.linearise_at == "sender"

@@ -1,4 +1,5 @@
 """ntk_fl.stats.paired_t_test and experiments/paired_test.py (SPARK Table 3) against closed forms and scipy."""
+
 from __future__ import annotations
 
 import json
@@ -42,12 +43,15 @@ def test_random_pairs_match_scipy_ttest_rel(n):
   assert ours.d_z == pytest.approx(diff.mean() / diff.std(ddof=1), rel=1e-12)
 
 
-@pytest.mark.parametrize("gain, d_z, p, ci", [
-    (1.35, 7.08, 0.0066, (0.88, 1.82)),      # SPARK Table 3, IID (spark.md §3.4 recomputation)
-    (1.36, 27.09, 0.00045, (1.24, 1.48)),    # α = 0.1
-    (1.06, 16.44, 0.0012, (0.90, 1.22)),     # α = 0.3
-    (0.78, 7.72, 0.0056, (0.53, 1.03)),      # α = 0.5
-])
+@pytest.mark.parametrize(
+  "gain, d_z, p, ci",
+  [
+    (1.35, 7.08, 0.0066, (0.88, 1.82)),  # SPARK Table 3, IID (spark.md §3.4 recomputation)
+    (1.36, 27.09, 0.00045, (1.24, 1.48)),  # α = 0.1
+    (1.06, 16.44, 0.0012, (0.90, 1.22)),  # α = 0.3
+    (0.78, 7.72, 0.0056, (0.53, 1.03)),  # α = 0.5
+  ],
+)
 def test_reproduces_spark_table3_from_its_gain_and_effect_size(gain, d_z, p, ci):
   # Three differences with the table's mean and sample sd gain / d_z (sd of [-1, 0, 1] is 1).
   sd = gain / d_z
@@ -65,12 +69,15 @@ def test_identical_differences_have_no_spread():
   assert (null.gain, null.t, null.p) == (0.0, 0.0, 1.0)
 
 
-@pytest.mark.parametrize("treatment, control, kwargs, message", [
+@pytest.mark.parametrize(
+  "treatment, control, kwargs, message",
+  [
     ([1.0, 2.0], [1.0], {}, "equal length"),
     ([1.0], [0.0], {}, r"at least 2 pairs \(the spread of the differences\); got 1"),
     ([1.0, float("nan")], [0.0, 0.0], {}, "non-finite"),
     ([1.0, 2.0], [0.0, 0.0], {"confidence": 1.0}, r"confidence must be in \(0, 1\); got 1.0"),
-])
+  ],
+)
 def test_bad_input_is_named(treatment, control, kwargs, message):
   with pytest.raises(ValueError, match=message):
     stats.paired_t_test(treatment, control, **kwargs)
@@ -78,17 +85,28 @@ def test_bad_input_is_named(treatment, control, kwargs, message):
 
 # experiments/paired_test.py on hand-written workdirs.
 
+
 @pytest.fixture(scope="module")
 def paired_test():
   return load_experiment("paired_test")
 
 
-def _write_run(root, name: str, seed: int, accuracies: list[float], alpha: float | None = 0.1,
-               method: str = "spark") -> str:
+def _write_run(
+  root,
+  name: str,
+  seed: int,
+  accuracies: list[float],
+  alpha: float | None = 0.1,
+  method: str = "spark",
+) -> str:
   workdir = os.path.join(root, name)
   os.makedirs(workdir)
-  data = {"name": "fashion_mnist", "num_clients": 300,
-          "partition": "iid" if alpha is None else "dirichlet_fixed_size", "alpha": alpha or 0.0}
+  data = {
+    "name": "fashion_mnist",
+    "num_clients": 300,
+    "partition": "iid" if alpha is None else "dirichlet_fixed_size",
+    "alpha": alpha or 0.0,
+  }
   with open(os.path.join(workdir, "config.json"), "w") as f:
     json.dump({"method": method, "seed": seed, "data": data, "algorithm": {}}, f)
   with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
@@ -102,13 +120,21 @@ def _read(dirs):
 
 
 def test_pairs_by_split_and_seed_and_tests_each_split(paired_test, tmp_path):
-  method = [_write_run(tmp_path, f"spark_a01_s{s}", s, [0.80, acc]) for s, acc in ((2, 0.868), (0, 0.867), (1, 0.869))]
+  method = [
+    _write_run(tmp_path, f"spark_a01_s{s}", s, [0.80, acc])
+    for s, acc in ((2, 0.868), (0, 0.867), (1, 0.869))
+  ]
   method.append(_write_run(tmp_path, "spark_iid_s0", 0, [0.80, 0.876], alpha=None))
-  baseline = [_write_run(tmp_path, f"ntk_a01_s{s}", s, [0.79, acc], method="ntk_dfl")
-              for s, acc in ((0, 0.854), (1, 0.855), (2, 0.853), (3, 0.850))]          # seed 3 has no partner
+  baseline = [
+    _write_run(tmp_path, f"ntk_a01_s{s}", s, [0.79, acc], method="ntk_dfl")
+    for s, acc in ((0, 0.854), (1, 0.855), (2, 0.853), (3, 0.850))
+  ]  # seed 3 has no partner
   baseline.append(_write_run(tmp_path, "ntk_iid_s0", 0, [0.79, 0.860], alpha=None))
   rows = paired_test.paired_rows(_read(method), _read(baseline), 2)
-  assert [row["setting"] for row in rows] == ["fashion_mnist, 300 clients, α=0.1", "fashion_mnist, 300 clients, IID"]
+  assert [row["setting"] for row in rows] == [
+    "fashion_mnist, 300 clients, α=0.1",
+    "fashion_mnist, 300 clients, IID",
+  ]
   dirichlet, iid = rows
   assert dirichlet["seeds"] == [0, 1, 2]
   np.testing.assert_allclose(dirichlet["method"], [86.7, 86.9, 86.8])
@@ -118,19 +144,31 @@ def test_pairs_by_split_and_seed_and_tests_each_split(paired_test, tmp_path):
   assert dirichlet["test"].p == pytest.approx(reference.pvalue, rel=1e-6)
   assert iid["seeds"] == [0] and iid["test"] is None
   text = paired_test.table(rows, 2).splitlines()
-  assert text[2].startswith("| fashion_mnist, 300 clients, α=0.1 | 0, 1, 2 | 86.70, 86.90, 86.80 | "
-                            "85.40, 85.50, 85.30 | +1.40 | [")
+  assert text[2].startswith(
+    "| fashion_mnist, 300 clients, α=0.1 | 0, 1, 2 | 86.70, 86.90, 86.80 | "
+    "85.40, 85.50, 85.30 | +1.40 | ["
+  )
   assert text[3].endswith("| 87.60 | 86.00 | +1.60 | needs ≥ 2 shared seeds | — | — |")
 
 
 def test_refuses_missing_rounds_duplicates_and_disjoint_sides(paired_test, tmp_path):
-  short = _read([_write_run(tmp_path, "short_s0", 0, [0.8]), _write_run(tmp_path, "short_s1", 1, [0.8])])
-  full = _read([_write_run(tmp_path, "full_s0", 0, [0.8, 0.85]),
-                             _write_run(tmp_path, "full_s1", 1, [0.8, 0.85])])
-  with pytest.raises(ValueError, match=r"short_s0 has no aggregated accuracy for round 2 \(logged through round 1\)"):
+  short = _read(
+    [_write_run(tmp_path, "short_s0", 0, [0.8]), _write_run(tmp_path, "short_s1", 1, [0.8])]
+  )
+  full = _read(
+    [
+      _write_run(tmp_path, "full_s0", 0, [0.8, 0.85]),
+      _write_run(tmp_path, "full_s1", 1, [0.8, 0.85]),
+    ]
+  )
+  with pytest.raises(
+    ValueError, match=r"short_s0 has no aggregated accuracy for round 2 \(logged through round 1\)"
+  ):
     paired_test.paired_rows(short, full, 2)
   twin = _read([_write_run(tmp_path, "twin_s0", 0, [0.8, 0.85])])
-  with pytest.raises(ValueError, match="two --baseline runs for fashion_mnist, 300 clients, α=0.1, seed 0"):
+  with pytest.raises(
+    ValueError, match="two --baseline runs for fashion_mnist, 300 clients, α=0.1, seed 0"
+  ):
     paired_test.paired_rows(short, full + twin, 1)
   other = _read([_write_run(tmp_path, "iid_s0", 0, [0.8], alpha=None)])
   with pytest.raises(ValueError, match="no setting and seed is on both sides"):

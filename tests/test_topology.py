@@ -1,4 +1,5 @@
 """Tests for ntk_fl.topology: graph draws, padding, determinism, mixing weights, spectral gaps."""
+
 from __future__ import annotations
 
 import math
@@ -33,7 +34,7 @@ def _assert_valid_graph(g: T.Graph, m: int, k_max: int):
   assert np.all(np.where(g.mask, True, g.neighbors == own))
   assert not np.any(g.mask & (g.neighbors == own)), "self loop"
   for i in range(m):
-    real = g.neighbors[i, :deg[i]]
+    real = g.neighbors[i, : deg[i]]
     assert np.all(np.diff(real) > 0), "neighbours must be sorted and distinct"
     assert np.all((real >= 0) & (real < m))
   adj = np.zeros((m, m), dtype=bool)
@@ -45,8 +46,12 @@ def _assert_valid_graph(g: T.Graph, m: int, k_max: int):
 
 
 @_SETTINGS
-@given(name=st.sampled_from(T.TOPOLOGIES), m=st.integers(6, 24), seed=st.integers(0, 2**20),
-       round_=st.integers(0, 50))
+@given(
+  name=st.sampled_from(T.TOPOLOGIES),
+  m=st.integers(6, 24),
+  seed=st.integers(0, 2**20),
+  round_=st.integers(0, 50),
+)
 def test_every_topology_yields_valid_padded_graphs(name, m, seed, round_):
   top = _make(name, m, seed)
   assert top.name == name and top.num_clients == m
@@ -78,7 +83,9 @@ def test_ring_and_line_are_a_cycle_and_a_path_over_all_clients():
   line = nx.Graph(T.graph_to_networkx(_make("line", m, 4).sample(2)))
   assert nx.is_connected(ring) and ring.number_of_edges() == m
   assert all(d == 2 for _, d in ring.degree)
-  assert nx.is_tree(line) and max(d for _, d in line.degree) == 2  # a tree of max degree 2 is a path
+  assert (
+    nx.is_tree(line) and max(d for _, d in line.degree) == 2
+  )  # a tree of max degree 2 is a path
   assert sorted(d for _, d in line.degree)[:3] == [1, 1, 2]
 
 
@@ -195,7 +202,9 @@ def test_only_the_clustered_family_declares_cliques():
 # ------------------------------------------------------------------- errors
 
 
-@pytest.mark.parametrize("kwargs,match", [
+@pytest.mark.parametrize(
+  "kwargs,match",
+  [
     (dict(name="regular", num_clients=7, degree=3), r"even, got 7 \* 3 = 21"),
     (dict(name="regular", num_clients=6, degree=6), r"degree must be an int in \[1, 5\], got 6"),
     (dict(name="regular", num_clients=6, degree=0), r"degree must be an int in \[1, 5\], got 0"),
@@ -206,10 +215,14 @@ def test_only_the_clustered_family_declares_cliques():
     (dict(name="erdos_renyi", num_clients=10, p=1.5), r"p must be in \(0, 1\]"),
     (dict(name="erdos_renyi", num_clients=10, mean_degree=12.0), "mean_degree must be <= "),
     (dict(name="ring", num_clients=2), "ring needs num_clients >= 3"),
-    (dict(name="clustered", num_clients=5, cluster_size=6), r"cluster_size must be an int in \[2, 5\]"),
+    (
+      dict(name="clustered", num_clients=5, cluster_size=6),
+      r"cluster_size must be an int in \[2, 5\]",
+    ),
     (dict(name="complete", num_clients=1), "num_clients must be an int >= 2"),
     (dict(name="complete", num_clients=5, seed=-1), "seed must be an int >= 0"),
-])
+  ],
+)
 def test_bad_arguments_raise_early(kwargs, match):
   kwargs.setdefault("seed", 0)
   with pytest.raises(ValueError, match=match):
@@ -218,7 +231,9 @@ def test_bad_arguments_raise_early(kwargs, match):
 
 def test_graph_denser_than_k_max_names_round_degree_and_k_max():
   top = T.make_topology("erdos_renyi", 20, seed=0, p=0.9, k_max=3)
-  with pytest.raises(ValueError, match=r"round 4: drawn graph has a client of degree \d+ > k_max=3"):
+  with pytest.raises(
+    ValueError, match=r"round 4: drawn graph has a client of degree \d+ > k_max=3"
+  ):
     top.sample(4)
 
 
@@ -243,8 +258,12 @@ def test_mixing_argument_errors():
 
 
 @_SETTINGS
-@given(name=st.sampled_from(T.TOPOLOGIES), scheme=st.sampled_from(T.MIXING_SCHEMES),
-       m=st.integers(6, 20), seed=st.integers(0, 1000))
+@given(
+  name=st.sampled_from(T.TOPOLOGIES),
+  scheme=st.sampled_from(T.MIXING_SCHEMES),
+  m=st.integers(6, 20),
+  seed=st.integers(0, 1000),
+)
 def test_mixing_rows_sum_to_one_and_padding_is_zero(name, scheme, m, seed):
   g = _make(name, m, seed).sample(1)
   sizes = np.random.default_rng(seed).integers(1, 50, size=m)
@@ -261,10 +280,17 @@ def test_mixing_rows_sum_to_one_and_padding_is_zero(name, scheme, m, seed):
   np.testing.assert_allclose(w @ v, gathered, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name,scheme", [
-    ("erdos_renyi", "metropolis"), ("line", "metropolis"), ("clustered", "metropolis"),
-    ("regular", "uniform"), ("ring", "uniform"), ("complete", "uniform"),
-])
+@pytest.mark.parametrize(
+  "name,scheme",
+  [
+    ("erdos_renyi", "metropolis"),
+    ("line", "metropolis"),
+    ("clustered", "metropolis"),
+    ("regular", "uniform"),
+    ("ring", "uniform"),
+    ("complete", "uniform"),
+  ],
+)
 def test_doubly_stochastic_schemes_are_symmetric_and_preserve_the_mean(name, scheme):
   m = 21 if name != "regular" else 20
   g = _make(name, m, 7, degree=3, mean_degree=3.0, cluster_size=4).sample(2)
@@ -283,13 +309,15 @@ def test_metropolis_weights_by_hand():
   # Star 0-{1,2,3} plus edge 3-4: deg = [3, 1, 1, 2, 1].
   g = T.graph_from_networkx(nx.Graph([(0, 1), (0, 2), (0, 3), (3, 4)]), 3)
   w = T.mixing_matrix(g, "metropolis").astype(np.float64)
-  expected = np.array([
+  expected = np.array(
+    [
       [1 - 3 / 4, 1 / 4, 1 / 4, 1 / 4, 0],
       [1 / 4, 3 / 4, 0, 0, 0],
       [1 / 4, 0, 3 / 4, 0, 0],
       [1 / 4, 0, 0, 1 - 1 / 4 - 1 / 3, 1 / 3],
       [0, 0, 0, 1 / 3, 2 / 3],
-  ])
+    ]
+  )
   np.testing.assert_allclose(w, expected, atol=1e-7)
 
 
@@ -306,12 +334,14 @@ def test_data_size_weights_match_eq1_by_hand():
   nxg.add_node(3)
   g = T.graph_from_networkx(nxg, 2)
   w = T.mixing_matrix(g, "data_size", np.array([1, 2, 3, 4])).astype(np.float64)
-  expected = np.array([
+  expected = np.array(
+    [
       [1 / 3, 2 / 3, 0, 0],
       [1 / 6, 2 / 6, 3 / 6, 0],
       [0, 2 / 5, 3 / 5, 0],
       [0, 0, 0, 1],
-  ])
+    ]
+  )
   np.testing.assert_allclose(w, expected, atol=1e-7)
   # Equal sizes reduce eq. 1 to the uniform 1 / (deg + 1) average of the authors' code.
   sw_d, nw_d = T.mixing_weights(g, "data_size", np.full(4, 7.0))
@@ -363,31 +393,43 @@ class MixTest(chex.TestCase):
     self_w, nbr_w = T.mixing_weights(graph, "metropolis")
     dense = T.mixing_matrix(graph, "metropolis").astype(np.float64)
     rng = np.random.default_rng(0)
-    w = {"w": rng.normal(size=(10, 4)).astype(np.float32), "b": rng.normal(size=(10,)).astype(np.float32)}
+    w = {
+      "w": rng.normal(size=(10, 4)).astype(np.float32),
+      "b": rng.normal(size=(10,)).astype(np.float32),
+    }
     sent = jax.tree.map(lambda a: (a + rng.normal(size=a.shape) * 0.1).astype(np.float32), w)
     mix = self.variant(T.mix)
     out = mix(w, graph.neighbors, self_w, nbr_w, sent=sent)
     off_diagonal = dense - np.diag(np.diag(dense))
-    want = jax.tree.map(lambda own, s: np.diag(dense).reshape(-1, *(1,) * (own.ndim - 1)) * own
-                        + np.tensordot(off_diagonal, s, axes=1), w, sent)
+    want = jax.tree.map(
+      lambda own, s: (
+        np.diag(dense).reshape(-1, *(1,) * (own.ndim - 1)) * own
+        + np.tensordot(off_diagonal, s, axes=1)
+      ),
+      w,
+      sent,
+    )
     chex.assert_trees_all_close(out, want, rtol=1e-5, atol=1e-6)
     chex.assert_trees_all_equal_shapes_and_dtypes(out, w)
     exact = mix(w, graph.neighbors, self_w, nbr_w)
-    chex.assert_trees_all_close(exact, jax.tree.map(lambda a: np.tensordot(dense, a, axes=1), w),
-                                rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(
+      exact, jax.tree.map(lambda a: np.tensordot(dense, a, axes=1), w), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_mix_checks_shapes_at_the_boundary():
   graph = T.make_topology("regular", 6, seed=0, degree=2).sample(0)
   self_w, nbr_w = T.mixing_weights(graph)
   w = {"w": np.zeros((6, 3), np.float32)}
-  with pytest.raises(AssertionError, match="tree_shape_prefix"):      # 5 clients' params, a 6-client graph
+  with pytest.raises(
+    AssertionError, match="tree_shape_prefix"
+  ):  # 5 clients' params, a 6-client graph
     T.mix({"w": np.zeros((5, 3), np.float32)}, graph.neighbors, self_w, nbr_w)
-  with pytest.raises(AssertionError, match="equal_shapes"):            # what was sent is shaped differently
+  with pytest.raises(AssertionError, match="equal_shapes"):  # what was sent is shaped differently
     T.mix(w, graph.neighbors, self_w, nbr_w, sent={"w": np.zeros((6, 4), np.float32)})
-  with pytest.raises(AssertionError, match=r"assert_shape"):           # weights of another graph
+  with pytest.raises(AssertionError, match=r"assert_shape"):  # weights of another graph
     T.mix(w, graph.neighbors, self_w[:5], nbr_w)
-  with pytest.raises(AssertionError, match=r"assert_type"):            # a float neighbour table
+  with pytest.raises(AssertionError, match=r"assert_type"):  # a float neighbour table
     T.mixing_weights(T.Graph(graph.neighbors.astype(np.float32), graph.mask))
 
 
@@ -395,8 +437,11 @@ def test_mix_does_not_materialise_the_gathered_neighbour_slots():
   # benchmarks/gossip_step.py checks topology.mix against the one-gather formulation it replaced;
   # the slot-by-slot sum must need far less XLA scratch than the [M, k, 784, 100] gather of the first layer.
   from scripts import load_benchmark  # pylint: disable=import-outside-toplevel
+
   clients, degree = 12, 3
-  result = load_benchmark("gossip_step").main([f"--clients={clients}", f"--degree={degree}", "--repeats=1"])
+  result = load_benchmark("gossip_step").main(
+    [f"--clients={clients}", f"--degree={degree}", "--repeats=1"]
+  )
   gathered_bytes = clients * degree * 784 * 100 * 4
   assert result["before_temp"] >= gathered_bytes
   assert result["after_temp"] < gathered_bytes // 4
@@ -405,34 +450,56 @@ def test_mix_does_not_materialise_the_gathered_neighbour_slots():
 def test_mix_one_is_a_row_of_mix_inside_for_each_client():
   """Each client's average formed in its own chunk (mix_one under for_each_client) equals mix's row."""
   from ntk_fl import parallel  # pylint: disable=import-outside-toplevel
-  graph = T.make_topology("erdos_renyi", 9, seed=3, mean_degree=3).sample(2)   # ragged degrees: padded slots
+
+  graph = T.make_topology("erdos_renyi", 9, seed=3, mean_degree=3).sample(
+    2
+  )  # ragged degrees: padded slots
   sizes = np.arange(1, 10, dtype=np.float32)
   self_w, nbr_w = T.mixing_weights(graph, "data_size", sizes)
   rng = np.random.default_rng(0)
-  w = {"a": rng.normal(size=(9, 4, 3)).astype(np.float32), "b": rng.normal(size=(9,)).astype(np.float32)}
+  w = {
+    "a": rng.normal(size=(9, 4, 3)).astype(np.float32),
+    "b": rng.normal(size=(9,)).astype(np.float32),
+  }
   want = T.mix(w, graph.neighbors, self_w, nbr_w)
   one = lambda own, nbrs, s, a: T.mix_one(w, own, nbrs, s, a)
   for chunk in (None, 2):
-    got = jax.jit(parallel.for_each_client(one, chunk_size=chunk))(w, graph.neighbors, self_w, nbr_w)
+    got = jax.jit(parallel.for_each_client(one, chunk_size=chunk))(
+      w, graph.neighbors, self_w, nbr_w
+    )
     chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)
   # and against the definition, client by client
   for i in range(9):
-    expected = jax.tree.map(lambda a: self_w[i] * a[i] + sum(nbr_w[i, k] * a[graph.neighbors[i, k]]
-                                                             for k in range(graph.neighbors.shape[1])), w)
+    expected = jax.tree.map(
+      lambda a: (
+        self_w[i] * a[i]
+        + sum(nbr_w[i, k] * a[graph.neighbors[i, k]] for k in range(graph.neighbors.shape[1]))
+      ),
+      w,
+    )
     chex.assert_trees_all_close(jax.tree.map(lambda a: a[i], want), expected, rtol=1e-6, atol=1e-7)
 
 
 def test_mix_and_mix_one_use_every_neighbour_slot():
   """A graph whose clients fill all their slots (a 3-regular graph: no padding), so the last slot counts."""
   from ntk_fl import parallel  # pylint: disable=import-outside-toplevel
+
   graph = T.make_topology("regular", 8, seed=1, degree=3).sample(0)
   assert graph.neighbors.shape == (8, 3) and np.asarray(graph.mask).all()
   self_w, nbr_w = T.mixing_weights(graph, "data_size", np.arange(1, 9, dtype=np.float32))
   assert (np.asarray(nbr_w)[:, -1] > 0).all()
   w = {"a": np.random.default_rng(1).normal(size=(8, 5)).astype(np.float32)}
-  expected = {"a": np.stack([self_w[i] * w["a"][i] + sum(nbr_w[i, k] * w["a"][graph.neighbors[i, k]]
-                                                          for k in range(3)) for i in range(8)])}
-  chex.assert_trees_all_close(T.mix(w, graph.neighbors, self_w, nbr_w), expected, rtol=1e-6, atol=1e-7)
+  expected = {
+    "a": np.stack(
+      [
+        self_w[i] * w["a"][i] + sum(nbr_w[i, k] * w["a"][graph.neighbors[i, k]] for k in range(3))
+        for i in range(8)
+      ]
+    )
+  }
+  chex.assert_trees_all_close(
+    T.mix(w, graph.neighbors, self_w, nbr_w), expected, rtol=1e-6, atol=1e-7
+  )
   one = lambda own, nbrs, s, a: T.mix_one(w, own, nbrs, s, a)
   got = jax.jit(parallel.for_each_client(one, chunk_size=None))(w, graph.neighbors, self_w, nbr_w)
   chex.assert_trees_all_close(got, expected, rtol=1e-6, atol=1e-7)

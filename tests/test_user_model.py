@@ -5,6 +5,7 @@
   on unflattened images, ``per_sample`` as the config says; an NTK method runs a round with it.
 * A run directory naming a module does not import it when read.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,6 @@ import textwrap
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -87,24 +87,32 @@ def test_schema_probes_the_factory_with_the_dataset_input(module_file):
   assert seen[-1] == ((28, 28, 1), 10)
 
 
-@pytest.mark.parametrize("attr, message", [
+@pytest.mark.parametrize(
+  "attr, message",
+  [
     ("nope", "has no attribute 'nope'"),
     ("NUMBER", "'NUMBER' is a int, not a function returning a flax module"),
     ("not_a_module", "the factory returned a str, not a flax.linen.Module"),
     ("wrong_head", "must return logits [B, 10], got (1, 11)"),
-])
+  ],
+)
 def test_a_bad_factory_is_named(module_file, attr, message):
-  with pytest.raises(ValueError, match="config.model.module = .*" + __import__("re").escape(message)):
+  with pytest.raises(
+    ValueError, match="config.model.module = .*" + __import__("re").escape(message)
+  ):
     schema.validate_config(_config(f"{module_file}:{attr}"))
 
 
-@pytest.mark.parametrize("spec, message", [
+@pytest.mark.parametrize(
+  "spec, message",
+  [
     ("no_such_module_xyz:make", "module 'no_such_module_xyz' could not be imported"),
     ("/no/such/file.py:make", "could not be imported: no such file"),
     ("just_a_module", "must have the form 'package.module:factory'"),
     ("a:b:c", "must have the form"),
     ("mod:", "must have the form"),
-])
+  ],
+)
 def test_a_bad_spec_is_named(spec, message):
   with pytest.raises(ValueError, match=message):
     schema.validate_config(_config(spec))
@@ -129,8 +137,12 @@ def test_make_model_builds_the_users_module(module_file):
   x = jax.random.normal(jax.random.key(2), (3, 28, 28, 1))
   np.testing.assert_allclose(model.apply(params, x), module.apply(params, x), rtol=1e-6)
   assert isinstance(module, nn.Module)
-  assert models.make_model(schema.validate_config(_config(f"{module_file}:make")).model, (28, 28, 1),
-                           10).per_sample is False
+  assert (
+    models.make_model(
+      schema.validate_config(_config(f"{module_file}:make")).model, (28, 28, 1), 10
+    ).per_sample
+    is False
+  )
 
 
 def test_an_ntk_round_runs_with_the_users_module(module_file, tmp_path):

@@ -6,6 +6,7 @@ exactly), then averages uniformly with its neighbours on the configured
 topology (a static ring in ``tests/configs/toy.py``). Importing this module
 registers it; configs name it through ``config.method_module``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,7 +45,9 @@ class ToyHParams:
       raise ValueError(f"config.algorithm.lr must be a float > 0, got {self.lr!r}")
 
 
-def make(model: models.Model, federation, topo: topology.Topology, hparams: ToyHParams, run) -> Algorithm:
+def make(
+  model: models.Model, federation, topo: topology.Topology, hparams: ToyHParams, run
+) -> Algorithm:
   num_clients = federation.x.shape[0]
   x, y, mask = (jnp.asarray(a) for a in (federation.x, federation.y, federation.mask))
 
@@ -54,8 +57,10 @@ def make(model: models.Model, federation, topo: topology.Topology, hparams: ToyH
   def round_inputs(r: int) -> ToyInputs:
     graph = topo.sample(r)
     self_w, nbr_w = topology.mixing_weights(graph, run.topology.mixing)
-    lr = np.float32(hparams.lr * 0.9 ** r)
-    return ToyInputs(graph.neighbors, self_w, nbr_w, lr, jax.random.fold_in(jax.random.PRNGKey(run.seed), r))
+    lr = np.float32(hparams.lr * 0.9**r)
+    return ToyInputs(
+      graph.neighbors, self_w, nbr_w, lr, jax.random.fold_in(jax.random.PRNGKey(run.seed), r)
+    )
 
   def local(params, x, y, mask, key, lr):
     keep = mask & jax.random.bernoulli(key, 0.8, mask.shape)
@@ -71,8 +76,7 @@ def make(model: models.Model, federation, topo: topology.Topology, hparams: ToyH
   def step(state: ToyState, inputs: ToyInputs):
     keys = jax.random.split(inputs.key, num_clients)
     lr = jnp.broadcast_to(inputs.lr, (num_clients,))
-    params, loss, kept = for_each_client(local)(
-        state.params, x, y, mask, keys, lr)
+    params, loss, kept = for_each_client(local)(state.params, x, y, mask, keys, lr)
 
     def mix(w):
       nbr = jnp.einsum("mk,mk...->m...", inputs.neighbor_weights, w[inputs.neighbors])
@@ -83,7 +87,9 @@ def make(model: models.Model, federation, topo: topology.Topology, hparams: ToyH
 
   # The factory compiles its step (the contract of Algorithm.step); the toy data are tiny, so closing over
   # them as constants is fine here -- real methods pass the federation as jit arguments.
-  return Algorithm(init=init, round_inputs=round_inputs, step=jax.jit(step), client_params=lambda s: s.params)
+  return Algorithm(
+    init=init, round_inputs=round_inputs, step=jax.jit(step), client_params=lambda s: s.params
+  )
 
 
 METHOD = Method(make=make, hyperparameters=ToyHParams, graph=True)

@@ -33,6 +33,7 @@ order of magnitude it is.
 when a round is estimated above ``budget_s`` (10 minutes by default), saying what would help: a GPU
 when the run is on the CPU, the structured kernel when the model has none, a smaller ``N``.
 """
+
 from __future__ import annotations
 
 import math
@@ -43,8 +44,20 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-__all__ = ["Workload", "Calibration", "Estimate", "workload", "kernel_flops", "calibrate", "estimate",
-           "advice", "report", "run_estimate", "ROUND_BUDGET_S", "CALIBRATION_FLOPS"]
+__all__ = [
+  "Workload",
+  "Calibration",
+  "Estimate",
+  "workload",
+  "kernel_flops",
+  "calibrate",
+  "estimate",
+  "advice",
+  "report",
+  "run_estimate",
+  "ROUND_BUDGET_S",
+  "CALIBRATION_FLOPS",
+]
 
 ROUND_BUDGET_S = 600.0
 """A round estimated above this many seconds is warned about."""
@@ -55,10 +68,11 @@ CALIBRATION_FLOPS = 2e10
 
 class Workload(NamedTuple):
   """``steps`` NTK client steps per round on kernel blocks of ``block`` samples; the step's options."""
+
   steps: int
   block: int
-  concurrent: int        # steps computed at once (vmapped chunk of clients)
-  options: dict          # ntk_step keyword options: taus, loss, solver, kernel, select
+  concurrent: int  # steps computed at once (vmapped chunk of clients)
+  options: dict  # ntk_step keyword options: taus, loss, solver, kernel, select
 
 
 class Calibration(NamedTuple):
@@ -68,19 +82,21 @@ class Calibration(NamedTuple):
   ``timed_block`` samples (halving ``block`` until the kernel fits) and ``seconds`` is that time
   scaled by the ratio of the two blocks' kernel FLOP counts (the kernel dominates such steps).
   """
+
   block: int
-  seconds: float         # wall time of one compiled step on `block` samples (the faster of two runs)
+  seconds: float  # wall time of one compiled step on `block` samples (the faster of two runs)
   compile_seconds: float
-  kernel_flops: float    # XLA's FLOP count of the kernel alone on the block
-  step_bytes: int        # arguments + outputs + temporaries of the compiled step on `block` samples
-  timed_block: int = 0   # the block actually run (= block unless extrapolated)
+  kernel_flops: float  # XLA's FLOP count of the kernel alone on the block
+  step_bytes: int  # arguments + outputs + temporaries of the compiled step on `block` samples
+  timed_block: int = 0  # the block actually run (= block unless extrapolated)
 
 
 class Estimate(NamedTuple):
   """A round's estimated cost on the current device."""
+
   workload: Workload
   calibration: Calibration
-  kernel_flops: float    # per round: steps × kernel FLOPs per block
+  kernel_flops: float  # per round: steps × kernel FLOPs per block
   peak_bytes: int
   round_seconds: float
   device: str
@@ -95,8 +111,13 @@ def workload(settings, model, federation) -> Workload | None:
   algo, method = settings.algorithm, settings.method
   num_clients, n_max = (int(d) for d in federation.mask.shape)
   chunk = settings.chunk_size or num_clients
-  options = lambda kernel: dict(taus=tuple(algo.taus), loss=getattr(algo, "loss", "ce"), solver=algo.solver,
-                                kernel=kernel, select=algo.select)
+  options = lambda kernel: dict(
+    taus=tuple(algo.taus),
+    loss=getattr(algo, "loss", "ce"),
+    solver=algo.solver,
+    kernel=kernel,
+    select=algo.select,
+  )
   if method in ("ntk_dfl", "spark"):
     k = settings.built_topology.k_max
     m1 = int(getattr(algo, "jacobian_batches", 1))
@@ -107,7 +128,9 @@ def workload(settings, model, federation) -> Workload | None:
     return Workload(steps * m1, (k + 1) * per_member, min(chunk, steps), options(algo.kernel))
   if method in ("ntk_fl", "cp_ntk_fl"):
     participants = algo.clients_per_round or num_clients
-    return Workload(1, participants * math.ceil(algo.subsample_fraction * n_max), 1, options(algo.kernel))
+    return Workload(
+      1, participants * math.ceil(algo.subsample_fraction * n_max), 1, options(algo.kernel)
+    )
   if method == "fed_ensemble" and algo.local_training == "ntk":
     participants = algo.clients_per_round or num_clients
     block = max(participants // algo.num_modes, 1) * n_max
@@ -134,20 +157,26 @@ def kernel_flops(model, block: int, kernel: str = "traced") -> float:
   x = jax.ShapeDtypeStruct((block, *model.input_shape), jnp.float32)
   traced = kernel == "traced"
   if getattr(model, "per_sample", True):
-    kernel_fn = lambda p, x: ntk.empirical_ntk(model.apply, p, x, trace_outputs=traced,
-                                               dense_stack=model.dense_stack,
-                                               flax_apply=getattr(model, "flax_apply", None),
-                                               chunk_size=block)
-  else:   # the whole batch's Jacobian (neural-tangents' vmap_axes=None), as the NTK step takes it
-    kernel_fn = lambda p, x: ntk.empirical_ntk_fn(model.apply, trace_axes=(-1,) if traced else (),
-                                                  vmap_axes=None)(x, None, p)
+    kernel_fn = lambda p, x: ntk.empirical_ntk(
+      model.apply,
+      p,
+      x,
+      trace_outputs=traced,
+      dense_stack=model.dense_stack,
+      flax_apply=getattr(model, "flax_apply", None),
+      chunk_size=block,
+    )
+  else:  # the whole batch's Jacobian (neural-tangents' vmap_axes=None), as the NTK step takes it
+    kernel_fn = lambda p, x: ntk.empirical_ntk_fn(
+      model.apply, trace_axes=(-1,) if traced else (), vmap_axes=None
+    )(x, None, p)
   fn = jax.jit(kernel_fn)
   return _flops(fn.lower(params, x).compile())
 
 
 def _flops(compiled) -> float:
   analysis = compiled.cost_analysis()
-  if isinstance(analysis, (list, tuple)):     # older JAX: one dict per program
+  if isinstance(analysis, (list, tuple)):  # older JAX: one dict per program
     analysis = analysis[0] if analysis else {}
   return float((analysis or {}).get("flops", float("nan")))
 
@@ -156,11 +185,17 @@ def _bytes(compiled) -> int:
   memory = compiled.memory_analysis()
   if memory is None:
     return 0
-  return int(sum(getattr(memory, f, 0) or 0 for f in ("argument_size_in_bytes", "output_size_in_bytes",
-                                                       "temp_size_in_bytes")))
+  return int(
+    sum(
+      getattr(memory, f, 0) or 0
+      for f in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes")
+    )
+  )
 
 
-def calibrate(model, work: Workload, *, seed: int = 0, max_flops: float = CALIBRATION_FLOPS) -> Calibration:
+def calibrate(
+  model, work: Workload, *, seed: int = 0, max_flops: float = CALIBRATION_FLOPS
+) -> Calibration:
   """Compiles and times one NTK step of ``work``'s options on a random block (module docstring).
 
   A kernel above ``max_flops`` is timed on a smaller block and scaled (:class:`Calibration`).
@@ -168,10 +203,16 @@ def calibrate(model, work: Workload, *, seed: int = 0, max_flops: float = CALIBR
   from ntk_fl import evolve  # pylint: disable=import-outside-toplevel
 
   params = model.init(jax.random.key(seed))
-  model_options = dict(dense_stack=model.dense_stack, flax_apply=getattr(model, "flax_apply", None),
-                       per_sample=getattr(model, "per_sample", True))
-  step = jax.jit(lambda p, x, y, m: evolve.ntk_step(model.apply, p, x, y, m, lr=0.01, **model_options,
-                                                    **work.options)[0])
+  model_options = dict(
+    dense_stack=model.dense_stack,
+    flax_apply=getattr(model, "flax_apply", None),
+    per_sample=getattr(model, "per_sample", True),
+  )
+  step = jax.jit(
+    lambda p, x, y, m: evolve.ntk_step(
+      model.apply, p, x, y, m, lr=0.01, **model_options, **work.options
+    )[0]
+  )
 
   def compiled_step(block):
     x, y = _random_block(model, block, jax.random.key(seed + 1))
@@ -180,7 +221,9 @@ def calibrate(model, work: Workload, *, seed: int = 0, max_flops: float = CALIBR
 
   flops = kernel_flops(model, work.block, work.options["kernel"])
   timed = work.block
-  while timed > 8 and flops * (timed / work.block) ** 2 > max_flops:   # the kernel grows at least ~N²
+  while (
+    timed > 8 and flops * (timed / work.block) ** 2 > max_flops
+  ):  # the kernel grows at least ~N²
     timed //= 2
   t0 = time.perf_counter()
   compiled, args = compiled_step(work.block)
@@ -198,19 +241,26 @@ def calibrate(model, work: Workload, *, seed: int = 0, max_flops: float = CALIBR
   return Calibration(work.block, min(times) * scale, compile_seconds, flops, step_bytes, timed)
 
 
-def estimate(settings, model, federation, *, calibration: Calibration | None = None) -> Estimate | None:
+def estimate(
+  settings, model, federation, *, calibration: Calibration | None = None
+) -> Estimate | None:
   """The round cost of the run ``settings`` on ``model`` and ``federation`` (``None``: no NTK step)."""
   work = workload(settings, model, federation)
   if work is None:
     return None
   cal = calibrate(model, work, seed=settings.seed) if calibration is None else calibration
   num_clients = int(federation.mask.shape[0])
-  param_bytes = 4 * sum(math.prod(leaf.shape) for leaf in
-                        jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0))))
+  param_bytes = 4 * sum(
+    math.prod(leaf.shape) for leaf in jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0)))
+  )
   peak = work.concurrent * cal.step_bytes + 2 * num_clients * param_bytes
   device = jax.devices()[0]
-  name = device.platform if device.platform == "cpu" else f"{device.platform} ({device.device_kind})"
-  return Estimate(work, cal, work.steps * cal.kernel_flops, int(peak), work.steps * cal.seconds, name)
+  name = (
+    device.platform if device.platform == "cpu" else f"{device.platform} ({device.device_kind})"
+  )
+  return Estimate(
+    work, cal, work.steps * cal.kernel_flops, int(peak), work.steps * cal.seconds, name
+  )
 
 
 def advice(est: Estimate, model, *, platform: str | None = None) -> list[str]:
@@ -218,15 +268,21 @@ def advice(est: Estimate, model, *, platform: str | None = None) -> list[str]:
   platform = platform or jax.default_backend()
   tips = []
   if platform == "cpu":
-    tips.append("a GPU (run on a machine with one: the kernels and the evolution are matrix products)")
+    tips.append(
+      "a GPU (run on a machine with one: the kernels and the evolution are matrix products)"
+    )
   if not getattr(model, "per_sample", True):
-    tips.append("the structured kernel: declare the model per-sample (config.model.per_sample=True) if "
-                "its outputs do not depend on the rest of the batch")
+    tips.append(
+      "the structured kernel: declare the model per-sample (config.model.per_sample=True) if "
+      "its outputs do not depend on the rest of the batch"
+    )
   elif model.dense_stack is None and getattr(model, "flax_apply", None) is None:
     tips.append("the structured kernel (a flax module, whose layers the library factorises)")
-  tips.append(f"a smaller kernel block N = {est.workload.block} (fewer samples per client, a smaller "
-              "topology degree, Jacobian batches or sub-sampling): the kernel costs O(N²), the evolution "
-              "O(τ_max · N²)")
+  tips.append(
+    f"a smaller kernel block N = {est.workload.block} (fewer samples per client, a smaller "
+    "topology degree, Jacobian batches or sub-sampling): the kernel costs O(N²), the evolution "
+    "O(τ_max · N²)"
+  )
   return tips
 
 
@@ -242,23 +298,40 @@ def report(est: Estimate | None, model, *, budget_s: float = ROUND_BUDGET_S) -> 
   if est is None:
     return None
   w, c = est.workload, est.calibration
-  timed = (f" (timed on N = {c.timed_block} and scaled by the kernels' FLOP ratio)"
-           if c.timed_block and c.timed_block != c.block else "")
-  logging.info("cost estimate on %s: %d NTK step(s) per round on kernel blocks of N = %d samples; kernel "
-               "%s per round (%s per block); one step %.3g s%s after a %.3g s compile; peak memory ~ %s; "
-               "a round ~ %.3g s", est.device, w.steps, w.block, _human(est.kernel_flops, "FLOP"),
-               _human(c.kernel_flops, "FLOP"), c.seconds, timed, c.compile_seconds,
-               _human(est.peak_bytes, "B"), est.round_seconds)
+  timed = (
+    f" (timed on N = {c.timed_block} and scaled by the kernels' FLOP ratio)"
+    if c.timed_block and c.timed_block != c.block
+    else ""
+  )
+  logging.info(
+    "cost estimate on %s: %d NTK step(s) per round on kernel blocks of N = %d samples; kernel "
+    "%s per round (%s per block); one step %.3g s%s after a %.3g s compile; peak memory ~ %s; "
+    "a round ~ %.3g s",
+    est.device,
+    w.steps,
+    w.block,
+    _human(est.kernel_flops, "FLOP"),
+    _human(c.kernel_flops, "FLOP"),
+    c.seconds,
+    timed,
+    c.compile_seconds,
+    _human(est.peak_bytes, "B"),
+    est.round_seconds,
+  )
   if not est.round_seconds > budget_s:
     return None
-  message = (f"a round is estimated at {est.round_seconds / 60:.1f} min on {est.device} ({w.steps} NTK steps "
-             f"x {c.seconds:.3g} s, kernel {_human(est.kernel_flops, 'FLOP')} per round); what would help: "
-             + "; ".join(advice(est, model)))
+  message = (
+    f"a round is estimated at {est.round_seconds / 60:.1f} min on {est.device} ({w.steps} NTK steps "
+    f"x {c.seconds:.3g} s, kernel {_human(est.kernel_flops, 'FLOP')} per round); what would help: "
+    + "; ".join(advice(est, model))
+  )
   logging.warning("%s", message)
   return message
 
 
-def run_estimate(settings, model, federation, *, budget_s: float = ROUND_BUDGET_S) -> Estimate | None:
+def run_estimate(
+  settings, model, federation, *, budget_s: float = ROUND_BUDGET_S
+) -> Estimate | None:
   """:func:`estimate` then :func:`report`: the runner's one call before round 1."""
   est = estimate(settings, model, federation)
   report(est, model, budget_s=budget_s)

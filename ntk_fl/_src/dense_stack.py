@@ -3,9 +3,11 @@
 A leaf module (the standard library only), so that the kernels can name the structure without
 loading the model zoo (flax) or the device code; :mod:`ntk_fl.models` re-exports it.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
+from collections.abc import Callable
 
 __all__ = ["DenseStack"]
 
@@ -19,5 +21,6 @@ class DenseStack(NamedTuple):
   elementwise nonlinearity applied between consecutive layers (not after the
   last). The structured NTK (:mod:`ntk_fl.ntk`) uses it to factorise the kernel.
   """
+
   layers: tuple[str, ...]
   activation: Callable[[Any], Any]

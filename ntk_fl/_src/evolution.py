@@ -3,10 +3,12 @@
 Private: import these through :mod:`ntk_fl.evolve`. Conventions (masking, normalisation, the ``τ`` grid
 readout) are stated in that module's docstring.
 """
+
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
+from collections.abc import Sequence
 
 import diffrax
 import jax
@@ -24,6 +26,7 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 Array = jax.Array
 
+
 class Evolution(NamedTuple):
   """Function-space trajectory, read out on the ``τ`` grid.
 
@@ -32,23 +35,27 @@ class Evolution(NamedTuple):
       (``r = softmax(f) - Y`` for CE, ``f - Y`` for MSE; zero on padded rows).
     f_at_taus: ``[T, N, C]`` evolved function values ``f_τ`` (zero on padded rows).
   """
+
   residual_sums: Array
   f_at_taus: Array
-
 
 
 def _check_shapes(f0: Array, targets: Array, mask: Array, kernel: Array | None = None) -> None:
   if targets.ndim != 2:
     raise ValueError(f"targets must be [N, C] float rows, got shape {targets.shape}")
   if f0.shape != targets.shape:
-    raise ValueError(f"function values {f0.shape} and targets {targets.shape} must have equal shapes")
+    raise ValueError(
+      f"function values {f0.shape} and targets {targets.shape} must have equal shapes"
+    )
   if mask.shape != targets.shape[:1]:
     raise ValueError(f"mask must be [N]={targets.shape[:1]}, got {mask.shape}")
   if kernel is not None:
     n, c = targets.shape
     if kernel.shape not in ((n, n), (n, n, c, c)):
-      raise ValueError(f"kernel must be [N, N]={(n, n)} (traced) or [N, N, C, C]={(n, n, c, c)} "
-                       f"(full), got {kernel.shape}")
+      raise ValueError(
+        f"kernel must be [N, N]={(n, n)} (traced) or [N, N, C, C]={(n, n, c, c)} "
+        f"(full), got {kernel.shape}"
+      )
 
 
 # ----------------------------------------------------------------------------
@@ -56,11 +63,11 @@ def _check_shapes(f0: Array, targets: Array, mask: Array, kernel: Array | None =
 
 
 class _Problem(NamedTuple):
-  kernel: Array    # [N, N] or [N, N, C, C], zero rows/cols on padding
-  f0: Array        # [N, C], zero on padding
-  targets: Array   # [N, C], zero on padding
-  weights: Array   # [N] float 0/1
-  n: Array         # scalar float, number of real samples (>= 1)
+  kernel: Array  # [N, N] or [N, N, C, C], zero rows/cols on padding
+  f0: Array  # [N, C], zero on padding
+  targets: Array  # [N, C], zero on padding
+  weights: Array  # [N] float 0/1
+  n: Array  # scalar float, number of real samples (>= 1)
 
 
 def _prepare(kernel: Array, f0: Array, targets: Array, mask: Array) -> _Problem:
@@ -103,8 +110,9 @@ def _tau_slots(taus: tuple[int, ...], steps: np.ndarray) -> np.ndarray:
 # Cross-entropy evolution.
 
 
-def evolve_ce_euler(kernel: Array, f0: Array, targets: Array, mask: Array, *, lr,
-                    taus: Sequence[int]) -> Evolution:
+def evolve_ce_euler(
+  kernel: Array, f0: Array, targets: Array, mask: Array, *, lr, taus: Sequence[int]
+) -> Evolution:
   """Exact function-space gradient descent on the mean cross-entropy.
 
   ``f_{s+1} = f_s - (lr/N) K (softmax(f_s) - Y)`` for ``s < τ_max``, one
@@ -176,9 +184,18 @@ def _ode_block(taus: tuple[int, ...]) -> int:
   return max(b for b in range(1, min(g, _ODE_MAX_BLOCK) + 1) if g % b == 0)
 
 
-def evolve_ce_ode(kernel: Array, f0: Array, targets: Array, mask: Array, *, lr,
-                  taus: Sequence[int], rtol: float = 1e-7, atol: float = 1e-9,
-                  max_steps: int = 4096) -> Evolution:
+def evolve_ce_ode(
+  kernel: Array,
+  f0: Array,
+  targets: Array,
+  mask: Array,
+  *,
+  lr,
+  taus: Sequence[int],
+  rtol: float = 1e-7,
+  atol: float = 1e-9,
+  max_steps: int = 4096,
+) -> Evolution:
   """Cross-entropy gradient flow integrated with diffrax (Dopri5 + PID control).
 
   Solves ``df/dt = -(1/N) K (softmax(f) - Y)`` and reads it out at ``t = sη``.
@@ -206,8 +223,9 @@ def evolve_ce_ode(kernel: Array, f0: Array, targets: Array, mask: Array, *, lr,
   num_blocks = taus[-1] // block
   slots = _tau_slots(taus, block * np.arange(1, num_blocks + 1))
 
-  term = diffrax.ODETerm(lambda u, f, args: -rate * _apply_kernel(p.kernel, _ce_residual(
-      f, p.targets, p.weights)))
+  term = diffrax.ODETerm(
+    lambda u, f, args: -rate * _apply_kernel(p.kernel, _ce_residual(f, p.targets, p.weights))
+  )
   solver = diffrax.Dopri5()
   # RMS error norm over the real rows only: padded rows never move, and
   # counting them would dilute the norm and change the step sizes.
@@ -218,13 +236,28 @@ def evolve_ce_ode(kernel: Array, f0: Array, targets: Array, mask: Array, *, lr,
 
   def solve_block(f, u0, solver_state, controller_state):
     saveat = diffrax.SaveAt(
-        subs=[diffrax.SubSaveAt(ts=u0 + offsets,
-                                fn=lambda u, y, args: _ce_residual(y, p.targets, p.weights)),
-              diffrax.SubSaveAt(t1=True)],
-        solver_state=True, controller_state=True)
-    sol = diffrax.diffeqsolve(term, solver, u0, u0 + block, None, f, saveat=saveat,
-                              stepsize_controller=controller, max_steps=max_steps,
-                              solver_state=solver_state, controller_state=controller_state)
+      subs=[
+        diffrax.SubSaveAt(
+          ts=u0 + offsets, fn=lambda u, y, args: _ce_residual(y, p.targets, p.weights)
+        ),
+        diffrax.SubSaveAt(t1=True),
+      ],
+      solver_state=True,
+      controller_state=True,
+    )
+    sol = diffrax.diffeqsolve(
+      term,
+      solver,
+      u0,
+      u0 + block,
+      None,
+      f,
+      saveat=saveat,
+      stepsize_controller=controller,
+      max_steps=max_steps,
+      solver_state=solver_state,
+      controller_state=controller_state,
+    )
     readouts, f_end = sol.ys
     return f_end[-1], readouts.sum(axis=0), sol.solver_state, sol.controller_state
 
@@ -239,7 +272,8 @@ def evolve_ce_ode(kernel: Array, f0: Array, targets: Array, mask: Array, *, lr,
     f, s_run, s_buf, f_buf, solver_state, controller_state = carry
     index, slot = xs
     f, s_block, solver_state, controller_state = solve_block(
-        f, (index * block).astype(dtype), solver_state, controller_state)
+      f, (index * block).astype(dtype), solver_state, controller_state
+    )
     s_run = s_run + s_block
     s_buf = jax.lax.dynamic_update_index_in_dim(s_buf, s_run, slot, axis=0)
     f_buf = jax.lax.dynamic_update_index_in_dim(f_buf, f, slot, axis=0)
@@ -288,8 +322,16 @@ def _spectral_factors(x: Array, taus: tuple[int, ...], form: str) -> tuple[Array
   return decay, total
 
 
-def evolve_mse_closed_form(kernel: Array, f0: Array, targets: Array, mask: Array, *, lr,
-                           taus: Sequence[int], form: str = "discrete") -> Evolution:
+def evolve_mse_closed_form(
+  kernel: Array,
+  f0: Array,
+  targets: Array,
+  mask: Array,
+  *,
+  lr,
+  taus: Sequence[int],
+  form: str = "discrete",
+) -> Evolution:
   """Linearised gradient descent / flow on ``(1/(2NC)) Σ (f - Y)²`` in closed form.
 
   With ``ε = lr/(N·C)`` and ``K = U diag(λ) Uᵀ`` (one ``eigh``; ``λ`` clipped at 0):
@@ -311,21 +353,33 @@ def evolve_mse_closed_form(kernel: Array, f0: Array, targets: Array, mask: Array
   lam, vecs = jnp.linalg.eigh(matrix)
   decay, total = _spectral_factors(eps * jnp.maximum(lam, 0), taus, form)
   if p.kernel.ndim == 2:
-    coords = jnp.matmul(vecs.T, r0, precision=_HIGHEST)                       # [N, C]
+    coords = jnp.matmul(vecs.T, r0, precision=_HIGHEST)  # [N, C]
     back = lambda g: jnp.einsum("nk,tk,kc->tnc", vecs, g, coords, precision=_HIGHEST)
   else:
-    coords = jnp.matmul(vecs.T, r0.reshape(-1), precision=_HIGHEST)           # [N*C]
-    back = lambda g: jnp.einsum("mk,tk,k->tm", vecs, g, coords,
-                                precision=_HIGHEST).reshape(len(taus), n, c)
+    coords = jnp.matmul(vecs.T, r0.reshape(-1), precision=_HIGHEST)  # [N*C]
+    back = lambda g: jnp.einsum("mk,tk,k->tm", vecs, g, coords, precision=_HIGHEST).reshape(
+      len(taus), n, c
+    )
   w = p.weights[None, :, None]
   residual_sums = back(total) * w
   f_at_taus = (p.targets[None] + back(decay)) * w
   return Evolution(residual_sums, f_at_taus)
 
 
-def evolve(kernel: Array, f0: Array, targets: Array, mask: Array, *, lr, taus: Sequence[int],
-           loss: Loss | str = Loss.CE, solver: Solver | str = Solver.EULER,
-           mse_form: MseForm | str = MseForm.DISCRETE, ode_rtol: float = 1e-7, ode_atol: float = 1e-9) -> Evolution:
+def evolve(
+  kernel: Array,
+  f0: Array,
+  targets: Array,
+  mask: Array,
+  *,
+  lr,
+  taus: Sequence[int],
+  loss: Loss | str = Loss.CE,
+  solver: Solver | str = Solver.EULER,
+  mse_form: MseForm | str = MseForm.DISCRETE,
+  ode_rtol: float = 1e-7,
+  ode_atol: float = 1e-9,
+) -> Evolution:
   """Dispatches to the CE Euler / CE ODE / MSE closed-form evolution (see :mod:`ntk_fl.evolve`)."""
   loss, solver = parse(Loss, loss, "loss"), parse(Solver, solver, "solver")
   mse_form = parse(MseForm, mse_form, "mse_form")
@@ -333,7 +387,5 @@ def evolve(kernel: Array, f0: Array, targets: Array, mask: Array, *, lr, taus: S
   if loss == Loss.MSE:
     return evolve_mse_closed_form(kernel, f0, targets, mask, lr=lr, taus=taus, form=mse_form)
   if solver == Solver.ODE:
-    return evolve_ce_ode(kernel, f0, targets, mask, lr=lr, taus=taus, rtol=ode_rtol,
-                         atol=ode_atol)
+    return evolve_ce_ode(kernel, f0, targets, mask, lr=lr, taus=taus, rtol=ode_rtol, atol=ode_atol)
   return evolve_ce_euler(kernel, f0, targets, mask, lr=lr, taus=taus)
-

@@ -13,6 +13,7 @@
   names a process, nobody holds the lock) is a run that was killed, reported when
   the next run takes the lock over (see :meth:`WorkdirLock.acquire`).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -67,8 +68,9 @@ def open_append(path: str, encoding: str = "utf-8"):
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
   except OSError as e:
     if e.errno == errno.ELOOP:
-      raise OSError(errno.ELOOP, "is a symbolic link; a run writes only its own files (remove the "
-                    "link)", path) from None
+      raise OSError(
+        errno.ELOOP, "is a symbolic link; a run writes only its own files (remove the link)", path
+      ) from None
     raise
   return os.fdopen(fd, "a", encoding=encoding)
 
@@ -118,9 +120,9 @@ class WorkdirLock:
     self.path = os.path.join(self.workdir, LOCK_FILE)
     self.fd = fd
     self.inherited = fd is not None
-    self.taken_over: dict | None = None   # the record of a killed run this lock replaced
+    self.taken_over: dict | None = None  # the record of a killed run this lock replaced
 
-  def acquire(self) -> "WorkdirLock":
+  def acquire(self) -> WorkdirLock:
     """Takes the lock or raises :class:`WorkdirBusy` naming the holder.
 
     The record of a killed run (the file names a process, nobody holds the lock)
@@ -130,7 +132,7 @@ class WorkdirLock:
     again) the run refuses, naming the file to delete once that run is known to be
     over: no lock is taken on a guess.
     """
-    if self.fd is not None:      # inherited from the launcher: the same open file, already locked
+    if self.fd is not None:  # inherited from the launcher: the same open file, already locked
       fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
       return self
     os.makedirs(self.workdir, exist_ok=True)
@@ -138,8 +140,9 @@ class WorkdirLock:
       fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as e:
       if e.errno == errno.ELOOP:
-        raise WorkdirBusy(f"{self.path} is a symbolic link; remove it (a run writes only its own "
-                          "files)") from None
+        raise WorkdirBusy(
+          f"{self.path} is a symbolic link; remove it (a run writes only its own files)"
+        ) from None
       raise
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -147,9 +150,11 @@ class WorkdirLock:
       record = _parse(os.pread(fd, 4096, 0).decode(errors="replace"))
       os.close(fd)
       pid, host, started = (record.get(k, "?") for k in ("pid", "host", "started"))
-      raise WorkdirBusy(f"workdir {self.workdir} is in use by another run (pid {pid} on host "
-                        f"{host}, started {started}); wait for it to finish or stop it, or choose "
-                        "another --workdir") from None
+      raise WorkdirBusy(
+        f"workdir {self.workdir} is in use by another run (pid {pid} on host "
+        f"{host}, started {started}); wait for it to finish or stop it, or choose "
+        "another --workdir"
+      ) from None
     record = _parse(os.pread(fd, 4096, 0).decode(errors="replace"))
     if record.get("pid"):
       try:
@@ -163,12 +168,13 @@ class WorkdirLock:
         here = record.get("host") == socket.gethostname()
         where = "this host" if here else f"host {record.get('host', '?')}"
         raise WorkdirBusy(
-            f"workdir {self.workdir} was locked by pid {record.get('pid')} on {where} (started "
-            f"{record.get('started', '?')}), which holds no lock now but cannot be shown to have "
-            f"ended {'(its pid is in use)' if here else '(another host)'}; if that run is over, "
-            f"delete {self.path} and start again")
+          f"workdir {self.workdir} was locked by pid {record.get('pid')} on {where} (started "
+          f"{record.get('started', '?')}), which holds no lock now but cannot be shown to have "
+          f"ended {'(its pid is in use)' if here else '(another host)'}; if that run is over, "
+          f"delete {self.path} and start again"
+        )
       self.taken_over = record
-    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     text = f"pid={os.getpid()}\nhost={socket.gethostname()}\nboot={_boot_id()}\nstarted={started}\n"
     os.ftruncate(fd, 0)
     os.pwrite(fd, text.encode(), 0)
@@ -183,7 +189,7 @@ class WorkdirLock:
     """
     if self.fd is None:
       return
-    if self.inherited:     # the launcher's lock: it empties and drops it once its workers ended
+    if self.inherited:  # the launcher's lock: it empties and drops it once its workers ended
       os.close(self.fd)
       self.fd = None
       return
@@ -195,7 +201,7 @@ class WorkdirLock:
     os.close(self.fd)
     self.fd = None
 
-  def __enter__(self) -> "WorkdirLock":
+  def __enter__(self) -> WorkdirLock:
     return self.acquire()
 
   def __exit__(self, *exc) -> None:

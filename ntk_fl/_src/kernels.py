@@ -4,11 +4,13 @@ Blocking over samples, the per-sample-Jacobian and NTK-vector-product kernels of
 structured factorisation of a dense stack (plain and in SPARK's layer-wise sketch coordinates). The
 trade-offs between them are documented in :mod:`ntk_fl.ntk` and on :class:`ntk_fl.ntk.NtkImplementation`.
 """
+
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +33,12 @@ ApplyFn = Callable[[Params, jax.Array], jax.Array]
 # Validation.
 
 
-def resolve_implementation(implementation: Implementation | str, dense_stack: DenseStack | None,
-                           trace_outputs: bool, flax_apply: Callable | None = None) -> Implementation:
+def resolve_implementation(
+  implementation: Implementation | str,
+  dense_stack: DenseStack | None,
+  trace_outputs: bool,
+  flax_apply: Callable | None = None,
+) -> Implementation:
   """The implementation (``AUTO`` resolved, except between the layer-wise structured kernel and the
   generic ones, which :func:`ntk_fl.ntk.empirical_ntk` decides from the model's layers); errors name
   the bad value and the allowed ones."""
@@ -41,18 +47,25 @@ def resolve_implementation(implementation: Implementation | str, dense_stack: De
       raise ValueError(implementation)
     implementation = Implementation(implementation)
   except ValueError:
-    raise ValueError(f"unknown NTK implementation {implementation!r}; choose one of "
-                     f"{IMPLEMENTATIONS}") from None
+    raise ValueError(
+      f"unknown NTK implementation {implementation!r}; choose one of {IMPLEMENTATIONS}"
+    ) from None
   if implementation == Implementation.STRUCTURED and dense_stack is None and flax_apply is None:
-    raise ValueError("implementation='structured' needs dense_stack (the model's DenseStack) or "
-                     "flax_apply (its flax computation, e.g. module.apply, for the layer-wise kernel); "
-                     "use 'jacobian' or 'ntvp' otherwise")
+    raise ValueError(
+      "implementation='structured' needs dense_stack (the model's DenseStack) or "
+      "flax_apply (its flax computation, e.g. module.apply, for the layer-wise kernel); "
+      "use 'jacobian' or 'ntvp' otherwise"
+    )
   check_dense_stack(dense_stack)
   if flax_apply is not None and not callable(flax_apply):
-    raise ValueError(f"flax_apply must be callable as flax_apply(params, x), got {type(flax_apply).__name__}")
+    raise ValueError(
+      f"flax_apply must be callable as flax_apply(params, x), got {type(flax_apply).__name__}"
+    )
   if flax_apply is not None and hasattr(flax_apply, "lower"):
-    raise ValueError("flax_apply must not be jax.jit-compiled: the layer-wise kernel intercepts its "
-                     "flax layers while tracing it (pass e.g. module.apply itself)")
+    raise ValueError(
+      "flax_apply must not be jax.jit-compiled: the layer-wise kernel intercepts its "
+      "flax layers while tracing it (pass e.g. module.apply itself)"
+    )
   if implementation != Implementation.AUTO:
     return implementation
   if dense_stack is not None:
@@ -64,12 +77,15 @@ def resolve_implementation(implementation: Implementation | str, dense_stack: De
 
 def check_dense_stack(dense_stack: DenseStack | None) -> None:
   if dense_stack is not None and not isinstance(dense_stack, DenseStack):
-    raise ValueError(f"dense_stack must be an ntk_fl.models.DenseStack or None, got {type(dense_stack).__name__}")
+    raise ValueError(
+      f"dense_stack must be an ntk_fl.models.DenseStack or None, got {type(dense_stack).__name__}"
+    )
 
 
 def check_chunk_size(chunk_size: int | None) -> None:
-  if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
-                                 or chunk_size < 1):
+  if chunk_size is not None and (
+    isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+  ):
     raise ValueError(f"chunk_size must be None (automatic) or a positive int, got {chunk_size!r}")
 
 
@@ -77,8 +93,9 @@ def check_inputs(x1: jax.Array, x2: jax.Array | None) -> None:
   if jnp.ndim(x1) < 1:
     raise ValueError(f"x1 must have a leading batch axis, got shape {jnp.shape(x1)}")
   if x2 is not None and jnp.shape(x2)[1:] != jnp.shape(x1)[1:]:
-    raise ValueError(f"x1 and x2 must have the same feature shape, got x1 {jnp.shape(x1)} "
-                     f"and x2 {jnp.shape(x2)}")
+    raise ValueError(
+      f"x1 and x2 must have the same feature shape, got x1 {jnp.shape(x1)} and x2 {jnp.shape(x2)}"
+    )
 
 
 # ----------------------------------------------------------------------------
@@ -108,9 +125,15 @@ def map_blocks(fn: Callable[[Any], Any], xs: Any, chunk: int | None) -> Any:
   return jax.tree.map(lambda y: y.reshape(num_blocks * block, *y.shape[2:])[:n], out)
 
 
-def _blocked_kernel(features1: Callable[[Any], Any], features2: Callable[[Any], Any],
-                    contract: Callable[[Any, Any], jax.Array], x1: Any, x2: Any | None,
-                    chunk: int | None, sample_floats: int | None = None) -> jax.Array:
+def _blocked_kernel(
+  features1: Callable[[Any], Any],
+  features2: Callable[[Any], Any],
+  contract: Callable[[Any, Any], jax.Array],
+  x1: Any,
+  x2: Any | None,
+  chunk: int | None,
+  sample_floats: int | None = None,
+) -> jax.Array:
   """Kernel ``[N1, N2, ...]`` assembled from blocks ``contract(features1(x1b), features2(x2b))``.
 
   When all of ``x2``'s features fit in ``2**28`` floats (``sample_floats`` per sample; ``None``:
@@ -138,7 +161,9 @@ def _blocked_kernel(features1: Callable[[Any], Any], features2: Callable[[Any], 
   if x2 is None:
     x2 = x1
   # The x1 blocks as large as the storage budget allows: the x2 side is recomputed once per x1 block.
-  outer = chunk if sample_floats is None else max(chunk or 1, _STORE_FLOATS // max(1, sample_floats))
+  outer = (
+    chunk if sample_floats is None else max(chunk or 1, _STORE_FLOATS // max(1, sample_floats))
+  )
 
   def row(x1b):
     f1 = features1(x1b)
@@ -206,6 +231,7 @@ class _DenseFeatures(NamedTuple):
     backs: ``L-1`` output-Jacobian factors at the hidden pre-activations, in the
       form the requested kernel contracts (see :func:`_dense_features`).
   """
+
   inputs: tuple[jax.Array, ...]
   backs: tuple[jax.Array, ...]
 
@@ -215,22 +241,29 @@ def dense_weights(stack: DenseStack, params: Params) -> tuple[list, list]:
   kernels, biases = [], []
   for name in stack.layers:
     if name not in tree or "kernel" not in tree[name] or "bias" not in tree[name]:
-      raise ValueError(f"dense_stack layer {name!r} not found with 'kernel' and 'bias' in params "
-                       f"(available: {sorted(tree)})")
+      raise ValueError(
+        f"dense_stack layer {name!r} not found with 'kernel' and 'bias' in params "
+        f"(available: {sorted(tree)})"
+      )
     kernels.append(tree[name]["kernel"])
     biases.append(tree[name]["bias"])
   for k, (w, b) in enumerate(zip(kernels, biases)):
     if w.ndim != 2 or b.shape != w.shape[1:]:
-      raise ValueError(f"layer {stack.layers[k]!r}: expected kernel [in, out] and bias [out], "
-                       f"got {w.shape} and {b.shape}")
+      raise ValueError(
+        f"layer {stack.layers[k]!r}: expected kernel [in, out] and bias [out], "
+        f"got {w.shape} and {b.shape}"
+      )
     if k and w.shape[0] != kernels[k - 1].shape[1]:
-      raise ValueError(f"layer {stack.layers[k]!r} takes {w.shape[0]} inputs but "
-                       f"{stack.layers[k - 1]!r} gives {kernels[k - 1].shape[1]}")
+      raise ValueError(
+        f"layer {stack.layers[k]!r} takes {w.shape[0]} inputs but "
+        f"{stack.layers[k - 1]!r} gives {kernels[k - 1].shape[1]}"
+      )
   return kernels, biases
 
 
-def _dense_features(stack: DenseStack, kernels, biases, x: jax.Array,
-                    trace_outputs: bool) -> _DenseFeatures:
+def _dense_features(
+  stack: DenseStack, kernels, biases, x: jax.Array, trace_outputs: bool
+) -> _DenseFeatures:
   """Forward pass keeping the layer inputs, then the output Jacobians by backward recursion.
 
   With ``z_l = A_l W_l + b_l``, ``A_{l+1} = σ(z_l)`` and ``D_l = σ'(z_l)``, the
@@ -283,6 +316,7 @@ class DenseJacobianFactors(NamedTuple):
     outputs: ``M_l = ∂f/∂z_l`` ``[N, out_l, C]``, the output Jacobians at the
       pre-activations (``M_{L-1} = I``: the logits are the last layer's outputs).
   """
+
   inputs: tuple[jax.Array, ...]
   outputs: tuple[jax.Array, ...]
 
@@ -292,7 +326,6 @@ def jacobian_factors(stack, kernels, biases, x) -> DenseJacobianFactors:
   c = kernels[-1].shape[1]
   last = jnp.broadcast_to(jnp.eye(c, dtype=base.inputs[0].dtype), (x.shape[0], c, c))
   return DenseJacobianFactors(base.inputs, tuple(base.backs) + (last,))
-
 
 
 def _gram_plus_one(a1: jax.Array, a2: jax.Array) -> jax.Array:
@@ -340,8 +373,10 @@ def structured_kernel(stack, params, x1, x2, trace_outputs, chunk):
   in_dim = kernels[0].shape[0]
   feat = math.prod(x1.shape[1:])
   if feat != in_dim:
-    raise ValueError(f"structured NTK: inputs have {feat} features per sample (shape {x1.shape[1:]}) "
-                     f"but the first layer {stack.layers[0]!r} takes {in_dim}")
+    raise ValueError(
+      f"structured NTK: inputs have {feat} features per sample (shape {x1.shape[1:]}) "
+      f"but the first layer {stack.layers[0]!r} takes {in_dim}"
+    )
   num_outputs = kernels[-1].shape[1]
   features = lambda x: _dense_features(stack, kernels, biases, x, trace_outputs)
   contract = _structured_contract(trace_outputs, num_outputs)
@@ -362,6 +397,7 @@ class DenseProjection(NamedTuple):
       ``W_l [in_l, out_l]`` (sketched coordinates ``W_l = W̄_l + P U``, ``U [k_l, out_l]``).
     bias: ``P_b [out_l, k_b]`` acting on the bias ``b_l [out_l]`` (``b_l = b̄_l + P_b u``).
   """
+
   kernel: jax.Array | None = None
   bias: jax.Array | None = None
 
@@ -375,6 +411,7 @@ class _ProjectedFeatures(NamedTuple):
     bias_backs: per layer, ``P_bᵀ M_l`` (``[N, k_b·C]`` traced, ``[N, k_b, C]``
       full) when the bias is sketched, else ``None``.
   """
+
   inputs: tuple[jax.Array, ...]
   backs: tuple[jax.Array, ...]
   bias_backs: tuple[jax.Array | None, ...]
@@ -382,18 +419,24 @@ class _ProjectedFeatures(NamedTuple):
 
 def check_projections(stack: DenseStack, kernels, projections) -> tuple[DenseProjection, ...]:
   if len(projections) != len(stack.layers):
-    raise ValueError(f"projections must have one DenseProjection per dense_stack layer {stack.layers}, "
-                     f"got {len(projections)}")
+    raise ValueError(
+      f"projections must have one DenseProjection per dense_stack layer {stack.layers}, "
+      f"got {len(projections)}"
+    )
   out = []
   for name, w, proj in zip(stack.layers, kernels, projections):
     proj = DenseProjection() if proj is None else proj
     if not isinstance(proj, DenseProjection):
-      raise ValueError(f"projections[{name!r}] must be a DenseProjection or None, got {type(proj).__name__}")
+      raise ValueError(
+        f"projections[{name!r}] must be a DenseProjection or None, got {type(proj).__name__}"
+      )
     for part, dim in (("kernel", w.shape[0]), ("bias", w.shape[1])):
       m = getattr(proj, part)
       if m is not None and (jnp.ndim(m) != 2 or jnp.shape(m)[0] != dim):
-        raise ValueError(f"projections[{name!r}].{part} must be [{dim}, k] (it acts on the layer's "
-                         f"{'input' if part == 'kernel' else 'bias'} axis of size {dim}), got {jnp.shape(m)}")
+        raise ValueError(
+          f"projections[{name!r}].{part} must be [{dim}, k] (it acts on the layer's "
+          f"{'input' if part == 'kernel' else 'bias'} axis of size {dim}), got {jnp.shape(m)}"
+        )
     out.append(proj)
   return tuple(out)
 
@@ -401,8 +444,10 @@ def check_projections(stack: DenseStack, kernels, projections) -> tuple[DensePro
 def projected_features(stack, kernels, biases, projections, x, trace_outputs) -> _ProjectedFeatures:
   """Factors of the sketched kernel (derivation in :func:`ntk_fl.ntk.projected_dense_ntk`)."""
   base = _dense_features(stack, kernels, biases, x, trace_outputs)
-  inputs = tuple(a if p.kernel is None else jnp.matmul(a, p.kernel, precision=_HIGHEST)
-                 for a, p in zip(base.inputs, projections))
+  inputs = tuple(
+    a if p.kernel is None else jnp.matmul(a, p.kernel, precision=_HIGHEST)
+    for a, p in zip(base.inputs, projections)
+  )
   if all(p.bias is None for p in projections):
     return _ProjectedFeatures(inputs, base.backs, (None,) * len(projections))
   # A sketched bias needs the per-output Jacobians M_l [N, out_l, C] themselves (the traced
@@ -423,31 +468,36 @@ def projected_contract(trace_outputs: bool, num_outputs: int):
   :func:`_structured_contract`, so that no sketch at all reproduces the structured kernel."""
 
   def layer_term(a1, a2, s, g1, g2, outer):
-    if g1 is None:                                     # (Ã Ã'ᵀ + 1) ⊙ S: bias part unsketched
+    if g1 is None:  # (Ã Ã'ᵀ + 1) ⊙ S: bias part unsketched
       return outer(_gram_plus_one(a1, a2)) * s
-    bias = (jnp.matmul(g1, g2.T, precision=_HIGHEST) / num_outputs if trace_outputs
-            else jnp.einsum("ika,jkb->ijab", g1, g2, precision=_HIGHEST))
+    bias = (
+      jnp.matmul(g1, g2.T, precision=_HIGHEST) / num_outputs
+      if trace_outputs
+      else jnp.einsum("ika,jkb->ijab", g1, g2, precision=_HIGHEST)
+    )
     return outer(jnp.matmul(a1, a2.T, precision=_HIGHEST)) * s + bias
 
   def contract(f1: _ProjectedFeatures, f2: _ProjectedFeatures) -> jax.Array:
     if trace_outputs:
       outer = lambda g: g
       k = layer_term(f1.inputs[-1], f2.inputs[-1], 1.0, f1.bias_backs[-1], f2.bias_backs[-1], outer)
-      for a1, a2, b1, b2, g1, g2 in zip(f1.inputs, f2.inputs, f1.backs, f2.backs, f1.bias_backs, f2.bias_backs):
+      for a1, a2, b1, b2, g1, g2 in zip(
+        f1.inputs, f2.inputs, f1.backs, f2.backs, f1.bias_backs, f2.bias_backs
+      ):
         s = jnp.matmul(b1, b2.T, precision=_HIGHEST) / num_outputs
         k = k + layer_term(a1, a2, s, g1, g2, outer)
       return k
     outer = lambda g: g[:, :, None, None]
     eye = jnp.eye(num_outputs, dtype=f1.inputs[-1].dtype)
     k = layer_term(f1.inputs[-1], f2.inputs[-1], eye, f1.bias_backs[-1], f2.bias_backs[-1], outer)
-    for a1, a2, m1, m2, g1, g2 in zip(f1.inputs, f2.inputs, f1.backs, f2.backs, f1.bias_backs, f2.bias_backs):
+    for a1, a2, m1, m2, g1, g2 in zip(
+      f1.inputs, f2.inputs, f1.backs, f2.backs, f1.bias_backs, f2.bias_backs
+    ):
       s = jnp.einsum("iqa,jqb->ijab", m1, m2, precision=_HIGHEST)
       k = k + layer_term(a1, a2, s, g1, g2, outer)
     return k
 
   return contract
-
-
 
 
 def full_to_matrix(k: jax.Array) -> jax.Array:
@@ -462,10 +512,18 @@ def full_to_matrix(k: jax.Array) -> jax.Array:
 # The entry point (public as ntk_fl.ntk.empirical_ntk).
 
 
-def empirical_ntk(apply_fn: ApplyFn, params: Params, x1: jax.Array, x2: jax.Array | None = None, *,
-                  trace_outputs: bool = True, implementation: Implementation | str = Implementation.AUTO,
-                  dense_stack: DenseStack | None = None, flax_apply: ApplyFn | None = None,
-                  chunk_size: int | None = None) -> jax.Array:
+def empirical_ntk(
+  apply_fn: ApplyFn,
+  params: Params,
+  x1: jax.Array,
+  x2: jax.Array | None = None,
+  *,
+  trace_outputs: bool = True,
+  implementation: Implementation | str = Implementation.AUTO,
+  dense_stack: DenseStack | None = None,
+  flax_apply: ApplyFn | None = None,
+  chunk_size: int | None = None,
+) -> jax.Array:
   """Empirical NTK of ``apply_fn`` at ``params`` between ``x1`` and ``x2``.
 
   Args:
@@ -512,11 +570,15 @@ def empirical_ntk(apply_fn: ApplyFn, params: Params, x1: jax.Array, x2: jax.Arra
   if impl in (Implementation.STRUCTURED, Implementation.AUTO):
     # Imported here: the layer-wise kernel needs flax, which a dense-stack or generic kernel does not load.
     from ntk_fl._src import layerwise
+
     plan = layerwise.make_plan(flax_apply, params, x1[:1], trace_outputs)
     generic = layerwise.contraction_flops(num_params_of(params), num_outputs, True)
-    if impl == Implementation.STRUCTURED or layerwise.plan_flops(plan, trace_outputs, 1, 1) < generic:
-      return layerwise.layerwise_kernel(flax_apply, params, x1, x2, trace_outputs, chunk_size,
-                                        plan=plan, blocked=_blocked_kernel)
+    if (
+      impl == Implementation.STRUCTURED or layerwise.plan_flops(plan, trace_outputs, 1, 1) < generic
+    ):
+      return layerwise.layerwise_kernel(
+        flax_apply, params, x1, x2, trace_outputs, chunk_size, plan=plan, blocked=_blocked_kernel
+      )
     impl = Implementation.JACOBIAN if trace_outputs else Implementation.NTVP
   chunk = chunk_size if chunk_size is not None else default_chunk(params, num_outputs)
   if impl == Implementation.JACOBIAN:

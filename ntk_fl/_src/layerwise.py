@@ -40,10 +40,12 @@ Samples must be independent (``f`` maps each sample on its own): the factors are
 (``vmap`` over single samples), so a model whose outputs depend on the rest of the batch has no
 per-sample factors and is rejected by the callers (neural-tangents' ``vmap_axes=None``).
 """
+
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -68,6 +70,7 @@ class Layer(NamedTuple):
     out_shape: the layer output's shape for one sample (the perturbation's shape).
     conv: a convolution's patch arguments (``None`` for a dense layer).
   """
+
   path: Path
   kind: str
   use_bias: bool
@@ -88,6 +91,7 @@ class Plan(NamedTuple):
     num_outputs: ``C``.
     num_rest: parameters contracted (everything but the factorised layers).
   """
+
   factorised: tuple[Layer, ...]
   contracted: tuple[tuple[Path, str], ...]
   num_outputs: int
@@ -98,8 +102,9 @@ class Plan(NamedTuple):
 # FLOP counts (2 per multiply-add; forward and backward passes, common to both routes, omitted).
 
 
-def factorised_flops(layer: Layer, num_outputs: int, trace_outputs: bool, n1: int = 1,
-                     n2: int = 1) -> int:
+def factorised_flops(
+  layer: Layer, num_outputs: int, trace_outputs: bool, n1: int = 1, n2: int = 1
+) -> int:
   """``2·N1·N2·T²·(d_in + C^k·d_out)`` (+ ``2·N1·N2·C^k·d_out`` for the bias when ``T > 1``), ``k = 1``
   traced, ``2`` full."""
   ck = num_outputs if trace_outputs else num_outputs**2
@@ -108,8 +113,9 @@ def factorised_flops(layer: Layer, num_outputs: int, trace_outputs: bool, n1: in
   return 2 * n1 * n2 * (t * t * (layer.d_in + ck * layer.d_out) + bias)
 
 
-def contraction_flops(num_params: int, num_outputs: int, trace_outputs: bool, n1: int = 1,
-                      n2: int = 1) -> int:
+def contraction_flops(
+  num_params: int, num_outputs: int, trace_outputs: bool, n1: int = 1, n2: int = 1
+) -> int:
   """``2·N1·N2·C·d`` traced, ``2·N1·N2·C²·d`` full: per-sample gradients of ``d`` parameters contracted."""
   ck = num_outputs if trace_outputs else num_outputs**2
   return 2 * n1 * n2 * ck * num_params
@@ -122,8 +128,9 @@ def layer_params(layer: Layer) -> int:
 def plan_flops(plan: Plan, trace_outputs: bool, n1: int, n2: int) -> int:
   """FLOPs of the layer-wise kernel for ``N1 × N2`` samples (the Gram / contraction terms)."""
   c = plan.num_outputs
-  return (sum(factorised_flops(layer, c, trace_outputs, n1, n2) for layer in plan.factorised)
-          + contraction_flops(plan.num_rest, c, trace_outputs, n1, n2))
+  return sum(
+    factorised_flops(layer, c, trace_outputs, n1, n2) for layer in plan.factorised
+  ) + contraction_flops(plan.num_rest, c, trace_outputs, n1, n2)
 
 
 # ----------------------------------------------------------------------------
@@ -148,8 +155,9 @@ def _conv_patch_args(module: nn.Conv, x_ndim: int) -> tuple[dict, str] | tuple[N
     return None, "masked kernel"
   if module.conv_general_dilated is not None or module.conv_general_dilated_cls is not None:
     return None, "custom conv_general_dilated"
-  kernel_size = ((module.kernel_size,) if isinstance(module.kernel_size, int)
-                 else tuple(module.kernel_size))
+  kernel_size = (
+    (module.kernel_size,) if isinstance(module.kernel_size, int) else tuple(module.kernel_size)
+  )
   nd = len(kernel_size)
   if x_ndim < nd + 1:
     return None, "input without a channel axis"
@@ -171,20 +179,30 @@ def _conv_patch_args(module: nn.Conv, x_ndim: int) -> tuple[dict, str] | tuple[N
     padding = tuple((p, p) if isinstance(p, int) else tuple(p) for p in padding)
     if len(padding) != nd:
       return None, f"padding {module.padding!r}"
-  return dict(filter_shape=kernel_size, window_strides=as_tuple(module.strides), padding=padding,
-              rhs_dilation=as_tuple(module.kernel_dilation), nd=nd), ""
+  return dict(
+    filter_shape=kernel_size,
+    window_strides=as_tuple(module.strides),
+    padding=padding,
+    rhs_dilation=as_tuple(module.kernel_dilation),
+    nd=nd,
+  ), ""
 
 
 def _record_call(calls: dict, module: nn.Module, x: Any, y: Any, trace: Any) -> None:
   path = tuple(module.path)
   entry = calls.setdefault(path, {"count": 0})
   entry["count"] += 1
-  entry.update(module=module, x_shape=tuple(jnp.shape(x)), y_shape=tuple(jnp.shape(y)),
-               same_trace=getattr(x, "_trace", None) is trace and trace is not None)
+  entry.update(
+    module=module,
+    x_shape=tuple(jnp.shape(x)),
+    y_shape=tuple(jnp.shape(y)),
+    same_trace=getattr(x, "_trace", None) is trace and trace is not None,
+  )
 
 
-def _route(path: Path, entry: dict, tree: Any, num_outputs: int, trace_outputs: bool,
-           force: bool = False):
+def _route(
+  path: Path, entry: dict, tree: Any, num_outputs: int, trace_outputs: bool, force: bool = False
+):
   """``(Layer, '')`` when ``path`` is factorised, else ``(None, why)`` (``force``: whatever the cost)."""
   module = entry["module"]
   if entry["count"] != 1:
@@ -202,16 +220,25 @@ def _route(path: Path, entry: dict, tree: Any, num_outputs: int, trace_outputs: 
       return None, "custom dot_general"
     if kernel.shape != (x_shape[-1], module.features):
       return None, "kernel shape differs from its use"
-    layer = Layer(path, "dense", module.use_bias, math.prod(x_shape[:-1]), x_shape[-1],
-                  module.features, y_shape)
+    layer = Layer(
+      path, "dense", module.use_bias, math.prod(x_shape[:-1]), x_shape[-1], module.features, y_shape
+    )
   else:
     conv, why = _conv_patch_args(module, len(x_shape))
     if conv is None:
       return None, why
     if kernel.shape != (*conv["filter_shape"], x_shape[-1], module.features):
       return None, "kernel shape differs from its use"
-    layer = Layer(path, "conv", module.use_bias, math.prod(y_shape[:-1]),
-                  math.prod(conv["filter_shape"]) * x_shape[-1], module.features, y_shape, conv)
+    layer = Layer(
+      path,
+      "conv",
+      module.use_bias,
+      math.prod(y_shape[:-1]),
+      math.prod(conv["filter_shape"]) * x_shape[-1],
+      module.features,
+      y_shape,
+      conv,
+    )
   if module.use_bias and leaves["bias"].shape != (module.features,):
     return None, "bias shape differs from its use"
   flops_f = factorised_flops(layer, num_outputs, trace_outputs)
@@ -221,8 +248,13 @@ def _route(path: Path, entry: dict, tree: Any, num_outputs: int, trace_outputs: 
   return layer, ""
 
 
-def make_plan(apply_fn: Callable, params: Params, x_probe: jax.Array, trace_outputs: bool,
-              route: str | None = None) -> Plan:
+def make_plan(
+  apply_fn: Callable,
+  params: Params,
+  x_probe: jax.Array,
+  trace_outputs: bool,
+  route: str | None = None,
+) -> Plan:
   """The layers of ``apply_fn`` on one sample ``x_probe [1, *in]`` and the route of each.
 
   ``route`` (tests): ``'factorise'`` factorises every eligible layer regardless of cost,
@@ -232,8 +264,7 @@ def make_plan(apply_fn: Callable, params: Params, x_probe: jax.Array, trace_outp
 
   def interceptor(next_fun, args, kwargs, context):
     y = next_fun(*args, **kwargs)
-    if (context.method_name == "__call__" and type(context.module) in (nn.Dense, nn.Conv)
-        and args):
+    if context.method_name == "__call__" and type(context.module) in (nn.Dense, nn.Conv) and args:
       _record_call(calls, context.module, args[0], y, trace_box[0])
     return y
 
@@ -275,6 +306,7 @@ class Features(NamedTuple):
     cotangents: per factorised layer, ``G`` ``[b, C, T, d_out]``.
     rest: per-sample Jacobians of the contracted leaves (pytree of ``[b, C, *leaf]``).
   """
+
   inputs: tuple[jax.Array, ...]
   cotangents: tuple[jax.Array, ...]
   rest: Any
@@ -316,12 +348,18 @@ def _patches(layer: Layer, x: jax.Array) -> jax.Array:
   """A convolution's input patches ``[T, k²·c_in]`` for one sample (any order within a patch)."""
   conv = layer.conv
   nd = conv["nd"]
-  x = x.reshape(-1, *x.shape[-(nd + 1):])
+  x = x.reshape(-1, *x.shape[-(nd + 1) :])
   spatial = "".join("HWDABEFGIJ"[:nd])
   spec = ("N" + spatial + "C", spatial + "IO", "N" + spatial + "C")
   p = jax.lax.conv_general_dilated_patches(
-      x, conv["filter_shape"], conv["window_strides"], conv["padding"],
-      rhs_dilation=conv["rhs_dilation"], dimension_numbers=spec, precision=_HIGHEST)
+    x,
+    conv["filter_shape"],
+    conv["window_strides"],
+    conv["padding"],
+    rhs_dilation=conv["rhs_dilation"],
+    dimension_numbers=spec,
+    precision=_HIGHEST,
+  )
   return p.reshape(-1, p.shape[-1])
 
 
@@ -337,12 +375,15 @@ def features_fn(apply_fn: Callable, params: Params, plan: Plan) -> Callable[[jax
       y = next_fun(*args, **kwargs)
       if context.method_name != "__call__":
         return y
-      layer = by_path.get(tuple(context.module.path)) if type(context.module) in (
-          nn.Dense, nn.Conv) else None
+      layer = (
+        by_path.get(tuple(context.module.path))
+        if type(context.module) in (nn.Dense, nn.Conv)
+        else None
+      )
       if layer is None:
         return y
       x = args[0]
-      a = (x.reshape(-1, layer.d_in) if layer.kind == "dense" else _patches(layer, x))
+      a = x.reshape(-1, layer.d_in) if layer.kind == "dense" else _patches(layer, x)
       inputs[layer.path] = a
       return y + eps[layer.path].astype(y.dtype)
 
@@ -350,8 +391,10 @@ def features_fn(apply_fn: Callable, params: Params, plan: Plan) -> Callable[[jax
       out = apply_fn(_merge(rest_p, fixed), xi[None])
     missing = set(by_path) - set(inputs)
     if missing:
-      raise ValueError(f"layers {sorted(missing)} were found on the probe sample but not called "
-                       "again: the model's apply must not be jit-compiled or depend on the batch")
+      raise ValueError(
+        f"layers {sorted(missing)} were found on the probe sample but not called "
+        "again: the model's apply must not be jit-compiled or depend on the batch"
+      )
     return out[0], tuple(inputs[layer.path] for layer in plan.factorised)
 
   def features(x: jax.Array) -> Features:
@@ -359,8 +402,10 @@ def features_fn(apply_fn: Callable, params: Params, plan: Plan) -> Callable[[jax
     eps = {layer.path: jnp.zeros(layer.out_shape, dtype) for layer in plan.factorised}
     jac = jax.jacrev(single, argnums=(0, 1), has_aux=True)
     (j_rest, j_eps), a = jax.vmap(jac, in_axes=(None, None, 0))(rest, eps, x)
-    g = tuple(j_eps[layer.path].reshape(x.shape[0], plan.num_outputs, layer.positions,
-                                        layer.d_out) for layer in plan.factorised)
+    g = tuple(
+      j_eps[layer.path].reshape(x.shape[0], plan.num_outputs, layer.positions, layer.d_out)
+      for layer in plan.factorised
+    )
     return Features(a, g, j_rest)
 
   return features
@@ -411,8 +456,9 @@ def _layer_kernel(layer: Layer, a1, a2, g1, g2, trace_outputs: bool) -> jax.Arra
 def contract_fn(plan: Plan, trace_outputs: bool) -> Callable[[Features, Features], jax.Array]:
   def contract(f1: Features, f2: Features) -> jax.Array:
     k = _rest_kernel(f1.rest, f2.rest, trace_outputs)
-    for layer, a1, a2, g1, g2 in zip(plan.factorised, f1.inputs, f2.inputs, f1.cotangents,
-                                     f2.cotangents):
+    for layer, a1, a2, g1, g2 in zip(
+      plan.factorised, f1.inputs, f2.inputs, f1.cotangents, f2.cotangents
+    ):
       term = _layer_kernel(layer, a1, a2, g1, g2, trace_outputs)
       k = term if k is None else k + term
     if k is None:  # a model without parameters
@@ -426,17 +472,28 @@ def contract_fn(plan: Plan, trace_outputs: bool) -> Callable[[Features, Features
 def feature_floats(plan: Plan) -> int:
   """Floats of one sample's :class:`Features` (the blocks' memory)."""
   c = plan.num_outputs
-  return (sum(layer.positions * (layer.d_in + c * layer.d_out) for layer in plan.factorised)
-          + c * plan.num_rest)
+  return (
+    sum(layer.positions * (layer.d_in + c * layer.d_out) for layer in plan.factorised)
+    + c * plan.num_rest
+  )
 
 
 # ----------------------------------------------------------------------------
 # The kernel.
 
 
-def layerwise_kernel(apply_fn: Callable, params: Params, x1: jax.Array, x2: jax.Array | None,
-                     trace_outputs: bool, chunk: int | None, *, route: str | None = None,
-                     plan: Plan | None = None, blocked: Callable | None = None) -> jax.Array:
+def layerwise_kernel(
+  apply_fn: Callable,
+  params: Params,
+  x1: jax.Array,
+  x2: jax.Array | None,
+  trace_outputs: bool,
+  chunk: int | None,
+  *,
+  route: str | None = None,
+  plan: Plan | None = None,
+  blocked: Callable | None = None,
+) -> jax.Array:
   """``K = Σ_l K_l + K_r`` ``[N1, N2]`` traced or ``[N1, N2, C, C]`` full (module docstring).
 
   ``apply_fn(params, x [B, *in]) -> [B, C]`` must reach its flax layers without a ``jax.jit``

@@ -3,6 +3,7 @@
 A leaf (standard library only): the schema imports a config's module, and reading a stored run asks
 whether it was imported already (:func:`ntk_fl.rundir.rebuild_config`), neither importing the other.
 """
+
 from __future__ import annotations
 
 import importlib

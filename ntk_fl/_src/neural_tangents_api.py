@@ -45,11 +45,13 @@ The default ``vmap_axes=None`` is neural-tangents': it is right for every model,
 those whose outputs depend on the rest of the batch, and costs ``N`` times the work of
 ``vmap_axes=0``, which certifies independent samples along the leading axis.
 """
+
 from __future__ import annotations
 
 import math
 import string
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -75,7 +77,8 @@ def _check_axes(name: str, axes: Any) -> tuple[int, ...]:
   if isinstance(axes, (int, np.integer)) and not isinstance(axes, bool):
     return (int(axes),)
   if isinstance(axes, (tuple, list)) and all(
-      isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in axes):
+    isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in axes
+  ):
     return tuple(int(a) for a in axes)
   raise ValueError(f"{name} must be an int or a sequence of ints (output axes of f), got {axes!r}")
 
@@ -89,23 +92,31 @@ def _check_vmap_axes(vmap_axes: Any) -> tuple[int, int] | None:
   if isinstance(vmap_axes, tuple) and len(vmap_axes) == 3:
     in_axis, out_axis, kwargs_axes = vmap_axes
     if kwargs_axes not in (None, {}):
-      raise ValueError(f"vmap_axes: batched keyword arguments are not supported; the third element "
-                       f"must be {{}}, got {kwargs_axes!r}")
+      raise ValueError(
+        f"vmap_axes: batched keyword arguments are not supported; the third element "
+        f"must be {{}}, got {kwargs_axes!r}"
+      )
     if is_int(in_axis) and is_int(out_axis):
       return int(in_axis), int(out_axis)
-  raise ValueError(f"vmap_axes must be None, an int, or a triple (in_axis: int, out_axis: int, {{}}), "
-                   f"got {vmap_axes!r}")
+  raise ValueError(
+    f"vmap_axes must be None, an int, or a triple (in_axis: int, out_axis: int, {{}}), "
+    f"got {vmap_axes!r}"
+  )
 
 
 def _check_implementation(implementation: Any) -> NtkImplementation:
   allowed = ", ".join(f"{m.name} ({m.value})" for m in NtkImplementation)
   if isinstance(implementation, bool) or not isinstance(implementation, (int, np.integer)):
-    raise ValueError(f"implementation must be an NtkImplementation or its int value ({allowed}), "
-                     f"got {implementation!r}")
+    raise ValueError(
+      f"implementation must be an NtkImplementation or its int value ({allowed}), "
+      f"got {implementation!r}"
+    )
   try:
     return NtkImplementation(int(implementation))
   except ValueError:
-    raise ValueError(f"unknown implementation {implementation!r}; choose one of {allowed}") from None
+    raise ValueError(
+      f"unknown implementation {implementation!r}; choose one of {allowed}"
+    ) from None
 
 
 def _canonical_axes(name: str, axes: tuple[int, ...], ndim: int) -> tuple[int, ...]:
@@ -120,7 +131,9 @@ def _canonical_axes(name: str, axes: tuple[int, ...], ndim: int) -> tuple[int, .
 
 def _as_array(name: str, x: Any) -> jax.Array:
   if not isinstance(x, (jax.Array, np.ndarray)):
-    raise ValueError(f"{name} must be an array (pytree inputs are not supported), got {type(x).__name__}")
+    raise ValueError(
+      f"{name} must be an array (pytree inputs are not supported), got {type(x).__name__}"
+    )
   return x
 
 
@@ -128,9 +141,16 @@ def _as_array(name: str, x: Any) -> jax.Array:
 # Kernel assembly.
 
 
-def _reduce_output_axes(kernel: jax.Array, out_shape1: tuple[int, ...], out_shape2: tuple[int, ...],
-                        batch: str, batch_position: int | None, trace: tuple[int, ...],
-                        diagonal: tuple[int, ...], num_batch_traced: int) -> jax.Array:
+def _reduce_output_axes(
+  kernel: jax.Array,
+  out_shape1: tuple[int, ...],
+  out_shape2: tuple[int, ...],
+  batch: str,
+  batch_position: int | None,
+  trace: tuple[int, ...],
+  diagonal: tuple[int, ...],
+  num_batch_traced: int,
+) -> jax.Array:
   """Traces and diagonals over per-sample output axes of a full kernel, axes in ``f``'s order.
 
   ``kernel`` is ``[N1, N2, O1, O2]`` (``batch='pair'``), ``[N, O, O]``
@@ -141,13 +161,17 @@ def _reduce_output_axes(kernel: jax.Array, out_shape1: tuple[int, ...], out_shap
   """
   lead = {"pair": 2, "diagonal": 1, "trace": 1, "none": 0}[batch]
   kernel = kernel.reshape(*kernel.shape[:lead], *out_shape1, *out_shape2)
-  side1 = _LETTERS[:len(out_shape1)]
-  side2 = [a if m in trace or m in diagonal else b
-           for m, (a, b) in enumerate(zip(side1, _LETTERS[len(out_shape1):]))]
+  side1 = _LETTERS[: len(out_shape1)]
+  side2 = [
+    a if m in trace or m in diagonal else b
+    for m, (a, b) in enumerate(zip(side1, _LETTERS[len(out_shape1) :]))
+  ]
   lead_in = {"pair": "ij", "diagonal": "i", "trace": "i", "none": ""}[batch]
   lead_out = {"pair": "ij", "diagonal": "i", "trace": "", "none": ""}[batch]
-  per_axis = [("" if m in trace else a if m in diagonal else a + b)
-              for m, (a, b) in enumerate(zip(side1, side2))]
+  per_axis = [
+    ("" if m in trace else a if m in diagonal else a + b)
+    for m, (a, b) in enumerate(zip(side1, side2))
+  ]
   if batch_position is not None:
     per_axis.insert(batch_position, lead_out)
   spec = f"{lead_in}{''.join(side1)}{''.join(side2)}->{''.join(per_axis)}"
@@ -155,36 +179,57 @@ def _reduce_output_axes(kernel: jax.Array, out_shape1: tuple[int, ...], out_shap
   return jnp.einsum(spec, kernel) / size
 
 
-def _traced_and_diagonal_axes(fx1, fx2, trace_axes, diagonal_axes) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _traced_and_diagonal_axes(
+  fx1, fx2, trace_axes, diagonal_axes
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
   """Canonical (non-negative) traced and diagonal output axes, checked against the outputs' shapes."""
   ndim = len(fx1.shape)
   trace = _canonical_axes("trace_axes", trace_axes, ndim)
   diagonal = _canonical_axes("diagonal_axes", diagonal_axes, ndim)
   if set(trace) & set(diagonal):
-    raise ValueError(f"trace_axes {trace_axes} and diagonal_axes {diagonal_axes} share an output axis")
+    raise ValueError(
+      f"trace_axes {trace_axes} and diagonal_axes {diagonal_axes} share an output axis"
+    )
   for a in trace + diagonal:
     if fx1.shape[a] != fx2.shape[a]:
-      raise ValueError(f"output axis {a} is traced or diagonal, so f(x1) and f(x2) must agree on it; "
-                       f"got shapes {fx1.shape} and {fx2.shape}")
+      raise ValueError(
+        f"output axis {a} is traced or diagonal, so f(x1) and f(x2) must agree on it; "
+        f"got shapes {fx1.shape} and {fx2.shape}"
+      )
   return trace, diagonal
 
 
-def _batched_kernel(f, kwargs, params, x1, x2, in_axis, out_axis, trace_axes, diagonal_axes,
-                    implementation, dense_stack, chunk_size):
+def _batched_kernel(
+  f,
+  kwargs,
+  params,
+  x1,
+  x2,
+  in_axis,
+  out_axis,
+  trace_axes,
+  diagonal_axes,
+  implementation,
+  dense_stack,
+  chunk_size,
+):
   fx1 = jax.eval_shape(lambda p, x: f(p, x, **kwargs), params, x1)
   fx2 = fx1 if x2 is None else jax.eval_shape(lambda p, x: f(p, x, **kwargs), params, x2)
   if not isinstance(fx1, jax.ShapeDtypeStruct) or not fx1.shape:
-    raise ValueError(f"f must return one array with a batch axis (pytree outputs are not supported), "
-                     f"got {fx1}")
+    raise ValueError(
+      f"f must return one array with a batch axis (pytree outputs are not supported), got {fx1}"
+    )
   ndim = len(fx1.shape)
   if not -ndim <= out_axis < ndim:
-    raise ValueError(f"vmap_axes: out_axis {out_axis} is out of range for outputs of f of shape {fx1.shape}")
+    raise ValueError(
+      f"vmap_axes: out_axis {out_axis} is out of range for outputs of f of shape {fx1.shape}"
+    )
   out_axis %= ndim
   trace, diagonal = _traced_and_diagonal_axes(fx1, fx2, trace_axes, diagonal_axes)
 
   to_sample_axis = lambda a: a if a < out_axis else a - 1
-  out_shape1 = fx1.shape[:out_axis] + fx1.shape[out_axis + 1:]
-  out_shape2 = fx2.shape[:out_axis] + fx2.shape[out_axis + 1:]
+  out_shape1 = fx1.shape[:out_axis] + fx1.shape[out_axis + 1 :]
+  out_shape2 = fx2.shape[:out_axis] + fx2.shape[out_axis + 1 :]
   sample_trace = tuple(to_sample_axis(a) for a in trace if a != out_axis)
   sample_diagonal = tuple(to_sample_axis(a) for a in diagonal if a != out_axis)
   batch = "trace" if out_axis in trace else "diagonal" if out_axis in diagonal else "pair"
@@ -194,9 +239,11 @@ def _batched_kernel(f, kwargs, params, x1, x2, in_axis, out_axis, trace_axes, di
   interceptable = not hasattr(f, "lower")  # a jax.jit-compiled f hides its layers
   structured_applies = (dense_stack is not None or interceptable) and len(out_shape1) == 1
   if impl == NtkImplementation.STRUCTURED_DERIVATIVES and not structured_applies:
-    raise ValueError("STRUCTURED_DERIVATIVES needs outputs [C] per sample and a dense_stack or an f "
-                     f"that is not jax.jit-compiled; got dense_stack={dense_stack!r}, "
-                     f"jit-compiled f: {not interceptable}, outputs of f of shape {fx1.shape}")
+    raise ValueError(
+      "STRUCTURED_DERIVATIVES needs outputs [C] per sample and a dense_stack or an f "
+      f"that is not jax.jit-compiled; got dense_stack={dense_stack!r}, "
+      f"jit-compiled f: {not interceptable}, outputs of f of shape {fx1.shape}"
+    )
   if impl == NtkImplementation.AUTO and not structured_applies:
     dense_stack = None
 
@@ -208,8 +255,17 @@ def _batched_kernel(f, kwargs, params, x1, x2, in_axis, out_axis, trace_axes, di
   flax_apply = g if structured_applies and dense_stack is None else None
 
   def kernel_of(a, b):
-    return empirical_ntk(g, params, a, b, trace_outputs=trace_outputs, implementation=impl,
-                         dense_stack=dense_stack, flax_apply=flax_apply, chunk_size=chunk_size)
+    return empirical_ntk(
+      g,
+      params,
+      a,
+      b,
+      trace_outputs=trace_outputs,
+      implementation=impl,
+      dense_stack=dense_stack,
+      flax_apply=flax_apply,
+      chunk_size=chunk_size,
+    )
 
   xb1 = jnp.moveaxis(x1, in_axis, 0)
   xb2 = None if x2 is None else jnp.moveaxis(x2, in_axis, 0)
@@ -223,15 +279,20 @@ def _batched_kernel(f, kwargs, params, x1, x2, in_axis, out_axis, trace_axes, di
   num_batch_traced = xb1.shape[0] if batch == "trace" else 1
   if trace_outputs:
     return jnp.sum(kernel, axis=0) / num_batch_traced if batch == "trace" else kernel
-  return _reduce_output_axes(kernel, out_shape1, out_shape2, batch, out_axis, sample_trace,
-                             sample_diagonal, num_batch_traced)
+  return _reduce_output_axes(
+    kernel, out_shape1, out_shape2, batch, out_axis, sample_trace, sample_diagonal, num_batch_traced
+  )
 
 
-def _unbatched_kernel(f, kwargs, params, x1, x2, trace_axes, diagonal_axes, implementation, chunk_size):
+def _unbatched_kernel(
+  f, kwargs, params, x1, x2, trace_axes, diagonal_axes, implementation, chunk_size
+):
   """``vmap_axes=None``: the whole input is one sample; no independence is assumed."""
   if implementation == NtkImplementation.STRUCTURED_DERIVATIVES:
-    raise ValueError("STRUCTURED_DERIVATIVES needs a batched vmap_axes (its factors are per sample: "
-                     "certify independent samples, e.g. vmap_axes=0), got vmap_axes=None")
+    raise ValueError(
+      "STRUCTURED_DERIVATIVES needs a batched vmap_axes (its factors are per sample: "
+      "certify independent samples, e.g. vmap_axes=0), got vmap_axes=None"
+    )
   apply = lambda p, x: f(p, x, **kwargs)
   fx1 = jax.eval_shape(apply, params, x1)
   fx2 = fx1 if x2 is None else jax.eval_shape(apply, params, x2)
@@ -244,8 +305,15 @@ def _unbatched_kernel(f, kwargs, params, x1, x2, trace_axes, diagonal_axes, impl
 
   if x2 is None:
     g = lambda p, xb: apply(p, xb[0]).reshape(1, -1)
-    kernel = empirical_ntk(g, params, x1[None], None, trace_outputs=trace_outputs, implementation=impl,
-                           chunk_size=chunk_size)[0, 0]
+    kernel = empirical_ntk(
+      g,
+      params,
+      x1[None],
+      None,
+      trace_outputs=trace_outputs,
+      implementation=impl,
+      chunk_size=chunk_size,
+    )[0, 0]
   else:
     # x1 and x2 may differ in shape: one "sample" input is a selector s (0 -> x1, 1 -> x2) and both
     # sides' outputs are zero-padded to a common length; the unselected side has zero Jacobian.
@@ -257,8 +325,15 @@ def _unbatched_kernel(f, kwargs, params, x1, x2, trace_axes, diagonal_axes, impl
       y2 = jnp.pad(apply(p, x2).reshape(-1), (0, width - o2))
       return jnp.where(s == 0, y1[None], y2[None])
 
-    kernel = empirical_ntk(g, params, jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), jnp.int32),
-                           trace_outputs=trace_outputs, implementation=impl, chunk_size=chunk_size)[0, 0]
+    kernel = empirical_ntk(
+      g,
+      params,
+      jnp.zeros((1, 1), jnp.int32),
+      jnp.ones((1, 1), jnp.int32),
+      trace_outputs=trace_outputs,
+      implementation=impl,
+      chunk_size=chunk_size,
+    )[0, 0]
     if not trace_outputs:
       kernel = kernel[:o1, :o2]
   if trace_outputs:
@@ -270,9 +345,16 @@ def _unbatched_kernel(f, kwargs, params, x1, x2, trace_axes, diagonal_axes, impl
 # Public API (re-exported by ntk_fl.ntk).
 
 
-def empirical_ntk_fn(f: Callable[..., jax.Array], trace_axes: Any = (-1,), diagonal_axes: Any = (),
-                     vmap_axes: Any = None, implementation: NtkImplementation | int = NtkImplementation.AUTO,
-                     *, dense_stack: DenseStack | None = None, chunk_size: int | None = None):
+def empirical_ntk_fn(
+  f: Callable[..., jax.Array],
+  trace_axes: Any = (-1,),
+  diagonal_axes: Any = (),
+  vmap_axes: Any = None,
+  implementation: NtkImplementation | int = NtkImplementation.AUTO,
+  *,
+  dense_stack: DenseStack | None = None,
+  chunk_size: int | None = None,
+):
   """Returns ``ntk_fn(x1, x2, params, **apply_fn_kwargs)``, the empirical NTK of ``f`` (neural-tangents' API).
 
   Args:
@@ -310,28 +392,50 @@ def empirical_ntk_fn(f: Callable[..., jax.Array], trace_axes: Any = (-1,), diago
   batch_axes = _check_vmap_axes(vmap_axes)
   implementation = _check_implementation(implementation)
   _kernels.check_dense_stack(dense_stack)
-  if (implementation == NtkImplementation.STRUCTURED_DERIVATIVES and dense_stack is None
-      and hasattr(f, "lower")):
-    raise ValueError("implementation=STRUCTURED_DERIVATIVES needs dense_stack (the model's DenseStack) "
-                     "or an f that is not jax.jit-compiled (e.g. module.apply, or Model.flax_apply), "
-                     "whose flax layers the layer-wise kernel intercepts")
+  if (
+    implementation == NtkImplementation.STRUCTURED_DERIVATIVES
+    and dense_stack is None
+    and hasattr(f, "lower")
+  ):
+    raise ValueError(
+      "implementation=STRUCTURED_DERIVATIVES needs dense_stack (the model's DenseStack) "
+      "or an f that is not jax.jit-compiled (e.g. module.apply, or Model.flax_apply), "
+      "whose flax layers the layer-wise kernel intercepts"
+    )
   _kernels.check_chunk_size(chunk_size)
 
   def ntk_fn(x1: jax.Array, x2: jax.Array | None, params: Any, **apply_fn_kwargs) -> jax.Array:
     x1 = _as_array("x1", x1)
     x2 = None if x2 is None else _as_array("x2", x2)
     if batch_axes is None:
-      return _unbatched_kernel(f, apply_fn_kwargs, params, x1, x2, trace_axes, diagonal_axes,
-                               implementation, chunk_size)
+      return _unbatched_kernel(
+        f, apply_fn_kwargs, params, x1, x2, trace_axes, diagonal_axes, implementation, chunk_size
+      )
     in_axis, out_axis = batch_axes
     if not -x1.ndim <= in_axis < x1.ndim:
       raise ValueError(f"vmap_axes: in_axis {in_axis} is out of range for x1 of shape {x1.shape}")
     in_axis %= x1.ndim
-    if x2 is not None and (x2.ndim != x1.ndim or np.delete(x2.shape, in_axis).tolist()
-                           != np.delete(x1.shape, in_axis).tolist()):
-      raise ValueError(f"x1 and x2 must agree on every axis but the batch axis {in_axis}, "
-                       f"got shapes {x1.shape} and {x2.shape}")
-    return _batched_kernel(f, apply_fn_kwargs, params, x1, x2, in_axis, out_axis, trace_axes,
-                           diagonal_axes, implementation, dense_stack, chunk_size)
+    if x2 is not None and (
+      x2.ndim != x1.ndim
+      or np.delete(x2.shape, in_axis).tolist() != np.delete(x1.shape, in_axis).tolist()
+    ):
+      raise ValueError(
+        f"x1 and x2 must agree on every axis but the batch axis {in_axis}, "
+        f"got shapes {x1.shape} and {x2.shape}"
+      )
+    return _batched_kernel(
+      f,
+      apply_fn_kwargs,
+      params,
+      x1,
+      x2,
+      in_axis,
+      out_axis,
+      trace_axes,
+      diagonal_axes,
+      implementation,
+      dense_stack,
+      chunk_size,
+    )
 
   return ntk_fn

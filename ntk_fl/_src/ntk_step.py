@@ -5,11 +5,13 @@ variable part an argument: the kernel (computed, precomputed, or from explicit J
 or a function of the starting outputs), the coordinates of the linearisation (:class:`ParamMap`), how a
 candidate is scored, and the start point.
 """
+
 from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
 
 import chex
 import jax
@@ -18,7 +20,17 @@ import optax
 
 from ntk_fl import jacobians, ntk
 from ntk_fl._src import evolution as _evolution
-from ntk_fl._src.options import Implementation, Kernel, Loss, MseForm, Select, Solver, check_loss_solver, check_taus, parse
+from ntk_fl._src.options import (
+  Implementation,
+  Kernel,
+  Loss,
+  MseForm,
+  Select,
+  Solver,
+  check_loss_solver,
+  check_taus,
+  parse,
+)
 from ntk_fl._src.dense_stack import DenseStack
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -29,6 +41,7 @@ ApplyFn = Callable[[Any, Array], Array]
 
 class TauChoice(NamedTuple):
   """The selected candidate: ``index`` into the grid, ``tau`` and its ``loss``."""
+
   index: Array
   tau: Array
   loss: Array
@@ -47,6 +60,7 @@ class ParamMap(NamedTuple):
   ``u ↦ w̄ + P u`` at ``u = 0``, with ``Δw = P Δu``; CP-NTK-FL's flat Jacobians have the flat parameter
   vector as coordinates, mapped back by :func:`ntk_fl.jacobians.unflatten_jacobian`.
   """
+
   apply_fn: ApplyFn
   point: Any
   to_params: Callable[[Any], Any]
@@ -90,7 +104,9 @@ def weight_update_vjp(apply_fn: ApplyFn, params, x: Array, residual_sums: Array,
   out, pullback = jax.vjp(lambda p: apply_fn(p, x), params)
   if residual_sums.shape[1:] != out.shape:
     raise ValueError(f"residual_sums must be [T, *{out.shape}], got {residual_sums.shape}")
-  return _deltas_from_pullback(pullback, residual_sums.astype(out.dtype), _scale(lr, norm, out.dtype))
+  return _deltas_from_pullback(
+    pullback, residual_sums.astype(out.dtype), _scale(lr, norm, out.dtype)
+  )
 
 
 def weight_update_from_jacobian(jac, residual_sums: Array, lr, norm):
@@ -106,7 +122,9 @@ def weight_update_from_jacobian(jac, residual_sums: Array, lr, norm):
 
   def contract(j):
     if j.shape[:2] != residual_sums.shape[1:]:
-      raise ValueError(f"jacobian leaves must be [N, C, ...] = {residual_sums.shape[1:]} + ..., got {j.shape}")
+      raise ValueError(
+        f"jacobian leaves must be [N, C, ...] = {residual_sums.shape[1:]} + ..., got {j.shape}"
+      )
     return scale * jnp.tensordot(residual_sums, j, axes=([1, 2], [0, 1]), precision=_HIGHEST)
 
   return jax.tree_util.tree_map(contract, jac)
@@ -142,7 +160,7 @@ def select_tau(losses: Array, taus: Sequence[int]) -> TauChoice:
   """
   taus = check_taus(taus)
   if losses.shape != (len(taus),):
-    raise ValueError(f"losses must be [T]={len(taus),}, got {losses.shape}")
+    raise ValueError(f"losses must be [T]={(len(taus),)}, got {losses.shape}")
   index = jnp.argmin(jnp.where(jnp.isnan(losses), jnp.inf, losses))
   return TauChoice(index.astype(jnp.int32), jnp.asarray(taus, jnp.int32)[index], losses[index])
 
@@ -168,21 +186,42 @@ _WHOLE_BATCH = {Implementation.AUTO: 0, Implementation.JACOBIAN: 1, Implementati
 def _whole_batch(kernel_impl) -> int:
   impl = parse(Implementation, kernel_impl, "kernel_impl")
   if impl not in _WHOLE_BATCH:
-    raise ValueError(f"kernel_impl={impl.value!r} needs a per-sample model; a model with "
-                     f"per_sample=False takes one of {tuple(m.value for m in _WHOLE_BATCH)}")
+    raise ValueError(
+      f"kernel_impl={impl.value!r} needs a per-sample model; a model with "
+      f"per_sample=False takes one of {tuple(m.value for m in _WHOLE_BATCH)}"
+    )
   return _WHOLE_BATCH[impl]
 
 
-def ntk_step(apply_fn: ApplyFn, params, x: Array, targets, mask: Array, *, lr, taus: Sequence[int],
-             loss: Loss | str = Loss.CE, solver: Solver | str = Solver.EULER,
-             mse_form: MseForm | str = MseForm.DISCRETE, ode_rtol: float = 1e-7, ode_atol: float = 1e-9,
-             kernel: Kernel | str = Kernel.TRACED, kernel_impl: Implementation | str = Implementation.AUTO,
-             dense_stack: DenseStack | None = None, flax_apply: ApplyFn | None = None,
-             per_sample: bool = True, kernel_matrix: Array | None = None, jacobian=None,
-             param_map: ParamMap | None = None, labels: Array | None = None,
-             select: Select | str = Select.NETWORK, candidate: Callable[[Any], Any] | None = None,
-             start=None, f0: Array | None = None,
-             score_fn: Callable[[Any], Array] | None = None):
+def ntk_step(
+  apply_fn: ApplyFn,
+  params,
+  x: Array,
+  targets,
+  mask: Array,
+  *,
+  lr,
+  taus: Sequence[int],
+  loss: Loss | str = Loss.CE,
+  solver: Solver | str = Solver.EULER,
+  mse_form: MseForm | str = MseForm.DISCRETE,
+  ode_rtol: float = 1e-7,
+  ode_atol: float = 1e-9,
+  kernel: Kernel | str = Kernel.TRACED,
+  kernel_impl: Implementation | str = Implementation.AUTO,
+  dense_stack: DenseStack | None = None,
+  flax_apply: ApplyFn | None = None,
+  per_sample: bool = True,
+  kernel_matrix: Array | None = None,
+  jacobian=None,
+  param_map: ParamMap | None = None,
+  labels: Array | None = None,
+  select: Select | str = Select.NETWORK,
+  candidate: Callable[[Any], Any] | None = None,
+  start=None,
+  f0: Array | None = None,
+  score_fn: Callable[[Any], Array] | None = None,
+):
   """One NTK client step: kernel, evolution, candidate updates ``Δw_τ``, scores, the chosen ``τ``.
 
   The step every NTK method takes (NTK-DFL per neighbourhood, NTK-FL / CP-NTK-FL on the server's pooled
@@ -239,11 +278,16 @@ def ntk_step(apply_fn: ApplyFn, params, x: Array, targets, mask: Array, *, lr, t
     against the labels) and ``'f0'`` ``[N, C]`` (the starting outputs).
   """
   loss, solver = parse(Loss, loss, "loss"), parse(Solver, solver, "solver")
-  mse_form, select, kernel = parse(MseForm, mse_form, "mse_form"), parse(Select, select, "select"), \
-      parse(Kernel, kernel, "kernel")
+  mse_form, select, kernel = (
+    parse(MseForm, mse_form, "mse_form"),
+    parse(Select, select, "select"),
+    parse(Kernel, kernel, "kernel"),
+  )
   check_loss_solver(loss, solver)
   if score_fn is not None and select != Select.NETWORK:
-    raise ValueError(f"score_fn scores candidate networks, so it needs select='network', got {select.value!r}")
+    raise ValueError(
+      f"score_fn scores candidate networks, so it needs select='network', got {select.value!r}"
+    )
   taus = check_taus(taus)
   _check_lr(lr)
   n_samples = x.shape[0]
@@ -252,7 +296,9 @@ def ntk_step(apply_fn: ApplyFn, params, x: Array, targets, mask: Array, *, lr, t
     chex.assert_rank(targets, 2)
     chex.assert_shape(targets, (n_samples, None))
   if kernel_matrix is not None and kernel_matrix.shape[:2] != (n_samples, n_samples):
-    raise ValueError(f"kernel_matrix must be [N, N] or [N, N, C, C] with N = {n_samples}, got {kernel_matrix.shape}")
+    raise ValueError(
+      f"kernel_matrix must be [N, N] or [N, N, C, C] with N = {n_samples}, got {kernel_matrix.shape}"
+    )
 
   given_f0 = f0
   mask = jnp.asarray(mask).astype(bool)
@@ -279,13 +325,35 @@ def ntk_step(apply_fn: ApplyFn, params, x: Array, targets, mask: Array, *, lr, t
   elif jacobian is not None:
     k = jacobians.jacobian_kernel(jacobian, trace_outputs=traced)
   elif not per_sample:
-    k = ntk.empirical_ntk_fn(coords.apply_fn, trace_axes=(-1,) if traced else (), vmap_axes=None,
-                             implementation=_whole_batch(kernel_impl))(x, None, coords.point)
+    k = ntk.empirical_ntk_fn(
+      coords.apply_fn,
+      trace_axes=(-1,) if traced else (),
+      vmap_axes=None,
+      implementation=_whole_batch(kernel_impl),
+    )(x, None, coords.point)
   else:
-    k = ntk.empirical_ntk(coords.apply_fn, coords.point, x, trace_outputs=traced, implementation=kernel_impl,
-                          dense_stack=dense_stack, flax_apply=flax_apply if param_map is None else None)
-  evo = _evolution.evolve(k, f0, targets, mask, lr=lr, taus=taus, loss=loss, solver=solver, mse_form=mse_form,
-                          ode_rtol=ode_rtol, ode_atol=ode_atol)
+    k = ntk.empirical_ntk(
+      coords.apply_fn,
+      coords.point,
+      x,
+      trace_outputs=traced,
+      implementation=kernel_impl,
+      dense_stack=dense_stack,
+      flax_apply=flax_apply if param_map is None else None,
+    )
+  evo = _evolution.evolve(
+    k,
+    f0,
+    targets,
+    mask,
+    lr=lr,
+    taus=taus,
+    loss=loss,
+    solver=solver,
+    mse_form=mse_form,
+    ode_rtol=ode_rtol,
+    ode_atol=ode_atol,
+  )
 
   n = jnp.maximum(mask.sum(), 1)
   norm = n if loss == Loss.CE else n * f0.shape[-1]
@@ -309,6 +377,11 @@ def ntk_step(apply_fn: ApplyFn, params, x: Array, targets, mask: Array, *, lr, t
     losses = linearized_losses
   choice = select_tau(losses, taus)
   delta = jax.tree_util.tree_map(lambda d: d[choice.index], deltas)
-  info = {"tau": choice.tau, "loss": choice.loss, "losses": losses, "linearized_losses": linearized_losses,
-          "f0": f0}
+  info = {
+    "tau": choice.tau,
+    "loss": choice.loss,
+    "losses": losses,
+    "linearized_losses": linearized_losses,
+    "f0": f0,
+  }
   return delta, info

@@ -2,21 +2,38 @@
 
 Every option is a ``StrEnum`` (in the spirit of neural-tangents' ``NtkImplementation``): a member equals its
 string value, so configs and callers may pass either; the kernel implementation is neural-tangents'
-``NtkImplementation`` itself, an ``IntEnum`` whose members also answer to this library's string names, and :func:`parse` turns a string into the member once,
-at the public entry point; below it the code compares members and never re-checks. The ``τ`` grid is checked
+``NtkImplementation`` itself, an ``IntEnum`` whose members also answer to this library's string
+names, and :func:`parse` turns a string into the member once, at the public entry point; below it
+the code compares members and never re-checks. The ``τ`` grid is checked
 once by :func:`check_taus`, which returns a :class:`TauGrid` that later calls accept without checking again.
 """
+
 from __future__ import annotations
 
 import enum
 import numbers
-from typing import Sequence, TypeVar
+from typing import TypeVar
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 
-__all__ = ["Choice", "Loss", "Solver", "Select", "Kernel", "MseForm", "JacobianPath", "NtkImplementation", "Implementation", "IMPLEMENTATIONS",
-           "TauGrid", "parse", "check_taus", "check_loss_solver"]
+__all__ = [
+  "Choice",
+  "Loss",
+  "Solver",
+  "Select",
+  "Kernel",
+  "MseForm",
+  "JacobianPath",
+  "NtkImplementation",
+  "Implementation",
+  "IMPLEMENTATIONS",
+  "TauGrid",
+  "parse",
+  "check_taus",
+  "check_loss_solver",
+]
 
 
 class Choice(enum.StrEnum):
@@ -29,6 +46,7 @@ class Choice(enum.StrEnum):
 
 class Loss(Choice):
   """Training loss of the evolution: mean cross-entropy, or half mean squared error ``(1/(2NC)) Σ (f − Y)²``."""
+
   CE = "ce"
   MSE = "mse"
 
@@ -36,6 +54,7 @@ class Loss(Choice):
 class Solver(Choice):
   """Cross-entropy evolution: exact function-space gradient descent (``EULER``) or the gradient flow
   integrated by Dopri5 (``ODE``, the reference codes' numerics). The MSE evolution is always a closed form."""
+
   EULER = "euler"
   ODE = "ode"
 
@@ -43,12 +62,14 @@ class Solver(Choice):
 class Select(Choice):
   """How the ``τ`` candidates are scored: the non-linear network ``w + Δw_τ`` (``NETWORK``, the reference codes)
   or the evolved function values ``f_τ`` of the linearised model (``LINEARIZED``, the papers' reading)."""
+
   NETWORK = "network"
   LINEARIZED = "linearized"
 
 
 class Kernel(Choice):
   """``TRACED``: ``[N, N]`` ``(1/C) Σ_c J_c J_cᵀ`` applied to every output column; ``FULL``: ``[N, N, C, C]``."""
+
   TRACED = "traced"
   FULL = "full"
 
@@ -56,6 +77,7 @@ class Kernel(Choice):
 class MseForm(Choice):
   """The MSE closed form: exact gradient descent (``DISCRETE``) or the gradient flow in step units
   (``CONTINUOUS``)."""
+
   DISCRETE = "discrete"
   CONTINUOUS = "continuous"
 
@@ -64,6 +86,7 @@ class JacobianPath(Choice):
   """How a method that sends Jacobians forms them (SPARK's and NTK-FL's ``jacobian``): ``EXPLICIT``
   materialises ``J``, ``IMPLICIT`` uses only products with it (VJPs), ``AUTO`` materialises it only when
   compression alters it."""
+
   AUTO = "auto"
   IMPLICIT = "implicit"
   EXPLICIT = "explicit"
@@ -86,6 +109,7 @@ class NtkImplementation(enum.IntEnum):
     FLOPs), or the layer-wise one of any flax model (dense layers factorised, the rest contracted; the
     library's CNN: ~15x fewer FLOPs); needs ``dense_stack`` or the flax computation (``flax_apply``).
   """
+
   AUTO = 0
   JACOBIAN_CONTRACTION = 1
   NTK_VECTOR_PRODUCTS = 2
@@ -107,7 +131,7 @@ class NtkImplementation(enum.IntEnum):
     return None
 
 
-_SHORT_NAMES = ("auto", "jacobian", "ntvp", "structured")   # indexed by NtkImplementation's value
+_SHORT_NAMES = ("auto", "jacobian", "ntvp", "structured")  # indexed by NtkImplementation's value
 IMPLEMENTATIONS = _SHORT_NAMES
 """The string names :func:`ntk_fl.ntk.empirical_ntk` accepts for ``implementation``."""
 
@@ -131,12 +155,15 @@ def parse(kind: type[E], value, name: str) -> E:
 def check_loss_solver(loss: Loss, solver: Solver) -> None:
   """The one rule tying two options: the ODE solver integrates the cross-entropy flow only."""
   if loss == Loss.MSE and solver == Solver.ODE:
-    raise ValueError("solver='ode' is only defined for loss='ce'; the MSE evolution is always the closed form "
-                     "(leave solver='euler' and choose mse_form='discrete' or 'continuous')")
+    raise ValueError(
+      "solver='ode' is only defined for loss='ce'; the MSE evolution is always the closed form "
+      "(leave solver='euler' and choose mse_form='discrete' or 'continuous')"
+    )
 
 
 class TauGrid(tuple):
   """A checked ``τ`` grid (non-empty, strictly ascending positive ints); made by :func:`check_taus` only."""
+
   __slots__ = ()
 
 
@@ -156,7 +183,7 @@ def check_taus(taus: Sequence[int]) -> TauGrid:
     out.append(int(tau))
   if not out:
     raise ValueError("taus must be non-empty")
-  if out[0] <= 0 or out[-1] > 2**31 - 1:     # the steps are counted in int32 on the device
+  if out[0] <= 0 or out[-1] > 2**31 - 1:  # the steps are counted in int32 on the device
     raise ValueError(f"taus must be positive ints <= 2**31 - 1, got {tuple(out)}")
   if any(b <= a for a, b in zip(out, out[1:])):
     raise ValueError(f"taus must be strictly ascending, got {tuple(out)}")

@@ -18,13 +18,15 @@ loads: the spec's form, the import, the factory's presence, that it returns a fl
 the module's logits on a probe batch of the dataset's input shape have shape ``[1, num_classes]``
 (by ``jax.eval_shape``: nothing is computed).
 """
+
 from __future__ import annotations
 
 import importlib
 import importlib.util
 import os
 import sys
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -35,12 +37,16 @@ __all__ = ["load_factory", "build_module", "check_module", "dataset_input", "imp
 
 def _split(spec: str) -> tuple[str, str]:
   if not isinstance(spec, str) or spec.count(":") != 1:
-    raise ValueError(f"config.model.module = {spec!r} must have the form 'package.module:factory' "
-                     "(or 'path/to/file.py:factory')")
+    raise ValueError(
+      f"config.model.module = {spec!r} must have the form 'package.module:factory' "
+      "(or 'path/to/file.py:factory')"
+    )
   module, attr = spec.split(":")
   if not module or not attr.isidentifier():
-    raise ValueError(f"config.model.module = {spec!r} must have the form 'package.module:factory' with a "
-                     "module and a function name")
+    raise ValueError(
+      f"config.model.module = {spec!r} must have the form 'package.module:factory' with a "
+      "module and a function name"
+    )
   return module, attr
 
 
@@ -61,7 +67,7 @@ def _import(module: str, spec: str):
       if not os.path.isfile(path):
         raise FileNotFoundError(f"no such file {path}")
       name = _file_module_name(path)
-      if name not in sys.modules:            # execute a file once per process, like an import
+      if name not in sys.modules:  # execute a file once per process, like an import
         file_spec = importlib.util.spec_from_file_location(name, path)
         loaded = importlib.util.module_from_spec(file_spec)
         sys.modules[name] = loaded
@@ -73,7 +79,9 @@ def _import(module: str, spec: str):
       return sys.modules[name]
     return importlib.import_module(module)
   except (ImportError, FileNotFoundError) as e:
-    raise ValueError(f"config.model.module = {spec!r}: module {module!r} could not be imported: {e}") from e
+    raise ValueError(
+      f"config.model.module = {spec!r}: module {module!r} could not be imported: {e}"
+    ) from e
 
 
 def load_factory(spec: str) -> Callable[..., Any]:
@@ -83,8 +91,10 @@ def load_factory(spec: str) -> Callable[..., Any]:
   if factory is None:
     raise ValueError(f"config.model.module = {spec!r}: module {module!r} has no attribute {attr!r}")
   if not callable(factory):
-    raise ValueError(f"config.model.module = {spec!r}: {attr!r} is a {type(factory).__name__}, not a "
-                     "function returning a flax module")
+    raise ValueError(
+      f"config.model.module = {spec!r}: {attr!r} is a {type(factory).__name__}, not a "
+      "function returning a flax module"
+    )
   return factory
 
 
@@ -92,8 +102,10 @@ def build_module(spec: str, input_shape: tuple[int, ...], num_classes: int) -> n
   """``factory(input_shape, num_classes)`` of ``spec``, checked to be a ``flax.linen.Module``."""
   module = load_factory(spec)(tuple(input_shape), int(num_classes))
   if not isinstance(module, nn.Module):
-    raise ValueError(f"config.model.module = {spec!r}: the factory returned a {type(module).__name__}, not a "
-                     "flax.linen.Module (it is called as factory(input_shape, num_classes))")
+    raise ValueError(
+      f"config.model.module = {spec!r}: the factory returned a {type(module).__name__}, not a "
+      "flax.linen.Module (it is called as factory(input_shape, num_classes))"
+    )
   return module
 
 
@@ -105,13 +117,17 @@ def check_module(spec: str, input_shape: tuple[int, ...], num_classes: int) -> N
     variables = jax.eval_shape(module.init, jax.random.key(0), probe)
     out = jax.eval_shape(module.apply, variables, probe)
   except Exception as e:  # pylint: disable=broad-except -- any failure of user code, reported by name
-    raise ValueError(f"config.model.module = {spec!r}: the module fails on a batch of shape "
-                     f"{(1, *input_shape)}: {type(e).__name__}: {e}") from e
+    raise ValueError(
+      f"config.model.module = {spec!r}: the module fails on a batch of shape "
+      f"{(1, *input_shape)}: {type(e).__name__}: {e}"
+    ) from e
   shape = getattr(out, "shape", None)
   if shape != (1, num_classes):
-    raise ValueError(f"config.model.module = {spec!r}: the module must return logits [B, {num_classes}], got "
-                     f"{shape if shape is not None else type(out).__name__} for a batch of shape "
-                     f"{(1, *input_shape)}")
+    raise ValueError(
+      f"config.model.module = {spec!r}: the module must return logits [B, {num_classes}], got "
+      f"{shape if shape is not None else type(out).__name__} for a batch of shape "
+      f"{(1, *input_shape)}"
+    )
 
 
 def dataset_input(name: str) -> tuple[tuple[int, ...], int]:

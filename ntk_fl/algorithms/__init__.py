@@ -30,10 +30,12 @@ Each method module defines ``METHOD = Method(make=..., hyperparameters=...)``:
 :func:`get_method` resolves a name lazily (importing a method's module only when
 it is used); :func:`register` adds a user's own method or a test double.
 """
+
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
+from collections.abc import Callable
 
 from ntk_fl.algorithms.base import Algorithm
 
@@ -43,7 +45,9 @@ __all__ = ["Algorithm", "MakeFn", "Method", "get_method", "register", "available
 class MakeFn(Protocol):
   """``make(model, federation, topology, hparams, run) -> Algorithm``: a method's factory."""
 
-  def __call__(self, model: Any, federation: Any, topology: Any, hparams: Any, run: Any) -> Algorithm:
+  def __call__(
+    self, model: Any, federation: Any, topology: Any, hparams: Any, run: Any
+  ) -> Algorithm:
     """Args:
       model: the :class:`ntk_fl.models.Model`.
       federation: the stacked client data, a :class:`ntk_fl.data.Federation` of ``M`` clients.
@@ -68,6 +72,7 @@ class Method(NamedTuple):
     graph: the method mixes over ``config.topology``: ``make`` receives the run's topology (else None).
     shared_rounds: ``shared_rounds(stored, current) -> int`` for branching from a run (module docstring).
   """
+
   make: MakeFn
   hyperparameters: type
   check: Callable[[Any, Any], None] | None = None
@@ -77,30 +82,34 @@ class Method(NamedTuple):
 
 # name -> "module" defining METHOD or "module:ATTR" (imported on first use), or a registered Method.
 _REGISTRY: dict[str, str | Method] = {
-    "ntk_dfl": "ntk_fl.algorithms.ntk_dfl",
-    "fedavg": "ntk_fl.algorithms.fedavg",
-    "fedprox": "ntk_fl.algorithms.fedprox",
-    "fednova": "ntk_fl.algorithms.fednova",
-    "datashare": "ntk_fl.algorithms.datashare",
-    "centralized": "ntk_fl.algorithms.centralized",
-    "dpsgd": "ntk_fl.algorithms.dpsgd",
-    "dfedavg": "ntk_fl.algorithms.dfedavg",
-    "dfedavgm": "ntk_fl.algorithms.dfedavgm",
-    "dfedsam": "ntk_fl.algorithms.dfedsam",
-    "dispfl": "ntk_fl.algorithms.dispfl",
-    "ntk_fl": "ntk_fl.algorithms.server_ntk",
-    "spark": "ntk_fl.algorithms.spark",
-    "fed_ensemble": "ntk_fl.algorithms.fed_ensemble",
+  "ntk_dfl": "ntk_fl.algorithms.ntk_dfl",
+  "fedavg": "ntk_fl.algorithms.fedavg",
+  "fedprox": "ntk_fl.algorithms.fedprox",
+  "fednova": "ntk_fl.algorithms.fednova",
+  "datashare": "ntk_fl.algorithms.datashare",
+  "centralized": "ntk_fl.algorithms.centralized",
+  "dpsgd": "ntk_fl.algorithms.dpsgd",
+  "dfedavg": "ntk_fl.algorithms.dfedavg",
+  "dfedavgm": "ntk_fl.algorithms.dfedavgm",
+  "dfedsam": "ntk_fl.algorithms.dfedsam",
+  "dispfl": "ntk_fl.algorithms.dispfl",
+  "ntk_fl": "ntk_fl.algorithms.server_ntk",
+  "spark": "ntk_fl.algorithms.spark",
+  "fed_ensemble": "ntk_fl.algorithms.fed_ensemble",
 }
 
 
 def register(name: str, method: Method) -> None:
   """Registers ``method`` under ``name`` (overwrites an existing entry)."""
   if not isinstance(method, Method):
-    raise TypeError(f"register expects a Method(make, hyperparameters, ...), got {type(method).__name__}")
+    raise TypeError(
+      f"register expects a Method(make, hyperparameters, ...), got {type(method).__name__}"
+    )
   if not callable(method.make):
-    raise TypeError(f"Method.make of {name!r} must be a factory make(model, federation, topology, hparams, "
-                    f"run), got {method.make!r}")
+    raise TypeError(
+      f"Method.make of {name!r} must be a factory make(model, federation, topology, hparams, "
+      f"run), got {method.make!r}"
+    )
   _REGISTRY[name] = method
 
 

@@ -25,19 +25,36 @@ An :class:`Algorithm` is a bundle of pure functions, in the spirit of
   modes), whose softmax probabilities / logits are averaged per test sample --
   averaging their weights would be meaningless.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
+from collections.abc import Callable
 
 import jax
 import numpy as np
 
 from ntk_fl.metrics import AGGREGATES  # the evaluator owns the choices; re-exported for methods
 
-__all__ = ["AGGREGATES", "Algorithm", "ClientFn", "ClientParamsFn", "InitFn", "ParamsState", "GraphRound",
-           "RoundInputsFn", "RunOptions", "StepFn", "TargetsFn", "check_evolution", "config_without",
-           "graph_round_inputs", "parse_enums", "run_options"]
+__all__ = [
+  "AGGREGATES",
+  "Algorithm",
+  "ClientFn",
+  "ClientParamsFn",
+  "InitFn",
+  "ParamsState",
+  "GraphRound",
+  "RoundInputsFn",
+  "RunOptions",
+  "StepFn",
+  "TargetsFn",
+  "check_evolution",
+  "config_without",
+  "graph_round_inputs",
+  "parse_enums",
+  "run_options",
+]
 
 
 class InitFn(Protocol):
@@ -80,8 +97,15 @@ class ClientFn(Protocol):
   round-robin (own samples first), padding rows masked. Called inside the round's ``jit``.
   """
 
-  def __call__(self, params: Any, x: jax.Array, targets: jax.Array, mask: jax.Array, lr: jax.Array,
-               *client_args: Any) -> Any:
+  def __call__(
+    self,
+    params: Any,
+    x: jax.Array,
+    targets: jax.Array,
+    mask: jax.Array,
+    lr: jax.Array,
+    *client_args: Any,
+  ) -> Any:
     """Args:
       params: the client's linearisation point ``w̄_i`` (its neighbourhood average, or its own weights
         without per-round averaging); leaves without the client axis.
@@ -115,6 +139,7 @@ class Algorithm(NamedTuple):
     client_params: :class:`ClientParamsFn`, ``client_params(state) -> params [M, ...]``.
     aggregate: what evaluation's aggregated model is, one of :data:`AGGREGATES`.
   """
+
   init: InitFn
   round_inputs: RoundInputsFn
   step: StepFn
@@ -124,15 +149,24 @@ class Algorithm(NamedTuple):
 
 class RunOptions(NamedTuple):
   """What a factory reads of the run settings (:func:`run_options`)."""
+
   seed: int
   mixing: str
   shared_init: bool
   rounds: int | None
 
 
-def run_options(run, method: str, topology=None, *, needs_topology: bool = True, seed: int | None = None,
-                mixing: str | None = None, shared_init: bool | None = None,
-                rounds: int | None = None) -> RunOptions:
+def run_options(
+  run,
+  method: str,
+  topology=None,
+  *,
+  needs_topology: bool = True,
+  seed: int | None = None,
+  mixing: str | None = None,
+  shared_init: bool | None = None,
+  rounds: int | None = None,
+) -> RunOptions:
   """A factory's run options: from ``run`` (:class:`ntk_fl.settings.RunSettings`) or from keywords.
 
   Factories take ``(model, federation, topology, hparams, run)`` (:class:`ntk_fl.algorithms.MakeFn`) and,
@@ -140,17 +174,23 @@ def run_options(run, method: str, topology=None, *, needs_topology: bool = True,
   initialisation). Giving both is an error, as is a missing topology for a method that mixes over one
   (its ``Method`` was registered without ``graph=True``, so the schema built none).
   """
-  given = {k: v for k, v in dict(seed=seed, mixing=mixing, shared_init=shared_init, rounds=rounds).items()
-           if v is not None}
+  given = {
+    k: v
+    for k, v in dict(seed=seed, mixing=mixing, shared_init=shared_init, rounds=rounds).items()
+    if v is not None
+  }
   if needs_topology and topology is None:
-    raise ValueError(f"{method} mixes over a communication topology but got none: register its Method with "
-                     "graph=True (the schema then builds config.topology), or pass a Topology")
+    raise ValueError(
+      f"{method} mixes over a communication topology but got none: register its Method with "
+      "graph=True (the schema then builds config.topology), or pass a Topology"
+    )
   if run is None:
     return RunOptions(**{**dict(seed=0, mixing="uniform", shared_init=True, rounds=None), **given})
   if given:
     raise TypeError(f"{method}: pass the run settings or the keywords {sorted(given)}, not both")
-  return RunOptions(seed=run.seed, mixing=run.topology.mixing, shared_init=run.model.shared_init,
-                    rounds=run.rounds)
+  return RunOptions(
+    seed=run.seed, mixing=run.topology.mixing, shared_init=run.model.shared_init, rounds=run.rounds
+  )
 
 
 class ParamsState(NamedTuple):
@@ -161,6 +201,7 @@ class ParamsState(NamedTuple):
       model without it (server methods).
     bits_cumulative: float32 scalar, bits sent by all clients so far.
   """
+
   params: Any
   bits_cumulative: Any
 
@@ -178,6 +219,7 @@ class GraphRound(NamedTuple):
     neighbor_weights: float32 ``[M, k_max]`` weights of the neighbours (0 in padding).
     key: PRNG key of the round.
   """
+
   round: Any
   neighbors: Any
   neighbor_mask: Any
@@ -198,14 +240,22 @@ def graph_round_inputs(graph_source, mixing: str, sizes, seed: int) -> Callable[
   from ntk_fl import rng, topology  # pylint: disable=import-outside-toplevel -- base stays light to import
 
   if graph_source is None:
-    raise ValueError("a decentralized method's rounds need a communication topology but got none: register "
-                     "its Method with graph=True (the schema then builds config.topology)")
+    raise ValueError(
+      "a decentralized method's rounds need a communication topology but got none: register "
+      "its Method with graph=True (the schema then builds config.topology)"
+    )
 
   def round_inputs(round_index: int) -> GraphRound:
     graph = graph_source.sample(round_index)
     self_w, nbr_w = topology.mixing_weights(graph, mixing, sizes)
-    return GraphRound(round=np.int32(round_index), neighbors=graph.neighbors, neighbor_mask=graph.mask,
-                      self_weight=self_w, neighbor_weights=nbr_w, key=rng.jax_key(seed, rng.Stream.ROUND_KEYS, round_index))
+    return GraphRound(
+      round=np.int32(round_index),
+      neighbors=graph.neighbors,
+      neighbor_mask=graph.mask,
+      self_weight=self_w,
+      neighbor_weights=nbr_w,
+      key=rng.jax_key(seed, rng.Stream.ROUND_KEYS, round_index),
+    )
 
   return round_inputs
 
@@ -225,7 +275,7 @@ def config_without(config: dict, *paths: str) -> dict:
     rests = heads.get(key)
     if rests is None:
       out[key] = value
-    elif "" not in rests:             # drop below this key, keep the key
+    elif "" not in rests:  # drop below this key, keep the key
       out[key] = config_without(value, *rests)
   return out
 
@@ -240,7 +290,7 @@ def parse_enums(hparams: Any, path: str = "config.algorithm") -> None:
   import enum  # pylint: disable=import-outside-toplevel
   import typing  # pylint: disable=import-outside-toplevel
 
-  if not dataclasses.is_dataclass(hparams):   # e.g. a namespace of already-checked values
+  if not dataclasses.is_dataclass(hparams):  # e.g. a namespace of already-checked values
     return
   hints = typing.get_type_hints(type(hparams))
   for field in dataclasses.fields(hparams):
@@ -250,8 +300,9 @@ def parse_enums(hparams: Any, path: str = "config.algorithm") -> None:
       try:
         object.__setattr__(hparams, field.name, kind(value))
       except ValueError:
-        raise ValueError(f"{path}.{field.name} must be one of {tuple(m.value for m in kind)}, "
-                         f"got {value!r}") from None
+        raise ValueError(
+          f"{path}.{field.name} must be one of {tuple(m.value for m in kind)}, got {value!r}"
+        ) from None
 
 
 def check_evolution(hparams: Any, path: str = "config.algorithm") -> None:

@@ -6,6 +6,7 @@ local data points) is drawn once, uniformly without replacement from the clients
 of G* (mixed into the same shuffled minibatches); aggregation as FedAvg, weights by own data size.
 The round is :mod:`ntk_fl.algorithms.server_round`'s.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,6 +28,7 @@ __all__ = ["DataShareHParams", "shared_set", "make_datashare", "METHOD"]
 @dataclasses.dataclass(frozen=True)
 class DataShareHParams(ServerHParams):
   """DataShare: plus ``share_fraction`` in (0, 1], the global set's size relative to all data."""
+
   share_fraction: float
 
   def __post_init__(self):
@@ -36,7 +38,7 @@ class DataShareHParams(ServerHParams):
 
 def shared_set(federation, fraction: float, seed: int):
   """DataShare's global set ``(x, y)``: ``round(fraction * sum n)`` real samples, no repeats."""
-  slots = np.argwhere(np.asarray(federation.mask))                 # [sum n, 2] (client, row)
+  slots = np.argwhere(np.asarray(federation.mask))  # [sum n, 2] (client, row)
   size = max(1, int(round(fraction * slots.shape[0])))
   rng = numpy_rng(seed, Stream.SHARED_SET)
   pick = slots[np.sort(rng.choice(slots.shape[0], size=size, replace=False))]
@@ -53,16 +55,22 @@ def _append_shared_set(x, y, mask, shared):
   return x, y, mask
 
 
-def make_datashare(model: models.Model, federation, topology,
-                   hparams: DataShareHParams, run=None, *,
-                   seed: int | None = None) -> Algorithm:
+def make_datashare(
+  model: models.Model,
+  federation,
+  topology,
+  hparams: DataShareHParams,
+  run=None,
+  *,
+  seed: int | None = None,
+) -> Algorithm:
   """DataShare for ``federation`` and ``model``; ``seed`` also draws the global set."""
   seed = run_options(run, "DataShare", needs_topology=False, seed=seed).seed
   shared = shared_set(federation, float(hparams.share_fraction), seed)
   update = server_round.federated_update(model, hparams, augment=_append_shared_set)
-  return server_round.make_server_method(model, federation, hparams, seed=seed, update=update,
-                                         extra=shared)
+  return server_round.make_server_method(
+    model, federation, hparams, seed=seed, update=update, extra=shared
+  )
 
 
-METHOD = Method(make=make_datashare,
-                hyperparameters=DataShareHParams, check=server_round.check)
+METHOD = Method(make=make_datashare, hyperparameters=DataShareHParams, check=server_round.check)

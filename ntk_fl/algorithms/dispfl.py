@@ -26,6 +26,7 @@ The frame of the round (graph draw, keys, bit count) is
 its model to each neighbour sparse: its active values plus a 1-bit mask per
 matrix coordinate.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,13 +44,24 @@ from ntk_fl.algorithms.base import Algorithm, run_options
 from ntk_fl.algorithms.gossip_round import GossipHParams
 from ntk_fl.rng import Stream
 
-__all__ = ["DisPFLState", "DisPFLHParams", "check", "make_dispfl", "masked_neighbor_average",
-           "evolve_mask", "random_mask", "sparse_leaves", "mask_fraction", "METHOD"]
+__all__ = [
+  "DisPFLState",
+  "DisPFLHParams",
+  "check",
+  "make_dispfl",
+  "masked_neighbor_average",
+  "evolve_mask",
+  "random_mask",
+  "sparse_leaves",
+  "mask_fraction",
+  "METHOD",
+]
 
 
 class DisPFLState(NamedTuple):
   """``params`` stacked ``[M, ...]``; ``masks``: float32 0/1 pytree like ``params``;
   ``bits_cumulative``: float32 bits sent so far (all clients)."""
+
   params: Any
   masks: Any
   bits_cumulative: Any
@@ -62,6 +74,7 @@ def _check_anneal(name, value):
 @dataclasses.dataclass(frozen=True)
 class DisPFLHParams(GossipHParams):
   """DisPFL: plus the mask density ``dense_ratio`` in (0, 1] and the mask-update ``anneal_factor`` in [0, 1]."""
+
   dense_ratio: float
   anneal_factor: float
 
@@ -74,8 +87,10 @@ def check(hparams: DisPFLHParams, run) -> None:
   """DisPFL averages uniformly over the holders: ``config.topology.mixing`` must be ``uniform``."""
   del hparams
   if run.topology.mixing != "uniform":
-    raise ValueError("DisPFL averages each coordinate uniformly over the neighbours holding it: "
-                     f"config.topology.mixing must be 'uniform', got {run.topology.mixing!r}")
+    raise ValueError(
+      "DisPFL averages each coordinate uniformly over the neighbours holding it: "
+      f"config.topology.mixing must be 'uniform', got {run.topology.mixing!r}"
+    )
 
 
 # ----------------------------------------------------------------------------- DisPFL pieces
@@ -83,9 +98,11 @@ def check(hparams: DisPFLHParams, run) -> None:
 
 def sparse_leaves(params):
   """Pytree of bools like ``params``: True for weight matrices (``kernel``), which DisPFL sparsifies."""
+
   def is_kernel(path, _):
     last = path[-1]
     return getattr(last, "key", getattr(last, "name", None)) == "kernel"
+
   return jax.tree_util.tree_map_with_path(is_kernel, params)
 
 
@@ -102,7 +119,9 @@ def random_mask(key, shape, num_active: int):
 
 def mask_fraction(anneal_factor: float, round_index, rounds: int):
   """DisPFL's cosine-annealed update fraction ``anneal/2 * (1 + cos(pi r / rounds))``."""
-  return 0.5 * anneal_factor * (1.0 + jnp.cos(jnp.pi * jnp.asarray(round_index, jnp.float32) / rounds))
+  return (
+    0.5 * anneal_factor * (1.0 + jnp.cos(jnp.pi * jnp.asarray(round_index, jnp.float32) / rounds))
+  )
 
 
 def evolve_mask(weights, grads, mask, fraction):
@@ -127,7 +146,9 @@ def evolve_mask(weights, grads, mask, fraction):
   excluded = jnp.int32(-1)
   smallest_weight = compression.max_magnitude_key(w.dtype) - compression.magnitude_key(jnp.abs(w))
   prune = compression.top_k_by_key(jnp.where(active, smallest_weight, excluded), k)
-  grow = compression.top_k_by_key(jnp.where(active, excluded, compression.magnitude_key(jnp.abs(g))), k)
+  grow = compression.top_k_by_key(
+    jnp.where(active, excluded, compression.magnitude_key(jnp.abs(g))), k
+  )
   return ((active & ~prune) | grow).astype(mask.dtype).reshape(shape)
 
 
@@ -142,6 +163,7 @@ def masked_neighbor_average(params, masks, sent, neighbors, neighbor_mask):
   Returns:
     ``m_i * (m_i w_i + sum_k m_{n_ik} s_{n_ik}) / max(m_i + sum_k m_{n_ik}, 1)``.
   """
+
   def mix(w, m, s):
     extra = (1,) * (w.ndim - 1)
     total, count = m * w, m
@@ -152,16 +174,25 @@ def masked_neighbor_average(params, masks, sent, neighbors, neighbor_mask):
       total = total + holder * s[index]
       count = count + holder
     return m * total / jnp.maximum(count, 1.0)
+
   return jax.tree.map(mix, params, masks, sent)
 
 
 # ----------------------------------------------------------------------------- the algorithm
 
 
-def make_dispfl(model: models.Model, federation, graphs: topology.Topology,
-                hparams: DisPFLHParams, run=None, *,
-                seed: int | None = None, rounds: int | None = None, mixing: str | None = None,
-                shared_init: bool | None = None) -> Algorithm:
+def make_dispfl(
+  model: models.Model,
+  federation,
+  graphs: topology.Topology,
+  hparams: DisPFLHParams,
+  run=None,
+  *,
+  seed: int | None = None,
+  rounds: int | None = None,
+  mixing: str | None = None,
+  shared_init: bool | None = None,
+) -> Algorithm:
   """Builds DisPFL for ``federation`` and ``model``.
 
   Args:
@@ -178,8 +209,9 @@ def make_dispfl(model: models.Model, federation, graphs: topology.Topology,
     An :class:`Algorithm`; ``step`` is jit-compiled with the federation's arrays
     passed as arguments (never baked in as constants).
   """
-  seed, mixing, shared_init, rounds = run_options(run, "DisPFL", graphs, seed=seed, mixing=mixing,
-                                                  shared_init=shared_init, rounds=rounds)
+  seed, mixing, shared_init, rounds = run_options(
+    run, "DisPFL", graphs, seed=seed, mixing=mixing, shared_init=shared_init, rounds=rounds
+  )
   if rounds is None:
     raise TypeError("make_dispfl needs the run settings or rounds=")
   num_clients = federation.mask.shape[0]
@@ -189,26 +221,37 @@ def make_dispfl(model: models.Model, federation, graphs: topology.Topology,
   shapes = jax.eval_shape(model.init, jax.random.key(0))
   sparse = sparse_leaves(shapes)
   ratio = float(hparams.dense_ratio)
-  num_active = jax.tree.map(lambda s, sp: int(round(ratio * s.size)) if sp else s.size, shapes,
-                            sparse)
+  num_active = jax.tree.map(
+    lambda s, sp: int(round(ratio * s.size)) if sp else s.size, shapes, sparse
+  )
   sparse_size = sum(s.size for s, sp in zip(jax.tree.leaves(shapes), jax.tree.leaves(sparse)) if sp)
-  payload = int(compression.payload_bits(sum(jax.tree.leaves(num_active)), bits,
-                                         num_tensors=len(jax.tree.leaves(shapes)),
-                                         bitmap_size=sparse_size))
+  payload = int(
+    compression.payload_bits(
+      sum(jax.tree.leaves(num_active)),
+      bits,
+      num_tensors=len(jax.tree.leaves(shapes)),
+      bitmap_size=sparse_size,
+    )
+  )
 
   def init(key):
     params = models.init_clients(model, key, num_clients, shared=shared_init)
     mask_key = jax.random.fold_in(key, Stream.MASKS)
     leaf_keys = jax.random.split(mask_key, len(jax.tree.leaves(shapes)))
+
     def client_masks(leaf_key, shape, count, is_sparse):
       if not is_sparse:
         return jnp.ones((num_clients, *shape.shape), jnp.float32)
       return parallel.for_each_client(lambda kk: random_mask(kk, shape.shape, count), chunk_size=0)(
-          jax.random.split(leaf_key, num_clients))
-    leaves = zip(leaf_keys, jax.tree.leaves(shapes), jax.tree.leaves(num_active),
-                 jax.tree.leaves(sparse))
-    masks = jax.tree.unflatten(jax.tree.structure(shapes),
-                               [client_masks(kk, s, c, sp) for kk, s, c, sp in leaves])
+        jax.random.split(leaf_key, num_clients)
+      )
+
+    leaves = zip(
+      leaf_keys, jax.tree.leaves(shapes), jax.tree.leaves(num_active), jax.tree.leaves(sparse)
+    )
+    masks = jax.tree.unflatten(
+      jax.tree.structure(shapes), [client_masks(kk, s, c, sp) for kk, s, c, sp in leaves]
+    )
     params = jax.tree.map(jnp.multiply, params, masks)
     return DisPFLState(params=params, masks=masks, bits_cumulative=jnp.float32(0))
 
@@ -217,24 +260,38 @@ def make_dispfl(model: models.Model, federation, graphs: topology.Topology,
     result = local_update(params, x, y, m, key, lr, param_mask=mask)
     loss_at = lambda p: local.masked_cross_entropy(model.apply(p, x), y, m.astype(jnp.float32))
     grads = jax.grad(loss_at)(result.params)
-    new_mask = jax.tree.map(lambda w, g, mk, sp: evolve_mask(w, g, mk, fraction) if sp else mk,
-                            result.params, grads, mask, sparse)
+    new_mask = jax.tree.map(
+      lambda w, g, mk, sp: evolve_mask(w, g, mk, fraction) if sp else mk,
+      result.params,
+      grads,
+      mask,
+      sparse,
+    )
     return jax.tree.map(jnp.multiply, result.params, new_mask), new_mask, result.loss
 
   def client_round(state, inputs, samples, rows, ms, client_keys, quant_key, lr):
     """(a) Masked aggregation of what the neighbours sent, (b) masked training, (c) new masks."""
     sent = local.transmit(state.params, bits, key=quant_key, stochastic=stochastic)
-    mixed = masked_neighbor_average(state.params, state.masks, sent, inputs.neighbors,
-                                    inputs.neighbor_mask)
+    mixed = masked_neighbor_average(
+      state.params, state.masks, sent, inputs.neighbors, inputs.neighbor_mask
+    )
     fraction = mask_fraction(float(hparams.anneal_factor), inputs.round, rounds)
     per_client = lambda s, p, mk, r, m, kk: dispfl_client(p, mk, *s.take(r), m, kk, lr, fraction)
-    params, masks, loss = parallel.for_each_client(per_client)(samples, mixed, state.masks, rows, ms,
-                                                               client_keys)
+    params, masks, loss = parallel.for_each_client(per_client)(
+      samples, mixed, state.masks, rows, ms, client_keys
+    )
     return state._replace(params=params, masks=masks), loss
 
-  return gossip_round.make_gossip_method(federation, graphs, hparams, seed=seed, mixing=mixing,
-                                         payload=payload, init=init, client_round=client_round)
+  return gossip_round.make_gossip_method(
+    federation,
+    graphs,
+    hparams,
+    seed=seed,
+    mixing=mixing,
+    payload=payload,
+    init=init,
+    client_round=client_round,
+  )
 
 
-METHOD = Method(make=make_dispfl,
-                hyperparameters=DisPFLHParams, check=check, graph=True)
+METHOD = Method(make=make_dispfl, hyperparameters=DisPFLHParams, check=check, graph=True)

@@ -56,6 +56,7 @@ Communication is counted like FedAvg's (one model uplink per participant;
 logged although NTK-FL's uplink is Jacobians (see ``ntk_fl``'s method for that
 accounting).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -73,28 +74,28 @@ from ntk_fl.algorithms.base import Algorithm, parse_enums, run_options
 from ntk_fl.rng import Stream, jax_key, numpy_rng
 
 __all__ = [
-    "EnsembleState",
-    "EnsembleRound",
-    "LocalTraining",
-    "Sampling",
-    "AggregationWeights",
-    "Prediction",
-    "make_strata",
-    "age_permutations",
-    "round_modes",
-    "sample_participants",
-    "init_modes",
-    "aggregate_modes",
-    "make_fed_ensemble",
-    "FedEnsembleHParams",
-    "check",
-    "METHOD",
+  "EnsembleState",
+  "EnsembleRound",
+  "LocalTraining",
+  "Sampling",
+  "AggregationWeights",
+  "Prediction",
+  "make_strata",
+  "age_permutations",
+  "round_modes",
+  "sample_participants",
+  "init_modes",
+  "aggregate_modes",
+  "make_fed_ensemble",
+  "FedEnsembleHParams",
+  "check",
+  "METHOD",
 ]
-
 
 
 class LocalTraining(Choice):
   """How a mode is trained on its participants: FedAvg's or FedProx's local SGD, or the NTK evolution."""
+
   FEDAVG = "fedavg"
   FEDPROX = "fedprox"
   NTK = "ntk"
@@ -102,26 +103,31 @@ class LocalTraining(Choice):
 
 class Sampling(Choice):
   """How a round's participants are drawn: uniformly, or one per stratum (``num_strata``)."""
+
   UNIFORM = "uniform"
   STRATIFIED = "stratified"
 
 
 class AggregationWeights(Choice):
   """The weights of a mode's participants when it is averaged: uniform or by data size."""
+
   UNIFORM = "uniform"
   DATA_SIZE = "data_size"
 
 
 class Prediction(Choice):
   """What the ensemble averages per test sample: the modes' softmax probabilities or their logits."""
+
   PROBS = "probs"
   LOGITS = "logits"
+
 
 _AGGREGATE_OF_PREDICTION = {"probs": "ensemble_probs", "logits": "ensemble_logits"}
 
 
 class EnsembleState(NamedTuple):
   """``modes``: the ``K`` models (leaves ``[K, ...]``); ``bits_cumulative``: float32 uplink bits so far."""
+
   modes: Any
   bits_cumulative: Any
 
@@ -135,6 +141,7 @@ class EnsembleRound(NamedTuple):
     modes: int32 ``[P]`` the mode each participant trains.
     key: PRNG key of the round (local minibatches, quantisation).
   """
+
   round: Any
   clients: Any
   modes: Any
@@ -184,8 +191,9 @@ def round_modes(strata: np.ndarray, num_modes: int, seed: int, round_index: int)
   return perms[strata, round_index % num_modes]
 
 
-def sample_participants(strata: np.ndarray, clients_per_round: int, sampling: str, seed: int,
-                        round_index: int) -> np.ndarray:
+def sample_participants(
+  strata: np.ndarray, clients_per_round: int, sampling: str, seed: int, round_index: int
+) -> np.ndarray:
   """The sorted int32 participants of a round (stream ``PARTICIPATION``, index ``round_index``).
 
   ``'uniform'``: ``clients_per_round`` clients uniformly without replacement --
@@ -200,13 +208,18 @@ def sample_participants(strata: np.ndarray, clients_per_round: int, sampling: st
     clients = rng.choice(num_clients, size=k, replace=False)
   else:
     per_stratum = k // (int(strata.max()) + 1)
-    clients = np.concatenate([rng.choice(np.flatnonzero(strata == q), size=per_stratum, replace=False)
-                              for q in range(int(strata.max()) + 1)])
+    clients = np.concatenate(
+      [
+        rng.choice(np.flatnonzero(strata == q), size=per_stratum, replace=False)
+        for q in range(int(strata.max()) + 1)
+      ]
+    )
   return np.sort(clients).astype(np.int32)
 
 
-def first_to_finish(selected: np.ndarray, sizes: np.ndarray, keep: int, sigma: float, seed: int,
-                    round_index: int) -> np.ndarray:
+def first_to_finish(
+  selected: np.ndarray, sizes: np.ndarray, keep: int, sigma: float, seed: int, round_index: int
+) -> np.ndarray:
   """Straggler over-selection (Fed-ensemble's OpenImage setting, after Bonawitz et al., 2019).
 
   The ``selected`` clients train; client ``i`` finishes after ``n_i · exp(σ z_i)``
@@ -252,14 +265,14 @@ def aggregate_modes(modes, returned, assignment, weights):
     or only zero-weight ones, keeps its value) and int32 ``[K]`` participants per mode.
   """
   num_modes = jax.tree.leaves(modes)[0].shape[0]
-  member = assignment[:, None] == jnp.arange(num_modes)[None, :]                     # [P, K]
+  member = assignment[:, None] == jnp.arange(num_modes)[None, :]  # [P, K]
   w = jnp.where(member, weights[:, None], 0.0)
-  total = jnp.sum(w, axis=0)                                                          # [K]
-  coeff = w / jnp.where(total > 0, total, 1.0)                                        # columns sum to 1
+  total = jnp.sum(w, axis=0)  # [K]
+  coeff = w / jnp.where(total > 0, total, 1.0)  # columns sum to 1
   trained = total > 0
 
   def one(old, new):
-    mean = jnp.tensordot(coeff.T, new, axes=1).astype(old.dtype)                      # [K, ...]
+    mean = jnp.tensordot(coeff.T, new, axes=1).astype(old.dtype)  # [K, ...]
     return jnp.where(trained.reshape(-1, *([1] * (old.ndim - 1))), mean, old)
 
   return jax.tree.map(one, modes, returned), jnp.sum(member, axis=0).astype(jnp.int32)
@@ -272,7 +285,9 @@ def _check_taus(name, value):
   try:
     evolve.check_taus(tuple(value))
   except (TypeError, ValueError) as e:
-    raise ValueError(f"config.algorithm.{name} must be strictly ascending positive ints, got {value!r}") from e
+    raise ValueError(
+      f"config.algorithm.{name} must be strictly ascending positive ints, got {value!r}"
+    ) from e
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,6 +307,7 @@ class FedEnsembleHParams(local.LocalHParams):
       (:func:`first_to_finish`; 0 = off, the configs stored before it existed).
     latency_sigma: ``σ`` of the log-normal device speed of the latency model.
   """
+
   num_modes: int
   num_strata: int
   clients_per_round: int
@@ -308,61 +324,96 @@ class FedEnsembleHParams(local.LocalHParams):
 
   def __post_init__(self):
     super().__post_init__()
-    parse_enums(self)       # the enum fields: strings become members (a bad one is an error naming it)
-    local.check_fields(self, {"over_selected": local.int_at_least(0), "latency_sigma": local.nonnegative})
+    parse_enums(self)  # the enum fields: strings become members (a bad one is an error naming it)
+    local.check_fields(
+      self, {"over_selected": local.int_at_least(0), "latency_sigma": local.nonnegative}
+    )
     if self.over_selected and not 0 < self.clients_per_round < self.over_selected:
-      raise ValueError(f"config.algorithm.over_selected = {self.over_selected} selects that many clients and "
-                       "aggregates the clients_per_round first to finish: it needs 0 < clients_per_round < "
-                       f"over_selected (got clients_per_round = {self.clients_per_round})")
+      raise ValueError(
+        f"config.algorithm.over_selected = {self.over_selected} selects that many clients and "
+        "aggregates the clients_per_round first to finish: it needs 0 < clients_per_round < "
+        f"over_selected (got clients_per_round = {self.clients_per_round})"
+      )
     if self.over_selected and self.sampling != Sampling.UNIFORM:
-      raise ValueError("config.algorithm.over_selected draws its clients uniformly: it needs sampling='uniform', "
-                       f"got {self.sampling!r}")
-    local.check_fields(self, {
-        "num_modes": local.int_at_least(1), "num_strata": local.int_at_least(0),
-        "clients_per_round": local.int_at_least(0), "prox_mu": local.nonnegative, "taus": _check_taus})
+      raise ValueError(
+        "config.algorithm.over_selected draws its clients uniformly: it needs sampling='uniform', "
+        f"got {self.sampling!r}"
+      )
+    local.check_fields(
+      self,
+      {
+        "num_modes": local.int_at_least(1),
+        "num_strata": local.int_at_least(0),
+        "clients_per_round": local.int_at_least(0),
+        "prox_mu": local.nonnegative,
+        "taus": _check_taus,
+      },
+    )
     if (self.prox_mu > 0) != (self.local_training == "fedprox"):
-      raise ValueError(f"config.algorithm.prox_mu = {self.prox_mu!r} with local_training = {self.local_training!r}: "
-                       "'fedprox' needs prox_mu > 0 and the other local trainings need prox_mu = 0")
+      raise ValueError(
+        f"config.algorithm.prox_mu = {self.prox_mu!r} with local_training = {self.local_training!r}: "
+        "'fedprox' needs prox_mu > 0 and the other local trainings need prox_mu = 0"
+      )
     if self.local_training == "ntk":
       if self.aggregation_weights != "data_size":
-        raise ValueError("local_training = 'ntk' evolves each mode on its participants' pooled data (every sample "
-                         "weighs the same): config.algorithm.aggregation_weights must be 'data_size', got "
-                         f"{self.aggregation_weights!r}")
+        raise ValueError(
+          "local_training = 'ntk' evolves each mode on its participants' pooled data (every sample "
+          "weighs the same): config.algorithm.aggregation_weights must be 'data_size', got "
+          f"{self.aggregation_weights!r}"
+        )
       if self.quantize_bits != compression.FLOAT_BITS:
-        raise ValueError("local_training = 'ntk' sends Jacobians, not weights: config.algorithm.quantize_bits "
-                         f"must be 32, got {self.quantize_bits!r}")
+        raise ValueError(
+          "local_training = 'ntk' sends Jacobians, not weights: config.algorithm.quantize_bits "
+          f"must be 32, got {self.quantize_bits!r}"
+        )
 
 
 def check(hparams: FedEnsembleHParams, run) -> None:
   """Rules across blocks: participants and strata within the clients; no weight-averaging selection curves."""
   n = run.data.num_clients
   if hparams.clients_per_round > n:
-    raise ValueError(f"config.algorithm.clients_per_round = {hparams.clients_per_round} exceeds "
-                     f"config.data.num_clients = {n} (0 = all clients)")
+    raise ValueError(
+      f"config.algorithm.clients_per_round = {hparams.clients_per_round} exceeds "
+      f"config.data.num_clients = {n} (0 = all clients)"
+    )
   if hparams.over_selected > n:
-    raise ValueError(f"config.algorithm.over_selected = {hparams.over_selected} exceeds config.data.num_clients = "
-                     f"{n}")
+    raise ValueError(
+      f"config.algorithm.over_selected = {hparams.over_selected} exceeds config.data.num_clients = "
+      f"{n}"
+    )
   if hparams.num_strata > n:
-    raise ValueError(f"config.algorithm.num_strata = {hparams.num_strata} exceeds config.data.num_clients = {n} "
-                     "(0 = every client its own stratum)")
+    raise ValueError(
+      f"config.algorithm.num_strata = {hparams.num_strata} exceeds config.data.num_clients = {n} "
+      "(0 = every client its own stratum)"
+    )
   if hparams.sampling == "stratified":
     q = hparams.num_strata or n
     k = hparams.clients_per_round or n
     if k % q or k // q > n // q:
-      raise ValueError(f"sampling = 'stratified' draws clients_per_round / Q clients from each of Q = {q} strata "
-                       f"of >= {n // q} clients: config.algorithm.clients_per_round = {hparams.clients_per_round} "
-                       f"must be a multiple of Q with quotient <= {n // q}")
+      raise ValueError(
+        f"sampling = 'stratified' draws clients_per_round / Q clients from each of Q = {q} strata "
+        f"of >= {n // q} clients: config.algorithm.clients_per_round = {hparams.clients_per_round} "
+        f"must be a multiple of Q with quotient <= {n // q}"
+      )
   if run.eval.selection:
-    raise ValueError("fed_ensemble's modes are independent models; weight-averaging selection curves do not "
-                     "apply: config.eval.selection must be False")
+    raise ValueError(
+      "fed_ensemble's modes are independent models; weight-averaging selection curves do not "
+      "apply: config.eval.selection must be False"
+    )
 
 
 # ----------------------------------------------------------------------------- the method
 
 
-def make_fed_ensemble(model: models.Model, federation, topology,
-                      hparams: FedEnsembleHParams, run=None, *,
-                      seed: int | None = None) -> Algorithm:
+def make_fed_ensemble(
+  model: models.Model,
+  federation,
+  topology,
+  hparams: FedEnsembleHParams,
+  run=None,
+  *,
+  seed: int | None = None,
+) -> Algorithm:
   """Builds Fed-ensemble for ``federation`` and ``model`` (see the module docstring).
 
   Args:
@@ -395,40 +446,59 @@ def make_fed_ensemble(model: models.Model, federation, topology,
       selected = sample_participants(strata, over, algo.sampling, seed, round_index)
       clients = first_to_finish(selected, sizes, k, float(algo.latency_sigma), seed, round_index)
     else:
-      clients = sample_participants(strata, int(algo.clients_per_round), algo.sampling, seed, round_index)
+      clients = sample_participants(
+        strata, int(algo.clients_per_round), algo.sampling, seed, round_index
+      )
     modes = round_modes(strata, num_modes, seed, round_index)[clients]
-    return EnsembleRound(round=np.int32(round_index), clients=clients, modes=modes,
-                         key=jax_key(seed, Stream.ROUND_KEYS, round_index))
+    return EnsembleRound(
+      round=np.int32(round_index),
+      clients=clients,
+      modes=modes,
+      key=jax_key(seed, Stream.ROUND_KEYS, round_index),
+    )
 
   def counts_of(assignment):
     return jnp.sum(assignment[:, None] == jnp.arange(num_modes)[None, :], axis=0).astype(jnp.int32)
 
   if algo.local_training == "ntk":
-    num_classes = int(jax.eval_shape(model.apply, jax.eval_shape(model.init, jax.random.key(0)),
-                                     jax.ShapeDtypeStruct((1, *federation.feature_shape), jnp.float32)).shape[-1])
-    evolve_options = dict(taus=evolve.check_taus(tuple(algo.taus)), loss=evolve.Loss.CE,
-                          solver=algo.solver, select=algo.select,
-                          dense_stack=model.dense_stack, flax_apply=model.flax_apply,
-                          per_sample=model.per_sample)
+    num_classes = int(
+      jax.eval_shape(
+        model.apply,
+        jax.eval_shape(model.init, jax.random.key(0)),
+        jax.ShapeDtypeStruct((1, *federation.feature_shape), jnp.float32),
+      ).shape[-1]
+    )
+    evolve_options = dict(
+      taus=evolve.check_taus(tuple(algo.taus)),
+      loss=evolve.Loss.CE,
+      solver=algo.solver,
+      select=algo.select,
+      dense_stack=model.dense_stack,
+      flax_apply=model.flax_apply,
+      per_sample=model.per_sample,
+    )
 
     def train(modes, inputs, x, y, mask, lr):
       """Each mode evolves on the pooled data of its participants (NTK-FL's server update)."""
       pooled_x = x.reshape(k * n_max, *x.shape[2:])
       targets = jax.nn.one_hot(y.reshape(-1), num_classes, dtype=jnp.float32)
-      owner = jnp.repeat(inputs.modes, n_max)                                        # [P n]
+      owner = jnp.repeat(inputs.modes, n_max)  # [P n]
 
       def one_mode(params, index):
         pooled_mask = mask.reshape(-1) & (owner == index)
-        delta, info = evolve.ntk_step(model.apply, params, pooled_x, targets, pooled_mask, lr=lr,
-                                      **evolve_options)
+        delta, info = evolve.ntk_step(
+          model.apply, params, pooled_x, targets, pooled_mask, lr=lr, **evolve_options
+        )
         return jax.tree.map(jnp.add, params, delta), info["tau"], info["loss"]
 
-      evolved, tau, loss = parallel.for_each_client(one_mode)(
-          modes, jnp.arange(num_modes))
+      evolved, tau, loss = parallel.for_each_client(one_mode)(modes, jnp.arange(num_modes))
       counts = counts_of(inputs.modes)
-      trained = counts > 0                                                            # idle modes stay
-      new_modes = jax.tree.map(lambda new, old: jnp.where(trained.reshape(-1, *([1] * (old.ndim - 1))), new, old),
-                               evolved, modes)
+      trained = counts > 0  # idle modes stay
+      new_modes = jax.tree.map(
+        lambda new, old: jnp.where(trained.reshape(-1, *([1] * (old.ndim - 1))), new, old),
+        evolved,
+        modes,
+      )
       mean_loss = jnp.sum(jnp.where(trained, loss, 0.0)) / jnp.maximum(jnp.sum(trained), 1)
       return new_modes, counts, {"tau": jnp.where(trained, tau, 0), "loss": mean_loss}
   else:
@@ -437,10 +507,11 @@ def make_fed_ensemble(model: models.Model, federation, topology,
     def train(modes, inputs, x, y, mask, lr):
       """FedAvg's vmapped local training, each participant starting from (and anchored at) its mode."""
       train_key, quant_key = jax.random.split(inputs.key)
-      start = jax.tree.map(lambda m: m[inputs.modes], modes)                          # [P, ...]
+      start = jax.tree.map(lambda m: m[inputs.modes], modes)  # [P, ...]
       per_client = lambda p, xc, yc, mc, kc: local_update(p, xc, yc, mc, kc, lr, anchor=p)
       result = parallel.for_each_client(per_client)(
-          start, x, y, mask, jax.random.split(train_key, k))
+        start, x, y, mask, jax.random.split(train_key, k)
+      )
       sent = local.transmit(result.params, bits, key=quant_key, stochastic=stochastic)
       sizes = jnp.sum(mask, axis=1).astype(jnp.float32)
       weights = jnp.ones_like(sizes) if uniform_weights else sizes
@@ -454,16 +525,26 @@ def make_fed_ensemble(model: models.Model, federation, topology,
     new_modes, counts, extra = train(state.modes, inputs, x, y, mask, lr)
     total = jnp.float32(payload) * k
     new_state = EnsembleState(modes=new_modes, bits_cumulative=state.bits_cumulative + total)
-    metrics = {**extra, "lr": lr, "mode_participants": counts, "bits_per_client": jnp.float32(payload),
-               "bits_sent_total": total, "bits_cumulative": new_state.bits_cumulative}
+    metrics = {
+      **extra,
+      "lr": lr,
+      "mode_participants": counts,
+      "bits_per_client": jnp.float32(payload),
+      "bits_sent_total": total,
+      "bits_cumulative": new_state.bits_cumulative,
+    }
     return new_state, metrics
 
   def step(state, inputs):
     return _step(state, inputs, data)
 
-  return Algorithm(init=init, round_inputs=round_inputs, step=step, client_params=lambda state: state.modes,
-                   aggregate=_AGGREGATE_OF_PREDICTION[algo.prediction])
+  return Algorithm(
+    init=init,
+    round_inputs=round_inputs,
+    step=step,
+    client_params=lambda state: state.modes,
+    aggregate=_AGGREGATE_OF_PREDICTION[algo.prediction],
+  )
 
 
-METHOD = Method(make=make_fed_ensemble,
-                hyperparameters=FedEnsembleHParams, check=check)
+METHOD = Method(make=make_fed_ensemble, hyperparameters=FedEnsembleHParams, check=check)

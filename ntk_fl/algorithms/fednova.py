@@ -5,6 +5,7 @@
 steps; with heavy-ball momentum ``rho``: ``[tau_k - rho (1 - rho^tau_k)/(1 - rho)] / (1 - rho)``).
 With equal step counts it is exactly FedAvg. The round is :mod:`ntk_fl.algorithms.server_round`'s.
 """
+
 from __future__ import annotations
 
 import jax
@@ -25,19 +26,22 @@ def nova_coefficient(steps, momentum: float):
   if not momentum:
     return steps
   rho = momentum
-  return (steps - rho * (1.0 - rho ** steps) / (1.0 - rho)) / (1.0 - rho)
+  return (steps - rho * (1.0 - rho**steps) / (1.0 - rho)) / (1.0 - rho)
 
 
 def nova_average(momentum: float):
   """FedNova's aggregation for heavy-ball ``momentum`` (arguments as ``weighted_average``'s)."""
+
   def aggregate(params, result, sent, sizes):
     p = sizes / jnp.sum(sizes)
     weighted_mean = lambda tree: jax.tree.map(lambda w: jnp.tensordot(p, w, axes=1), tree)
-    a = nova_coefficient(result.steps, momentum)                                        # [K]
+    a = nova_coefficient(result.steps, momentum)  # [K]
     tau_eff = jnp.sum(p * a)
-    normalized = jax.tree.map(lambda w, s: (w[None] - s) / a.reshape(-1, *([1] * w.ndim)),
-                              params, sent)
+    normalized = jax.tree.map(
+      lambda w, s: (w[None] - s) / a.reshape(-1, *([1] * w.ndim)), params, sent
+    )
     return jax.tree.map(lambda w, d: w - tau_eff * d, params, weighted_mean(normalized))
+
   return aggregate
 
 
@@ -45,12 +49,21 @@ def check(hparams: ServerHParams, run) -> None:
   """The server rule, and no Nesterov momentum (``a_k`` is heavy-ball's); raises ``ValueError``."""
   server_round.check(hparams, run)
   if hparams.nesterov:
-    raise ValueError("method 'fednova' normalises by the heavy-ball momentum coefficient; "
-                     "config.algorithm.nesterov must be False")
+    raise ValueError(
+      "method 'fednova' normalises by the heavy-ball momentum coefficient; "
+      "config.algorithm.nesterov must be False"
+    )
 
 
-def make_fednova(model: models.Model, federation, topology, hparams: ServerHParams, run=None, *,
-                 seed: int | None = None) -> Algorithm:
+def make_fednova(
+  model: models.Model,
+  federation,
+  topology,
+  hparams: ServerHParams,
+  run=None,
+  *,
+  seed: int | None = None,
+) -> Algorithm:
   """FedNova for ``federation`` and ``model`` (arguments as ``server_round.make_server_method``)."""
   seed = run_options(run, "FedNova", needs_topology=False, seed=seed).seed
   aggregate = nova_average(float(hparams.momentum))
@@ -58,5 +71,4 @@ def make_fednova(model: models.Model, federation, topology, hparams: ServerHPara
   return server_round.make_server_method(model, federation, hparams, seed=seed, update=update)
 
 
-METHOD = Method(make=make_fednova,
-                hyperparameters=ServerHParams, check=check)
+METHOD = Method(make=make_fednova, hyperparameters=ServerHParams, check=check)

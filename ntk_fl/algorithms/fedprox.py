@@ -4,6 +4,7 @@
 (anchored at the global model); the round and the aggregation are FedAvg's
 (:mod:`ntk_fl.algorithms.server_round`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,6 +22,7 @@ __all__ = ["FedProxHParams", "make_fedprox", "METHOD"]
 @dataclasses.dataclass(frozen=True)
 class FedProxHParams(ServerHParams):
   """FedProx: plus the proximal coefficient ``prox_mu`` (>= 0)."""
+
   prox_mu: float
 
   def __post_init__(self):
@@ -28,13 +30,20 @@ class FedProxHParams(ServerHParams):
     local.check_fields(self, {"prox_mu": local.nonnegative})
 
 
-def make_fedprox(model: models.Model, federation, topology, hparams: FedProxHParams, run=None, *,
-                 seed: int | None = None) -> Algorithm:
+def make_fedprox(
+  model: models.Model,
+  federation,
+  topology,
+  hparams: FedProxHParams,
+  run=None,
+  *,
+  seed: int | None = None,
+) -> Algorithm:
   """FedProx for ``federation`` and ``model`` (arguments as ``server_round.make_server_method``)."""
   seed = run_options(run, "FedProx", needs_topology=False, seed=seed).seed
-  return server_round.make_server_method(model, federation, hparams, seed=seed,
-                                         update=server_round.federated_update(model, hparams))
+  return server_round.make_server_method(
+    model, federation, hparams, seed=seed, update=server_round.federated_update(model, hparams)
+  )
 
 
-METHOD = Method(make=make_fedprox,
-                hyperparameters=FedProxHParams, check=server_round.check)
+METHOD = Method(make=make_fedprox, hyperparameters=FedProxHParams, check=server_round.check)

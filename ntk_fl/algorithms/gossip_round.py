@@ -26,10 +26,12 @@ Communication: every client sends one model per neighbour; ``bits_sent``
 (``[M]``), ``bits_sent_total`` and ``bits_cumulative`` (carried in the state as
 float32, relative rounding ~1e-7).
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -39,8 +41,13 @@ from ntk_fl import compression, gossip, models, parallel, topology
 from ntk_fl.algorithms import local
 from ntk_fl.algorithms.base import Algorithm, ParamsState, graph_round_inputs
 
-__all__ = ["GossipHParams", "ClientRound", "check_plain_sgd", "make_gossip_method",
-           "make_local_sgd_gossip"]
+__all__ = [
+  "GossipHParams",
+  "ClientRound",
+  "check_plain_sgd",
+  "make_gossip_method",
+  "make_local_sgd_gossip",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +58,10 @@ class GossipHParams(local.LocalHParams):
 def check_plain_sgd(method: str, hparams: GossipHParams) -> None:
   """D-PSGD and DFedAvg train with plain SGD: ``momentum`` must be 0 (else a ``ValueError``)."""
   if hparams.momentum:
-    raise ValueError(f"method {method!r} uses plain SGD: config.algorithm.momentum must be 0, got "
-                     f"{hparams.momentum!r} (use 'dfedavgm' for momentum)")
+    raise ValueError(
+      f"method {method!r} uses plain SGD: config.algorithm.momentum must be 0, got "
+      f"{hparams.momentum!r} (use 'dfedavgm' for momentum)"
+    )
 
 
 ClientRound = Callable[..., tuple[Any, Any]]
@@ -68,9 +77,17 @@ Traced inside the round's jit.
 """
 
 
-def make_gossip_method(federation, graphs: topology.Topology, hparams: local.LocalHParams, *,
-                       seed: int, mixing: str, payload: int, init: Callable[[Any], Any],
-                       client_round: ClientRound) -> Algorithm:
+def make_gossip_method(
+  federation,
+  graphs: topology.Topology,
+  hparams: local.LocalHParams,
+  *,
+  seed: int,
+  mixing: str,
+  payload: int,
+  init: Callable[[Any], Any],
+  client_round: ClientRound,
+) -> Algorithm:
   """A decentralised method's :class:`Algorithm` around its ``init`` and ``client_round``.
 
   Args:
@@ -89,8 +106,9 @@ def make_gossip_method(federation, graphs: topology.Topology, hparams: local.Loc
   """
   num_clients = federation.mask.shape[0]
   if graphs.num_clients != num_clients:
-    raise ValueError(f"the topology spans {graphs.num_clients} clients, the federation "
-                     f"{num_clients}")
+    raise ValueError(
+      f"the topology spans {graphs.num_clients} clients, the federation {num_clients}"
+    )
   sizes = np.asarray(federation.n)
   # Samples held in per-device blocks (parallel.Shared)?
   split = parallel.is_client_split(federation.samples_x)
@@ -106,24 +124,37 @@ def make_gossip_method(federation, graphs: topology.Topology, hparams: local.Loc
     train_key, quant_key = jax.random.split(inputs.key)
     client_keys = jax.random.split(train_key, num_clients)
     new_state, loss = client_round(state, inputs, samples, rows, ms, client_keys, quant_key, lr)
-    bits_sent = jnp.sum(inputs.neighbor_mask, axis=1).astype(jnp.float32) * payload       # [M]
+    bits_sent = jnp.sum(inputs.neighbor_mask, axis=1).astype(jnp.float32) * payload  # [M]
     total = jnp.sum(bits_sent)
     cumulative = state.bits_cumulative + total
     new_state = new_state._replace(bits_cumulative=cumulative)
-    metrics = {"loss": loss, "lr": lr, "bits_sent": bits_sent, "bits_sent_total": total,
-               "bits_cumulative": cumulative}
+    metrics = {
+      "loss": loss,
+      "lr": lr,
+      "bits_sent": bits_sent,
+      "bits_sent_total": total,
+      "bits_cumulative": cumulative,
+    }
     return new_state, metrics
 
   def step(state, inputs):
     return _step(state, inputs, data)
 
-  return Algorithm(init=init, round_inputs=round_inputs, step=step,
-                   client_params=lambda state: state.params)
+  return Algorithm(
+    init=init, round_inputs=round_inputs, step=step, client_params=lambda state: state.params
+  )
 
 
-def make_local_sgd_gossip(model: models.Model, federation, graphs: topology.Topology,
-                          hparams: local.LocalHParams, *, seed: int, mixing: str = "uniform",
-                          shared_init: bool = True) -> Algorithm:
+def make_local_sgd_gossip(
+  model: models.Model,
+  federation,
+  graphs: topology.Topology,
+  hparams: local.LocalHParams,
+  *,
+  seed: int,
+  mixing: str = "uniform",
+  shared_init: bool = True,
+) -> Algorithm:
   """Local training of every client, then one gossip step (D-PSGD, DFedAvg, DFedAvgM, DFedSAM).
 
   Args:
@@ -147,12 +178,21 @@ def make_local_sgd_gossip(model: models.Model, federation, graphs: topology.Topo
   def client_round(state, inputs, samples, rows, ms, client_keys, quant_key, lr):
     per_client = lambda s, p, r, m, kk: local_update(p, *s.take(r), m, kk, lr)
     result = parallel.for_each_client(per_client)(samples, state.params, rows, ms, client_keys)
-    sent = None   # the gossip step's own term is exact, the neighbours' terms are as sent
+    sent = None  # the gossip step's own term is exact, the neighbours' terms are as sent
     if bits != compression.FLOAT_BITS:
       sent = local.transmit(result.params, bits, key=quant_key, stochastic=stochastic)
-    params = gossip.mix(result.params, inputs.neighbors, inputs.self_weight,
-                        inputs.neighbor_weights, sent=sent)
+    params = gossip.mix(
+      result.params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights, sent=sent
+    )
     return state._replace(params=params), result.loss
 
-  return make_gossip_method(federation, graphs, hparams, seed=seed, mixing=mixing, payload=payload,
-                            init=init, client_round=client_round)
+  return make_gossip_method(
+    federation,
+    graphs,
+    hparams,
+    seed=seed,
+    mixing=mixing,
+    payload=payload,
+    init=init,
+    client_round=client_round,
+  )

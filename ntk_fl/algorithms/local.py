@@ -36,11 +36,13 @@ What one call does (the authors' baselines, PyTorch ``DataLoader(shuffle=True)``
   for SAM, then the base optimiser steps from ``w``); a fixed 0/1 parameter mask
   (DisPFL's sparse models: gradients and weights outside the mask stay zero).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -49,25 +51,25 @@ import optax
 from ntk_fl import compression, parallel, rng, validation
 
 __all__ = [
-    "LocalResult",
-    "make_local_update",
-    "epoch_order",
-    "num_batches",
-    "sgd",
-    "adam",
-    "OPTIMIZERS",
-    "sam_perturbation",
-    "masked_cross_entropy",
-    "LocalHParams",
-    "local_update_from_hparams",
-    "round_lr",
-    "check_fields",
-    "positive",
-    "nonnegative",
-    "fraction",
-    "flag",
-    "int_at_least",
-    "transmit",
+  "LocalResult",
+  "make_local_update",
+  "epoch_order",
+  "num_batches",
+  "sgd",
+  "adam",
+  "OPTIMIZERS",
+  "sam_perturbation",
+  "masked_cross_entropy",
+  "LocalHParams",
+  "local_update_from_hparams",
+  "round_lr",
+  "check_fields",
+  "positive",
+  "nonnegative",
+  "fraction",
+  "flag",
+  "int_at_least",
+  "transmit",
 ]
 
 
@@ -80,6 +82,7 @@ class LocalResult(NamedTuple):
       weights before each step).
     steps: int32 optimiser steps taken, ``epochs * ceil(n / batch_size)``.
   """
+
   params: Any
   loss: jax.Array
   steps: jax.Array
@@ -108,7 +111,9 @@ def masked_cross_entropy(logits, labels, weights):
   """Mean cross-entropy over the samples with weight 1: ``logits [B, C]``, ``labels [B]``, ``weights [B]``."""
   per_sample = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
   # `where`, not a product: a padded row's loss may be inf/NaN, and 0 * NaN is NaN.
-  return jnp.sum(jnp.where(weights > 0, weights * per_sample, 0.0)) / jnp.maximum(jnp.sum(weights), 1.0)
+  return jnp.sum(jnp.where(weights > 0, weights * per_sample, 0.0)) / jnp.maximum(
+    jnp.sum(weights), 1.0
+  )
 
 
 def sgd(lr, *, momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0):
@@ -117,8 +122,10 @@ def sgd(lr, *, momentum: float = 0.0, nesterov: bool = False, weight_decay: floa
   ``lr`` may be a traced scalar (a per-round decayed rate); ``momentum = 0``
   keeps no velocity at all, exactly like ``torch.optim.SGD(momentum=0)``.
   """
-  return optax.chain(optax.add_decayed_weights(weight_decay) if weight_decay else optax.identity(),
-                     optax.sgd(lr, momentum=momentum or None, nesterov=nesterov))
+  return optax.chain(
+    optax.add_decayed_weights(weight_decay) if weight_decay else optax.identity(),
+    optax.sgd(lr, momentum=momentum or None, nesterov=nesterov),
+  )
 
 
 OPTIMIZERS = ("sgd", "adam")
@@ -131,8 +138,10 @@ def adam(lr, *, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_de
   Step ``t`` (1-based): ``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2) g²``,
   ``w -= lr · (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)``. ``lr`` may be traced.
   """
-  return optax.chain(optax.add_decayed_weights(weight_decay) if weight_decay else optax.identity(),
-                     optax.adam(lr, b1=b1, b2=b2, eps=eps))
+  return optax.chain(
+    optax.add_decayed_weights(weight_decay) if weight_decay else optax.identity(),
+    optax.adam(lr, b1=b1, b2=b2, eps=eps),
+  )
 
 
 def sam_perturbation(params, grads, rho, *, adaptive: bool = False):
@@ -142,17 +151,32 @@ def sam_perturbation(params, grads, rho, *, adaptive: bool = False):
   ``eps = 0`` (the norm is guarded, as in the reference SAM code).
   """
   scale_of = (lambda w: jnp.abs(w)) if adaptive else (lambda w: jnp.ones_like(w))
-  norm = jnp.sqrt(sum(jnp.sum(jnp.square(scale_of(w) * g))
-                      for w, g in zip(jax.tree.leaves(params), jax.tree.leaves(grads))))
+  norm = jnp.sqrt(
+    sum(
+      jnp.sum(jnp.square(scale_of(w) * g))
+      for w, g in zip(jax.tree.leaves(params), jax.tree.leaves(grads))
+    )
+  )
   factor = rho / (norm + 1e-12)
   return jax.tree.map(lambda w, g: jnp.square(scale_of(w)) * g * factor, params, grads)
 
 
-def make_local_update(apply_fn: Callable, *, epochs: int, batch_size: int, momentum: float = 0.0,
-                      nesterov: bool = False, weight_decay: float = 0.0, prox_mu: float = 0.0,
-                      sam_rho: float = 0.0, sam_adaptive: bool = False, optimizer: str = "sgd",
-                      adam_b1: float = 0.9, adam_b2: float = 0.999,
-                      adam_eps: float = 1e-8) -> Callable[..., LocalResult]:
+def make_local_update(
+  apply_fn: Callable,
+  *,
+  epochs: int,
+  batch_size: int,
+  momentum: float = 0.0,
+  nesterov: bool = False,
+  weight_decay: float = 0.0,
+  prox_mu: float = 0.0,
+  sam_rho: float = 0.0,
+  sam_adaptive: bool = False,
+  optimizer: str = "sgd",
+  adam_b1: float = 0.9,
+  adam_b2: float = 0.999,
+  adam_eps: float = 1e-8,
+) -> Callable[..., LocalResult]:
   """Builds one client's local training (see the module docstring).
 
   Args:
@@ -173,16 +197,22 @@ def make_local_update(apply_fn: Callable, *, epochs: int, batch_size: int, momen
   """
   for name, value in (("epochs", epochs), ("batch_size", batch_size)):
     validation.check_int(name, value, low=1)
-  for name, value in (("momentum", momentum), ("weight_decay", weight_decay), ("prox_mu", prox_mu),
-                      ("sam_rho", sam_rho)):
+  for name, value in (
+    ("momentum", momentum),
+    ("weight_decay", weight_decay),
+    ("prox_mu", prox_mu),
+    ("sam_rho", sam_rho),
+  ):
     validation.check_real(name, value, low=0)
   if momentum >= 1:
     raise ValueError(f"momentum must be < 1, got {momentum!r}")
   validation.check_choice("optimizer", optimizer, OPTIMIZERS)
   if optimizer == "adam":
     if momentum or nesterov:
-      raise ValueError(f"optimizer='adam' keeps its own moments: set momentum=0 and nesterov=False (got "
-                       f"momentum={momentum!r}, nesterov={nesterov!r})")
+      raise ValueError(
+        f"optimizer='adam' keeps its own moments: set momentum=0 and nesterov=False (got "
+        f"momentum={momentum!r}, nesterov={nesterov!r})"
+      )
     for name, value in (("adam_b1", adam_b1), ("adam_b2", adam_b2)):
       validation.check_real(name, value, low=0, high=1, high_open=True)
     validation.check_real("adam_eps", adam_eps, low=0, low_open=True)
@@ -203,8 +233,11 @@ def make_local_update(apply_fn: Callable, *, epochs: int, batch_size: int, momen
       optimizer = adam(lr, b1=adam_b1, b2=adam_b2, eps=adam_eps, weight_decay=weight_decay)
     else:
       optimizer = sgd(lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay)
-    apply_mask = (lambda tree: tree) if param_mask is None else (
-        lambda tree: jax.tree.map(lambda t, m: t * m.astype(t.dtype), tree, param_mask))
+    apply_mask = (
+      (lambda tree: tree)
+      if param_mask is None
+      else (lambda tree: jax.tree.map(lambda t, m: t * m.astype(t.dtype), tree, param_mask))
+    )
 
     def minibatch_step(order, carry, b):
       params, opt_state = carry
@@ -226,19 +259,26 @@ def make_local_update(apply_fn: Callable, *, epochs: int, batch_size: int, momen
       new_params = apply_mask(optax.apply_updates(params, updates))
       active = start < n_real  # masked step slot: beyond this client's last real minibatch
       keep = lambda new, old: jax.tree.map(lambda a, c: jnp.where(active, a, c), new, old)
-      return (keep(new_params, params), keep(new_opt_state, opt_state)), jnp.where(active, loss, 0.0)
+      return (keep(new_params, params), keep(new_opt_state, opt_state)), jnp.where(
+        active, loss, 0.0
+      )
 
     def epoch(carry, epoch_key):
       order = epoch_order(epoch_key, mask)
       order = jnp.pad(order, (0, slots * batch_size - order.shape[0]))  # pad slots are never real
-      carry, losses = jax.lax.scan(functools.partial(minibatch_step, order), carry, jnp.arange(slots))
+      carry, losses = jax.lax.scan(
+        functools.partial(minibatch_step, order), carry, jnp.arange(slots)
+      )
       return carry, jnp.sum(losses)
 
     carry = (params, optimizer.init(params))
     (params, _), epoch_losses = jax.lax.scan(epoch, carry, jax.random.split(key, epochs))
     batches = (n_real + batch_size - 1) // batch_size
-    return LocalResult(params=params, loss=epoch_losses[-1] / jnp.maximum(batches, 1),
-                       steps=(epochs * batches).astype(jnp.int32))
+    return LocalResult(
+      params=params,
+      loss=epoch_losses[-1] / jnp.maximum(batches, 1),
+      steps=(epochs * batches).astype(jnp.int32),
+    )
 
   return local_update
 
@@ -256,7 +296,9 @@ def _check_momentum(name, value):
 
 def _check_bits(name, value):
   if isinstance(value, bool) or not isinstance(value, int) or not (1 <= value <= 16 or value == 32):
-    raise ValueError(f"config.algorithm.{name} must be 32 (no quantisation) or an int in [1, 16], got {value!r}")
+    raise ValueError(
+      f"config.algorithm.{name} must be 32 (no quantisation) or an int in [1, 16], got {value!r}"
+    )
 
 
 def positive(name, value):
@@ -300,6 +342,7 @@ class LocalHParams:
     optimizer: :data:`OPTIMIZERS`; ``'adam'`` with ``adam_b1``, ``adam_b2``, ``adam_eps`` (and momentum 0).
       Keyword-only with defaults (SGD): configs stored before they existed ran SGD.
   """
+
   lr: float
   lr_gamma: float
   epochs: int
@@ -315,31 +358,59 @@ class LocalHParams:
   adam_eps: float = dataclasses.field(default=1e-8, kw_only=True)
 
   def __post_init__(self):
-    check_fields(self, {"lr": positive, "lr_gamma": fraction, "epochs": int_at_least(1),
-                        "batch_size": int_at_least(1), "momentum": _check_momentum, "nesterov": flag,
-                        "weight_decay": nonnegative, "quantize_bits": _check_bits, "stochastic_rounding": flag})
+    check_fields(
+      self,
+      {
+        "lr": positive,
+        "lr_gamma": fraction,
+        "epochs": int_at_least(1),
+        "batch_size": int_at_least(1),
+        "momentum": _check_momentum,
+        "nesterov": flag,
+        "weight_decay": nonnegative,
+        "quantize_bits": _check_bits,
+        "stochastic_rounding": flag,
+      },
+    )
     validation.check_choice("config.algorithm.optimizer", self.optimizer, OPTIMIZERS)
     for name in ("adam_b1", "adam_b2"):
-      validation.check_real(f"config.algorithm.{name}", getattr(self, name), low=0, high=1, high_open=True)
+      validation.check_real(
+        f"config.algorithm.{name}", getattr(self, name), low=0, high=1, high_open=True
+      )
     positive("adam_eps", self.adam_eps)
     if self.optimizer == "adam" and (self.momentum or self.nesterov):
-      raise ValueError("config.algorithm.optimizer='adam' keeps its own moments: set momentum=0 and nesterov=False "
-                       f"(got momentum={self.momentum!r}, nesterov={self.nesterov!r})")
+      raise ValueError(
+        "config.algorithm.optimizer='adam' keeps its own moments: set momentum=0 and nesterov=False "
+        f"(got momentum={self.momentum!r}, nesterov={self.nesterov!r})"
+      )
 
 
 def round_lr(hparams: LocalHParams, round_index):
   """``lr * lr_gamma ** round`` (0-based round; may be traced)."""
-  return hparams.lr * jnp.power(jnp.float32(hparams.lr_gamma), jnp.asarray(round_index, jnp.float32))
+  return hparams.lr * jnp.power(
+    jnp.float32(hparams.lr_gamma), jnp.asarray(round_index, jnp.float32)
+  )
 
 
-def local_update_from_hparams(apply_fn: Callable, hparams: LocalHParams) -> Callable[..., LocalResult]:
+def local_update_from_hparams(
+  apply_fn: Callable, hparams: LocalHParams
+) -> Callable[..., LocalResult]:
   """:func:`make_local_update` with the local-training fields of ``hparams`` (FedProx/SAM extras when present)."""
   return make_local_update(
-      apply_fn, epochs=hparams.epochs, batch_size=hparams.batch_size, momentum=float(hparams.momentum),
-      nesterov=hparams.nesterov, weight_decay=float(hparams.weight_decay),
-      prox_mu=float(getattr(hparams, "prox_mu", 0.0)), sam_rho=float(getattr(hparams, "sam_rho", 0.0)),
-      sam_adaptive=bool(getattr(hparams, "sam_adaptive", False)), optimizer=hparams.optimizer,
-      adam_b1=float(hparams.adam_b1), adam_b2=float(hparams.adam_b2), adam_eps=float(hparams.adam_eps))
+    apply_fn,
+    epochs=hparams.epochs,
+    batch_size=hparams.batch_size,
+    momentum=float(hparams.momentum),
+    nesterov=hparams.nesterov,
+    weight_decay=float(hparams.weight_decay),
+    prox_mu=float(getattr(hparams, "prox_mu", 0.0)),
+    sam_rho=float(getattr(hparams, "sam_rho", 0.0)),
+    sam_adaptive=bool(getattr(hparams, "sam_adaptive", False)),
+    optimizer=hparams.optimizer,
+    adam_b1=float(hparams.adam_b1),
+    adam_b2=float(hparams.adam_b2),
+    adam_eps=float(hparams.adam_eps),
+  )
 
 
 def transmit(stacked_params, bits: int, *, key, stochastic: bool):

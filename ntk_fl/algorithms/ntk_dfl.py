@@ -61,6 +61,7 @@ from each neighbour and one Jacobian package per neighbour, float32 or
 compressed, :func:`ntk_fl.communication.jacobian_package_bits`),
 ``bits_sent_total`` and ``bits_cumulative``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -72,17 +73,41 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ntk_fl import communication, compression, evolve, gossip, jacobians, models, parallel, rng, topology, \
-    validation
+from ntk_fl import (
+  communication,
+  compression,
+  evolve,
+  gossip,
+  jacobians,
+  models,
+  parallel,
+  rng,
+  topology,
+  validation,
+)
 from ntk_fl.algorithms import Method
 from ntk_fl._src.options import Kernel, Loss, Select, Solver
-from ntk_fl.algorithms.base import (Algorithm, ClientFn, ParamsState, TargetsFn, check_evolution, config_without,
-                                   graph_round_inputs, run_options)
+from ntk_fl.algorithms.base import (
+  Algorithm,
+  ClientFn,
+  ParamsState,
+  TargetsFn,
+  check_evolution,
+  config_without,
+  graph_round_inputs,
+  run_options,
+)
 from ntk_fl.rng import Stream, jax_key
 from ntk_fl.topology import Topology
 
-__all__ = ["NTKDFLHParams", "NeighbourhoodRound", "make_client_update", "make_neighbourhood_round",
-           "make_ntk_dfl", "METHOD"]
+__all__ = [
+  "NTKDFLHParams",
+  "NeighbourhoodRound",
+  "make_client_update",
+  "make_neighbourhood_round",
+  "make_ntk_dfl",
+  "METHOD",
+]
 
 
 def _subsample_indices(key, mask, num_keep, divisor):
@@ -123,6 +148,7 @@ class NTKDFLHParams:
     projection_dim: d1' of the shared input projection ``Z = X P`` (App. E.3; 0 = none; MLP only).
     projection_scale: :data:`ntk_fl.jacobians.PROJECTION_SCALES`.
   """
+
   lr: float
   lr_decay: float
   taus: tuple[int, ...]
@@ -144,18 +170,32 @@ class NTKDFLHParams:
     for name in ("jacobian_batches", "subsample"):
       validation.check_int(f"config.algorithm.{name}", getattr(self, name), low=1)
     validation.check_bool("config.algorithm.per_round_averaging", self.per_round_averaging)
-    validation.check_real("config.algorithm.sparsify_keep (top-k fraction per package tensor; 1 = dense)",
-                          self.sparsify_keep, low=0, high=1, low_open=True)
+    validation.check_real(
+      "config.algorithm.sparsify_keep (top-k fraction per package tensor; 1 = dense)",
+      self.sparsify_keep,
+      low=0,
+      high=1,
+      low_open=True,
+    )
     if self.quantize_bits != compression.FLOAT_BITS:
-      validation.check_int("config.algorithm.quantize_bits (32 = float32, no quantisation)", self.quantize_bits,
-                           low=1, high=16)
-    validation.check_int("config.algorithm.projection_dim (d1'; 0 = no projection)", self.projection_dim, low=0)
-    validation.check_choice("config.algorithm.projection_scale", self.projection_scale,
-                            jacobians.PROJECTION_SCALES)
+      validation.check_int(
+        "config.algorithm.quantize_bits (32 = float32, no quantisation)",
+        self.quantize_bits,
+        low=1,
+        high=16,
+      )
+    validation.check_int(
+      "config.algorithm.projection_dim (d1'; 0 = no projection)", self.projection_dim, low=0
+    )
+    validation.check_choice(
+      "config.algorithm.projection_scale", self.projection_scale, jacobians.PROJECTION_SCALES
+    )
     if self.compressed and self.jacobian_batches != 1:
-      raise ValueError("config.algorithm.sparsify_keep < 1 or quantize_bits < 32 compresses each sender's whole "
-                       f"package, which Jacobian batching splits over blocks: set jacobian_batches=1 (got "
-                       f"{self.jacobian_batches})")
+      raise ValueError(
+        "config.algorithm.sparsify_keep < 1 or quantize_bits < 32 compresses each sender's whole "
+        f"package, which Jacobian batching splits over blocks: set jacobian_batches=1 (got "
+        f"{self.jacobian_batches})"
+      )
 
   @property
   def compressed(self) -> bool:
@@ -166,8 +206,10 @@ class NTKDFLHParams:
 def check(hparams: NTKDFLHParams, run) -> None:
   """Rules across blocks: the input projection needs the MLP."""
   if hparams.projection_dim and run.model.name != "mlp":
-    raise ValueError("config.algorithm.projection_dim projects flattened inputs into the first dense layer; it "
-                     f"needs model.name='mlp', got {run.model.name!r}")
+    raise ValueError(
+      "config.algorithm.projection_dim projects flattened inputs into the first dense layer; it "
+      f"needs model.name='mlp', got {run.model.name!r}"
+    )
 
 
 class NeighbourhoodRound(NamedTuple):
@@ -191,16 +233,27 @@ class NeighbourhoodRound(NamedTuple):
       lowest-numbered member) and every member receives that output; ``client_args``
       must then be empty (a member's own state would be ignored).
   """
+
   data: Any
   samples_sent: Any
   round_inputs: Any
   run: Any
 
 
-def make_neighbourhood_round(model: models.Model, federation, graphs: topology.Topology, *, seed: int,
-                             lr: float, lr_decay: float, per_round_averaging: bool, mixing: str = "uniform",
-                             jacobian_batches: int = 1, subsample: int = 1,
-                             share_cliques: bool = False) -> NeighbourhoodRound:
+def make_neighbourhood_round(
+  model: models.Model,
+  federation,
+  graphs: topology.Topology,
+  *,
+  seed: int,
+  lr: float,
+  lr_decay: float,
+  per_round_averaging: bool,
+  mixing: str = "uniform",
+  jacobian_batches: int = 1,
+  subsample: int = 1,
+  share_cliques: bool = False,
+) -> NeighbourhoodRound:
   """Builds the parts of an NTK-DFL round shared by every neighbourhood-NTK method.
 
   Clients are mapped with :func:`ntk_fl.parallel.for_each_client` under the
@@ -224,23 +277,31 @@ def make_neighbourhood_round(model: models.Model, federation, graphs: topology.T
       by all neighbours"), clique-size times less work. Needs ``per_round_averaging``.
   """
   if graphs is None:
-    raise ValueError("a neighbourhood round needs a communication topology but got none: register the "
-                     "method's Method with graph=True (the schema then builds config.topology)")
+    raise ValueError(
+      "a neighbourhood round needs a communication topology but got none: register the "
+      "method's Method with graph=True (the schema then builds config.topology)"
+    )
   num_clients, n_max = federation.mask.shape
   num_classes = model.num_classes
   m1, m2 = int(jacobian_batches), int(subsample)
-  n_sub = -(-n_max // m2)                       # ceil: static slots per client after subsampling
-  n_sub_padded = -(-n_sub // m1) * m1          # each member's slots split evenly into m1 blocks
+  n_sub = -(-n_max // m2)  # ceil: static slots per client after subsampling
+  n_sub_padded = -(-n_sub // m1) * m1  # each member's slots split evenly into m1 blocks
   if m1 > n_sub:
-    raise ValueError(f"config.algorithm.jacobian_batches={m1} exceeds the {n_sub} data slots per client "
-                     f"(n_max={n_max}, subsample={m2}): some blocks would hold no data")
+    raise ValueError(
+      f"config.algorithm.jacobian_batches={m1} exceeds the {n_sub} data slots per client "
+      f"(n_max={n_max}, subsample={m2}): some blocks would hold no data"
+    )
 
   if graphs.num_clients != num_clients:
-    raise ValueError(f"the topology spans {graphs.num_clients} clients, the federation {num_clients}")
+    raise ValueError(
+      f"the topology spans {graphs.num_clients} clients, the federation {num_clients}"
+    )
   if share_cliques and (not graphs.cliques or not per_round_averaging):
-    raise ValueError("sharing one client update per clique needs topology.name='clustered' and per-round "
-                     f"averaging (got topology {graphs.name!r}, per_round_averaging={per_round_averaging}): "
-                     "only then do the members of a closed neighbourhood hold the same averaged weights")
+    raise ValueError(
+      "sharing one client update per clique needs topology.name='clustered' and per-round "
+      f"averaging (got topology {graphs.name!r}, per_round_averaging={per_round_averaging}): "
+      "only then do the members of a closed neighbourhood hold the same averaged weights"
+    )
   sizes = np.asarray(federation.n)
   # A federation whose samples are split over the devices (a multi-process run, each process holding only
   # its clients' samples): neighbours' samples and weights are fetched from their devices (parallel.Shared).
@@ -255,16 +316,18 @@ def make_neighbourhood_round(model: models.Model, federation, graphs: topology.T
     this round; only the ``k+1`` members' samples are gathered, so memory follows
     the chunk of clients being processed, not ``M``.
     """
-    members = jnp.concatenate([idx[None], nbrs])                       # [k+1]
+    members = jnp.concatenate([idx[None], nbrs])  # [k+1]
     member_mask = jnp.concatenate([jnp.ones((1,), bool), nbr_mask])
-    x, y = samples.take(rows[members])                                 # [k+1, n, ...]
+    x, y = samples.take(rows[members])  # [k+1, n, ...]
     mask = ms[members] & member_mask[:, None]
-    def blocks(a):                                                     # [k+1, nb*m1, ...] -> [m1, (k+1)*nb, ...]
+
+    def blocks(a):  # [k+1, nb*m1, ...] -> [m1, (k+1)*nb, ...]
       # Strided, not contiguous: real samples come first in every member's slots, so slot s goes to block
       # s mod m1 and each block gets ≈ n_j/m1 real samples of every member j.
       a = a.reshape(a.shape[0], a.shape[1] // m1, m1, *a.shape[2:])
       a = jnp.moveaxis(a, 2, 0)
       return a.reshape(m1, -1, *a.shape[3:])
+
     targets = jax.nn.one_hot(y, num_classes, dtype=jnp.float32)
     return blocks(x), blocks(targets), blocks(mask)
 
@@ -276,7 +339,7 @@ def make_neighbourhood_round(model: models.Model, federation, graphs: topology.T
       ms = keep
     if n_sub_padded != rows.shape[1]:
       pad = n_sub_padded - rows.shape[1]
-      zero_row = data.samples_y.shape[0] - 1                           # the federation's all-zero sample
+      zero_row = data.samples_y.shape[0] - 1  # the federation's all-zero sample
       rows = jnp.pad(rows, [(0, 0), (0, pad)], constant_values=zero_row)
       ms = jnp.pad(ms, [(0, 0), (0, pad)])
     round_lr = lr * jnp.exp(-lr_decay * inputs.round.astype(jnp.float32))
@@ -289,29 +352,47 @@ def make_neighbourhood_round(model: models.Model, federation, graphs: topology.T
       x, t, m = neighbourhood(idx, nbrs, nbr_mask, samples, rows, ms)
       return client_fn(p, x, t, m, round_lr, *args)
 
-    shared = (parallel.Shared(params, split), parallel.Shared((data.samples_x, data.samples_y), split))
+    shared = (
+      parallel.Shared(params, split),
+      parallel.Shared((data.samples_x, data.samples_y), split),
+    )
     update = functools.partial(parallel.for_each_client(per_client), *shared)
     clients = jnp.arange(num_clients)
     weights = (inputs.self_weight, inputs.neighbor_weights)
     if not share_cliques:
-      return update(params, clients, inputs.neighbors, inputs.neighbor_mask, *weights, *client_args), round_lr
+      return update(
+        params, clients, inputs.neighbors, inputs.neighbor_mask, *weights, *client_args
+      ), round_lr
     if client_args:
-      raise ValueError("share_cliques=True runs client_fn once per clique, so it takes no per-client arguments")
+      raise ValueError(
+        "share_cliques=True runs client_fn once per clique, so it takes no per-client arguments"
+      )
     # A clique's representative is its lowest-numbered member (padding slots hold the client's own index).
     representative = jnp.minimum(clients, inputs.neighbors.min(axis=1))
     leaders = jnp.unique(representative, size=graphs.cliques)
-    outputs = update(jax.tree.map(lambda p: p[leaders], params), leaders, inputs.neighbors[leaders],
-                     inputs.neighbor_mask[leaders], *(w[leaders] for w in weights))
+    outputs = update(
+      jax.tree.map(lambda p: p[leaders], params),
+      leaders,
+      inputs.neighbors[leaders],
+      inputs.neighbor_mask[leaders],
+      *(w[leaders] for w in weights),
+    )
     slot = jnp.searchsorted(leaders, representative)
     return jax.tree.map(lambda o: o[slot], outputs), round_lr
 
   samples_sent = np.maximum(sizes // m2, 1) if m2 > 1 else sizes
-  return NeighbourhoodRound(data=data, samples_sent=samples_sent, round_inputs=round_inputs, run=run)
+  return NeighbourhoodRound(
+    data=data, samples_sent=samples_sent, round_inputs=round_inputs, run=run
+  )
 
 
-def make_client_update(model: models.Model, hparams: NTKDFLHParams, *,
-                       targets_fn: TargetsFn | None = None,
-                       neighbourhood_slots: int | None = None) -> ClientFn:
+def make_client_update(
+  model: models.Model,
+  hparams: NTKDFLHParams,
+  *,
+  targets_fn: TargetsFn | None = None,
+  neighbourhood_slots: int | None = None,
+) -> ClientFn:
   """NTK-DFL's client update: one client's NTK evolution over its neighbourhood, every setting forwarded.
 
   The step (:func:`ntk_fl.evolve.ntk_step`) takes ``hparams``' ``taus``, ``loss``, ``solver``, ``select``
@@ -337,31 +418,54 @@ def make_client_update(model: models.Model, hparams: NTKDFLHParams, *,
   """
   m1 = int(hparams.jacobian_batches)
   if hparams.compressed and neighbourhood_slots is None:
-    raise ValueError("a compressed NTK-DFL client update (sparsify_keep < 1, quantize_bits < 32) needs "
-                     "neighbourhood_slots = 1 + k_max: its Jacobian packages are per neighbourhood slot")
+    raise ValueError(
+      "a compressed NTK-DFL client update (sparsify_keep < 1, quantize_bits < 32) needs "
+      "neighbourhood_slots = 1 + k_max: its Jacobian packages are per neighbourhood slot"
+    )
   # The step's options, the τ grid checked once here rather than on every trace.
-  options = dict(taus=evolve.check_taus(tuple(hparams.taus)), loss=hparams.loss, solver=hparams.solver,
-                 select=hparams.select, kernel=hparams.kernel, dense_stack=model.dense_stack,
-                 flax_apply=model.flax_apply, per_sample=model.per_sample)
+  options = dict(
+    taus=evolve.check_taus(tuple(hparams.taus)),
+    loss=hparams.loss,
+    solver=hparams.solver,
+    select=hparams.select,
+    kernel=hparams.kernel,
+    dense_stack=model.dense_stack,
+    flax_apply=model.flax_apply,
+    per_sample=model.per_sample,
+  )
   keep, bits = float(hparams.sparsify_keep), int(hparams.quantize_bits)
 
   def step(params, x, hard, mask, lr, start, **explicit):
     targets = hard if targets_fn is None else functools.partial(_call_targets, targets_fn, hard)
     labels = None if targets_fn is None else hard
-    return evolve.ntk_step(model.apply, params, x, targets, mask, lr=lr, labels=labels, start=start,
-                           **options, **explicit)
+    return evolve.ntk_step(
+      model.apply,
+      params,
+      x,
+      targets,
+      mask,
+      lr=lr,
+      labels=labels,
+      start=start,
+      **options,
+      **explicit,
+    )
 
-  def compressed_jacobian(params, x, mask):   # x [N_b, ...]: the packages as the client receives them
+  def compressed_jacobian(
+    params, x, mask
+  ):  # x [N_b, ...]: the packages as the client receives them
     xs = jnp.where(mask.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0)
     leaves, treedef = jax.tree.flatten(jacobians.per_sample_jacobian(model.apply, params, xs))
-    sent = jnp.arange(neighbourhood_slots) > 0      # the client's own rows (slot 0) are never transmitted
+    sent = (
+      jnp.arange(neighbourhood_slots) > 0
+    )  # the client's own rows (slot 0) are never transmitted
     leaves = compression.compress_packages(leaves, mask, neighbourhood_slots, keep, bits, sent=sent)
     return jax.tree.unflatten(treedef, leaves)
 
   def client_update(params, x, hard, mask, lr):
     if m1 == 1:
       explicit = {}
-      if hparams.compressed:    # the kernel and the update from the compressed packages
+      if hparams.compressed:  # the kernel and the update from the compressed packages
         explicit["jacobian"] = compressed_jacobian(params, x[0], mask[0])
       delta, info = step(params, x[0], hard[0], mask[0], lr, None, **explicit)
       return jax.tree.map(jnp.add, params, delta), {"tau": info["tau"], "loss": info["loss"]}
@@ -374,9 +478,18 @@ def _call_targets(targets_fn, hard, f0):
   return targets_fn(f0, hard)
 
 
-def make_ntk_dfl(model: models.Model, federation, topology: Topology | None, hparams: NTKDFLHParams,
-                 run=None, *, seed: int | None = None, mixing: str | None = None,
-                 shared_init: bool | None = None, targets_fn: TargetsFn | None = None) -> Algorithm:
+def make_ntk_dfl(
+  model: models.Model,
+  federation,
+  topology: Topology | None,
+  hparams: NTKDFLHParams,
+  run=None,
+  *,
+  seed: int | None = None,
+  mixing: str | None = None,
+  shared_init: bool | None = None,
+  targets_fn: TargetsFn | None = None,
+) -> Algorithm:
   """Builds NTK-DFL for ``federation`` (a :class:`ntk_fl.data.Federation`) and ``model``.
 
   A :class:`ntk_fl.algorithms.MakeFn`: registered as is (``Method(make=make_ntk_dfl, ...)``). Without
@@ -402,39 +515,67 @@ def make_ntk_dfl(model: models.Model, federation, topology: Topology | None, hpa
   options = run_options(run, "NTK-DFL", topology, seed=seed, mixing=mixing, shared_init=shared_init)
   num_clients = federation.mask.shape[0]
   projection = None
-  if hparams.projection_dim:   # Z = X P once for all samples: what every client computes with the shared P
+  if (
+    hparams.projection_dim
+  ):  # Z = X P once for all samples: what every client computes with the shared P
     projection, model, federation = _project_federation(model, federation, hparams, options.seed)
-  core = make_neighbourhood_round(model, federation, topology, seed=options.seed, mixing=options.mixing,
-                                  lr=hparams.lr, lr_decay=hparams.lr_decay,
-                                  per_round_averaging=hparams.per_round_averaging,
-                                  jacobian_batches=int(hparams.jacobian_batches),
-                                  subsample=int(hparams.subsample))
-  client_update = make_client_update(model, hparams, targets_fn=targets_fn,
-                                     neighbourhood_slots=1 + topology.k_max)
+  core = make_neighbourhood_round(
+    model,
+    federation,
+    topology,
+    seed=options.seed,
+    mixing=options.mixing,
+    lr=hparams.lr,
+    lr_decay=hparams.lr_decay,
+    per_round_averaging=hparams.per_round_averaging,
+    jacobian_batches=int(hparams.jacobian_batches),
+    subsample=int(hparams.subsample),
+  )
+  client_update = make_client_update(
+    model, hparams, targets_fn=targets_fn, neighbourhood_slots=1 + topology.k_max
+  )
 
   # Communication (ntk_fl.communication.neighbourhood_round_bits): static per-client package sizes.
   template = jax.eval_shape(model.init, jax.random.key(0))
   leaf_sizes = [math.prod(leaf.shape) for leaf in jax.tree.leaves(template)]
   keep, bits = float(hparams.sparsify_keep), int(hparams.quantize_bits)
-  packages = jnp.asarray([communication.jacobian_package_bits(int(n), model.num_classes, leaf_sizes,
-                                                              keep_fraction=keep, bits=bits)
-                          for n in core.samples_sent], jnp.float32)
-  broadcast = topology.cliques > 0        # a clique member sends one package to the whole clique
+  packages = jnp.asarray(
+    [
+      communication.jacobian_package_bits(
+        int(n), model.num_classes, leaf_sizes, keep_fraction=keep, bits=bits
+      )
+      for n in core.samples_sent
+    ],
+    jnp.float32,
+  )
+  broadcast = topology.cliques > 0  # a clique member sends one package to the whole clique
 
   def init(key):
-    return ParamsState(params=models.init_clients(model, key, num_clients, shared=options.shared_init),
-                       bits_cumulative=jnp.float32(0))
+    return ParamsState(
+      params=models.init_clients(model, key, num_clients, shared=options.shared_init),
+      bits_cumulative=jnp.float32(0),
+    )
 
   @jax.jit
   def _step(state, inputs, data):
     (new_params, info), lr = core.run(state.params, inputs, data, client_update)
-    bits_sent = communication.neighbourhood_round_bits(inputs.neighbor_mask.sum(axis=1).astype(jnp.float32),
-                                                       packages, sum(leaf_sizes), broadcast=broadcast,
-                                                       averaging=hparams.per_round_averaging)
+    bits_sent = communication.neighbourhood_round_bits(
+      inputs.neighbor_mask.sum(axis=1).astype(jnp.float32),
+      packages,
+      sum(leaf_sizes),
+      broadcast=broadcast,
+      averaging=hparams.per_round_averaging,
+    )
     total = jnp.sum(bits_sent)
     new_state = ParamsState(params=new_params, bits_cumulative=state.bits_cumulative + total)
-    metrics = {"tau": info["tau"], "loss": info["loss"], "lr": lr, "bits_sent": bits_sent,
-               "bits_sent_total": total, "bits_cumulative": new_state.bits_cumulative}
+    metrics = {
+      "tau": info["tau"],
+      "loss": info["loss"],
+      "lr": lr,
+      "bits_sent": bits_sent,
+      "bits_sent_total": total,
+      "bits_cumulative": new_state.bits_cumulative,
+    }
     return new_state, metrics
 
   def step(state, inputs):
@@ -446,7 +587,9 @@ def make_ntk_dfl(model: models.Model, federation, topology: Topology | None, hpa
     # P folded into the first layer: the d1-input network on raw inputs (the runner scores raw test inputs).
     return jacobians.fold_projection(state.params, projection, layer=model.dense_stack.layers[0])
 
-  return Algorithm(init=init, round_inputs=core.round_inputs, step=step, client_params=client_params)
+  return Algorithm(
+    init=init, round_inputs=core.round_inputs, step=step, client_params=client_params
+  )
 
 
 def _project_federation(model: models.Model, federation, algo: NTKDFLHParams, seed: int):
@@ -455,13 +598,23 @@ def _project_federation(model: models.Model, federation, algo: NTKDFLHParams, se
   ``P`` is CP-NTK-FL's shared seeded Gaussian (the same stream); the all-zero padding sample stays zero.
   """
   if len(federation.feature_shape) != 1:
-    raise ValueError("config.algorithm.projection_dim needs flattened inputs [S, d1], got samples of shape "
-                     f"{federation.feature_shape}")
+    raise ValueError(
+      "config.algorithm.projection_dim needs flattened inputs [S, d1], got samples of shape "
+      f"{federation.feature_shape}"
+    )
   input_dim = federation.feature_shape[0]
-  projection = jacobians.projection_matrix(jax_key(seed, Stream.INPUT_PROJECTION), input_dim,
-                                           int(algo.projection_dim), scale=algo.projection_scale)
+  projection = jacobians.projection_matrix(
+    jax_key(seed, Stream.INPUT_PROJECTION),
+    input_dim,
+    int(algo.projection_dim),
+    scale=algo.projection_scale,
+  )
   samples_x = jacobians.project_inputs(jnp.asarray(federation.samples_x), projection)
-  return projection, models.mlp_on_inputs(model, int(algo.projection_dim)), federation._replace(samples_x=samples_x)
+  return (
+    projection,
+    models.mlp_on_inputs(model, int(algo.projection_dim)),
+    federation._replace(samples_x=samples_x),
+  )
 
 
 def _batched_update(step, params, x, targets, mask, lr):
@@ -472,6 +625,7 @@ def _batched_update(step, params, x, targets, mask, lr):
   the outputs of the current, already updated, network; each block selects its
   own ``τ`` and its update is added before the next block.
   """
+
   def block(current, batch):
     xb, tb, mb = batch
     delta, info = step(params, xb, tb, mb, lr, current)
@@ -499,4 +653,9 @@ def shared_rounds(stored: dict, current: dict) -> int:
 
 
 METHOD = Method(
-    make=make_ntk_dfl, hyperparameters=NTKDFLHParams, check=check, graph=True, shared_rounds=shared_rounds)
+  make=make_ntk_dfl,
+  hyperparameters=NTKDFLHParams,
+  check=check,
+  graph=True,
+  shared_rounds=shared_rounds,
+)

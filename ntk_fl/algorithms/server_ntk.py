@@ -61,6 +61,7 @@ returns it with ``P`` folded into the first dense layer
 (:func:`ntk_fl.jacobians.fold_projection`), so the runner scores it on raw
 test inputs with the unmodified network.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -78,12 +79,22 @@ from ntk_fl._src.options import Choice, JacobianPath, Kernel, Loss, Select, Solv
 from ntk_fl.algorithms.base import Algorithm, check_evolution, parse_enums, run_options
 from ntk_fl.rng import Stream, jax_key, numpy_rng
 
-__all__ = ["ServerNTKState", "ServerNTKRound", "JacobianPath", "NTKFLHParams", "make_server_ntk", "check",
-           "uses_explicit_jacobian", "METHOD"]
+__all__ = [
+  "ServerNTKState",
+  "ServerNTKRound",
+  "JacobianPath",
+  "NTKFLHParams",
+  "make_server_ntk",
+  "check",
+  "uses_explicit_jacobian",
+  "METHOD",
+]
+
 
 class ServerSelect(Choice):
   """How the server scores the ``τ`` candidates: the :class:`~ntk_fl.evolve.Select` choices, plus
   ``VALIDATION``: the non-linear network's loss on clients held out of training (NTK-FL §3, after eq. 11)."""
+
   NETWORK = "network"
   LINEARIZED = "linearized"
   VALIDATION = "validation"
@@ -94,6 +105,7 @@ _MIB_BITS = 8 * 2**20
 
 class ServerNTKState(NamedTuple):
   """``params``: the global model (d1'-input when projecting); cumulative float32 bit counts."""
+
   params: Any
   uplink_bits: Any
   downlink_bits: Any
@@ -102,6 +114,7 @@ class ServerNTKState(NamedTuple):
 class ServerNTKRound(NamedTuple):
   """Inputs of one round: ``round`` int32 (0-based), ``clients`` int32 ``[K]``, ``key`` (subsampling,
   stochastic rounding, shuffling)."""
+
   round: Any
   clients: Any
   key: Any
@@ -110,7 +123,9 @@ class ServerNTKRound(NamedTuple):
 def uses_explicit_jacobian(algo) -> bool:
   """Whether the server must hold explicit Jacobians (compression alters them, or it was asked to)."""
   compressed = algo.sparsify_keep < 1 or algo.quantize_bits != compression.FLOAT_BITS
-  return algo.jacobian == JacobianPath.EXPLICIT or (algo.jacobian == JacobianPath.AUTO and compressed)
+  return algo.jacobian == JacobianPath.EXPLICIT or (
+    algo.jacobian == JacobianPath.AUTO and compressed
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +149,7 @@ class NTKFLHParams:
     validation_clients: clients held out from training whose pooled data score τ; >= 1 exactly when
       ``select='validation'`` (configs stored before it existed had none).
   """
+
   clients_per_round: int
   lr: float
   lr_decay: float
@@ -154,46 +170,85 @@ class NTKFLHParams:
   validation_clients: int = 0
 
   def __post_init__(self):
-    validation.check_int("config.algorithm.clients_per_round (0 = all clients)", self.clients_per_round, low=0)
+    validation.check_int(
+      "config.algorithm.clients_per_round (0 = all clients)", self.clients_per_round, low=0
+    )
     parse_enums(self)
     by_validation = self.select == ServerSelect.VALIDATION
     # 'validation' is the evolution's 'network' scoring on other data: check the rest as such.
-    check_evolution(types.SimpleNamespace(**{**vars(self), "select": Select.NETWORK}) if by_validation else self)
+    check_evolution(
+      types.SimpleNamespace(**{**vars(self), "select": Select.NETWORK}) if by_validation else self
+    )
     validation.check_int("config.algorithm.validation_clients", self.validation_clients, low=0)
     if by_validation != (self.validation_clients > 0):
-      raise ValueError("config.algorithm.select='validation' needs validation_clients >= 1, and validation_clients "
-                       f"needs select='validation' (got select={self.select!r}, "
-                       f"validation_clients={self.validation_clients})")
-    validation.check_choice("config.algorithm.projection_scale", self.projection_scale,
-                            jacobians.PROJECTION_SCALES)
-    validation.check_int("config.algorithm.jacobian_chunk (0 = automatic)", self.jacobian_chunk, low=0)
-    validation.check_real("config.algorithm.subsample_fraction (β; 1 = all samples)", self.subsample_fraction,
-                          low=0, high=1, low_open=True)
-    validation.check_int("config.algorithm.projection_dim (d1'; 0 = no projection)", self.projection_dim, low=0)
-    validation.check_real("config.algorithm.sparsify_keep (top-k fraction per Jacobian row; 1 = dense)",
-                          self.sparsify_keep, low=0, high=1, low_open=True)
+      raise ValueError(
+        "config.algorithm.select='validation' needs validation_clients >= 1, and validation_clients "
+        f"needs select='validation' (got select={self.select!r}, "
+        f"validation_clients={self.validation_clients})"
+      )
+    validation.check_choice(
+      "config.algorithm.projection_scale", self.projection_scale, jacobians.PROJECTION_SCALES
+    )
+    validation.check_int(
+      "config.algorithm.jacobian_chunk (0 = automatic)", self.jacobian_chunk, low=0
+    )
+    validation.check_real(
+      "config.algorithm.subsample_fraction (β; 1 = all samples)",
+      self.subsample_fraction,
+      low=0,
+      high=1,
+      low_open=True,
+    )
+    validation.check_int(
+      "config.algorithm.projection_dim (d1'; 0 = no projection)", self.projection_dim, low=0
+    )
+    validation.check_real(
+      "config.algorithm.sparsify_keep (top-k fraction per Jacobian row; 1 = dense)",
+      self.sparsify_keep,
+      low=0,
+      high=1,
+      low_open=True,
+    )
     bits = self.quantize_bits
     if bits != compression.FLOAT_BITS:
-      validation.check_int("config.algorithm.quantize_bits (32 = float32, no quantisation)", bits, low=1, high=16)
+      validation.check_int(
+        "config.algorithm.quantize_bits (32 = float32, no quantisation)", bits, low=1, high=16
+      )
     validation.check_bool("config.algorithm.stochastic_rounding", self.stochastic_rounding)
     if self.stochastic_rounding and bits == compression.FLOAT_BITS:
-      raise ValueError("config.algorithm.stochastic_rounding needs quantisation: set quantize_bits in [1, 16] "
-                       "(it is 32, i.e. float32)")
+      raise ValueError(
+        "config.algorithm.stochastic_rounding needs quantisation: set quantize_bits in [1, 16] "
+        "(it is 32, i.e. float32)"
+      )
     validation.check_bool("config.algorithm.shuffle", self.shuffle)
-    if self.jacobian == JacobianPath.IMPLICIT and (self.sparsify_keep < 1 or bits != compression.FLOAT_BITS):
-      raise ValueError("config.algorithm.jacobian='implicit' cannot apply sparsify_keep < 1 or quantize_bits < 32: "
-                       "compressed Jacobians must be materialised -- use jacobian='auto' or 'explicit'")
+    if self.jacobian == JacobianPath.IMPLICIT and (
+      self.sparsify_keep < 1 or bits != compression.FLOAT_BITS
+    ):
+      raise ValueError(
+        "config.algorithm.jacobian='implicit' cannot apply sparsify_keep < 1 or quantize_bits < 32: "
+        "compressed Jacobians must be materialised -- use jacobian='auto' or 'explicit'"
+      )
 
 
 def check(hparams: NTKFLHParams, run) -> None:
   """Rules across blocks: participants within the clients; the input projection needs the MLP."""
-  validation.check_int("config.algorithm.clients_per_round (0 = all clients)", hparams.clients_per_round,
-                       low=0, high=run.data.num_clients - hparams.validation_clients)
-  validation.check_int("config.algorithm.validation_clients", hparams.validation_clients, low=0,
-                       high=run.data.num_clients - 1)
+  validation.check_int(
+    "config.algorithm.clients_per_round (0 = all clients)",
+    hparams.clients_per_round,
+    low=0,
+    high=run.data.num_clients - hparams.validation_clients,
+  )
+  validation.check_int(
+    "config.algorithm.validation_clients",
+    hparams.validation_clients,
+    low=0,
+    high=run.data.num_clients - 1,
+  )
   if hparams.projection_dim and run.model.name != "mlp":
-    raise ValueError("config.algorithm.projection_dim projects flattened inputs into the first dense layer; it "
-                     f"needs model.name='mlp', got {run.model.name!r}")
+    raise ValueError(
+      "config.algorithm.projection_dim projects flattened inputs into the first dense layer; it "
+      f"needs model.name='mlp', got {run.model.name!r}"
+    )
 
 
 def _compress_client(jac, mask, key, *, keep: float, bits: int, stochastic: bool):
@@ -208,8 +263,15 @@ def _compress_client(jac, mask, key, *, keep: float, bits: int, stochastic: bool
   return jac
 
 
-def make_server_ntk(model: models.Model, federation, topology, hparams: NTKFLHParams, run=None, *,
-                    seed: int | None = None) -> Algorithm:
+def make_server_ntk(
+  model: models.Model,
+  federation,
+  topology,
+  hparams: NTKFLHParams,
+  run=None,
+  *,
+  seed: int | None = None,
+) -> Algorithm:
   """Builds NTK-FL / CP-NTK-FL for ``federation`` and ``model`` (the raw-input model of the runner).
 
   Args:
@@ -228,17 +290,30 @@ def make_server_ntk(model: models.Model, federation, topology, hparams: NTKFLHPa
   num_clients, n_max = federation.mask.shape
   num_val = int(algo.validation_clients)
   # Held-out validation clients (select='validation'), drawn once; the others train.
-  held_out = (np.sort(numpy_rng(seed, Stream.VALIDATION_CLIENTS).choice(num_clients, size=num_val, replace=False))
-              if num_val else np.zeros((0,), np.int64))
+  held_out = (
+    np.sort(
+      numpy_rng(seed, Stream.VALIDATION_CLIENTS).choice(num_clients, size=num_val, replace=False)
+    )
+    if num_val
+    else np.zeros((0,), np.int64)
+  )
   training_clients = np.setdiff1d(np.arange(num_clients), held_out)
   k = int(algo.clients_per_round) or len(training_clients)
   by_validation = algo.select == ServerSelect.VALIDATION
   # The step's options, parsed (and the τ grid checked) once here rather than on every trace.
-  step_options = dict(taus=evolve.check_taus(tuple(algo.taus)), loss=algo.loss, solver=algo.solver,
-                      select=Select.NETWORK if by_validation else Select(algo.select.value),
-                      kernel=algo.kernel)
+  step_options = dict(
+    taus=evolve.check_taus(tuple(algo.taus)),
+    loss=algo.loss,
+    solver=algo.solver,
+    select=Select.NETWORK if by_validation else Select(algo.select.value),
+    kernel=algo.kernel,
+  )
   beta, proj_dim = float(algo.subsample_fraction), int(algo.projection_dim)
-  keep, bits, stochastic = float(algo.sparsify_keep), int(algo.quantize_bits), bool(algo.stochastic_rounding)
+  keep, bits, stochastic = (
+    float(algo.sparsify_keep),
+    int(algo.quantize_bits),
+    bool(algo.stochastic_rounding),
+  )
   explicit = uses_explicit_jacobian(algo)
   num_classes = model.num_classes
   jac_chunk = int(algo.jacobian_chunk) or None
@@ -248,20 +323,27 @@ def make_server_ntk(model: models.Model, federation, topology, hparams: NTKFLHPa
   if proj_dim:
     input_dim = math.prod(federation.feature_shape)
     if len(federation.feature_shape) != 1:
-      raise ValueError("config.algorithm.projection_dim needs flattened inputs [M, n, d1], got samples of shape "
-                       f"{federation.feature_shape}")
-    projection = jacobians.projection_matrix(jax_key(seed, Stream.INPUT_PROJECTION), input_dim, proj_dim,
-                                             scale=algo.projection_scale)
+      raise ValueError(
+        "config.algorithm.projection_dim needs flattened inputs [M, n, d1], got samples of shape "
+        f"{federation.feature_shape}"
+      )
+    projection = jacobians.projection_matrix(
+      jax_key(seed, Stream.INPUT_PROJECTION), input_dim, proj_dim, scale=algo.projection_scale
+    )
     net = models.mlp_on_inputs(model, proj_dim)
   first_layer = net.dense_stack.layers[0] if net.dense_stack else None
   num_params = models.num_params(jax.eval_shape(net.init, jax.random.key(0)))
   model_bits = num_params * compression.FLOAT_BITS
   n_slots = jacobians.num_subsampled(n_max, beta) if beta < 1 else n_max
-  data = parallel.to_device((federation, projection if projection is not None else jnp.zeros((0,), jnp.float32)))
+  data = parallel.to_device(
+    (federation, projection if projection is not None else jnp.zeros((0,), jnp.float32))
+  )
   held = jnp.asarray(held_out, jnp.int32)
 
   def init(key):
-    return ServerNTKState(params=net.init(key), uplink_bits=jnp.float32(0), downlink_bits=jnp.float32(0))
+    return ServerNTKState(
+      params=net.init(key), uplink_bits=jnp.float32(0), downlink_bits=jnp.float32(0)
+    )
 
   def round_inputs(round_index: int) -> ServerNTKRound:
     rng = numpy_rng(seed, Stream.PARTICIPATION, round_index)
@@ -269,15 +351,19 @@ def make_server_ntk(model: models.Model, federation, topology, hparams: NTKFLHPa
       clients = np.sort(rng.choice(training_clients, size=k, replace=False)).astype(np.int32)
     else:
       clients = np.sort(rng.choice(num_clients, size=k, replace=False)).astype(np.int32)
-    return ServerNTKRound(round=np.int32(round_index), clients=clients,
-                          key=jax_key(seed, Stream.ROUND_KEYS, round_index))
+    return ServerNTKRound(
+      round=np.int32(round_index),
+      clients=clients,
+      key=jax_key(seed, Stream.ROUND_KEYS, round_index),
+    )
 
   def client_data(fed, proj, clients, key, subsample=True):
     """Participants' (subsampled, projected) data ``[K, n_slots, ...]``; padded rows zeroed."""
     (x, y), mask = fed.samples(fed.index[clients]), fed.mask[clients]
     if beta < 1 and subsample:
-      idx, mask = parallel.for_each_client(lambda kk, m: jacobians.subsample(kk, m, beta), chunk_size=0)(
-          jax.random.split(key, mask.shape[0]), mask)
+      idx, mask = parallel.for_each_client(
+        lambda kk, m: jacobians.subsample(kk, m, beta), chunk_size=0
+      )(jax.random.split(key, mask.shape[0]), mask)
       x = jnp.take_along_axis(x, idx.reshape(*idx.shape, *([1] * (x.ndim - 2))), axis=1)
       y = jnp.take_along_axis(y, idx, axis=1)
     if proj_dim:
@@ -290,18 +376,26 @@ def make_server_ntk(model: models.Model, federation, topology, hparams: NTKFLHPa
     fed, proj = data
     sub_key, quant_key, shuffle_key = jax.random.split(inputs.key, 3)
     lr = algo.lr * jnp.exp(-algo.lr_decay * inputs.round.astype(jnp.float32))
-    x, targets, mask = client_data(fed, proj, inputs.clients, sub_key)      # [K, n_slots, ...]
+    x, targets, mask = client_data(fed, proj, inputs.clients, sub_key)  # [K, n_slots, ...]
     pool = lambda a: a.reshape(k * n_slots, *a.shape[2:])
     evolve_kwargs = dict(lr=lr, **step_options)
     if by_validation:
       # The validation clients' pooled data, as a participant would send it (projected; no subsampling).
-      vx, vt, vm = (a.reshape(num_val * n_max, *a.shape[2:]) for a in client_data(fed, proj, held, None, False))
-      evolve_kwargs["score_fn"] = lambda w: evolve.mean_loss(net.apply(w, vx), vt, vm, evolve.Loss.CE)
+      vx, vt, vm = (
+        a.reshape(num_val * n_max, *a.shape[2:]) for a in client_data(fed, proj, held, None, False)
+      )
+      evolve_kwargs["score_fn"] = lambda w: evolve.mean_loss(
+        net.apply(w, vx), vt, vm, evolve.Loss.CE
+      )
     if explicit:
       jac = jacobians.flat_jacobian(net.apply, state.params, pool(x), chunk_size=jac_chunk)
       jac = jac.reshape(k, n_slots, *jac.shape[1:])
-      compress = lambda j, m, kk: _compress_client(j, m, kk, keep=keep, bits=bits, stochastic=stochastic)
-      jac = parallel.for_each_client(compress, chunk_size=0)(jac, mask, jax.random.split(quant_key, k))
+      compress = lambda j, m, kk: _compress_client(
+        j, m, kk, keep=keep, bits=bits, stochastic=stochastic
+      )
+      jac = parallel.for_each_client(compress, chunk_size=0)(
+        jac, mask, jax.random.split(quant_key, k)
+      )
       pooled = (pool(x), pool(targets), pool(mask), pool(jac))
     else:
       pooled = (pool(x), pool(targets), pool(mask))
@@ -311,27 +405,51 @@ def make_server_ntk(model: models.Model, federation, topology, hparams: NTKFLHPa
       # The kernel and the candidates come from the uploaded (possibly compressed) flat J [N, C, d], whose
       # coordinates are the flat parameter vector.
       *pooled, jac = pooled
-      flat = evolve.ParamMap(net.apply, state.params, lambda d: jacobians.unflatten_jacobian(d, state.params))
-      delta, info = evolve.ntk_step(net.apply, state.params, *pooled, jacobian=jac, param_map=flat,
-                                    **evolve_kwargs)
+      flat = evolve.ParamMap(
+        net.apply, state.params, lambda d: jacobians.unflatten_jacobian(d, state.params)
+      )
+      delta, info = evolve.ntk_step(
+        net.apply, state.params, *pooled, jacobian=jac, param_map=flat, **evolve_kwargs
+      )
     else:
-      delta, info = evolve.ntk_step(net.apply, state.params, *pooled, dense_stack=net.dense_stack,
-                                    flax_apply=net.flax_apply, per_sample=net.per_sample,
-                                    **evolve_kwargs)
+      delta, info = evolve.ntk_step(
+        net.apply,
+        state.params,
+        *pooled,
+        dense_stack=net.dense_stack,
+        flax_apply=net.flax_apply,
+        per_sample=net.per_sample,
+        **evolve_kwargs,
+      )
     params = jax.tree.map(jnp.add, state.params, delta)
 
-    sizes = mask.sum(axis=1)                                                        # [K] samples sent
-    up = communication.server_upload_bits(sizes.astype(jnp.float32), num_params, num_classes,       # [K]
-                                          keep_fraction=algo.sparsify_keep, bits=algo.quantize_bits)
+    sizes = mask.sum(axis=1)  # [K] samples sent
+    up = communication.server_upload_bits(
+      sizes.astype(jnp.float32),
+      num_params,
+      num_classes,  # [K]
+      keep_fraction=algo.sparsify_keep,
+      bits=algo.quantize_bits,
+    )
     up_total, down_total = jnp.sum(up), jnp.float32(k * model_bits)
-    new_state = ServerNTKState(params=params, uplink_bits=state.uplink_bits + up_total,
-                               downlink_bits=state.downlink_bits + down_total)
-    metrics = {"tau": info["tau"], "loss": info["loss"], "lr": lr, "num_samples": jnp.sum(sizes),
-               "bits_per_client": jnp.mean(up), "bits_sent_total": up_total,
-               "bits_cumulative": new_state.uplink_bits, "downlink_bits_total": down_total,
-               "downlink_bits_cumulative": new_state.downlink_bits,
-               "uplink_mb_cumulative": new_state.uplink_bits / _MIB_BITS,
-               "downlink_mb_cumulative": new_state.downlink_bits / _MIB_BITS}
+    new_state = ServerNTKState(
+      params=params,
+      uplink_bits=state.uplink_bits + up_total,
+      downlink_bits=state.downlink_bits + down_total,
+    )
+    metrics = {
+      "tau": info["tau"],
+      "loss": info["loss"],
+      "lr": lr,
+      "num_samples": jnp.sum(sizes),
+      "bits_per_client": jnp.mean(up),
+      "bits_sent_total": up_total,
+      "bits_cumulative": new_state.uplink_bits,
+      "downlink_bits_total": down_total,
+      "downlink_bits_cumulative": new_state.downlink_bits,
+      "uplink_mb_cumulative": new_state.uplink_bits / _MIB_BITS,
+      "downlink_mb_cumulative": new_state.downlink_bits / _MIB_BITS,
+    }
     return new_state, metrics
 
   def step(state, inputs):
@@ -346,5 +464,4 @@ def make_server_ntk(model: models.Model, federation, topology, hparams: NTKFLHPa
   return Algorithm(init=init, round_inputs=round_inputs, step=step, client_params=client_params)
 
 
-METHOD = Method(make=make_server_ntk,
-                hyperparameters=NTKFLHParams, check=check)
+METHOD = Method(make=make_server_ntk, hyperparameters=NTKFLHParams, check=check)

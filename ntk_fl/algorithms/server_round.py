@@ -20,10 +20,12 @@ float32, so relative rounding ~1e-7). The global model is the state's only
 model, so ``client_params`` returns it with a client axis of length 1 (the
 aggregated model the runner scores is then exactly the global model).
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -34,12 +36,20 @@ from ntk_fl.algorithms import local
 from ntk_fl.algorithms.base import Algorithm, ParamsState
 from ntk_fl.rng import Stream, jax_key, numpy_rng
 
-__all__ = ["ServerRound", "ServerHParams", "ServerUpdate", "check", "make_server_method",
-           "federated_update", "weighted_average"]
+__all__ = [
+  "ServerRound",
+  "ServerHParams",
+  "ServerUpdate",
+  "check",
+  "make_server_method",
+  "federated_update",
+  "weighted_average",
+]
 
 
 class ServerRound(NamedTuple):
   """Inputs of one round: ``round`` int32 (0-based), ``clients`` int32 ``[K]``, ``key``."""
+
   round: Any
   clients: Any
   key: Any
@@ -48,6 +58,7 @@ class ServerRound(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class ServerHParams(local.LocalHParams):
   """FedAvg, FedNova and centralised training: local SGD plus ``clients_per_round`` (0 = all)."""
+
   clients_per_round: int
 
   def __post_init__(self):
@@ -58,8 +69,10 @@ class ServerHParams(local.LocalHParams):
 def check(hparams: ServerHParams, run) -> None:
   """The rule all server methods share: at most ``config.data.num_clients`` participants a round."""
   if hparams.clients_per_round > run.data.num_clients:
-    raise ValueError(f"config.algorithm.clients_per_round = {hparams.clients_per_round} exceeds "
-                     f"config.data.num_clients = {run.data.num_clients} (0 = all clients)")
+    raise ValueError(
+      f"config.algorithm.clients_per_round = {hparams.clients_per_round} exceeds "
+      f"config.data.num_clients = {run.data.num_clients} (0 = all clients)"
+    )
 
 
 ServerUpdate = Callable[..., tuple[Any, Any, Any]]
@@ -74,8 +87,15 @@ the round's jit.
 """
 
 
-def make_server_method(model: models.Model, federation, hparams: ServerHParams, *, seed: int,
-                       update: ServerUpdate, extra: Any = ()) -> Algorithm:
+def make_server_method(
+  model: models.Model,
+  federation,
+  hparams: ServerHParams,
+  *,
+  seed: int,
+  update: ServerUpdate,
+  extra: Any = (),
+) -> Algorithm:
   """A server method's :class:`Algorithm`: the participants' draw, the global state, the bit count.
 
   Args:
@@ -102,29 +122,42 @@ def make_server_method(model: models.Model, federation, hparams: ServerHParams, 
   def round_inputs(round_index: int) -> ServerRound:
     rng = numpy_rng(seed, Stream.PARTICIPATION, round_index)
     clients = np.sort(rng.choice(num_clients, size=k, replace=False)).astype(np.int32)
-    return ServerRound(round=np.int32(round_index), clients=clients,
-                       key=jax_key(seed, Stream.ROUND_KEYS, round_index))
+    return ServerRound(
+      round=np.int32(round_index),
+      clients=clients,
+      key=jax_key(seed, Stream.ROUND_KEYS, round_index),
+    )
 
   @jax.jit
   def _step(state, inputs, data):
     fed, extra_arrays = data
     lr = local.round_lr(hparams, inputs.round)
     (x, y), mask = fed.samples(fed.index[inputs.clients]), fed.mask[inputs.clients]
-    sizes = jnp.sum(mask, axis=1).astype(jnp.float32)                                   # [K]
+    sizes = jnp.sum(mask, axis=1).astype(jnp.float32)  # [K]
     train_key, quant_key = jax.random.split(inputs.key)
-    new_params, loss, bits_per_client = update(state.params, x, y, mask, sizes, train_key,
-                                               quant_key, lr, extra_arrays)
+    new_params, loss, bits_per_client = update(
+      state.params, x, y, mask, sizes, train_key, quant_key, lr, extra_arrays
+    )
     total = bits_per_client * k
     new_state = ParamsState(params=new_params, bits_cumulative=state.bits_cumulative + total)
-    metrics = {"loss": loss, "lr": lr, "bits_per_client": bits_per_client, "bits_sent_total": total,
-               "bits_cumulative": new_state.bits_cumulative}
+    metrics = {
+      "loss": loss,
+      "lr": lr,
+      "bits_per_client": bits_per_client,
+      "bits_sent_total": total,
+      "bits_cumulative": new_state.bits_cumulative,
+    }
     return new_state, metrics
 
   def step(state, inputs):
     return _step(state, inputs, data)
 
-  return Algorithm(init=init, round_inputs=round_inputs, step=step,
-                   client_params=lambda state: jax.tree.map(lambda w: w[None], state.params))
+  return Algorithm(
+    init=init,
+    round_inputs=round_inputs,
+    step=step,
+    client_params=lambda state: jax.tree.map(lambda w: w[None], state.params),
+  )
 
 
 def weighted_average(params, result: local.LocalResult, sent, sizes):
@@ -141,9 +174,13 @@ def weighted_average(params, result: local.LocalResult, sent, sizes):
   return jax.tree.map(lambda w: jnp.tensordot(p, w, axes=1), sent)
 
 
-def federated_update(model: models.Model, hparams: local.LocalHParams, *,
-                     aggregate: Callable[..., Any] = weighted_average,
-                     augment: Callable[..., tuple[Any, Any, Any]] | None = None) -> ServerUpdate:
+def federated_update(
+  model: models.Model,
+  hparams: local.LocalHParams,
+  *,
+  aggregate: Callable[..., Any] = weighted_average,
+  augment: Callable[..., tuple[Any, Any, Any]] | None = None,
+) -> ServerUpdate:
   """The round of the methods whose participants train locally and upload their weights.
 
   Every participant trains from the global model (FedProx's proximal term, when ``hparams`` has

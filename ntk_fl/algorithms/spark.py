@@ -55,8 +55,9 @@ the (sketched, compressed) Jacobian of its ``n_i`` samples, ``n_i·C`` float32
 function values and ``n_i·⌈log2 C⌉`` label bits. On a clustered topology every
 member of a clique shares ``w̄``, so the package is broadcast once and no
 weights go back (paper App. A.2); so does every client under Option B
-(``linearise_at='sender'``: one package per client, at its own weights). :func:`ntk_fl.communication.neighbourhood_round_bits`
-is the formula, shared with NTK-DFL: with the sketch and compression off the two cost the same.
+(``linearise_at='sender'``: one package per client, at its own weights).
+:func:`ntk_fl.communication.neighbourhood_round_bits` is the formula, shared with NTK-DFL: with the
+sketch and compression off the two cost the same.
 
 Metrics: ``tau``, ``loss`` (selected hard-label CE), ``confidence`` (the
 teacher's mean top-class probability on the neighbourhood), ``delta_norm``
@@ -64,6 +65,7 @@ teacher's mean top-class probability on the neighbourhood), ``delta_norm``
 ``lr`` (boost included), ``alpha``, ``temperature``, ``bits_sent_total``,
 ``bits_cumulative``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -75,29 +77,57 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ntk_fl import communication, compression, evolve, gossip, jacobians, models, ntk, parallel, projection, topology, validation
+from ntk_fl import (
+  communication,
+  compression,
+  evolve,
+  gossip,
+  jacobians,
+  models,
+  ntk,
+  parallel,
+  projection,
+  topology,
+  validation,
+)
 from ntk_fl.algorithms import Method
 from ntk_fl._src.options import Choice, JacobianPath, Kernel, Select, Solver
 from ntk_fl.algorithms.base import Algorithm, check_evolution, config_without, run_options
 from ntk_fl.algorithms.ntk_dfl import make_neighbourhood_round
 
-__all__ = ["SparkState", "JacobianPath", "ProjectedKernel", "Velocity", "distill_schedule",
-           "distill_targets", "momentum_transform", "nesterov_step",
-           "make_spark", "check", "SparkHParams", "DistillHParams", "SketchHParams", "PackageCompressionHParams",
-           "LrBoostHParams", "METHOD"]
+__all__ = [
+  "SparkState",
+  "JacobianPath",
+  "ProjectedKernel",
+  "Velocity",
+  "distill_schedule",
+  "distill_targets",
+  "momentum_transform",
+  "nesterov_step",
+  "make_spark",
+  "check",
+  "SparkHParams",
+  "DistillHParams",
+  "SketchHParams",
+  "PackageCompressionHParams",
+  "LrBoostHParams",
+  "METHOD",
+]
+
 
 class LinearisationPoint(Choice):
   """Where a sender's Jacobians are taken (Alg. 1): ``RECEIVER``, at the receiving client's ``w̄_i``
   (Option A; one linearisation point per neighbourhood kernel), or ``SENDER``, at each sender's own ``w̄_j``
   (Option B; one broadcast package per client)."""
+
   RECEIVER = "receiver"
   SENDER = "sender"
-
 
 
 class ProjectedKernel(Choice):
   """The sketched kernel's computation (``config.algorithm.projected_kernel``): ``STRUCTURED``, the dense
   stack's factorisation (MLPs), ``GENERIC`` for any model, ``AUTO`` the former where it applies."""
+
   AUTO = "auto"
   STRUCTURED = "structured"
   GENERIC = "generic"
@@ -106,6 +136,7 @@ class ProjectedKernel(Choice):
 class Velocity(Choice):
   """The momentum velocity (``config.algorithm.velocity``): kept by each client (``LOCAL``, Alg. 1), or sent
   with the weights and averaged with the same mixing weights every round (``MIXED``, not in the paper)."""
+
   LOCAL = "local"
   MIXED = "mixed"
 
@@ -118,6 +149,7 @@ class SparkState(NamedTuple):
     momentum: optax ``sgd`` state per client (its trace is ``−v``, the negated velocity).
     bits_cumulative: float32 scalar, bits sent by all clients so far.
   """
+
   params: Any
   momentum: Any
   bits_cumulative: Any
@@ -126,8 +158,16 @@ class SparkState(NamedTuple):
 # ----------------------------------------------------------------------------- pure pieces
 
 
-def distill_schedule(round_index, *, warmup_rounds: int, anneal_rounds: int, alpha_init: float,
-                     alpha_final: float, temp_init: float, temp_final: float):
+def distill_schedule(
+  round_index,
+  *,
+  warmup_rounds: int,
+  anneal_rounds: int,
+  alpha_init: float,
+  alpha_final: float,
+  temp_init: float,
+  temp_final: float,
+):
   """``(α_k, T_k)`` of Alg. 2 for the 0-based ``round_index`` (``k = round_index + 1``).
 
   ``k <= R_warm``: ``(1, 1)``. Otherwise ``p = min((k − R_warm)/(R − R_warm), 1)``,
@@ -169,6 +209,7 @@ class DistillHParams:
   ``(alpha_init, temp_init)`` to ``(alpha_final, temp_final)`` over the horizon
   ``anneal_rounds`` (0 = the run's round count); off unless ``enabled``.
   """
+
   enabled: bool
   warmup_rounds: int
   anneal_rounds: int
@@ -191,6 +232,7 @@ class DistillHParams:
 @dataclasses.dataclass(frozen=True)
 class SketchHParams:
   """The Jacobian random projection (``config.algorithm.projection``; :mod:`ntk_fl.projection`)."""
+
   scheme: str
   k_proj: int
   skip_uncompressed: bool
@@ -204,15 +246,21 @@ class SketchHParams:
 @dataclasses.dataclass(frozen=True)
 class PackageCompressionHParams:
   """Top-k sparsification and quantisation of the sent Jacobian packages (``config.algorithm.compression``)."""
+
   keep_fraction: float
   bits: int
 
   def __post_init__(self):
-    validation.check_real("config.algorithm.compression.keep_fraction", self.keep_fraction, low=0, high=1,
-                          low_open=True)
+    validation.check_real(
+      "config.algorithm.compression.keep_fraction", self.keep_fraction, low=0, high=1, low_open=True
+    )
     if self.bits != compression.FLOAT_BITS:
-      validation.check_int("config.algorithm.compression.bits (32 = float32, no quantisation)", self.bits,
-                           low=1, high=16)
+      validation.check_int(
+        "config.algorithm.compression.bits (32 = float32, no quantisation)",
+        self.bits,
+        low=1,
+        high=16,
+      )
 
   @property
   def active(self) -> bool:
@@ -222,6 +270,7 @@ class PackageCompressionHParams:
 @dataclasses.dataclass(frozen=True)
 class LrBoostHParams:
   """Learning-rate multiplier ``factor`` in the listed 1-based ``rounds`` (``config.algorithm.lr_boost``)."""
+
   rounds: tuple[int, ...]
   factor: float
 
@@ -234,6 +283,7 @@ class LrBoostHParams:
 @dataclasses.dataclass(frozen=True)
 class SparkHParams:
   """SPARK (``config.algorithm``; every value checked on construction; ``configs/spark.py`` documents each)."""
+
   lr: float
   lr_decay: float
   taus: tuple[int, ...]
@@ -258,41 +308,64 @@ class SparkHParams:
   def __post_init__(self):
     check_evolution(self)
     validation.check_int("config.algorithm.subsample", self.subsample, low=1)
-    validation.check_real("config.algorithm.momentum (μ)", self.momentum, low=0, high=1, high_open=True)
+    validation.check_real(
+      "config.algorithm.momentum (μ)", self.momentum, low=0, high=1, high_open=True
+    )
     validation.check_bool("config.algorithm.nesterov", self.nesterov)
     validation.check_bool("config.algorithm.select_momentum", self.select_momentum)
     validation.check_bool("config.algorithm.share_cliques", self.share_cliques)
     if self.select_momentum and self.select != Select.NETWORK:
-      raise ValueError("config.algorithm.select_momentum=True scores the network after the momentum step, so it "
-                       f"needs select='network' (got select={self.select!r})")
-    for name, kind in (("distill", DistillHParams), ("projection", SketchHParams),
-                       ("compression", PackageCompressionHParams), ("lr_boost", LrBoostHParams)):
+      raise ValueError(
+        "config.algorithm.select_momentum=True scores the network after the momentum step, so it "
+        f"needs select='network' (got select={self.select!r})"
+      )
+    for name, kind in (
+      ("distill", DistillHParams),
+      ("projection", SketchHParams),
+      ("compression", PackageCompressionHParams),
+      ("lr_boost", LrBoostHParams),
+    ):
       if not isinstance(getattr(self, name), kind):
-        raise ValueError(f"config.algorithm.{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
-    if (self.projected_kernel == ProjectedKernel.STRUCTURED and self.projection.scheme == "flattened"
-        and self.jacobian == JacobianPath.IMPLICIT):
-      raise ValueError("config.algorithm.projected_kernel='structured' with the flattened sketch builds J̃ from the "
-                       "dense stack's Jacobian factors, so it needs jacobian 'auto' or 'explicit' (got 'implicit': "
-                       "the matrix-free flattened kernel has no per-layer factorisation; use projected_kernel "
-                       "'generic' or 'auto')")
+        raise ValueError(
+          f"config.algorithm.{name} must be a {kind.__name__}, got {getattr(self, name)!r}"
+        )
+    if (
+      self.projected_kernel == ProjectedKernel.STRUCTURED
+      and self.projection.scheme == "flattened"
+      and self.jacobian == JacobianPath.IMPLICIT
+    ):
+      raise ValueError(
+        "config.algorithm.projected_kernel='structured' with the flattened sketch builds J̃ from the "
+        "dense stack's Jacobian factors, so it needs jacobian 'auto' or 'explicit' (got 'implicit': "
+        "the matrix-free flattened kernel has no per-layer factorisation; use projected_kernel "
+        "'generic' or 'auto')"
+      )
     if self.linearise_at == LinearisationPoint.SENDER and self.jacobian == JacobianPath.IMPLICIT:
-      raise ValueError("config.algorithm.linearise_at='sender' stacks Jacobians taken at the senders' own weights, "
-                       "so the kernel needs them explicitly: use jacobian 'explicit' or 'auto' (got 'implicit')")
+      raise ValueError(
+        "config.algorithm.linearise_at='sender' stacks Jacobians taken at the senders' own weights, "
+        "so the kernel needs them explicitly: use jacobian 'explicit' or 'auto' (got 'implicit')"
+      )
     if self.compression.active and self.jacobian == JacobianPath.IMPLICIT:
-      raise ValueError("config.algorithm.jacobian='implicit' cannot apply the compression stack (keep_fraction < 1 "
-                       "or bits < 32 needs the explicit sketched Jacobian): use 'explicit' or 'auto'")
+      raise ValueError(
+        "config.algorithm.jacobian='implicit' cannot apply the compression stack (keep_fraction < 1 "
+        "or bits < 32 needs the explicit sketched Jacobian): use 'explicit' or 'auto'"
+      )
 
 
 def check(hparams: SparkHParams, run) -> None:
   """Rules across blocks: the annealing horizon against the round count; clique sharing vs momentum scoring."""
   if hparams.share_cliques and hparams.select_momentum and run.topology.name == "clustered":
-    raise ValueError("config.algorithm.share_cliques=True computes one update per clique, but select_momentum=True "
-                     "scores τ with each member's own velocity: set share_cliques=False to use both")
+    raise ValueError(
+      "config.algorithm.share_cliques=True computes one update per clique, but select_momentum=True "
+      "scores τ with each member's own velocity: set share_cliques=False to use both"
+    )
   d = hparams.distill
   total = d.anneal_rounds or run.rounds
   if d.enabled and total <= d.warmup_rounds:
-    raise ValueError(f"config.algorithm.distill: the annealing horizon R={total} must exceed "
-                     f"warmup_rounds={d.warmup_rounds} (p = (k − R_warm)/(R − R_warm))")
+    raise ValueError(
+      f"config.algorithm.distill: the annealing horizon R={total} must exceed "
+      f"warmup_rounds={d.warmup_rounds} (p = (k − R_warm)/(R − R_warm))"
+    )
 
 
 # ----------------------------------------------------------------------------- client update
@@ -305,10 +378,18 @@ def _tree_norm(tree):
 # ----------------------------------------------------------------------------- the method
 
 
-def make_spark(model: models.Model, federation, graphs: topology.Topology,
-               hparams: SparkHParams, run=None, *,
-               seed: int | None = None, rounds: int | None = None, mixing: str | None = None,
-               shared_init: bool | None = None) -> Algorithm:
+def make_spark(
+  model: models.Model,
+  federation,
+  graphs: topology.Topology,
+  hparams: SparkHParams,
+  run=None,
+  *,
+  seed: int | None = None,
+  rounds: int | None = None,
+  mixing: str | None = None,
+  shared_init: bool | None = None,
+) -> Algorithm:
   """Builds SPARK for ``federation`` and ``model``; ``step`` is jit-compiled here.
 
   Args:
@@ -321,8 +402,9 @@ def make_spark(model: models.Model, federation, graphs: topology.Topology,
     mixing: mixing scheme of the per-round averaging.
     shared_init: every client starts from the same initialisation.
   """
-  seed, mixing, shared_init, rounds = run_options(run, "SPARK", graphs, seed=seed, mixing=mixing,
-                                                  shared_init=shared_init, rounds=rounds)
+  seed, mixing, shared_init, rounds = run_options(
+    run, "SPARK", graphs, seed=seed, mixing=mixing, shared_init=shared_init, rounds=rounds
+  )
   if rounds is None:
     raise TypeError("make_spark needs the run settings or rounds=")
   algo = hparams
@@ -336,65 +418,107 @@ def make_spark(model: models.Model, federation, graphs: topology.Topology,
   m2 = int(algo.subsample)
   # On disjoint cliques every member has the same w̄ and data: one evolution per clique (exact up to float order).
   share_cliques = bool(algo.share_cliques) and graphs.cliques > 0
-  core = make_neighbourhood_round(model, federation, graphs, seed=seed, mixing=mixing, lr=algo.lr,
-                                  lr_decay=algo.lr_decay, per_round_averaging=True, subsample=m2,
-                                  share_cliques=share_cliques)
-  members = 1 + graphs.k_max                   # neighbourhood slots: the client and its k_max neighbour slots
+  core = make_neighbourhood_round(
+    model,
+    federation,
+    graphs,
+    seed=seed,
+    mixing=mixing,
+    lr=algo.lr,
+    lr_decay=algo.lr_decay,
+    per_round_averaging=True,
+    subsample=m2,
+    share_cliques=share_cliques,
+  )
+  members = 1 + graphs.k_max  # neighbourhood slots: the client and its k_max neighbour slots
   tx = momentum_transform(float(algo.momentum), bool(algo.nesterov))
   mixed_velocity = algo.velocity == Velocity.MIXED
 
   # The sketch: identical for all clients and rounds, generated once from the seed and the layer names.
   template = jax.eval_shape(model.init, jax.random.key(0))
-  plan = projection.make_plan(template, algo.projection.scheme, int(algo.projection.k_proj),
-                              skip_uncompressed=bool(algo.projection.skip_uncompressed))
+  plan = projection.make_plan(
+    template,
+    algo.projection.scheme,
+    int(algo.projection.k_proj),
+    skip_uncompressed=bool(algo.projection.skip_uncompressed),
+  )
   sketched = any(s.kind != "identity" for s in plan)
   matrices = projection.sample_matrices(plan, seed) if sketched else tuple(None for _ in plan)
   keep, bits = float(algo.compression.keep_fraction), int(algo.compression.bits)
   at_sender = algo.linearise_at == LinearisationPoint.SENDER
-  explicit = (algo.jacobian == JacobianPath.EXPLICIT or at_sender
-              or (algo.jacobian == JacobianPath.AUTO and algo.compression.active))
+  explicit = (
+    algo.jacobian == JacobianPath.EXPLICIT
+    or at_sender
+    or (algo.jacobian == JacobianPath.AUTO and algo.compression.active)
+  )
   # A sketch of a dense stack never differentiates through P (unless projected_kernel='generic'):
   # * layer-wise and matrix-free: the structured kernel with each layer input A_l replaced by A_l P_l
   #   (ntk.projected_dense_ntk; a small proj500 round ran ~350x faster than with per-sample Jacobians of g);
   # * flattened (no kernel factorisation), or explicit Jacobians for the compression stack: J̃ assembled from the
   #   Jacobian's factors (projection.sketched_dense_jacobian, C times fewer flops than per-sample Jacobians of g).
   # Other models use the generic paths on the lifted network g.
-  dense = sketched and model.dense_stack is not None and algo.projected_kernel != ProjectedKernel.GENERIC
+  dense = (
+    sketched and model.dense_stack is not None and algo.projected_kernel != ProjectedKernel.GENERIC
+  )
   structured_sketch = dense and not explicit and algo.projection.scheme == "layerwise"
   factored_jacobian = dense and not structured_sketch and algo.jacobian != JacobianPath.IMPLICIT
-  if (algo.projected_kernel == ProjectedKernel.STRUCTURED and sketched
-      and not (structured_sketch or factored_jacobian)):
-    raise ValueError("config.algorithm.projected_kernel='structured' needs a dense-stack model (and, for the "
-                     "flattened sketch, jacobian 'auto' or 'explicit'); "
-                     f"got model dense_stack={model.dense_stack is not None}, scheme={algo.projection.scheme!r}, "
-                     f"jacobian={algo.jacobian!r}")
+  if (
+    algo.projected_kernel == ProjectedKernel.STRUCTURED
+    and sketched
+    and not (structured_sketch or factored_jacobian)
+  ):
+    raise ValueError(
+      "config.algorithm.projected_kernel='structured' needs a dense-stack model (and, for the "
+      "flattened sketch, jacobian 'auto' or 'explicit'); "
+      f"got model dense_stack={model.dense_stack is not None}, scheme={algo.projection.scheme!r}, "
+      f"jacobian={algo.jacobian!r}"
+    )
   explicit = explicit or factored_jacobian
 
   d = algo.distill
-  schedule = dict(warmup_rounds=int(d.warmup_rounds), anneal_rounds=int(d.anneal_rounds or rounds),
-                  alpha_init=float(d.alpha_init), alpha_final=float(d.alpha_final), temp_init=float(d.temp_init),
-                  temp_final=float(d.temp_final))
+  schedule = dict(
+    warmup_rounds=int(d.warmup_rounds),
+    anneal_rounds=int(d.anneal_rounds or rounds),
+    alpha_init=float(d.alpha_init),
+    alpha_final=float(d.alpha_final),
+    temp_init=float(d.temp_init),
+    temp_final=float(d.temp_final),
+  )
   boost_rounds = jnp.asarray(tuple(int(r) for r in algo.lr_boost.rounds) or (0,), jnp.int32)
   boost_factor = float(algo.lr_boost.factor)
 
   # Communication: static per-client package sizes (samples after sub-sampling).
   sketch_sizes = [math.prod(s.projected_shape) for s in plan]
-  packages = jnp.asarray([communication.jacobian_package_bits(int(n), num_classes, sketch_sizes, keep_fraction=keep,
-                                                            bits=bits) for n in core.samples_sent], jnp.float32)
+  packages = jnp.asarray(
+    [
+      communication.jacobian_package_bits(
+        int(n), num_classes, sketch_sizes, keep_fraction=keep, bits=bits
+      )
+      for n in core.samples_sent
+    ],
+    jnp.float32,
+  )
   num_params = sum(math.prod(s.shape) for s in plan)
   # A clique member sends one package to the whole clique; under Option B every client sends one package.
   broadcast = graphs.cliques > 0 or at_sender
 
   def init(key):
     params = models.init_clients(model, key, num_clients, shared=shared_init)
-    return SparkState(params=params, momentum=parallel.for_each_client(tx.init, chunk_size=0)(params),
-                      bits_cumulative=jnp.float32(0))
+    return SparkState(
+      params=params,
+      momentum=parallel.for_each_client(tx.init, chunk_size=0)(params),
+      bits_cumulative=jnp.float32(0),
+    )
 
   def sketched_jacobian(w, x, mats):
     """The (sketched) Jacobian ``[N, C, *leaf]`` of ``x`` at ``w`` in the sketch's coordinates."""
     if factored_jacobian:
       return projection.sketched_dense_jacobian(plan, mats, model.dense_stack, w, x)
-    coords = projection.sketch_map(model.apply, w, plan, mats) if sketched else evolve.identity_map(model.apply, w)
+    coords = (
+      projection.sketch_map(model.apply, w, plan, mats)
+      if sketched
+      else evolve.identity_map(model.apply, w)
+    )
     return jacobians.per_sample_jacobian(coords.apply_fn, coords.point, x)
 
   def sender_packages(senders, x, mats):
@@ -403,7 +527,9 @@ def make_spark(model: models.Model, federation, graphs: topology.Topology,
     Returns ``(J [N, C, *leaf], z [N, C])``, rows sender after sender as in the neighbourhood.
     """
     xs = x.reshape((members, -1) + x.shape[1:])
-    jac, z = jax.lax.map(lambda a: (sketched_jacobian(a[0], a[1], mats), model.apply(a[0], a[1])), (senders, xs))
+    jac, z = jax.lax.map(
+      lambda a: (sketched_jacobian(a[0], a[1], mats), model.apply(a[0], a[1])), (senders, xs)
+    )
     return jax.tree.map(lambda leaf: leaf.reshape((-1,) + leaf.shape[2:]), (jac, z))
 
   def client_delta(wbar, x, hard, mask, lr, alpha, temp, mats, opt_state, senders=None):
@@ -413,10 +539,13 @@ def make_spark(model: models.Model, federation, graphs: topology.Topology,
     """
     mask = mask.astype(bool)
     x = jnp.where(mask.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0)
-    coords = (projection.sketch_map(model.apply, wbar, plan, mats) if sketched
-              else evolve.identity_map(model.apply, wbar))
+    coords = (
+      projection.sketch_map(model.apply, wbar, plan, mats)
+      if sketched
+      else evolve.identity_map(model.apply, wbar)
+    )
     kernel_options = {}
-    if explicit:                   # the kernel and the candidates from the explicit (compressed) sketched J̃
+    if explicit:  # the kernel and the candidates from the explicit (compressed) sketched J̃
       if senders is None:
         jac = sketched_jacobian(wbar, x, mats)
       else:
@@ -424,26 +553,43 @@ def make_spark(model: models.Model, federation, graphs: topology.Topology,
       leaves, treedef = jax.tree.flatten(jac)
       if algo.compression.active:
         # k from the package's slots, padding included, as SPARK's recorded runs were made.
-        leaves = compression.compress_packages(leaves, mask, members, keep, bits, count_real_rows=False)
+        leaves = compression.compress_packages(
+          leaves, mask, members, keep, bits, count_real_rows=False
+        )
       kernel_options["jacobian"] = jax.tree.unflatten(treedef, leaves)
     elif structured_sketch:
       layer_sketches = projection.dense_stack_projections(plan, mats, model.dense_stack)
-      kernel_options["kernel_matrix"] = ntk.projected_dense_ntk(model.dense_stack, wbar, x,
-                                                                projections=layer_sketches, trace_outputs=traced)
-    elif not sketched:             # the model's own structured kernels (dense stack, layer-wise)
-      kernel_options.update(dense_stack=model.dense_stack, flax_apply=model.flax_apply,
-                            per_sample=model.per_sample)
+      kernel_options["kernel_matrix"] = ntk.projected_dense_ntk(
+        model.dense_stack, wbar, x, projections=layer_sketches, trace_outputs=traced
+      )
+    elif not sketched:  # the model's own structured kernels (dense stack, layer-wise)
+      kernel_options.update(
+        dense_stack=model.dense_stack, flax_apply=model.flax_apply, per_sample=model.per_sample
+      )
     candidate = None
-    if select_momentum:            # score the network the client will actually hold: w̄ + μ v_new + Δw_τ
+    if select_momentum:  # score the network the client will actually hold: w̄ + μ v_new + Δw_τ
       candidate = lambda dw: nesterov_step(tx, wbar, dw, opt_state)[0]
     delta, info = evolve.ntk_step(
-        model.apply, wbar, x, lambda f0: distill_targets(f0, hard, alpha, temp), mask, lr=lr, taus=taus,
-        solver=solver, select=select, kernel=kernel_kind, param_map=coords,
-        labels=hard,               # τ* by the hard-label cross-entropy (paper §1.4(f))
-        candidate=candidate, **kernel_options)
+      model.apply,
+      wbar,
+      x,
+      lambda f0: distill_targets(f0, hard, alpha, temp),
+      mask,
+      lr=lr,
+      taus=taus,
+      solver=solver,
+      select=select,
+      kernel=kernel_kind,
+      param_map=coords,
+      labels=hard,  # τ* by the hard-label cross-entropy (paper §1.4(f))
+      candidate=candidate,
+      **kernel_options,
+    )
     # Diagnostic: the teacher's mean top-class probability (falls when the targets flatten the model).
     n = jnp.maximum(mask.sum(), 1)
-    confidence = jnp.sum(jnp.where(mask, jnp.max(jax.nn.softmax(info["f0"], axis=-1), axis=-1), 0)) / n
+    confidence = (
+      jnp.sum(jnp.where(mask, jnp.max(jax.nn.softmax(info["f0"], axis=-1), axis=-1), 0)) / n
+    )
     return delta, {"tau": info["tau"], "loss": info["loss"], "confidence": confidence}
 
   @jax.jit
@@ -452,18 +598,26 @@ def make_spark(model: models.Model, federation, graphs: topology.Topology,
       alpha, temp = distill_schedule(inputs.round, **schedule)
     else:
       alpha, temp = jnp.float32(1), jnp.float32(1)
-    boost = jnp.where(jnp.any(boost_rounds == inputs.round + 1), boost_factor, 1.0).astype(jnp.float32)
+    boost = jnp.where(jnp.any(boost_rounds == inputs.round + 1), boost_factor, 1.0).astype(
+      jnp.float32
+    )
 
     def momentum_step(wbar, delta, opt_state, info):
       new_params, opt_state = nesterov_step(tx, wbar, delta, opt_state)
       # ‖Δw‖ and the step actually taken ‖w − w̄‖: their ratio is the momentum's amplification.
-      info = dict(info, delta_norm=_tree_norm(delta),
-                  step_norm=_tree_norm(jax.tree.map(jnp.subtract, new_params, wbar)))
+      info = dict(
+        info,
+        delta_norm=_tree_norm(delta),
+        step_norm=_tree_norm(jax.tree.map(jnp.subtract, new_params, wbar)),
+      )
       return new_params, opt_state, info
 
     # Option B: every client's own consensus, read by its neighbours (the round forms w̄_i per client again).
-    consensus = (gossip.mix(state.params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
-                 if at_sender else None)
+    consensus = (
+      gossip.mix(state.params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
+      if at_sender
+      else None
+    )
 
     def member_weights(members_i):
       return None if consensus is None else jax.tree.map(lambda w: w[members_i], consensus)
@@ -471,37 +625,73 @@ def make_spark(model: models.Model, federation, graphs: topology.Topology,
     # alpha, temp, the boost and the sketch (and Option B's consensus) are shared by all clients: closed
     # over, not mapped.
     def client_fn(wbar, x, targets, mask, lr, opt_state, members_i):
-      delta, info = client_delta(wbar, x[0], targets[0], mask[0], lr * boost, alpha, temp, mats, opt_state,
-                                 member_weights(members_i))
+      delta, info = client_delta(
+        wbar,
+        x[0],
+        targets[0],
+        mask[0],
+        lr * boost,
+        alpha,
+        temp,
+        mats,
+        opt_state,
+        member_weights(members_i),
+      )
       return momentum_step(wbar, delta, opt_state, info)
 
-    def clique_fn(wbar, x, targets, mask, lr):     # no velocity: select_momentum is off (spark.check)
-      delta, info = client_delta(wbar, x[0], targets[0], mask[0], lr * boost, alpha, temp, mats, None)
+    def clique_fn(wbar, x, targets, mask, lr):  # no velocity: select_momentum is off (spark.check)
+      delta, info = client_delta(
+        wbar, x[0], targets[0], mask[0], lr * boost, alpha, temp, mats, None
+      )
       return wbar, delta, info
 
     velocity = state.momentum
-    if mixed_velocity:      # the velocity travels with the weights and is averaged with the same weights
+    if (
+      mixed_velocity
+    ):  # the velocity travels with the weights and is averaged with the same weights
       velocity = gossip.mix(velocity, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
-    if share_cliques:       # one evolution per clique, then every member's own momentum step
+    if share_cliques:  # one evolution per clique, then every member's own momentum step
       (wbar, delta, info), lr = core.run(state.params, inputs, data, clique_fn)
-      params, opt_state, info = parallel.for_each_client(momentum_step, chunk_size=0)(wbar, delta, velocity, info)
+      params, opt_state, info = parallel.for_each_client(momentum_step, chunk_size=0)(
+        wbar, delta, velocity, info
+      )
     else:
       member_index = jnp.concatenate([jnp.arange(num_clients)[:, None], inputs.neighbors], axis=1)
-      (params, opt_state, info), lr = core.run(state.params, inputs, data, client_fn, velocity, member_index)
-    bits_sent = communication.neighbourhood_round_bits(inputs.neighbor_mask.sum(axis=1).astype(jnp.float32), packages,
-                                                     num_params, broadcast=broadcast, velocity=mixed_velocity)
+      (params, opt_state, info), lr = core.run(
+        state.params, inputs, data, client_fn, velocity, member_index
+      )
+    bits_sent = communication.neighbourhood_round_bits(
+      inputs.neighbor_mask.sum(axis=1).astype(jnp.float32),
+      packages,
+      num_params,
+      broadcast=broadcast,
+      velocity=mixed_velocity,
+    )
     total = jnp.sum(bits_sent)
-    new_state = SparkState(params=params, momentum=opt_state, bits_cumulative=state.bits_cumulative + total)
-    metrics = {"tau": info["tau"], "loss": info["loss"], "confidence": info["confidence"],
-               "delta_norm": info["delta_norm"], "step_norm": info["step_norm"],
-               "lr": lr * boost, "alpha": alpha, "temperature": temp,
-               "bits_sent": bits_sent, "bits_sent_total": total, "bits_cumulative": new_state.bits_cumulative}
+    new_state = SparkState(
+      params=params, momentum=opt_state, bits_cumulative=state.bits_cumulative + total
+    )
+    metrics = {
+      "tau": info["tau"],
+      "loss": info["loss"],
+      "confidence": info["confidence"],
+      "delta_norm": info["delta_norm"],
+      "step_norm": info["step_norm"],
+      "lr": lr * boost,
+      "alpha": alpha,
+      "temperature": temp,
+      "bits_sent": bits_sent,
+      "bits_sent_total": total,
+      "bits_cumulative": new_state.bits_cumulative,
+    }
     return new_state, metrics
 
   def step(state, inputs):
     return _step(state, inputs, core.data, matrices)
 
-  return Algorithm(init=init, round_inputs=core.round_inputs, step=step, client_params=lambda state: state.params)
+  return Algorithm(
+    init=init, round_inputs=core.round_inputs, step=step, client_params=lambda state: state.params
+  )
 
 
 def _schedule_table(config: dict, rounds: int) -> np.ndarray:
@@ -509,9 +699,15 @@ def _schedule_table(config: dict, rounds: int) -> np.ndarray:
   d = config["algorithm"]["distill"]
   if not d["enabled"]:
     return np.ones((rounds, 2), np.float32)
-  alpha, temp = distill_schedule(np.arange(rounds), warmup_rounds=d["warmup_rounds"],
-                                 anneal_rounds=d["anneal_rounds"] or config["rounds"], alpha_init=d["alpha_init"],
-                                 alpha_final=d["alpha_final"], temp_init=d["temp_init"], temp_final=d["temp_final"])
+  alpha, temp = distill_schedule(
+    np.arange(rounds),
+    warmup_rounds=d["warmup_rounds"],
+    anneal_rounds=d["anneal_rounds"] or config["rounds"],
+    alpha_init=d["alpha_init"],
+    alpha_final=d["alpha_final"],
+    temp_init=d["temp_init"],
+    temp_final=d["temp_final"],
+  )
   return np.stack([np.asarray(alpha), np.asarray(temp)], axis=-1)
 
 
@@ -524,7 +720,7 @@ def shared_rounds(stored: dict, current: dict) -> int:
   the step then uses. So during the hard-label warm-up the Table 4 rows agree in
   pairs: ``abl_distill`` with ``abl_none``, SPARK with ``abl_momentum``.
   """
-  compared = ("rounds", "algorithm.distill")        # compared through the schedules below
+  compared = ("rounds", "algorithm.distill")  # compared through the schedules below
   if config_without(stored, *compared) != config_without(current, *compared):
     return 0
   rounds = min(stored["rounds"], current["rounds"])
@@ -533,5 +729,9 @@ def shared_rounds(stored: dict, current: dict) -> int:
 
 
 METHOD = Method(
-    make=make_spark,
-    hyperparameters=SparkHParams, check=check, graph=True, shared_rounds=shared_rounds)
+  make=make_spark,
+  hyperparameters=SparkHParams,
+  check=check,
+  graph=True,
+  shared_rounds=shared_rounds,
+)

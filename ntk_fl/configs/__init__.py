@@ -6,6 +6,7 @@ that name in this package) or by a path to any config file (``configs/ntk_dfl.py
 Text after the first ``:`` is the comma-separated variant string handed to
 ``get_config``.
 """
+
 from __future__ import annotations
 
 import pathlib
@@ -23,7 +24,12 @@ def names() -> list[str]:
 
 def _is_name(file_part: str) -> bool:
   """A bare word (no folder, no ``.py``) names a packaged config; anything else is a path."""
-  return bool(file_part) and "/" not in file_part and "\\" not in file_part and not file_part.endswith(".py")
+  return (
+    bool(file_part)
+    and "/" not in file_part
+    and "\\" not in file_part
+    and not file_part.endswith(".py")
+  )
 
 
 def resolve(spec: str) -> str:
@@ -37,6 +43,8 @@ def resolve(spec: str) -> str:
     return spec
   path = CONFIG_DIR / f"{file_part}.py"
   if file_part not in names():
-    raise ValueError(f"unknown config {file_part!r}; packaged configs: {', '.join(names())} "
-                     "(or give the path of a config file, e.g. path/to/config.py:variant)")
+    raise ValueError(
+      f"unknown config {file_part!r}; packaged configs: {', '.join(names())} "
+      "(or give the path of a config file, e.g. path/to/config.py:variant)"
+    )
   return f"{path}{sep}{variant}"

@@ -7,30 +7,69 @@ The config files of this directory build on these: the gradient baselines on
 and each docstring says where they come from; the library below the config
 schema holds no paper values.
 """
+
 from __future__ import annotations
 
 import ml_collections
 
 from ntk_fl import config as config_lib
 
-__all__ = ["local_config", "adam_variant", "quantize_variants", "server_config", "gossip_config", "PARTICIPATION_VARIANTS",
-           "SERVER_VARIANTS", "GOSSIP_VARIANTS", "PAPER_TAUS", "CODE_TAUS", "server_ntk_config",
-           "SERVER_NTK_VARIANTS"]
+__all__ = [
+  "local_config",
+  "adam_variant",
+  "quantize_variants",
+  "server_config",
+  "gossip_config",
+  "PARTICIPATION_VARIANTS",
+  "SERVER_VARIANTS",
+  "GOSSIP_VARIANTS",
+  "PAPER_TAUS",
+  "CODE_TAUS",
+  "server_ntk_config",
+  "SERVER_NTK_VARIANTS",
+]
 
 
-def local_config(*, lr: float, epochs: int, batch_size: int, lr_gamma: float = 1.0, momentum: float = 0.0,
-                 nesterov: bool = False, weight_decay: float = 0.0, quantize_bits: int = 32,
-                 stochastic_rounding: bool = False, optimizer: str = "sgd", adam_b1: float = 0.9,
-                 adam_b2: float = 0.999, adam_eps: float = 1e-8, **extra):
+def local_config(
+  *,
+  lr: float,
+  epochs: int,
+  batch_size: int,
+  lr_gamma: float = 1.0,
+  momentum: float = 0.0,
+  nesterov: bool = False,
+  weight_decay: float = 0.0,
+  quantize_bits: int = 32,
+  stochastic_rounding: bool = False,
+  optimizer: str = "sgd",
+  adam_b1: float = 0.9,
+  adam_b2: float = 0.999,
+  adam_eps: float = 1e-8,
+  **extra,
+):
   """A ``config.algorithm`` block with every field of :class:`ntk_fl.algorithms.local.LocalHParams` (+ ``extra``).
 
   The client optimiser is SGD unless ``optimizer='adam'`` (variant ``adam``: Fed-ensemble's Shakespeare
   clients; PyTorch's defaults β = (0.9, 0.999), ε = 1e-8).
   """
-  return ml_collections.ConfigDict(dict(
-      lr=lr, lr_gamma=lr_gamma, epochs=epochs, batch_size=batch_size, momentum=momentum, nesterov=nesterov,
-      weight_decay=weight_decay, quantize_bits=quantize_bits, stochastic_rounding=stochastic_rounding,
-      optimizer=optimizer, adam_b1=adam_b1, adam_b2=adam_b2, adam_eps=adam_eps, **extra))
+  return ml_collections.ConfigDict(
+    dict(
+      lr=lr,
+      lr_gamma=lr_gamma,
+      epochs=epochs,
+      batch_size=batch_size,
+      momentum=momentum,
+      nesterov=nesterov,
+      weight_decay=weight_decay,
+      quantize_bits=quantize_bits,
+      stochastic_rounding=stochastic_rounding,
+      optimizer=optimizer,
+      adam_b1=adam_b1,
+      adam_b2=adam_b2,
+      adam_eps=adam_eps,
+      **extra,
+    )
+  )
 
 
 def adam_variant(config):
@@ -41,7 +80,9 @@ def adam_variant(config):
 
 def quantize_variants(bits=(8, 4)) -> dict:
   """Config variants ``q<b>``: send ``b``-bit quantised weights (nearest level)."""
-  return {f"q{b}": (lambda config, b=b: setattr(config.algorithm, "quantize_bits", b)) for b in bits}
+  return {
+    f"q{b}": (lambda config, b=b: setattr(config.algorithm, "quantize_bits", b)) for b in bits
+  }
 
 
 # ----------------------------------------------------------------------------- config families
@@ -105,10 +146,17 @@ def _gossip_smoke(config):
 
 
 PARTICIPATION_VARIANTS = {
-    "full": lambda c: setattr(c.algorithm, "clients_per_round", 0),          # every client, every round
-    "busiest_node": lambda c: setattr(c.algorithm, "clients_per_round", 5),  # NTK-DFL App. C.1 (κ = 5)
+  "full": lambda c: setattr(c.algorithm, "clients_per_round", 0),  # every client, every round
+  "busiest_node": lambda c: setattr(
+    c.algorithm, "clients_per_round", 5
+  ),  # NTK-DFL App. C.1 (κ = 5)
 }
-SERVER_VARIANTS = {**quantize_variants(), **PARTICIPATION_VARIANTS, "adam": adam_variant, "smoke": _server_smoke}
+SERVER_VARIANTS = {
+  **quantize_variants(),
+  **PARTICIPATION_VARIANTS,
+  "adam": adam_variant,
+  "smoke": _server_smoke,
+}
 """Variants of the server-based configs: ``q8``/``q4``, ``full``, ``busiest_node``, ``adam``, ``smoke``."""
 GOSSIP_VARIANTS = {**quantize_variants(), "adam": adam_variant, "smoke": _gossip_smoke}
 """Variants of the decentralized configs: ``q8``/``q4``, ``smoke``."""
@@ -135,14 +183,33 @@ def server_ntk_config(**algorithm):
   config.rounds = 50
   config.eval.clients_every = 0
   config.chunk_size = 0
-  config.algorithm = ml_collections.ConfigDict(dict(
-      clients_per_round=20, lr=0.01, lr_decay=0.0, taus=PAPER_TAUS, loss="ce", solver="euler",
-      select="network", kernel="traced", jacobian="auto", jacobian_chunk=0, subsample_fraction=1.0,
-      projection_dim=0, projection_scale="sqrt_input", sparsify_keep=1.0, quantize_bits=32,
-      stochastic_rounding=False, shuffle=False, validation_clients=0))
+  config.algorithm = ml_collections.ConfigDict(
+    dict(
+      clients_per_round=20,
+      lr=0.01,
+      lr_decay=0.0,
+      taus=PAPER_TAUS,
+      loss="ce",
+      solver="euler",
+      select="network",
+      kernel="traced",
+      jacobian="auto",
+      jacobian_chunk=0,
+      subsample_fraction=1.0,
+      projection_dim=0,
+      projection_scale="sqrt_input",
+      sparsify_keep=1.0,
+      quantize_bits=32,
+      stochastic_rounding=False,
+      shuffle=False,
+      validation_clients=0,
+    )
+  )
   for name, value in algorithm.items():
     if name not in config.algorithm:
-      raise ValueError(f"unknown config.algorithm key {name!r}; the keys are {list(config.algorithm.keys())}")
+      raise ValueError(
+        f"unknown config.algorithm key {name!r}; the keys are {list(config.algorithm.keys())}"
+      )
     config.algorithm[name] = value
   return config
 
@@ -172,25 +239,26 @@ def _set(**values):
   def apply(config):
     for name, value in values.items():
       config.algorithm[name] = value
+
   return apply
 
 
 SERVER_NTK_VARIANTS = {
-    "smoke": _server_ntk_smoke,
-    "mse": _set(loss="mse"),
-    "ode": _set(solver="ode"),
-    "code_taus": _set(taus=CODE_TAUS),
-    "code_clients": _set(clients_per_round=21),
-    "busiest_node": _busiest_node,
-    "shuffle": _set(shuffle=True),
-    "explicit": _set(jacobian="explicit"),
-    "linearized": _set(select="linearized"),
-    "table1": _table1_compression,
-    "stochastic": _set(stochastic_rounding=True),
-    "fig3": _set(projection_dim=100, subsample_fraction=0.4),
-    # NTK-FL §3 after eq. 11: τ by a validation set from held-out clients. The paper gives no size: 10 of the
-    # 300 clients (≈ 2,000 samples, 1/30 of the training data) hold it.
-    "validation": _set(select="validation", validation_clients=10),
+  "smoke": _server_ntk_smoke,
+  "mse": _set(loss="mse"),
+  "ode": _set(solver="ode"),
+  "code_taus": _set(taus=CODE_TAUS),
+  "code_clients": _set(clients_per_round=21),
+  "busiest_node": _busiest_node,
+  "shuffle": _set(shuffle=True),
+  "explicit": _set(jacobian="explicit"),
+  "linearized": _set(select="linearized"),
+  "table1": _table1_compression,
+  "stochastic": _set(stochastic_rounding=True),
+  "fig3": _set(projection_dim=100, subsample_fraction=0.4),
+  # NTK-FL §3 after eq. 11: τ by a validation set from held-out clients. The paper gives no size: 10 of the
+  # 300 clients (≈ 2,000 samples, 1/30 of the training data) hold it.
+  "validation": _set(select="validation", validation_clients=10),
 }
 """Variants of ``configs/ntk_fl.py`` and ``configs/cp_ntk_fl.py`` (besides the common ``iid``/``alpha<a>``/
 ``mnist``): ``smoke``, ``mse``, ``ode``, ``code_taus``, ``code_clients`` (21 per round, the authors'

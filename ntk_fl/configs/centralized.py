@@ -14,13 +14,18 @@ quantisation variants (no weights are sent).
 Variants (comma-separated): paper | iid | alpha<float> | mnist |
 full (all 300 clients every round) | busiest_node (5 clients per round) | smoke.
 """
+
 import ml_collections
 
 from ntk_fl.configs import _presets as presets
 from ntk_fl.config import apply_variants
 
 # No q<b> variants: the centralised reference sends raw data, not weights.
-VARIANTS = {**presets.PARTICIPATION_VARIANTS, "adam": presets.adam_variant, "smoke": presets.SERVER_VARIANTS["smoke"]}
+VARIANTS = {
+  **presets.PARTICIPATION_VARIANTS,
+  "adam": presets.adam_variant,
+  "smoke": presets.SERVER_VARIANTS["smoke"],
+}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

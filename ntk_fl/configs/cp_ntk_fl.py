@@ -19,6 +19,7 @@ Variants (comma-separated, e.g. ``:table1,shuffle``):
   cnn          the papers' CNN. The secret projection maps flattened inputs into an MLP's first dense
                layer, so it is off (d1' = 0); β-subsampling and the Jacobian compression stay.
 """
+
 import ml_collections
 
 from ntk_fl.configs import _presets as presets

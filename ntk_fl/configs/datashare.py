@@ -12,6 +12,7 @@ are counted per round and cumulatively (the one-off broadcast of the set is not)
 Variants: paper | iid | alpha<float> | mnist, and
 :data:`ntk_fl.configs._presets.SERVER_VARIANTS` (full | busiest_node | q8, q4 | smoke).
 """
+
 import ml_collections
 
 from ntk_fl.configs import _presets as presets

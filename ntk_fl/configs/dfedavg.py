@@ -15,6 +15,7 @@ authors_alpha<float>[_d<k>] | authors_iid[_d<k>] (the authors' partition files) 
 q8, q4 (quantised weights; the authors' quantised baselines use 256 levels = 8
 bits) | smoke (seconds-long run on a slice of Fashion-MNIST).
 """
+
 import ml_collections
 
 from ntk_fl.configs import _presets as presets

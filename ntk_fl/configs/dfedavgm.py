@@ -12,6 +12,7 @@ Variants: paper | iid | alpha<float> | static | mnist | q8, q4 |
 quantized (the authors' DFedAvgM-Q script: 8 bits, 5 epochs, momentum 0,
 1000 rounds) | smoke.
 """
+
 import ml_collections
 
 from ntk_fl.configs import _presets as presets

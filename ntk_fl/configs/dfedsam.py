@@ -11,6 +11,7 @@ config): 5 epochs, batch 32, adaptive SAM (ASAM, ``T = |w|``) with radius
 Variants: paper | iid | alpha<float> | static | mnist | sam (non-adaptive SAM)
 | q8, q4 | smoke.
 """
+
 import ml_collections
 
 from ntk_fl.configs import _presets as presets
@@ -20,6 +21,15 @@ VARIANTS = {**presets.GOSSIP_VARIANTS, "sam": lambda c: setattr(c.algorithm, "sa
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  config = presets.gossip_config("dfedsam", lr=0.01, lr_gamma=0.95, epochs=5, batch_size=32, momentum=0.99,
-                             weight_decay=5e-4, sam_rho=0.01, sam_adaptive=True)
+  config = presets.gossip_config(
+    "dfedsam",
+    lr=0.01,
+    lr_gamma=0.95,
+    epochs=5,
+    batch_size=32,
+    momentum=0.99,
+    weight_decay=5e-4,
+    sam_rho=0.01,
+    sam_adaptive=True,
+  )
   return apply_variants(config, arg, VARIANTS)

@@ -15,6 +15,7 @@ DisPFL's own random choice of 5 of 300.
 
 Variants: paper | iid | alpha<float> | static | mnist | q8, q4 | smoke.
 """
+
 import ml_collections
 
 from ntk_fl.configs import _presets as presets
@@ -22,6 +23,14 @@ from ntk_fl.config import apply_variants
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  config = presets.gossip_config("dispfl", lr=0.1, lr_gamma=0.998, epochs=10, batch_size=10, weight_decay=5e-4,
-                             dense_ratio=0.5, anneal_factor=0.5)
+  config = presets.gossip_config(
+    "dispfl",
+    lr=0.1,
+    lr_gamma=0.998,
+    epochs=10,
+    batch_size=10,
+    weight_decay=5e-4,
+    dense_ratio=0.5,
+    anneal_factor=0.5,
+  )
   return apply_variants(config, arg, presets.GOSSIP_VARIANTS)

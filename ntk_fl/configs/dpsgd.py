@@ -11,6 +11,7 @@ uses κ = 5; the authors' stored config has degree 9 (variant ``degree9``).
 Variants: paper | iid | alpha<float> | static | mnist | degree9 | q8, q4 |
 smoke.
 """
+
 import ml_collections
 
 from ntk_fl.configs import _presets as presets

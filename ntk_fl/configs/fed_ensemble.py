@@ -27,6 +27,7 @@ The FedAvg / FedProx baselines in exactly this setting (same data, model, local
 training and participants) are ``--config=configs/fed_ensemble.py:k1,data_size``
 (FedAvg, bit for bit) and ``k1,data_size,fedprox`` (FedProx).
 """
+
 import ml_collections
 
 from ntk_fl import config as config_lib
@@ -60,9 +61,9 @@ def _ntk(config):
   config.algorithm.local_training = "ntk"
   config.algorithm.prox_mu = 0.0
   config.algorithm.aggregation_weights = "data_size"
-  config.algorithm.lr = 0.01       # the NTK papers' eta
+  config.algorithm.lr = 0.01  # the NTK papers' eta
   config.algorithm.taus = (100, 200, 400, 800)
-  config.chunk_size = 1            # one mode's [P n, P n] kernel at a time
+  config.chunk_size = 1  # one mode's [P n, P n] kernel at a time
 
 
 def _fedprox(config):
@@ -80,27 +81,43 @@ def _modes(k):
 
 
 VARIANTS = {
-    "fmnist": lambda c: setattr(c.data, "name", "fashion_mnist"),
-    "fedprox": _fedprox,
-    "ntk": _ntk,
-    "data_size": lambda c: setattr(c.algorithm, "aggregation_weights", "data_size"),
-    "stratified": _stratified,
-    "logits": lambda c: setattr(c.algorithm, "prediction", "logits"),
-    "adam": presets.adam_variant,
-    "stragglers": _stragglers,
-    "smoke": _smoke,
-    **{f"k{k}": _modes(k) for k in (1, 2, 3, 5, 10, 20, 40, 80)},
+  "fmnist": lambda c: setattr(c.data, "name", "fashion_mnist"),
+  "fedprox": _fedprox,
+  "ntk": _ntk,
+  "data_size": lambda c: setattr(c.algorithm, "aggregation_weights", "data_size"),
+  "stratified": _stratified,
+  "logits": lambda c: setattr(c.algorithm, "prediction", "logits"),
+  "adam": presets.adam_variant,
+  "stragglers": _stragglers,
+  "smoke": _smoke,
+  **{f"k{k}": _modes(k) for k in (1, 2, 3, 5, 10, 20, 40, 80)},
 }
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config = presets.server_config(
-      "fed_ensemble", rounds=200, clients_per_round=10, lr=0.05, lr_gamma=0.99 ** 0.1, epochs=2,
-      batch_size=50, num_modes=5, num_strata=0, sampling="uniform", aggregation_weights="uniform",
-      local_training="fedavg", prox_mu=0.0, prediction="probs", taus=(100, 200, 400, 800), solver="euler",
-      select="network", over_selected=0, latency_sigma=0.5)
+    "fed_ensemble",
+    rounds=200,
+    clients_per_round=10,
+    lr=0.05,
+    lr_gamma=0.99**0.1,
+    epochs=2,
+    batch_size=50,
+    num_modes=5,
+    num_strata=0,
+    sampling="uniform",
+    aggregation_weights="uniform",
+    local_training="fedavg",
+    prox_mu=0.0,
+    prediction="probs",
+    taus=(100, 200, 400, 800),
+    solver="euler",
+    select="network",
+    over_selected=0,
+    latency_sigma=0.5,
+  )
   _mnist_two_labels(config)
   config.eval.selection = False
-  config.eval.clients_every = 1    # per-mode accuracies (Table 4's max / min)
+  config.eval.clients_every = 1  # per-mode accuracies (Table 4's max / min)
   config.eval.targets = (0.90, 0.95)
   return config_lib.apply_variants(config, arg, VARIANTS)

@@ -5,6 +5,7 @@ random-features regression with closed-form local steps and reports bias and
 variance against K. ``--config=configs/fed_ensemble_toy.py`` (no variants;
 override fields with ``--config.<key>=value``).
 """
+
 import ml_collections
 
 
@@ -38,8 +39,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.rounds = 40
   config.local_steps = 5
   config.lr = 0.1
-  config.init_std = 0.55   # calibrated so that K = 1 (FedAvg) has the paper's variance 0.05
+  config.init_std = 0.55  # calibrated so that K = 1 (FedAvg) has the paper's variance 0.05
   config.grid = 401
   if arg:
-    raise ValueError(f"configs/fed_ensemble_toy.py has no variants; override fields with --config.<key>, got {arg!r}")
+    raise ValueError(
+      f"configs/fed_ensemble_toy.py has no variants; override fields with --config.<key>, got {arg!r}"
+    )
   return config

@@ -10,6 +10,7 @@ Uplink bits are counted per round and cumulatively.
 Variants: paper | iid | alpha<float> | mnist, and
 :data:`ntk_fl.configs._presets.SERVER_VARIANTS` (full | busiest_node | q8, q4 | smoke).
 """
+
 import ml_collections
 
 from ntk_fl.configs import _presets as presets

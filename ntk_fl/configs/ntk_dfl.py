@@ -33,6 +33,7 @@ Variants (comma-separated, e.g. ``:iid`` or ``:alpha0.5,static``):
   cnn           the papers' CNN (conv32-pool-conv64-pool-fc100-fc10) instead of the MLP (Fig. 7).
   smoke         seconds-long run on a slice of Fashion-MNIST (CI).
 """
+
 import ml_collections
 
 from ntk_fl.config import apply_variants, base_config, smoke_slice
@@ -49,7 +50,10 @@ def _number(kind, name, example):
     try:
       return kind(text)
     except ValueError:
-      raise ValueError(f"variant {name}{text!r}: {text!r} is not a {kind.__name__}, e.g. {example!r}") from None
+      raise ValueError(
+        f"variant {name}{text!r}: {text!r} is not a {kind.__name__}, e.g. {example!r}"
+      ) from None
+
   return parse
 
 
@@ -59,9 +63,9 @@ def _set(field, parse):
 
 # Values are checked where the config is validated (NTKDFLHParams), with the allowed range in the message.
 VALUED_VARIANTS = {
-    "topk": _set("sparsify_keep", _number(float, "topk", "topk0.5")),
-    "bits": _set("quantize_bits", _number(int, "bits", "bits6")),
-    "proj": _set("projection_dim", _number(int, "proj", "proj200")),
+  "topk": _set("sparsify_keep", _number(float, "topk", "topk0.5")),
+  "bits": _set("quantize_bits", _number(int, "bits", "bits6")),
+  "proj": _set("projection_dim", _number(int, "proj", "proj200")),
 }
 
 
@@ -71,16 +75,16 @@ def _compressed(c):
 
 
 VARIANTS = {
-    "no_avg": lambda c: setattr(c.algorithm, "per_round_averaging", False),
-    "code_decay": lambda c: setattr(c.algorithm, "lr_decay", 0.07),
-    "ode": lambda c: setattr(c.algorithm, "solver", "ode"),
-    "mse": lambda c: setattr(c.algorithm, "loss", "mse"),
-    "batched": lambda c: setattr(c.algorithm, "jacobian_batches", 4),
-    "subsample": lambda c: setattr(c.algorithm, "subsample", 5),
-    "clustered": lambda c: setattr(c.topology, "name", "clustered"),
-    "per_client_init": lambda c: setattr(c.model, "init", "per_client"),
-    "compressed": _compressed,
-    "smoke": _smoke,
+  "no_avg": lambda c: setattr(c.algorithm, "per_round_averaging", False),
+  "code_decay": lambda c: setattr(c.algorithm, "lr_decay", 0.07),
+  "ode": lambda c: setattr(c.algorithm, "solver", "ode"),
+  "mse": lambda c: setattr(c.algorithm, "loss", "mse"),
+  "batched": lambda c: setattr(c.algorithm, "jacobian_batches", 4),
+  "subsample": lambda c: setattr(c.algorithm, "subsample", 5),
+  "clustered": lambda c: setattr(c.topology, "name", "clustered"),
+  "per_client_init": lambda c: setattr(c.model, "init", "per_client"),
+  "compressed": _compressed,
+  "smoke": _smoke,
 }
 
 

@@ -24,6 +24,7 @@ Variants (comma-separated, e.g. ``:busiest_node,iid``):
   linearized    choose τ by the loss of the evolved f_τ instead of the real network.
   CP-NTK-FL options (table1, stochastic, fig3) also apply; see configs/cp_ntk_fl.py.
 """
+
 import ml_collections
 
 from ntk_fl.configs import _presets as presets

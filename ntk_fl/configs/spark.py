@@ -64,6 +64,7 @@ Variants (comma-separated, e.g. ``:iid,abl_momentum``):
   ode           adaptive Dopri5 evolution (NTK-DFL authors' numerics).
   smoke         seconds-long run on a slice of Fashion-MNIST (CI): 4 rounds, warm-up 1, τ ∈ {50, 100, 200}.
 """
+
 import ml_collections
 
 from ntk_fl.config import apply_variants, base_config, smoke_slice
@@ -84,6 +85,7 @@ def _set(**fields):
       for parent in parents:
         block = block[parent]
       block[leaf] = value
+
   return apply
 
 
@@ -100,21 +102,21 @@ def _full_stack(config):
 
 
 VARIANTS = {
-    "abl_none": _set(momentum=0.0, distill__enabled=False),
-    "abl_distill": _set(momentum=0.0, distill__enabled=True),
-    "abl_momentum": _set(momentum=0.9, distill__enabled=False),
-    "abl_both": _set(momentum=0.9, distill__enabled=True),
-    "proj500": _projection("layerwise", 500),
-    "proj750": _projection("layerwise", 750),
-    "proj1000": _projection("layerwise", 1000),
-    "flat10000": _projection("flattened", 10_000),
-    "full_stack": _full_stack,
-    "cyclic_lr": _set(lr_boost__rounds=(10, 20), lr_boost__factor=2.0),
-    "full_kernel": _set(kernel="full"),
-    "temp3": _set(distill__temp_final=3.0),
-    "ode": _set(solver="ode"),
-    "option_b": _set(linearise_at="sender"),
-    "smoke": _smoke,
+  "abl_none": _set(momentum=0.0, distill__enabled=False),
+  "abl_distill": _set(momentum=0.0, distill__enabled=True),
+  "abl_momentum": _set(momentum=0.9, distill__enabled=False),
+  "abl_both": _set(momentum=0.9, distill__enabled=True),
+  "proj500": _projection("layerwise", 500),
+  "proj750": _projection("layerwise", 750),
+  "proj1000": _projection("layerwise", 1000),
+  "flat10000": _projection("flattened", 10_000),
+  "full_stack": _full_stack,
+  "cyclic_lr": _set(lr_boost__rounds=(10, 20), lr_boost__factor=2.0),
+  "full_kernel": _set(kernel="full"),
+  "temp3": _set(distill__temp_final=3.0),
+  "ode": _set(solver="ode"),
+  "option_b": _set(linearise_at="sender"),
+  "smoke": _smoke,
 }
 
 
@@ -123,7 +125,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.method = "spark"
   config.rounds = 30
   config.topology.mixing = "data_size"
-  config.chunk_size = 1                        # as NTK-DFL: one client's [N, N] kernel at a time stays cache-resident
+  config.chunk_size = 1  # as NTK-DFL: one client's [N, N] kernel at a time stays cache-resident
   # Also score each client's consensus model w̄_i (one averaging step after its own model): Table 4's "client
   # accuracy" is most likely that model (docs/REPRODUCTION.md, "Client accuracy"); +1 client evaluation per round.
   config.eval.consensus = True
@@ -139,8 +141,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   a.momentum = 0.9
   a.nesterov = True
   # Options around spark.md §5 items 10 and 13 (off = the paper's Alg. 1; not needed by the measurements so far):
-  a.velocity = "local"                         # 'local' (Alg. 1) | 'mixed': averaged with the weights each round
-  a.select_momentum = False                    # τ* scored on w̄ + Δw_τ (False) or on the post-momentum network
+  a.velocity = "local"  # 'local' (Alg. 1) | 'mixed': averaged with the weights each round
+  a.select_momentum = False  # τ* scored on w̄ + Δw_τ (False) or on the post-momentum network
   # On the clustered topology every member of a clique holds the same w̄ and data: evolve once per clique and give
   # each member the update (exact up to float summation order; cluster_size times less work). Other topologies
   # have no shared neighbourhoods and always evolve per client.
@@ -160,22 +162,22 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   a.distill = ml_collections.ConfigDict()
   a.distill.enabled = True
   a.distill.warmup_rounds = 10
-  a.distill.anneal_rounds = 0                  # R; 0 = config.rounds
+  a.distill.anneal_rounds = 0  # R; 0 = config.rounds
   a.distill.alpha_init = 1.0
   a.distill.alpha_final = 0.6
   a.distill.temp_init = 1.0
-  a.distill.temp_final = 1.0                   # T > 1 flattens the self-teacher; momentum amplifies it (docstring)
+  a.distill.temp_final = 1.0  # T > 1 flattens the self-teacher; momentum amplifies it (docstring)
 
   a.projection = ml_collections.ConfigDict()
-  a.projection.scheme = "none"                 # 'none' | 'layerwise' | 'flattened'
+  a.projection.scheme = "none"  # 'none' | 'layerwise' | 'flattened'
   a.projection.k_proj = 500
-  a.projection.skip_uncompressed = True        # a cap >= a tensor's dimension leaves it unprojected
+  a.projection.skip_uncompressed = True  # a cap >= a tensor's dimension leaves it unprojected
 
   a.compression = ml_collections.ConfigDict()
-  a.compression.keep_fraction = 1.0            # top-k sparsification of each Jacobian package (1 = dense)
-  a.compression.bits = 32                      # quantisation of the kept values (32 = float32)
+  a.compression.keep_fraction = 1.0  # top-k sparsification of each Jacobian package (1 = dense)
+  a.compression.bits = 32  # quantisation of the kept values (32 = float32)
 
   a.lr_boost = ml_collections.ConfigDict()
-  a.lr_boost.rounds = ()                       # 1-based rounds whose η is multiplied by `factor`
+  a.lr_boost.rounds = ()  # 1-based rounds whose η is multiplied by `factor`
   a.lr_boost.factor = 1.0
   return apply_variants(config, arg, VARIANTS)

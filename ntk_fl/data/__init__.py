@@ -7,14 +7,20 @@
 * :func:`make_federation` gives every client a padded index list into one copy
   of the samples: a :class:`Federation`, gathered per chunk of clients.
 """
+
 from ntk_fl.data.sources import Dataset, load, DATASETS
 from ntk_fl.data.partition import partition, PARTITIONS
 from ntk_fl.data.federation import Federation, federation_from_padded, make_federation
 from ntk_fl.data.plots import plot_label_distribution
 
 __all__ = [
-    "Dataset", "load", "DATASETS",
-    "partition", "PARTITIONS",
-    "Federation", "make_federation", "federation_from_padded",
-    "plot_label_distribution",
+  "Dataset",
+  "load",
+  "DATASETS",
+  "partition",
+  "PARTITIONS",
+  "Federation",
+  "make_federation",
+  "federation_from_padded",
+  "plot_label_distribution",
 ]

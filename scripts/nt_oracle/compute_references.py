@@ -12,6 +12,7 @@ neural-tangents, JAX, jaxlib, TensorFlow, NumPy and Python to ``OUT.npz``.
 
 Usage: ``python compute_references.py INPUTS.npz OUT.npz``.
 """
+
 import json
 import platform
 import sys
@@ -28,23 +29,23 @@ import jaxlib  # noqa: E402
 
 # (name, network, trace_axes, diagonal_axes, second input: "x2" or None for x2=None)
 CASES = [
-    ("mlp/trace_last", "mlp", (-1,), (), "x2"),
-    ("mlp/full", "mlp", (), (), "x2"),
-    ("mlp/trace_last_self", "mlp", (-1,), (), None),
-    ("mlp/diag_batch_trace_last", "mlp", (-1,), (0,), None),
-    ("mlp/diag_batch", "mlp", (), (0,), None),
-    ("mlp/diag_outputs", "mlp", (), (-1,), "x2"),
-    ("mlp/trace_batch", "mlp", (0,), (), None),
-    ("mlp/trace_all", "mlp", (0, 1), (), None),
-    ("cnn/trace_last", "cnn", (-1,), (), "x2"),
-    ("cnn/full", "cnn", (), (), "x2"),
-    ("cnn/diag_batch", "cnn", (), (0,), None),
-    ("conv_features/trace_last", "conv_features", (-1,), (), "x2"),
-    ("conv_features/trace_outputs", "conv_features", (1, 2, 3), (), "x2"),
-    ("conv_features/trace_spatial", "conv_features", (1, 2), (), "x2"),
-    ("conv_features/diag_spatial_trace_last", "conv_features", (-1,), (1, 2), "x2"),
-    ("conv_features/diag_batch_last_trace_rows", "conv_features", (1,), (0, -1), None),
-    ("conv_features/full", "conv_features", (), (), "x2"),
+  ("mlp/trace_last", "mlp", (-1,), (), "x2"),
+  ("mlp/full", "mlp", (), (), "x2"),
+  ("mlp/trace_last_self", "mlp", (-1,), (), None),
+  ("mlp/diag_batch_trace_last", "mlp", (-1,), (0,), None),
+  ("mlp/diag_batch", "mlp", (), (0,), None),
+  ("mlp/diag_outputs", "mlp", (), (-1,), "x2"),
+  ("mlp/trace_batch", "mlp", (0,), (), None),
+  ("mlp/trace_all", "mlp", (0, 1), (), None),
+  ("cnn/trace_last", "cnn", (-1,), (), "x2"),
+  ("cnn/full", "cnn", (), (), "x2"),
+  ("cnn/diag_batch", "cnn", (), (0,), None),
+  ("conv_features/trace_last", "conv_features", (-1,), (), "x2"),
+  ("conv_features/trace_outputs", "conv_features", (1, 2, 3), (), "x2"),
+  ("conv_features/trace_spatial", "conv_features", (1, 2), (), "x2"),
+  ("conv_features/diag_spatial_trace_last", "conv_features", (-1,), (1, 2), "x2"),
+  ("conv_features/diag_batch_last_trace_rows", "conv_features", (1,), (0, -1), None),
+  ("conv_features/full", "conv_features", (), (), "x2"),
 ]
 
 
@@ -53,8 +54,9 @@ def dense(p, x):
 
 
 def conv_same(p, x):  # NHWC inputs, HWIO kernels, stride 1, 'SAME' padding (flax nn.Conv)
-  y = jax.lax.conv_general_dilated(x, p["kernel"], (1, 1), "SAME",
-                                   dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  y = jax.lax.conv_general_dilated(
+    x, p["kernel"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+  )
   return y + p["bias"]
 
 
@@ -88,7 +90,7 @@ def nested_params(arrays, net, dtype):
   prefix = f"{net}/params/"
   for key in arrays.files:
     if key.startswith(prefix):
-      layer, name = key[len(prefix):].split("/")
+      layer, name = key[len(prefix) :].split("/")
       tree.setdefault(layer, {})[name] = jnp.asarray(arrays[key], dtype)
   return {"params": tree}
 
@@ -98,8 +100,13 @@ def kernel(net, arrays, trace_axes, diagonal_axes, second, dtype, implementation
   params = nested_params(arrays, net, dtype)
   x1 = jnp.asarray(arrays[f"{net}/x1"], dtype)
   x2 = None if second is None else jnp.asarray(arrays[f"{net}/{second}"], dtype)
-  ntk_fn = nt.empirical_ntk_fn(f, trace_axes=trace_axes, diagonal_axes=diagonal_axes,
-                               vmap_axes=vmap_axes, implementation=implementation)
+  ntk_fn = nt.empirical_ntk_fn(
+    f,
+    trace_axes=trace_axes,
+    diagonal_axes=diagonal_axes,
+    vmap_axes=vmap_axes,
+    implementation=implementation,
+  )
   return np.asarray(jax.jit(ntk_fn)(x1, x2, params))
 
 
@@ -123,31 +130,47 @@ def main(inputs_path, out_path):
     ref = kernel(*args, jnp.float64, impl.JACOBIAN_CONTRACTION)
     single = kernel(*args, jnp.float32, impl.JACOBIAN_CONTRACTION)
     others = {
-        "ntk_vector_products": kernel(*args, jnp.float64, impl.NTK_VECTOR_PRODUCTS),
-        "structured_derivatives": kernel(*args, jnp.float64, impl.STRUCTURED_DERIVATIVES),
-        "vmap_axes_none": kernel(*args, jnp.float64, impl.JACOBIAN_CONTRACTION, vmap_axes=None),
+      "ntk_vector_products": kernel(*args, jnp.float64, impl.NTK_VECTOR_PRODUCTS),
+      "structured_derivatives": kernel(*args, jnp.float64, impl.STRUCTURED_DERIVATIVES),
+      "vmap_axes_none": kernel(*args, jnp.float64, impl.JACOBIAN_CONTRACTION, vmap_axes=None),
     }
     agree = {k: max_rel(v, ref) for k, v in others.items()}
     assert max(agree.values()) < 1e-12, (name, agree)
     f32_err = max_rel(single, ref)
-    print(f"{name}: shape {ref.shape}; float32 vs float64 max rel {f32_err:.1e}; "
-          f"other implementations / vmap_axes=None vs float64 max rel {max(agree.values()):.1e}")
+    print(
+      f"{name}: shape {ref.shape}; float32 vs float64 max rel {f32_err:.1e}; "
+      f"other implementations / vmap_axes=None vs float64 max rel {max(agree.values()):.1e}"
+    )
     out[f"{name}/kernel"] = ref
     if net == "mlp" and not diagonal_axes:
       out[f"{name}/kernel_float32"] = single  # neural-tangents' own float32 result, for comparison
-    cases.append(dict(name=name, network=net, trace_axes=list(trace_axes),
-                      diagonal_axes=list(diagonal_axes), x2=second))
+    cases.append(
+      dict(
+        name=name,
+        network=net,
+        trace_axes=list(trace_axes),
+        diagonal_axes=list(diagonal_axes),
+        x2=second,
+      )
+    )
 
   # The normalisation of trace_axes, measured: the traced kernel is the mean over the outputs.
   full = out["mlp/full/kernel"]
   traced = out["mlp/trace_last/kernel"]
   ratio = np.einsum("ijcc->ij", full) / traced
-  print(f"mlp: summed trace of the full kernel / trace_axes=(-1,) kernel: {ratio.min():.12f} .. "
-        f"{ratio.max():.12f}")
+  print(
+    f"mlp: summed trace of the full kernel / trace_axes=(-1,) kernel: {ratio.min():.12f} .. "
+    f"{ratio.max():.12f}"
+  )
 
-  versions = {"neural_tangents": nt.__version__, "jax": jax.__version__,
-              "jaxlib": jaxlib.__version__, "tensorflow": tf.__version__,
-              "numpy": np.__version__, "python": platform.python_version()}
+  versions = {
+    "neural_tangents": nt.__version__,
+    "jax": jax.__version__,
+    "jaxlib": jaxlib.__version__,
+    "tensorflow": tf.__version__,
+    "numpy": np.__version__,
+    "python": platform.python_version(),
+  }
   print("versions:", versions)
   out["cases"] = np.array(json.dumps(cases))
   out["versions"] = np.array(json.dumps(versions))

@@ -7,6 +7,7 @@ a two-layer fully convolutional net whose outputs keep the spatial axes
 axes), plus the networks' outputs as a check that stage 2 rebuilds the same
 functions. Usage: ``python scripts/nt_oracle/export_inputs.py OUT.npz``.
 """
+
 import sys
 
 import jax
@@ -27,10 +28,10 @@ def flat_params(prefix, params):
 def conv_features_params(rng):
   """``conv3x3(1 -> 4) -> relu -> conv3x3(4 -> 2)``, He-normal kernels, small random biases."""
   return {
-      "conv_features/params/conv_0/kernel": rng.normal(0, np.sqrt(2 / 9), (3, 3, 1, 4)),
-      "conv_features/params/conv_0/bias": rng.normal(0, 0.1, (4,)),
-      "conv_features/params/conv_1/kernel": rng.normal(0, np.sqrt(2 / 36), (3, 3, 4, 2)),
-      "conv_features/params/conv_1/bias": rng.normal(0, 0.1, (2,)),
+    "conv_features/params/conv_0/kernel": rng.normal(0, np.sqrt(2 / 9), (3, 3, 1, 4)),
+    "conv_features/params/conv_0/bias": rng.normal(0, 0.1, (4,)),
+    "conv_features/params/conv_1/kernel": rng.normal(0, np.sqrt(2 / 36), (3, 3, 4, 2)),
+    "conv_features/params/conv_1/bias": rng.normal(0, 0.1, (2,)),
   }
 
 

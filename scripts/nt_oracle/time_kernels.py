@@ -9,6 +9,7 @@ line: the median wall time of ``--reps`` runs after compilation, XLA's planned p
 
 Usage (oracle venv): ``python scripts/nt_oracle/time_kernels.py --net cnn --n 50 --impls 1 2 3``.
 """
+
 import argparse
 import json
 import statistics
@@ -17,7 +18,6 @@ import time
 import jax
 import jax.numpy as jnp
 import neural_tangents as nt
-import numpy as np
 
 _KAIMING = jax.nn.initializers.variance_scaling(2.0, "fan_in", "normal")
 
@@ -27,8 +27,9 @@ def dense(p, x):
 
 
 def conv_same(p, x):  # NHWC inputs, HWIO kernels, stride 1, 'SAME' padding (flax nn.Conv)
-  y = jax.lax.conv_general_dilated(x, p["kernel"], (1, 1), "SAME",
-                                   dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  y = jax.lax.conv_general_dilated(
+    x, p["kernel"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+  )
   return y + p["bias"]
 
 
@@ -50,9 +51,13 @@ def cnn(params, x):  # conv32-relu-pool-conv64-relu-pool-fc100-relu-fc10
 
 
 SHAPES = {  # layer -> kernel shape (biases are [out])
-    "mlp": {"dense_0": (784, 100), "dense_1": (100, 10)},
-    "cnn": {"conv_0": (3, 3, 1, 32), "conv_1": (3, 3, 32, 64), "dense_0": (3136, 100),
-            "dense_1": (100, 10)},
+  "mlp": {"dense_0": (784, 100), "dense_1": (100, 10)},
+  "cnn": {
+    "conv_0": (3, 3, 1, 32),
+    "conv_1": (3, 3, 32, 64),
+    "dense_0": (3136, 100),
+    "dense_1": (100, 10),
+  },
 }
 INPUTS = {"mlp": (784,), "cnn": (28, 28, 1)}
 NETWORKS = {"mlp": mlp, "cnn": cnn}
@@ -61,20 +66,26 @@ NETWORKS = {"mlp": mlp, "cnn": cnn}
 def init(net, key):
   tree = {}
   for i, (layer, shape) in enumerate(SHAPES[net].items()):
-    tree[layer] = {"kernel": _KAIMING(jax.random.fold_in(key, i), shape, jnp.float32),
-                   "bias": jnp.zeros(shape[-1:], jnp.float32)}
+    tree[layer] = {
+      "kernel": _KAIMING(jax.random.fold_in(key, i), shape, jnp.float32),
+      "bias": jnp.zeros(shape[-1:], jnp.float32),
+    }
   return {"params": tree}
 
 
 def measure(net, n, implementation, full, reps):
   params = init(net, jax.random.PRNGKey(0))
   x = jax.random.uniform(jax.random.PRNGKey(1), (n, *INPUTS[net]))
-  ntk_fn = nt.empirical_ntk_fn(NETWORKS[net], trace_axes=() if full else (-1,), vmap_axes=0,
-                               implementation=implementation)
+  ntk_fn = nt.empirical_ntk_fn(
+    NETWORKS[net], trace_axes=() if full else (-1,), vmap_axes=0, implementation=implementation
+  )
   compiled = jax.jit(lambda x, p: ntk_fn(x, None, p)).lower(x, params).compile()
   mem = compiled.memory_analysis()
-  peak = None if mem is None else (mem.argument_size_in_bytes + mem.output_size_in_bytes
-                                   + mem.temp_size_in_bytes)
+  peak = (
+    None
+    if mem is None
+    else (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes)
+  )
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   jax.block_until_ready(compiled(x, params))
@@ -83,10 +94,18 @@ def measure(net, n, implementation, full, reps):
     start = time.perf_counter()
     jax.block_until_ready(compiled(x, params))
     times.append(time.perf_counter() - start)
-  return {"library": "neural-tangents " + nt.__version__, "jax": jax.__version__, "net": net, "n": n,
-          "kernel": "full" if full else "traced", "implementation": int(implementation),
-          "seconds": statistics.median(times), "times": times, "peak_bytes": peak,
-          "xla_flops": None if cost is None else cost.get("flops")}
+  return {
+    "library": "neural-tangents " + nt.__version__,
+    "jax": jax.__version__,
+    "net": net,
+    "n": n,
+    "kernel": "full" if full else "traced",
+    "implementation": int(implementation),
+    "seconds": statistics.median(times),
+    "times": times,
+    "peak_bytes": peak,
+    "xla_flops": None if cost is None else cost.get("flops"),
+  }
 
 
 def main():

@@ -7,6 +7,7 @@ any working directory.
 
 Variants: ``smoke`` (4 rounds, checkpoint every 2) plus the common ones.
 """
+
 import os
 
 import ml_collections
@@ -22,7 +23,9 @@ def _smoke(config):
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config = base_config()
   config.method = "toy_gd"
-  config.method_module = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "toy_method.py")
+  config.method_module = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), os.pardir, "toy_method.py"
+  )
   config.rounds = 6
   config.data.name = "synthetic"
   config.data.partition = "iid"
