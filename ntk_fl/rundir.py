@@ -117,6 +117,8 @@ _ADDED_KEYS = {
   "data.partition_file": "",
   "on_divergence": "stop",
   "debug_clients": False,
+  "model.module": "",
+  "model.per_sample": False,
 }
 
 

@@ -243,6 +243,8 @@ def test_a_run_stored_before_a_schema_key_existed_resumes_with_its_old_value(ref
   with open(os.path.join(old, rundir.CONFIG_FILE)) as f:
     stored = json.load(f)
   del stored["data"]["max_test"]  # config.json written before data.max_test was added
+  del stored["model"]["module"], stored["model"]["per_sample"]  # ... and before a user's own model
+  del stored["debug_clients"]
   with open(os.path.join(old, rundir.CONFIG_FILE), "w") as f:
     json.dump(stored, f)
   assert rundir.check_workdir(toy_config(), old, resume=True) == ROUNDS
@@ -250,6 +252,11 @@ def test_a_run_stored_before_a_schema_key_existed_resumes_with_its_old_value(ref
   assert rundir.check_workdir(toy_config(**{"eval.consensus": True}), old, resume=True) == ROUNDS
   loaded = rundir.rebuild_config(old, trust_method_module=toy_config().method_module)
   assert loaded["data"]["max_test"] == 0 and loaded == rundir.jsonable(toy_config())
+  assert (loaded["model"]["module"], loaded["model"]["per_sample"], loaded["debug_clients"]) == (
+    "",
+    False,
+    False,
+  )
   # The filled-in value is the one the run used: a config that changes it is a different experiment.
   with pytest.raises(ValueError, match=r"different config.*max_test: 0 -> 100"):
     rundir.check_workdir(toy_config(**{"data.max_test": 100}), old, resume=True)
