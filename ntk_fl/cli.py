@@ -51,6 +51,7 @@ import errno
 import io
 import logging as std_logging
 import os
+import signal
 import sys
 import threading
 import traceback
@@ -527,6 +528,27 @@ def _interrupted(workdir: str) -> str:
   )
 
 
+def _exit_at_once_on_interrupt() -> None:
+  """Until the run holds its workdir, Ctrl-C ends the process at once with one line.
+
+  Nothing has been written by then, and a ``KeyboardInterrupt`` raised while a native module is being
+  imported (jaxlib's extension) would surface as an ``ImportError`` traceback instead.
+  """
+
+  def handler(signum, frame):  # pylint: disable=unused-argument
+    workdir = flags.FLAGS["workdir"].value if flags.FLAGS.is_parsed() else None
+    line = _interrupted(workdir) if workdir else "interrupted; nothing was started"
+    os.write(2, f"\n{line}\n".encode())
+    os._exit(130)  # pylint: disable=protected-access
+
+  signal.signal(signal.SIGINT, handler)
+
+
+def _interrupts_raise() -> None:
+  """From here on Ctrl-C raises ``KeyboardInterrupt``, which the run's own handlers report."""
+  signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _launch(command: list[str], workdir: str, num_processes: int) -> int:
   """The local launcher: holds the workdir's lock for its workers; Ctrl-C and failures: one line."""
   from ntk_fl import distributed, rundir  # pylint: disable=import-outside-toplevel
@@ -588,6 +610,7 @@ def _main(argv: list[str]) -> None:
       "ntk_fl",
       *distributed.strip_flags(_ARGV[1:], ["num_processes"]),
     ]
+    _interrupts_raise()
     status = _launch(command, _FLAGS["workdir"].value, _FLAGS["num_processes"].value)
     sys.exit(status if status >= 0 else 128 - status)
   logging.get_absl_handler().addFilter(_QuietLibraries())
@@ -627,6 +650,7 @@ def _main(argv: list[str]) -> None:
     # checked once and travels on as typed settings.
     settings = schema.validate_config(config, reference=_config_before_overrides())
     fresh = not os.path.isdir(workdir) or not os.listdir(workdir)  # before the lock file is made
+    _interrupts_raise()  # the run begins: Ctrl-C is reported by the handlers below
     rundir.hold_workdir(workdir)  # one run per workdir, held until this process exits
     rundir.check_start(settings, workdir, **start)
   except (*_ONE_LINE_ERRORS, CheckpointDamaged) as e:
@@ -673,6 +697,7 @@ def _subcommand(name: str):
 def main(argv: Sequence[str] | None = None) -> None:
   """The ``ntk-fl`` console script (and ``experiments/main.py``, ``python -m ntk_fl``)."""
   argv = list(sys.argv if argv is None else argv)
+  _exit_at_once_on_interrupt()
   if len(argv) > 1 and argv[1] in SUBCOMMANDS:  # ntk-fl compare ... / ntk-fl reproduce ...
     sys.exit(_subcommand(argv[1])(argv[2:]))
   _define_flags()
