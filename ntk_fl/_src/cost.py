@@ -116,7 +116,8 @@ def workload(settings, model, federation) -> Workload | None:
     loss=getattr(algo, "loss", "ce"),
     solver=algo.solver,
     kernel=kernel,
-    select=algo.select,
+    # NTK-FL's 'validation' scores the network on held-out clients: a 'network' scoring, as timed.
+    select="network" if algo.select == "validation" else algo.select,
   )
   if method in ("ntk_dfl", "spark"):
     k = settings.built_topology.k_max
