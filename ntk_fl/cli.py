@@ -471,14 +471,19 @@ def _print_and_exit(config) -> bool:
   if _FLAGS["version"].value:
     import ntk_fl  # pylint: disable=import-outside-toplevel
 
-    print(f"ntk_fl {ntk_fl.__version__}")
+    text = f"ntk_fl {ntk_fl.__version__}"
   elif _FLAGS["list_configs"].value:
-    print(config_docs.format_configs())
+    text = config_docs.format_configs()
   elif _FLAGS["print_config"].value:
-    print(f"# --config={flags.FLAGS['config'].config_filename}")
-    print(config_docs.format_config(config))
+    text = (
+      f"# --config={flags.FLAGS['config'].config_filename}\n{config_docs.format_config(config)}"
+    )
   else:
     return False
+  try:
+    print(text, flush=True)
+  except BrokenPipeError:  # the reader stopped early (`... --print_config | head`): not an error
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush goes nowhere
   return True
 
 

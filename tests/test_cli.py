@@ -180,3 +180,15 @@ def test_the_package_docstring_example_runs_from_anywhere(tmp_path):
     env={**os.environ, "PYTHONPATH": str(_REPO)},
   )
   assert proc.returncode == 0 and proc.stdout.strip() == "ntk_dfl", proc.stderr
+
+
+def test_print_config_into_a_pipe_closed_early_is_no_error():
+  proc = subprocess.Popen(
+    [sys.executable, "-m", "ntk_fl", "--config=ntk_dfl:smoke", "--print_config"],
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
+  proc.stdout.close()  # the reader is gone before anything is printed (`... | head` after its lines)
+  stderr = proc.stderr.read()
+  assert proc.wait(timeout=120) == 0 and "Traceback" not in stderr, stderr[-2000:]
