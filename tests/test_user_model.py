@@ -19,7 +19,7 @@ import pytest
 
 from ntk_fl import config as config_lib
 from ntk_fl import models, rundir, runner, schema
-from ntk_fl._src import user_model
+from ntk_fl._src import method_modules, user_model
 
 _SOURCE = textwrap.dedent("""
     import flax.linen as nn
@@ -83,7 +83,7 @@ def _config(spec, **model):
 def test_schema_probes_the_factory_with_the_dataset_input(module_file):
   run = schema.validate_config(_config(f"{module_file}:make"))
   assert run.model.module == f"{module_file}:make" and run.model.per_sample is False
-  seen = sys.modules[user_model._file_module_name(module_file)].SEEN  # pylint: disable=protected-access
+  seen = sys.modules[method_modules._file_module_name(module_file)].SEEN  # pylint: disable=protected-access
   assert seen[-1] == ((28, 28, 1), 10)
 
 

@@ -10,17 +10,44 @@ import importlib
 import importlib.util
 import os
 import sys
+import types
 
-__all__ = ["import_method_module", "method_module_imported"]
+__all__ = ["import_method_module", "load_module", "method_module_imported", "module_imported"]
 
 
 def _file_module_name(path: str) -> str:
-  return f"_ntk_fl_method_{abs(hash(os.path.abspath(path))):x}"
+  return f"_ntk_fl_user_{abs(hash(os.path.abspath(path))):x}"
+
+
+def module_imported(spec: str) -> bool:
+  """Whether ``spec`` (a dotted name or ``.py`` path) was imported in this process already."""
+  return (_file_module_name(spec) if spec.endswith(".py") else spec) in sys.modules
+
+
+def load_module(spec: str) -> types.ModuleType:
+  """Imports ``spec``, a dotted module name or the path of a ``.py`` file (run once per process, like an
+  import); raises ``ImportError`` or ``FileNotFoundError``."""
+  if not spec.endswith(".py"):
+    return importlib.import_module(spec)
+  path = os.path.abspath(spec)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"no such file {path}")
+  name = _file_module_name(path)
+  if name not in sys.modules:
+    file_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(file_spec)
+    sys.modules[name] = module
+    try:
+      file_spec.loader.exec_module(module)
+    except BaseException:
+      del sys.modules[name]
+      raise
+  return sys.modules[name]
 
 
 def method_module_imported(spec: str) -> bool:
   """Whether ``spec`` (a dotted name or ``.py`` path) was imported in this process already."""
-  return (_file_module_name(spec) if spec.endswith(".py") else spec) in sys.modules
+  return module_imported(spec)
 
 
 def import_method_module(spec: str) -> None:
@@ -28,21 +55,6 @@ def import_method_module(spec: str) -> None:
   if not spec:
     return
   try:
-    if spec.endswith(".py"):
-      path = os.path.abspath(spec)
-      if not os.path.isfile(path):
-        raise FileNotFoundError(f"no such file {path}")
-      name = _file_module_name(path)
-      if name not in sys.modules:  # execute a file once per process, like an import
-        module_spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[name] = module
-        try:
-          module_spec.loader.exec_module(module)
-        except BaseException:
-          del sys.modules[name]
-          raise
-    else:
-      importlib.import_module(spec)
+    load_module(spec)
   except (ImportError, FileNotFoundError) as e:
     raise ValueError(f"config.method_module = {spec!r} could not be imported: {e}") from e

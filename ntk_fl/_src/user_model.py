@@ -21,16 +21,14 @@ the module's logits on a probe batch of the dataset's input shape have shape ``[
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import os
-import sys
 from typing import Any
 from collections.abc import Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from ntk_fl._src import method_modules
 
 __all__ = ["load_factory", "build_module", "check_module", "dataset_input", "imported"]
 
@@ -50,34 +48,14 @@ def _split(spec: str) -> tuple[str, str]:
   return module, attr
 
 
-def _file_module_name(path: str) -> str:
-  return f"_ntk_fl_model_{abs(hash(os.path.abspath(path))):x}"
-
-
 def imported(spec: str) -> bool:
   """Whether the module of ``spec`` was imported in this process already (so reading it runs no new code)."""
-  module = spec.split(":")[0]
-  return (_file_module_name(module) if module.endswith(".py") else module) in sys.modules
+  return method_modules.module_imported(spec.split(":")[0])
 
 
 def _import(module: str, spec: str):
   try:
-    if module.endswith(".py"):
-      path = os.path.abspath(module)
-      if not os.path.isfile(path):
-        raise FileNotFoundError(f"no such file {path}")
-      name = _file_module_name(path)
-      if name not in sys.modules:  # execute a file once per process, like an import
-        file_spec = importlib.util.spec_from_file_location(name, path)
-        loaded = importlib.util.module_from_spec(file_spec)
-        sys.modules[name] = loaded
-        try:
-          file_spec.loader.exec_module(loaded)
-        except BaseException:
-          del sys.modules[name]
-          raise
-      return sys.modules[name]
-    return importlib.import_module(module)
+    return method_modules.load_module(module)
   except (ImportError, FileNotFoundError) as e:
     raise ValueError(
       f"config.model.module = {spec!r}: module {module!r} could not be imported: {e}"
