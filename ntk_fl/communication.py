@@ -13,6 +13,12 @@ Server-side NTK methods (NTK-FL, CP-NTK-FL) upload, per sampled client
 (:func:`server_upload_bits`): the Jacobian rows of its ``n_i`` samples, dense or
 sparsified and quantised (:func:`jacobian_payload_bits`), plus ``n_i·C`` float32
 logits and ``n_i·⌈log2 C⌉`` label bits.
+
+FedCOM and QSGD upload, per sampled client (:func:`qsgd_upload_bits`), one
+QSGD-quantised vector the size of the model (the local update or the
+gradient): ``b`` bits per coordinate (sign and level) plus one float32 norm per
+bucket of every parameter tensor; float32 values when unquantised. Like NTK-FL
+Table 1 for every method, only the uplink is counted.
 """
 
 from __future__ import annotations
@@ -22,13 +28,20 @@ import math
 import jax.numpy as jnp
 
 from ntk_fl import validation
-from ntk_fl.compression import FLOAT_BITS, num_kept, payload_bits, sparse_payload_bits
+from ntk_fl.compression import (
+  FLOAT_BITS,
+  num_kept,
+  payload_bits,
+  qsgd_levels,
+  sparse_payload_bits,
+)
 
 __all__ = [
   "jacobian_package_bits",
   "neighbourhood_round_bits",
   "jacobian_payload_bits",
   "server_upload_bits",
+  "qsgd_upload_bits",
 ]
 
 
@@ -150,3 +163,28 @@ def server_upload_bits(
   logits = num_samples * num_classes * FLOAT_BITS
   labels = num_samples * max(1, math.ceil(math.log2(num_classes)))
   return jac + logits + labels
+
+
+def qsgd_upload_bits(tensor_sizes, bits: int, bucket_size: int = 0) -> int:
+  """Uplink bits of one client's QSGD-quantised model-sized vector (FedCOM's update, QSGD's gradient).
+
+  Args:
+    tensor_sizes: the entry count of every parameter tensor (each quantised on its own).
+    bits: code width per coordinate, sign included (:func:`ntk_fl.compression.qsgd_levels`);
+      :data:`~ntk_fl.compression.FLOAT_BITS` = float32 values, nothing else.
+    bucket_size: entries per bucket within a tensor (0 = the whole tensor); every bucket adds its
+      float32 norm.
+
+  Returns:
+    A Python int: ``sum_t size_t * bits + 32 * ceil(size_t / bucket)`` (``32 * sum_t size_t`` at 32 bits).
+  """
+  validation.check_int("bucket_size", bucket_size, low=0)
+  sizes = [int(size) for size in tensor_sizes]
+  if bits == FLOAT_BITS:
+    return FLOAT_BITS * sum(sizes)
+  qsgd_levels(bits)  # checks bits
+  total = 0
+  for size in sizes:
+    bucket = size if bucket_size == 0 or bucket_size >= size else bucket_size
+    total += size * bits + FLOAT_BITS * -(-size // bucket)
+  return total

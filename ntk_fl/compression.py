@@ -20,6 +20,12 @@ side information. A sparse payload also carries its support: a bitmap (one bit
 per coordinate, DisPFL's masks) or a list of ``ceil(log2 size)``-bit indices,
 whichever is smaller (:func:`sparse_payload_bits`).
 
+QSGD's stochastic quantiser (:func:`qsgd_quantize`, Alistarh et al. 2017; FedCOM's and QSGD's
+uplink) scales by a norm instead: every bucket ``v`` of ``bucket_size`` consecutive entries is sent
+as its norm (one float32) and, per entry, the sign and an integer level ``l`` in ``[0, s]`` of
+``|v_i| / ||v|| * s``, rounded up with probability equal to the fractional part (unbiased) or to
+the nearest level; a ``b``-bit code holds the signed level, so ``s = 2**(b - 1) - 1``.
+
 What a particular protocol sends per round (the neighbourhood-NTK methods' packages and weights) is counted
 in :mod:`ntk_fl.communication`, from these primitives.
 """
@@ -36,6 +42,9 @@ import jax.numpy as jnp
 __all__ = [
   "quantize",
   "quantize_tree",
+  "qsgd_levels",
+  "qsgd_quantize",
+  "qsgd_quantize_tree",
   "topk_mask",
   "top_k_by_key",
   "magnitude_key",
@@ -110,6 +119,81 @@ def quantize_tree(tree, bits: int, *, key=None, stochastic: bool = False):
   )
   return jax.tree_util.tree_unflatten(
     treedef, [quantize(leaf, bits, key=k, stochastic=stochastic) for leaf, k in zip(leaves, keys)]
+  )
+
+
+def qsgd_levels(bits: int) -> int:
+  """QSGD's level count ``s = 2**(bits - 1) - 1``: a ``bits``-bit code holds the signed level in ``[-s, s]``."""
+  if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or not 2 <= bits <= _MAX_BITS:
+    raise ValueError(
+      f"QSGD bits must be an int in [2, {_MAX_BITS}] (a sign and at least one level bit), got {bits!r}"
+    )
+  return 2 ** (int(bits) - 1) - 1
+
+
+def qsgd_quantize(
+  x, bits: int, *, key=None, bucket_size: int = 0, norm: str = "l2", stochastic: bool = True
+):
+  """QSGD's quantiser ``Q_s`` (Alistarh et al. 2017, eq. (3.1)) of one tensor, bucket by bucket.
+
+  The flattened tensor is cut into buckets of ``bucket_size`` entries (the last one zero-padded; 0 = one
+  bucket). For a bucket ``v`` with scale ``a = ||v||_2`` (``norm='l2'``, the paper's) or ``max_i |v_i|``
+  (``'max'``) and ``r_i = |v_i| / a * s`` (``s`` = :func:`qsgd_levels`), entry ``i`` becomes
+  ``a * sign(v_i) * l_i / s`` with ``l_i = floor(r_i) + 1`` with probability ``r_i - floor(r_i)``, else
+  ``floor(r_i)`` (``stochastic``: ``E[Q(v)] = v`` and, for ``'l2'``,
+  ``E||Q(v) - v||^2 <= min(n / s^2, sqrt(n) / s) ||v||^2``, Lemma 3.1), or the nearest level.
+
+  Args:
+    x: float array of any shape.
+    bits: code width per entry, sign included (:func:`qsgd_levels`).
+    key: PRNG key; required when ``stochastic``. The draw is ``uniform(key, [num_buckets, bucket])``.
+    bucket_size: entries per bucket (>= 0; 0 or ``>= x.size`` = the whole tensor).
+    norm: ``'l2'`` or ``'max'``.
+    stochastic: unbiased stochastic rounding (QSGD's); False rounds to the nearest level.
+
+  Returns:
+    The reconstruction, shaped and typed as ``x``. A zero bucket stays zero.
+  """
+  s = qsgd_levels(bits)
+  if norm not in ("l2", "max"):
+    raise ValueError(f"norm must be 'l2' or 'max', got {norm!r}")
+  if stochastic and key is None:
+    raise ValueError("qsgd_quantize(stochastic=True) needs a PRNG key")
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"qsgd_quantize expects a float array, got dtype {x.dtype}")
+  n = x.size
+  bucket = n if bucket_size <= 0 or bucket_size >= n else int(bucket_size)
+  num_buckets = -(-n // bucket)
+  v = jnp.pad(x.reshape(-1), (0, num_buckets * bucket - n)).reshape(num_buckets, bucket)
+  if norm == "l2":
+    scale = jnp.sqrt(jnp.sum(jnp.square(v), axis=1, keepdims=True))
+  else:
+    scale = jnp.max(jnp.abs(v), axis=1, keepdims=True)
+  # A zero bucket has scale 0: divide by 1 instead (every level is then 0).
+  r = jnp.abs(v) / jnp.where(scale > 0, scale, 1) * s
+  if stochastic:
+    lower = jnp.floor(r)
+    level = lower + (jax.random.uniform(key, v.shape, dtype=x.dtype) < r - lower)
+  else:
+    level = jnp.round(r)
+  level = jnp.minimum(level, s)  # float rounding at |v_i| = ||v|| must not create level s + 1
+  q = jnp.sign(v) * level * (scale / s)
+  return q.reshape(-1)[:n].reshape(x.shape).astype(x.dtype)
+
+
+def qsgd_quantize_tree(
+  tree, bits: int, *, key=None, bucket_size: int = 0, norm: str = "l2", stochastic: bool = True
+):
+  """:func:`qsgd_quantize` of every leaf (buckets within a leaf; leaf ``j`` draws with ``split(key, L)[j]``)."""
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  keys = list(jax.random.split(key, len(leaves))) if stochastic else [None] * len(leaves)
+  return jax.tree_util.tree_unflatten(
+    treedef,
+    [
+      qsgd_quantize(leaf, bits, key=k, bucket_size=bucket_size, norm=norm, stochastic=stochastic)
+      for leaf, k in zip(leaves, keys)
+    ],
   )
 
 

@@ -112,8 +112,14 @@ FIELD_DOCS: dict[str, str] = {
   ),
   "algorithm.nesterov": "Nesterov momentum",
   "algorithm.weight_decay": "L2 weight decay of local SGD",
-  "algorithm.quantize_bits": "bits per transmitted value (weights, or NTK-FL's Jacobian entries): 32 = float32",
+  "algorithm.quantize_bits": (
+    "bits per transmitted value (weights, NTK-FL's Jacobian entries, or FedCOM's/QSGD's coordinates, "
+    "sign included): 32 = float32"
+  ),
   "algorithm.stochastic_rounding": "unbiased stochastic rounding when quantising",
+  "algorithm.bucket_size": "FedCOM/QSGD: entries per QSGD bucket, each sent with its float32 norm (0 = one per tensor)",
+  "algorithm.qsgd_norm": "FedCOM/QSGD: scale of a QSGD bucket: 'l2' (Alistarh et al.) or 'max' (largest magnitude)",
+  "algorithm.server_lr": "FedCOM: server step γ on the averaged quantised update (1 = replace by the average)",
   "algorithm.clients_per_round": "participants per round (0 = all clients)",
   "algorithm.taus": "candidate evolution times τ; the best one is chosen each round",
   "algorithm.loss": "evolution loss: 'ce' (cross-entropy) or 'mse' (closed form)",

@@ -96,6 +96,8 @@ _REGISTRY: dict[str, str | Method] = {
   "ntk_fl": "ntk_fl.algorithms.server_ntk",
   "spark": "ntk_fl.algorithms.spark",
   "fed_ensemble": "ntk_fl.algorithms.fed_ensemble",
+  "fedcom": "ntk_fl.algorithms.fedcom",
+  "qsgd": "ntk_fl.algorithms.qsgd",
 }
 
 

@@ -1,0 +1,203 @@
+"""QSGD (Alistarh et al. 2017): the participants' stochastic gradients, QSGD-quantised, averaged by the server.
+
+One round ``r`` (the participants' draw and the bit count are :mod:`ntk_fl.algorithms.server_round`'s):
+every participant ``k`` computes the gradient ``g_k`` of its mean cross-entropy at the global model ``w``
+on ``min(batch_size, n_k)`` of its samples (a uniformly random subset, ``local.epoch_order`` keyed by
+``split(train_key, K)[k]``; all of them when ``batch_size >= n_k``), uploads ``Q(g_k)``
+(:func:`ntk_fl.compression.qsgd_quantize` per parameter tensor, ``quantize_bits`` bits per
+coordinate, one float32 norm per bucket; client ``k``'s draws from ``split(quant_key, K)[k]``) and
+the server steps ``w <- w - lr_r sum_k p_k Q(g_k)`` with ``p_k = n_k / sum_K n`` (Alistarh et al.'s
+Algorithm 1 with the round's participants as the processors; data-size weights as FedAvg's, equal
+weights on the fixed-size partition). Uplink: :func:`ntk_fl.communication.qsgd_upload_bits`.
+
+The quantisation options (:class:`QsgdOptions`: bits, stochastic rounding, bucket size, norm) are
+shared with FedCOM (:mod:`ntk_fl.algorithms.fedcom`), which sends its local update through the same
+quantiser (:func:`transmit_qsgd`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from ntk_fl import communication, compression, models, parallel
+from ntk_fl._src.options import Choice
+from ntk_fl.algorithms import Method
+from ntk_fl.algorithms import local
+from ntk_fl.algorithms import server_round
+from ntk_fl.algorithms.base import Algorithm, parse_enums, run_options
+
+__all__ = [
+  "QsgdNorm",
+  "QsgdOptions",
+  "QSGDHParams",
+  "check_qsgd_fields",
+  "transmit_qsgd",
+  "upload_bits",
+  "make_qsgd",
+  "METHOD",
+]
+
+
+class QsgdNorm(Choice):
+  """The scale of a QSGD bucket: its Euclidean norm (``L2``, Alistarh et al.) or its largest magnitude
+  (``MAX``, the max-abs scaling of the NTK-FL authors' unused quantiser: smaller variance, same bits)."""
+
+  L2 = "l2"
+  MAX = "max"
+
+
+def _check_qsgd_bits(name, value):
+  if isinstance(value, bool) or not isinstance(value, int) or not (2 <= value <= 16 or value == 32):
+    raise ValueError(
+      f"config.algorithm.{name} must be 32 (float32, no quantisation) or an int in [2, 16] "
+      f"(QSGD's code: a sign and at least one level bit), got {value!r}"
+    )
+
+
+def check_qsgd_fields(hparams) -> None:
+  """Checks the QSGD fields of ``hparams`` (``quantize_bits``, ``stochastic_rounding``, ``bucket_size``,
+  ``qsgd_norm``; the last becomes a :class:`QsgdNorm` member)."""
+  local.check_fields(
+    hparams,
+    {
+      "quantize_bits": _check_qsgd_bits,
+      "stochastic_rounding": local.flag,
+      "bucket_size": local.int_at_least(0),
+    },
+  )
+  parse_enums(hparams)
+
+
+@dataclasses.dataclass(frozen=True)
+class QsgdOptions:
+  """The uplink quantiser of FedCOM and QSGD (:func:`ntk_fl.compression.qsgd_quantize`).
+
+  Attributes:
+    quantize_bits: bits per coordinate, sign included (``s = 2**(b-1) - 1`` levels); 32 = float32.
+    stochastic_rounding: QSGD's unbiased rounding (True) or the nearest level.
+    bucket_size: entries per bucket, each with its own float32 norm (0 = one bucket per tensor).
+    qsgd_norm: :class:`QsgdNorm`.
+  """
+
+  quantize_bits: int
+  stochastic_rounding: bool
+  bucket_size: int
+  qsgd_norm: QsgdNorm
+
+  @classmethod
+  def of(cls, hparams) -> QsgdOptions:
+    return cls(
+      hparams.quantize_bits, hparams.stochastic_rounding, hparams.bucket_size, hparams.qsgd_norm
+    )
+
+
+def transmit_qsgd(stacked, options: QsgdOptions, key):
+  """What the server receives of every client's vector: QSGD-quantised, or exact at 32 bits.
+
+  Args:
+    stacked: pytree with leaves ``[K, ...]`` (one vector per client).
+    options: the quantiser.
+    key: the round's quantisation key; client ``k`` quantises with ``split(key, K)[k]``
+      (:func:`ntk_fl.compression.qsgd_quantize_tree` splits it per leaf).
+  """
+  if options.quantize_bits == compression.FLOAT_BITS:
+    return stacked
+  quantize = lambda tree, k: compression.qsgd_quantize_tree(
+    tree,
+    options.quantize_bits,
+    key=k,
+    bucket_size=options.bucket_size,
+    norm=str(options.qsgd_norm),
+    stochastic=options.stochastic_rounding,
+  )
+  num_clients = jax.tree.leaves(stacked)[0].shape[0]
+  return parallel.for_each_client(quantize)(stacked, jax.random.split(key, num_clients))
+
+
+def upload_bits(model: models.Model, options: QsgdOptions) -> int:
+  """Bits one client uploads per round: :func:`ntk_fl.communication.qsgd_upload_bits` of the model's tensors."""
+  shapes = jax.eval_shape(model.init, jax.random.key(0))
+  sizes = [leaf.size for leaf in jax.tree.leaves(shapes)]
+  return communication.qsgd_upload_bits(sizes, options.quantize_bits, options.bucket_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class QSGDHParams:
+  """QSGD (``config.algorithm``; each value checked on construction).
+
+  Attributes:
+    clients_per_round: participants per round (0 = all).
+    lr, lr_gamma: the server step of round ``r`` is ``lr * lr_gamma**r`` (lr > 0, lr_gamma in (0, 1]).
+    batch_size: samples per participant's gradient (>= 1; ``>= n_k`` = all of them).
+    quantize_bits, stochastic_rounding, bucket_size, qsgd_norm: :class:`QsgdOptions`.
+  """
+
+  clients_per_round: int
+  lr: float
+  lr_gamma: float
+  batch_size: int
+  quantize_bits: int
+  stochastic_rounding: bool
+  bucket_size: int
+  qsgd_norm: QsgdNorm
+
+  def __post_init__(self):
+    local.check_fields(
+      self,
+      {
+        "clients_per_round": local.int_at_least(0),
+        "lr": local.positive,
+        "lr_gamma": local.fraction,
+        "batch_size": local.int_at_least(1),
+      },
+    )
+    check_qsgd_fields(self)
+
+
+def gradient_update(model: models.Model, hparams: QSGDHParams) -> server_round.ServerUpdate:
+  """QSGD's round as a :data:`~ntk_fl.algorithms.server_round.ServerUpdate` (module docstring)."""
+  options = QsgdOptions.of(hparams)
+  payload = upload_bits(model, options)
+
+  def client_gradient(params, x, y, mask, key):
+    batch = min(int(hparams.batch_size), mask.shape[0])
+    order = local.epoch_order(key, mask)[:batch]
+    weights = mask[order].astype(jnp.float32)
+    # Empty slots (a client with fewer than `batch` samples) read its first drawn sample at weight 0.
+    order = jnp.where(weights > 0, order, order[0])
+    loss_fn = lambda w: local.masked_cross_entropy(model.apply(w, x[order]), y[order], weights)
+    loss, grad = jax.value_and_grad(loss_fn)(params)
+    return grad, loss
+
+  def update(params, x, y, mask, sizes, train_key, quant_key, lr, extra):
+    del extra
+    k = mask.shape[0]
+    per_client = lambda xc, yc, mc, kc: client_gradient(params, xc, yc, mc, kc)
+    grads, losses = parallel.for_each_client(per_client)(x, y, mask, jax.random.split(train_key, k))
+    sent = transmit_qsgd(grads, options, quant_key)
+    p = sizes / jnp.sum(sizes)
+    new_params = jax.tree.map(lambda w, g: w - lr * jnp.tensordot(p, g, axes=1), params, sent)
+    return new_params, jnp.mean(losses), jnp.float32(payload)
+
+  return update
+
+
+def make_qsgd(
+  model: models.Model,
+  federation,
+  topology,
+  hparams: QSGDHParams,
+  run=None,
+  *,
+  seed: int | None = None,
+) -> Algorithm:
+  """QSGD for ``federation`` and ``model`` (arguments as ``server_round.make_server_method``)."""
+  seed = run_options(run, "QSGD", needs_topology=False, seed=seed).seed
+  update = gradient_update(model, hparams)
+  return server_round.make_server_method(model, federation, hparams, seed=seed, update=update)
+
+
+METHOD = Method(make=make_qsgd, hyperparameters=QSGDHParams, check=server_round.check)
