@@ -64,7 +64,7 @@ def test_the_campaign_and_every_paper_is_registered():
   assert [v.name for v in EXPERIMENTS["ntk_dfl:fig9"].variants][
     0
   ] == "fig9_ntk_dfl_k2"  # the campaign's names
-  for name in ("ntk_dfl:fig10a", "spark:fig13", "ntk_fl:fig7", "ntk_fl:table1_compressed"):
+  for name in ("ntk_dfl:fig10a", "spark:fig13", "ntk_fl:fig7"):
     assert EXPERIMENTS[name].needs and not EXPERIMENTS[name].variants
 
 
