@@ -438,6 +438,14 @@ _UNREAD = (
   *(
     (
       f"algorithm.{name}",
+      lambda r: _algo(r, "quantize_bits") == 32,
+      lambda r: "algorithm.quantize_bits = 32 (nothing is quantised)",
+    )
+    for name in ("bucket_size", "qsgd_norm")
+  ),
+  *(
+    (
+      f"algorithm.{name}",
       lambda r: _algo(r, "local_training") not in (None, "ntk"),
       lambda r: (
         f"algorithm.local_training = {_algo(r, 'local_training')!r} (only 'ntk' evolves over taus)"

@@ -355,3 +355,20 @@ def test_bad_config_values_raise_before_any_work(name, change, match):
 def test_configs_validate_in_every_variant(name):
   for variant in (None, "smoke", "paper", "iid", "alpha0.5", "q8", "full", "busiest_node"):
     schema.validate_config(load_config(name, variant))
+
+
+@pytest.mark.parametrize("name", ["fedcom", "qsgd"])
+def test_quantiser_settings_without_quantisation_are_named(name):
+  reference = load_config(name, "smoke")
+  config = load_config(name, "smoke")
+  config.algorithm.quantize_bits = 32
+  config.algorithm.bucket_size = 64
+  changed = schema.changed_fields(config, reference)
+  messages = schema.ignored_settings(schema.validate_config(config), changed)
+  assert messages == [
+    "config.algorithm.bucket_size = 64 has no effect: algorithm.quantize_bits = 32 (nothing is "
+    "quantised)"
+  ]
+  config.algorithm.quantize_bits = 8  # read now
+  changed = schema.changed_fields(config, reference)
+  assert schema.ignored_settings(schema.validate_config(config), changed) == []
