@@ -85,11 +85,12 @@ ROUND_SECONDS: dict[str, Cost] = {
     0.22,
   ),
   "fedcom": Cost(
-    1.4,
+    3.3,
     None,
-    "measured: 6 rounds of FedCOM α = 0.1 (commit 95e7808): 1.3 s step + 0.06 s evaluation per "
-    "round on one core of the loaded 2-core AMD EPYC",
-    0.06,
+    "docs/REPRODUCTION.md, FedCOM α = 0.1 seed 0 (170 rounds, commit 95e7808): 3.2 s step + 0.11 s "
+    "evaluation per round (medians) on one core of the loaded 2-core AMD EPYC (1.3 s step when "
+    "less loaded)",
+    0.11,
   ),
 }
 
