@@ -5,8 +5,9 @@ MLP 784-100-10, 20 clients per round); each participant uploads the gradient of 
 global model on its whole data (batch 200, NTK-FL's client batch size), QSGD-quantised at 4 bits per
 coordinate (Table 1's 465 MB over 614 rounds of 20 clients is 4 bits per parameter: a sign and 3
 level bits, s = 7), L2 norm per bucket of 512 entries (QSGD's 4-bit setting, Alistarh et al. 2017
-§5), unbiased stochastic rounding; the server steps with the data-size-weighted mean at lr LR (NTK-FL
-gives no hyperparameter). 1,000 rounds (Table 1: 614 to 85 %).
+§5), unbiased stochastic rounding; the server steps with the data-size-weighted mean at lr 0.1 (NTK-FL
+gives no hyperparameter; 0.1 is the top of its learning-rate grid, not tuned here). 1,000 rounds
+(Table 1: 614 to 85 %).
 
 Variants: paper | iid | alpha<float> | mnist, and full | busiest_node | q8, q4 | smoke.
 """
