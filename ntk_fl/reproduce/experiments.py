@@ -423,7 +423,8 @@ def _ntk_dfl() -> list[Experiment]:
       "NTK-DFL Fig. 17: reconstruction attack on shared Jacobians",
       (),
       claim="Sparsification alone leaks a noisy image; projection to d1' = 200 hides it.",
-      needs="script: experiments/privacy_attack.py (an attack, not a training run)",
+      needs="script: experiments/privacy_attack.py --config.mode=ntk_dfl (an attack on NTK-DFL's "
+      "compressed packages, not a training run; docs/privacy.md)",
     ),
   ]
   return out
