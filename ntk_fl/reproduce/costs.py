@@ -78,10 +78,10 @@ ROUND_SECONDS: dict[str, Cost] = {
   "centralized": Cost(1.0, None, "assumed as FedAvg"),
   "fed_ensemble": Cost(1.0, None, "assumed: 10 of 100 clients per round, 2 epochs of batch 50"),
   "fedbe": Cost(
-    2.5,
+    3.3,
     None,
-    "configs/fedbe.py rounds 2-4: 2.1-3.1 s on the loaded 2-core AMD EPYC (10 clients' local "
-    "training, 21-model soft labels on 5,000 samples, 780 distillation steps)",
+    "docs/REPRODUCTION.md, FedBE seed 0: median 3.3 s step over 200 rounds on the loaded 2-core AMD "
+    "EPYC (10 clients' local training, 21-model soft labels on 5,000 samples, 780 distillation steps)",
   ),
 }
 
