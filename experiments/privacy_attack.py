@@ -314,6 +314,7 @@ NTK_DFL_ROWS = (
   ("none", "no compression"),
   ("topk", "top-k"),
   ("bits", "quantised"),
+  ("topk_bits", "top-k + quantised"),
   ("topk_proj", "top-k + projected"),
 )
 
@@ -325,7 +326,8 @@ def run_ntk_dfl(config, out_dir: str) -> dict:
   and sends their Jacobians at the receiver's weights as one package per parameter tensor
   (:func:`ntk_fl.privacy.ntk_dfl_observations`): uncompressed, top-k ``keep_fraction`` per package
   tensor, ``ntk_dfl.bits``-bit values, and top-k on the network of projected inputs ``z = x P``
-  (``proj_dim``; P from the run seed's ``INPUT_PROJECTION`` stream, as ``ntk_dfl``'s factory draws it).
+  (``proj_dim``; P from the run seed's ``INPUT_PROJECTION`` stream, as ``ntk_dfl``'s factory draws it);
+  also top-k and ``bits`` together.
   Writes ``privacy_attack_ntk_dfl.json`` and ``privacy_attack_ntk_dfl.png``.
   """
   x, pixels, mean, std = load_images(config, config.ntk_dfl.package_size)
@@ -342,7 +344,12 @@ def run_ntk_dfl(config, out_dir: str) -> dict:
 
   dummy = jax.vmap(lambda k: jax.random.normal(k, (d1,)))(jax.random.split(attack_key, n))
   results["dummy"] = summarize(scores(to_pixels(dummy, mean, std), pixels))
-  for name, k, b in (("none", 1.0, 32), ("topk", keep, 32), ("bits", 1.0, bits)):
+  for name, k, b in (
+    ("none", 1.0, 32),
+    ("topk", keep, 32),
+    ("bits", 1.0, bits),
+    ("topk_bits", keep, bits),
+  ):
     start = time.perf_counter()
     obs = victims(privacy.ntk_dfl_observations(model.apply, params, x, keep_fraction=k, bits=b))
     recon, final_loss = invert(config, model, params, obs, attack_key)

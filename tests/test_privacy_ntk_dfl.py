@@ -149,6 +149,7 @@ def test_script_ntk_dfl_mode_writes_its_settings(tmp_path):
     "none",
     "topk",
     "bits",
+    "topk_bits",
     "topk_proj",
     "topk_proj_key_leaked",
     "projection_limit",
