@@ -63,6 +63,7 @@ from ntk_fl import compression, data, jacobians, models, privacy, validation  # 
 from ntk_fl.rng import Stream, jax_key, numpy_rng  # noqa: E402
 
 DATASETS = ("fashion_mnist", "mnist")
+MODES = ("cp_ntk_fl", "ntk_dfl")
 ROWS = (
   ("original", "original"),
   ("none", "no compression"),
@@ -84,6 +85,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.proj_dim = 200  # NTK-DFL App. F / CP-NTK-FL Table 1: d1' = 200
   config.projection_scale = "sqrt_input"
   config.sweep = (1.0, 0.5, 0.1, 0.05, 0.01)  # extra keep fractions for the SSIM-vs-sparsity curve
+  config.mode = "cp_ntk_fl"  # or "ntk_dfl": NTK-DFL's own compressed packages (Fig. 17)
+  config.ntk_dfl = ml_collections.ConfigDict()
+  config.ntk_dfl.package_size = 40  # the sender's samples in one package (200 / m2 = 5, App. E.3)
+  config.ntk_dfl.bits = 6  # App. E.3's quantisation of the "bits" setting
   config.attack = ml_collections.ConfigDict()
   config.attack.steps = 1000
   config.attack.learning_rate = 0.1
@@ -120,6 +125,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   validation.check_choice(
     "config.projection_scale", config.projection_scale, jacobians.PROJECTION_SCALES
   )
+  validation.check_choice("config.mode", config.mode, MODES)
+  validation.check_int(
+    "config.ntk_dfl.package_size", config.ntk_dfl.package_size, low=config.num_images, high=256
+  )
+  validation.check_int("config.ntk_dfl.bits", config.ntk_dfl.bits, low=1, high=16)
   validation.check_int("config.attack.steps", config.attack.steps, low=1)
   validation.check_real(
     "config.attack.learning_rate", config.attack.learning_rate, 0.0, low_open=True
@@ -131,13 +141,16 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
 # ---------------------------------------------------------------------------- pieces
 
 
-def load_images(config):
-  """``num_images`` training images: ``(x [n, 784] standardised, pixels [n, 28, 28] in [0, 1], mean, std)``."""
+def load_images(config, count=None):
+  """``count`` (default ``num_images``) training images.
+
+  Returns ``(x [n, 784] standardised, pixels [n, 28, 28] in [0, 1], mean, std)``.
+  """
   data_dir = config.data_dir or None
   standardised = data.load(config.dataset, data_dir)
   raw = data.load(config.dataset, data_dir, normalize=False)
   idx = numpy_rng(config.seed, Stream.PRIVACY_ATTACK, 0).choice(
-    len(raw.y_train), config.num_images, replace=False
+    len(raw.y_train), count or config.num_images, replace=False
   )
   x, pixels = standardised.x_train[idx], raw.x_train[idx]
   # The loader's affine standardisation, read back from the two views (x = (pixel - mean) / std).
@@ -149,6 +162,11 @@ def attack_all(config, model, params, inputs, keep_fraction, key, scale=1.0):
   """Observes every sample's (compressed) Jacobian and inverts it; reconstructions ``[n, *in]``."""
   jac = jacobians.flat_jacobian(model.apply, params, inputs)  # [n, C, d]
   observations = jax.vmap(lambda j: privacy.observe(j, keep_fraction, config.bits))(jac)
+  return invert(config, model, params, observations, key, scale)
+
+
+def invert(config, model, params, observations, key, scale=1.0):
+  """Inverts every observation (leaves ``[n, C, d]``); reconstructions ``[n, *in]`` and final losses."""
   attack = privacy.make_attack(
     model.apply,
     params,
@@ -159,7 +177,7 @@ def attack_all(config, model, params, inputs, keep_fraction, key, scale=1.0):
     optimizer=config.attack.optimizer,
     scale=scale,
   )
-  keys = jax.random.split(key, inputs.shape[0])
+  keys = jax.random.split(key, observations.jacobian.shape[0])
   result = jax.jit(jax.vmap(attack.run))(observations, keys)
   return result.x, result.losses[:, -1]
 
@@ -188,6 +206,8 @@ def summarize(entry):
 
 def run(config, out_dir: str) -> dict:
   """The whole experiment; returns (and writes) the JSON results."""
+  if config.mode == "ntk_dfl":
+    return run_ntk_dfl(config, out_dir)
   x, pixels, mean, std = load_images(config)
   n, d1 = x.shape
   seed = config.seed
@@ -289,6 +309,117 @@ def run(config, out_dir: str) -> dict:
   return summary
 
 
+NTK_DFL_ROWS = (
+  ("original", "original"),
+  ("none", "no compression"),
+  ("topk", "top-k"),
+  ("bits", "quantised"),
+  ("topk_bits", "top-k + quantised"),
+  ("topk_proj", "top-k + projected"),
+)
+
+
+def run_ntk_dfl(config, out_dir: str) -> dict:
+  """NTK-DFL Fig. 17: the attack on what an NTK-DFL sender transmits (App. E.3 packages).
+
+  The sender holds ``ntk_dfl.package_size`` training images (the first ``num_images`` are attacked)
+  and sends their Jacobians at the receiver's weights as one package per parameter tensor
+  (:func:`ntk_fl.privacy.ntk_dfl_observations`): uncompressed, top-k ``keep_fraction`` per package
+  tensor, ``ntk_dfl.bits``-bit values, and top-k on the network of projected inputs ``z = x P``
+  (``proj_dim``; P from the run seed's ``INPUT_PROJECTION`` stream, as ``ntk_dfl``'s factory draws it);
+  also top-k and ``bits`` together.
+  Writes ``privacy_attack_ntk_dfl.json`` and ``privacy_attack_ntk_dfl.png``.
+  """
+  x, pixels, mean, std = load_images(config, config.ntk_dfl.package_size)
+  n, d1 = config.num_images, x.shape[1]
+  pixels = pixels[:n]
+  seed, keep, bits = config.seed, config.keep_fraction, config.ntk_dfl.bits
+  attack_key = jax_key(seed, Stream.PRIVACY_ATTACK, 1)
+  model = models.mlp(d1, tuple(config.hidden), 10)
+  params = model.init(jax.random.key(seed))  # the receiver's weights: round 0 of a shared init
+  images, results, timings = {"original": pixels}, {}, {}
+
+  def victims(observation):  # the attacked samples' rows of the package
+    return jax.tree.map(lambda a: a[:n], observation)
+
+  dummy = jax.vmap(lambda k: jax.random.normal(k, (d1,)))(jax.random.split(attack_key, n))
+  results["dummy"] = summarize(scores(to_pixels(dummy, mean, std), pixels))
+  for name, k, b in (
+    ("none", 1.0, 32),
+    ("topk", keep, 32),
+    ("bits", 1.0, bits),
+    ("topk_bits", keep, bits),
+  ):
+    start = time.perf_counter()
+    obs = victims(privacy.ntk_dfl_observations(model.apply, params, x, keep_fraction=k, bits=b))
+    recon, final_loss = invert(config, model, params, obs, attack_key)
+    timings[name] = round(time.perf_counter() - start, 1)
+    images[name] = to_pixels(recon, mean, std)
+    results[name] = summarize(
+      {
+        "keep_fraction": k,
+        "bits": b,
+        "kept_per_sample": np.asarray(obs.mask).mean(axis=(1, 2)).tolist(),
+        **scores(images[name], pixels),
+        "input_rel_err": np.asarray(_rel_err(recon, x[:n])).tolist(),
+        "final_loss": np.asarray(final_loss).tolist(),
+      }
+    )
+    logging.info("%s: SSIM %.3f (%.1fs)", name, results[name]["ssim_mean"], timings[name])
+
+  projection = jacobians.projection_matrix(
+    jax_key(seed, Stream.INPUT_PROJECTION), d1, config.proj_dim, scale=config.projection_scale
+  )
+  guess = jacobians.projection_matrix(
+    jax_key(seed, Stream.PRIVACY_ATTACK, 2), d1, config.proj_dim, scale=config.projection_scale
+  )
+  z = jacobians.project_inputs(x, projection)
+  proj_model = models.mlp(config.proj_dim, tuple(config.hidden), 10)
+  proj_params = proj_model.init(jax.random.key(seed))
+  z_scale = 1.0 if config.projection_scale == "sqrt_input" else float(np.sqrt(d1))
+  start = time.perf_counter()
+  obs = victims(privacy.ntk_dfl_observations(proj_model.apply, proj_params, z, keep_fraction=keep))
+  z_hat, final_loss = invert(config, proj_model, proj_params, obs, attack_key, z_scale)
+  timings["topk_proj"] = round(time.perf_counter() - start, 1)
+  images["topk_proj"] = to_pixels(privacy.unproject(z_hat, guess), mean, std)
+  results["topk_proj"] = summarize(
+    {
+      "keep_fraction": keep,
+      "proj_dim": config.proj_dim,
+      "kept_per_sample": np.asarray(obs.mask).mean(axis=(1, 2)).tolist(),
+      **scores(images["topk_proj"], pixels),
+      "z_rel_err": np.asarray(_rel_err(z_hat, z[:n])).tolist(),
+      "final_loss": np.asarray(final_loss).tolist(),
+    }
+  )
+  results["topk_proj_key_leaked"] = summarize(
+    scores(to_pixels(privacy.unproject(z_hat, projection), mean, std), pixels)
+  )
+  results["projection_limit"] = summarize(
+    scores(to_pixels(privacy.unproject(z[:n], projection), mean, std), pixels)
+  )
+  summary = {
+    "config": config.to_dict(),
+    "num_params": models.num_params(params),
+    "num_params_projected": models.num_params(proj_params),
+    "results": results,
+    "timings_s": timings,
+  }
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, "privacy_attack_ntk_dfl.json"), "w") as f:
+    json.dump(summary, f, indent=1, default=_jsonable)
+  plot_grid(
+    images,
+    results,
+    os.path.join(out_dir, "privacy_attack_ntk_dfl.png"),
+    config,
+    rows=NTK_DFL_ROWS,
+    title=f"DLG on NTK-DFL packages ({config.ntk_dfl.package_size} samples), {config.dataset}, "
+    f"init weights; top-k {keep:g} per package tensor, {bits} bits, d1'={config.proj_dim}",
+  )
+  return summary
+
+
 def _rel_err(estimate, truth):
   return jnp.linalg.norm(estimate - truth, axis=-1) / jnp.linalg.norm(truth, axis=-1)
 
@@ -301,10 +432,10 @@ def _jsonable(value):
   raise TypeError(f"not JSON serialisable: {type(value)}")
 
 
-def plot_grid(images, results, path, config):
+def plot_grid(images, results, path, config, rows=ROWS, title=None):
   n = images["original"].shape[0]
-  fig, axes = plt.subplots(len(ROWS), n, figsize=(1.3 * n + 1.6, 1.45 * len(ROWS)), squeeze=False)
-  for r, (key, label) in enumerate(ROWS):
+  fig, axes = plt.subplots(len(rows), n, figsize=(1.3 * n + 1.6, 1.45 * len(rows)), squeeze=False)
+  for r, (key, label) in enumerate(rows):
     for c in range(n):
       ax = axes[r, c]
       ax.imshow(images[key][c], cmap="gray", vmin=0, vmax=1)
@@ -314,8 +445,9 @@ def plot_grid(images, results, path, config):
         ax.set_title(f"SSIM {results[key]['ssim'][c]:.2f}", fontsize=7, pad=2)
     axes[r, 0].set_ylabel(label, fontsize=7)
   fig.suptitle(
-    f"DLG on per-sample Jacobians, {config.dataset}, MLP 784-{'-'.join(map(str, config.hidden))}-10 "
-    f"at init; keep {config.keep_fraction:g}, d1'={config.proj_dim}",
+    title
+    or f"DLG on per-sample Jacobians, {config.dataset}, MLP 784-{'-'.join(map(str, config.hidden))}"
+    f"-10 at init; keep {config.keep_fraction:g}, d1'={config.proj_dim}",
     fontsize=8,
   )
   fig.tight_layout()

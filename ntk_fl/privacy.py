@@ -48,6 +48,7 @@ a researcher can run the attack on any model from the flat API.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 from collections.abc import Callable, Sequence
 
@@ -66,6 +67,7 @@ __all__ = [
   "Attack",
   "sample_jacobian",
   "observe",
+  "ntk_dfl_observations",
   "jacobian_distance",
   "make_attack",
   "unproject",
@@ -140,6 +142,73 @@ def observe(
   if bits != compression.FLOAT_BITS:
     values = jacobians.quantize_kept(values, mask, bits)
   return Observation(values, mask)
+
+
+def ntk_dfl_observations(
+  apply_fn: ApplyFn,
+  params: Params,
+  x: jax.Array,
+  *,
+  keep_fraction: float = 1.0,
+  bits: int = compression.FLOAT_BITS,
+  mask: jax.Array | None = None,
+  num_senders: int = 1,
+) -> Observation:
+  """The receiver's view of every sample of NTK-DFL senders' packages (App. E.3 compression).
+
+  An NTK-DFL sender's package is its samples' Jacobian rows at the receiver's weights, one tensor
+  ``[n, C, *leaf]`` per parameter tensor; :func:`ntk_fl.compression.compress_packages` (the call the
+  NTK-DFL client update makes) keeps the ``keep_fraction`` largest magnitudes of each *package
+  tensor* -- over all the sender's samples and outputs jointly, not per sample or per output row
+  as :func:`observe` (CP-NTK-FL) does -- and quantises the package tensor with one ``bits``-bit
+  min-max range. The support is sent with the values, so the receiver knows it.
+
+  Args:
+    apply_fn: ``apply(params, x [B, *in]) -> [B, C]`` (under projection: the MLP on ``d1'`` inputs).
+    params: the receiver's weights, at which the senders take the Jacobians.
+    x: ``[num_senders * n, *in]`` the senders' samples, sender after sender (projected inputs
+      ``z = x P`` under projection); padding rows (``mask`` False) are zeroed as the client does.
+    keep_fraction: top-k fraction per package tensor in ``(0, 1]`` (``sparsify_keep``; 1 = dense).
+    bits: ``quantize_bits`` (32 = float32).
+    mask: optional bool ``[num_senders * n]``, the real samples (default all).
+    num_senders: packages stacked in ``x`` (a receiver's neighbourhood; 1 = one sender's package).
+
+  Returns:
+    An :class:`Observation` with ``[num_senders * n, C, d]`` values and support in the flat layout of
+    :func:`ntk_fl.jacobians.flatten_jacobian`, sample ``i``'s rows at index ``i``.
+  """
+  keep_fraction = validation.check_real("keep_fraction", keep_fraction, 0.0, 1.0, low_open=True)
+  if bits != compression.FLOAT_BITS:
+    validation.check_int("bits", bits, low=1, high=16)
+  x = jnp.asarray(x)
+  mask = jnp.ones(x.shape[0], bool) if mask is None else jnp.asarray(mask, bool)
+  num_senders = validation.check_int("num_senders", num_senders, low=1)
+  if x.shape[0] % num_senders or mask.shape != x.shape[:1]:
+    raise ValueError(
+      f"ntk_dfl_observations needs num_senders * n samples and a mask [num_senders * n], got "
+      f"{x.shape[0]} samples, mask {mask.shape} and num_senders = {num_senders}"
+    )
+  # As the client update: padding rows zeroed, then the Jacobian of the whole stack at once.
+  xs = jnp.where(mask.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0)
+  leaves = jax.tree.leaves(jacobians.per_sample_jacobian(apply_fn, params, xs))
+  sent = compression.compress_packages(leaves, mask, num_senders, keep_fraction, bits)
+  real_rows = [int(r) for r in mask.reshape(num_senders, -1).sum(axis=1)]
+  supports = []
+  for leaf in leaves:  # compress_packages' top-k: the magnitudes of each package's real entries
+    real = mask.reshape((-1,) + (1,) * (leaf.ndim - 1))
+    if keep_fraction == 1:
+      supports.append(jnp.broadcast_to(real, leaf.shape))
+      continue
+    packages = jnp.abs(jnp.where(real, leaf, 0)).reshape(num_senders, -1)
+    kept = [
+      compression.top_k_by_key(
+        compression.magnitude_key(package),
+        compression.num_kept(r * math.prod(leaf.shape[1:]), keep_fraction) if r else 0,
+      )
+      for package, r in zip(packages, real_rows)
+    ]
+    supports.append(jnp.stack(kept).reshape(leaf.shape) & real)
+  return Observation(jacobians.flatten_jacobian(list(sent)), jacobians.flatten_jacobian(supports))
 
 
 # ----------------------------------------------------------------------------

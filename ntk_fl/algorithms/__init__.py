@@ -85,6 +85,7 @@ _REGISTRY: dict[str, str | Method] = {
   "ntk_dfl": "ntk_fl.algorithms.ntk_dfl",
   "fedavg": "ntk_fl.algorithms.fedavg",
   "fedprox": "ntk_fl.algorithms.fedprox",
+  "fedbe": "ntk_fl.algorithms.fedbe",
   "fednova": "ntk_fl.algorithms.fednova",
   "datashare": "ntk_fl.algorithms.datashare",
   "centralized": "ntk_fl.algorithms.centralized",
