@@ -7,6 +7,7 @@ import gzip
 import os
 import pickle
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -520,6 +521,97 @@ def test_ctrl_c_stops_with_a_resume_hint_and_resume_equals_the_uninterrupted_run
   assert summary["resumed_from"] == 2 and _results(workdir) == expected
 
 
+_SLOW_INTERRUPT_DRIVER = """
+import os, sys
+sys.path.insert(0, {repo!r})
+import jax, jax.numpy as jnp
+from ntk_fl import algorithms, cli, schema
+from ntk_fl.config import load_config
+config_path = os.path.join({repo!r}, "tests", "configs", "toy.py")
+schema.import_method_module(load_config(config_path, "smoke").method_module)
+method = algorithms.get_method("toy_gd")
+marker, where = sys.argv[2], sys.argv[3]
+
+@jax.jit
+def slow(a):  # minutes of XLA work on a CPU: the main thread waits for it inside a native call
+  return jax.lax.fori_loop(0, 20_000, lambda i, b: jnp.tanh(b @ b), a)
+
+def make(*args):
+  algorithm, calls = method.make(*args), []
+  def step(state, inputs):
+    calls.append(1)
+    if where == "first step" and len(calls) == 1:  # round 1's step is traced and compiled now
+      open(marker, "w").close()
+    if where == "long computation" and len(calls) == 3:
+      slow.lower(jnp.zeros((384, 384))).compile()
+      open(marker, "w").close()
+      jax.block_until_ready(slow(jnp.full((384, 384), 1e-3)))
+    return algorithm.step(state, inputs)
+  return algorithm._replace(step=step)
+algorithms.register("toy_gd", method._replace(make=make))
+sys.argv = ["ntk-fl", f"--config={{config_path}}:smoke", "--config.rounds={rounds}", f"--workdir={{sys.argv[1]}}"]
+cli.main()
+"""
+
+
+@pytest.mark.parametrize("where", ["workdir held", "first step", "long computation"])
+def test_ctrl_c_at_any_time_leaves_promptly_with_one_line_and_resume_is_exact(
+  uninterrupted, tmp_path, where
+):
+  """SIGINT once the run holds its workdir, while round 1 compiles, or while a long XLA computation runs.
+
+  Each ends the process within seconds (the main thread cannot raise ``KeyboardInterrupt`` while it
+  waits for an XLA computation: the process leaves without waiting for it), exit 130, one line, and
+  ``--resume`` then ends with the uninterrupted run's results.
+  """
+  import signal  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  from ntk_fl import cli, runner  # pylint: disable=g-import-not-at-top
+
+  _, expected = uninterrupted
+  workdir, marker = tmp_path / "run", tmp_path / "marker"
+  proc = subprocess.Popen(
+    [
+      sys.executable,
+      "-c",
+      _SLOW_INTERRUPT_DRIVER.format(repo=_REPO, rounds=_ROUNDS),
+      str(workdir),
+      str(marker),
+      where,
+    ],
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
+  signal_when = workdir / cli.LOG_FILE if where == "workdir held" else marker
+  deadline = time.monotonic() + 300
+  while not signal_when.exists():
+    assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+    time.sleep(0.02)
+  time.sleep(0.5 if where == "long computation" else 0.0)  # inside the computation
+  signalled = time.monotonic()
+  proc.send_signal(signal.SIGINT)
+  try:
+    stdout, stderr = proc.communicate(timeout=120)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    raise
+  took = time.monotonic() - signalled
+  assert proc.returncode == 130, stderr[-3000:]
+  assert took < cli._GRACE_SECONDS + 15, f"left {took:.1f} s after the signal"
+  lines = [line for line in stderr.splitlines() if line.strip() and "toy_gd" not in line]
+  assert len(lines) == 1 and lines[0].startswith("interrupted"), stderr[-3000:]
+  assert "Traceback" not in stderr + stdout and "Segmentation" not in stderr
+  if "--resume" not in lines[0]:  # before the run began: nothing was left behind
+    assert not workdir.exists(), os.listdir(workdir)
+  summary = runner.run(_toy_config(), str(workdir), resume=True)
+  assert _results(str(workdir)) == expected
+  if where == "long computation":
+    assert summary["resumed_from"] == 2
+
+
 # ----------------------------------------------------------------------------- divergence
 
 
@@ -744,15 +836,23 @@ def test_cli_data_file_and_divergence_errors_are_one_line(tmp_path):
     gzip.compress(pickle.dumps(_malicious_payloads(marker)["os.system"], protocol=2))
   )
   workdir = tmp_path / "pickle_run"
-  _assert_one_error_line(
+  lines = _assert_one_error_line(
     _cli(
       toy, f"--workdir={workdir}", "--config.data.name=mnist", f"--config.data.data_dir={data_dir}"
     ),
     "mnist.pkl.gz: refused to unpickle global",
-    f"traceback in {workdir}/log.txt",
+    f"nothing was left in {workdir}; traceback in ",
   )
   assert not marker.exists()
-  assert "Traceback" in (workdir / "log.txt").read_text()
+  # The run never began: no workdir is left; the log, with the traceback, is in the system's temp folder.
+  assert not workdir.exists()
+  log = lines[-1].split("traceback in ", 1)[1].split(";", 1)[0]
+  try:
+    assert os.path.dirname(log) == tempfile.gettempdir()
+    text = open(log).read()
+    assert "Traceback" in text and "refused to unpickle global" in text
+  finally:
+    os.remove(log)
   # Divergence: a non-zero exit, one line naming the round, the quantity and the learning rate.
   workdir = tmp_path / "diverged"
   _assert_one_error_line(
@@ -809,6 +909,105 @@ def test_disk_full_is_one_line_and_resume_is_exact(uninterrupted, tmp_path, monk
   assert "Traceback" in open(os.path.join(workdir, cli.LOG_FILE)).read()
   summary = runner.run(_toy_config(), workdir, resume=True)
   assert summary["resumed_from"] == 2 and _results(workdir) == expected
+
+
+_FULL_DISK_DRIVER = """
+import builtins, errno, io, os, sys
+sys.path.insert(0, {repo!r})
+workdir, budget = os.path.abspath(sys.argv[1]), int(sys.argv[2])
+left = [budget]  # bytes the workdir's disk still takes; then every write there fails, as on a full disk
+
+def full(name):
+  return OSError(errno.ENOSPC, "No space left on device", name)
+
+class OnTheDisk:
+  # A file in the workdir: writes count against the budget; once it is spent, writes, flushes and
+  # closes fail (buffered data cannot go), as they do on a full disk.
+  def __init__(self, f, name):
+    self._f, self._name, self._failed = f, name, False
+  def write(self, data):
+    left[0] -= len(data.encode() if isinstance(data, str) else data)
+    if left[0] < 0:
+      self._failed = True
+      raise full(self._name)
+    return self._f.write(data)
+  def flush(self):
+    if self._failed:
+      raise full(self._name)
+    return self._f.flush()
+  def close(self):
+    self._f.close()
+    if self._failed:
+      self._failed = False
+      raise full(self._name)
+  def __enter__(self):
+    return self
+  def __exit__(self, *exc):
+    self.close()
+  def __getattr__(self, name):
+    return getattr(self._f, name)
+
+def in_workdir(path):
+  return isinstance(path, (str, os.PathLike)) and os.path.abspath(os.fspath(path)).startswith(workdir + os.sep)
+
+real_open, real_fdopen = builtins.open, os.fdopen
+def open_(file, mode="r", *args, **kwargs):
+  f = real_open(file, mode, *args, **kwargs)
+  return OnTheDisk(f, os.fspath(file)) if in_workdir(file) and set(mode) & set("wax+") else f
+def fdopen(fd, mode="r", *args, **kwargs):
+  f = real_fdopen(fd, mode, *args, **kwargs)
+  path = os.readlink(f"/proc/self/fd/{{fd}}")
+  return OnTheDisk(f, path) if in_workdir(path) and set(mode) & set("wax+") else f
+builtins.open = io.open = open_
+os.fdopen = fdopen
+
+import orbax.checkpoint._src.path.atomicity as atomicity  # TensorStore writes natively: its final rename fails
+finalize = atomicity.AtomicRenameTemporaryPath.finalize
+async def finalize_or_fail(self):
+  if left[0] < 0:
+    raise full(str(self._final_path))
+  await finalize(self)
+atomicity.AtomicRenameTemporaryPath.finalize = finalize_or_fail
+
+from ntk_fl import cli
+sys.argv = ["ntk-fl", "--config=" + os.path.join({repo!r}, "tests", "configs", "toy.py") + ":smoke",
+            "--config.rounds={rounds}", "--workdir=" + workdir]
+cli.main()
+"""
+
+
+def test_a_disk_that_fills_during_a_run_is_one_line_and_nothing_after_it(uninterrupted, tmp_path):
+  """The command on a disk that fills up during the run: exit 1, one ``error:`` line, no traceback
+  (at exit either: the log's and the event file's buffers cannot be flushed either), and the run
+  then resumes to the uninterrupted results. Budgets end the disk in the first rounds' metrics
+  lines, event records or checkpoints."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  from ntk_fl import rundir, runner  # pylint: disable=g-import-not-at-top
+
+  _, expected = uninterrupted
+  for budget in (9_000, 14_000):
+    workdir = tmp_path / f"full_{budget}"
+    proc = subprocess.run(
+      [
+        sys.executable,
+        "-c",
+        _FULL_DISK_DRIVER.format(repo=_REPO, rounds=_ROUNDS),
+        str(workdir),
+        str(budget),
+      ],
+      capture_output=True,
+      text=True,
+      timeout=300,
+      env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and "toy_gd" not in line]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: disk full"), proc.stderr[-3000:]
+    assert "--resume" in lines[0] and "Traceback" not in proc.stderr + proc.stdout
+    done = len(rundir.read_metrics(str(workdir)))
+    assert done < _ROUNDS, f"the disk never filled: {done} rounds"
+    summary = runner.run(_toy_config(), str(workdir), resume=True)
+    assert _results(str(workdir)) == expected, summary
 
 
 def test_bad_metrics_file_is_found_before_data(uninterrupted, tmp_path, monkeypatch):
