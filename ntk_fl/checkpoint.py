@@ -285,7 +285,8 @@ class Checkpoints:
     if jax.process_index() == 0:
       os.rename(self.path(rounds_done), target)
     if jax.process_count() > 1:
-      ocp.multihost.sync_global_processes(f"ntk_fl_set_aside_{rounds_done}_{stamp}")
+      # The same name in every process (each has its own clock: the stamp may differ).
+      ocp.multihost.sync_global_processes(f"ntk_fl_set_aside_{rounds_done}_{why}")
     self._manager.reload()
     return target
 

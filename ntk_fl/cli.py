@@ -745,14 +745,14 @@ def _launch(command: list[str], workdir: str, num_processes: int) -> int:
     _undo_start(workdir, before)  # process 0 removed its own files; the lock and folder are ours
   if status < 0:
     where = f" (the processes' own messages are in {kept})" if kept else ""
-    sys.stderr.write(
-      f"error: a process of the run was killed by signal {-status} and the others "
+    sys.stderr.write(  # on a line of its own: the progress bar stopped mid-line
+      f"\nerror: a process of the run was killed by signal {-status} and the others "
       f"were stopped; {_interrupted(workdir).split('; ', 1)[-1]}{where}\n"
     )
   elif status > 0 and relay.failed and relay.failed[0] != 0:  # its error line was not shown
     text = relay.kept(relay.failed[0])
     if "error: " in text:
-      sys.stderr.write(text[text.rindex("error: ") :].rstrip() + "\n")
+      sys.stderr.write("\n" + text[text.rindex("error: ") :].rstrip() + "\n")
   return status
 
 

@@ -1656,3 +1656,102 @@ def test_workers_die_with_a_killed_launcher(tmp_path):
   for pid in survivors:  # clean up what the code under test left running
     os.kill(pid, signal.SIGKILL)
   assert not survivors, "workers outlived their killed launcher"
+
+
+# ----------------------------------------------------------------------------- several processes
+
+
+def _launch_two(workdir, *extra):
+  """``python -m ntk_fl --num_processes=2`` on the toy config (one CPU device each: 5 clients each)."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+
+  return subprocess.Popen(
+    [
+      sys.executable,
+      "-m",
+      "ntk_fl",
+      "--config=tests/configs/toy.py:smoke",
+      f"--workdir={workdir}",
+      "--num_processes=2",
+      *extra,
+    ],
+    cwd=_REPO,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": _REPO},
+  )
+
+
+def _console_lines(stderr: str) -> list[str]:
+  """The console's lines other than the progress bar and JAX's start-up lines of process 0."""
+  return [
+    line
+    for line in stderr.splitlines()
+    if line.strip()
+    and "toy_gd" not in line
+    and "JAX distributed service" not in line
+    and not line.startswith("[Gloo]")
+  ]
+
+
+def test_a_killed_peer_is_one_line_and_the_survivors_reports_go_to_the_log(tmp_path):
+  """Process 1 of a ``--num_processes=2`` run killed mid-run: the console shows the launcher's one
+  ``error:`` line, none of the survivor's own errors about the lost peer (they are in ``log.txt``)."""
+  import signal  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  import psutil  # pylint: disable=g-import-not-at-top
+  from ntk_fl import cli, rundir  # pylint: disable=g-import-not-at-top
+
+  workdir = tmp_path / "run"
+  proc = _launch_two(workdir, "--config.rounds=5000", "--config.checkpoint_every=50")
+  deadline = time.monotonic() + 300
+  metrics = workdir / rundir.METRICS_FILE
+  while not (metrics.is_file() and len(rundir.read_metrics(str(workdir))) >= 3):
+    assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+    time.sleep(0.05)
+  rank_1 = [c for c in psutil.Process(proc.pid).children() if "--process_id=1" in c.cmdline()]
+  assert len(rank_1) == 1
+  rank_1[0].send_signal(signal.SIGKILL)
+  stdout, stderr = proc.communicate(timeout=120)
+  assert proc.returncode == 128 + signal.SIGKILL, stderr[-3000:]
+  lines = _console_lines(stderr)
+  assert len(lines) == 1, stderr[-5000:]
+  assert lines[0].startswith("error: a process of the run was killed by signal 9"), lines
+  assert f"continue the run with --resume (workdir {workdir})" in lines[0]
+  assert "Traceback" not in stderr + stdout
+  log = (workdir / cli.LOG_FILE).read_text()
+  if "(the processes' own messages are in " in lines[0]:
+    assert f"the processes' own messages are in {workdir / cli.LOG_FILE})" in lines[0]
+    assert "--- console output of process 0 (not shown) ---" in log
+
+
+def test_a_changed_multi_process_checkpoint_is_set_aside_and_resume_is_exact(tmp_path):
+  """A ``--num_processes=2`` checkpoint records the digest of its whole arrays: checkpoint 5 holding
+  checkpoint 4's arrays (they load fine: only the digest can tell) is set aside by a two-process
+  ``--resume``, which ends with the uninterrupted two-process results."""
+  import json  # pylint: disable=g-import-not-at-top
+  import shutil  # pylint: disable=g-import-not-at-top
+
+  source = tmp_path / "uninterrupted"
+  proc = _launch_two(source, f"--config.rounds={_ROUNDS}")
+  _, stderr = proc.communicate(timeout=600)
+  assert proc.returncode == 0, stderr[-3000:]
+  expected = _results(str(source))
+  ckpt_dir = source / "checkpoints"
+  with open(ckpt_dir / "5" / "_CHECKPOINT_METADATA") as f:
+    record = json.load(f)["custom_metadata"]["ntk_fl"]
+  assert isinstance(record["digest"], str) and record["processes"] == 2, record
+
+  workdir = tmp_path / "run"
+  shutil.copytree(source, workdir)
+  os.remove(workdir / "summary.json")
+  _swap_data(str(workdir), "5", str(workdir / "checkpoints" / "4"))
+  proc = _launch_two(workdir, f"--config.rounds={_ROUNDS}", "--resume")
+  _, stderr = proc.communicate(timeout=600)
+  assert proc.returncode == 0, stderr[-3000:]
+  assert any(n.startswith("5.set-aside-damaged-") for n in os.listdir(workdir / "checkpoints"))
+  assert "its arrays do not match the digest" in (workdir / "log.txt").read_text()
+  assert _results(str(workdir)) == expected
+  with open(workdir / "summary.json") as f:
+    assert json.load(f)["resumed_from"] == 4
