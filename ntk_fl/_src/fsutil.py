@@ -206,7 +206,8 @@ class WorkdirLock:
   def release(self) -> None:
     """Empties the record and drops the lock.
 
-    The file stays: unlinking it would let two runs lock two different files.
+    The file stays: unlinking it could let two runs lock two different files (the command
+    removes one only after a start that failed; :meth:`acquire` then locks the new file).
     """
     if self.fd is None:
       return
