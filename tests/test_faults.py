@@ -1114,6 +1114,36 @@ def test_a_second_run_in_a_held_workdir_is_refused_naming_the_holder(tmp_path):
   )  # released when done
 
 
+def test_a_lock_file_removed_while_a_run_locks_it_is_locked_again(tmp_path, monkeypatch):
+  """A start that failed removes the lock file it made; a run that opened that file just before
+  locks the file now at the path (else two runs could each hold a lock on a different file)."""
+  from ntk_fl._src import fsutil  # pylint: disable=g-import-not-at-top
+
+  workdir = str(tmp_path / "run")
+  real_open, opened = os.open, []
+
+  def open_then_removed(path, flags, *args):
+    fd = real_open(path, flags, *args)
+    if path.endswith(fsutil.LOCK_FILE):
+      opened.append(path)
+      if len(opened) == 1:  # the failed start removes the file and its workdir right now
+        os.remove(path)
+        os.rmdir(os.path.dirname(path))
+    return fd
+
+  monkeypatch.setattr(fsutil.os, "open", open_then_removed)
+  lock = fsutil.WorkdirLock(workdir).acquire()
+  monkeypatch.undo()
+  try:
+    held, there = os.fstat(lock.fd), os.stat(os.path.join(workdir, fsutil.LOCK_FILE))
+    assert (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino)
+    assert len(opened) == 2  # the removed file was given up and the new one locked
+    with pytest.raises(fsutil.WorkdirBusy, match="in use by another run"):
+      fsutil.WorkdirLock(workdir).acquire()
+  finally:
+    lock.release()
+
+
 def test_a_lock_record_that_cannot_be_proven_stale_is_refused_with_the_fix(tmp_path, caplog):
   import socket  # pylint: disable=g-import-not-at-top
   from ntk_fl import rundir  # pylint: disable=g-import-not-at-top
