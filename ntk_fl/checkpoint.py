@@ -17,9 +17,10 @@ flipped byte, a zero-filled block inside a data file, another checkpoint's
 arrays -- is caught as surely as a truncated file, which TensorStore refuses
 to read, and so is a checkpoint copied from another run. Metadata that is
 unreadable or records no digest is damage too: the check is never skipped.
-(Checkpoints of arrays spread over several processes record ``"sharded"``
-instead of a digest: their run identity is checked, their arrays by a
-complete restore only.)
+Arrays spread over several processes are digested as the whole arrays they
+form (gathered one leaf at a time), so a multi-process checkpoint carries the
+same digest a one-process run of the same state would, and any process count
+can verify it.
 
 Recovery (:meth:`Checkpoints.recover`): step directories that are incomplete
 (no metadata file) or unreadable / failing their digest are *set aside* --
@@ -80,19 +81,29 @@ def _from_storable(restored, template):
   )
 
 
-def state_digest(storable) -> str | None:
+def _whole(leaf) -> np.ndarray:
+  """A leaf as one host array; gathered from every process when it lives partly on others."""
+  if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+    # A collective: every process digests the same leaves in the same (tree) order.
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+    return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+  return np.asarray(jax.device_get(leaf))
+
+
+def state_digest(storable) -> str:
   """SHA-256 over the leaves of a (key-data) state: each leaf's dtype, shape and bytes.
 
   Leaf digests are sorted before they are combined, so a template-free restore
-  (dicts) and a templated one (NamedTuples) of the same checkpoint agree.
-  ``None`` when a leaf lives partly on other processes (not addressable here).
+  (dicts) and a templated one (NamedTuples) of the same checkpoint agree. A leaf
+  spread over several processes is gathered (one leaf at a time, so a process
+  holds at most one whole leaf beyond its own shards) and hashed whole: the
+  digest does not depend on how the state is placed, and in a multi-process run
+  every process must call this together.
   """
-  leaves = jax.tree_util.tree_leaves(storable)
-  if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
-    return None
   parts = []
-  for leaf in jax.device_get(leaves):
-    array = np.ascontiguousarray(np.asarray(leaf))
+  for leaf in jax.tree_util.tree_leaves(storable):
+    array = np.ascontiguousarray(_whole(leaf))
     h = hashlib.sha256(f"{array.dtype.str}{array.shape}".encode())
     h.update(array.reshape(-1).view(np.uint8) if array.size else b"")
     parts.append(h.hexdigest())
@@ -165,12 +176,8 @@ class Checkpoints:
     storable = _to_storable(state)
     digest = state_digest(storable)
     run = self.identity or ""
-    # Arrays spread over processes: no process sees them all, so no digest (a restore verifies).
-    record = {
-      "digest": None if digest is None else _tied(digest, run),
-      "run": run,
-      "sharded": digest is None,
-    }
+    # ``processes``: how many processes wrote it (informational; the digest is of the whole arrays).
+    record = {"digest": _tied(digest, run), "run": run, "processes": jax.process_count()}
     self._manager.save(
       rounds_done,
       args=ocp.args.StandardSave(storable),
@@ -208,13 +215,11 @@ class Checkpoints:
         path, f"its {_METADATA_FILE} is unreadable ({_first_line(err)})"
       ) from err
     record = (custom or {}).get(_CUSTOM_KEY) if isinstance(custom, dict) else None
-    recorded = isinstance(record, dict) and (
-      isinstance(record.get("digest"), str) or record.get("sharded") is True
-    )
-    if not recorded:
+    if not (isinstance(record, dict) and isinstance(record.get("digest"), str)):
       raise CheckpointDamaged(
         path,
-        f"its {_METADATA_FILE} records no digest (unreadable, emptied, or not written by ntk_fl)",
+        f"its {_METADATA_FILE} records no digest (unreadable, emptied, or not written by this "
+        "version of ntk_fl)",
       )
     return record
 
@@ -226,13 +231,7 @@ class Checkpoints:
     other_run = CheckpointDamaged(
       self.path(rounds_done), "it was written by a different run (another config or seed)"
     )
-    if record.get("sharded") is True and record.get("digest") is None:
-      if record.get("run", "") != identity:
-        raise other_run
-      return
     digest = state_digest(storable)
-    if digest is None:
-      return  # restored spread over processes: the recorded digest cannot be recomputed here
     if _tied(digest, identity) != record["digest"]:
       if record.get("run", "") != identity:
         raise other_run
@@ -286,7 +285,8 @@ class Checkpoints:
     if jax.process_index() == 0:
       os.rename(self.path(rounds_done), target)
     if jax.process_count() > 1:
-      ocp.multihost.sync_global_processes(f"ntk_fl_set_aside_{rounds_done}_{stamp}")
+      # The same name in every process (each has its own clock: the stamp may differ).
+      ocp.multihost.sync_global_processes(f"ntk_fl_set_aside_{rounds_done}_{why}")
     self._manager.reload()
     return target
 

@@ -51,9 +51,12 @@ import errno
 import io
 import logging as std_logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
+import time
 import traceback
 from collections.abc import Sequence
 
@@ -438,30 +441,84 @@ def report_failure(err: BaseException, workdir: str | None, *, verbose: bool) ->
   return message
 
 
-def _remove_log_only_workdir(workdir: str) -> None:
-  """Removes ``workdir`` if this command made it and it holds only ``log.txt`` and its lock.
+def _started(workdir: str, before: set[str] | None) -> bool:
+  """Whether ``workdir`` holds a run: one it held before this command (``before``: its entries then,
+  ``None`` if it did not exist), or the one this command began (it wrote ``config.json``)."""
+  from ntk_fl import rundir  # pylint: disable=import-outside-toplevel
 
-  For a start that failed on the user's setup (missing data: the error line is
-  the whole help), so no workdir holding nothing but a log is left behind;
-  other failures keep the log, whose traceback their error line points to.
+  held_a_run = before is not None and not before <= {rundir.LOCK_FILE}
+  return held_a_run or os.path.isfile(os.path.join(workdir, rundir.CONFIG_FILE))
+
+
+def _undo_start(workdir: str, before: set[str] | None) -> str:
+  """Removes what a start that failed before the run began made in ``workdir``; returns its log's text.
+
+  Only what this command made goes (the log, the lock file, an empty
+  ``checkpoints/``, and the workdir itself if it did not exist); a workdir that
+  existed is left as it was. Nothing is touched unless this process holds the
+  workdir's lock (a run refused because another holds it removes nothing).
   """
   from ntk_fl import rundir  # pylint: disable=import-outside-toplevel
 
-  try:
-    if not set(os.listdir(workdir)) <= {LOG_FILE, rundir.LOCK_FILE}:
-      return
-    rundir.release_workdir(os.path.abspath(workdir))
-    if os.path.exists(os.path.join(workdir, rundir.LOCK_FILE)):
-      os.remove(os.path.join(workdir, rundir.LOCK_FILE))
+  if not rundir.holds(workdir):
+    return ""
+  made = set(os.listdir(workdir)) - (before or set()) if os.path.isdir(workdir) else set()
+  text = ""
+  if LOG_FILE in made:
     handler = logging.get_absl_handler().python_handler
-    stream = getattr(handler, "stream", None)
-    if stream is not None and stream not in (sys.stderr, sys.stdout):
-      handler.stream = io.StringIO()  # later log lines of this process go nowhere
-      stream.close()
-    os.remove(os.path.join(workdir, LOG_FILE))
-    os.rmdir(workdir)
+    try:
+      handler.flush()
+      with open(os.path.join(workdir, LOG_FILE), encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    except (OSError, ValueError):
+      pass
+  _close_log()
+  try:
+    if LOG_FILE in made:
+      os.remove(os.path.join(workdir, LOG_FILE))
+    checkpoints = os.path.join(workdir, rundir.CHECKPOINT_DIR)
+    if rundir.CHECKPOINT_DIR in made and all(
+      "orbax-checkpoint-tmp" in name for name in os.listdir(checkpoints)
+    ):  # no checkpoint was ever finalised: only an empty folder or interrupted writes
+      shutil.rmtree(checkpoints)
+    rundir.release_workdir(workdir)
+    if rundir.LOCK_FILE in made:  # safe: a run that locks a removed file tries again
+      os.remove(os.path.join(workdir, rundir.LOCK_FILE))
+    if before is None:
+      os.rmdir(workdir)  # fails, leaving it, if anything else was put there
   except OSError:
-    pass  # best effort: a workdir that cannot be cleaned up stays
+    pass  # best effort: what cannot be removed stays
+  return text
+
+
+def _temp_log(text: str) -> str | None:
+  """Writes ``text`` to a new file in the system's temporary folder; its path (``None`` if that fails)."""
+  try:
+    fd, path = tempfile.mkstemp(prefix="ntk-fl-", suffix=".log")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+      f.write(text)
+  except OSError:
+    return None
+  return path
+
+
+def _report_failed_start(err: BaseException, workdir: str, before, *, verbose: bool) -> str:
+  """:func:`report_failure` for a run that failed before it began: nothing is left in ``workdir``.
+
+  The log, with the traceback, is written to a file in the system's temporary
+  folder, which the line names (not for an error whose message is the help).
+  """
+  trace = "".join(traceback.format_exception(err))
+  message = one_line(err)
+  log = _undo_start(workdir, before)
+  if verbose:
+    sys.stderr.write(trace)
+  if getattr(err, "help_message", False):
+    return message
+  path = _temp_log(f"{log}error: {message}\n{trace}\n")
+  if path and not verbose:
+    message += f" (nothing was left in {workdir}; traceback in {path}; --verbosity=1 prints it)"
+  return message
 
 
 def _print_and_exit(config) -> bool:
@@ -533,6 +590,11 @@ def _interrupted(workdir: str) -> str:
   )
 
 
+def _interrupt_line() -> str:
+  workdir = flags.FLAGS["workdir"].value if flags.FLAGS.is_parsed() else None
+  return _interrupted(workdir) if workdir else "interrupted; nothing was started"
+
+
 def _exit_at_once_on_interrupt() -> None:
   """Until the run holds its workdir, Ctrl-C ends the process at once with one line.
 
@@ -541,39 +603,156 @@ def _exit_at_once_on_interrupt() -> None:
   """
 
   def handler(signum, frame):  # pylint: disable=unused-argument
-    workdir = flags.FLAGS["workdir"].value if flags.FLAGS.is_parsed() else None
-    line = _interrupted(workdir) if workdir else "interrupted; nothing was started"
-    os.write(2, f"\n{line}\n".encode())
+    os.write(2, f"\n{_interrupt_line()}\n".encode())
     os._exit(130)  # pylint: disable=protected-access
 
   signal.signal(signal.SIGINT, handler)
 
 
-def _interrupts_raise() -> None:
-  """From here on Ctrl-C raises ``KeyboardInterrupt``, which the run's own handlers report."""
-  signal.signal(signal.SIGINT, signal.default_int_handler)
+_LEAVING = threading.Lock()
+_GRACE_SECONDS = 5.0
+"""How long after Ctrl-C the main thread may take to stop the run before the process leaves anyway."""
+
+
+def _leave(line: str, status: int = 130, *, on_a_new_line: bool = True):
+  """Prints ``line``, closes the log, drops the workdir lock and ends the process at once.
+
+  ``os._exit``: no interpreter shutdown, which would wait for (or crash under) an
+  XLA computation still running in JAX's threads, and no ``atexit`` handlers,
+  which after a failure would try once more what just failed (tensorboardX's
+  closes its event file, whose buffer a full disk cannot take: a traceback after
+  the error line). Whatever the run writes is closed by then (the metrics file,
+  the event file and the checkpoints are closed as the exception unwinds the
+  runner) or written atomically. Called by two threads (the main one and the
+  interrupt watchdog), it prints once.
+  """
+  from ntk_fl import rundir  # pylint: disable=import-outside-toplevel
+
+  if not _LEAVING.acquire(blocking=False):  # the other thread is leaving: wait for it
+    while True:
+      time.sleep(60)
+  for stream in (sys.stdout, sys.stderr):  # what was printed before (the progress bar) comes first
+    try:
+      stream.flush()
+    except Exception:  # pylint: disable=broad-except -- leaving: nothing may stop it
+      pass
+  try:
+    os.write(2, f"{chr(10) if on_a_new_line else ''}{line}\n".encode())
+  except OSError:
+    pass
+  for finish in (_close_log, rundir.release_all):
+    try:
+      finish()
+    except Exception:  # pylint: disable=broad-except
+      pass
+  os._exit(status)  # pylint: disable=protected-access
+
+
+def _watch_interrupts(fd: int) -> None:
+  """The watchdog: ends the process ``_GRACE_SECONDS`` after a Ctrl-C, or at once on a second one.
+
+  It reads the signal numbers Python's C-level handler writes to its wakeup
+  descriptor the moment a signal arrives, so it acts even while the main thread
+  waits inside a native call (an XLA computation) and cannot run Python handlers.
+  """
+  import select  # pylint: disable=import-outside-toplevel
+
+  seen, deadline = 0, None
+  while True:
+    timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+    ready, _, _ = select.select([fd], [], [], timeout)
+    if not ready:
+      break  # the grace period is over
+    seen += os.read(fd, 64).count(signal.SIGINT)
+    if seen >= 2:
+      break  # a second Ctrl-C: leave now
+    if seen and deadline is None:
+      deadline = time.monotonic() + _GRACE_SECONDS
+  _leave(_interrupt_line())
+
+
+def _interrupts_raise(*, watchdog: bool = True) -> None:
+  """From here on Ctrl-C raises ``KeyboardInterrupt``, which the run's own handlers report.
+
+  With ``watchdog``, a process whose main thread does not end within
+  ``_GRACE_SECONDS`` of the Ctrl-C (it waits for a running XLA computation), or
+  that gets a second Ctrl-C, leaves anyway with the same line (:func:`_leave`).
+  """
+  count = [0]
+
+  def handler(signum, frame):  # pylint: disable=unused-argument
+    count[0] += 1
+    if count[0] == 1:
+      raise KeyboardInterrupt
+    _leave(_interrupt_line())  # a second Ctrl-C while the first unwinds the run
+
+  signal.signal(signal.SIGINT, handler)
+  if watchdog:
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    threading.Thread(
+      target=_watch_interrupts, args=(read,), name="ntk_fl-interrupts", daemon=True
+    ).start()
+
+
+def _keep_worker_output(relay, workdir: str, num_processes: int, failed: bool) -> str | None:
+  """Appends what the processes printed but the console did not show to ``log.txt`` (or, when the
+  run left no log, a temporary file if it failed); returns the file's path (``None``: nothing kept)."""
+  parts = [
+    f"--- console output of process {rank} (not shown) ---\n{text}\n"
+    for rank in range(num_processes)
+    if (text := relay.kept(rank))
+  ]
+  if not parts:
+    return None
+  log_path = os.path.join(os.path.abspath(workdir), LOG_FILE)
+  if os.path.isfile(log_path):
+    try:
+      with fsutil.open_append(log_path) as f:
+        f.write("".join(parts))
+      return log_path
+    except OSError:
+      pass
+  return _temp_log("".join(parts)) if failed else None
 
 
 def _launch(command: list[str], workdir: str, num_processes: int) -> int:
-  """The local launcher: holds the workdir's lock for its workers; Ctrl-C and failures: one line."""
+  """The local launcher: holds the workdir's lock for its workers; Ctrl-C and failures: one line.
+
+  Only process 0's console output is shown (:class:`ntk_fl.distributed.ConsoleRelay`);
+  what the others print, and what the survivors print after a process was killed,
+  goes to ``log.txt``.
+  """
   from ntk_fl import distributed, rundir  # pylint: disable=import-outside-toplevel
 
+  before = set(os.listdir(workdir)) if os.path.isdir(workdir) else None
   try:
     env, fd = rundir.lock_for_children(workdir)
   except (ValueError, OSError) as e:
     sys.exit(f"error: {one_line(e)}")
+  env = {**os.environ, **env}
+  if sys.stderr.isatty():  # the progress bar of process 0 writes to a pipe: tell it the width
+    env.setdefault("COLUMNS", str(shutil.get_terminal_size().columns))
+  relay = distributed.ConsoleRelay()
   try:
-    status = distributed.launch_local(
-      command, num_processes, env={**os.environ, **env}, pass_fds=(fd,)
-    )
+    status = distributed.launch_local(command, num_processes, env=env, pass_fds=(fd,), relay=relay)
   except KeyboardInterrupt:
-    sys.stderr.write(f"\n{_interrupted(workdir)}\n")
-    return 130
+    _keep_worker_output(relay, workdir, num_processes, failed=True)
+    _leave(_interrupted(workdir))
+  kept = _keep_worker_output(relay, workdir, num_processes, failed=status != 0)
+  if status > 0 and not _started(workdir, before):
+    _undo_start(workdir, before)  # process 0 removed its own files; the lock and folder are ours
   if status < 0:
-    sys.stderr.write(
-      f"error: a process of the run was killed by signal {-status} and the others "
-      f"were stopped; {_interrupted(workdir).split('; ', 1)[-1]}\n"
+    where = f" (the processes' own messages are in {kept})" if kept else ""
+    sys.stderr.write(  # on a line of its own: the progress bar stopped mid-line
+      f"\nerror: a process of the run was killed by signal {-status} and the others "
+      f"were stopped; {_interrupted(workdir).split('; ', 1)[-1]}{where}\n"
     )
+  elif status > 0 and relay.failed and relay.failed[0] != 0:  # its error line was not shown
+    text = relay.kept(relay.failed[0])
+    if "error: " in text:
+      sys.stderr.write("\n" + text[text.rindex("error: ") :].rstrip() + "\n")
   return status
 
 
@@ -615,7 +794,7 @@ def _main(argv: list[str]) -> None:
       "ntk_fl",
       *distributed.strip_flags(_ARGV[1:], ["num_processes"]),
     ]
-    _interrupts_raise()
+    _interrupts_raise(watchdog=False)  # no XLA here; the launcher's own handler reports
     status = _launch(command, _FLAGS["workdir"].value, _FLAGS["num_processes"].value)
     sys.exit(status if status >= 0 else 128 - status)
   logging.get_absl_handler().addFilter(_QuietLibraries())
@@ -650,18 +829,25 @@ def _main(argv: list[str]) -> None:
     branch_round=_FLAGS["branch_round"].value,
   )
   verbose = logging.get_verbosity() >= 1
+  # What the workdir held before (None: it did not exist): a start that fails leaves it as it was.
+  before = set(os.listdir(workdir)) if os.path.isdir(workdir) else None
   try:
     # Everything that can be wrong with the request fails here, before any data is loaded; the config is
     # checked once and travels on as typed settings.
     settings = schema.validate_config(config, reference=_config_before_overrides())
-    fresh = not os.path.isdir(workdir) or not os.listdir(workdir)  # before the lock file is made
     _interrupts_raise()  # the run begins: Ctrl-C is reported by the handlers below
     rundir.hold_workdir(workdir)  # one run per workdir, held until this process exits
     rundir.check_start(settings, workdir, **start)
   except (*_ONE_LINE_ERRORS, CheckpointDamaged) as e:
     if verbose:
       traceback.print_exc()
+    if primary:
+      _undo_start(workdir, before)
     sys.exit(f"error: {one_line(e)}")
+  except KeyboardInterrupt:
+    if primary:
+      _undo_start(workdir, before)
+    _leave(_interrupted(workdir))
   try:
     _log_to_workdir(held, workdir)
     summary = runner.run(settings, workdir, **start)
@@ -670,14 +856,16 @@ def _main(argv: list[str]) -> None:
   ) as e:  # an outcome of the experiment, not a failure of the code: no traceback
     sys.exit(f"error: {e}")
   except (*_ONE_LINE_ERRORS, CheckpointDamaged) as e:
-    message = report_failure(e, workdir, verbose=verbose)
-    if fresh and getattr(e, "help_message", False):
-      _remove_log_only_workdir(workdir)
-    _close_log()  # a full disk must not fail once more, with a traceback, when the log is flushed at exit
-    sys.exit(f"error: {message}")
+    if primary and not _started(workdir, before):
+      message = _report_failed_start(e, workdir, before, verbose=verbose)
+    else:
+      message = report_failure(e, workdir, verbose=verbose)
+    # Nothing may fail once more after the line (a full disk: the log's and event file's buffers at exit).
+    _leave(f"error: {message}", 1, on_a_new_line=False)
   except KeyboardInterrupt:
-    sys.stderr.write(f"\n{_interrupted(workdir)}\n")
-    sys.exit(130)
+    if primary and not _started(workdir, before):
+      _undo_start(workdir, before)  # nothing of the run was written: none of it stays
+    _leave(_interrupted(workdir))
   if primary:
     print(_closing_line(summary, os.path.abspath(workdir)), flush=True)
     logging.info(
@@ -717,10 +905,7 @@ def main(argv: Sequence[str] | None = None) -> None:
   try:
     app.run(_main, argv=argv, flags_parser=_parse_flags)
   except KeyboardInterrupt:  # before the run's own handler: imports, flag parsing, the checks
-    workdir = flags.FLAGS["workdir"].value if flags.FLAGS.is_parsed() else None
-    line = _interrupted(workdir) if workdir else "interrupted; nothing was started"
-    sys.stderr.write(f"\n{line}\n")
-    sys.exit(130)
+    _leave(_interrupt_line())
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ processes are XLA's (gloo on CPU, NCCL on GPU); there is no messaging of our own
 * :func:`launch_local` -- ``P`` copies of a command on this machine with the
   coordinator on localhost (what ``--num_processes=P`` runs): each process stands in
   for a host. If one dies the others are stopped and its exit status returned.
+  :class:`ConsoleRelay` shows the user process 0's console output only, and none
+  once a process was killed (the survivors' reports of the lost peer are kept).
 * :func:`is_primary`, :func:`barrier`, :func:`to_host`,
   :func:`client_shardings` -- what the runner needs to write files once, keep the
   processes in step, read sharded results and place client-stacked state.
@@ -35,6 +37,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 from collections.abc import Sequence
@@ -48,6 +51,7 @@ __all__ = [
   "initialize",
   "shutdown",
   "launch_local",
+  "ConsoleRelay",
   "is_primary",
   "barrier",
   "to_host",
@@ -105,6 +109,83 @@ def _parent_death_signal():
     return None
 
 
+class ConsoleRelay:
+  """The console (stderr) output of a local multi-process run's processes, as the user should see it.
+
+  Process 0 speaks for the run (progress bar, warnings, its error line): its
+  output is shown, each chunk ``hold_seconds`` after it was read, unless by then
+  a process of the run has been killed by a signal or :meth:`mute` was called
+  (the launcher stops the run and prints its own line). The other processes
+  repeat process 0 or report a lost peer, so their output is only kept. Kept
+  output (the last ``keep_bytes`` of each process) is read with :meth:`kept`.
+
+  The hold is what keeps the survivors' own errors about a killed peer off the
+  console: the kernel reaps a killed process (its status is visible to the
+  launcher) within a moment of closing its sockets, long before a survivor has
+  noticed the loss and written a report.
+  """
+
+  def __init__(self, console=None, *, hold_seconds: float = 0.3, keep_bytes: int = 1 << 20):
+    self._console = console
+    self._hold = hold_seconds
+    self._keep_bytes = keep_bytes
+    self._kept: dict[int, bytearray] = {}
+    self._muted = threading.Event()
+    self._lock = threading.Lock()
+    self._threads: list[threading.Thread] = []
+    self._procs: list[subprocess.Popen] = []
+    self.failed: tuple[int, int] | None = (
+      None  # (rank, status) of the failure launch_local reported
+    )
+
+  def start(self, procs: Sequence[subprocess.Popen]) -> None:
+    """Starts reading the processes' ``stderr`` pipes (one thread each)."""
+    self._procs = list(procs)
+    for rank, proc in enumerate(self._procs):
+      thread = threading.Thread(
+        target=self._pump, args=(rank, proc.stderr), name=f"ntk_fl-stderr-{rank}", daemon=True
+      )
+      thread.start()
+      self._threads.append(thread)
+
+  def mute(self) -> None:
+    """From now on nothing is shown; everything is kept."""
+    self._muted.set()
+
+  def killed(self) -> bool:
+    """Whether a process of the run has been killed by a signal."""
+    return any((p.poll() or 0) < 0 for p in self._procs)
+
+  def close(self, timeout: float = 10.0) -> None:
+    """Waits until the processes' pipes are drained (they have exited)."""
+    deadline = time.monotonic() + timeout
+    for thread in self._threads:
+      thread.join(max(deadline - time.monotonic(), 0.0))
+
+  def kept(self, rank: int) -> str:
+    with self._lock:
+      return bytes(self._kept.get(rank, b"")).decode(errors="replace")
+
+  def _pump(self, rank: int, pipe) -> None:
+    console = self._console or sys.stderr.buffer
+    while chunk := os.read(pipe.fileno(), 1 << 16):
+      if rank == 0 and not self._muted.is_set():
+        time.sleep(self._hold)
+        if not (self._muted.is_set() or self.killed()):
+          try:
+            console.write(chunk)
+            console.flush()
+          except (OSError, ValueError):  # the console went away: keep the rest
+            pass
+          else:
+            continue
+      with self._lock:
+        kept = self._kept.setdefault(rank, bytearray())
+        kept += chunk
+        del kept[: max(len(kept) - self._keep_bytes, 0)]
+    pipe.close()
+
+
 def launch_local(
   command: Sequence[str],
   num_processes: int,
@@ -112,16 +193,20 @@ def launch_local(
   env: dict | None = None,
   poll_seconds: float = 0.2,
   pass_fds: Sequence[int] = (),
+  relay: ConsoleRelay | None = None,
 ) -> int:
   """Runs ``num_processes`` copies of ``command`` on this machine as one multi-process JAX run.
 
   Process ``i`` gets ``--process_id=i --num_processes=P --coordinator_address=localhost:PORT``
-  appended (the flags of ``experiments/main.py``) and inherits stdout/stderr.
+  appended (the flags of ``experiments/main.py``) and inherits stdout and stderr,
+  or, with ``relay``, sends its stderr through it (see :class:`ConsoleRelay`).
 
   Returns:
-    ``0`` when every process succeeded; otherwise the exit status of the first
-    process that failed (negative: killed by that signal), after stopping the others
-    (they would wait for it in a collective until JAX's heartbeat timeout).
+    ``0`` when every process succeeded; otherwise the exit status of the process
+    that failed (negative: killed by that signal; a killed process is reported
+    before one that failed on its own, then the lowest rank), after stopping the
+    others (they would wait for it in a collective until JAX's heartbeat timeout).
+    With ``relay``, ``relay.failed`` is ``(rank, status)`` of that process.
 
   The processes die with the launcher, even one killed by SIGKILL (a parent-death
   signal, Linux), so none is left writing the workdir; ``pass_fds`` are inherited
@@ -151,20 +236,36 @@ def launch_local(
       env=env,
       pass_fds=tuple(pass_fds),
       preexec_fn=start_child,
+      stderr=subprocess.PIPE if relay is not None else None,
     )
     for i in range(num_processes)
   ]
+  if relay is not None:
+    relay.start(procs)
+  failures: list[tuple[int, int]] = []
   try:
     while True:
       status = [p.poll() for p in procs]  # every process polled each time (no short circuit)
-      failed = next((rc for rc in status if rc not in (None, 0)), None)
-      if failed is not None or None not in status:
+      failures = [(rank, rc) for rank, rc in enumerate(status) if rc not in (None, 0)]
+      if failures or None not in status:
         break
       time.sleep(poll_seconds)
+    failed = min(failures, key=lambda f: (f[1] > 0, f[0])) if failures else None
+    if relay is not None:
+      relay.failed = failed
+      # Process 0's own error line is its report; any other failure is the launcher's to report.
+      if failed is not None and (failed[0] != 0 or failed[1] < 0):
+        relay.mute()
+  except BaseException:
+    if relay is not None:  # Ctrl-C, SIGTERM: the launcher says what happened
+      relay.mute()
+    raise
   finally:
     _stop(procs)
     signal.signal(signal.SIGTERM, previous)
-  return failed or 0
+    if relay is not None:
+      relay.close()
+  return failed[1] if failed else 0
 
 
 def _stop(procs: list[subprocess.Popen], grace_seconds: float = 10.0) -> None:

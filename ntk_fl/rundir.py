@@ -67,6 +67,8 @@ __all__ = [
   "check_links",
   "hold_workdir",
   "release_workdir",
+  "release_all",
+  "holds",
   "workdir_lock",
   "lock_for_children",
   "run_identity",
@@ -508,6 +510,17 @@ def release_workdir(workdir: str) -> None:
   lock = _HELD.pop(os.path.abspath(workdir), None)
   if lock is not None:
     lock.release()
+
+
+def release_all() -> None:
+  """Drops every workdir lock this process holds (before it leaves without running ``atexit``)."""
+  for path in list(_HELD):
+    release_workdir(path)
+
+
+def holds(workdir: str) -> bool:
+  """Whether this process holds ``workdir``'s lock (its own or its launcher's)."""
+  return os.path.abspath(workdir) in _HELD
 
 
 @contextlib.contextmanager

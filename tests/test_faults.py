@@ -7,6 +7,7 @@ import gzip
 import os
 import pickle
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -520,6 +521,97 @@ def test_ctrl_c_stops_with_a_resume_hint_and_resume_equals_the_uninterrupted_run
   assert summary["resumed_from"] == 2 and _results(workdir) == expected
 
 
+_SLOW_INTERRUPT_DRIVER = """
+import os, sys
+sys.path.insert(0, {repo!r})
+import jax, jax.numpy as jnp
+from ntk_fl import algorithms, cli, schema
+from ntk_fl.config import load_config
+config_path = os.path.join({repo!r}, "tests", "configs", "toy.py")
+schema.import_method_module(load_config(config_path, "smoke").method_module)
+method = algorithms.get_method("toy_gd")
+marker, where = sys.argv[2], sys.argv[3]
+
+@jax.jit
+def slow(a):  # minutes of XLA work on a CPU: the main thread waits for it inside a native call
+  return jax.lax.fori_loop(0, 20_000, lambda i, b: jnp.tanh(b @ b), a)
+
+def make(*args):
+  algorithm, calls = method.make(*args), []
+  def step(state, inputs):
+    calls.append(1)
+    if where == "first step" and len(calls) == 1:  # round 1's step is traced and compiled now
+      open(marker, "w").close()
+    if where == "long computation" and len(calls) == 3:
+      slow.lower(jnp.zeros((384, 384))).compile()
+      open(marker, "w").close()
+      jax.block_until_ready(slow(jnp.full((384, 384), 1e-3)))
+    return algorithm.step(state, inputs)
+  return algorithm._replace(step=step)
+algorithms.register("toy_gd", method._replace(make=make))
+sys.argv = ["ntk-fl", f"--config={{config_path}}:smoke", "--config.rounds={rounds}", f"--workdir={{sys.argv[1]}}"]
+cli.main()
+"""
+
+
+@pytest.mark.parametrize("where", ["workdir held", "first step", "long computation"])
+def test_ctrl_c_at_any_time_leaves_promptly_with_one_line_and_resume_is_exact(
+  uninterrupted, tmp_path, where
+):
+  """SIGINT once the run holds its workdir, while round 1 compiles, or while a long XLA computation runs.
+
+  Each ends the process within seconds (the main thread cannot raise ``KeyboardInterrupt`` while it
+  waits for an XLA computation: the process leaves without waiting for it), exit 130, one line, and
+  ``--resume`` then ends with the uninterrupted run's results.
+  """
+  import signal  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  from ntk_fl import cli, runner  # pylint: disable=g-import-not-at-top
+
+  _, expected = uninterrupted
+  workdir, marker = tmp_path / "run", tmp_path / "marker"
+  proc = subprocess.Popen(
+    [
+      sys.executable,
+      "-c",
+      _SLOW_INTERRUPT_DRIVER.format(repo=_REPO, rounds=_ROUNDS),
+      str(workdir),
+      str(marker),
+      where,
+    ],
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
+  signal_when = workdir / cli.LOG_FILE if where == "workdir held" else marker
+  deadline = time.monotonic() + 300
+  while not signal_when.exists():
+    assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+    time.sleep(0.02)
+  time.sleep(0.5 if where == "long computation" else 0.0)  # inside the computation
+  signalled = time.monotonic()
+  proc.send_signal(signal.SIGINT)
+  try:
+    stdout, stderr = proc.communicate(timeout=120)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    raise
+  took = time.monotonic() - signalled
+  assert proc.returncode == 130, stderr[-3000:]
+  assert took < cli._GRACE_SECONDS + 15, f"left {took:.1f} s after the signal"
+  lines = [line for line in stderr.splitlines() if line.strip() and "toy_gd" not in line]
+  assert len(lines) == 1 and lines[0].startswith("interrupted"), stderr[-3000:]
+  assert "Traceback" not in stderr + stdout and "Segmentation" not in stderr
+  if "--resume" not in lines[0]:  # before the run began: nothing was left behind
+    assert not workdir.exists(), os.listdir(workdir)
+  summary = runner.run(_toy_config(), str(workdir), resume=True)
+  assert _results(str(workdir)) == expected
+  if where == "long computation":
+    assert summary["resumed_from"] == 2
+
+
 # ----------------------------------------------------------------------------- divergence
 
 
@@ -744,15 +836,23 @@ def test_cli_data_file_and_divergence_errors_are_one_line(tmp_path):
     gzip.compress(pickle.dumps(_malicious_payloads(marker)["os.system"], protocol=2))
   )
   workdir = tmp_path / "pickle_run"
-  _assert_one_error_line(
+  lines = _assert_one_error_line(
     _cli(
       toy, f"--workdir={workdir}", "--config.data.name=mnist", f"--config.data.data_dir={data_dir}"
     ),
     "mnist.pkl.gz: refused to unpickle global",
-    f"traceback in {workdir}/log.txt",
+    f"nothing was left in {workdir}; traceback in ",
   )
   assert not marker.exists()
-  assert "Traceback" in (workdir / "log.txt").read_text()
+  # The run never began: no workdir is left; the log, with the traceback, is in the system's temp folder.
+  assert not workdir.exists()
+  log = lines[-1].split("traceback in ", 1)[1].split(";", 1)[0]
+  try:
+    assert os.path.dirname(log) == tempfile.gettempdir()
+    text = open(log).read()
+    assert "Traceback" in text and "refused to unpickle global" in text
+  finally:
+    os.remove(log)
   # Divergence: a non-zero exit, one line naming the round, the quantity and the learning rate.
   workdir = tmp_path / "diverged"
   _assert_one_error_line(
@@ -809,6 +909,105 @@ def test_disk_full_is_one_line_and_resume_is_exact(uninterrupted, tmp_path, monk
   assert "Traceback" in open(os.path.join(workdir, cli.LOG_FILE)).read()
   summary = runner.run(_toy_config(), workdir, resume=True)
   assert summary["resumed_from"] == 2 and _results(workdir) == expected
+
+
+_FULL_DISK_DRIVER = """
+import builtins, errno, io, os, sys
+sys.path.insert(0, {repo!r})
+workdir, budget = os.path.abspath(sys.argv[1]), int(sys.argv[2])
+left = [budget]  # bytes the workdir's disk still takes; then every write there fails, as on a full disk
+
+def full(name):
+  return OSError(errno.ENOSPC, "No space left on device", name)
+
+class OnTheDisk:
+  # A file in the workdir: writes count against the budget; once it is spent, writes, flushes and
+  # closes fail (buffered data cannot go), as they do on a full disk.
+  def __init__(self, f, name):
+    self._f, self._name, self._failed = f, name, False
+  def write(self, data):
+    left[0] -= len(data.encode() if isinstance(data, str) else data)
+    if left[0] < 0:
+      self._failed = True
+      raise full(self._name)
+    return self._f.write(data)
+  def flush(self):
+    if self._failed:
+      raise full(self._name)
+    return self._f.flush()
+  def close(self):
+    self._f.close()
+    if self._failed:
+      self._failed = False
+      raise full(self._name)
+  def __enter__(self):
+    return self
+  def __exit__(self, *exc):
+    self.close()
+  def __getattr__(self, name):
+    return getattr(self._f, name)
+
+def in_workdir(path):
+  return isinstance(path, (str, os.PathLike)) and os.path.abspath(os.fspath(path)).startswith(workdir + os.sep)
+
+real_open, real_fdopen = builtins.open, os.fdopen
+def open_(file, mode="r", *args, **kwargs):
+  f = real_open(file, mode, *args, **kwargs)
+  return OnTheDisk(f, os.fspath(file)) if in_workdir(file) and set(mode) & set("wax+") else f
+def fdopen(fd, mode="r", *args, **kwargs):
+  f = real_fdopen(fd, mode, *args, **kwargs)
+  path = os.readlink(f"/proc/self/fd/{{fd}}")
+  return OnTheDisk(f, path) if in_workdir(path) and set(mode) & set("wax+") else f
+builtins.open = io.open = open_
+os.fdopen = fdopen
+
+import orbax.checkpoint._src.path.atomicity as atomicity  # TensorStore writes natively: its final rename fails
+finalize = atomicity.AtomicRenameTemporaryPath.finalize
+async def finalize_or_fail(self):
+  if left[0] < 0:
+    raise full(str(self._final_path))
+  await finalize(self)
+atomicity.AtomicRenameTemporaryPath.finalize = finalize_or_fail
+
+from ntk_fl import cli
+sys.argv = ["ntk-fl", "--config=" + os.path.join({repo!r}, "tests", "configs", "toy.py") + ":smoke",
+            "--config.rounds={rounds}", "--workdir=" + workdir]
+cli.main()
+"""
+
+
+def test_a_disk_that_fills_during_a_run_is_one_line_and_nothing_after_it(uninterrupted, tmp_path):
+  """The command on a disk that fills up during the run: exit 1, one ``error:`` line, no traceback
+  (at exit either: the log's and the event file's buffers cannot be flushed either), and the run
+  then resumes to the uninterrupted results. Budgets end the disk in the first rounds' metrics
+  lines, event records or checkpoints."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  from ntk_fl import rundir, runner  # pylint: disable=g-import-not-at-top
+
+  _, expected = uninterrupted
+  for budget in (9_000, 14_000):
+    workdir = tmp_path / f"full_{budget}"
+    proc = subprocess.run(
+      [
+        sys.executable,
+        "-c",
+        _FULL_DISK_DRIVER.format(repo=_REPO, rounds=_ROUNDS),
+        str(workdir),
+        str(budget),
+      ],
+      capture_output=True,
+      text=True,
+      timeout=300,
+      env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and "toy_gd" not in line]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: disk full"), proc.stderr[-3000:]
+    assert "--resume" in lines[0] and "Traceback" not in proc.stderr + proc.stdout
+    done = len(rundir.read_metrics(str(workdir)))
+    assert done < _ROUNDS, f"the disk never filled: {done} rounds"
+    summary = runner.run(_toy_config(), str(workdir), resume=True)
+    assert _results(str(workdir)) == expected, summary
 
 
 def test_bad_metrics_file_is_found_before_data(uninterrupted, tmp_path, monkeypatch):
@@ -913,6 +1112,36 @@ def test_a_second_run_in_a_held_workdir_is_refused_naming_the_holder(tmp_path):
   assert (
     summary["rounds_run"] == 1 and (workdir / "run.lock").read_text() == ""
   )  # released when done
+
+
+def test_a_lock_file_removed_while_a_run_locks_it_is_locked_again(tmp_path, monkeypatch):
+  """A start that failed removes the lock file it made; a run that opened that file just before
+  locks the file now at the path (else two runs could each hold a lock on a different file)."""
+  from ntk_fl._src import fsutil  # pylint: disable=g-import-not-at-top
+
+  workdir = str(tmp_path / "run")
+  real_open, opened = os.open, []
+
+  def open_then_removed(path, flags, *args):
+    fd = real_open(path, flags, *args)
+    if path.endswith(fsutil.LOCK_FILE):
+      opened.append(path)
+      if len(opened) == 1:  # the failed start removes the file and its workdir right now
+        os.remove(path)
+        os.rmdir(os.path.dirname(path))
+    return fd
+
+  monkeypatch.setattr(fsutil.os, "open", open_then_removed)
+  lock = fsutil.WorkdirLock(workdir).acquire()
+  monkeypatch.undo()
+  try:
+    held, there = os.fstat(lock.fd), os.stat(os.path.join(workdir, fsutil.LOCK_FILE))
+    assert (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino)
+    assert len(opened) == 2  # the removed file was given up and the new one locked
+    with pytest.raises(fsutil.WorkdirBusy, match="in use by another run"):
+      fsutil.WorkdirLock(workdir).acquire()
+  finally:
+    lock.release()
 
 
 def test_a_lock_record_that_cannot_be_proven_stale_is_refused_with_the_fix(tmp_path, caplog):
@@ -1457,3 +1686,102 @@ def test_workers_die_with_a_killed_launcher(tmp_path):
   for pid in survivors:  # clean up what the code under test left running
     os.kill(pid, signal.SIGKILL)
   assert not survivors, "workers outlived their killed launcher"
+
+
+# ----------------------------------------------------------------------------- several processes
+
+
+def _launch_two(workdir, *extra):
+  """``python -m ntk_fl --num_processes=2`` on the toy config (one CPU device each: 5 clients each)."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+
+  return subprocess.Popen(
+    [
+      sys.executable,
+      "-m",
+      "ntk_fl",
+      "--config=tests/configs/toy.py:smoke",
+      f"--workdir={workdir}",
+      "--num_processes=2",
+      *extra,
+    ],
+    cwd=_REPO,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": _REPO},
+  )
+
+
+def _console_lines(stderr: str) -> list[str]:
+  """The console's lines other than the progress bar and JAX's start-up lines of process 0."""
+  return [
+    line
+    for line in stderr.splitlines()
+    if line.strip()
+    and "toy_gd" not in line
+    and "JAX distributed service" not in line
+    and not line.startswith("[Gloo]")
+  ]
+
+
+def test_a_killed_peer_is_one_line_and_the_survivors_reports_go_to_the_log(tmp_path):
+  """Process 1 of a ``--num_processes=2`` run killed mid-run: the console shows the launcher's one
+  ``error:`` line, none of the survivor's own errors about the lost peer (they are in ``log.txt``)."""
+  import signal  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  import psutil  # pylint: disable=g-import-not-at-top
+  from ntk_fl import cli, rundir  # pylint: disable=g-import-not-at-top
+
+  workdir = tmp_path / "run"
+  proc = _launch_two(workdir, "--config.rounds=5000", "--config.checkpoint_every=50")
+  deadline = time.monotonic() + 300
+  metrics = workdir / rundir.METRICS_FILE
+  while not (metrics.is_file() and len(rundir.read_metrics(str(workdir))) >= 3):
+    assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+    time.sleep(0.05)
+  rank_1 = [c for c in psutil.Process(proc.pid).children() if "--process_id=1" in c.cmdline()]
+  assert len(rank_1) == 1
+  rank_1[0].send_signal(signal.SIGKILL)
+  stdout, stderr = proc.communicate(timeout=120)
+  assert proc.returncode == 128 + signal.SIGKILL, stderr[-3000:]
+  lines = _console_lines(stderr)
+  assert len(lines) == 1, stderr[-5000:]
+  assert lines[0].startswith("error: a process of the run was killed by signal 9"), lines
+  assert f"continue the run with --resume (workdir {workdir})" in lines[0]
+  assert "Traceback" not in stderr + stdout
+  log = (workdir / cli.LOG_FILE).read_text()
+  if "(the processes' own messages are in " in lines[0]:
+    assert f"the processes' own messages are in {workdir / cli.LOG_FILE})" in lines[0]
+    assert "--- console output of process 0 (not shown) ---" in log
+
+
+def test_a_changed_multi_process_checkpoint_is_set_aside_and_resume_is_exact(tmp_path):
+  """A ``--num_processes=2`` checkpoint records the digest of its whole arrays: checkpoint 5 holding
+  checkpoint 4's arrays (they load fine: only the digest can tell) is set aside by a two-process
+  ``--resume``, which ends with the uninterrupted two-process results."""
+  import json  # pylint: disable=g-import-not-at-top
+  import shutil  # pylint: disable=g-import-not-at-top
+
+  source = tmp_path / "uninterrupted"
+  proc = _launch_two(source, f"--config.rounds={_ROUNDS}")
+  _, stderr = proc.communicate(timeout=600)
+  assert proc.returncode == 0, stderr[-3000:]
+  expected = _results(str(source))
+  ckpt_dir = source / "checkpoints"
+  with open(ckpt_dir / "5" / "_CHECKPOINT_METADATA") as f:
+    record = json.load(f)["custom_metadata"]["ntk_fl"]
+  assert isinstance(record["digest"], str) and record["processes"] == 2, record
+
+  workdir = tmp_path / "run"
+  shutil.copytree(source, workdir)
+  os.remove(workdir / "summary.json")
+  _swap_data(str(workdir), "5", str(workdir / "checkpoints" / "4"))
+  proc = _launch_two(workdir, f"--config.rounds={_ROUNDS}", "--resume")
+  _, stderr = proc.communicate(timeout=600)
+  assert proc.returncode == 0, stderr[-3000:]
+  assert any(n.startswith("5.set-aside-damaged-") for n in os.listdir(workdir / "checkpoints"))
+  assert "its arrays do not match the digest" in (workdir / "log.txt").read_text()
+  assert _results(str(workdir)) == expected
+  with open(workdir / "summary.json") as f:
+    assert json.load(f)["resumed_from"] == 4

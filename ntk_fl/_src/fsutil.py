@@ -135,26 +135,7 @@ class WorkdirLock:
     if self.fd is not None:  # inherited from the launcher: the same open file, already locked
       fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
       return self
-    os.makedirs(self.workdir, exist_ok=True)
-    try:
-      fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    except OSError as e:
-      if e.errno == errno.ELOOP:
-        raise WorkdirBusy(
-          f"{self.path} is a symbolic link; remove it (a run writes only its own files)"
-        ) from None
-      raise
-    try:
-      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-      record = _parse(os.pread(fd, 4096, 0).decode(errors="replace"))
-      os.close(fd)
-      pid, host, started = (record.get(k, "?") for k in ("pid", "host", "started"))
-      raise WorkdirBusy(
-        f"workdir {self.workdir} is in use by another run (pid {pid} on host "
-        f"{host}, started {started}); wait for it to finish or stop it, or choose "
-        "another --workdir"
-      ) from None
+    fd = self._lock_the_file()
     record = _parse(os.pread(fd, 4096, 0).decode(errors="replace"))
     if record.get("pid"):
       try:
@@ -182,10 +163,51 @@ class WorkdirLock:
     self.fd = fd
     return self
 
+  def _lock_the_file(self, tries: int = 10) -> int:
+    """A descriptor of the lock file, locked; the file is the one at ``self.path`` now.
+
+    A start that failed removes the lock file (and the workdir) it created; a run
+    that opened the file just before that would lock a file no longer there, so the
+    lock counts only once the path still names the locked file (else it is tried again).
+    """
+    for _ in range(tries):
+      os.makedirs(self.workdir, exist_ok=True)
+      try:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+      except FileNotFoundError:  # the workdir was removed between the two calls
+        continue
+      except OSError as e:
+        if e.errno == errno.ELOOP:
+          raise WorkdirBusy(
+            f"{self.path} is a symbolic link; remove it (a run writes only its own files)"
+          ) from None
+        raise
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        record = _parse(os.pread(fd, 4096, 0).decode(errors="replace"))
+        os.close(fd)
+        pid, host, started = (record.get(k, "?") for k in ("pid", "host", "started"))
+        raise WorkdirBusy(
+          f"workdir {self.workdir} is in use by another run (pid {pid} on host "
+          f"{host}, started {started}); wait for it to finish or stop it, or choose "
+          "another --workdir"
+        ) from None
+      locked = os.fstat(fd)
+      try:
+        now = os.stat(self.path, follow_symlinks=False)
+        if (now.st_dev, now.st_ino) == (locked.st_dev, locked.st_ino):
+          return fd
+      except FileNotFoundError:
+        pass
+      os.close(fd)  # the file was removed (or replaced) after it was opened: lock the new one
+    raise WorkdirBusy(f"{self.path} keeps being removed while this run locks it; try again")
+
   def release(self) -> None:
     """Empties the record and drops the lock.
 
-    The file stays: unlinking it would let two runs lock two different files.
+    The file stays: unlinking it could let two runs lock two different files (the command
+    removes one only after a start that failed; :meth:`acquire` then locks the new file).
     """
     if self.fd is None:
       return
