@@ -184,6 +184,8 @@ def test_library_cnn_routes_and_flops():
   plan = layerwise.make_plan(model.flax_apply, params, x, True)
   assert [layer.path for layer in plan.factorised] == [("dense_0",), ("dense_1",)]
   assert [path for path, _ in plan.contracted] == [("conv_0",), ("conv_1",)]
+  # contracted, but their Jacobians formed from their patches and cotangents
+  assert [layer.path for layer in plan.from_factors] == [("conv_0",), ("conv_1",)]
   assert plan.num_rest == 320 + 18_496
   ratio = layerwise.contraction_flops(333_526, 10, True) / layerwise.plan_flops(plan, True, 1, 1)
   assert 15 < ratio < 20, ratio
