@@ -47,10 +47,19 @@ Implementations (``implementation=``, an :class:`NtkImplementation` or its strin
 SPARK's layer-wise sketch coordinates (``J̃ J̃ᵀ`` with ``J̃ = J P``), at the
 structured kernel's cost.
 
-The generic implementations work on blocks of at most ``chunk_size`` samples of
-``x1`` and of ``x2`` (``lax.map``), so peak memory is that of two blocks'
-Jacobians (``2·chunk·C·d`` floats), never the whole ``N·C·d`` Jacobian. The
-default block keeps one block's Jacobian under ``2**26`` floats (256 MiB).
+The generic (``'jacobian'``) and layer-wise kernels keep all of ``x2``'s per-sample
+features (Jacobians, layer factors) when they fit in the **storage budget** and compute
+every sample's features once, as neural-tangents does; ``x1``'s follow in one batch or in
+blocks as large as the rest of the budget allows. The budget is half of the memory the
+default device has available when the kernel is traced (``/proc/meminfo``'s
+``MemAvailable`` on a CPU, ``bytes_limit - bytes_in_use`` on an accelerator), at least
+``2**28`` values (1 GiB of float32); the environment variable ``NTK_FL_KERNEL_MEMORY``
+sets it instead (bytes, or with a ``K``/``M``/``G``/``T`` suffix: ``NTK_FL_KERNEL_MEMORY=4G``).
+It bounds one kernel call (a ``vmap`` over ``k`` clients holds up to ``k`` times as much).
+Beyond it the kernel is assembled from blocks of at most ``chunk_size`` samples of
+``x2`` (``lax.map``) against ``x1`` blocks as large as the budget allows, recomputing the
+``x2`` side once per ``x1`` block; ``'ntvp'`` always works in such blocks. The default
+block keeps one block's Jacobian under ``2**26`` floats (256 MiB).
 
 The implementations live in the private module ``ntk_fl._src.kernels``; this module is their public face.
 Every function is pure and ``jit``/``vmap``-able (NTK-DFL vmaps the kernel over

@@ -16,6 +16,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 from ntk_fl import evolve, models, ntk
+from ntk_fl._src import kernels
 from ntk_fl._src.kernels import _blocked_kernel
 from ntk_fl._src import layerwise
 from ntk_fl.ntk import NtkImplementation, empirical_ntk, empirical_ntk_fn
@@ -183,6 +184,8 @@ def test_library_cnn_routes_and_flops():
   plan = layerwise.make_plan(model.flax_apply, params, x, True)
   assert [layer.path for layer in plan.factorised] == [("dense_0",), ("dense_1",)]
   assert [path for path, _ in plan.contracted] == [("conv_0",), ("conv_1",)]
+  # contracted, but their Jacobians formed from their patches and cotangents
+  assert [layer.path for layer in plan.from_factors] == [("conv_0",), ("conv_1",)]
   assert plan.num_rest == 320 + 18_496
   ratio = layerwise.contraction_flops(333_526, 10, True) / layerwise.plan_flops(plan, True, 1, 1)
   assert 15 < ratio < 20, ratio
@@ -349,3 +352,49 @@ def test_structured_needs_an_interceptable_function():
     empirical_ntk_fn(
       model.apply, vmap_axes=0, implementation=NtkImplementation.STRUCTURED_DERIVATIVES
     )
+
+
+# ----------------------------------------------------------------------------
+# The storage budget: every schedule of the blocked kernel gives the same kernel.
+
+
+@pytest.mark.parametrize("budget", ["1", "20K"])
+def test_every_storage_budget_gives_the_brute_force_kernel(monkeypatch, budget):
+  """A budget too small for any block (recompute x2's features per x1 block), one that stores x2's
+  features but blocks x1, and the machine's (everything stored): the same kernel, generic and
+  layer-wise, ``x2`` given and not."""
+  if budget is None:
+    monkeypatch.delenv(kernels.MEMORY_ENV, raising=False)
+  else:
+    monkeypatch.setenv(kernels.MEMORY_ENV, budget)
+  module = _Convs()
+  params, x1, x2 = setup(module, (7, 7, 2), n1=5, n2=3)
+  for trace_outputs in (True, False):
+    for b, n2 in ((x2, 3), (None, 5)):
+      ref = brute_force(module.apply, params, x1, x1 if b is None else b, trace_outputs)
+      generic = jax.jit(
+        lambda p, a, b: kernels.jacobian_kernel(module.apply, p, a, b, trace_outputs, 2)
+      )(params, x1, b)
+      assert rel(generic, ref) < RTOL, (budget, trace_outputs, n2)
+      for route in ("factorise", "contract"):
+        k = _kernel(module.apply, params, x1, b, trace_outputs, 2, route)
+        assert rel(k, ref) < RTOL, (budget, trace_outputs, n2, route)
+
+
+def test_storage_budget_from_the_environment_or_the_machine(monkeypatch):
+  monkeypatch.setenv(kernels.MEMORY_ENV, "3G")
+  assert kernels.store_floats(4) == 3 * 2**30 // 4
+  assert kernels.store_floats(8) == 3 * 2**30 // 8
+  for text, value in (("512", 512), ("2k", 2048), ("5MiB", 5 * 2**20), ("1TB", 2**40)):
+    assert kernels.parse_bytes(text) == value
+  for bad in ("-1", "0", "1.5G", "8X", "lots"):
+    monkeypatch.setenv(kernels.MEMORY_ENV, bad)
+    with pytest.raises(ValueError, match=r"NTK_FL_KERNEL_MEMORY=.*positive number of bytes"):
+      kernels.store_floats(4)
+  monkeypatch.delenv(kernels.MEMORY_ENV)
+  available = kernels.available_bytes()
+  assert available is None or available > 0
+  expected = max(2**28, (available or 0) // 2 // 4)
+  # The machine's free memory moves between two reads: within 1 % of it.
+  assert abs(kernels.store_floats(4) - expected) <= max(1, expected // 100)
+  assert kernels.store_floats(4) >= 2**28

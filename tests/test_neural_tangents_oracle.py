@@ -3,13 +3,14 @@
 tests/data/neural_tangents_reference.npz holds kernels that neural-tangents
 computed in its own environment (scripts/nt_oracle/build_references.sh; the
 versions are recorded in the file) for the library's 784-100-10 MLP, its small
-CNN and a fully convolutional net with ``[N, H, W, K]`` outputs, together with
-the parameters and inputs. The references are float64; the library's kernels
-are compared in float32 (relative to the kernel's largest entry) and, for a few
-cases, in float64. Settings the file does not cover (batch axes other than 0,
-``x1`` and ``x2`` of different shapes without a batch axis, a trace or diagonal
-over the batch axis with ``x2`` given, scalar outputs) are checked against a
-kernel contracted from ``jax.jacrev`` Jacobians of the whole batch.
+CNN, a fully convolutional net with ``[N, H, W, K]`` outputs and a conv+dense net
+with strided and padded convolutions, together with the parameters and inputs.
+The references are float64; the library's kernels are compared in float32
+(relative to the kernel's largest entry) and, for a few cases, in float64.
+Settings the file does not cover (batch axes other than 0, ``x1`` and ``x2`` of
+different shapes without a batch axis, a trace or diagonal over the batch axis
+with ``x2`` given, scalar outputs) are checked against a kernel contracted from
+``jax.jacrev`` Jacobians of the whole batch.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import json
 import math
 import os
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,6 +29,8 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 from ntk_fl import models
+from ntk_fl._src import layerwise
+from ntk_fl._src.kernels import _blocked_kernel
 from ntk_fl.ntk import NtkImplementation, empirical_ntk, empirical_ntk_fn
 
 REFERENCE = os.path.join(os.path.dirname(__file__), "data", "neural_tangents_reference.npz")
@@ -70,9 +74,26 @@ def conv_features(params, x):
   return _conv_same(p["conv_1"], jax.nn.relu(_conv_same(p["conv_0"], x)))
 
 
+class ConvDense(nn.Module):
+  """``[N, 7, 7, 2]`` -> conv3x3 stride 2, padding 1 (4 ch.) -> relu -> conv3x3 stride 2 'SAME' (3 ch.)
+  -> tanh -> dense 8 -> relu -> dense 3 (as the oracle script's; its outputs are in the file)."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = jax.nn.relu(nn.Conv(4, (3, 3), strides=2, padding=((1, 1), (1, 1)), name="conv_0")(x))
+    x = jnp.tanh(nn.Conv(3, (3, 3), strides=2, padding="SAME", name="conv_1")(x))
+    x = jax.nn.relu(nn.Dense(8, name="dense_0")(x.reshape(x.shape[0], -1)))
+    return nn.Dense(3, name="dense_1")(x)
+
+
 MLP = models.mlp(784, (100,), 10)
 CNN = models.cnn((4, 4, 1), num_classes=5)
-NETWORKS = {"mlp": MLP.apply, "cnn": CNN.apply, "conv_features": conv_features}
+NETWORKS = {
+  "mlp": MLP.apply,
+  "cnn": CNN.apply,
+  "conv_features": conv_features,
+  "conv_dense": ConvDense().apply,
+}
 
 
 def _max_rel(actual, expected):
@@ -107,10 +128,10 @@ def test_reference_file_is_small_and_records_its_versions():
   versions = json.loads(str(_reference()["versions"]))
   assert versions["neural_tangents"] == "0.6.5"
   assert {"jax", "jaxlib", "tensorflow", "numpy", "python"} <= set(versions)
-  assert {c["network"] for c in _cases()} == {"mlp", "cnn", "conv_features"}
+  assert {c["network"] for c in _cases()} == {"mlp", "cnn", "conv_features", "conv_dense"}
 
 
-@pytest.mark.parametrize("net", ["mlp", "cnn"])
+@pytest.mark.parametrize("net", ["mlp", "cnn", "conv_dense"])
 def test_references_were_computed_on_the_library_networks(net):
   ref = _reference()
   fx = NETWORKS[net](_params(net), jnp.asarray(ref[f"{net}/x1"]))
@@ -155,6 +176,11 @@ ORACLE_RUNS = (
     ("cnn/diag_batch", IMPL.AUTO),
   ]
   + [("mlp/trace_last", IMPL.AUTO), ("conv_features/trace_spatial", IMPL.AUTO)]
+  # the conv+dense net's generic kernels (its layer-wise ones: below)
+  + [
+    ("conv_dense/trace_last", IMPL.JACOBIAN_CONTRACTION),
+    ("conv_dense/full_self", IMPL.NTK_VECTOR_PRODUCTS),
+  ]
 )
 
 
@@ -217,6 +243,60 @@ def test_cnn_layerwise_structured_matches_neural_tangents(name):
     kernel = jax.jit(ntk_fn)(x1, x2, _params("cnn", jnp.float64))
     assert kernel.dtype == jnp.float64
     assert _max_rel(kernel, ref[f"{name}/kernel"]) < RTOL64
+
+
+CONV_DENSE = [
+  "conv_dense/trace_last",
+  "conv_dense/full",
+  "conv_dense/trace_last_self",
+  "conv_dense/full_self",
+]
+
+
+def _conv_dense_inputs(case, dtype):
+  ref = _reference()
+  x1 = jnp.asarray(ref["conv_dense/x1"], dtype)
+  x2 = None if case["x2"] is None else jnp.asarray(ref[f"conv_dense/{case['x2']}"], dtype)
+  return x1, x2, _params("conv_dense", dtype)
+
+
+@pytest.mark.parametrize("name", CONV_DENSE)
+def test_conv_dense_layerwise_matches_neural_tangents(name):
+  """Strided and padded convolutions and dense layers, all factorised (the convolutions on their
+  input patches, whatever the cost rule would pick), in one batch and in blocks of 2 samples; and
+  as ``empirical_ntk_fn`` routes them. float32 and float64."""
+  case = next(c for c in _cases() if c["name"] == name)
+  ref = _reference()
+  expected = ref[f"{name}/kernel"]
+  trace_outputs = bool(case["trace_axes"])
+  apply_fn = ConvDense().apply
+  x1, _, params = _conv_dense_inputs(case, jnp.float32)
+  plan = layerwise.make_plan(apply_fn, params, x1[:1], trace_outputs, "factorise")
+  assert [layer.path for layer in plan.factorised] == [
+    ("conv_0",),
+    ("conv_1",),
+    ("dense_0",),
+    ("dense_1",),
+  ]
+  assert [layer.positions for layer in plan.factorised] == [16, 4, 1, 1]  # 7x7 -> 4x4 -> 2x2
+  assert plan.num_rest == 0
+  ntk_fn = empirical_ntk_fn(
+    apply_fn, case["trace_axes"], case["diagonal_axes"], 0, IMPL.STRUCTURED_DERIVATIVES
+  )
+  for dtype, rtol in ((jnp.float32, RTOL32), (jnp.float64, RTOL64)):
+    with jax.enable_x64(dtype == jnp.float64):
+      x1, x2, params = _conv_dense_inputs(case, dtype)
+      for chunk in (None, 2):
+        factorised = jax.jit(
+          lambda p, a, b: layerwise.layerwise_kernel(
+            apply_fn, p, a, b, trace_outputs, chunk, route="factorise", blocked=_blocked_kernel
+          )
+        )(params, x1, x2)
+        assert factorised.dtype == dtype
+        assert _max_rel(factorised, expected) < rtol, (dtype, chunk)
+      assert _max_rel(jax.jit(ntk_fn)(x1, x2, params), expected) < rtol, dtype
+  # neural-tangents' own float32 kernel is as close to the float64 reference as the tolerance says.
+  assert _max_rel(ref[f"{name}/kernel_float32"], expected) < RTOL32
 
 
 # ----------------------------------------------------------------------------

@@ -8,6 +8,8 @@ trade-offs between them are documented in :mod:`ntk_fl.ntk` and on :class:`ntk_f
 from __future__ import annotations
 
 import math
+import os
+import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 from collections.abc import Callable
@@ -21,8 +23,11 @@ from ntk_fl._src.dense_stack import DenseStack
 
 # One block's Jacobian (chunk · C · d floats) stays below this by default.
 _BLOCK_FLOATS = 2**26
-# All of x2's per-sample features (Jacobians, factors) are kept when they fit in this (1 GiB float32).
+# The least storage budget (1 GiB float32), whatever the machine reports: small kernels keep their
+# one-batch schedule (and their bits) on every machine.
 _STORE_FLOATS = 2**28
+# Overrides the storage budget (bytes; a K/M/G/T suffix counts in powers of 1024).
+MEMORY_ENV = "NTK_FL_KERNEL_MEMORY"
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 Params = Any
@@ -99,6 +104,63 @@ def check_inputs(x1: jax.Array, x2: jax.Array | None) -> None:
 
 
 # ----------------------------------------------------------------------------
+# The storage budget.
+
+
+def parse_bytes(text: str) -> int:
+  """``'8G'`` -> ``8 · 2**30``: a positive integer of bytes, optionally with a ``K``, ``M``, ``G`` or
+  ``T`` suffix (powers of 1024; ``'8GiB'``, ``'8gb'`` too)."""
+  match = re.fullmatch(r"\s*(\d+)\s*(?:([KMGT])i?)?B?\s*", text, flags=re.IGNORECASE)
+  if match is None or int(match.group(1)) <= 0:
+    raise ValueError(
+      f"${MEMORY_ENV}={text!r}: expected a positive number of bytes, optionally with a "
+      "K, M, G or T suffix (powers of 1024), e.g. 8G"
+    )
+  unit = match.group(2)
+  return int(match.group(1)) * (1 if unit is None else 1024 ** (1 + "KMGT".index(unit.upper())))
+
+
+def available_bytes() -> int | None:
+  """Memory the default device can still give: an accelerator's ``bytes_limit - bytes_in_use``
+  (``Device.memory_stats()``), else the host's ``MemAvailable`` (``/proc/meminfo``) or its free
+  physical pages; ``None`` where nothing is reported."""
+  device = jax.devices()[0]
+  if device.platform != "cpu":
+    stats = device.memory_stats() or {}
+    if "bytes_limit" not in stats:
+      return None
+    return max(0, int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
+  try:
+    with open("/proc/meminfo", encoding="ascii") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except (OSError, ValueError, IndexError):
+    pass
+  try:
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  except (OSError, ValueError, AttributeError):
+    return None
+
+
+def store_floats(itemsize: int) -> int:
+  """The storage budget: how many per-sample feature values (Jacobians, layer factors) of
+  ``itemsize`` bytes one kernel call may keep at once.
+
+  ``$NTK_FL_KERNEL_MEMORY`` bytes when set (``K``/``M``/``G``/``T`` suffixes, :func:`parse_bytes`);
+  otherwise half of what the default device has available when the kernel is traced
+  (:func:`available_bytes`), and never fewer than ``2**28`` values (1 GiB of float32), so that small
+  kernels keep one schedule, and one result to the bit, on every machine. Read when the kernel is
+  traced (a ``jit`` keeps the schedule of its first trace). It bounds one kernel call: a ``vmap``
+  over ``k`` kernels (clients) holds up to ``k`` times as much.
+  """
+  text = os.environ.get(MEMORY_ENV, "")
+  if text.strip():
+    return max(1, parse_bytes(text) // max(1, itemsize))
+  return max(_STORE_FLOATS, (available_bytes() or 0) // 2 // max(1, itemsize))
+
+
+# ----------------------------------------------------------------------------
 # Blocking over samples.
 
 
@@ -133,14 +195,17 @@ def _blocked_kernel(
   x2: Any | None,
   chunk: int | None,
   sample_floats: int | None = None,
+  itemsize: int = 4,
 ) -> jax.Array:
   """Kernel ``[N1, N2, ...]`` assembled from blocks ``contract(features1(x1b), features2(x2b))``.
 
-  When all of ``x2``'s features fit in ``2**28`` floats (``sample_floats`` per sample; ``None``:
-  unknown, never stored), they are computed once, in one batch, and every ``x1`` block (one block
-  when ``x1``'s fit too) is contracted against all of them; with ``x2=None`` every sample's
-  features are computed exactly once. Otherwise ``features1`` runs once per
-  ``x1`` block (outer ``lax.map``; blocks of up to ``2**28`` floats when ``sample_floats`` is
+  The storage budget ``B`` is :func:`store_floats` values of ``itemsize`` bytes (half the available
+  memory, at least ``2**28``; ``$NTK_FL_KERNEL_MEMORY``), and ``sample_floats`` the values of one
+  sample's features (``None``: unknown, never stored). When all of ``x2``'s features fit in ``B``
+  they are computed once, in one batch, and contracted against ``x1``'s features, computed once
+  too: in one batch when both fit, else in ``x1`` blocks as large as the rest of ``B`` allows; with
+  ``x2=None`` every sample's features are computed exactly once. Otherwise ``features1`` runs once
+  per ``x1`` block (outer ``lax.map``; blocks of ``B`` less one ``chunk`` when ``sample_floats`` is
   known, else of ``chunk`` samples) and ``features2`` once per block pair (inner ``lax.map``, blocks
   of ``chunk``), which keeps two blocks alive at the price of recomputing the ``x2`` side once per
   ``x1`` block. ``x2=None`` means ``x2 = x1``; with a single block the features are shared.
@@ -151,18 +216,24 @@ def _blocked_kernel(
       f = features1(x1)
       return contract(f, f)
   n2 = n1 if x2 is None else jax.tree.leaves(x2)[0].shape[0]
-  if sample_floats is not None and n2 * sample_floats <= _STORE_FLOATS:
+  budget = None if sample_floats is None else store_floats(itemsize)
+  sample_floats = max(1, sample_floats or 1)
+  if budget is not None and n2 * sample_floats <= budget:
     # One vmap over all of x2 (no lax.map: XLA schedules one large batch best).
     f2 = features2(x1 if x2 is None else x2)
     if x2 is None and features1 is features2:
       return contract(f2, f2)
-    rows = None if n1 * sample_floats <= _STORE_FLOATS else chunk
+    left = budget - n2 * sample_floats
+    rows = None if n1 * sample_floats <= left else max(chunk or 1, left // sample_floats)
     return map_blocks(lambda x1b: contract(features1(x1b), f2), x1, rows)
   if x2 is None:
     x2 = x1
-  # The x1 blocks as large as the storage budget allows: the x2 side is recomputed once per x1 block.
+  # The x1 blocks as large as the budget allows beside one x2 block: the x2 side is recomputed
+  # once per x1 block.
   outer = (
-    chunk if sample_floats is None else max(chunk or 1, _STORE_FLOATS // max(1, sample_floats))
+    chunk
+    if budget is None
+    else max(chunk or 1, (budget - (chunk or 1) * sample_floats) // sample_floats)
   )
 
   def row(x1b):
@@ -186,9 +257,11 @@ def jacobian_kernel(apply_fn, params, x1, x2, trace_outputs, chunk):
   # A whole block's Jacobians at once (one vmap): the blocks already bound the memory.
   features = lambda x: jacobians.per_sample_jacobian(apply_fn, params, x, chunk_size=x.shape[0])
   contract = lambda j1, j2: jacobians.jacobian_kernel(j1, j2, trace_outputs=trace_outputs)
-  num_outputs = jax.eval_shape(lambda p, x: apply_fn(p, x), params, x1[:1]).shape[-1]
+  out = jax.eval_shape(lambda p, x: apply_fn(p, x), params, x1[:1])
   num_params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
-  return _blocked_kernel(features, features, contract, x1, x2, chunk, num_outputs * num_params)
+  return _blocked_kernel(
+    features, features, contract, x1, x2, chunk, out.shape[-1] * num_params, out.dtype.itemsize
+  )
 
 
 # ----------------------------------------------------------------------------

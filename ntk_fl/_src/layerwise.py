@@ -90,12 +90,16 @@ class Plan(NamedTuple):
       the reason, for reports.
     num_outputs: ``C``.
     num_rest: parameters contracted (everything but the factorised layers).
+    from_factors: the contracted layers whose per-sample Jacobians are formed from their factors
+      (``∂f_c/∂W = Σ_t A_tᵀ G_c[t]``, one batched matrix product) rather than by differentiating
+      the parameters: the layers that could be factorised but are cheaper contracted.
   """
 
   factorised: tuple[Layer, ...]
   contracted: tuple[tuple[Path, str], ...]
   num_outputs: int
   num_rest: int
+  from_factors: tuple[Layer, ...] = ()
 
 
 # ----------------------------------------------------------------------------
@@ -203,7 +207,8 @@ def _record_call(calls: dict, module: nn.Module, x: Any, y: Any, trace: Any) -> 
 def _route(
   path: Path, entry: dict, tree: Any, num_outputs: int, trace_outputs: bool, force: bool = False
 ):
-  """``(Layer, '')`` when ``path`` is factorised, else ``(None, why)`` (``force``: whatever the cost)."""
+  """``(Layer, '')`` when ``path`` is factorised, ``(Layer, why)`` when it could be but contraction
+  is cheaper (``force``: factorised whatever the cost), else ``(None, why)``."""
   module = entry["module"]
   if entry["count"] != 1:
     return None, f"called {entry['count']} times"
@@ -244,7 +249,7 @@ def _route(
   flops_f = factorised_flops(layer, num_outputs, trace_outputs)
   flops_c = contraction_flops(layer_params(layer), num_outputs, trace_outputs)
   if flops_f >= flops_c and not force:
-    return None, f"contraction is cheaper ({flops_c} vs {flops_f} FLOPs per sample pair)"
+    return layer, f"contraction is cheaper ({flops_c} vs {flops_f} FLOPs per sample pair)"
   return layer, ""
 
 
@@ -258,7 +263,8 @@ def make_plan(
   """The layers of ``apply_fn`` on one sample ``x_probe [1, *in]`` and the route of each.
 
   ``route`` (tests): ``'factorise'`` factorises every eligible layer regardless of cost,
-  ``'contract'`` none; ``None`` picks the cheaper.
+  ``'contract'`` none (every parameter's Jacobian by differentiation); ``None`` picks the cheaper,
+  and forms the Jacobians of the eligible layers it contracts from their factors.
   """
   calls: dict = {}
 
@@ -280,18 +286,20 @@ def make_plan(
     raise ValueError(f"the structured kernel needs outputs [B, C], got {out}")
   num_outputs = out.shape[1]
   tree = params.get("params", params) if hasattr(params, "get") else params
-  factorised, contracted = [], []
+  factorised, contracted, from_factors = [], [], []
   for path, entry in calls.items():
     layer, why = _route(path, entry, tree, num_outputs, trace_outputs, force=route == "factorise")
     if layer is not None and route == "contract":
       layer, why = None, "route='contract'"
-    if layer is None:
+    if layer is None or why:
       contracted.append((path, why))
+      if layer is not None:
+        from_factors.append(layer)
     else:
       factorised.append(layer)
   total = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
   rest = total - sum(layer_params(layer) for layer in factorised)
-  return Plan(tuple(factorised), tuple(contracted), num_outputs, rest)
+  return Plan(tuple(factorised), tuple(contracted), num_outputs, rest, tuple(from_factors))
 
 
 # ----------------------------------------------------------------------------
@@ -363,9 +371,36 @@ def _patches(layer: Layer, x: jax.Array) -> jax.Array:
   return p.reshape(-1, p.shape[-1])
 
 
+def _jacobian_from_factors(layer: Layer, a: jax.Array, g: jax.Array) -> dict:
+  """A layer's per-sample Jacobian ``{'kernel': [b, C, d_in·d_out], 'bias': [b, C, d_out]}`` from
+  its factors ``a [b, T, d_in]``, ``g [b, C, T, d_out]``: ``Σ_t A_tᵀ G_c[t]`` and ``Σ_t G_c[t]``.
+
+  The kernel's entries are in the patches' order, not the parameter's: the contraction sums
+  over all of them, so only both sides' sharing one order matters.
+  """
+  w = jnp.einsum("btp,bctq->bcpq", a, g, precision=_HIGHEST)
+  out = {"kernel": w.reshape(*w.shape[:2], -1)}
+  if layer.use_bias:
+    out["bias"] = g.sum(2)
+  return out
+
+
+def _insert(tree: Any, path: Path, value: Any) -> Any:
+  """``tree`` (nested dicts) with ``value`` at ``path`` (a copy along the path)."""
+  if not path:
+    return value
+  out = dict(tree or {})
+  out[path[0]] = _insert(out.get(path[0]), path[1:], value)
+  return out
+
+
 def features_fn(apply_fn: Callable, params: Params, plan: Plan) -> Callable[[jax.Array], Features]:
-  """``features(x [b, *in]) -> Features``: one ``vmap`` of ``jacrev`` over single samples."""
-  by_path = {layer.path: layer for layer in plan.factorised}
+  """``features(x [b, *in]) -> Features``: one ``vmap`` of ``jacrev`` over single samples, with
+  respect to the remaining parameters and to a zero perturbation of every intercepted layer's
+  output (the cotangents ``G``); the layers of ``plan.from_factors`` join ``rest`` as Jacobians
+  formed from their factors."""
+  intercepted = plan.factorised + plan.from_factors
+  by_path = {layer.path: layer for layer in intercepted}
   rest, fixed = _split(params, set(by_path))
 
   def single(rest_p, eps, xi):
@@ -395,18 +430,24 @@ def features_fn(apply_fn: Callable, params: Params, plan: Plan) -> Callable[[jax
         f"layers {sorted(missing)} were found on the probe sample but not called "
         "again: the model's apply must not be jit-compiled or depend on the batch"
       )
-    return out[0], tuple(inputs[layer.path] for layer in plan.factorised)
+    return out[0], tuple(inputs[layer.path] for layer in intercepted)
 
   def features(x: jax.Array) -> Features:
     dtype = jax.eval_shape(lambda p, xx: apply_fn(p, xx), params, x[:1]).dtype
-    eps = {layer.path: jnp.zeros(layer.out_shape, dtype) for layer in plan.factorised}
+    eps = {layer.path: jnp.zeros(layer.out_shape, dtype) for layer in intercepted}
     jac = jax.jacrev(single, argnums=(0, 1), has_aux=True)
     (j_rest, j_eps), a = jax.vmap(jac, in_axes=(None, None, 0))(rest, eps, x)
     g = tuple(
       j_eps[layer.path].reshape(x.shape[0], plan.num_outputs, layer.positions, layer.d_out)
-      for layer in plan.factorised
+      for layer in intercepted
     )
-    return Features(a, g, j_rest)
+    k = len(plan.factorised)
+    if plan.from_factors:
+      tree = j_rest["params"] if "params" in j_rest else j_rest
+      for layer, a_l, g_l in zip(plan.from_factors, a[k:], g[k:]):
+        tree = _insert(tree, layer.path, _jacobian_from_factors(layer, a_l, g_l))
+      j_rest = {**j_rest, "params": tree} if "params" in j_rest else tree
+    return Features(a[:k], g[:k], j_rest)
 
   return features
 
@@ -499,7 +540,8 @@ def layerwise_kernel(
   ``apply_fn(params, x [B, *in]) -> [B, C]`` must reach its flax layers without a ``jax.jit``
   boundary (a compiled function's cached trace would not be intercepted) and map samples
   independently. ``chunk``: samples per block (``None``: a block's factors below ``2**26``
-  floats); ``blocked``: the block scheduler (:func:`ntk_fl._src.kernels._blocked_kernel`'s signature).
+  floats); ``blocked``: the block scheduler (:func:`ntk_fl._src.kernels._blocked_kernel`'s signature,
+  which keeps all of ``x2``'s factors when they fit in the storage budget).
   """
   if plan is None:
     plan = make_plan(apply_fn, params, x1[:1], trace_outputs, route)
@@ -507,4 +549,5 @@ def layerwise_kernel(
   contract = contract_fn(plan, trace_outputs)
   if chunk is None:
     chunk = max(1, 2**26 // max(1, feature_floats(plan)))
-  return blocked(features, features, contract, x1, x2, chunk, feature_floats(plan))
+  itemsize = jax.eval_shape(apply_fn, params, x1[:1]).dtype.itemsize
+  return blocked(features, features, contract, x1, x2, chunk, feature_floats(plan), itemsize)

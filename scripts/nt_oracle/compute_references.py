@@ -1,11 +1,12 @@
 """Stage 2 of the neural-tangents oracle (runs in the oracle environment, not the library's).
 
-Reads stage 1's parameters and inputs, rebuilds the three networks as plain JAX
+Reads stage 1's parameters and inputs, rebuilds the four networks as plain JAX
 functions ``f(params, x)`` (the same computations as the flax modules of
-``ntk_fl.models``, checked against the outputs stage 1 stored), and computes
-reference kernels with ``neural_tangents.empirical_ntk_fn`` for every case in
-:data:`CASES`: in float64 (the stored reference) and, for the MLP without diagonal axes,
-also in float32 (neural-tangents' own single-precision result), with ``NtkImplementation.JACOBIAN_CONTRACTION``;
+``ntk_fl.models`` and stage 1's ``ConvDense``, checked against the outputs stage 1
+stored), and computes reference kernels with ``neural_tangents.empirical_ntk_fn``
+for every case in :data:`CASES`: in float64 (the stored reference) and, for the
+MLP and the conv+dense net without diagonal axes, also in float32
+(neural-tangents' own single-precision result), with ``NtkImplementation.JACOBIAN_CONTRACTION``;
 the other two implementations and ``vmap_axes=None`` are run as well and must
 agree. Writes the references, the parameters, the inputs and the versions of
 neural-tangents, JAX, jaxlib, TensorFlow, NumPy and Python to ``OUT.npz``.
@@ -46,6 +47,10 @@ CASES = [
   ("conv_features/diag_spatial_trace_last", "conv_features", (-1,), (1, 2), "x2"),
   ("conv_features/diag_batch_last_trace_rows", "conv_features", (1,), (0, -1), None),
   ("conv_features/full", "conv_features", (), (), "x2"),
+  ("conv_dense/trace_last", "conv_dense", (-1,), (), "x2"),
+  ("conv_dense/full", "conv_dense", (), (), "x2"),
+  ("conv_dense/trace_last_self", "conv_dense", (-1,), (), None),
+  ("conv_dense/full_self", "conv_dense", (), (), None),
 ]
 
 
@@ -82,7 +87,24 @@ def conv_features(params, x):  # conv3x3(1 -> 4)-relu-conv3x3(4 -> 2): [N, H, W,
   return conv_same(p["conv_1"], jax.nn.relu(conv_same(p["conv_0"], x)))
 
 
-NETWORKS = {"mlp": mlp, "cnn": cnn, "conv_features": conv_features}
+def conv(p, x, strides, padding):  # NHWC inputs, HWIO kernels (flax nn.Conv)
+  y = jax.lax.conv_general_dilated(
+    x, p["kernel"], strides, padding, dimension_numbers=("NHWC", "HWIO", "NHWC")
+  )
+  return y + p["bias"]
+
+
+def conv_dense(
+  params, x
+):  # export_inputs.ConvDense: strided/padded convolutions, then dense layers
+  p = params["params"]
+  x = jax.nn.relu(conv(p["conv_0"], x, (2, 2), ((1, 1), (1, 1))))
+  x = jnp.tanh(conv(p["conv_1"], x, (2, 2), "SAME"))
+  x = jax.nn.relu(dense(p["dense_0"], x.reshape(x.shape[0], -1)))
+  return dense(p["dense_1"], x)
+
+
+NETWORKS = {"mlp": mlp, "cnn": cnn, "conv_features": conv_features, "conv_dense": conv_dense}
 
 
 def nested_params(arrays, net, dtype):
@@ -116,7 +138,7 @@ def max_rel(a, b):
 
 def main(inputs_path, out_path):
   arrays = np.load(inputs_path)
-  for net in ("mlp", "cnn"):  # stage 2 rebuilds the library's networks exactly
+  for net in ("mlp", "cnn", "conv_dense"):  # stage 2 rebuilds the library's networks exactly
     f_x1 = NETWORKS[net](nested_params(arrays, net, jnp.float32), jnp.asarray(arrays[f"{net}/x1"]))
     err = float(np.max(np.abs(np.asarray(f_x1) - arrays[f"{net}/f_x1"])))
     print(f"{net}: max |f(x1) - ntk_fl's f(x1)| = {err:.2e}")
@@ -142,7 +164,7 @@ def main(inputs_path, out_path):
       f"other implementations / vmap_axes=None vs float64 max rel {max(agree.values()):.1e}"
     )
     out[f"{name}/kernel"] = ref
-    if net == "mlp" and not diagonal_axes:
+    if net in ("mlp", "conv_dense") and not diagonal_axes:
       out[f"{name}/kernel_float32"] = single  # neural-tangents' own float32 result, for comparison
     cases.append(
       dict(
