@@ -726,15 +726,10 @@ def replica_dir(workdir: str, seed: int) -> str:
   return os.path.join(workdir, f"seed{seed}")
 
 
-def _check_replicas_start(
-  config, workdir: str, *, resume: bool, resume_from_step: int | None
-) -> int:
-  """:func:`check_start` of a seed-batched run (``config.replicas > 1``): each replica's own folder.
-
-  Returns the fewest rounds any replica starts from (each resumes from its own checkpoint).
-  """
-  from ntk_fl import schema  # pylint: disable=import-outside-toplevel -- schema imports the algorithms
-
+def check_replicas_workdir(config, workdir: str, *, resume: bool) -> None:
+  """The workdir of a seed-batched run (``config.replicas > 1``) itself: no single-seed run in it, and
+  its :data:`REPLICAS_FILE` (if any) from the same first seed and replica count; the replicas' folders
+  are checked as runs of their own (:func:`check_workdir`)."""
   workdir = os.path.abspath(workdir)
   check_writable(workdir)
   record = os.path.join(workdir, REPLICAS_FILE)
@@ -744,8 +739,16 @@ def _check_replicas_start(
       f"(config.replicas = {config.replicas}) needs an empty workdir or its own earlier one"
     )
   if os.path.isfile(record):
-    with open(record) as f:
-      stored = json.load(f)
+    try:
+      with open(record) as f:
+        stored = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise ValueError(
+        f"{record} is not a readable record of a seed-batched run ({e}); its replicas are the "
+        "seed<k>/ folders beside it: resume each as a single-seed run, or choose an empty workdir"
+      ) from None
+    if not isinstance(stored, dict):
+      stored = {}
     if not resume:
       raise ValueError(
         f"workdir {workdir} already holds a seed-batched run ({REPLICAS_FILE}); continue it "
@@ -756,12 +759,22 @@ def _check_replicas_start(
         f"cannot resume {workdir} with a different config; changed: seed, replicas: "
         f"{stored.get('seed')!r}, {stored.get('replicas')!r} -> {config.seed!r}, {config.replicas!r}"
       )
-  starts = [
-    check_workdir(
-      run, replica_dir(workdir, run.seed), resume=resume, resume_from_step=resume_from_step
-    )
-    for run in schema.replica_settings(config)
-  ]
+
+
+def _check_replicas_start(
+  config, workdir: str, *, resume: bool, resume_from_step: int | None
+) -> int:
+  """:func:`check_start` of a seed-batched run: its workdir, then each replica's folder as a run (held
+  while it is checked: resume may set checkpoints aside). Returns the fewest rounds any replica starts
+  from (each resumes from its own checkpoint)."""
+  from ntk_fl import schema  # pylint: disable=import-outside-toplevel -- schema imports the algorithms
+
+  check_replicas_workdir(config, workdir, resume=resume)
+  starts = []
+  for run in schema.replica_settings(config):
+    folder = replica_dir(os.path.abspath(workdir), run.seed)
+    with workdir_lock(folder):
+      starts.append(check_workdir(run, folder, resume=resume, resume_from_step=resume_from_step))
   return min(starts)
 
 

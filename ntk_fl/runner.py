@@ -1143,7 +1143,7 @@ class _ReplicaRun:
       on_round_end(round_, line)
 
   def close(self, state) -> None:
-    """The final checkpoint (as :func:`_rounds` writes it) and the open files."""
+    """The final checkpoint, as :func:`_rounds` writes it."""
     if (
       self.ckpt is not None
       and self.config.checkpoint_every
@@ -1151,10 +1151,17 @@ class _ReplicaRun:
       and not _stopped(self.diverged, self.config)
     ):
       self.ckpt.save(self.last_round, state)
-    self.metrics_file.close()
-    self.events.__exit__(None, None, None)
 
   def shutdown(self) -> None:
+    """Closes the files, the event writer and the checkpoints (also after an error or Ctrl-C)."""
+    metrics_file, events = (
+      self.__dict__.pop("metrics_file", None),
+      self.__dict__.pop("events", None),
+    )
+    if metrics_file is not None:
+      metrics_file.close()
+    if events is not None:
+      events.__exit__(None, None, None)
     if self.ckpt is not None:
       self.ckpt.close()
 
@@ -1189,7 +1196,7 @@ def _run_replicas(
       f"(the clients are sharded over {parallel.num_client_shards()} devices)"
     )
   workdir = os.path.abspath(workdir)
-  rundir.check_start(config, workdir, resume=resume, resume_from_step=resume_from_step)
+  rundir.check_replicas_workdir(config, workdir, resume=resume)
   runs = replica_settings(config)
   dirs = [rundir.replica_dir(workdir, run.seed) for run in runs]
   with contextlib.ExitStack() as stack:
