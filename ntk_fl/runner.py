@@ -564,7 +564,8 @@ def run(
       early interruption (an exception it raises stops the run there).
 
   Returns:
-    The summary dict written to ``summary.json``.
+    The summary dict written to ``summary.json``; for a seed-batched run (``config.replicas > 1``)
+    ``{"method", "seed", "replicas", "runs": [each replica's summary], "wall_time", ...}``.
 
   Raises:
     ValueError: a bad config value (before any data is loaded), a workdir
@@ -979,6 +980,18 @@ def _replica(tree, k: int):
   return jax.tree.map(lambda x: x[k], tree)
 
 
+def _stack_inputs(inputs: list, replicas: list) -> Any:
+  """The replicas' round inputs stacked; inputs of different shapes are a ``ValueError`` naming the seeds."""
+  for rep, tree in zip(replicas[1:], inputs[1:]):
+    if _shapes(tree) != _shapes(inputs[0]):
+      raise ValueError(
+        f"config.replicas: seeds {replicas[0].config.seed} and {rep.config.seed} draw round inputs of "
+        f"different shapes ({[s for s, _ in _shapes(inputs[0])]} vs {[s for s, _ in _shapes(tree)]}), "
+        "e.g. graphs of different maximum degree: fix config.topology.k_max, or run the seeds separately"
+      )
+  return _stack(inputs)
+
+
 def _shapes(tree) -> list:
   return [(jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(tree)]
 
@@ -1019,7 +1032,7 @@ def _replicable(exps: list[Experiment]):
   return exps[0].algorithm.replicable.step, treedef, stacked, shared
 
 
-def make_replicated_step(step, treedef, num_replicas: int, replica_chunk: int):
+def _make_replicated_step(step, treedef, num_replicas: int, replica_chunk: int):
   """One jitted ``(states, inputs, stacked, shared) -> (states, metrics)`` over the replica axis.
 
   ``replica_chunk = 1``: ``lax.map``, each replica's round is the single-seed program's (bit-identical on the
@@ -1263,7 +1276,7 @@ def _rounds_replicated(
 ) -> list:
   """The rounds of every replica, one replicated step at a time; returns each replica's final state."""
   num = len(replicas)
-  replicated = make_replicated_step(step, treedef, num, config.replica_chunk)
+  replicated = _make_replicated_step(step, treedef, num, config.replica_chunk)
   carried = _canonical(_stack(states))
   finals = list(states)
   rounds = config.rounds
@@ -1279,7 +1292,9 @@ def _rounds_replicated(
     while not all(r.done for r in replicas):
       # Replica k is at round start_k + t; a replica that is done gets its last round's inputs (unused).
       index = [min(r.start + t, rounds - 1) for r in replicas]
-      inputs = _stack([r.algorithm.round_inputs(i) for r, i in zip(replicas, index)])
+      inputs = _stack_inputs(
+        [r.algorithm.round_inputs(i) for r, i in zip(replicas, index)], replicas
+      )
       t0 = time.perf_counter()
       carried, metrics = replicated(carried, inputs, stacked, shared)
       carried = _canonical(jax.block_until_ready(carried))

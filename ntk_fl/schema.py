@@ -262,6 +262,12 @@ def validate_config(config, reference=None) -> RunSettings:
       k_max=t.k_max,
     )
     run = dataclasses.replace(run, built_topology=built)
+  if run.replicas > 1 and not spec.replicas:
+    raise ValueError(
+      f"config.replicas = {run.replicas}: method {method!r} does not support seed-batched runs "
+      "(supported: the decentralized gradient baselines and ntk_dfl); set config.replicas = 1 and "
+      "run the seeds separately"
+    )
   if spec.check is not None:
     spec.check(hyperparameters, run)
   if reference is not None:

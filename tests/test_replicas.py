@@ -20,7 +20,14 @@ from ntk_fl import config as config_lib
 from ntk_fl.checkpoint import Checkpoints
 from ntk_fl.reproduce import queue
 from ntk_fl.reproduce.experiments import SMOKE
-from ntk_fl.reproduce.registry import build_config, config_key, override_flags, stored_form
+from ntk_fl.reproduce.registry import (
+  Experiment,
+  Variant,
+  build_config,
+  config_key,
+  override_flags,
+  stored_form,
+)
 
 ROUNDS = 3
 TIMES = ("step_time", "eval_time")
@@ -270,3 +277,21 @@ def test_runs_stored_before_replicas_existed_keep_their_identity_and_setting(tmp
   ]
   assert rundir.run_identity(replica) == rundir.run_identity(old)
   assert config_key(read) == config_key(json.loads(json.dumps(rundir.jsonable(replica))))
+
+
+def test_the_queue_runs_a_method_without_replicas_seed_by_seed(tmp_path):
+  experiment = Experiment(
+    "t:mixed",
+    "mixed",
+    (Variant("spark", "spark:smoke", (("rounds", 2),)), Variant("dfedavg", "dfedavg:smoke", ())),
+    seeds=(0, 1),
+  )
+  jobs = queue.plan(experiment, str(tmp_path), replicas=2)
+  assert [(j.variant.name, j.seeds) for j in jobs] == [
+    ("spark", [0]),
+    ("spark", [1]),
+    ("dfedavg", [0, 1]),
+  ]
+  # What the schema says of the same request: spark refuses, naming itself.
+  with pytest.raises(ValueError, match="method 'spark' does not support seed-batched runs"):
+    schema.validate_config({**build_config(experiment.variants[0], 0).to_dict(), "replicas": 2})

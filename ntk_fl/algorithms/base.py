@@ -26,8 +26,8 @@ An :class:`Algorithm` is a bundle of pure functions, in the spirit of
   averaging their weights would be meaningless.
 * ``replicable`` (optional, default ``None``): the step as a pure function of its
   data (:class:`Replicable`), for seed-batched runs (``config.replicas``): the
-  runner stacks several seeds' data on a leading replica axis and compiles one
-  ``vmap`` of it. A method without it runs one seed at a time.
+  runner stacks several seeds' data on a leading replica axis and maps the step
+  over it in one compiled program. A method without it runs one seed at a time.
 """
 
 from __future__ import annotations
@@ -135,13 +135,13 @@ class TargetsFn(Protocol):
 
 
 class Replicable(NamedTuple):
-  """A method's round with every per-run array an argument: what a seed-batched run vmaps.
+  """A method's round with every per-run array an argument: what a seed-batched run maps over its seeds.
 
   Attributes:
     step: ``step(state, inputs, data) -> (state, metrics)``, pure and *not* jitted; ``Algorithm.step(state,
       inputs)`` is ``jax.jit(step)(state, inputs, data)``. Everything that differs between two seeds of the
       same config (the federation's rows, per-client sizes and package bits) is in ``data``, never closed
-      over, so one compiled ``vmap`` serves every seed.
+      over, so one compiled program serves every seed.
     data: the run's arrays ``step`` reads (a pytree of device arrays of fixed shapes).
   """
 

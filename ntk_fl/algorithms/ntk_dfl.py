@@ -668,4 +668,5 @@ METHOD = Method(
   check=check,
   graph=True,
   shared_rounds=shared_rounds,
+  replicas=True,
 )

@@ -211,18 +211,31 @@ def _fresh(job: Job) -> bool:
   return job.action == "start" and not job.aside and not job.branch_from
 
 
+def _replicable(variant: Variant) -> bool:
+  """Whether ``variant``'s method runs seed-batched (``Method.replicas``; others run seed by seed)."""
+  from ntk_fl.algorithms import get_method  # pylint: disable=import-outside-toplevel
+
+  try:
+    return get_method(build_config(variant, 0).method).replicas
+  except ValueError:  # a method of a user's module not imported here: one seed at a time
+    return False
+
+
 def group_seeds(jobs: list[Job], out: str, replicas: int) -> list[Job]:
   """``jobs`` with runs of up to ``replicas`` consecutive fresh seeds of one variant made one job.
 
-  A fresh job starts from nothing (no folder in the way, no branch source); its group runs the first
-  seed's command with ``--config.replicas=<n>`` in ``OUT/<name>_s<first>-<last>`` (moved aside first
-  when a folder of that name is left from an interrupted group with nothing to resume).
+  Only variants whose method runs seed-batched are grouped (:func:`_replicable`). A fresh job starts
+  from nothing (no folder in the way, no branch source); its group runs the first seed's command with
+  ``--config.replicas=<n>`` in ``OUT/<name>_s<first>-<last>`` (moved aside first when a folder of that
+  name is left from an interrupted group with nothing to resume).
   """
   grouped: list[Job] = []
+  replicable = {v.name: _replicable(v) for v in {j.variant.name: j.variant for j in jobs}.values()}
   for job in jobs:
     last = grouped[-1] if grouped else None
     if (
       last is not None
+      and replicable[job.variant.name]
       and _fresh(job)
       and _fresh(last)
       and last.variant.name == job.variant.name
