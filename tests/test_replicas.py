@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from ntk_fl import configs, rundir, runner, schema
+from ntk_fl import compare, configs, rundir, runner, schema
 from ntk_fl import config as config_lib
 from ntk_fl.checkpoint import Checkpoints
 from ntk_fl.reproduce import queue
@@ -92,6 +92,9 @@ def test_each_replica_equals_its_single_seed_run(runs):
     mine, theirs = final_params(replica, like), final_params(single, like)
     for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # `ntk-fl compare WORKDIR` reads the replicas as the seeds of one setting.
+  [group] = compare.group_runs(compare.read_runs([replicated]))
+  assert group.seeds == [3, 4]
   # The two seeds are different runs (their own partitions, graphs and initialisations).
   assert metrics(singles[0]) != metrics(singles[1])
 
