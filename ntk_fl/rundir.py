@@ -767,11 +767,11 @@ def _check_replicas_start(
   """:func:`check_start` of a seed-batched run: its workdir, then each replica's folder as a run (held
   while it is checked: resume may set checkpoints aside). Returns the fewest rounds any replica starts
   from (each resumes from its own checkpoint)."""
-  from ntk_fl import schema  # pylint: disable=import-outside-toplevel -- schema imports the algorithms
-
   check_replicas_workdir(config, workdir, resume=resume)
   starts = []
-  for run in schema.replica_settings(config):
+  for k in range(config.replicas):
+    # Replica k's settings as far as the checks read them (the schema builds its topology: runner).
+    run = dataclasses.replace(config, seed=config.seed + k, replicas=1)
     folder = replica_dir(os.path.abspath(workdir), run.seed)
     with workdir_lock(folder):
       starts.append(check_workdir(run, folder, resume=resume, resume_from_step=resume_from_step))
