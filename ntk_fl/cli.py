@@ -568,7 +568,11 @@ def _close_log() -> None:
 
 
 def _closing_line(summary: dict, workdir: str) -> str:
-  """One line with the result of a run, for the console."""
+  """One line with the result of a run, for the console (one per replica of a seed-batched run)."""
+  if "runs" in summary:
+    return "\n".join(
+      _closing_line(run, os.path.join(workdir, f"seed{run.get('seed')}")) for run in summary["runs"]
+    )
   acc = summary.get("final_test_acc")
   targets = ", ".join(
     f"{float(t):.0%} at round {r}" if r is not None else f"{float(t):.0%} not reached"
@@ -583,7 +587,7 @@ def _closing_line(summary: dict, workdir: str) -> str:
 
 def _interrupted(workdir: str) -> str:
   """The line for Ctrl-C: ``--resume`` once the run has started, else the same command again."""
-  if os.path.isfile(os.path.join(workdir, "config.json")):
+  if any(os.path.isfile(os.path.join(workdir, f)) for f in ("config.json", "replicas.json")):
     return f"interrupted; continue the run with --resume (workdir {workdir})"
   return (
     f"interrupted before the run started (nothing written to {workdir}); run the same command again"

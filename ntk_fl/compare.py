@@ -65,6 +65,8 @@ NEUTRAL_KEYS = (
   "devices",
   "chunk_size",
   "debug_clients",
+  "replicas",
+  "replica_chunk",
   "checkpoint_every",
   "checkpoint_keep",
   "on_divergence",
@@ -638,13 +640,13 @@ def archive(workdir: str, out_root: str) -> str:
 
 def read_runs(workdirs: Sequence[str]) -> list[dict]:
   """The runs among ``workdirs`` that have logged at least one round (others are reported on
-  stderr).
+  stderr); a seed-batched run's workdir stands for its replicas' runs (``seed<k>/``).
 
   Raises:
     ValueError: none of them is such a run.
   """
   runs = []
-  for workdir in workdirs:
+  for workdir in [r for w in workdirs for r in (rundir.replica_runs(w) or [w])]:
     if not rundir.is_run(workdir):
       print(
         f"skipped {workdir}: no {rundir.CONFIG_FILE} and {rundir.METRICS_FILE} (not a run)",

@@ -59,6 +59,12 @@ below it they travel as the frozen dataclasses of :mod:`ntk_fl.settings`):
   ``0`` = all (every host's after ``--distributed``), ``1`` = the single-device
   path, ``n`` = the first ``n``. Results agree across device counts up to float
   rounding.
+* ``replicas``: ``S >= 1`` seeds ``seed .. seed+S-1`` run as one compiled program (a seed-batched run):
+  ``WORKDIR/seed<k>/`` is each seed's run directory, equal to its own single-seed run
+  (:func:`ntk_fl.runner.run`). Results do not depend on it.
+* ``replica_chunk``: replicas of a seed-batched run stepped at once by ``vmap`` (``1``, the default:
+  one after another inside the compiled program, bit-identical to single-seed runs; ``0`` = all at
+  once, for accelerator throughput, equal up to float rounding). Results agree up to float rounding.
 * ``debug_clients``: the client map's debug mode (:func:`ntk_fl.parallel.use_devices` with
   ``debug=True``): nothing compiled, clients one at a time in a Python loop, and an exception
   names the client and the stage. Slow; for finding which client fails where.
@@ -131,6 +137,8 @@ def base_config() -> ml_collections.ConfigDict:
   config.on_divergence = "stop"
   config.chunk_size = 0
   config.devices = 0
+  config.replicas = 1
+  config.replica_chunk = 1
   config.debug_clients = False
   config.algorithm = ml_collections.ConfigDict()
   return config

@@ -38,6 +38,8 @@ FIELD_DOCS: dict[str, str] = {
   "on_divergence": "a round with NaN/inf models or losses: 'stop' the run or 'continue' (logged)",
   "chunk_size": "clients per vmap chunk on each device (0 = all at once); memory vs speed, same results",
   "devices": "devices the client axis is sharded over (0 = all, 1 = single-device path, n = first n)",
+  "replicas": "seeds seed .. seed+replicas-1 run as one compiled program, one run directory each (1 = one run)",
+  "replica_chunk": "replicas vmapped at once (1 = one after another in the program, exact; 0 = all, GPU throughput)",
   "debug_clients": "no jit, clients one by one in a Python loop; an error names the client and the stage",
   # ------------------------------------------------------------------ data
   "data.name": "dataset: fashion_mnist | mnist | emnist_digits | femnist | cifar10 (never downloaded)",

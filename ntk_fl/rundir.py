@@ -110,6 +110,8 @@ _RESULT_NEUTRAL_KEYS = (
   "eval.consensus",
   "on_divergence",
   "debug_clients",
+  "replicas",  # a seed-batched run writes each replica as a single-seed run (replicas = 1)
+  "replica_chunk",
 )
 # Keys added to the schema after runs were stored, each with the value that reproduces those runs: a stored
 # config.json without one ran with that value (resume, branch and read_config fill it in).
@@ -121,6 +123,8 @@ _ADDED_KEYS = {
   "debug_clients": False,
   "model.module": "",
   "model.per_sample": False,
+  "replicas": 1,
+  "replica_chunk": 1,
 }
 
 
@@ -726,6 +730,94 @@ def _metrics_rounds(workdir: str) -> int:
   return held
 
 
+REPLICAS_FILE = "replicas.json"
+"""A seed-batched run's record in its workdir: ``{"seed", "replicas", "runs"}`` (the replicas' folders)."""
+
+
+def replica_dir(workdir: str, seed: int) -> str:
+  """The run directory of seed ``seed``'s replica in a seed-batched run's ``workdir``."""
+  return os.path.join(workdir, f"seed{seed}")
+
+
+def check_replicas_workdir(config, workdir: str, *, resume: bool) -> None:
+  """The workdir of a seed-batched run (``config.replicas > 1``) itself: no single-seed run in it, and
+  its :data:`REPLICAS_FILE` (if any) from the same first seed and replica count; the replicas' folders
+  are checked as runs of their own (:func:`check_workdir`)."""
+  workdir = os.path.abspath(workdir)
+  check_writable(workdir)
+  record = os.path.join(workdir, REPLICAS_FILE)
+  if os.path.exists(os.path.join(workdir, CONFIG_FILE)):
+    raise ValueError(
+      f"workdir {workdir} holds a single-seed run (config.json); a seed-batched run "
+      f"(config.replicas = {config.replicas}) needs an empty workdir or its own earlier one"
+    )
+  if os.path.isfile(record):
+    try:
+      with open(record) as f:
+        stored = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise ValueError(
+        f"{record} is not a readable record of a seed-batched run ({e}); its replicas are the "
+        "seed<k>/ folders beside it: resume each as a single-seed run, or choose an empty workdir"
+      ) from None
+    if not isinstance(stored, dict):
+      stored = {}
+    if not resume:
+      raise ValueError(
+        f"workdir {workdir} already holds a seed-batched run ({REPLICAS_FILE}); continue it "
+        "with --resume or choose an empty workdir"
+      )
+    if (stored.get("seed"), stored.get("replicas")) != (config.seed, config.replicas):
+      raise ValueError(
+        f"cannot resume {workdir} with a different config; changed: seed, replicas: "
+        f"{stored.get('seed')!r}, {stored.get('replicas')!r} -> {config.seed!r}, {config.replicas!r}"
+      )
+
+
+def _check_replicas_start(
+  config, workdir: str, *, resume: bool, resume_from_step: int | None
+) -> int:
+  """:func:`check_start` of a seed-batched run: its workdir, then each replica's folder as a run (held
+  while it is checked: resume may set checkpoints aside). Returns the fewest rounds any replica starts
+  from (each resumes from its own checkpoint)."""
+  check_replicas_workdir(config, workdir, resume=resume)
+  starts = []
+  for k in range(config.replicas):
+    # Replica k's settings as far as the checks read them (the schema builds its topology: runner).
+    run = dataclasses.replace(config, seed=config.seed + k, replicas=1)
+    folder = replica_dir(os.path.abspath(workdir), run.seed)
+    with workdir_lock(folder):
+      starts.append(check_workdir(run, folder, resume=resume, resume_from_step=resume_from_step))
+  return min(starts)
+
+
+def write_replicas(workdir: str, config) -> None:
+  """Writes a seed-batched run's :data:`REPLICAS_FILE` (its first seed, replica count and folders)."""
+  runs = [os.path.basename(replica_dir(workdir, config.seed + k)) for k in range(config.replicas)]
+  if distributed.is_primary():
+    _write_json(
+      os.path.join(workdir, REPLICAS_FILE),
+      {"seed": config.seed, "replicas": config.replicas, "runs": runs},
+    )
+
+
+def replica_runs(workdir: str) -> list[str]:
+  """The replicas' run directories of the seed-batched run in ``workdir`` (``[]`` if it holds none)."""
+  record = os.path.join(workdir, REPLICAS_FILE)
+  if not os.path.isfile(record):
+    return []
+  try:
+    with open(record) as f:
+      runs = json.load(f).get("runs", [])
+  except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+    return []
+  return [
+    os.path.join(workdir, r)
+    for r in runs
+    if isinstance(r, str) and os.path.isdir(os.path.join(workdir, r))
+  ]
+
+
 def check_start(
   config,
   workdir: str,
@@ -759,6 +851,13 @@ def check_start(
       f"branch_round={branch_round} needs branch_from (--branch_round={branch_round} needs "
       "--branch_from: the run to branch from)"
     )
+  if getattr(config, "replicas", 1) > 1:
+    if branch_from is not None:
+      raise ValueError(
+        f"config.replicas = {config.replicas}: a seed-batched run cannot branch (branch_from); "
+        "branch each seed's run on its own"
+      )
+    return _check_replicas_start(config, workdir, resume=resume, resume_from_step=resume_from_step)
   start = check_workdir(config, workdir, resume=resume, resume_from_step=resume_from_step)
   return start if branch_from is None else check_branch(config, branch_from, branch_round)
 

@@ -38,11 +38,23 @@ an uninterrupted run's except for wall-clock times. A branched run
 (``run(..., branch_from=SOURCE)``, ``--branch_from``) starts from the checkpoint
 of the run in ``SOURCE`` after ``k`` rounds and copies its metrics lines 1..k;
 it equals the run started from scratch.
+
+Seed-batched runs (``config.replicas = S > 1``, :func:`_run_replicas`): seeds
+``seed .. seed+S-1`` are built as S experiments (each its own partition, topology
+draws and initialisation), their states, round inputs and step data
+(:class:`ntk_fl.algorithms.base.Replicable`) stacked on a leading replica axis,
+and one compiled program steps them all (``lax.map`` over the replicas, or
+``vmap`` of ``replica_chunk`` of them). ``WORKDIR/replicas.json`` names the
+replicas' run directories ``WORKDIR/seed<k>/``; each is a normal run directory
+(its own ``config.json`` with its own seed and ``replicas = 1``, metrics,
+checkpoints, summary) equal to the single-seed run of that seed, and resumes
+from its own checkpoint.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import time
@@ -63,7 +75,7 @@ from ntk_fl._src import cost
 from ntk_fl.algorithms import Algorithm, get_method
 from ntk_fl.checkpoint import Checkpoints
 from ntk_fl.rng import Stream, numpy_rng
-from ntk_fl.schema import validate_config
+from ntk_fl.schema import replica_settings, validate_config
 from ntk_fl.settings import RunSettings
 
 __all__ = [
@@ -552,7 +564,8 @@ def run(
       early interruption (an exception it raises stops the run there).
 
   Returns:
-    The summary dict written to ``summary.json``.
+    The summary dict written to ``summary.json``; for a seed-batched run (``config.replicas > 1``)
+    ``{"method", "seed", "replicas", "runs": [each replica's summary], "wall_time", ...}``.
 
   Raises:
     ValueError: a bad config value (before any data is loaded), a workdir
@@ -570,6 +583,20 @@ def run(
     ),
     rundir.workdir_lock(workdir),
   ):  # one run per workdir (held by the caller already: kept)
+    if settings.replicas > 1:
+      if branch_from is not None or branch_round is not None:
+        raise ValueError(
+          f"config.replicas = {settings.replicas}: a seed-batched run cannot branch "
+          "(branch_from); branch each seed's run on its own"
+        )
+      return _run_replicas(
+        settings,
+        workdir,
+        resume=resume or resume_from_step is not None,
+        resume_from_step=resume_from_step,
+        on_round_end=on_round_end,
+        started=started,
+      )
     return _run(
       settings,
       workdir,
@@ -938,3 +965,350 @@ def _finish(
       "Finished %s: %s", workdir, {k: summary[k] for k in ("rounds_to_target", "final_test_acc")}
     )
   return summary
+
+
+# ----------------------------------------------------------------------------- seed-batched runs
+
+
+def _stack(trees: list):
+  """``S`` pytrees of equal structure -> one whose leaves carry a leading replica axis ``S``."""
+  return jax.tree.map(lambda *xs: jnp.stack([jnp.asarray(x) for x in xs]), *trees)
+
+
+def _replica(tree, k: int):
+  """Replica ``k`` of a stacked pytree (the leading axis taken away)."""
+  return jax.tree.map(lambda x: x[k], tree)
+
+
+def _stack_inputs(inputs: list, replicas: list) -> Any:
+  """The replicas' round inputs stacked; inputs of different shapes are a ``ValueError`` naming the seeds."""
+  for rep, tree in zip(replicas[1:], inputs[1:]):
+    if _shapes(tree) != _shapes(inputs[0]):
+      raise ValueError(
+        f"config.replicas: seeds {replicas[0].config.seed} and {rep.config.seed} draw round inputs of "
+        f"different shapes ({[s for s, _ in _shapes(inputs[0])]} vs {[s for s, _ in _shapes(tree)]}), "
+        "e.g. graphs of different maximum degree: fix config.topology.k_max, or run the seeds separately"
+      )
+  return _stack(inputs)
+
+
+def _shapes(tree) -> list:
+  return [(jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(tree)]
+
+
+def _replicable(exps: list[Experiment]):
+  """The replicas' common step and their data split into stacked (per seed) and shared leaves.
+
+  Raises ``ValueError`` for a method without a :class:`~ntk_fl.algorithms.base.Replicable` step or seeds
+  whose arrays differ in shape (the replica axis needs one shape).
+  """
+  method = exps[0].settings.method
+  if any(e.algorithm.replicable is None for e in exps):
+    raise ValueError(
+      f"config.replicas = {len(exps)}: method {method!r} does not support seed-batched runs "
+      "(its Algorithm has no replicable step); set config.replicas = 1 and run the seeds separately"
+    )
+  datas = [e.algorithm.replicable.data for e in exps]
+  for name, trees in (("step data (the federation)", datas),):
+    first = jax.tree.structure(trees[0]), _shapes(trees[0])
+    for e, tree in zip(exps[1:], trees[1:]):
+      if (jax.tree.structure(tree), _shapes(tree)) != first:
+        raise ValueError(
+          f"config.replicas: seeds {exps[0].settings.seed} and {e.settings.seed} give {name} of "
+          f"different shapes ({[s for s, _ in first[1]]} vs {[s for s, _ in _shapes(tree)]}): "
+          "seed-batched runs need one shape, e.g. a partition with equal client sizes "
+          "(config.data.samples_per_client); run the seeds separately otherwise"
+        )
+  leaves = [jax.tree.leaves(d) for d in datas]
+  treedef = jax.tree.structure(datas[0])
+  stacked, shared = [], []
+  for column in zip(*leaves):
+    same = all(
+      x is column[0] or np.array_equal(np.asarray(x), np.asarray(column[0])) for x in column
+    )
+    # A leaf every seed shares (e.g. the training set when no seed subsamples it) is passed once.
+    stacked.append(None if same else jnp.stack(column))
+    shared.append(column[0] if same else None)
+  return exps[0].algorithm.replicable.step, treedef, stacked, shared
+
+
+def _make_replicated_step(step, treedef, num_replicas: int, replica_chunk: int):
+  """One jitted ``(states, inputs, stacked, shared) -> (states, metrics)`` over the replica axis.
+
+  ``replica_chunk = 1``: ``lax.map``, each replica's round is the single-seed program's (bit-identical on the
+  CPU); ``0`` or ``>= S``: one ``vmap`` of all; otherwise ``lax.map`` of ``vmap`` chunks of that size.
+  ``stacked`` / ``shared``: the step data's leaves, ``[S, ...]`` or ``None`` / one copy or ``None``.
+  """
+
+  def one(args, shared):
+    state, inputs, leaves = args
+    data = jax.tree.unflatten(treedef, [s if x is None else x for x, s in zip(leaves, shared)])
+    return step(state, inputs, data)
+
+  @jax.jit
+  def replicated(states, inputs, stacked, shared):
+    xs = (states, inputs, stacked)
+    fn = functools.partial(one, shared=shared)
+    if replica_chunk == 1:
+      return jax.lax.map(fn, xs)
+    if replica_chunk == 0 or replica_chunk >= num_replicas:
+      return jax.vmap(fn)(xs)
+    return jax.lax.map(fn, xs, batch_size=replica_chunk)
+
+  return replicated
+
+
+class _ReplicaRun:
+  """One replica's records: its workdir, metrics lines, checkpoints, evaluator and progress."""
+
+  def __init__(self, exp: Experiment, workdir: str, start: int, resume: bool):
+    self.exp, self.config, self.workdir = exp, exp.settings, workdir
+    self.start, self.resume = start, resume
+    self.algorithm = exp.algorithm
+    keep = tuple(int(r) for r in self.config.checkpoint_keep)
+    self.keep = keep
+    self.ckpt = None
+    if self.config.checkpoint_every or keep:
+      self.ckpt = Checkpoints(
+        rundir.checkpoint_dir(workdir), keep=keep, identity=rundir.run_identity(self.config)
+      )
+    self.diverged = None
+    self.done = False
+    self.last_round = start
+    self.final_state = None
+
+  def open(self, state):
+    """Restores or writes the start; returns the state this replica starts from."""
+    os.makedirs(self.workdir, exist_ok=True)
+    state, self.lines = _start(
+      self.config, self.workdir, state, self.start, self.ckpt, resume=self.resume, branch_from=None
+    )
+    params = jax.tree_util.tree_leaves(self.algorithm.client_params(state))
+    self.num_clients = params[0].shape[0]
+    self.num_params = sum(math.prod(w.shape[1:]) for w in params)
+    self.consensus = _consensus_scorer(self.algorithm, state, self.config)
+    self.finite_check = make_finite_check(self.algorithm.client_params)
+    self.evaluator = metrics_lib.make_evaluator(
+      self.exp.model.apply,
+      self.exp.dataset.x_test,
+      self.exp.dataset.y_test,
+      batch_size=self.config.eval.batch_size,
+      aggregate=self.algorithm.aggregate,
+    )
+    if self.start:
+      rundir.drop_event_files(self.workdir)
+    self.events = summaries.EventWriter(self.workdir, first_round=self.start + 1)
+    self.events.__enter__()
+    self.events.write_config(rundir.jsonable(self.config))
+    self.events.write_all(self.lines)
+    self.metrics_file = open(os.path.join(self.workdir, rundir.METRICS_FILE), "a")
+    self.done = self.start >= self.config.rounds or bool(
+      self.lines and _reached_stop(self.lines[-1], self.config)
+    )
+    return state
+
+  def record(self, r: int, state, step_metrics, t0: float, t1: float, on_round_end) -> None:
+    """Round ``r + 1``'s metrics line, checkpoint and stop rules (the loop body of :func:`_rounds`)."""
+    config, algorithm = self.config, self.algorithm
+    round_ = r + 1
+    step_metrics, flags = distributed.to_host(
+      (step_metrics, self.finite_check(state, step_metrics))
+    )
+    algo_line, algo_clients = _algorithm_metrics(step_metrics, self.num_clients)
+    t1e = time.perf_counter()
+    consensus_of = None
+    if self.consensus is not None:
+      consensus_of = lambda params: self.consensus(params, algorithm.round_inputs(r + 1))
+    eval_line, eval_clients = _evaluate(
+      self.evaluator, algorithm.client_params(state), round_, config, consensus_of
+    )
+    t2 = time.perf_counter()
+    line = {
+      "round": round_,
+      "step_time": t1 - t0,  # the replicated step: every replica's round together
+      "eval_time": t2 - t1e,
+      **eval_line,
+      **algo_line,
+      "clients": {**eval_clients, **algo_clients},
+    }
+    self.metrics_file.write(rundir.metrics_line(line))
+    self.metrics_file.flush()
+    self.lines.append(rundir.jsonable(line))
+    self.events.write(self.lines[-1])
+    self.last_round = round_
+    found = _non_finite(flags, line)
+    if found and self.diverged is None:
+      self.diverged = _divergence(config, round_, found, self.ckpt)
+      if _stopped(self.diverged, config):
+        logging.info("%s: %s", self.workdir, self.diverged["message"])
+        self.done = True
+        return
+      logging.warning("%s: %s", self.workdir, self.diverged["message"])
+    if self.ckpt is not None and (
+      (config.checkpoint_every and _due(round_, config.checkpoint_every, config.rounds))
+      or round_ in self.keep
+    ):
+      self.ckpt.save(round_, state)
+    self.final_state = state
+    if round_ >= config.rounds or _reached_stop(self.lines[-1], config):
+      self.done = True
+    if on_round_end is not None:
+      on_round_end(round_, line)
+
+  def close(self, state) -> None:
+    """The final checkpoint, as :func:`_rounds` writes it."""
+    if (
+      self.ckpt is not None
+      and self.config.checkpoint_every
+      and self.last_round not in self.ckpt.steps()
+      and not _stopped(self.diverged, self.config)
+    ):
+      self.ckpt.save(self.last_round, state)
+
+  def shutdown(self) -> None:
+    """Closes the files, the event writer and the checkpoints (also after an error or Ctrl-C)."""
+    metrics_file, events = (
+      self.__dict__.pop("metrics_file", None),
+      self.__dict__.pop("events", None),
+    )
+    if metrics_file is not None:
+      metrics_file.close()
+    if events is not None:
+      events.__exit__(None, None, None)
+    if self.ckpt is not None:
+      self.ckpt.close()
+
+
+def _run_replicas(
+  config,
+  workdir: str,
+  *,
+  resume: bool,
+  resume_from_step: int | None,
+  on_round_end,
+  started: float,
+) -> dict:
+  """A seed-batched run (``config.replicas > 1``): S single-seed runs stepped by one compiled program.
+
+  Each replica ``k`` (seed ``seed + k``) writes ``WORKDIR/seed<seed+k>/`` as its single-seed run would,
+  resumes from its own checkpoint (replicas may start from different rounds: each gets its own round's
+  inputs) and stops on its own (``eval.stop_at``, divergence); a replica that is done is still stepped
+  (the replica axis keeps its shape) but nothing of it is recorded. ``on_round_end(round, line)`` is
+  called for every replica's line. Returns ``{"method", "seed", "replicas", "runs": [summaries]}`` plus
+  the closing line's fields of the first replica; raises the first replica's :class:`Diverged` after
+  every replica is written.
+  """
+  if jax.process_count() > 1:
+    raise ValueError(
+      f"config.replicas = {config.replicas} runs in one process; a run of "
+      f"{jax.process_count()} processes takes config.replicas = 1"
+    )
+  if parallel.num_client_shards() > 1:
+    raise ValueError(
+      f"config.replicas = {config.replicas} runs on one device; set config.devices = 1 "
+      f"(the clients are sharded over {parallel.num_client_shards()} devices)"
+    )
+  workdir = os.path.abspath(workdir)
+  rundir.check_replicas_workdir(config, workdir, resume=resume)
+  runs = replica_settings(config)
+  dirs = [rundir.replica_dir(workdir, run.seed) for run in runs]
+  with contextlib.ExitStack() as stack:
+    for d in dirs:  # a single-seed run of one replica's folder would refuse while this run holds it
+      stack.enter_context(rundir.workdir_lock(d))
+    starts = [
+      rundir.check_start(run, d, resume=resume, resume_from_step=resume_from_step)
+      for run, d in zip(runs, dirs)
+    ]
+    exps = [build_experiment(run) for run in runs]
+    step, treedef, stacked, shared = _replicable(exps)
+    for exp in exps:
+      _check_selection(exp.settings, exp.algorithm)
+    os.makedirs(workdir, exist_ok=True)
+    rundir.write_replicas(workdir, config)
+    if min(starts) < config.rounds:
+      cost.run_estimate(runs[0], exps[0].model, exps[0].federation)
+    replicas = [
+      _ReplicaRun(exp, d, start, resume and start > 0) for exp, d, start in zip(exps, dirs, starts)
+    ]
+    try:
+      states = [r.open(_initial_state(e.algorithm, e.settings)) for r, e in zip(replicas, exps)]
+      states = _rounds_replicated(
+        replicas, states, step, treedef, stacked, shared, config, on_round_end
+      )
+      for rep, state in zip(replicas, states):
+        rep.close(state)
+    finally:
+      for rep in replicas:
+        rep.shutdown()
+    summaries_, failure = [], None
+    for rep, state in zip(replicas, states):
+      try:
+        summaries_.append(
+          _finish(
+            rep.exp,
+            rep.config,
+            rep.workdir,
+            state,
+            rep.lines,
+            num_params=rep.num_params,
+            started=started,
+            resumed_from=rep.start if rep.resume else None,
+            diverged=rep.diverged,
+          )
+        )
+      except Diverged as e:
+        summaries_.append(e.summary)
+        failure = failure or e
+  if failure is not None:
+    raise failure
+  first = summaries_[0]
+  return {
+    **{k: first[k] for k in ("method", "rounds_run", "rounds_to_target", "final_test_acc")},
+    "seed": config.seed,
+    "replicas": config.replicas,
+    "runs": summaries_,
+    "wall_time": time.perf_counter() - started,
+  }
+
+
+def _rounds_replicated(
+  replicas: list[_ReplicaRun], states: list, step, treedef, stacked, shared, config, on_round_end
+) -> list:
+  """The rounds of every replica, one replicated step at a time; returns each replica's final state."""
+  num = len(replicas)
+  replicated = _make_replicated_step(step, treedef, num, config.replica_chunk)
+  carried = _canonical(_stack(states))
+  finals = list(states)
+  rounds = config.rounds
+  t = 0
+  bar = tqdm(
+    total=rounds,
+    initial=min(r.start for r in replicas),
+    desc=f"{config.method} x{num}: compiling",
+    unit="round",
+    dynamic_ncols=True,
+  )
+  with bar:
+    while not all(r.done for r in replicas):
+      # Replica k is at round start_k + t; a replica that is done gets its last round's inputs (unused).
+      index = [min(r.start + t, rounds - 1) for r in replicas]
+      inputs = _stack_inputs(
+        [r.algorithm.round_inputs(i) for r, i in zip(replicas, index)], replicas
+      )
+      t0 = time.perf_counter()
+      carried, metrics = replicated(carried, inputs, stacked, shared)
+      carried = _canonical(jax.block_until_ready(carried))
+      t1 = time.perf_counter()
+      for k, rep in enumerate(replicas):
+        if rep.done:
+          continue
+        state = _replica(carried, k)
+        rep.record(index[k], state, _replica(metrics, k), t0, t1, on_round_end)
+        if rep.final_state is state:
+          finals[k] = state
+      t += 1
+      if t == 1:
+        bar.set_description_str(f"{config.method} x{num}", refresh=False)
+      bar.set_postfix({"last round": f"{time.perf_counter() - t0:.2f}s"})
+      bar.update(1)
+  return finals

@@ -36,6 +36,7 @@ __all__ = [
   "ignored_settings",
   "import_method_module",
   "method_module_imported",
+  "replica_settings",
   "validate_config",
   "warn_ignored_settings",
 ]
@@ -140,6 +141,9 @@ def validate_config(config, reference=None) -> RunSettings:
     validation.check_int("config.checkpoint_keep (1-based round numbers)", r, low=1)
   _choice(config, "on_divergence", DIVERGENCE_POLICIES)
   _int(config, "chunk_size", 0)
+  # A config.json written before seed-batched runs existed has neither key (a single run).
+  validation.check_int("config.replicas", config.get("replicas", 1), low=1)
+  validation.check_int("config.replica_chunk", config.get("replica_chunk", 1), low=0)
   devices = _int(config, "devices", 0)
   if devices > jax.device_count():
     raise ValueError(
@@ -239,6 +243,8 @@ def validate_config(config, reference=None) -> RunSettings:
     chunk_size=config["chunk_size"],
     devices=devices,
     debug_clients=config["debug_clients"],
+    replicas=config.get("replicas", 1),
+    replica_chunk=config.get("replica_chunk", 1),
     algorithm=hyperparameters,
     **shared,
   )
@@ -256,6 +262,12 @@ def validate_config(config, reference=None) -> RunSettings:
       k_max=t.k_max,
     )
     run = dataclasses.replace(run, built_topology=built)
+  if run.replicas > 1 and not spec.replicas:
+    raise ValueError(
+      f"config.replicas = {run.replicas}: method {method!r} does not support seed-batched runs "
+      "(supported: the decentralized gradient baselines and ntk_dfl); set config.replicas = 1 and "
+      "run the seeds separately"
+    )
   if spec.check is not None:
     spec.check(hyperparameters, run)
   if reference is not None:
@@ -549,3 +561,15 @@ def warn_ignored_settings(run: RunSettings, config, reference) -> list[str]:
   for message in messages:
     logging.warning("%s", message)
   return messages
+
+
+def replica_settings(run: RunSettings) -> list[RunSettings]:
+  """The single-seed runs of a seed-batched run: seeds ``seed .. seed + replicas - 1``, ``replicas = 1``.
+
+  Each is checked as its own config (its topology built from its own seed), so replica ``k`` is exactly the
+  run ``--config.seed=<seed + k>`` would start; ``replica_chunk`` is kept (it says how the run was stepped).
+  """
+  plain = settings.to_dict(run)
+  return [
+    validate_config({**plain, "seed": run.seed + k, "replicas": 1}) for k in range(run.replicas)
+  ]

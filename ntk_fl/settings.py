@@ -120,6 +120,8 @@ class RunSettings:
   devices: int
   algorithm: Any
   debug_clients: bool = False
+  replicas: int = 1
+  replica_chunk: int = 1
   built_topology: Any = dataclasses.field(default=None, compare=False, repr=False)
 
 

@@ -71,6 +71,8 @@ class Method(NamedTuple):
     check: ``check(hparams, run)``, rules across blocks (raises ``ValueError``), or None.
     graph: the method mixes over ``config.topology``: ``make`` receives the run's topology (else None).
     shared_rounds: ``shared_rounds(stored, current) -> int`` for branching from a run (module docstring).
+    replicas: the method's :class:`~ntk_fl.algorithms.base.Algorithm` has a ``replicable`` step, so it
+      runs seed-batched (``config.replicas > 1``); the others refuse it when the config is checked.
   """
 
   make: MakeFn
@@ -78,6 +80,7 @@ class Method(NamedTuple):
   check: Callable[[Any, Any], None] | None = None
   graph: bool = False
   shared_rounds: Callable[[dict, dict], int] | None = None
+  replicas: bool = False
 
 
 # name -> "module" defining METHOD or "module:ATTR" (imported on first use), or a registered Method.

@@ -24,6 +24,10 @@ An :class:`Algorithm` is a bundle of pure functions, in the spirit of
   the rows of ``client_params`` are independent ensemble members (Fed-ensemble's
   modes), whose softmax probabilities / logits are averaged per test sample --
   averaging their weights would be meaningless.
+* ``replicable`` (optional, default ``None``): the step as a pure function of its
+  data (:class:`Replicable`), for seed-batched runs (``config.replicas``): the
+  runner stacks several seeds' data on a leading replica axis and maps the step
+  over it in one compiled program. A method without it runs one seed at a time.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ __all__ = [
   "InitFn",
   "ParamsState",
   "GraphRound",
+  "Replicable",
   "RoundInputsFn",
   "RunOptions",
   "StepFn",
@@ -129,6 +134,21 @@ class TargetsFn(Protocol):
     (identity: ``hard``, NTK-DFL itself)."""
 
 
+class Replicable(NamedTuple):
+  """A method's round with every per-run array an argument: what a seed-batched run maps over its seeds.
+
+  Attributes:
+    step: ``step(state, inputs, data) -> (state, metrics)``, pure and *not* jitted; ``Algorithm.step(state,
+      inputs)`` is ``jax.jit(step)(state, inputs, data)``. Everything that differs between two seeds of the
+      same config (the federation's rows, per-client sizes and package bits) is in ``data``, never closed
+      over, so one compiled program serves every seed.
+    data: the run's arrays ``step`` reads (a pytree of device arrays of fixed shapes).
+  """
+
+  step: Callable[[Any, Any, Any], tuple[Any, dict]]
+  data: Any
+
+
 class Algorithm(NamedTuple):
   """A federated method as a bundle of pure functions (see the module docstring for each one's contract).
 
@@ -138,6 +158,8 @@ class Algorithm(NamedTuple):
     step: :class:`StepFn`, ``step(state, inputs) -> (state, metrics)`` (jit-compiled by the factory).
     client_params: :class:`ClientParamsFn`, ``client_params(state) -> params [M, ...]``.
     aggregate: what evaluation's aggregated model is, one of :data:`AGGREGATES`.
+    replicable: :class:`Replicable` (the step with its data as an argument), or ``None``: the method
+      refuses ``config.replicas > 1``.
   """
 
   init: InitFn
@@ -145,6 +167,7 @@ class Algorithm(NamedTuple):
   step: StepFn
   client_params: ClientParamsFn
   aggregate: str = "params"
+  replicable: Replicable | None = None
 
 
 class RunOptions(NamedTuple):

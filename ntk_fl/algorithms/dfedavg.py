@@ -40,4 +40,6 @@ def make_dfedavg(
   )
 
 
-METHOD = Method(make=make_dfedavg, hyperparameters=GossipHParams, check=check, graph=True)
+METHOD = Method(
+  make=make_dfedavg, hyperparameters=GossipHParams, check=check, graph=True, replicas=True
+)

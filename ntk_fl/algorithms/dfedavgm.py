@@ -34,4 +34,4 @@ def make_dfedavgm(
   )
 
 
-METHOD = Method(make=make_dfedavgm, hyperparameters=GossipHParams, graph=True)
+METHOD = Method(make=make_dfedavgm, hyperparameters=GossipHParams, graph=True, replicas=True)

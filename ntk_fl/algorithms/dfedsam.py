@@ -51,4 +51,4 @@ def make_dfedsam(
   )
 
 
-METHOD = Method(make=make_dfedsam, hyperparameters=DFedSAMHParams, graph=True)
+METHOD = Method(make=make_dfedsam, hyperparameters=DFedSAMHParams, graph=True, replicas=True)

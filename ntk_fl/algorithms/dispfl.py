@@ -294,4 +294,6 @@ def make_dispfl(
   )
 
 
-METHOD = Method(make=make_dispfl, hyperparameters=DisPFLHParams, check=check, graph=True)
+METHOD = Method(
+  make=make_dispfl, hyperparameters=DisPFLHParams, check=check, graph=True, replicas=True
+)

@@ -41,4 +41,6 @@ def make_dpsgd(
   )
 
 
-METHOD = Method(make=make_dpsgd, hyperparameters=GossipHParams, check=check, graph=True)
+METHOD = Method(
+  make=make_dpsgd, hyperparameters=GossipHParams, check=check, graph=True, replicas=True
+)

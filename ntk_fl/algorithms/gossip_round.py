@@ -39,7 +39,7 @@ import numpy as np
 
 from ntk_fl import compression, gossip, models, parallel, topology
 from ntk_fl.algorithms import local
-from ntk_fl.algorithms.base import Algorithm, ParamsState, graph_round_inputs
+from ntk_fl.algorithms.base import Algorithm, ParamsState, Replicable, graph_round_inputs
 
 __all__ = [
   "GossipHParams",
@@ -115,8 +115,7 @@ def make_gossip_method(
   data = parallel.to_device(federation)
   round_inputs = graph_round_inputs(graphs, mixing, sizes, seed)
 
-  @jax.jit
-  def _step(state, inputs, data):
+  def round_fn(state, inputs, data):
     # Each client's samples are gathered in its chunk (samples.take).
     rows, ms = data.index, data.mask
     samples = parallel.Shared((data.samples_x, data.samples_y), split)
@@ -137,11 +136,17 @@ def make_gossip_method(
     }
     return new_state, metrics
 
+  _step = jax.jit(round_fn)
+
   def step(state, inputs):
     return _step(state, inputs, data)
 
   return Algorithm(
-    init=init, round_inputs=round_inputs, step=step, client_params=lambda state: state.params
+    init=init,
+    round_inputs=round_inputs,
+    step=step,
+    client_params=lambda state: state.params,
+    replicable=None if split else Replicable(round_fn, data),
   )
 
 

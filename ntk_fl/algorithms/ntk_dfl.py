@@ -91,6 +91,7 @@ from ntk_fl.algorithms.base import (
   Algorithm,
   ClientFn,
   ParamsState,
+  Replicable,
   TargetsFn,
   check_evolution,
   config_without,
@@ -556,8 +557,7 @@ def make_ntk_dfl(
       bits_cumulative=jnp.float32(0),
     )
 
-  @jax.jit
-  def _step(state, inputs, data):
+  def round_fn(state, inputs, data, packages):
     (new_params, info), lr = core.run(state.params, inputs, data, client_update)
     bits_sent = communication.neighbourhood_round_bits(
       inputs.neighbor_mask.sum(axis=1).astype(jnp.float32),
@@ -578,6 +578,9 @@ def make_ntk_dfl(
     }
     return new_state, metrics
 
+  # One run: the package sizes are constants of its program; seed-batched runs pass them per seed.
+  _step = jax.jit(lambda state, inputs, data: round_fn(state, inputs, data, packages))
+
   def step(state, inputs):
     return _step(state, inputs, core.data)
 
@@ -587,8 +590,15 @@ def make_ntk_dfl(
     # P folded into the first layer: the d1-input network on raw inputs (the runner scores raw test inputs).
     return jacobians.fold_projection(state.params, projection, layer=model.dense_stack.layers[0])
 
+  replicable = Replicable(
+    lambda state, inputs, data: round_fn(state, inputs, *data), (core.data, packages)
+  )
   return Algorithm(
-    init=init, round_inputs=core.round_inputs, step=step, client_params=client_params
+    init=init,
+    round_inputs=core.round_inputs,
+    step=step,
+    client_params=client_params,
+    replicable=None if parallel.is_client_split(core.data.samples_x) else replicable,
   )
 
 
@@ -658,4 +668,5 @@ METHOD = Method(
   check=check,
   graph=True,
   shared_rounds=shared_rounds,
+  replicas=True,
 )

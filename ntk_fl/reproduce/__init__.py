@@ -2,7 +2,8 @@
 
   ntk-fl reproduce --list          every experiment: runs, estimated CPU and GPU time, status
   ntk-fl reproduce ntk_dfl:fig9 [--out runs/reproduce] [--seeds 0 1] [--variants 'fig9_*_k2']
-        [--skip_gpu] [--python 'taskset -c 1 python'] [--extra=--config.chunk_size=0] [--dry_run]
+        [--skip_gpu] [--python 'taskset -c 1 python'] [--extra=--config.chunk_size=0] [--replicas S]
+        [--dry_run]
   ntk-fl reproduce ntk_dfl:fig9 --out DIR --render_only [--render_dir FIGDIR]
   ntk-fl reproduce ntk_dfl:fig9 --runs RUN_DIR... --render_dir FIGDIR
 
@@ -17,6 +18,8 @@ what ``--out`` (or ``--runs``) holds without running anything, by default to
 ``runs/results`` (never into a folder of runs it only reads); runs are matched
 by config, so runs made by hand or by another queue are found whatever their
 names. ``--archive DIR`` copies the rendered runs' scalars to ``DIR/<run name>/``.
+``--replicas S`` runs up to ``S`` consecutive fresh seeds of a variant as one seed-batched run
+(``--config.replicas``; its replicas' folders are found like any other run).
 """
 
 from __future__ import annotations
@@ -94,7 +97,7 @@ def list_table() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
   """``ntk-fl reproduce``; returns the exit status (1 when a run failed, 2 for a bad request)."""
   from ntk_fl.reproduce import queue, render  # pylint: disable=import-outside-toplevel
-  from ntk_fl import compare  # pylint: disable=import-outside-toplevel
+  from ntk_fl import compare, rundir  # pylint: disable=import-outside-toplevel
 
   parser = argparse.ArgumentParser(
     prog="ntk-fl reproduce",
@@ -144,12 +147,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     help="leave out the variants registered for a GPU (a CPU queue)",
   )
   parser.add_argument(
+    "--replicas",
+    type=int,
+    default=1,
+    help="run up to this many consecutive fresh seeds of a variant as one seed-batched run "
+    "(--config.replicas; pays where compilation dominates, or on a GPU)",
+  )
+  parser.add_argument(
     "--dry_run", action="store_true", help="print what the queue would do, run nothing"
   )
   parser.add_argument(
     "--archive", default="", help="copy the rendered runs' scalars to ARCHIVE/<run name>/"
   )
   args = parser.parse_args(argv)
+  if args.replicas < 1:
+    parser.error(f"--replicas must be an integer >= 1, got {args.replicas}")
   if args.list:
     print(list_table())
     print(
@@ -191,6 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           python=args.python,
           extra=extra,
           skip_gpu=args.skip_gpu,
+          replicas=args.replicas,
         ):
           aside = f" (move aside {job.aside})" if job.aside else ""
           print(f"{job.action}{aside}: {' '.join(shlex.quote(c) for c in job.command)}")
@@ -203,11 +216,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         python=args.python,
         extra=extra,
         skip_gpu=args.skip_gpu,
+        replicas=args.replicas,
       )
       failed = [job for job in jobs if job.action == "failed"]
     else:
       failed = []
-    dirs = args.runs if args.runs is not None else queue.runs_in(args.out)
+    dirs = (
+      [r for d in args.runs for r in (rundir.replica_runs(d) or [d])]
+      if args.runs is not None
+      else queue.runs_in(args.out)
+    )
     command = f"ntk-fl reproduce {args.name}" + (
       f" --seeds {' '.join(map(str, args.seeds))}" if args.seeds else ""
     )

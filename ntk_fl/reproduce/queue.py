@@ -14,6 +14,11 @@ two experiments is made once):
 
 Every run's console goes to ``OUT/<name>_s<seed>.log`` and its full log to
 ``OUT/<name>_s<seed>/log.txt``. A failed run is reported and the queue goes on.
+
+With ``replicas = S > 1`` (``ntk-fl reproduce --replicas S``), up to ``S`` consecutive seeds of a
+variant that all start afresh run as one seed-batched run (``--config.replicas``) in
+``OUT/<name>_s<first>-<last>/``, whose replicas' folders ``seed<k>/`` are found like any run: a
+replica interrupted after a checkpoint is resumed on its own (it is a single-seed run's folder).
 """
 
 from __future__ import annotations
@@ -38,7 +43,15 @@ from ntk_fl.reproduce.registry import (
   stored_form,
 )
 
-__all__ = ["Job", "index_runs", "plan", "run_queue", "run_name", "select_variants"]
+__all__ = [
+  "Job",
+  "group_seeds",
+  "index_runs",
+  "plan",
+  "run_queue",
+  "run_name",
+  "select_variants",
+]
 
 
 def run_name(variant: Variant, seed: int) -> str:
@@ -57,6 +70,11 @@ class Job:
   aside: str = ""  # a folder in the way, moved aside before starting
   branch_from: str = ""
   command: list = dataclasses.field(default_factory=list)
+  replicas: int = 1  # seeds seed .. seed + replicas - 1 in one seed-batched run
+
+  @property
+  def seeds(self) -> list[int]:
+    return list(range(self.seed, self.seed + self.replicas))
 
 
 def select_variants(experiment: Experiment, patterns: Sequence[str] | None) -> list[Variant]:
@@ -101,15 +119,17 @@ ASIDE_MARK = ".unfinished-"
 
 
 def runs_in(out: str) -> list[str]:
-  """The folders directly under ``out`` (candidates for runs), sorted; moved-aside runs and
-  half-written archives (``.partial``) are left out."""
+  """The folders directly under ``out`` (candidates for runs), sorted, a seed-batched run's folder
+  replaced by its replicas' runs; moved-aside runs and half-written archives (``.partial``) are left
+  out."""
   if not os.path.isdir(out):
     return []
-  return sorted(
+  folders = sorted(
     os.path.join(out, d)
     for d in os.listdir(out)
     if os.path.isdir(os.path.join(out, d)) and ASIDE_MARK not in d and not d.endswith(".partial")
   )
+  return [run for folder in folders for run in (rundir.replica_runs(folder) or [folder])]
 
 
 def expected_key(variant: Variant, seed: int) -> tuple:
@@ -134,9 +154,10 @@ def plan(
   python: str = "",
   extra: Sequence[str] = (),
   skip_gpu: bool = False,
+  replicas: int = 1,
 ) -> list[Job]:
   """What the queue would do now, in order (nothing is changed on disk); ``skip_gpu`` leaves out the
-  variants registered for a GPU."""
+  variants registered for a GPU; ``replicas > 1`` groups fresh consecutive seeds (:func:`group_seeds`)."""
   index = index_runs(runs_in(out))
   prefix = shlex.split(python) if python else [sys.executable]
   jobs = []
@@ -183,7 +204,56 @@ def plan(
         *extra,
       ]
       jobs.append(job)
-  return jobs
+  return group_seeds(jobs, out, replicas) if replicas > 1 else jobs
+
+
+def _fresh(job: Job) -> bool:
+  return job.action == "start" and not job.aside and not job.branch_from
+
+
+def _replicable(variant: Variant) -> bool:
+  """Whether ``variant``'s method runs seed-batched (``Method.replicas``; others run seed by seed)."""
+  from ntk_fl.algorithms import get_method  # pylint: disable=import-outside-toplevel
+
+  try:
+    return get_method(build_config(variant, 0).method).replicas
+  except ValueError:  # a method of a user's module not imported here: one seed at a time
+    return False
+
+
+def group_seeds(jobs: list[Job], out: str, replicas: int) -> list[Job]:
+  """``jobs`` with runs of up to ``replicas`` consecutive fresh seeds of one variant made one job.
+
+  Only variants whose method runs seed-batched are grouped (:func:`_replicable`). A fresh job starts
+  from nothing (no folder in the way, no branch source); its group runs the first seed's command with
+  ``--config.replicas=<n>`` in ``OUT/<name>_s<first>-<last>`` (moved aside first when a folder of that
+  name is left from an interrupted group with nothing to resume).
+  """
+  grouped: list[Job] = []
+  replicable = {v.name: _replicable(v) for v in {j.variant.name: j.variant for j in jobs}.values()}
+  for job in jobs:
+    last = grouped[-1] if grouped else None
+    if (
+      last is not None
+      and replicable[job.variant.name]
+      and _fresh(job)
+      and _fresh(last)
+      and last.variant.name == job.variant.name
+      and job.seed == last.seed + last.replicas
+      and last.replicas < replicas
+    ):
+      last.replicas += 1
+      continue
+    grouped.append(dataclasses.replace(job))
+  for job in grouped:
+    if job.replicas > 1:
+      old = job.workdir
+      job.workdir = os.path.join(out, f"{job.variant.name}_s{job.seed}-{job.seeds[-1]}")
+      job.aside = job.workdir if os.path.exists(job.workdir) else ""
+      job.command = [
+        c.replace(old, job.workdir) if c == f"--workdir={old}" else c for c in job.command
+      ] + [f"--config.replicas={job.replicas}"]
+  return grouped
 
 
 def _launch(command: list[str], log_path: str) -> int:
@@ -200,6 +270,7 @@ def run_queue(
   python: str = "",
   extra: Sequence[str] = (),
   skip_gpu: bool = False,
+  replicas: int = 1,
   launch: Callable[[list[str], str], int] = _launch,
   echo: Callable[[str], None] = print,
 ) -> list[Job]:
@@ -211,10 +282,23 @@ def run_queue(
   """
   os.makedirs(out, exist_ok=True)
   done: list[Job] = []
-  chosen = dict(seeds=seeds, patterns=patterns, python=python, extra=extra, skip_gpu=skip_gpu)
-  todo = plan(experiment, out, **chosen)
-  for i in range(len(todo)):
-    job = plan(experiment, out, **chosen)[i]
+  chosen = dict(
+    seeds=seeds, patterns=patterns, python=python, extra=extra, skip_gpu=skip_gpu, replicas=replicas
+  )
+  handled: set[tuple[str, int]] = set()  # (variant, seed) of the runs done or tried
+  while True:
+    # The next job none of whose seeds was handled yet (a grouped job's seeds are finished runs after it).
+    job = next(
+      (
+        j
+        for j in plan(experiment, out, **chosen)
+        if not any((j.variant.name, s) in handled for s in j.seeds)
+      ),
+      None,
+    )
+    if job is None:
+      break
+    handled.update((job.variant.name, s) for s in job.seeds)
     if job.action == "skip":
       done.append(job)
       continue
