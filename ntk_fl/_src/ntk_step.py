@@ -18,8 +18,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ntk_fl import jacobians, ntk
+from ntk_fl import jacobians
 from ntk_fl._src import evolution as _evolution
+from ntk_fl._src.kernels import empirical_ntk
+from ntk_fl._src.neural_tangents_api import empirical_ntk_fn
 from ntk_fl._src.options import (
   Implementation,
   Kernel,
@@ -325,14 +327,14 @@ def ntk_step(
   elif jacobian is not None:
     k = jacobians.jacobian_kernel(jacobian, trace_outputs=traced)
   elif not per_sample:
-    k = ntk.empirical_ntk_fn(
+    k = empirical_ntk_fn(
       coords.apply_fn,
       trace_axes=(-1,) if traced else (),
       vmap_axes=None,
       implementation=_whole_batch(kernel_impl),
     )(x, None, coords.point)
   else:
-    k = ntk.empirical_ntk(
+    k = empirical_ntk(
       coords.apply_fn,
       coords.point,
       x,

@@ -313,17 +313,18 @@ def check_evolution(hparams: Any, path: str = "config.algorithm") -> None:
   Kernel`` and, where the dataclass has it, ``loss: Loss``; strings become members, :func:`parse_enums`),
   and that the ODE solver is for cross-entropy only.
   """
-  from ntk_fl import evolve, validation  # pylint: disable=import-outside-toplevel -- base stays light to import
+  from ntk_fl import validation  # pylint: disable=import-outside-toplevel -- base stays light to import
+  from ntk_fl._src.options import check_loss_solver, check_taus  # pylint: disable=import-outside-toplevel
 
   parse_enums(hparams, path)
   validation.check_real(f"{path}.lr", hparams.lr, low=0, low_open=True)
   validation.check_real(f"{path}.lr_decay (η_r = η·exp(−decay·r))", hparams.lr_decay, low=0)
   try:
-    evolve.check_taus(tuple(hparams.taus))
+    check_taus(tuple(hparams.taus))
   except (TypeError, ValueError) as e:
     raise ValueError(f"{path}.taus: {e}") from e
   if hasattr(hparams, "loss"):
     try:
-      evolve.check_loss_solver(hparams.loss, hparams.solver)
+      check_loss_solver(hparams.loss, hparams.solver)
     except ValueError as e:
       raise ValueError(f"{path}: {e}") from None
