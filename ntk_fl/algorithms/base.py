@@ -47,6 +47,7 @@ __all__ = [
   "GraphRound",
   "RoundInputsFn",
   "RunOptions",
+  "ScoreFn",
   "StepFn",
   "TargetsFn",
   "check_evolution",
@@ -127,6 +128,20 @@ class TargetsFn(Protocol):
     """Args: f0: ``[N_b, C]`` the block's starting outputs (logits of the network the evolution starts
     from); hard: ``[N_b, C]`` its hard one-hot labels. Returns: the ``[N_b, C]`` targets to evolve towards
     (identity: ``hard``, NTK-DFL itself)."""
+
+
+class ScoreFn(Protocol):
+  """The scoring hook of NTK-DFL's client update (:func:`ntk_fl.algorithms.ntk_dfl.make_client_update`).
+
+  Every ``τ`` of the grid gives a candidate; the one of lowest score is kept (first on ties, NaN never).
+  """
+
+  def __call__(self, logits: jax.Array, hard: jax.Array, mask: jax.Array) -> jax.Array:
+    """Args: logits: ``[N_b, C]`` one candidate's outputs on the block: the candidate network's
+    ``f(w + Δw_τ; x_b)`` (``select='network'``) or the evolved ``f_τ`` (``select='linearized'``); hard:
+    ``[N_b, C]`` the block's hard one-hot labels; mask: ``[N_b]`` bool, True for real samples (padding
+    rows hold zeros: leave them out). Returns: a float scalar, lower is better (NTK-DFL itself:
+    ``evolve.mean_loss(logits, hard, mask, loss)``)."""
 
 
 class Algorithm(NamedTuple):
