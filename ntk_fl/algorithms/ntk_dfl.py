@@ -602,7 +602,7 @@ def make_ntk_dfl(
   )
 
 
-def _project_federation(model: models.Model, federation, algo: NTKDFLHParams, seed: int):
+def _project_federation(model: models.Model, federation, hparams: NTKDFLHParams, seed: int):
   """``(P [d1, d1'], the MLP on d1' inputs, the federation with samples Z = X P)``: App. E.3's projection.
 
   ``P`` is CP-NTK-FL's shared seeded Gaussian (the same stream); the all-zero padding sample stays zero.
@@ -616,13 +616,13 @@ def _project_federation(model: models.Model, federation, algo: NTKDFLHParams, se
   projection = jacobians.projection_matrix(
     jax_key(seed, Stream.INPUT_PROJECTION),
     input_dim,
-    int(algo.projection_dim),
-    scale=algo.projection_scale,
+    int(hparams.projection_dim),
+    scale=hparams.projection_scale,
   )
   samples_x = jacobians.project_inputs(jnp.asarray(federation.samples_x), projection)
   return (
     projection,
-    models.mlp_on_inputs(model, int(algo.projection_dim)),
+    models.mlp_on_inputs(model, int(hparams.projection_dim)),
     federation._replace(samples_x=samples_x),
   )
 

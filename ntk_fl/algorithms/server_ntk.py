@@ -120,11 +120,11 @@ class ServerNTKRound(NamedTuple):
   key: Any
 
 
-def uses_explicit_jacobian(algo) -> bool:
+def uses_explicit_jacobian(hparams) -> bool:
   """Whether the server must hold explicit Jacobians (compression alters them, or it was asked to)."""
-  compressed = algo.sparsify_keep < 1 or algo.quantize_bits != compression.FLOAT_BITS
-  return algo.jacobian == JacobianPath.EXPLICIT or (
-    algo.jacobian == JacobianPath.AUTO and compressed
+  compressed = hparams.sparsify_keep < 1 or hparams.quantize_bits != compression.FLOAT_BITS
+  return hparams.jacobian == JacobianPath.EXPLICIT or (
+    hparams.jacobian == JacobianPath.AUTO and compressed
   )
 
 
@@ -286,9 +286,8 @@ def make_server_ntk(
     with the federation's arrays (and ``P``) passed as arguments.
   """
   seed = run_options(run, "NTK-FL", needs_topology=False, seed=seed).seed
-  algo = hparams
   num_clients, n_max = federation.mask.shape
-  num_val = int(algo.validation_clients)
+  num_val = int(hparams.validation_clients)
   # Held-out validation clients (select='validation'), drawn once; the others train.
   held_out = (
     np.sort(
@@ -298,25 +297,25 @@ def make_server_ntk(
     else np.zeros((0,), np.int64)
   )
   training_clients = np.setdiff1d(np.arange(num_clients), held_out)
-  k = int(algo.clients_per_round) or len(training_clients)
-  by_validation = algo.select == ServerSelect.VALIDATION
+  k = int(hparams.clients_per_round) or len(training_clients)
+  by_validation = hparams.select == ServerSelect.VALIDATION
   # The step's options, parsed (and the τ grid checked) once here rather than on every trace.
   step_options = dict(
-    taus=evolve.check_taus(tuple(algo.taus)),
-    loss=algo.loss,
-    solver=algo.solver,
-    select=Select.NETWORK if by_validation else Select(algo.select.value),
-    kernel=algo.kernel,
+    taus=evolve.check_taus(tuple(hparams.taus)),
+    loss=hparams.loss,
+    solver=hparams.solver,
+    select=Select.NETWORK if by_validation else Select(hparams.select.value),
+    kernel=hparams.kernel,
   )
-  beta, proj_dim = float(algo.subsample_fraction), int(algo.projection_dim)
+  beta, proj_dim = float(hparams.subsample_fraction), int(hparams.projection_dim)
   keep, bits, stochastic = (
-    float(algo.sparsify_keep),
-    int(algo.quantize_bits),
-    bool(algo.stochastic_rounding),
+    float(hparams.sparsify_keep),
+    int(hparams.quantize_bits),
+    bool(hparams.stochastic_rounding),
   )
-  explicit = uses_explicit_jacobian(algo)
+  explicit = uses_explicit_jacobian(hparams)
   num_classes = model.num_classes
-  jac_chunk = int(algo.jacobian_chunk) or None
+  jac_chunk = int(hparams.jacobian_chunk) or None
 
   projection = None
   net = model
@@ -328,7 +327,7 @@ def make_server_ntk(
         f"{federation.feature_shape}"
       )
     projection = jacobians.projection_matrix(
-      jax_key(seed, Stream.INPUT_PROJECTION), input_dim, proj_dim, scale=algo.projection_scale
+      jax_key(seed, Stream.INPUT_PROJECTION), input_dim, proj_dim, scale=hparams.projection_scale
     )
     net = models.mlp_on_inputs(model, proj_dim)
   first_layer = net.dense_stack.layers[0] if net.dense_stack else None
@@ -375,7 +374,7 @@ def make_server_ntk(
   def _step(state, inputs, data):
     fed, proj = data
     sub_key, quant_key, shuffle_key = jax.random.split(inputs.key, 3)
-    lr = algo.lr * jnp.exp(-algo.lr_decay * inputs.round.astype(jnp.float32))
+    lr = hparams.lr * jnp.exp(-hparams.lr_decay * inputs.round.astype(jnp.float32))
     x, targets, mask = client_data(fed, proj, inputs.clients, sub_key)  # [K, n_slots, ...]
     pool = lambda a: a.reshape(k * n_slots, *a.shape[2:])
     evolve_kwargs = dict(lr=lr, **step_options)
@@ -399,7 +398,7 @@ def make_server_ntk(
       pooled = (pool(x), pool(targets), pool(mask), pool(jac))
     else:
       pooled = (pool(x), pool(targets), pool(mask))
-    if algo.shuffle:
+    if hparams.shuffle:
       pooled, _ = jacobians.shuffle_rows(shuffle_key, pooled)
     if explicit:
       # The kernel and the candidates come from the uploaded (possibly compressed) flat J [N, C, d], whose
@@ -428,8 +427,8 @@ def make_server_ntk(
       sizes.astype(jnp.float32),
       num_params,
       num_classes,  # [K]
-      keep_fraction=algo.sparsify_keep,
-      bits=algo.quantize_bits,
+      keep_fraction=hparams.sparsify_keep,
+      bits=hparams.quantize_bits,
     )
     up_total, down_total = jnp.sum(up), jnp.float32(k * model_bits)
     new_state = ServerNTKState(

@@ -407,49 +407,48 @@ def make_spark(
   )
   if rounds is None:
     raise TypeError("make_spark needs the run settings or rounds=")
-  algo = hparams
   num_clients = federation.mask.shape[0]
   num_classes = model.num_classes
   # The step's options, parsed (and the τ grid checked) once here rather than on every trace.
-  taus = evolve.check_taus(tuple(algo.taus))
-  solver, select, kernel_kind = algo.solver, algo.select, algo.kernel
+  taus = evolve.check_taus(tuple(hparams.taus))
+  solver, select, kernel_kind = hparams.solver, hparams.select, hparams.kernel
   traced = kernel_kind == evolve.Kernel.TRACED
-  select_momentum = bool(algo.select_momentum)
-  m2 = int(algo.subsample)
+  select_momentum = bool(hparams.select_momentum)
+  m2 = int(hparams.subsample)
   # On disjoint cliques every member has the same w̄ and data: one evolution per clique (exact up to float order).
-  share_cliques = bool(algo.share_cliques) and graphs.cliques > 0
+  share_cliques = bool(hparams.share_cliques) and graphs.cliques > 0
   core = make_neighbourhood_round(
     model,
     federation,
     graphs,
     seed=seed,
     mixing=mixing,
-    lr=algo.lr,
-    lr_decay=algo.lr_decay,
+    lr=hparams.lr,
+    lr_decay=hparams.lr_decay,
     per_round_averaging=True,
     subsample=m2,
     share_cliques=share_cliques,
   )
   members = 1 + graphs.k_max  # neighbourhood slots: the client and its k_max neighbour slots
-  tx = momentum_transform(float(algo.momentum), bool(algo.nesterov))
-  mixed_velocity = algo.velocity == Velocity.MIXED
+  tx = momentum_transform(float(hparams.momentum), bool(hparams.nesterov))
+  mixed_velocity = hparams.velocity == Velocity.MIXED
 
   # The sketch: identical for all clients and rounds, generated once from the seed and the layer names.
   template = jax.eval_shape(model.init, jax.random.key(0))
   plan = projection.make_plan(
     template,
-    algo.projection.scheme,
-    int(algo.projection.k_proj),
-    skip_uncompressed=bool(algo.projection.skip_uncompressed),
+    hparams.projection.scheme,
+    int(hparams.projection.k_proj),
+    skip_uncompressed=bool(hparams.projection.skip_uncompressed),
   )
   sketched = any(s.kind != "identity" for s in plan)
   matrices = projection.sample_matrices(plan, seed) if sketched else tuple(None for _ in plan)
-  keep, bits = float(algo.compression.keep_fraction), int(algo.compression.bits)
-  at_sender = algo.linearise_at == LinearisationPoint.SENDER
+  keep, bits = float(hparams.compression.keep_fraction), int(hparams.compression.bits)
+  at_sender = hparams.linearise_at == LinearisationPoint.SENDER
   explicit = (
-    algo.jacobian == JacobianPath.EXPLICIT
+    hparams.jacobian == JacobianPath.EXPLICIT
     or at_sender
-    or (algo.jacobian == JacobianPath.AUTO and algo.compression.active)
+    or (hparams.jacobian == JacobianPath.AUTO and hparams.compression.active)
   )
   # A sketch of a dense stack never differentiates through P (unless projected_kernel='generic'):
   # * layer-wise and matrix-free: the structured kernel with each layer input A_l replaced by A_l P_l
@@ -458,24 +457,26 @@ def make_spark(
   #   Jacobian's factors (projection.sketched_dense_jacobian, C times fewer flops than per-sample Jacobians of g).
   # Other models use the generic paths on the lifted network g.
   dense = (
-    sketched and model.dense_stack is not None and algo.projected_kernel != ProjectedKernel.GENERIC
+    sketched
+    and model.dense_stack is not None
+    and hparams.projected_kernel != ProjectedKernel.GENERIC
   )
-  structured_sketch = dense and not explicit and algo.projection.scheme == "layerwise"
-  factored_jacobian = dense and not structured_sketch and algo.jacobian != JacobianPath.IMPLICIT
+  structured_sketch = dense and not explicit and hparams.projection.scheme == "layerwise"
+  factored_jacobian = dense and not structured_sketch and hparams.jacobian != JacobianPath.IMPLICIT
   if (
-    algo.projected_kernel == ProjectedKernel.STRUCTURED
+    hparams.projected_kernel == ProjectedKernel.STRUCTURED
     and sketched
     and not (structured_sketch or factored_jacobian)
   ):
     raise ValueError(
       "config.algorithm.projected_kernel='structured' needs a dense-stack model (and, for the "
       "flattened sketch, jacobian 'auto' or 'explicit'); "
-      f"got model dense_stack={model.dense_stack is not None}, scheme={algo.projection.scheme!r}, "
-      f"jacobian={algo.jacobian!r}"
+      f"got model dense_stack={model.dense_stack is not None}, scheme={hparams.projection.scheme!r}, "
+      f"jacobian={hparams.jacobian!r}"
     )
   explicit = explicit or factored_jacobian
 
-  d = algo.distill
+  d = hparams.distill
   schedule = dict(
     warmup_rounds=int(d.warmup_rounds),
     anneal_rounds=int(d.anneal_rounds or rounds),
@@ -484,8 +485,8 @@ def make_spark(
     temp_init=float(d.temp_init),
     temp_final=float(d.temp_final),
   )
-  boost_rounds = jnp.asarray(tuple(int(r) for r in algo.lr_boost.rounds) or (0,), jnp.int32)
-  boost_factor = float(algo.lr_boost.factor)
+  boost_rounds = jnp.asarray(tuple(int(r) for r in hparams.lr_boost.rounds) or (0,), jnp.int32)
+  boost_factor = float(hparams.lr_boost.factor)
 
   # Communication: static per-client package sizes (samples after sub-sampling).
   sketch_sizes = [math.prod(s.projected_shape) for s in plan]
@@ -551,7 +552,7 @@ def make_spark(
       else:
         jac, kernel_options["f0"] = sender_packages(senders, x, mats)
       leaves, treedef = jax.tree.flatten(jac)
-      if algo.compression.active:
+      if hparams.compression.active:
         # k from the package's slots, padding included, as SPARK's recorded runs were made.
         leaves = compression.compress_packages(
           leaves, mask, members, keep, bits, count_real_rows=False
