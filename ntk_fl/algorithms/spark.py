@@ -391,7 +391,7 @@ class SparkTargetsFn(Protocol):
 
 
 class SparkClient(NamedTuple):
-  """SPARK's client update (:func:`make_client_update`), for :meth:`NeighbourhoodRound.run` of
+  """SPARK's client update (:func:`make_client_update`), for the ``run`` of the round of
   :func:`ntk_fl.algorithms.ntk_dfl.make_neighbourhood_round`.
 
   Attributes:
