@@ -483,3 +483,21 @@ def test_fednova_rejects_nesterov_momentum():
   config.algorithm.momentum, config.algorithm.nesterov = 0.9, True
   with pytest.raises(ValueError, match="nesterov"):
     schema.validate_config(config)
+
+
+@pytest.mark.parametrize(
+  "name, plain_sgd", [("dfedavg", True), ("dpsgd", True), ("dfedavgm", False), ("dfedsam", False)]
+)
+def test_local_sgd_gossip_methods_check_their_optimiser(name, plain_sgd):
+  """The four local-SGD gossip baselines are one builder's: the plain-SGD ones refuse momentum by name."""
+  from ntk_fl.algorithms import get_method  # pylint: disable=import-outside-toplevel
+
+  method = get_method(name)
+  assert method.graph and method.make.__name__ == f"make_{name}"
+  config = config_lib.load_config(name, "smoke")
+  config.algorithm.momentum = 0.5
+  if plain_sgd:
+    with pytest.raises(ValueError, match=f"method '{name}' uses plain SGD"):
+      schema.validate_config(config)
+  else:
+    assert schema.validate_config(config).algorithm.momentum == 0.5

@@ -413,3 +413,110 @@ def test_too_many_jacobian_batches_for_the_data_fails_clearly():
   config, model, federation = tiny_setup(jacobian_batches=9)
   with pytest.raises(ValueError, match="jacobian_batches"):
     runner.make_algorithm(config, model, federation)
+
+
+# ------------------------------------------------------------------ the scoring hook of make_ntk_dfl
+
+
+def _hooked_ntk_dfl(config, model, federation, **hooks):
+  settings = schema.validate_config(config)
+  return ntk_dfl.make_ntk_dfl(
+    model, federation, settings.built_topology, settings.algorithm, settings, **hooks
+  )
+
+
+def _rounds(algorithm, rounds=2):
+  state = algorithm.init(jax.random.key(0))
+  out = []
+  for round_index in range(rounds):
+    state, metrics = algorithm.step(state, algorithm.round_inputs(round_index))
+    out.append((jax.tree.map(np.asarray, state.params), np.asarray(metrics["tau"]), metrics))
+  return out
+
+
+@pytest.mark.parametrize(
+  "options",
+  [{}, {"select": "linearized"}, {"loss": "mse"}, {"jacobian_batches": 2}],
+  ids=["network", "linearized", "mse", "batched"],
+)
+def test_a_scorer_equal_to_the_default_reproduces_the_round_bit_for_bit(options):
+  config, model, federation = tiny_setup(**options)
+  config.model.init = "per_client"
+  loss = schema.validate_config(config).algorithm.loss
+  mean_loss = lambda logits, hard, mask: evolve.mean_loss(logits, hard, mask, loss)
+  plain = _rounds(runner.make_algorithm(config, model, federation))
+  hooked = _rounds(_hooked_ntk_dfl(config, model, federation, score_fn=mean_loss))
+  for (params, taus, metrics), (params_h, taus_h, metrics_h) in zip(plain, hooked):
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params_h)):
+      np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(taus, taus_h)
+    np.testing.assert_array_equal(np.asarray(metrics["loss"]), np.asarray(metrics_h["loss"]))
+
+
+def _squared_logits(logits, hard, mask):
+  """The mean squared distance of the raw outputs to the one-hot labels over the real rows: a candidate of
+  the cross-entropy evolution picked by how close its logits come to the labels."""
+  per_sample = jnp.sum((logits - hard) ** 2, axis=-1)
+  return jnp.sum(jnp.where(mask, per_sample, 0)) / jnp.maximum(mask.sum(), 1)
+
+
+def test_another_scorer_picks_tau_as_scoring_each_candidate_by_itself_does():
+  """Client by client on real samples only: each ``τ``'s candidate from a one-point grid, scored in numpy;
+  the round with ``score_fn`` keeps the argmin and its network."""
+  config, model, federation = tiny_setup(degree=3, lr=0.5, lr_decay=0.0, taus=(1, 5, 40, 200))
+  config.model.init = "per_client"
+  hooked = _hooked_ntk_dfl(config, model, federation, score_fn=_squared_logits)
+  plain = runner.make_algorithm(config, model, federation)
+  state = hooked.init(jax.random.key(0))
+  inputs = hooked.round_inputs(0)
+  new_state, metrics = hooked.step(state, inputs)
+  _, plain_metrics = plain.step(state, inputs)
+  taus = tuple(config.algorithm.taus)
+  wbars = topology.mix(state.params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
+  expected_taus = []
+  for i in range(federation.n.shape[0]):
+    members = [i] + [int(j) for j, m in zip(inputs.neighbors[i], inputs.neighbor_mask[i]) if m]
+    x = np.concatenate([federation.x[j][federation.mask[j]] for j in members])
+    y = np.concatenate([federation.y[j][federation.mask[j]] for j in members])
+    hard = np.eye(model.num_classes)[y]
+    wbar = jax.tree.map(lambda leaf: leaf[i], wbars)
+    candidates, scores = [], []
+    for tau in taus:
+      updated, _ = evolve.ntk_update(
+        model.apply,
+        wbar,
+        jnp.asarray(x),
+        jnp.asarray(hard, jnp.float32),
+        jnp.ones(len(y), bool),
+        lr=config.algorithm.lr,
+        taus=(tau,),
+        dense_stack=model.dense_stack,
+      )
+      logits = np.asarray(model.apply(updated, jnp.asarray(x)), np.float64)
+      candidates.append(updated)
+      scores.append(np.mean(np.sum((logits - hard) ** 2, axis=1)))
+    best = int(np.argmin(scores))
+    expected_taus.append(taus[best])
+    np.testing.assert_allclose(float(metrics["loss"][i]), scores[best], rtol=1e-4)
+    assert_trees_close(jax.tree.map(lambda leaf: leaf[i], new_state.params), candidates[best])
+  np.testing.assert_array_equal(np.asarray(metrics["tau"]), expected_taus)
+  # The two scores disagree on some client here: the hook changed the choice.
+  assert np.any(np.asarray(plain_metrics["tau"]) != np.asarray(metrics["tau"]))
+
+
+def test_a_scorer_and_a_validation_score_exclude_each_other():
+  model = models.mlp(input_dim=5, hidden=(8,), num_classes=3)
+  params = model.init(jax.random.key(0))
+  x = jnp.ones((4, 5))
+  with pytest.raises(ValueError, match="exclude each other"):
+    evolve.ntk_step(
+      model.apply,
+      params,
+      x,
+      jnp.eye(3)[jnp.array([0, 1, 2, 0])],
+      jnp.ones(4, bool),
+      lr=0.1,
+      taus=(1, 2),
+      score_fn=lambda p: 0.0,
+      score_outputs=_squared_logits,
+    )

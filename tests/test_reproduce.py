@@ -16,14 +16,8 @@ from ntk_fl import rundir, schema
 from ntk_fl import reproduce
 from ntk_fl.reproduce import EXPERIMENTS, costs, estimate, list_table, queue, render
 from ntk_fl.reproduce.experiments import SMOKE
-from ntk_fl.reproduce.registry import (
-  Experiment,
-  Variant,
-  build_config,
-  config_key,
-  override_flags,
-  stored_form,
-)
+from ntk_fl.reproduce.queue import config_key, stored_form
+from ntk_fl.reproduce.registry import Experiment, Variant, build_config, override_flags
 
 CAMPAIGN = [
   "ntk_dfl:fig9",

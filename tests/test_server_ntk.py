@@ -418,3 +418,41 @@ def test_cp_ntk_fl_smoke_runs_through_the_runner_and_learns(tmp_path):
   assert lines[1]["bits_cumulative"] == pytest.approx(
     lines[0]["bits_sent_total"] + lines[1]["bits_sent_total"], rel=1e-6
   )
+
+
+# ----------------------------------------------------------------------------- the public server update
+
+
+@pytest.mark.parametrize("jacobian", ["implicit", "explicit"])
+def test_the_public_server_update_on_the_pooled_uploads_is_the_round(jacobian):
+  """``make_server_update`` on the participants' real samples (and, explicit, their flat Jacobians taken
+  here): the round's weights and τ."""
+  from ntk_fl.algorithms import server_ntk  # pylint: disable=import-outside-toplevel
+
+  config, fed = tiny(jacobian=jacobian)
+  _, state, inputs, new_state, metrics = one_round(config, fed)
+  update = server_ntk.make_server_update(MODEL, schema.validate_config(config).algorithm)
+  x, t, m = pooled(fed, inputs.clients)
+  jac = jacobians.flat_jacobian(MODEL.apply, state.params, x) if jacobian == "explicit" else None
+  params, info = jax.jit(update)(state.params, x, t, m, 0.5, jacobian=jac)
+  assert_trees_close(params, new_state.params)
+  assert int(info["tau"]) == int(metrics["tau"])
+
+
+def test_the_server_update_takes_a_validation_score_exactly_with_select_validation():
+  from ntk_fl.algorithms import server_ntk  # pylint: disable=import-outside-toplevel
+
+  config, fed = tiny()
+  params = MODEL.init(jax.random.key(0))
+  x, t, m = pooled(fed, np.arange(3))
+  update = server_ntk.make_server_update(MODEL, schema.validate_config(config).algorithm)
+  with pytest.raises(ValueError, match="select='validation'"):
+    update(params, x, t, m, 0.5, score_fn=lambda w: 0.0)
+  # On the held-out data itself, the validation score is the network selection's training loss.
+  config.algorithm.select, config.algorithm.validation_clients = "validation", 1
+  by_validation = server_ntk.make_server_update(MODEL, schema.validate_config(config).algorithm)
+  score = lambda w: evolve.mean_loss(MODEL.apply(w, x), t, m, evolve.Loss.CE)
+  a, info_a = by_validation(params, x, t, m, 0.5, score_fn=score)
+  b, info_b = update(params, x, t, m, 0.5)
+  assert int(info_a["tau"]) == int(info_b["tau"])
+  assert_trees_close(a, b)

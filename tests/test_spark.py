@@ -521,3 +521,113 @@ def test_branch_refusals_name_the_reason(tmp_path):
   assert rundir.check_branch(_smoke("abl_momentum"), source) == 2  # not 3: past the warm-up
   # SPARK itself with more rounds anneals more slowly after the warm-up: again only the warm-up is shared.
   assert rundir.check_branch(_smoke("", rounds=4), source) == 2
+
+
+# ------------------------------------------------------------------ the public client update and its hook
+
+
+def _spark_with(config, model, federation, **hooks):
+  settings = schema.validate_config(config)
+  return spark.make_spark(
+    model, federation, settings.built_topology, settings.algorithm, settings, **hooks
+  )
+
+
+def _states(algorithm, rounds=3):
+  state, out = algorithm.init(jax.random.key(0)), []
+  for r in range(rounds):
+    state, metrics = algorithm.step(state, algorithm.round_inputs(r))
+    out.append((state, metrics))
+  return out
+
+
+def _assert_identical(a, b):
+  leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(leaves_a) == len(leaves_b)
+  for x, y in zip(leaves_a, leaves_b):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize(
+  "variant, algo",
+  [("", {}), ("proj500", {"projection__k_proj": 8}), ("option_b", {})],
+  ids=["plain", "sketched", "option_b"],
+)
+def test_a_targets_hook_equal_to_the_default_reproduces_the_round_bit_for_bit(variant, algo):
+  config, model, federation = tiny_setup(variant=variant, **algo)
+  config.model.init = "per_client"
+  plain = _states(runner.make_algorithm(config, model, federation))
+  hooked = _states(_spark_with(config, model, federation, targets_fn=spark.distill_targets))
+  _assert_identical(plain, hooked)  # rounds 2-3 distil (warm-up 1, T > 1)
+
+
+def test_a_targets_hook_of_hard_labels_is_spark_without_distillation():
+  """Distillation on, the hook returns the hard labels: the rounds of the config with distillation off."""
+  config, model, federation = tiny_setup()
+  hard_only = _states(
+    _spark_with(config, model, federation, targets_fn=lambda f0, hard, a, t: hard)
+  )
+  config.algorithm.distill.enabled = False
+  undistilled = _states(runner.make_algorithm(config, model, federation))
+  for (state, metrics), (state_u, metrics_u) in zip(hard_only, undistilled):
+    np.testing.assert_array_equal(np.asarray(metrics["tau"]), np.asarray(metrics_u["tau"]))
+    for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(state_u)):
+      np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+  assert float(hard_only[-1][1]["alpha"]) < 1  # the schedule did anneal: the hook alone kept Y hard
+
+
+def test_the_public_client_update_composes_into_the_spark_round():
+  """SPARK's round from public pieces only -- NTK-DFL's neighbourhood round, SPARK's client update and its
+  distillation schedule, optax momentum state -- equals make_spark's (3 rounds): the same operations in
+  another program, which XLA fuses differently, so to float32 rounding (observed: 1 ulp), τ exactly."""
+  config, model, federation = tiny_setup()
+  config.model.init = "per_client"
+  settings = schema.validate_config(config)
+  hparams, graphs = settings.algorithm, settings.built_topology
+  core = ntk_dfl.make_neighbourhood_round(
+    model,
+    federation,
+    graphs,
+    seed=settings.seed,
+    mixing=settings.topology.mixing,
+    lr=hparams.lr,
+    lr_decay=hparams.lr_decay,
+    per_round_averaging=True,
+  )
+  client = spark.make_client_update(
+    model, hparams, seed=settings.seed, neighbourhood_slots=1 + graphs.k_max
+  )
+  d = hparams.distill
+  schedule = dict(
+    warmup_rounds=d.warmup_rounds,
+    anneal_rounds=d.anneal_rounds or settings.rounds,
+    alpha_init=d.alpha_init,
+    alpha_final=d.alpha_final,
+    temp_init=d.temp_init,
+    temp_final=d.temp_final,
+  )
+
+  @jax.jit
+  def step(params, opt_state, inputs, data, mats):
+    alpha, temp = spark.distill_schedule(inputs.round, **schedule)
+
+    def client_fn(wbar, x, hard, mask, lr, opt_state_i):
+      return client.update(wbar, x[0], hard[0], mask[0], lr, alpha, temp, mats, opt_state_i)
+
+    (params, opt_state, info), _ = core.run(params, inputs, data, client_fn, opt_state)
+    return params, opt_state, info["tau"]
+
+  reference = _states(runner.make_algorithm(config, model, federation))
+  algorithm = runner.make_algorithm(config, model, federation)
+  start = algorithm.init(jax.random.key(0))
+  params, opt_state = start.params, start.momentum
+  _assert_identical(jax.vmap(client.momentum.init)(params), opt_state)
+  for r, (state, metrics) in enumerate(reference):
+    params, opt_state, taus = step(
+      params, opt_state, algorithm.round_inputs(r), core.data, client.matrices
+    )
+    np.testing.assert_array_equal(np.asarray(taus), np.asarray(metrics["tau"]))
+    for x, y in zip(
+      jax.tree.leaves((params, opt_state)), jax.tree.leaves((state.params, state.momentum))
+    ):
+      np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)

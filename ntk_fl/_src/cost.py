@@ -152,13 +152,13 @@ def kernel_flops(model, block: int, kernel: str = "traced") -> float:
   The kernel is :func:`ntk_fl.ntk.empirical_ntk` with the library's default implementation for the
   model (the dense-stack or the layer-wise structured one where they apply), the block in one piece.
   """
-  from ntk_fl import ntk  # pylint: disable=import-outside-toplevel
+  from ntk_fl._src import kernels, neural_tangents_api  # pylint: disable=import-outside-toplevel
 
   params = jax.eval_shape(model.init, jax.random.key(0))
   x = jax.ShapeDtypeStruct((block, *model.input_shape), jnp.float32)
   traced = kernel == "traced"
   if getattr(model, "per_sample", True):
-    kernel_fn = lambda p, x: ntk.empirical_ntk(
+    kernel_fn = lambda p, x: kernels.empirical_ntk(
       model.apply,
       p,
       x,
@@ -168,7 +168,7 @@ def kernel_flops(model, block: int, kernel: str = "traced") -> float:
       chunk_size=block,
     )
   else:  # the whole batch's Jacobian (neural-tangents' vmap_axes=None), as the NTK step takes it
-    kernel_fn = lambda p, x: ntk.empirical_ntk_fn(
+    kernel_fn = lambda p, x: neural_tangents_api.empirical_ntk_fn(
       model.apply, trace_axes=(-1,) if traced else (), vmap_axes=None
     )(x, None, p)
   fn = jax.jit(kernel_fn)
@@ -201,7 +201,7 @@ def calibrate(
 
   A kernel above ``max_flops`` is timed on a smaller block and scaled (:class:`Calibration`).
   """
-  from ntk_fl import evolve  # pylint: disable=import-outside-toplevel
+  from ntk_fl._src import ntk_step  # pylint: disable=import-outside-toplevel
 
   params = model.init(jax.random.key(seed))
   model_options = dict(
@@ -210,7 +210,7 @@ def calibrate(
     per_sample=getattr(model, "per_sample", True),
   )
   step = jax.jit(
-    lambda p, x, y, m: evolve.ntk_step(
+    lambda p, x, y, m: ntk_step.ntk_step(
       model.apply, p, x, y, m, lr=0.01, **model_options, **work.options
     )[0]
   )

@@ -18,8 +18,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ntk_fl import jacobians, ntk
+from ntk_fl import jacobians
 from ntk_fl._src import evolution as _evolution
+from ntk_fl._src.kernels import empirical_ntk
+from ntk_fl._src.neural_tangents_api import empirical_ntk_fn
 from ntk_fl._src.options import (
   Implementation,
   Kernel,
@@ -221,6 +223,7 @@ def ntk_step(
   start=None,
   f0: Array | None = None,
   score_fn: Callable[[Any], Array] | None = None,
+  score_outputs: Callable[[Array, Array, Array], Array] | None = None,
 ):
   """One NTK client step: kernel, evolution, candidate updates ``Δw_τ``, scores, the chosen ``τ``.
 
@@ -244,7 +247,7 @@ def ntk_step(
   5. **Candidates** ``Δw_τ = -(lr/norm) Jᵀ S_τ`` (``norm = N`` for CE, ``N·C`` for MSE): from ``jacobian``
      when given (it may be compressed), else one VJP at the linearisation point (``J`` never formed); then
      mapped to the network's parameters by ``param_map.to_params``.
-  6. **Scores**: the mean ``loss`` against ``labels`` (default: the targets) of
+  6. **Scores**: the mean ``loss`` against ``labels`` (default: the targets), or ``score_outputs``, of
      ``apply_fn(candidate(Δw_τ), x)`` (``select='network'``; ``candidate`` defaults to ``start + Δw_τ`` and may
      be, e.g., the momentum step the client will hold), or of the evolved ``f_τ`` (``'linearized'``).
   7. **Choice**: the argmin (first on ties; NaN never wins).
@@ -271,6 +274,10 @@ def ntk_step(
       computed at different weights: SPARK's Option B, each sender's rows at its own ``w̄_j``).
     score_fn: ``score_fn(candidate_params) -> loss``, scoring each candidate network on other data than
       ``x`` (NTK-FL §3: τ chosen on a validation set held out from the clients); ``select='network'``.
+    score_outputs: ``score_outputs(logits [N, C], labels [N, C], mask [N] bool) -> scalar``, a candidate's
+      score from its outputs on ``x`` (lower wins; item 6), instead of the mean ``loss``; ``logits`` are the
+      candidate network's (``select='network'``) or the evolved ``f_τ`` (``'linearized'``), padding rows
+      included (``mask`` False). Not with ``score_fn``, which scores on other data.
 
   Returns:
     ``(delta, info)``: ``delta`` shaped like ``params``; ``info`` has ``'tau'`` (int32), ``'loss'`` (the
@@ -287,6 +294,10 @@ def ntk_step(
   if score_fn is not None and select != Select.NETWORK:
     raise ValueError(
       f"score_fn scores candidate networks, so it needs select='network', got {select.value!r}"
+    )
+  if score_fn is not None and score_outputs is not None:
+    raise ValueError(
+      "score_fn (candidates scored on other data) and score_outputs (on x) exclude each other"
     )
   taus = check_taus(taus)
   _check_lr(lr)
@@ -325,14 +336,14 @@ def ntk_step(
   elif jacobian is not None:
     k = jacobians.jacobian_kernel(jacobian, trace_outputs=traced)
   elif not per_sample:
-    k = ntk.empirical_ntk_fn(
+    k = empirical_ntk_fn(
       coords.apply_fn,
       trace_axes=(-1,) if traced else (),
       vmap_axes=None,
       implementation=_whole_batch(kernel_impl),
     )(x, None, coords.point)
   else:
-    k = ntk.empirical_ntk(
+    k = empirical_ntk(
       coords.apply_fn,
       coords.point,
       x,
@@ -365,6 +376,8 @@ def ntk_step(
 
   score = lambda logits: mean_loss(logits, labels, mask, loss)
   linearized_losses = jax.vmap(score)(evo.f_at_taus)
+  if score_outputs is not None:
+    score = lambda logits: score_outputs(logits, labels, mask)
   if select == Select.NETWORK:
     base = params if start is None else start
     if candidate is None:
@@ -374,7 +387,7 @@ def ntk_step(
     else:
       losses = jax.vmap(lambda d: score_fn(candidate(d)))(deltas)
   else:
-    losses = linearized_losses
+    losses = linearized_losses if score_outputs is None else jax.vmap(score)(evo.f_at_taus)
   choice = select_tau(losses, taus)
   delta = jax.tree_util.tree_map(lambda d: d[choice.index], deltas)
   info = {

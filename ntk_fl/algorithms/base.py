@@ -52,6 +52,7 @@ __all__ = [
   "Replicable",
   "RoundInputsFn",
   "RunOptions",
+  "ScoreFn",
   "StepFn",
   "TargetsFn",
   "check_evolution",
@@ -147,6 +148,20 @@ class Replicable(NamedTuple):
 
   step: Callable[[Any, Any, Any], tuple[Any, dict]]
   data: Any
+
+
+class ScoreFn(Protocol):
+  """The scoring hook of NTK-DFL's client update (:func:`ntk_fl.algorithms.ntk_dfl.make_client_update`).
+
+  Every ``τ`` of the grid gives a candidate; the one of lowest score is kept (first on ties, NaN never).
+  """
+
+  def __call__(self, logits: jax.Array, hard: jax.Array, mask: jax.Array) -> jax.Array:
+    """Args: logits: ``[N_b, C]`` one candidate's outputs on the block: the candidate network's
+    ``f(w + Δw_τ; x_b)`` (``select='network'``) or the evolved ``f_τ`` (``select='linearized'``); hard:
+    ``[N_b, C]`` the block's hard one-hot labels; mask: ``[N_b]`` bool, True for real samples (padding
+    rows hold zeros: leave them out). Returns: a float scalar, lower is better (NTK-DFL itself:
+    ``evolve.mean_loss(logits, hard, mask, loss)``)."""
 
 
 class Algorithm(NamedTuple):
@@ -336,17 +351,18 @@ def check_evolution(hparams: Any, path: str = "config.algorithm") -> None:
   Kernel`` and, where the dataclass has it, ``loss: Loss``; strings become members, :func:`parse_enums`),
   and that the ODE solver is for cross-entropy only.
   """
-  from ntk_fl import evolve, validation  # pylint: disable=import-outside-toplevel -- base stays light to import
+  from ntk_fl import validation  # pylint: disable=import-outside-toplevel -- base stays light to import
+  from ntk_fl._src.options import check_loss_solver, check_taus  # pylint: disable=import-outside-toplevel
 
   parse_enums(hparams, path)
   validation.check_real(f"{path}.lr", hparams.lr, low=0, low_open=True)
   validation.check_real(f"{path}.lr_decay (η_r = η·exp(−decay·r))", hparams.lr_decay, low=0)
   try:
-    evolve.check_taus(tuple(hparams.taus))
+    check_taus(tuple(hparams.taus))
   except (TypeError, ValueError) as e:
     raise ValueError(f"{path}.taus: {e}") from e
   if hasattr(hparams, "loss"):
     try:
-      evolve.check_loss_solver(hparams.loss, hparams.solver)
+      check_loss_solver(hparams.loss, hparams.solver)
     except ValueError as e:
       raise ValueError(f"{path}: {e}") from None

@@ -427,27 +427,26 @@ def make_fed_ensemble(
     ``aggregate`` = ``'ensemble_probs'`` or ``'ensemble_logits'``.
   """
   seed = run_options(run, "Fed-ensemble", needs_topology=False, seed=seed).seed
-  algo = hparams
   num_clients, n_max = federation.mask.shape
-  num_modes = int(algo.num_modes)
-  k = int(algo.clients_per_round) or num_clients
-  bits, stochastic = int(algo.quantize_bits), bool(algo.stochastic_rounding)
-  strata = make_strata(num_clients, int(algo.num_strata), seed)
+  num_modes = int(hparams.num_modes)
+  k = int(hparams.clients_per_round) or num_clients
+  bits, stochastic = int(hparams.quantize_bits), bool(hparams.stochastic_rounding)
+  strata = make_strata(num_clients, int(hparams.num_strata), seed)
   data = parallel.to_device(federation)
   payload = compression.tree_payload_bits(jax.eval_shape(model.init, jax.random.key(0)), bits)
-  uniform_weights = algo.aggregation_weights == "uniform"
-  over, sizes = int(algo.over_selected), np.asarray(federation.n)
+  uniform_weights = hparams.aggregation_weights == "uniform"
+  over, sizes = int(hparams.over_selected), np.asarray(federation.n)
 
   def init(key):
     return EnsembleState(modes=init_modes(model, key, num_modes), bits_cumulative=jnp.float32(0))
 
   def round_inputs(round_index: int) -> EnsembleRound:
     if over:
-      selected = sample_participants(strata, over, algo.sampling, seed, round_index)
-      clients = first_to_finish(selected, sizes, k, float(algo.latency_sigma), seed, round_index)
+      selected = sample_participants(strata, over, hparams.sampling, seed, round_index)
+      clients = first_to_finish(selected, sizes, k, float(hparams.latency_sigma), seed, round_index)
     else:
       clients = sample_participants(
-        strata, int(algo.clients_per_round), algo.sampling, seed, round_index
+        strata, int(hparams.clients_per_round), hparams.sampling, seed, round_index
       )
     modes = round_modes(strata, num_modes, seed, round_index)[clients]
     return EnsembleRound(
@@ -460,7 +459,7 @@ def make_fed_ensemble(
   def counts_of(assignment):
     return jnp.sum(assignment[:, None] == jnp.arange(num_modes)[None, :], axis=0).astype(jnp.int32)
 
-  if algo.local_training == "ntk":
+  if hparams.local_training == "ntk":
     num_classes = int(
       jax.eval_shape(
         model.apply,
@@ -469,10 +468,10 @@ def make_fed_ensemble(
       ).shape[-1]
     )
     evolve_options = dict(
-      taus=evolve.check_taus(tuple(algo.taus)),
+      taus=evolve.check_taus(tuple(hparams.taus)),
       loss=evolve.Loss.CE,
-      solver=algo.solver,
-      select=algo.select,
+      solver=hparams.solver,
+      select=hparams.select,
       dense_stack=model.dense_stack,
       flax_apply=model.flax_apply,
       per_sample=model.per_sample,
@@ -502,7 +501,7 @@ def make_fed_ensemble(
       mean_loss = jnp.sum(jnp.where(trained, loss, 0.0)) / jnp.maximum(jnp.sum(trained), 1)
       return new_modes, counts, {"tau": jnp.where(trained, tau, 0), "loss": mean_loss}
   else:
-    local_update = local.local_update_from_hparams(model.apply, algo)
+    local_update = local.local_update_from_hparams(model.apply, hparams)
 
     def train(modes, inputs, x, y, mask, lr):
       """FedAvg's vmapped local training, each participant starting from (and anchored at) its mode."""
@@ -520,7 +519,7 @@ def make_fed_ensemble(
 
   @jax.jit
   def _step(state, inputs, data):
-    lr = local.round_lr(algo, inputs.round)
+    lr = local.round_lr(hparams, inputs.round)
     (x, y), mask = data.samples(data.index[inputs.clients]), data.mask[inputs.clients]
     new_modes, counts, extra = train(state.modes, inputs, x, y, mask, lr)
     total = jnp.float32(payload) * k
@@ -543,7 +542,7 @@ def make_fed_ensemble(
     round_inputs=round_inputs,
     step=step,
     client_params=lambda state: state.modes,
-    aggregate=_AGGREGATE_OF_PREDICTION[algo.prediction],
+    aggregate=_AGGREGATE_OF_PREDICTION[hparams.prediction],
   )
 
 

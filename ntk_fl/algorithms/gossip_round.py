@@ -18,9 +18,9 @@ step" on the round's graph, as in the NTK-DFL authors' baseline code
 
 :func:`make_local_sgd_gossip` is that round; D-PSGD, DFedAvg, DFedAvgM and
 DFedSAM differ only in the local optimiser (their hyperparameters live in
-``configs/<method>.py``). :func:`make_gossip_method` is the frame around a
-method's client round (DisPFL's masked one included): the graph draw, the
-round's keys and the bit count.
+``configs/<method>.py``), so each of their modules is one :func:`local_sgd_method`.
+:func:`make_gossip_method` is the frame around a method's client round (DisPFL's
+masked one included): the graph draw, the round's keys and the bit count.
 
 Communication: every client sends one model per neighbour; ``bits_sent``
 (``[M]``), ``bits_sent_total`` and ``bits_cumulative`` (carried in the state as
@@ -38,13 +38,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from ntk_fl import compression, gossip, models, parallel, topology
-from ntk_fl.algorithms import local
-from ntk_fl.algorithms.base import Algorithm, ParamsState, Replicable, graph_round_inputs
+from ntk_fl.algorithms import Method, local
+from ntk_fl.algorithms.base import (
+  Algorithm,
+  ParamsState,
+  Replicable,
+  graph_round_inputs,
+  run_options,
+)
 
 __all__ = [
   "GossipHParams",
   "ClientRound",
   "check_plain_sgd",
+  "local_sgd_method",
   "make_gossip_method",
   "make_local_sgd_gossip",
 ]
@@ -200,4 +207,56 @@ def make_local_sgd_gossip(
     payload=payload,
     init=init,
     client_round=client_round,
+  )
+
+
+def local_sgd_method(
+  name: str, label: str, *, hyperparameters: type = GossipHParams, plain_sgd: bool = False
+) -> Method:
+  """The registered :class:`~ntk_fl.algorithms.Method` of a local-SGD gossip baseline.
+
+  Its factory is ``make(model, federation, graphs, hparams, run=None, *, seed=None, mixing=None,
+  shared_init=None)`` (a :class:`~ntk_fl.algorithms.MakeFn`; the keywords stand in for ``run`` as in
+  :func:`~ntk_fl.algorithms.base.run_options`), the round :func:`make_local_sgd_gossip`'s.
+
+  Args:
+    name: the registry name (``'dfedavg'``), named by the plain-SGD check's message.
+    label: the display name (``'DFedAvg'``), named by the factory's errors.
+    hyperparameters: the method's dataclass (:class:`GossipHParams` or a subclass with its own fields).
+    plain_sgd: the method trains with plain SGD: ``check`` refuses ``momentum != 0``
+      (:func:`check_plain_sgd`).
+  """
+
+  def make(
+    model: models.Model,
+    federation,
+    graphs: topology.Topology,
+    hparams: GossipHParams,
+    run=None,
+    *,
+    seed: int | None = None,
+    mixing: str | None = None,
+    shared_init: bool | None = None,
+  ) -> Algorithm:
+    seed, mixing, shared_init, _ = run_options(
+      run, label, graphs, seed=seed, mixing=mixing, shared_init=shared_init
+    )
+    return make_local_sgd_gossip(
+      model, federation, graphs, hparams, seed=seed, mixing=mixing, shared_init=shared_init
+    )
+
+  def check(hparams: GossipHParams, run) -> None:
+    del run
+    check_plain_sgd(name, hparams)
+
+  make.__name__ = make.__qualname__ = f"make_{name}"
+  make.__doc__ = f"{label} (arguments as :func:`make_local_sgd_gossip`; ``run`` or the keywords)."
+  check.__name__ = check.__qualname__ = "check"
+  check.__doc__ = "Plain SGD: ``momentum`` must be 0; raises ``ValueError``."
+  return Method(
+    make=make,
+    hyperparameters=hyperparameters,
+    check=check if plain_sgd else None,
+    graph=True,
+    replicas=True,
   )

@@ -92,6 +92,7 @@ from ntk_fl.algorithms.base import (
   ClientFn,
   ParamsState,
   Replicable,
+  ScoreFn,
   TargetsFn,
   check_evolution,
   config_without,
@@ -392,6 +393,7 @@ def make_client_update(
   hparams: NTKDFLHParams,
   *,
   targets_fn: TargetsFn | None = None,
+  score_fn: ScoreFn | None = None,
   neighbourhood_slots: int | None = None,
 ) -> ClientFn:
   """NTK-DFL's client update: one client's NTK evolution over its neighbourhood, every setting forwarded.
@@ -407,6 +409,11 @@ def make_client_update(
     targets_fn: ``targets_fn(f0, hard) -> [N_b, C]``, the evolution targets of a block from its starting
       outputs ``f0 = f(start; x_b)`` and its hard one-hot labels ``hard``; default: ``hard``. The ``τ``
       candidates are always scored against ``hard`` (with ``select``).
+    score_fn: ``score_fn(logits [N_b, C], hard [N_b, C], mask [N_b]) -> scalar``, the score of one ``τ``
+      candidate's outputs on the block (:class:`~ntk_fl.algorithms.base.ScoreFn`: the candidate
+      network's with ``select='network'``, the evolved ``f_τ`` with ``'linearized'``); the lowest wins.
+      Default: the mean ``hparams.loss``, ``evolve.mean_loss(logits, hard, mask, hparams.loss)``; the
+      ``loss`` metric is the chosen candidate's score.
     neighbourhood_slots: ``1 + k_max``, the neighbourhood's slots of ``N_b / (1 + k_max)`` rows each (the
       client's own first): needed when ``hparams`` compresses the sent Jacobians (App. E.3), whose
       packages are per slot; the client's own rows are never sent, so never compressed.
@@ -448,6 +455,7 @@ def make_client_update(
       lr=lr,
       labels=labels,
       start=start,
+      score_outputs=score_fn,
       **options,
       **explicit,
     )
@@ -490,6 +498,7 @@ def make_ntk_dfl(
   mixing: str | None = None,
   shared_init: bool | None = None,
   targets_fn: TargetsFn | None = None,
+  score_fn: ScoreFn | None = None,
 ) -> Algorithm:
   """Builds NTK-DFL for ``federation`` (a :class:`ntk_fl.data.Federation`) and ``model``.
 
@@ -507,6 +516,7 @@ def make_ntk_dfl(
     mixing: mixing scheme of the per-round averaging, when no ``run``.
     shared_init: every client starts from the same initialisation, when no ``run``.
     targets_fn: the evolution-targets hook of :func:`make_client_update` (a variant's own targets).
+    score_fn: the scoring hook of :func:`make_client_update` (how a variant picks ``τ``).
 
   Returns:
     An :class:`~ntk_fl.algorithms.base.Algorithm`; ``step`` is jit-compiled here
@@ -533,7 +543,7 @@ def make_ntk_dfl(
     subsample=int(hparams.subsample),
   )
   client_update = make_client_update(
-    model, hparams, targets_fn=targets_fn, neighbourhood_slots=1 + topology.k_max
+    model, hparams, targets_fn=targets_fn, score_fn=score_fn, neighbourhood_slots=1 + topology.k_max
   )
 
   # Communication (ntk_fl.communication.neighbourhood_round_bits): static per-client package sizes.
@@ -602,7 +612,7 @@ def make_ntk_dfl(
   )
 
 
-def _project_federation(model: models.Model, federation, algo: NTKDFLHParams, seed: int):
+def _project_federation(model: models.Model, federation, hparams: NTKDFLHParams, seed: int):
   """``(P [d1, d1'], the MLP on d1' inputs, the federation with samples Z = X P)``: App. E.3's projection.
 
   ``P`` is CP-NTK-FL's shared seeded Gaussian (the same stream); the all-zero padding sample stays zero.
@@ -616,13 +626,13 @@ def _project_federation(model: models.Model, federation, algo: NTKDFLHParams, se
   projection = jacobians.projection_matrix(
     jax_key(seed, Stream.INPUT_PROJECTION),
     input_dim,
-    int(algo.projection_dim),
-    scale=algo.projection_scale,
+    int(hparams.projection_dim),
+    scale=hparams.projection_scale,
   )
   samples_x = jacobians.project_inputs(jnp.asarray(federation.samples_x), projection)
   return (
     projection,
-    models.mlp_on_inputs(model, int(algo.projection_dim)),
+    models.mlp_on_inputs(model, int(hparams.projection_dim)),
     federation._replace(samples_x=samples_x),
   )
 

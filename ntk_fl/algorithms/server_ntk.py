@@ -56,6 +56,9 @@ the names the FedAvg family uses), ``downlink_bits_total``,
 ``downlink_mb_cumulative``; plus ``tau``, ``loss`` (selected training loss),
 ``lr`` and ``num_samples`` (``N_k``).
 
+The server's step on the pooled uploads (item 4, both paths) is public, :func:`make_server_update`, for a
+variant that changes what happens around it.
+
 With a projection, the state holds the d1'-input model; ``client_params``
 returns it with ``P`` folded into the first dense layer
 (:func:`ntk_fl.jacobians.fold_projection`), so the runner scores it on raw
@@ -85,6 +88,7 @@ __all__ = [
   "JacobianPath",
   "NTKFLHParams",
   "make_server_ntk",
+  "make_server_update",
   "check",
   "uses_explicit_jacobian",
   "METHOD",
@@ -120,11 +124,11 @@ class ServerNTKRound(NamedTuple):
   key: Any
 
 
-def uses_explicit_jacobian(algo) -> bool:
+def uses_explicit_jacobian(hparams) -> bool:
   """Whether the server must hold explicit Jacobians (compression alters them, or it was asked to)."""
-  compressed = algo.sparsify_keep < 1 or algo.quantize_bits != compression.FLOAT_BITS
-  return algo.jacobian == JacobianPath.EXPLICIT or (
-    algo.jacobian == JacobianPath.AUTO and compressed
+  compressed = hparams.sparsify_keep < 1 or hparams.quantize_bits != compression.FLOAT_BITS
+  return hparams.jacobian == JacobianPath.EXPLICIT or (
+    hparams.jacobian == JacobianPath.AUTO and compressed
   )
 
 
@@ -263,6 +267,68 @@ def _compress_client(jac, mask, key, *, keep: float, bits: int, stochastic: bool
   return jac
 
 
+def make_server_update(net: models.Model, hparams: NTKFLHParams):
+  """NTK-FL's server update: one NTK step on the pooled uploads, every setting of ``hparams`` forwarded.
+
+  ``taus``, ``loss``, ``solver``, ``select`` (``'validation'`` scores the candidate networks with the
+  ``score_fn`` given to the update), ``kernel`` and the network's kernel structure go to
+  :func:`ntk_fl.evolve.ntk_step`; with explicit Jacobians (:func:`uses_explicit_jacobian`) the kernel and the
+  candidates come from the uploaded flat ``J``, whose coordinates are the flat parameter vector.
+
+  Args:
+    net: the network the server trains (with ``projection_dim``, the MLP on the d1'-dimensional inputs).
+    hparams: :class:`NTKFLHParams`.
+
+  Returns:
+    ``server_update(params, x [N, ...], targets [N, C], mask [N], lr, *, jacobian=None, score_fn=None) ->
+    (params, info)``: ``params`` the global weights; ``x``, ``targets`` (one-hot), ``mask`` the participants'
+    pooled (shuffled) samples; ``jacobian`` their uploaded (possibly compressed) flat Jacobians ``[N, C, d]``
+    on the explicit path, else None (the kernel from ``net``, matrix-free); ``score_fn(candidate) -> loss``
+    with ``select='validation'``. Returns the new weights and the step's ``info`` (``tau``, ``loss``, ...).
+  """
+  by_validation = hparams.select == ServerSelect.VALIDATION
+  # The step's options, parsed (and the τ grid checked) once here rather than on every trace.
+  step_options = dict(
+    taus=evolve.check_taus(tuple(hparams.taus)),
+    loss=hparams.loss,
+    solver=hparams.solver,
+    select=Select.NETWORK if by_validation else Select(hparams.select.value),
+    kernel=hparams.kernel,
+  )
+
+  def server_update(params, x, targets, mask, lr, *, jacobian=None, score_fn=None):
+    if by_validation != (score_fn is not None):
+      raise ValueError(
+        "the server update scores on held-out clients exactly when select='validation': pass their "
+        f"score_fn then and only then (select={hparams.select.value!r})"
+      )
+    evolve_kwargs = dict(lr=lr, **step_options)
+    if score_fn is not None:
+      evolve_kwargs["score_fn"] = score_fn
+    if jacobian is not None:
+      # The kernel and the candidates come from the uploaded (possibly compressed) flat J [N, C, d], whose
+      # coordinates are the flat parameter vector.
+      flat = evolve.ParamMap(net.apply, params, lambda d: jacobians.unflatten_jacobian(d, params))
+      delta, info = evolve.ntk_step(
+        net.apply, params, x, targets, mask, jacobian=jacobian, param_map=flat, **evolve_kwargs
+      )
+    else:
+      delta, info = evolve.ntk_step(
+        net.apply,
+        params,
+        x,
+        targets,
+        mask,
+        dense_stack=net.dense_stack,
+        flax_apply=net.flax_apply,
+        per_sample=net.per_sample,
+        **evolve_kwargs,
+      )
+    return jax.tree.map(jnp.add, params, delta), info
+
+  return server_update
+
+
 def make_server_ntk(
   model: models.Model,
   federation,
@@ -286,9 +352,8 @@ def make_server_ntk(
     with the federation's arrays (and ``P``) passed as arguments.
   """
   seed = run_options(run, "NTK-FL", needs_topology=False, seed=seed).seed
-  algo = hparams
   num_clients, n_max = federation.mask.shape
-  num_val = int(algo.validation_clients)
+  num_val = int(hparams.validation_clients)
   # Held-out validation clients (select='validation'), drawn once; the others train.
   held_out = (
     np.sort(
@@ -298,25 +363,17 @@ def make_server_ntk(
     else np.zeros((0,), np.int64)
   )
   training_clients = np.setdiff1d(np.arange(num_clients), held_out)
-  k = int(algo.clients_per_round) or len(training_clients)
-  by_validation = algo.select == ServerSelect.VALIDATION
-  # The step's options, parsed (and the τ grid checked) once here rather than on every trace.
-  step_options = dict(
-    taus=evolve.check_taus(tuple(algo.taus)),
-    loss=algo.loss,
-    solver=algo.solver,
-    select=Select.NETWORK if by_validation else Select(algo.select.value),
-    kernel=algo.kernel,
-  )
-  beta, proj_dim = float(algo.subsample_fraction), int(algo.projection_dim)
+  k = int(hparams.clients_per_round) or len(training_clients)
+  by_validation = hparams.select == ServerSelect.VALIDATION
+  beta, proj_dim = float(hparams.subsample_fraction), int(hparams.projection_dim)
   keep, bits, stochastic = (
-    float(algo.sparsify_keep),
-    int(algo.quantize_bits),
-    bool(algo.stochastic_rounding),
+    float(hparams.sparsify_keep),
+    int(hparams.quantize_bits),
+    bool(hparams.stochastic_rounding),
   )
-  explicit = uses_explicit_jacobian(algo)
+  explicit = uses_explicit_jacobian(hparams)
   num_classes = model.num_classes
-  jac_chunk = int(algo.jacobian_chunk) or None
+  jac_chunk = int(hparams.jacobian_chunk) or None
 
   projection = None
   net = model
@@ -328,10 +385,11 @@ def make_server_ntk(
         f"{federation.feature_shape}"
       )
     projection = jacobians.projection_matrix(
-      jax_key(seed, Stream.INPUT_PROJECTION), input_dim, proj_dim, scale=algo.projection_scale
+      jax_key(seed, Stream.INPUT_PROJECTION), input_dim, proj_dim, scale=hparams.projection_scale
     )
     net = models.mlp_on_inputs(model, proj_dim)
   first_layer = net.dense_stack.layers[0] if net.dense_stack else None
+  server_update = make_server_update(net, hparams)
   num_params = models.num_params(jax.eval_shape(net.init, jax.random.key(0)))
   model_bits = num_params * compression.FLOAT_BITS
   n_slots = jacobians.num_subsampled(n_max, beta) if beta < 1 else n_max
@@ -375,18 +433,16 @@ def make_server_ntk(
   def _step(state, inputs, data):
     fed, proj = data
     sub_key, quant_key, shuffle_key = jax.random.split(inputs.key, 3)
-    lr = algo.lr * jnp.exp(-algo.lr_decay * inputs.round.astype(jnp.float32))
+    lr = hparams.lr * jnp.exp(-hparams.lr_decay * inputs.round.astype(jnp.float32))
     x, targets, mask = client_data(fed, proj, inputs.clients, sub_key)  # [K, n_slots, ...]
     pool = lambda a: a.reshape(k * n_slots, *a.shape[2:])
-    evolve_kwargs = dict(lr=lr, **step_options)
+    score_fn = None
     if by_validation:
       # The validation clients' pooled data, as a participant would send it (projected; no subsampling).
       vx, vt, vm = (
         a.reshape(num_val * n_max, *a.shape[2:]) for a in client_data(fed, proj, held, None, False)
       )
-      evolve_kwargs["score_fn"] = lambda w: evolve.mean_loss(
-        net.apply(w, vx), vt, vm, evolve.Loss.CE
-      )
+      score_fn = lambda w: evolve.mean_loss(net.apply(w, vx), vt, vm, evolve.Loss.CE)
     if explicit:
       jac = jacobians.flat_jacobian(net.apply, state.params, pool(x), chunk_size=jac_chunk)
       jac = jac.reshape(k, n_slots, *jac.shape[1:])
@@ -399,37 +455,20 @@ def make_server_ntk(
       pooled = (pool(x), pool(targets), pool(mask), pool(jac))
     else:
       pooled = (pool(x), pool(targets), pool(mask))
-    if algo.shuffle:
+    if hparams.shuffle:
       pooled, _ = jacobians.shuffle_rows(shuffle_key, pooled)
+    jac = None
     if explicit:
-      # The kernel and the candidates come from the uploaded (possibly compressed) flat J [N, C, d], whose
-      # coordinates are the flat parameter vector.
       *pooled, jac = pooled
-      flat = evolve.ParamMap(
-        net.apply, state.params, lambda d: jacobians.unflatten_jacobian(d, state.params)
-      )
-      delta, info = evolve.ntk_step(
-        net.apply, state.params, *pooled, jacobian=jac, param_map=flat, **evolve_kwargs
-      )
-    else:
-      delta, info = evolve.ntk_step(
-        net.apply,
-        state.params,
-        *pooled,
-        dense_stack=net.dense_stack,
-        flax_apply=net.flax_apply,
-        per_sample=net.per_sample,
-        **evolve_kwargs,
-      )
-    params = jax.tree.map(jnp.add, state.params, delta)
+    params, info = server_update(state.params, *pooled, lr, jacobian=jac, score_fn=score_fn)
 
     sizes = mask.sum(axis=1)  # [K] samples sent
     up = communication.server_upload_bits(
       sizes.astype(jnp.float32),
       num_params,
       num_classes,  # [K]
-      keep_fraction=algo.sparsify_keep,
-      bits=algo.quantize_bits,
+      keep_fraction=hparams.sparsify_keep,
+      bits=hparams.quantize_bits,
     )
     up_total, down_total = jnp.sum(up), jnp.float32(k * model_bits)
     new_state = ServerNTKState(

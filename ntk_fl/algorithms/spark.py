@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -104,8 +104,11 @@ __all__ = [
   "distill_targets",
   "momentum_transform",
   "nesterov_step",
+  "make_client_update",
   "make_spark",
   "check",
+  "SparkClient",
+  "SparkTargetsFn",
   "SparkHParams",
   "DistillHParams",
   "SketchHParams",
@@ -375,81 +378,98 @@ def _tree_norm(tree):
   return jnp.sqrt(sum(jnp.vdot(leaf, leaf) for leaf in jax.tree.leaves(tree)))
 
 
-# ----------------------------------------------------------------------------- the method
+class SparkTargetsFn(Protocol):
+  """The distillation-targets hook of SPARK's client update (:func:`make_client_update`)."""
+
+  def __call__(
+    self, f0: jax.Array, hard: jax.Array, alpha: jax.Array, temperature: jax.Array
+  ) -> jax.Array:
+    """Args: f0: ``[N, C]`` the teacher's logits (the consensus ``w̄_i`` on the neighbourhood, the outputs
+    the evolution starts from; Option B: each sender's own); hard: ``[N, C]`` one-hot labels; alpha,
+    temperature: the round's ``α_k``, ``T_k`` (:func:`distill_schedule`). Returns: the ``[N, C]`` targets
+    (SPARK: :func:`distill_targets`)."""
 
 
-def make_spark(
+class SparkClient(NamedTuple):
+  """SPARK's client update (:func:`make_client_update`), for the ``run`` of the round of
+  :func:`ntk_fl.algorithms.ntk_dfl.make_neighbourhood_round`.
+
+  Attributes:
+    update: ``update(w̄, x [N, ...], hard [N, C], mask [N], lr, alpha, temperature, matrices, opt_state,
+      senders=None) -> (w, opt_state, info)``: the NTK step (``delta``) then the momentum step
+      (``momentum_step``) of one client on its neighbourhood (one block: ``x[0]`` of the round's
+      ``[1, N, ...]``); ``senders`` (Option B, ``linearise_at='sender'``): the members' own consensus
+      weights, leaves ``[1 + k_max, ...]``. ``info``: float32 scalars ``tau``, ``loss`` (the selected
+      hard-label score), ``confidence``, ``delta_norm``, ``step_norm``.
+    delta: ``delta(w̄, x, hard, mask, lr, alpha, temperature, matrices, opt_state, senders=None) -> (Δw,
+      info)``, the NTK step alone (``info``: ``tau``, ``loss``, ``confidence``); ``opt_state`` is read only
+      with ``select_momentum``.
+    momentum_step: ``momentum_step(w̄, Δw, opt_state, info) -> (w, opt_state, info)``: Nesterov's step
+      (:func:`nesterov_step`), ``info`` with ``delta_norm`` and ``step_norm`` added.
+    momentum: the optax momentum transformation (``momentum.init(params)`` is a client's ``opt_state``).
+    plan: the sketch's :func:`ntk_fl.projection.make_plan` (identity leaves when unsketched).
+    matrices: the sketch's matrices, drawn from the seed (``None`` per unsketched leaf): pass them into the
+      round's ``jit`` as an argument and on to ``update``, never bake them in as constants.
+  """
+
+  update: Any
+  delta: Any
+  momentum_step: Any
+  momentum: optax.GradientTransformation
+  plan: Any
+  matrices: Any
+
+
+def make_client_update(
   model: models.Model,
-  federation,
-  graphs: topology.Topology,
   hparams: SparkHParams,
-  run=None,
   *,
-  seed: int | None = None,
-  rounds: int | None = None,
-  mixing: str | None = None,
-  shared_init: bool | None = None,
-) -> Algorithm:
-  """Builds SPARK for ``federation`` and ``model``; ``step`` is jit-compiled here.
+  seed: int,
+  neighbourhood_slots: int,
+  targets_fn: SparkTargetsFn | None = None,
+) -> SparkClient:
+  """SPARK's client update, every setting of ``hparams`` forwarded (module docstring, steps 1-5).
 
   Args:
-    model: the model.
-    federation: the stacked client data (``M`` clients).
-    graphs: the communication :class:`ntk_fl.topology.Topology` over the ``M`` clients.
-    hparams: :class:`SparkHParams`.
-    seed: the run seed (round keys, the Jacobian sketch).
-    rounds: the run's round count (the annealing horizon when ``distill.anneal_rounds`` is 0).
-    mixing: mixing scheme of the per-round averaging.
-    shared_init: every client starts from the same initialisation.
+    model: the model (``apply``, ``dense_stack``, ``flax_apply``, ``per_sample``).
+    hparams: :class:`SparkHParams` (enum fields already members).
+    seed: the run seed (the sketch's matrices).
+    neighbourhood_slots: ``1 + k_max``, the neighbourhood's slots of ``N / (1 + k_max)`` rows each (the
+      client's own first): the compressed packages and Option B's senders are per slot.
+    targets_fn: ``targets_fn(f0, hard, alpha, temperature) -> [N, C]``, the evolution targets
+      (:class:`SparkTargetsFn`); default :func:`distill_targets`. ``τ`` is always chosen on ``hard``.
+
+  Returns:
+    A :class:`SparkClient`.
+
+  Raises:
+    ValueError: ``projected_kernel='structured'`` where the structured sketched kernel does not apply.
   """
-  seed, mixing, shared_init, rounds = run_options(
-    run, "SPARK", graphs, seed=seed, mixing=mixing, shared_init=shared_init, rounds=rounds
-  )
-  if rounds is None:
-    raise TypeError("make_spark needs the run settings or rounds=")
-  algo = hparams
-  num_clients = federation.mask.shape[0]
-  num_classes = model.num_classes
   # The step's options, parsed (and the τ grid checked) once here rather than on every trace.
-  taus = evolve.check_taus(tuple(algo.taus))
-  solver, select, kernel_kind = algo.solver, algo.select, algo.kernel
+  taus = evolve.check_taus(tuple(hparams.taus))
+  solver, select, kernel_kind = hparams.solver, hparams.select, hparams.kernel
   traced = kernel_kind == evolve.Kernel.TRACED
-  select_momentum = bool(algo.select_momentum)
-  m2 = int(algo.subsample)
-  # On disjoint cliques every member has the same w̄ and data: one evolution per clique (exact up to float order).
-  share_cliques = bool(algo.share_cliques) and graphs.cliques > 0
-  core = make_neighbourhood_round(
-    model,
-    federation,
-    graphs,
-    seed=seed,
-    mixing=mixing,
-    lr=algo.lr,
-    lr_decay=algo.lr_decay,
-    per_round_averaging=True,
-    subsample=m2,
-    share_cliques=share_cliques,
-  )
-  members = 1 + graphs.k_max  # neighbourhood slots: the client and its k_max neighbour slots
-  tx = momentum_transform(float(algo.momentum), bool(algo.nesterov))
-  mixed_velocity = algo.velocity == Velocity.MIXED
+  select_momentum = bool(hparams.select_momentum)
+  members = int(neighbourhood_slots)
+  targets = distill_targets if targets_fn is None else targets_fn
+  tx = momentum_transform(float(hparams.momentum), bool(hparams.nesterov))
 
   # The sketch: identical for all clients and rounds, generated once from the seed and the layer names.
   template = jax.eval_shape(model.init, jax.random.key(0))
   plan = projection.make_plan(
     template,
-    algo.projection.scheme,
-    int(algo.projection.k_proj),
-    skip_uncompressed=bool(algo.projection.skip_uncompressed),
+    hparams.projection.scheme,
+    int(hparams.projection.k_proj),
+    skip_uncompressed=bool(hparams.projection.skip_uncompressed),
   )
   sketched = any(s.kind != "identity" for s in plan)
   matrices = projection.sample_matrices(plan, seed) if sketched else tuple(None for _ in plan)
-  keep, bits = float(algo.compression.keep_fraction), int(algo.compression.bits)
-  at_sender = algo.linearise_at == LinearisationPoint.SENDER
+  keep, bits = float(hparams.compression.keep_fraction), int(hparams.compression.bits)
+  at_sender = hparams.linearise_at == LinearisationPoint.SENDER
   explicit = (
-    algo.jacobian == JacobianPath.EXPLICIT
+    hparams.jacobian == JacobianPath.EXPLICIT
     or at_sender
-    or (algo.jacobian == JacobianPath.AUTO and algo.compression.active)
+    or (hparams.jacobian == JacobianPath.AUTO and hparams.compression.active)
   )
   # A sketch of a dense stack never differentiates through P (unless projected_kernel='generic'):
   # * layer-wise and matrix-free: the structured kernel with each layer input A_l replaced by A_l P_l
@@ -458,57 +478,24 @@ def make_spark(
   #   Jacobian's factors (projection.sketched_dense_jacobian, C times fewer flops than per-sample Jacobians of g).
   # Other models use the generic paths on the lifted network g.
   dense = (
-    sketched and model.dense_stack is not None and algo.projected_kernel != ProjectedKernel.GENERIC
+    sketched
+    and model.dense_stack is not None
+    and hparams.projected_kernel != ProjectedKernel.GENERIC
   )
-  structured_sketch = dense and not explicit and algo.projection.scheme == "layerwise"
-  factored_jacobian = dense and not structured_sketch and algo.jacobian != JacobianPath.IMPLICIT
+  structured_sketch = dense and not explicit and hparams.projection.scheme == "layerwise"
+  factored_jacobian = dense and not structured_sketch and hparams.jacobian != JacobianPath.IMPLICIT
   if (
-    algo.projected_kernel == ProjectedKernel.STRUCTURED
+    hparams.projected_kernel == ProjectedKernel.STRUCTURED
     and sketched
     and not (structured_sketch or factored_jacobian)
   ):
     raise ValueError(
       "config.algorithm.projected_kernel='structured' needs a dense-stack model (and, for the "
       "flattened sketch, jacobian 'auto' or 'explicit'); "
-      f"got model dense_stack={model.dense_stack is not None}, scheme={algo.projection.scheme!r}, "
-      f"jacobian={algo.jacobian!r}"
+      f"got model dense_stack={model.dense_stack is not None}, scheme={hparams.projection.scheme!r}, "
+      f"jacobian={hparams.jacobian!r}"
     )
   explicit = explicit or factored_jacobian
-
-  d = algo.distill
-  schedule = dict(
-    warmup_rounds=int(d.warmup_rounds),
-    anneal_rounds=int(d.anneal_rounds or rounds),
-    alpha_init=float(d.alpha_init),
-    alpha_final=float(d.alpha_final),
-    temp_init=float(d.temp_init),
-    temp_final=float(d.temp_final),
-  )
-  boost_rounds = jnp.asarray(tuple(int(r) for r in algo.lr_boost.rounds) or (0,), jnp.int32)
-  boost_factor = float(algo.lr_boost.factor)
-
-  # Communication: static per-client package sizes (samples after sub-sampling).
-  sketch_sizes = [math.prod(s.projected_shape) for s in plan]
-  packages = jnp.asarray(
-    [
-      communication.jacobian_package_bits(
-        int(n), num_classes, sketch_sizes, keep_fraction=keep, bits=bits
-      )
-      for n in core.samples_sent
-    ],
-    jnp.float32,
-  )
-  num_params = sum(math.prod(s.shape) for s in plan)
-  # A clique member sends one package to the whole clique; under Option B every client sends one package.
-  broadcast = graphs.cliques > 0 or at_sender
-
-  def init(key):
-    params = models.init_clients(model, key, num_clients, shared=shared_init)
-    return SparkState(
-      params=params,
-      momentum=parallel.for_each_client(tx.init, chunk_size=0)(params),
-      bits_cumulative=jnp.float32(0),
-    )
 
   def sketched_jacobian(w, x, mats):
     """The (sketched) Jacobian ``[N, C, *leaf]`` of ``x`` at ``w`` in the sketch's coordinates."""
@@ -551,7 +538,7 @@ def make_spark(
       else:
         jac, kernel_options["f0"] = sender_packages(senders, x, mats)
       leaves, treedef = jax.tree.flatten(jac)
-      if algo.compression.active:
+      if hparams.compression.active:
         # k from the package's slots, padding included, as SPARK's recorded runs were made.
         leaves = compression.compress_packages(
           leaves, mask, members, keep, bits, count_real_rows=False
@@ -573,7 +560,7 @@ def make_spark(
       model.apply,
       wbar,
       x,
-      lambda f0: distill_targets(f0, hard, alpha, temp),
+      lambda f0: targets(f0, hard, alpha, temp),
       mask,
       lr=lr,
       taus=taus,
@@ -592,6 +579,124 @@ def make_spark(
     )
     return delta, {"tau": info["tau"], "loss": info["loss"], "confidence": confidence}
 
+  def momentum_step(wbar, delta, opt_state, info):
+    new_params, opt_state = nesterov_step(tx, wbar, delta, opt_state)
+    # ‖Δw‖ and the step actually taken ‖w − w̄‖: their ratio is the momentum's amplification.
+    info = dict(
+      info,
+      delta_norm=_tree_norm(delta),
+      step_norm=_tree_norm(jax.tree.map(jnp.subtract, new_params, wbar)),
+    )
+    return new_params, opt_state, info
+
+  def update(wbar, x, hard, mask, lr, alpha, temp, mats, opt_state, senders=None):
+    delta, info = client_delta(wbar, x, hard, mask, lr, alpha, temp, mats, opt_state, senders)
+    return momentum_step(wbar, delta, opt_state, info)
+
+  return SparkClient(
+    update=update,
+    delta=client_delta,
+    momentum_step=momentum_step,
+    momentum=tx,
+    plan=plan,
+    matrices=matrices,
+  )
+
+
+# ----------------------------------------------------------------------------- the method
+
+
+def make_spark(
+  model: models.Model,
+  federation,
+  graphs: topology.Topology,
+  hparams: SparkHParams,
+  run=None,
+  *,
+  seed: int | None = None,
+  rounds: int | None = None,
+  mixing: str | None = None,
+  shared_init: bool | None = None,
+  targets_fn: SparkTargetsFn | None = None,
+) -> Algorithm:
+  """Builds SPARK for ``federation`` and ``model``; ``step`` is jit-compiled here.
+
+  Args:
+    model: the model.
+    federation: the stacked client data (``M`` clients).
+    graphs: the communication :class:`ntk_fl.topology.Topology` over the ``M`` clients.
+    hparams: :class:`SparkHParams`.
+    seed: the run seed (round keys, the Jacobian sketch).
+    rounds: the run's round count (the annealing horizon when ``distill.anneal_rounds`` is 0).
+    mixing: mixing scheme of the per-round averaging.
+    shared_init: every client starts from the same initialisation.
+    targets_fn: the distillation-targets hook of :func:`make_client_update` (a variant's own targets).
+  """
+  seed, mixing, shared_init, rounds = run_options(
+    run, "SPARK", graphs, seed=seed, mixing=mixing, shared_init=shared_init, rounds=rounds
+  )
+  if rounds is None:
+    raise TypeError("make_spark needs the run settings or rounds=")
+  num_clients = federation.mask.shape[0]
+  num_classes = model.num_classes
+  m2 = int(hparams.subsample)
+  # On disjoint cliques every member has the same w̄ and data: one evolution per clique (exact up to float order).
+  share_cliques = bool(hparams.share_cliques) and graphs.cliques > 0
+  core = make_neighbourhood_round(
+    model,
+    federation,
+    graphs,
+    seed=seed,
+    mixing=mixing,
+    lr=hparams.lr,
+    lr_decay=hparams.lr_decay,
+    per_round_averaging=True,
+    subsample=m2,
+    share_cliques=share_cliques,
+  )
+  client = make_client_update(
+    model, hparams, seed=seed, neighbourhood_slots=1 + graphs.k_max, targets_fn=targets_fn
+  )
+  tx, plan, matrices = client.momentum, client.plan, client.matrices
+  mixed_velocity = hparams.velocity == Velocity.MIXED
+  keep, bits = float(hparams.compression.keep_fraction), int(hparams.compression.bits)
+  at_sender = hparams.linearise_at == LinearisationPoint.SENDER
+
+  d = hparams.distill
+  schedule = dict(
+    warmup_rounds=int(d.warmup_rounds),
+    anneal_rounds=int(d.anneal_rounds or rounds),
+    alpha_init=float(d.alpha_init),
+    alpha_final=float(d.alpha_final),
+    temp_init=float(d.temp_init),
+    temp_final=float(d.temp_final),
+  )
+  boost_rounds = jnp.asarray(tuple(int(r) for r in hparams.lr_boost.rounds) or (0,), jnp.int32)
+  boost_factor = float(hparams.lr_boost.factor)
+
+  # Communication: static per-client package sizes (samples after sub-sampling).
+  sketch_sizes = [math.prod(s.projected_shape) for s in plan]
+  packages = jnp.asarray(
+    [
+      communication.jacobian_package_bits(
+        int(n), num_classes, sketch_sizes, keep_fraction=keep, bits=bits
+      )
+      for n in core.samples_sent
+    ],
+    jnp.float32,
+  )
+  num_params = sum(math.prod(s.shape) for s in plan)
+  # A clique member sends one package to the whole clique; under Option B every client sends one package.
+  broadcast = graphs.cliques > 0 or at_sender
+
+  def init(key):
+    params = models.init_clients(model, key, num_clients, shared=shared_init)
+    return SparkState(
+      params=params,
+      momentum=parallel.for_each_client(tx.init, chunk_size=0)(params),
+      bits_cumulative=jnp.float32(0),
+    )
+
   @jax.jit
   def _step(state, inputs, data, mats):
     if d.enabled:
@@ -601,16 +706,6 @@ def make_spark(
     boost = jnp.where(jnp.any(boost_rounds == inputs.round + 1), boost_factor, 1.0).astype(
       jnp.float32
     )
-
-    def momentum_step(wbar, delta, opt_state, info):
-      new_params, opt_state = nesterov_step(tx, wbar, delta, opt_state)
-      # ‖Δw‖ and the step actually taken ‖w − w̄‖: their ratio is the momentum's amplification.
-      info = dict(
-        info,
-        delta_norm=_tree_norm(delta),
-        step_norm=_tree_norm(jax.tree.map(jnp.subtract, new_params, wbar)),
-      )
-      return new_params, opt_state, info
 
     # Option B: every client's own consensus, read by its neighbours (the round forms w̄_i per client again).
     consensus = (
@@ -625,7 +720,7 @@ def make_spark(
     # alpha, temp, the boost and the sketch (and Option B's consensus) are shared by all clients: closed
     # over, not mapped.
     def client_fn(wbar, x, targets, mask, lr, opt_state, members_i):
-      delta, info = client_delta(
+      return client.update(
         wbar,
         x[0],
         targets[0],
@@ -637,10 +732,9 @@ def make_spark(
         opt_state,
         member_weights(members_i),
       )
-      return momentum_step(wbar, delta, opt_state, info)
 
     def clique_fn(wbar, x, targets, mask, lr):  # no velocity: select_momentum is off (spark.check)
-      delta, info = client_delta(
+      delta, info = client.delta(
         wbar, x[0], targets[0], mask[0], lr * boost, alpha, temp, mats, None
       )
       return wbar, delta, info
@@ -652,7 +746,7 @@ def make_spark(
       velocity = gossip.mix(velocity, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
     if share_cliques:  # one evolution per clique, then every member's own momentum step
       (wbar, delta, info), lr = core.run(state.params, inputs, data, clique_fn)
-      params, opt_state, info = parallel.for_each_client(momentum_step, chunk_size=0)(
+      params, opt_state, info = parallel.for_each_client(client.momentum_step, chunk_size=0)(
         wbar, delta, velocity, info
       )
     else:

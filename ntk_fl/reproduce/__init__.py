@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 from ntk_fl.reproduce import costs
 from ntk_fl.reproduce.experiments import EXPERIMENTS
-from ntk_fl.reproduce.registry import Experiment, Variant, build_config, stored_form
+from ntk_fl.reproduce.registry import Experiment, Variant, build_config
 
 __all__ = ["EXPERIMENTS", "Experiment", "Variant", "estimate", "list_table", "main"]
 
@@ -44,6 +44,8 @@ def estimate(experiment: Experiment, seeds: Sequence[int] | None = None) -> dict
 
   ``gpu_measured`` is False when a method's GPU time is scaled from its family's CPU/GPU ratio.
   """
+  from ntk_fl.reproduce.queue import stored_form  # pylint: disable=import-outside-toplevel
+
   seen = {}
   for variant in experiment.variants:
     for seed in experiment.seeds_of(variant, tuple(seeds) if seeds is not None else None):

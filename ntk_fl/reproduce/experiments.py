@@ -75,7 +75,7 @@ def _kappa_sweep(
       series=label or METHOD_LABEL[method],
       gpu=gpu,
     )
-    for k in (2, 3, 4, 5, 6)
+    for k in KAPPAS
   )
 
 
@@ -84,6 +84,86 @@ def _alpha_name(method: str, alpha: float) -> str:
   if alpha == 0.1:
     return "fig9_ntk_dfl_k5" if method == "ntk_dfl" else f"fig3_{method}_k5"
   return f"fig3_{method}_a{alpha}"
+
+
+KAPPAS = (2, 3, 4, 5, 6)
+ALPHAS = (0.1, 0.2, 0.3, 0.4, 0.5)
+
+
+def _needs(name: str, title: str, needs: str, claim: str = "") -> Experiment:
+  """A table or figure that cannot run yet: ``needs`` says what is missing."""
+  return Experiment(name, title, (), claim=claim, needs=needs)
+
+
+def _at_level(method: str, level: str, **fields) -> Variant:
+  """``<method>_<level>``: a method's config at a heterogeneity level, stopped at 85 %."""
+  return Variant(
+    f"{method}_{level}",
+    f"{method}:{level}",
+    TO85,
+    f"{METHOD_LABEL[method]}, {LEVEL_LABEL[level]}",
+    **fields,
+  )
+
+
+def _alpha_point(name: str, method: str, alpha: float, overrides: tuple, **fields) -> Variant:
+  """A point of a sweep over the Dirichlet α (``x``), on the method's ``alpha<α>`` variant."""
+  return Variant(
+    name,
+    f"{method}:alpha{alpha}",
+    overrides,
+    f"{METHOD_LABEL[method]}, α = {alpha}",
+    x=alpha,
+    series=METHOD_LABEL[method],
+    **fields,
+  )
+
+
+def _ntk_dfl_k5(label: str) -> Variant:
+  """NTK-DFL's paper setting (α = 0.1, κ = 5, dynamic): Fig. 9's κ = 5 run, which most figures share."""
+  return Variant("fig9_ntk_dfl_k5", "ntk_dfl", (("topology.degree", 5),), label)
+
+
+def _dfedavg_k5(label: str) -> Variant:
+  """DFedAvg in the same setting: Fig. 3's κ = 5 run."""
+  return Variant("fig3_dfedavg_k5", "dfedavg", _rounds("dfedavg"), label)
+
+
+def _topologies(prefix: str, config: str, regular: Variant, **labels: str) -> tuple[Variant, ...]:
+  """A topology figure: clustered, the 5-regular ``regular`` run, Erdős–Rényi, ring and line."""
+
+  def run(name: str, label: str) -> Variant:
+    return Variant(f"{prefix}_{name}", config, (("topology.name", name),), label)
+
+  return (
+    run("clustered", labels.get("clustered", "clustered")),
+    regular,
+    run("erdos_renyi", labels.get("erdos_renyi", "Erdős–Rényi")),
+    run("ring", "ring"),
+    run("line", "line"),
+  )
+
+
+def _ntk_dfl_option_sweep(figure: str, title: str, field: str, symbol: str, values, **experiment):
+  """NTK-DFL in its paper setting against one option (``algorithm.<field>``; 1 is Fig. 9's κ = 5 run)."""
+  return Experiment(
+    f"ntk_dfl:{figure}",
+    title,
+    tuple(
+      Variant(
+        f"{figure}_ntk_dfl_{symbol}_{v}" if v > 1 else "fig9_ntk_dfl_k5",
+        "ntk_dfl",
+        (("topology.degree", 5),) + (((f"algorithm.{field}", v),) if v > 1 else ()),
+        f"{symbol} = {v}",
+        x=v,
+        series="NTK-DFL",
+      )
+      for v in values
+    ),
+    kind="sweep",
+    round=30,
+    **experiment,
+  )
 
 
 def _ntk_dfl() -> list[Experiment]:
@@ -146,11 +226,9 @@ def _ntk_dfl() -> list[Experiment]:
       "ntk_dfl:fig2_baselines",
       "NTK-DFL Fig. 2 (table): the gradient baselines' rounds to 85 %",
       tuple(
-        Variant(
-          f"{m}_{lvl}",
-          f"{m}:{lvl}",
-          TO85,
-          f"{METHOD_LABEL[m]}, {LEVEL_LABEL[lvl]}",
+        _at_level(
+          m,
+          lvl,
           series=METHOD_LABEL[m],
           paper=str(BASELINE_FIG2[m][("iid", "alpha0.5", "alpha0.1").index(lvl)]),
         )
@@ -204,17 +282,9 @@ def _ntk_dfl() -> list[Experiment]:
       "ntk_dfl:fig3_heterogeneity",
       "NTK-DFL Fig. 3 (right): accuracy against the Dirichlet α, with baselines",
       tuple(
-        Variant(
-          _alpha_name(m, a),
-          f"{m}:alpha{a}",
-          _rounds(m),
-          f"{METHOD_LABEL[m]}, α = {a}",
-          x=a,
-          series=METHOD_LABEL[m],
-          gpu=m not in ("ntk_dfl", "dfedavg"),
-        )
+        _alpha_point(_alpha_name(m, a), m, a, _rounds(m), gpu=m not in ("ntk_dfl", "dfedavg"))
         for m in ("ntk_dfl",) + GOSSIP_BASELINES
-        for a in (0.1, 0.2, 0.3, 0.4, 0.5)
+        for a in ALPHAS
       ),
       claim="NTK-DFL is stable across α from 0.1 to 0.5; the baselines deteriorate as α decreases.",
       kind="sweep",
@@ -243,13 +313,12 @@ def _ntk_dfl() -> list[Experiment]:
       claim="At α = 0.1 the aggregated model is nearly 10 points above the mean client.",
       kind="accuracy",
     ),
-    Experiment(
+    _needs(
       "ntk_dfl:fig5",
       "NTK-DFL Fig. 5: inter-client deviation (eq. 12) against final accuracy over trials",
-      (),
-      claim="Final accuracy correlates positively with the deviation V.",
-      needs="method: the deviation metric of eq. 12 logged per round, and the paper's trial grid "
+      "method: the deviation metric of eq. 12 logged per round, and the paper's trial grid "
       "(not stated)",
+      claim="Final accuracy correlates positively with the deviation V.",
     ),
     Experiment(
       "ntk_dfl:fig6",
@@ -263,9 +332,7 @@ def _ntk_dfl() -> list[Experiment]:
       "ntk_dfl:fig7",
       "NTK-DFL Fig. 7: client accuracy with and without per-round averaging",
       (
-        Variant(
-          "fig9_ntk_dfl_k5", "ntk_dfl", (("topology.degree", 5),), "with per-round averaging"
-        ),
+        _ntk_dfl_k5("with per-round averaging"),
         Variant("fig7_ntk_dfl_no_avg", "ntk_dfl:no_avg", (), "without per-round averaging"),
       ),
       claim="Without per-round averaging the client accuracies have a long low tail.",
@@ -276,22 +343,12 @@ def _ntk_dfl() -> list[Experiment]:
     Experiment(
       "ntk_dfl:fig8",
       "NTK-DFL Fig. 8: topologies (dynamic), α = 0.1",
-      (
-        Variant(
-          "fig8_ntk_dfl_clustered",
-          "ntk_dfl",
-          (("topology.name", "clustered"),),
-          "clustered (cliques of 6)",
-        ),
-        Variant("fig9_ntk_dfl_k5", "ntk_dfl", (("topology.degree", 5),), "5-regular"),
-        Variant(
-          "fig8_ntk_dfl_erdos_renyi",
-          "ntk_dfl",
-          (("topology.name", "erdos_renyi"),),
-          "Erdős–Rényi (mean 5)",
-        ),
-        Variant("fig8_ntk_dfl_ring", "ntk_dfl", (("topology.name", "ring"),), "ring"),
-        Variant("fig8_ntk_dfl_line", "ntk_dfl", (("topology.name", "line"),), "line"),
+      _topologies(
+        "fig8_ntk_dfl",
+        "ntk_dfl",
+        _ntk_dfl_k5("5-regular"),
+        clustered="clustered (cliques of 6)",
+        erdos_renyi="Erdős–Rényi (mean 5)",
       ),
       claim="Ring and line (2 neighbours) converge a bit slower; clustered is comparable to "
       "5-regular.",
@@ -311,12 +368,11 @@ def _ntk_dfl() -> list[Experiment]:
       round=30,
       x_label="neighbours κ",
     ),
-    Experiment(
+    _needs(
       "ntk_dfl:fig10a",
       "NTK-DFL Fig. 10a: FEMNIST",
-      (),
+      "data: FEMNIST (writer shards)",
       claim="NTK-DFL converges faster than the baselines.",
-      needs="data: FEMNIST (writer shards)",
     ),
   ]
   for tag, alpha in (("fig10b", 0.05), ("fig10c", 0.1)):
@@ -337,9 +393,9 @@ def _ntk_dfl() -> list[Experiment]:
       "ntk_dfl:fig11",
       "NTK-DFL Fig. 11: static against dynamic topology, α = 0.1",
       (
-        Variant("fig9_ntk_dfl_k5", "ntk_dfl", (("topology.degree", 5),), "NTK-DFL, dynamic"),
+        _ntk_dfl_k5("NTK-DFL, dynamic"),
         Variant("fig11_ntk_dfl_static", "ntk_dfl:static", (), "NTK-DFL, static"),
-        Variant("fig3_dfedavg_k5", "dfedavg", _rounds("dfedavg"), "DFedAvg, dynamic"),
+        _dfedavg_k5("DFedAvg, dynamic"),
         Variant("fig11_dfedavg_static", "dfedavg:static", _rounds("dfedavg"), "DFedAvg, static"),
       ),
       claim="A dynamic topology is better for both NTK-DFL and DFedAvg.",
@@ -350,11 +406,11 @@ def _ntk_dfl() -> list[Experiment]:
       "ntk_dfl:fig12",
       "NTK-DFL Fig. 12: identical against per-client initialisation, α = 0.1",
       (
-        Variant("fig9_ntk_dfl_k5", "ntk_dfl", (("topology.degree", 5),), "NTK-DFL, identical init"),
+        _ntk_dfl_k5("NTK-DFL, identical init"),
         Variant(
           "fig12_ntk_dfl_per_client", "ntk_dfl:per_client_init", (), "NTK-DFL, per-client init"
         ),
-        Variant("fig3_dfedavg_k5", "dfedavg", _rounds("dfedavg"), "DFedAvg, identical init"),
+        _dfedavg_k5("DFedAvg, identical init"),
         Variant(
           "fig12_dfedavg_per_client",
           "dfedavg",
@@ -366,67 +422,44 @@ def _ntk_dfl() -> list[Experiment]:
       kind="accuracy",
       round=30,
     ),
-    Experiment(
-      "ntk_dfl:fig13",
+    _ntk_dfl_option_sweep(
+      "fig13",
       "NTK-DFL Fig. 13: Jacobian batching m1, α = 0.1",
-      tuple(
-        Variant(
-          f"fig13_ntk_dfl_m1_{m}" if m > 1 else "fig9_ntk_dfl_k5",
-          "ntk_dfl",
-          (("topology.degree", 5),) + ((("algorithm.jacobian_batches", m),) if m > 1 else ()),
-          f"m1 = {m}",
-          x=m,
-          series="NTK-DFL",
-        )
-        for m in (1, 2, 4, 8)
-      ),
+      "jacobian_batches",
+      "m1",
+      (1, 2, 4, 8),
       claim="Accuracy increases with the number of Jacobian batches m1.",
-      kind="sweep",
-      round=30,
       x_label="Jacobian batches m1",
       notes="m1 ∈ {1, 2, 4, 8} (the figure's values are not in the text).",
     ),
-    Experiment(
-      "ntk_dfl:fig14",
+    _ntk_dfl_option_sweep(
+      "fig14",
       "NTK-DFL Fig. 14: data subsampling m2, α = 0.1",
-      tuple(
-        Variant(
-          f"fig14_ntk_dfl_m2_{m}" if m > 1 else "fig9_ntk_dfl_k5",
-          "ntk_dfl",
-          (("topology.degree", 5),) + ((("algorithm.subsample", m),) if m > 1 else ()),
-          f"m2 = {m}",
-          x=m,
-          series="NTK-DFL",
-        )
-        for m in (1, 2, 5, 10)
-      ),
+      "subsample",
+      "m2",
+      (1, 2, 5, 10),
       claim="Accuracy decreases slightly with m2.",
-      kind="sweep",
-      round=30,
       x_label="subsampling divisor m2",
       notes="m2 ∈ {1, 2, 5, 10} (the figure's values are not in the text).",
     ),
-    Experiment(
+    _needs(
       "ntk_dfl:fig15",
       "NTK-DFL Fig. 15: progressive compression (top-k 0.5, 6 bits, m2 = 5, d1' = 200)",
-      (),
+      "method: NTK-DFL Jacobian compression (top-k, quantisation, input projection)",
       claim="Subsampling and projection compound the reduction of sparsification alone.",
-      needs="method: NTK-DFL Jacobian compression (top-k, quantisation, input projection)",
     ),
-    Experiment(
+    _needs(
       "ntk_dfl:fig16",
       "NTK-DFL Fig. 16: accuracy against communication volume",
-      (),
+      "method: NTK-DFL Jacobian compression; quantised baselines exist (q8)",
       claim="The communication-efficient baselines need about 5 times as many rounds.",
-      needs="method: NTK-DFL Jacobian compression; quantised baselines exist (q8)",
     ),
-    Experiment(
+    _needs(
       "ntk_dfl:fig17",
       "NTK-DFL Fig. 17: reconstruction attack on shared Jacobians",
-      (),
-      claim="Sparsification alone leaks a noisy image; projection to d1' = 200 hides it.",
-      needs="script: experiments/privacy_attack.py --config.mode=ntk_dfl (an attack on NTK-DFL's "
+      "script: experiments/privacy_attack.py --config.mode=ntk_dfl (an attack on NTK-DFL's "
       "compressed packages, not a training run; docs/privacy.md)",
+      claim="Sparsification alone leaks a noisy image; projection to d1' = 200 hides it.",
     ),
   ]
   return out
@@ -475,6 +508,32 @@ def _spark_ntk_dfl(level: str) -> Variant:
     keep,
     f"NTK-DFL (SPARK's abl_none), {LEVEL_LABEL[level]}",
     series="NTK-DFL",
+  )
+
+
+def _spark_default(label: str) -> Variant:
+  """SPARK's paper setting at α = 0.1 (κ = 5, momentum 0.9, 10 warm-up rounds), shared by most figures."""
+  return Variant("spark_alpha0.1", "spark:alpha0.1", (), label)
+
+
+def _spark_kappa_sweep(series: str, *, gpu: bool = False) -> tuple[Variant, ...]:
+  """SPARK (``series='SPARK'``) or its NTK-DFL ablation (``'NTK-DFL'``) at α = 0.1 against κ."""
+  stem, config, default = (
+    ("ntk_dfl", "spark:alpha0.1,abl_none", "spark_abl_none_alpha0.1")
+    if series == "NTK-DFL"
+    else ("spark", "spark:alpha0.1", "spark_alpha0.1")
+  )
+  return tuple(
+    Variant(
+      f"fig6a_{stem}_k{k}" if k != 5 else default,
+      config,
+      (("topology.degree", k),) if k != 5 else (),
+      f"{series}, κ = {k}",
+      x=k,
+      series=series,
+      gpu=gpu,
+    )
+    for k in KAPPAS
   )
 
 
@@ -605,13 +664,7 @@ def _spark() -> list[Experiment]:
       tuple(_spark_run(lvl) for lvl in ("alpha0.1", "iid"))
       + tuple(_spark_ntk_dfl(lvl) for lvl in ("alpha0.1", "iid"))
       + tuple(
-        Variant(
-          f"{m}_{lvl}",
-          f"{m}:{lvl}",
-          TO85,
-          f"{METHOD_LABEL[m]}, {LEVEL_LABEL[lvl]}",
-          gpu=m != "dfedavg",
-        )
+        _at_level(m, lvl, gpu=m != "dfedavg")
         for m in ("dfedavg", "dfedavgm", "dfedsam", "dpsgd")
         for lvl in ("alpha0.1", "iid")
       ),
@@ -619,12 +672,11 @@ def _spark() -> list[Experiment]:
       seeds=SEEDS3,
       kind="rounds",
     ),
-    Experiment(
+    _needs(
       "spark:fig4a",
       "SPARK Fig. 4a: FEMNIST",
-      (),
+      "data: FEMNIST (writer shards)",
       claim="Comparable advantages on FEMNIST.",
-      needs="data: FEMNIST (writer shards)",
     ),
     *[
       Experiment(
@@ -671,28 +723,7 @@ def _spark() -> list[Experiment]:
     Experiment(
       "spark:fig6a",
       "SPARK Fig. 6a: aggregated and client accuracy against κ, α = 0.1",
-      tuple(
-        Variant(
-          f"fig6a_spark_k{k}" if k != 5 else "spark_alpha0.1",
-          "spark:alpha0.1",
-          (("topology.degree", k),) if k != 5 else (),
-          f"SPARK, κ = {k}",
-          x=k,
-          series="SPARK",
-        )
-        for k in (2, 3, 4, 5, 6)
-      )
-      + tuple(
-        Variant(
-          f"fig6a_ntk_dfl_k{k}" if k != 5 else "spark_abl_none_alpha0.1",
-          "spark:alpha0.1,abl_none",
-          (("topology.degree", k),) if k != 5 else (),
-          f"NTK-DFL, κ = {k}",
-          x=k,
-          series="NTK-DFL",
-        )
-        for k in (2, 3, 4, 5, 6)
-      ),
+      _spark_kappa_sweep("SPARK") + _spark_kappa_sweep("NTK-DFL"),
       claim="At κ = 5 SPARK's aggregated-client gap is 4.3 points smaller than NTK-DFL's, its "
       "aggregated "
       "accuracy 1.3 points higher.",
@@ -703,20 +734,7 @@ def _spark() -> list[Experiment]:
     Experiment(
       "spark:fig6b",
       "SPARK Fig. 6b: topologies, α = 0.1",
-      (
-        Variant(
-          "fig6b_spark_clustered", "spark:alpha0.1", (("topology.name", "clustered"),), "clustered"
-        ),
-        Variant("spark_alpha0.1", "spark:alpha0.1", (), "5-regular"),
-        Variant(
-          "fig6b_spark_erdos_renyi",
-          "spark:alpha0.1",
-          (("topology.name", "erdos_renyi"),),
-          "Erdős–Rényi",
-        ),
-        Variant("fig6b_spark_ring", "spark:alpha0.1", (("topology.name", "ring"),), "ring"),
-        Variant("fig6b_spark_line", "spark:alpha0.1", (("topology.name", "line"),), "line"),
-      ),
+      _topologies("fig6b_spark", "spark:alpha0.1", _spark_default("5-regular")),
       claim="SPARK is robust across topologies.",
       kind="accuracy",
       round=30,
@@ -725,18 +743,7 @@ def _spark() -> list[Experiment]:
     Experiment(
       "spark:fig7",
       "SPARK Fig. 7: accuracy against κ, α = 0.1, SPARK, NTK-DFL and baselines",
-      tuple(
-        Variant(
-          f"fig6a_spark_k{k}" if k != 5 else "spark_alpha0.1",
-          "spark:alpha0.1",
-          (("topology.degree", k),) if k != 5 else (),
-          f"SPARK, κ = {k}",
-          x=k,
-          series="SPARK",
-          gpu=True,
-        )
-        for k in (2, 3, 4, 5, 6)
-      )
+      _spark_kappa_sweep("SPARK", gpu=True)
       + _kappa_sweep("fig9", "ntk_dfl")
       + _kappa_sweep("fig3", "dfedavg")
       + tuple(
@@ -754,25 +761,24 @@ def _spark() -> list[Experiment]:
       (
         Variant("spark_comm_proj500", "spark:alpha0.1,proj500", (), "cap 500"),
         Variant("spark_comm_proj750", "spark:alpha0.1,proj750", (), "cap 750"),
-        Variant("spark_alpha0.1", "spark:alpha0.1", (), "cap 1000 (no reduction)"),
+        _spark_default("cap 1000 (no reduction)"),
       ),
       claim="Accuracy stays robust across the caps.",
       seeds=SEEDS3,
       kind="accuracy",
       round=30,
     ),
-    Experiment(
+    _needs(
       "spark:fig10",
       "SPARK Fig. 10: per-round time and peak memory by projection scheme",
-      (),
+      "script: a per-stage profiling benchmark (benchmarks/), not a training run",
       claim="Projection adds no net cost; layer-wise is faster than NTK-DFL, memory falls.",
-      needs="script: a per-stage profiling benchmark (benchmarks/), not a training run",
     ),
     Experiment(
       "spark:fig11",
       "SPARK Fig. 11: progressive compression, α = 0.1",
       (
-        Variant("spark_alpha0.1", "spark:alpha0.1", (), "uncompressed"),
+        _spark_default("uncompressed"),
         Variant(
           "spark_comm_flat10000", "spark:alpha0.1,flat10000", (), "flattened projection k = 10,000"
         ),
@@ -796,12 +802,11 @@ def _spark() -> list[Experiment]:
       claim="SPARK (full stack) reaches the target at the lowest volume.",
       kind="communication",
     ),
-    Experiment(
+    _needs(
       "spark:fig13",
       "SPARK Fig. 13: CIFAR-10, α = 0.1, two-layer MLP",
-      (),
+      "data: CIFAR-10",
       claim="SPARK converges faster and higher than all baselines.",
-      needs="data: CIFAR-10",
     ),
   ]
 
@@ -864,9 +869,7 @@ def _ntk_fl() -> list[Experiment]:
       kind="accuracy",
       notes="FedAvg' (FedAvg on subsampled, projected inputs) is not a method of the library yet.",
     ),
-    Experiment(
-      "ntk_fl:fig4a", "NTK-FL Fig. 4a: FEMNIST by writer", (), needs="data: FEMNIST (writer shards)"
-    ),
+    _needs("ntk_fl:fig4a", "NTK-FL Fig. 4a: FEMNIST by writer", "data: FEMNIST (writer shards)"),
     *[
       Experiment(
         f"ntk_fl:fig4{tag}",
@@ -890,16 +893,9 @@ def _ntk_fl() -> list[Experiment]:
       "ntk_fl:fig5",
       "NTK-FL Fig. 5: accuracy after 50 rounds against α",
       tuple(
-        Variant(
-          f"ntk_fl_fig5_{m}_a{a}",
-          f"{m}:alpha{a}",
-          (("rounds", 50),),
-          f"{METHOD_LABEL[m]}, α = {a}",
-          x=a,
-          series=METHOD_LABEL[m],
-        )
+        _alpha_point(f"ntk_fl_fig5_{m}_a{a}", m, a, (("rounds", 50),))
         for m in server
-        for a in (0.1, 0.2, 0.3, 0.4, 0.5)
+        for a in ALPHAS
       ),
       claim="NTK-FL's accuracy is stable across α; the baselines fall as α decreases.",
       kind="sweep",
@@ -928,18 +924,16 @@ def _ntk_fl() -> list[Experiment]:
       notes="β ∈ {0.1, ..., 0.5} × d1' ∈ {100, 200, 300, 400} (the values are only on the paper's "
       "plot axes).",
     ),
-    Experiment("ntk_fl:fig7", "NTK-FL Fig. 7: CIFAR-10, α = 0.1", (), needs="data: CIFAR-10"),
-    Experiment(
+    _needs("ntk_fl:fig7", "NTK-FL Fig. 7: CIFAR-10, α = 0.1", "data: CIFAR-10"),
+    _needs(
       "ntk_fl:fig8",
       "NTK-FL Fig. 8: DLG attack on sparsified Jacobians",
-      (),
-      needs="script: experiments/privacy_attack.py (an attack, not a training run)",
+      "script: experiments/privacy_attack.py (an attack, not a training run)",
     ),
-    Experiment(
+    _needs(
       "ntk_fl:fig9",
       "NTK-FL Fig. 9: NTK against gradient-descent weight gap",
-      (),
-      needs="script: a weight-gap measurement (experiments/euler_vs_ode.py is the nearest), not a "
+      "script: a weight-gap measurement (experiments/euler_vs_ode.py is the nearest), not a "
       "training run",
     ),
   ]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import glob
+import json
 import os
 import shlex
 import subprocess
@@ -33,25 +34,31 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from ntk_fl import rundir
-from ntk_fl.reproduce.registry import (
-  Experiment,
-  Variant,
-  build_config,
-  config_key,
-  override_flags,
-  stored_form,
-)
+from ntk_fl import compare, rundir
+from ntk_fl.reproduce.registry import Experiment, Variant, build_config, override_flags
 
 __all__ = [
   "Job",
   "group_seeds",
+  "config_key",
   "index_runs",
   "plan",
   "run_queue",
   "run_name",
   "select_variants",
+  "stored_form",
 ]
+
+
+def stored_form(config) -> dict:
+  """A config as a run stores it in ``config.json`` (JSON types: tuples become lists)."""
+  return json.loads(json.dumps(rundir.jsonable(config)))
+
+
+def config_key(stored: dict) -> tuple:
+  """What two runs must share to be the same setting (:data:`ntk_fl.compare.NEUTRAL_KEYS` and the
+  seed left out)."""
+  return compare.setting_key(stored)
 
 
 def run_name(variant: Variant, seed: int) -> str:

@@ -17,10 +17,9 @@ two experiments (NTK-DFL's default setting is Fig. 8's regular graph, Fig. 9's
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
-__all__ = ["Experiment", "Variant", "build_config", "config_key", "stored_form"]
+__all__ = ["Experiment", "Variant", "build_config", "override_flags"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,21 +132,6 @@ def build_config(variant: Variant, seed: int):
       )
     node[leaf] = value
   return config
-
-
-def stored_form(config) -> dict:
-  """A config as a run stores it in ``config.json`` (JSON types: tuples become lists)."""
-  from ntk_fl import rundir  # pylint: disable=import-outside-toplevel
-
-  return json.loads(json.dumps(rundir.jsonable(config)))
-
-
-def config_key(stored: dict) -> tuple:
-  """What two runs must share to be the same setting (:data:`ntk_fl.compare.NEUTRAL_KEYS` and the
-  seed left out)."""
-  from ntk_fl import compare  # pylint: disable=import-outside-toplevel
-
-  return compare.setting_key(stored)
 
 
 def override_flags(variant: Variant) -> list[str]:

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from ntk_fl import compare, rundir, stats
-from ntk_fl.reproduce.queue import expected_key, index_runs, run_name, runs_in
-from ntk_fl.reproduce.registry import Experiment, Variant, build_config, stored_form
+from ntk_fl.reproduce.queue import expected_key, index_runs, run_name, runs_in, stored_form
+from ntk_fl.reproduce.registry import Experiment, Variant, build_config
 
 __all__ = ["collect", "render", "values_at"]
 
