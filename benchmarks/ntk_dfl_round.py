@@ -15,14 +15,6 @@ as the algorithm:
 * ``evaluate`` -- the runner's per-round evaluation (aggregated model + every
   client on the 10k test set).
 
-With ``--compressed-stages`` (a variant that compresses the sent Jacobians, e.g.
-``--variant compressed,clustered``) it times instead one client's explicit path
-on a neighbourhood of the config's shapes (projected inputs, ``⌈n_max/m2⌉``
-samples per member, ``1 + κ`` members): the per-sample Jacobian, the package
-compression (top-k + quantisation of the ``κ`` sent packages), the kernel from
-the compressed Jacobian, and the whole client update (adds the evolution, the
-weight updates and the τ selection); multiply by the clients for a round.
-
 Prints a markdown table (seconds) with the machine; paste it into
 benchmarks/RESULTS.md.
 """
@@ -84,15 +76,7 @@ def main():
   parser.add_argument(
     "--skip-stages", action="store_true", help="time only the whole step and evaluation"
   )
-  parser.add_argument(
-    "--compressed-stages",
-    action="store_true",
-    help="time one client's compressed-Jacobian path (Jacobian, compression, kernel, update)",
-  )
   args = parser.parse_args()
-  if args.compressed_stages:
-    _compressed_stages(args)
-    return
 
   config = _config(args)
   experiment = runner.build_experiment(config)
@@ -185,78 +169,6 @@ def main():
   )
   print("| stage | seconds |\n|---|---|")
   for name, seconds in rows:
-    print(f"| {name} | {seconds:.2f} |")
-
-
-def _compressed_stages(args):
-  """One client's App. E.3 path on real data: Jacobian, package compression, kernel, whole update."""
-  import numpy as np  # pylint: disable=import-outside-toplevel
-
-  from ntk_fl import compression, jacobians  # pylint: disable=import-outside-toplevel
-  from ntk_fl.algorithms import ntk_dfl  # pylint: disable=import-outside-toplevel
-
-  config = _config(args)
-  experiment = runner.build_experiment(config)
-  hparams = ntk_dfl.NTKDFLHParams(**config.algorithm.to_dict())
-  if not hparams.compressed:
-    raise SystemExit("error: --compressed-stages needs a variant with topk<f> or bits<b>")
-  model, fed = experiment.model, experiment.federation
-  if hparams.projection_dim:
-    _, model, fed = ntk_dfl._project_federation(model, fed, hparams, config.seed)  # pylint: disable=protected-access
-  slots = 1 + args.degree
-  n_sub = -(-fed.mask.shape[1] // int(hparams.subsample))
-  rows = np.asarray(fed.index)[:slots, :n_sub].reshape(-1)
-  mask = jnp.asarray(np.asarray(fed.mask)[:slots, :n_sub].reshape(-1))
-  x, y = fed.samples(jnp.asarray(rows))
-  x = jnp.where(mask[:, None], x, 0.0)
-  hard = jax.nn.one_hot(y, model.num_classes)
-  params = model.init(jax.random.key(config.seed))
-  keep, bits = float(hparams.sparsify_keep), int(hparams.quantize_bits)
-  sent = np.arange(slots) > 0
-  update = ntk_dfl.make_client_update(model, hparams, neighbourhood_slots=slots)
-
-  def jacobian(p, x):
-    return jax.tree.leaves(jacobians.per_sample_jacobian(model.apply, p, x))
-
-  leaves = jax.jit(jacobian)(params, x)
-  compressed = jax.jit(
-    lambda ls, m: compression.compress_packages(ls, m, slots, keep, bits, sent=sent)
-  )(leaves, mask)
-  rows_out = [
-    ("per-sample Jacobian", _timed(jax.jit(jacobian), params, x, repeats=args.repeats)),
-    (
-      "package compression (top-k + quantisation)",
-      _timed(
-        jax.jit(lambda ls, m: compression.compress_packages(ls, m, slots, keep, bits, sent=sent)),
-        leaves,
-        mask,
-        repeats=args.repeats,
-      ),
-    ),
-    (
-      "kernel from the compressed Jacobian",
-      _timed(jax.jit(jacobians.jacobian_kernel), list(compressed), repeats=args.repeats),
-    ),
-    (
-      "**whole client update**",
-      _timed(
-        jax.jit(lambda p, x, h, m: update(p, x[None], h[None], m[None], hparams.lr)),
-        params,
-        x,
-        hard,
-        mask,
-        repeats=args.repeats,
-      ),
-    ),
-  ]
-  print(
-    f"NTK-DFL compressed client update ({args.variant}): N = {x.shape[0]} ({slots} x {n_sub}), "
-    f"{sum(l[0].size for l in leaves)} Jacobian entries per sample, "
-    f"top-k {keep}, {bits} bits, τ ≤ {args.tau_max}"
-  )
-  print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores\n")
-  print("| stage (one client) | seconds |\n|---|---|")
-  for name, seconds in rows_out:
     print(f"| {name} | {seconds:.2f} |")
 
 

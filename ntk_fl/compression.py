@@ -38,7 +38,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 __all__ = [
   "quantize",
@@ -219,16 +218,13 @@ def top_k_by_key(keys, k):
 
   The ``k``-th largest key of every row is found by bisection: one counting
   pass per bit (31 for int32) instead of a sort, so ``k`` may be traced (DisPFL's
-  annealed mask-update count is a function of the round). The tie-break (a
-  cumulative count along the row, as costly as several passes) runs only when
-  some row holds more keys equal to its threshold than it has room for.
+  annealed mask-update count is a function of the round).
 
   Args:
     keys: signed integer array ``[..., n]``. Entries ``< 0`` are excluded;
       the others must be below the dtype's maximum.
-    k: int, static or traced, a scalar or one per row (shape ``keys.shape[:-1]``).
-      ``k <= 0`` selects nothing; a ``k`` above a row's count of non-negative
-      keys selects all of them.
+    k: int, static or traced. ``k <= 0`` selects nothing; a ``k`` above a
+      row's count of non-negative keys selects all of them.
 
   Returns:
     Bool array like ``keys``.
@@ -236,35 +232,23 @@ def top_k_by_key(keys, k):
   keys = jnp.asarray(keys)
   if not jnp.issubdtype(keys.dtype, jnp.signedinteger):
     raise ValueError(f"top_k_by_key expects signed integer keys, got dtype {keys.dtype}")
+  int_type = keys.dtype
+  batch = keys.shape[:-1]
   k = jnp.asarray(k)  # not cast to the keys' type: a 16-bit key type cannot hold every k
-  threshold = _bisect(keys, k, 8 * keys.dtype.itemsize - 1, jnp.zeros(keys.shape[:-1], keys.dtype))
-  above = keys > threshold[..., None]
-  ties = keys == threshold[..., None]
-  room = k[..., None] - jnp.sum(above, axis=-1, keepdims=True)
-  # Every tie fits (the usual case: one key at the threshold): the running count of ties never exceeds the
-  # room, so the tie-break below would keep them all; skip its pass over the row.
-  fits = jnp.all(jnp.sum(ties, axis=-1, keepdims=True) <= room)
-  chosen = jax.lax.cond(fits, lambda: ties, lambda: ties & (jnp.cumsum(ties, axis=-1) <= room))
-  return above | chosen
-
-
-def _bisect(keys, k, steps, lo, hi=None):
-  """Largest ``t`` in ``[lo, hi)`` with ``count(keys >= t) >= k`` per row, in ``steps`` halvings.
-
-  Needs ``count(keys >= lo) >= k > count(keys >= hi)`` (or ``k <= 0``) and ``hi - lo <= 2**steps``;
-  ``hi`` defaults to the dtype's maximum (no key reaches it).
-  """
-  if hi is None:
-    hi = jnp.full(lo.shape, jnp.iinfo(lo.dtype).max, lo.dtype)
 
   def halve(_, bounds):
     lo, hi = bounds  # invariant: count(keys >= lo) >= k > count(keys >= hi), or k <= 0
     mid = lo + (hi - lo) // 2
-    enough = jnp.sum(keys >= mid[..., None].astype(keys.dtype), axis=-1) >= k
+    enough = jnp.sum(keys >= mid[..., None], axis=-1) >= k
     return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
 
-  threshold, _ = jax.lax.fori_loop(0, steps, halve, (lo, hi))
-  return threshold
+  lo = jnp.zeros(batch, int_type)
+  hi = jnp.full(batch, jnp.iinfo(int_type).max, int_type)
+  threshold, _ = jax.lax.fori_loop(0, 8 * keys.dtype.itemsize - 1, halve, (lo, hi))
+  above = keys > threshold[..., None]
+  ties = keys == threshold[..., None]
+  room = k - jnp.sum(above, axis=-1, keepdims=True)
+  return above | (ties & (jnp.cumsum(ties, axis=-1) <= room))
 
 
 def magnitude_key(magnitude):
@@ -376,14 +360,15 @@ def compress_packages(
     mask.reshape(num_senders, -1).sum(axis=1) if count_real_rows else jnp.full(num_senders, slots)
   )
 
-  # A concrete ``sent`` (numpy) names the packages to compress; the others are never touched. A traced one
-  # compresses every package and keeps the unsent ones' exact rows afterwards.
-  static_sent = sent is not None and not isinstance(sent, jax.core.Tracer)
-  chosen = np.flatnonzero(np.asarray(sent, bool)) if static_sent else np.arange(num_senders)
-
-  def quantize_package(package, kept):
-    quantized = quantize(package, bits)
-    return quantized if kept is None else jnp.where(kept, quantized, 0)
+  def one_package(package, k):
+    kept = None
+    if keep_fraction < 1:
+      kept = top_k_by_key(magnitude_key(jnp.abs(package.reshape(-1))), k).reshape(package.shape)
+      package = jnp.where(kept, package, 0)
+    if bits != FLOAT_BITS:
+      quantized = quantize(package, bits)
+      package = quantized if kept is None else jnp.where(kept, quantized, 0)
+    return package
 
   out = []
   for leaf in leaves:
@@ -399,22 +384,8 @@ def compress_packages(
       ],
       jnp.int32,
     )
-    if static_sent and chosen.size == 0:  # nothing is sent: the exact rows, padding zeroed
-      out.append(leaf)
-      continue
-    packed = rows[chosen] if static_sent else rows
-    kept = None
-    if keep_fraction < 1:
-      # All packages' thresholds in one batched selection (its tie-break pass then runs only if needed).
-      flat = packed.reshape(packed.shape[0], -1)
-      kept = top_k_by_key(magnitude_key(jnp.abs(flat)), table[real_rows[chosen]])
-      kept = kept.reshape(packed.shape)
-      packed = jnp.where(kept, packed, 0)
-    if bits != FLOAT_BITS:
-      packed = jax.vmap(quantize_package)(packed, kept)
-    if static_sent:
-      packed = rows.at[chosen].set(packed)
-    elif sent is not None:
+    packed = jax.vmap(one_package)(rows, table[real_rows])
+    if sent is not None:
       packed = jnp.where(
         jnp.asarray(sent, bool).reshape((-1,) + (1,) * (rows.ndim - 1)), packed, rows
       )

@@ -172,23 +172,3 @@ def test_jacobian_package_and_neighbourhood_round_bits_by_hand():
     np.asarray(communication.neighbourhood_round_bits(kappa, 7.0, 3, broadcast=True)),
     [0.0, 2 * 3 * 32 + 7],
   )
-
-
-def test_top_k_by_key_takes_one_k_per_row_and_breaks_ties_only_where_needed():
-  """Rows with a k each: one row's ties overflow its room (the tie-break runs), the others' do not."""
-  rng = np.random.default_rng(3)
-  keys = rng.integers(-1, 4, size=(4, 50)).astype(np.int32)
-  keys[1] = np.arange(50)  # distinct keys: no tie-break needed in this row
-  ks = np.array([7, 20, 0, 60])
-  for select in (compression.top_k_by_key, jax.jit(compression.top_k_by_key)):
-    mask = np.asarray(select(jnp.asarray(keys), jnp.asarray(ks)))
-    for row, k in enumerate(ks):
-      order = sorted((i for i in range(50) if keys[row, i] >= 0), key=lambda i: (-keys[row, i], i))
-      expected = np.zeros(50, bool)
-      expected[order[:k]] = True
-      np.testing.assert_array_equal(mask[row], expected, err_msg=f"row {row}, k={k}")
-  # Distinct keys in every row: the tie-break is skipped and the masks are still the brute-force ones.
-  distinct = np.stack([rng.permutation(50) for _ in range(3)]).astype(np.int32)
-  mask = np.asarray(compression.top_k_by_key(jnp.asarray(distinct), jnp.asarray([1, 25, 50])))
-  np.testing.assert_array_equal(mask.sum(axis=1), [1, 25, 50])
-  np.testing.assert_array_equal(mask, distinct >= (50 - np.array([1, 25, 50]))[:, None])

@@ -119,15 +119,13 @@ def test_compression_changes_the_round():
   assert np.max(np.abs(results[0] - results[1])) > 1e-4
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["traced_sent", "numpy_sent"])
-def test_package_compression_counts_only_real_rows_and_spares_unsent_packages(static):
-  """A numpy ``sent`` (NTK-DFL's own slot, never compressed at all) and a traced one give the reference."""
+def test_package_compression_counts_only_real_rows_and_spares_unsent_packages():
   rng = np.random.default_rng(1)
   leaf = rng.normal(size=(3 * 4, 2, 5)).astype(np.float32)  # 3 senders x 4 slots
   mask = np.array([True] * 4 + [True, True, False, False] + [False] * 4)
   sent = np.array([False, True, True])
   (out,) = compression.compress_packages(
-    (jnp.asarray(leaf),), jnp.asarray(mask), 3, 0.25, 32, sent=sent if static else jnp.asarray(sent)
+    (jnp.asarray(leaf),), jnp.asarray(mask), 3, 0.25, 32, sent=jnp.asarray(sent)
   )
   out = np.asarray(out).reshape(3, 4, 2, 5)
   ref = np.where(mask[:, None, None], leaf, 0).reshape(3, 4, 2, 5)

@@ -456,8 +456,9 @@ def make_client_update(
   ):  # x [N_b, ...]: the packages as the client receives them
     xs = jnp.where(mask.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0)
     leaves, treedef = jax.tree.flatten(jacobians.per_sample_jacobian(model.apply, params, xs))
-    # The client's own rows (slot 0) are never transmitted; a static mask so they are not compressed at all.
-    sent = np.arange(neighbourhood_slots) > 0
+    sent = (
+      jnp.arange(neighbourhood_slots) > 0
+    )  # the client's own rows (slot 0) are never transmitted
     leaves = compression.compress_packages(leaves, mask, neighbourhood_slots, keep, bits, sent=sent)
     return jax.tree.unflatten(treedef, leaves)
 
