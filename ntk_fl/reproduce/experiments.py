@@ -442,17 +442,41 @@ def _ntk_dfl() -> list[Experiment]:
       x_label="subsampling divisor m2",
       notes="m2 ∈ {1, 2, 5, 10} (the figure's values are not in the text).",
     ),
-    _needs(
+    Experiment(
       "ntk_dfl:fig15",
       "NTK-DFL Fig. 15: progressive compression (top-k 0.5, 6 bits, m2 = 5, d1' = 200)",
-      "method: NTK-DFL Jacobian compression (top-k, quantisation, input projection)",
+      (
+        Variant("fig9_ntk_dfl_k5", "ntk_dfl", (("topology.degree", 5),), "NTK-DFL, uncompressed"),
+        Variant("fig15_topk", "ntk_dfl:topk0.5", (), "top-k 0.5", gpu=True),
+        Variant("fig15_topk_bits", "ntk_dfl:topk0.5,bits6", (), "+ 6 bits", gpu=True),
+        Variant("fig15_topk_bits_sub", "ntk_dfl:topk0.5,bits6,subsample", (), "+ m2 = 5", gpu=True),
+        Variant("fig15_compressed", "ntk_dfl:compressed", (), "+ d1' = 200", gpu=True),
+      ),
       claim="Subsampling and projection compound the reduction of sparsification alone.",
+      kind="communication",
+      notes="Compressed rounds build each neighbourhood's explicit Jacobian (N x C x d entries per "
+      "client), tens of minutes per 300-client round on one CPU core (benchmarks/RESULTS.md): "
+      "registered for a GPU.",
     ),
-    _needs(
+    Experiment(
       "ntk_dfl:fig16",
       "NTK-DFL Fig. 16: accuracy against communication volume",
-      "method: NTK-DFL Jacobian compression; quantised baselines exist (q8)",
+      (
+        Variant(
+          "fig16_compressed_clustered",
+          "ntk_dfl:compressed,clustered",
+          (("checkpoint_every", 2),),
+          "NTK-DFL, compressed, clustered",
+          gpu=True,
+        ),
+        Variant("fig9_ntk_dfl_k5", "ntk_dfl", (("topology.degree", 5),), "NTK-DFL, uncompressed"),
+        Variant("fig3_dfedavg_k5", "dfedavg", _rounds("dfedavg"), "DFedAvg"),
+        Variant("fig12_dfedavg_q8", "dfedavg:alpha0.1,q8", _rounds("dfedavg"), "DFedAvg, 8-bit"),
+      ),
       claim="The communication-efficient baselines need about 5 times as many rounds.",
+      kind="communication",
+      notes="Fig. 16's NTK-DFL is Fig. 15's fully compressed one on the clustered topology (cliques "
+      "of 6); checkpoints every 2 rounds, its rounds being long on a CPU.",
     ),
     _needs(
       "ntk_dfl:fig17",
@@ -854,6 +878,29 @@ def _ntk_fl() -> list[Experiment]:
       "updates (buckets of 8,192), QSGD one full-batch gradient per client at lr 0.1 (the top of "
       "NTK-FL's lr grid) with 4-bit codes (buckets of 512); the bucket norms (1-2 % of the "
       "uplink) are counted, which Table 1's arithmetic leaves out.",
+    ),
+    Experiment(
+      "ntk_fl:table1_validation",
+      "NTK-FL §3: CP-NTK-FL in Table 1's setting with τ chosen on held-out validation clients",
+      (
+        Variant(
+          "cp_ntk_fl_table1",
+          "cp_ntk_fl:table1",
+          TO85,
+          "CP-NTK-FL, τ by the network's training loss",
+          paper="26 rounds, 386 MB",
+        ),
+        Variant(
+          "cp_ntk_fl_table1_validation",
+          "cp_ntk_fl:table1,validation",
+          TO85,
+          "CP-NTK-FL, τ on 10 validation clients",
+        ),
+      ),
+      claim="τ selected on a validation set from held-out clients (§3, after eq. 11).",
+      seeds=SEEDS3,
+      kind="rounds",
+      notes="The paper gives no size of the validation set: 10 of the 300 clients hold it.",
     ),
     Experiment(
       "ntk_fl:fig3",
