@@ -1691,8 +1691,9 @@ def test_workers_die_with_a_killed_launcher(tmp_path):
 # ----------------------------------------------------------------------------- several processes
 
 
-def _launch_two(workdir, *extra):
-  """``python -m ntk_fl --num_processes=2`` on the toy config (one CPU device each: 5 clients each)."""
+def _launch_two(workdir, *extra, new_session: bool = False):
+  """``python -m ntk_fl --num_processes=2`` on the toy config (one CPU device each: 5 clients each);
+  ``new_session``: in a process group of its own, as a terminal's foreground job (for a Ctrl-C)."""
   import subprocess  # pylint: disable=g-import-not-at-top
 
   return subprocess.Popen(
@@ -1710,6 +1711,7 @@ def _launch_two(workdir, *extra):
     stderr=subprocess.PIPE,
     text=True,
     env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": _REPO},
+    start_new_session=new_session,
   )
 
 
@@ -1754,6 +1756,59 @@ def test_a_killed_peer_is_one_line_and_the_survivors_reports_go_to_the_log(tmp_p
   if "(the processes' own messages are in " in lines[0]:
     assert f"the processes' own messages are in {workdir / cli.LOG_FILE})" in lines[0]
     assert "--- console output of process 0 (not shown) ---" in log
+
+
+def test_ctrl_c_of_a_two_process_run_is_one_hint_and_no_process_is_left(tmp_path):
+  """Ctrl-C in the terminal of a ``--num_processes=2`` run (SIGINT to its whole process group): exit
+  130, the console's one ``interrupted; continue the run with --resume`` line, no traceback, no process
+  of the run left, and ``--resume`` then finishes the run."""
+  import signal  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  import psutil  # pylint: disable=g-import-not-at-top
+  from ntk_fl import rundir  # pylint: disable=g-import-not-at-top
+
+  workdir = tmp_path / "run"
+  proc = _launch_two(
+    workdir, "--config.rounds=5000", "--config.checkpoint_every=50", new_session=True
+  )
+  deadline = time.monotonic() + 300
+  metrics = workdir / rundir.METRICS_FILE
+  while not (metrics.is_file() and len(rundir.read_metrics(str(workdir))) >= 60):
+    assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+    time.sleep(0.05)
+  workers = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+  assert len(workers) >= 2, workers
+  os.killpg(proc.pid, signal.SIGINT)
+  stdout, stderr = proc.communicate(timeout=120)
+  assert proc.returncode == 130, stderr[-3000:]
+  lines = _console_lines(stderr)
+  assert lines == [f"interrupted; continue the run with --resume (workdir {workdir})"], stderr[
+    -5000:
+  ]
+  assert "Traceback" not in stderr + stdout
+  time.sleep(2)
+  assert not [
+    pid
+    for pid in workers
+    if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+  ], "processes of the run outlived its Ctrl-C"
+  # --resume continues from checkpoint 50 (the same config: rounds cannot change on resume); a second
+  # Ctrl-C ends it the same way, with the rounds on record contiguous from 1.
+  resumed = _launch_two(
+    workdir, "--config.rounds=5000", "--config.checkpoint_every=50", "--resume", new_session=True
+  )
+  while not (len(rundir.read_metrics(str(workdir))) >= 120):
+    assert resumed.poll() is None and time.monotonic() < deadline, resumed.communicate()[1][-3000:]
+    time.sleep(0.05)
+  os.killpg(resumed.pid, signal.SIGINT)
+  _, stderr = resumed.communicate(timeout=120)
+  assert resumed.returncode == 130, stderr[-3000:]
+  assert "Traceback" not in stderr
+  rounds = [m["round"] for m in rundir.read_metrics(str(workdir))]
+  assert rounds == list(range(1, len(rounds) + 1)) and len(rounds) >= 120
+  # Resumed, not restarted: a start with nothing to resume would have set the old files aside.
+  assert not list(workdir.glob("unfinished-*")) and not list(tmp_path.glob("*unfinished*"))
+  assert "from the checkpoint after round 50" in (workdir / "log.txt").read_text()
 
 
 def test_a_changed_multi_process_checkpoint_is_set_aside_and_resume_is_exact(tmp_path):
