@@ -13,7 +13,12 @@ not take the others with it), built exactly as ``experiments/main.py`` builds a 
 * ``kernel`` -- the structured output-traced NTK of the 784-100-10 MLP on N = 1,200 and 4,800 inputs;
 * ``dfedavg`` -- one DFedAvg round (``configs/dfedavg.py``: 300 clients, 20 local epochs, batch 25);
 * ``spark`` -- one SPARK round (``configs/spark.py``: momentum, soft-label targets, 300 clients) at each
-  ``--chunks`` value, as NTK-DFL (the config's chunk 1, best on a CPU, serialises the clients on a GPU).
+  ``--chunks`` value, as NTK-DFL (the config's chunk 1, best on a CPU, serialises the clients on a GPU);
+* ``ntk_dfl_cnn`` -- one NTK-DFL round in the paper setting with the library's CNN (``ntk_dfl:cnn``: the
+  layer-wise structured kernel) at each ``--cnn_chunks`` value;
+* ``replicas_ntk_dfl`` / ``replicas_dfedavg`` -- one round of a seed-batched run (``config.replicas = S``,
+  ``replica_chunk = 0``: the S replicas in one ``vmap``) of the paper config at each ``--replicas`` value S;
+  the row's ``per replica`` is steady / S, to set against the single-seed round (S = 1).
 
 Columns: ``first`` = the first call (trace + compile + one run); ``steady`` = the median of the following
 ``--repeats`` calls (``block_until_ready``); ``peak memory`` = the device's ``peak_bytes_in_use`` where the
@@ -34,7 +39,16 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CASES = ("ntk_dfl", "kernel", "dfedavg", "spark")
+CASES = (
+  "ntk_dfl",
+  "kernel",
+  "dfedavg",
+  "spark",
+  "ntk_dfl_cnn",
+  "replicas_ntk_dfl",
+  "replicas_dfedavg",
+)
+DEFAULT_CASES = CASES[:4]
 
 
 def _parse(argv=None):
@@ -46,7 +60,11 @@ def _parse(argv=None):
     "--chunks", default="0,60,10", help="NTK-DFL clients per vmap chunk to time (0 = all)"
   )
   p.add_argument("--kernel_sizes", default="1200,4800", help="N for the structured-kernel case")
-  p.add_argument("--cases", default=",".join(CASES), help=f"subset of {','.join(CASES)}")
+  p.add_argument("--cnn_chunks", default="10", help="clients per vmap chunk for the CNN round")
+  p.add_argument("--replicas", default="1,4", help="seeds per seed-batched run (replicas cases)")
+  p.add_argument(
+    "--cases", default=",".join(DEFAULT_CASES), help=f"cases to run, from {','.join(CASES)}"
+  )
   p.add_argument("--repeats", type=int, default=3, help="steady-state calls after the first")
   p.add_argument("--timeout", type=float, default=240.0, help="seconds allowed per case")
   p.add_argument("--json", default="", help="also write the rows to this JSON file")
@@ -78,15 +96,23 @@ def _time_calls(fn, repeats: int) -> tuple[float, float]:
   return first, statistics.median(times)
 
 
+def _load(method: str, args, variant: str = ""):
+  from ntk_fl.config import load_config  # pylint: disable=import-outside-toplevel
+
+  variants = ",".join(v for v in ("smoke" if args.quick else "", variant) if v)
+  return load_config(os.path.join(REPO, "configs", f"{method}.py"), variants or None)
+
+
 def _round_case(method: str, args) -> dict:
   """Time ``algorithm.step`` of ``configs/<method>.py`` (its ``smoke`` variant with ``--quick``)."""
   import jax  # pylint: disable=import-outside-toplevel
   from ntk_fl import runner  # pylint: disable=import-outside-toplevel
-  from ntk_fl.config import load_config  # pylint: disable=import-outside-toplevel
 
-  config = load_config(
-    os.path.join(REPO, "configs", f"{method}.py"), "smoke" if args.quick else None
-  )
+  model = "cnn" if method == "ntk_dfl_cnn" else ""
+  method = "ntk_dfl" if model else method
+  config = _load(method, args, model)
+  if model and args.quick:  # the CNN's smoke run cut to 4 clients of 8 samples: seconds on a CPU
+    config.data.num_clients, config.data.samples_per_client = 4, 8
   if method in (
     "ntk_dfl",
     "spark",
@@ -111,7 +137,51 @@ def _round_case(method: str, args) -> dict:
     setting += f", τ ≤ {max(config.algorithm.taus)}, chunk {config.chunk_size or 'all'}"
   elif method == "dfedavg":
     setting += f", {config.algorithm.epochs} epochs, batch {config.algorithm.batch_size}"
+  if model:
+    setting += f", model {model}"
   return {"case": f"{method} round", "setting": setting, "first_s": first, "steady_s": steady}
+
+
+def _replicas_case(method: str, args) -> dict:
+  """Time one round of a seed-batched run of ``configs/<method>.py``: S = ``--size`` seeds in one vmap.
+
+  Built as :func:`ntk_fl.runner.run` builds a seed-batched run (its replicated step, the replicas' data
+  split into stacked and shared leaves), without the run's records: what is timed is the step alone.
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+  from ntk_fl import runner  # pylint: disable=import-outside-toplevel
+
+  num = args.size
+  exps = []
+  for k in range(num):
+    config = _load(method, args)
+    config.seed = config.seed + k
+    if method == "ntk_dfl":
+      config.chunk_size = 0  # every client in one vmap: the GPU's best (see the NTK-DFL rows)
+    exps.append(runner.build_experiment(config))
+  with exps[0].device_policy():
+    step, treedef, stacked, shared = runner._replicable(exps)  # pylint: disable=protected-access
+    replicated = runner._make_replicated_step(step, treedef, num, 0)  # pylint: disable=protected-access
+    states = runner._stack([e.algorithm.init(jax.random.key(e.settings.seed)) for e in exps])  # pylint: disable=protected-access
+    holder = {"states": states, "round": 0}
+
+    def one_round():
+      inputs = runner._stack_inputs(  # pylint: disable=protected-access
+        [e.algorithm.round_inputs(holder["round"]) for e in exps], exps
+      )
+      states, _ = replicated(holder["states"], inputs, stacked, shared)
+      jax.block_until_ready(states)
+      holder["states"], holder["round"] = states, holder["round"] + 1
+
+    first, steady = _time_calls(one_round, args.repeats)
+  data = exps[0].settings.data
+  return {
+    "case": f"{method} seed-batched round",
+    "setting": f"{data.num_clients} clients, S = {num} replicas in one vmap; per replica "
+    f"{steady / num:.4g} s",
+    "first_s": first,
+    "steady_s": steady,
+  }
 
 
 def _kernel_case(args) -> dict:
@@ -136,6 +206,8 @@ def _kernel_case(args) -> dict:
 def run_case(args) -> dict:
   if args.run_case == "kernel":
     row = _kernel_case(args)
+  elif args.run_case.startswith("replicas_"):
+    row = _replicas_case(args.run_case[len("replicas_") :], args)
   else:
     row = _round_case(args.run_case, args)
   row["peak_bytes"], row["memory_kind"] = _peak_memory_bytes()
@@ -149,10 +221,16 @@ def _case_commands(args) -> list[tuple[str, int]]:
     raise SystemExit(f"error: unknown case(s) {unknown}; choose from {CASES}")
   chunks = [int(c) for c in args.chunks.split(",")] if not args.quick else [5]
   sizes = [int(n) for n in args.kernel_sizes.split(",")] if not args.quick else [120]
+  cnn_chunks = [int(c) for c in args.cnn_chunks.split(",")] if not args.quick else [5]
+  replicas = [int(s) for s in args.replicas.split(",")] if not args.quick else [2]
   commands = []
   for case in chosen:
     if case in ("ntk_dfl", "spark"):
       commands += [(case, c) for c in chunks]
+    elif case == "ntk_dfl_cnn":
+      commands += [(case, c) for c in cnn_chunks]
+    elif case.startswith("replicas_"):
+      commands += [(case, s) for s in replicas]
     elif case == "kernel":
       commands += [(case, n) for n in sizes]
     else:

@@ -17,6 +17,8 @@ def test_quick_table_has_every_case(tmp_path):
       "--quick",
       "--repeats",
       "1",
+      "--cases",
+      "ntk_dfl,kernel,dfedavg,spark,ntk_dfl_cnn,replicas_dfedavg",
       "--json",
       str(out),
     ],
@@ -33,6 +35,8 @@ def test_quick_table_has_every_case(tmp_path):
     "structured NTK",
     "dfedavg round",
     "spark round",
+    "ntk_dfl round",
+    "dfedavg seed-batched round",
   ]
   for row in rows:
     assert "error" not in row, row
@@ -41,4 +45,6 @@ def test_quick_table_has_every_case(tmp_path):
     )  # the first call compiles; steady ones do not
     assert row["peak_bytes"] > 0
   assert "chunk 5" in rows[0]["setting"]
+  assert "model cnn" in rows[4]["setting"]
+  assert "S = 2 replicas" in rows[5]["setting"]
   assert "| case | setting |" in done.stdout

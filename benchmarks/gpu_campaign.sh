@@ -1,0 +1,69 @@
+#!/bin/bash
+# One prepared command for a lent GPU: the GPU benchmark table, then as many of the figure campaign's
+# GPU runs as the time left allows, everything written as a few files under OUT.
+#
+#   benchmarks/gpu_campaign.sh OUT SECONDS [EXPERIMENT=VARIANT_PATTERN[@CHUNK] ...]
+#
+#   OUT      folder for the results: gpu_check.json / .log (benchmarks/gpu_check.py), campaign.log,
+#            runs.tgz (each finished run's config, metrics and summary; no checkpoints) and
+#            results.tgz (the rendered tables and figures of the experiments touched)
+#   SECONDS  the wall-clock budget of the whole script; a campaign run that cannot finish inside it is
+#            stopped (it is lost: its checkpoints stay on the machine) and the files are still written
+#   EXPERIMENT=PATTERN[@CHUNK]  one `ntk-fl reproduce EXPERIMENT --variants PATTERN` queue, run with
+#            --config.chunk_size=CHUNK (default 0: every client in one vmap, the GPU's best where the
+#            device memory allows; a smaller chunk where a run's per-client arrays are large)
+#
+# Environment: PYTHON (default python3), GPU_CHECK_ARGS (default: the cases this script's table needs),
+# NTK_FL_DATA_DIR (where the data sets are; nothing is downloaded). Run from the repository root.
+set -u
+OUT=${1:?usage: gpu_campaign.sh OUT SECONDS [EXPERIMENT=PATTERN[@CHUNK] ...]}
+BUDGET=${2:?usage: gpu_campaign.sh OUT SECONDS [EXPERIMENT=PATTERN[@CHUNK] ...]}
+shift 2
+START=$(date +%s)
+PY=${PYTHON:-python3}
+RUNS=${RUNS_DIR:-/tmp/gpu_campaign_runs}
+RESULTS=$RUNS/results
+RESERVE=25 # seconds kept for packing the files
+export PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+mkdir -p "$OUT" "$RUNS" "$RESULTS"
+left() { echo $((BUDGET - ($(date +%s) - START) - RESERVE)); }
+say() { echo "$(date '+%F %T') [$(($(date +%s) - START)) s] $*" | tee -a "$OUT/campaign.log"; }
+
+say "device: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo none)"
+if ! $PY -c "import jax, ntk_fl; print('jax', jax.__version__, jax.devices())" 2>&1 | tee -a "$OUT/campaign.log"; then
+  say "error: the package does not import with $PY; nothing run"
+  exit 2
+fi
+
+# The benchmark table: NTK-DFL and SPARK at chunk 0, DFedAvg, seed-batched rounds, the CNN round.
+GPU_CHECK_ARGS=${GPU_CHECK_ARGS:---cases ntk_dfl,spark,dfedavg,replicas_dfedavg,replicas_ntk_dfl,ntk_dfl_cnn --chunks 0 --replicas 4 --cnn_chunks 10 --repeats 2 --timeout 150}
+say "gpu_check.py $GPU_CHECK_ARGS"
+# shellcheck disable=SC2086
+timeout "$(($(left) > 30 ? $(left) : 30))" $PY benchmarks/gpu_check.py $GPU_CHECK_ARGS \
+  --json "$OUT/gpu_check.json" > "$OUT/gpu_check.log" 2>&1
+say "gpu_check.py exit $?"
+
+for item in "$@"; do
+  name=${item%%=*}
+  rest=${item#*=}
+  pattern=${rest%@*}
+  chunk=0
+  [[ $rest == *@* ]] && chunk=${rest##*@}
+  budget=$(left)
+  if ((budget < 60)); then
+    say "skipped $name $pattern: $budget s left"
+    continue
+  fi
+  say "reproduce $name --variants $pattern (chunk $chunk, at most $budget s)"
+  timeout "$budget" $PY -m ntk_fl reproduce "$name" --variants "$pattern" --out "$RUNS" \
+    --render_dir "$RESULTS" "--extra=--config.chunk_size=$chunk" >> "$OUT/campaign.log" 2>&1
+  say "reproduce $name $pattern exit $?"
+done
+
+# Only finished runs travel back (a summary.json marks one), without checkpoints.
+(cd "$RUNS" && find . -maxdepth 3 -name summary.json -printf '%h\n' | sort -u > finished.txt)
+say "finished runs: $(wc -l < "$RUNS/finished.txt")"
+tar czf "$OUT/runs.tgz" -C "$RUNS" --exclude='checkpoints' --exclude='*.lock' -T "$RUNS/finished.txt" 2>> "$OUT/campaign.log"
+tar czf "$OUT/results.tgz" -C "$RUNS" results 2>> "$OUT/campaign.log"
+say "done"
