@@ -164,7 +164,8 @@ def check_dense_stack(model: Model, *, rtol: float = 1e-4) -> None:
   The structured NTK reads the declared stack's weights and never calls ``apply``, so a wrong
   declaration (an activation, a layer order) would give a wrong kernel silently. The declared
   stack's outputs on four Gaussian inputs at ``init(PRNGKey(0))`` must match ``apply``'s to
-  ``rtol`` relative to the largest output (float32 rounding is ~1e-6).
+  ``rtol`` relative to the largest output (float32 rounding is ~1e-6; both computed at the highest
+  matmul precision).
   """
   stack = model.dense_stack
   if not isinstance(stack, DenseStack):
@@ -189,7 +190,10 @@ def check_dense_stack(model: Model, *, rtol: float = 1e-4) -> None:
     a = jnp.matmul(a, w, precision=jax.lax.Precision.HIGHEST) + b
     if k < len(stack.layers) - 1:
       a = stack.activation(a)
-  y = model.apply(params, x)
+  # Both sides in full float32: an accelerator's default matmul precision (TensorFloat-32 on an
+  # H100/H200) alone moves the outputs by ~1e-3 of their scale, more than ``rtol``.
+  with jax.default_matmul_precision("highest"):
+    y = model.apply(params, x)
   if a.shape != y.shape:
     raise ValueError(
       f"dense_stack {stack.layers} gives outputs {a.shape} on a probe batch, apply gives {y.shape}"
@@ -208,8 +212,9 @@ def _check_per_sample(model: Model) -> None:
   """Raises when ``model.apply`` on a probe batch differs from ``apply`` on each sample alone."""
   params = model.init(jax.random.PRNGKey(0))
   x = jax.random.normal(jax.random.PRNGKey(1), (4, *model.input_shape), jnp.float32)
-  batch = model.apply(params, x)
-  single = jnp.concatenate([model.apply(params, x[i : i + 1]) for i in range(4)])
+  with jax.default_matmul_precision("highest"):  # as check_dense_stack: no TensorFloat-32 rounding
+    batch = model.apply(params, x)
+    single = jnp.concatenate([model.apply(params, x[i : i + 1]) for i in range(4)])
   err = float(jnp.max(jnp.abs(batch - single)) / jnp.maximum(jnp.max(jnp.abs(single)), 1e-30))
   if not err <= 1e-4:
     raise ValueError(
