@@ -11,7 +11,10 @@
 #            stopped (it is lost: its checkpoints stay on the machine) and the files are still written
 #   EXPERIMENT=PATTERN[@CHUNK]  one `ntk-fl reproduce EXPERIMENT --variants PATTERN` queue, run with
 #            --config.chunk_size=CHUNK (default 0: every client in one vmap, the GPU's best where the
-#            device memory allows; a smaller chunk where a run's per-client arrays are large)
+#            device memory allows). Give a smaller chunk where a run's per-client arrays are large:
+#            the compressed NTK-DFL runs (explicit N x C x d Jacobians per client) and the CNN. On an
+#            H200 the CNN round at chunk 10 stopped with CUDA_ERROR_ILLEGAL_ADDRESS and the compressed
+#            runs at chunk 0 failed after about 80 s (benchmarks/RESULTS.md, "GPU")
 #
 # Environment: PYTHON (default python3), GPU_CHECK_ARGS (default: the cases this script's table needs),
 # NTK_FL_DATA_DIR (where the data sets are; nothing is downloaded). Run from the repository root.
@@ -61,9 +64,13 @@ for item in "$@"; do
   say "reproduce $name $pattern exit $?"
 done
 
-# Only finished runs travel back (a summary.json marks one), without checkpoints.
-(cd "$RUNS" && find . -maxdepth 3 -name summary.json -printf '%h\n' | sort -u > finished.txt)
-say "finished runs: $(wc -l < "$RUNS/finished.txt")"
-tar czf "$OUT/runs.tgz" -C "$RUNS" --exclude='checkpoints' --exclude='*.lock' -T "$RUNS/finished.txt" 2>> "$OUT/campaign.log"
+# Finished runs travel back whole (a summary.json marks one) but for their checkpoints; of the others,
+# only the logs (a failed run's console log beside its folder, and its log.txt), to say why.
+(cd "$RUNS" && {
+  find . -maxdepth 3 -name summary.json -printf '%h\n' | sort -u
+  find . -maxdepth 2 \( -name '*.log' -o -name log.txt \) -print
+} > packed.txt)
+say "finished runs: $(find "$RUNS" -maxdepth 3 -name summary.json | wc -l)"
+tar czf "$OUT/runs.tgz" -C "$RUNS" --exclude='checkpoints' --exclude='*.lock' -T "$RUNS/packed.txt" 2>> "$OUT/campaign.log"
 tar czf "$OUT/results.tgz" -C "$RUNS" results 2>> "$OUT/campaign.log"
 say "done"
