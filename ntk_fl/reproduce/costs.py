@@ -41,9 +41,9 @@ ROUND_SECONDS: dict[str, Cost] = {
   ),
   "spark": Cost(
     92.0,
-    4.98,
+    0.73,
     "benchmarks/RESULTS.md: ≈ 92 s per SPARK round on one core of the AMD EPYC; GPU: "
-    "4.98 s step on one H100 (commit 6fb8dae)",
+    "0.725 s step on one H200, all clients in one vmap (commit cd8afc1; at chunk 1, 4.98 s on an H100)",
     4.0,
   ),
   "dfedavg": Cost(
