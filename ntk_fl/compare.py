@@ -31,6 +31,7 @@ import os
 import shutil
 import statistics
 import sys
+import textwrap
 from collections.abc import Sequence
 
 import numpy as np
@@ -397,8 +398,9 @@ def save_figure(fig, stem: str) -> list[str]:
   os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
   FigureCanvasAgg(fig)  # attaches a canvas; savefig picks the format's backend
   fig.tight_layout()
-  fig.savefig(stem + ".png", dpi=150)
-  fig.savefig(stem + ".pdf")
+  # "tight": the whole title and legend inside the image, whatever their length.
+  fig.savefig(stem + ".png", dpi=150, bbox_inches="tight")
+  fig.savefig(stem + ".pdf", bbox_inches="tight")
   return [stem + ".png", stem + ".pdf"]
 
 
@@ -448,7 +450,9 @@ def plot_curves(groups: Sequence[Group], stem: str, target: float = 0.85, title:
   ax.set_xlabel("communication round")
   ax.set_ylabel("test accuracy (%)")
   ax.set_title(
-    title or "aggregated model (solid) and mean client (dashed); mean over seeds, 95 % CI"
+    textwrap.fill(
+      title or "aggregated model (solid) and mean client (dashed); mean over seeds, 95 % CI", 72
+    )
   )
   ax.grid(alpha=0.3)
   if ax.get_legend_handles_labels()[0]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import textwrap
 from collections.abc import Sequence
 
 import numpy as np
@@ -252,7 +253,7 @@ def _plot_sweep(experiment: Experiment, groups: dict[str, compare.Group], stem: 
     ax.set_xticks(xs)
   ax.set_xlabel(experiment.x_label or "x")
   ax.set_ylabel(f"test accuracy at round {experiment.round or 'last'} (%)")
-  ax.set_title(experiment.title, fontsize=9)
+  ax.set_title(textwrap.fill(experiment.title, 80), fontsize=9)
   ax.grid(alpha=0.3)
   if ax.get_legend_handles_labels()[0]:
     ax.legend(fontsize=7)
