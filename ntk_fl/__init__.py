@@ -71,7 +71,7 @@ _export(
   "get_method",
   rename={"available_methods": "available"},
 )
-_export("ntk_fl.algorithms.base", "GraphRound", "graph_round_inputs")
+_export("ntk_fl.algorithms.graph_inputs", "GraphRound", "graph_round_inputs")
 _export("ntk_fl.algorithms.ntk_dfl", "make_ntk_dfl", "make_neighbourhood_round", "NTKDFLHParams")
 _export("ntk_fl.algorithms.spark", "make_spark", "SparkHParams")
 _export("ntk_fl.algorithms.server_ntk", "make_server_ntk", "NTKFLHParams")

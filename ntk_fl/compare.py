@@ -38,6 +38,7 @@ import numpy as np
 from scipy import stats as scipy_stats
 
 from ntk_fl import metrics, rundir, stats
+from ntk_fl.rundir import NEUTRAL_KEYS, flatten, setting_key  # re-exported: grouping's rules
 
 __all__ = [
   "NEUTRAL_KEYS",
@@ -61,24 +62,6 @@ __all__ = [
   "write_comparison",
 ]
 
-NEUTRAL_KEYS = (
-  "seed",
-  "devices",
-  "chunk_size",
-  "debug_clients",
-  "replicas",
-  "replica_chunk",
-  "checkpoint_every",
-  "checkpoint_keep",
-  "on_divergence",
-  "eval.consensus",
-  "data.data_dir",
-)
-"""Config fields that do not make two runs different settings: the seed (what a group is made of),
-where the clients ran and in how many vmap chunks or in the debug loop (equal up to float rounding), which checkpoints
-were kept, the divergence policy, the extra consensus scoring and where the data files were read
-from."""
-
 GIGABYTE_BITS = 8e9
 DETAIL_ROUNDS = (1, 2, 3, 5, 8, 10, 12, 15, 18, 20, 25, 30, 40, 50, 75, 100, 150, 200)
 ARCHIVE_DROPPED = (
@@ -87,23 +70,6 @@ ARCHIVE_DROPPED = (
 
 
 # ----------------------------------------------------------------------------- grouping
-
-
-def flatten(config: dict, prefix: str = "") -> dict:
-  """``{"algorithm.lr": 0.01, ...}``: a stored config's leaves by dotted key (lists become
-  tuples)."""
-  out = {}
-  for key, value in config.items():
-    if isinstance(value, dict):
-      out.update(flatten(value, f"{prefix}{key}."))
-    else:
-      out[f"{prefix}{key}"] = tuple(value) if isinstance(value, list) else value
-  return out
-
-
-def setting_key(config: dict) -> tuple:
-  """A stored config without the seed and :data:`NEUTRAL_KEYS`: equal for seeds of one setting."""
-  return tuple(sorted((k, v) for k, v in flatten(config).items() if k not in NEUTRAL_KEYS))
 
 
 @dataclasses.dataclass

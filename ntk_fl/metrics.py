@@ -34,6 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ntk_fl._src.options import (
+  AGGREGATES,
+)  # the choices live in a leaf the method interface can import
 from ntk_fl.distributed import to_host
 from ntk_fl.parallel import for_each_client, policy_chunk_size
 from ntk_fl.rng import Stream, numpy_rng
@@ -55,8 +58,6 @@ __all__ = [
 ]
 
 SELECTION_ORDERS = ("best_to_worst", "random", "worst_to_best")
-AGGREGATES = ("params", "ensemble_probs", "ensemble_logits")
-"""What the aggregated model is: the mean of the parameters, or an ensemble averaging probabilities / logits."""
 ENSEMBLE_METRICS = ("mode_entropy", "ensemble_entropy")
 """Extra aggregated metrics of an ensemble evaluator, in the order ``Evaluator.aggregate`` returns them."""
 

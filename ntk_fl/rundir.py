@@ -53,6 +53,7 @@ from ntk_fl.algorithms.base import config_without
 from ntk_fl.checkpoint import Checkpoints
 
 __all__ = [
+  "NEUTRAL_KEYS",
   "CONFIG_FILE",
   "METRICS_FILE",
   "SUMMARY_FILE",
@@ -85,6 +86,8 @@ __all__ = [
   "read_run",
   "rebuild_config",
   "copy_run",
+  "flatten",
+  "setting_key",
   "split_label",
   "read_metrics",
   "read_summary",
@@ -101,6 +104,42 @@ CHECKPOINT_DIR = "checkpoints"
 ACCURACY_PLOT = "accuracy.png"
 SELECTION_PLOT = "selection.png"
 BRANCH_FILE = "branched_from.json"
+
+NEUTRAL_KEYS = (
+  "seed",
+  "devices",
+  "chunk_size",
+  "debug_clients",
+  "replicas",
+  "replica_chunk",
+  "checkpoint_every",
+  "checkpoint_keep",
+  "on_divergence",
+  "eval.consensus",
+  "data.data_dir",
+)
+"""Config fields that do not make two runs different settings (grouping in :mod:`ntk_fl.compare`, matching
+runs to experiments in :mod:`ntk_fl.reproduce`): the seed (what a group is made of), where the clients ran
+and in how many vmap chunks or in the debug loop (equal up to float rounding), which checkpoints were kept,
+the divergence policy, the extra consensus scoring and where the data files were read from."""
+
+
+def flatten(config: dict, prefix: str = "") -> dict:
+  """``{"algorithm.lr": 0.01, ...}``: a stored config's leaves by dotted key (lists become
+  tuples)."""
+  out = {}
+  for key, value in config.items():
+    if isinstance(value, dict):
+      out.update(flatten(value, f"{prefix}{key}."))
+    else:
+      out[f"{prefix}{key}"] = tuple(value) if isinstance(value, list) else value
+  return out
+
+
+def setting_key(config: dict) -> tuple:
+  """A stored config without the seed and :data:`NEUTRAL_KEYS`: equal for seeds of one setting."""
+  return tuple(sorted((k, v) for k, v in flatten(config).items() if k not in NEUTRAL_KEYS))
+
 
 # Keys that do not change the trajectory (where clients run, which checkpoints are kept, whether the
 # consensus models are also scored); resume and branch ignore them.

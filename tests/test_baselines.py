@@ -501,3 +501,38 @@ def test_local_sgd_gossip_methods_check_their_optimiser(name, plain_sgd):
       schema.validate_config(config)
   else:
     assert schema.validate_config(config).algorithm.momentum == 0.5
+
+
+@pytest.mark.parametrize(
+  "name, label",
+  [
+    ("fedavg", "FedAvg"),
+    ("fedprox", "FedProx"),
+    ("fednova", "FedNova"),
+    ("datashare", "DataShare"),
+    ("centralized", "Centralized training"),
+    ("fedbe", "FedBE"),
+    ("fedcom", "FedCOM"),
+    ("qsgd", "QSGD"),
+  ],
+)
+def test_server_baselines_are_one_builders(name, label):
+  """The server baselines are ``server_round.server_method``'s: the module's factory is the registered one,
+  named ``make_<name>``; it refuses the run settings and a seed together, naming the method, and the shared
+  participants rule holds."""
+  import importlib  # pylint: disable=import-outside-toplevel
+
+  from ntk_fl.algorithms import get_method  # pylint: disable=import-outside-toplevel
+
+  method = get_method(name)
+  assert not method.graph and method.make.__name__ == f"make_{name}"
+  assert (
+    getattr(importlib.import_module(f"ntk_fl.algorithms.{name}"), f"make_{name}") is method.make
+  )
+  config = config_lib.load_config(name, "smoke")
+  settings = schema.validate_config(config)
+  with pytest.raises(TypeError, match=f"^{label}: pass the run settings or the keywords"):
+    method.make(None, None, None, settings.algorithm, settings, seed=1)
+  config.algorithm.clients_per_round = config.data.num_clients + 1
+  with pytest.raises(ValueError, match="clients_per_round"):
+    schema.validate_config(config)

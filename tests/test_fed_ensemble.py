@@ -237,6 +237,94 @@ def test_ntk_local_training_evolves_each_mode_on_its_pooled_participants():
     assert int(step_metrics["tau"][m]) == int(info["tau"])
 
 
+# ----------------------------------------------------------------------------- the mode-update hook
+
+
+def _with_hook(config, fed, mode_update):
+  settings = schema.validate_config(config)
+  return fed_ensemble.make_fed_ensemble(
+    MODEL, fed, None, settings.algorithm, settings, mode_update=mode_update
+  )
+
+
+def test_a_custom_mode_update_gets_the_rounds_data_and_replaces_the_training():
+  # The hook moves every leaf of a mode by lr x its participants' count and reports the sum of each mode's
+  # participants' real inputs and the key it got: all three checked against the round's inputs in numpy.
+  sizes = (6, 3, 5, 6, 2, 6)
+  config, fed = tiny(sizes=sizes, num_modes=3, clients_per_round=4, lr=0.25, seed=3)
+
+  def hook(modes, assignment, key, x, y, mask, lr):
+    del y
+    counts = jnp.sum(assignment[:, None] == jnp.arange(3)[None, :], axis=0)
+    moved = jax.tree.map(lambda m: m + lr * counts.reshape(-1, *([1] * (m.ndim - 1))), modes)
+    per_client = jnp.sum(jnp.where(mask[..., None], x, 0.0), axis=(1, 2))  # [P]
+    input_sum = jnp.zeros(3).at[assignment].add(per_client)
+    return moved, {"input_sum": input_sum, "key_data": jax.random.key_data(key)}
+
+  algorithm = _with_hook(config, fed, hook)
+  state0 = algorithm.init(jax.random.key(0))
+  inputs = algorithm.round_inputs(1)
+  state1, step_metrics = algorithm.step(state0, inputs)
+  lr = float(local.round_lr(config.algorithm, 1))
+  counts = np.bincount(inputs.modes, minlength=3)
+  for old, new in zip(leaves(state0.modes), leaves(state1.modes), strict=True):
+    want = old.astype(np.float64) + lr * counts.reshape(-1, *([1] * (old.ndim - 1)))
+    np.testing.assert_allclose(new, want, rtol=1e-6, atol=0)
+  want_sums = np.zeros(3)
+  for c, m in zip(inputs.clients, inputs.modes):
+    want_sums[m] += np.asarray(fed.x[c], np.float64)[np.asarray(fed.mask[c])].sum()
+  np.testing.assert_allclose(step_metrics["input_sum"], want_sums, rtol=1e-5)
+  np.testing.assert_array_equal(step_metrics["key_data"], jax.random.key_data(inputs.key))
+  np.testing.assert_array_equal(
+    step_metrics["mode_participants"], counts
+  )  # the method's own metrics stay
+  assert float(step_metrics["lr"]) == np.float32(lr) and "loss" not in step_metrics
+
+
+def test_the_default_mode_update_is_public_and_rebuilt_from_public_pieces():
+  # Fed-ensemble's local-SGD training written as a hook from the public names alone (FedAvg's local update,
+  # the transmission, Remark 3.1's aggregation) equals the method without a hook, bit for bit; so does the
+  # public default, for the local-SGD and the NTK training.
+  sizes = (6, 3, 5, 6, 2, 6)
+  config, fed = tiny(
+    sizes=sizes, num_modes=3, epochs=2, batch_size=4, lr=0.3, clients_per_round=5, seed=2
+  )
+  hparams = schema.validate_config(config).algorithm
+  update = local.local_update_from_hparams(MODEL.apply, hparams)
+
+  def by_hand(modes, assignment, key, x, y, mask, lr):
+    train_key, quant_key = jax.random.split(key)
+    start = jax.tree.map(lambda m: m[assignment], modes)
+    result = jax.vmap(lambda p, xc, yc, mc, kc: update(p, xc, yc, mc, kc, lr, anchor=p))(
+      start, x, y, mask, jax.random.split(train_key, mask.shape[0])
+    )
+    sent = local.transmit(result.params, hparams.quantize_bits, key=quant_key, stochastic=False)
+    new_modes, _ = fed_ensemble.aggregate_modes(
+      modes, sent, assignment, jnp.ones(mask.shape[0], jnp.float32)
+    )
+    return new_modes, {"loss": jnp.mean(result.loss)}
+
+  assert hparams.aggregation_weights == "uniform" and not hparams.stochastic_rounding
+  reference, ref_metrics = run_rounds(runner.make_algorithm(config, MODEL, fed), 3)
+  for hook in (by_hand, fed_ensemble.make_mode_update(MODEL, hparams)):
+    state, step_metrics = run_rounds(_with_hook(config, fed, hook), 3)
+    for got, want in zip(leaves(state.modes), leaves(reference.modes), strict=True):
+      np.testing.assert_array_equal(got, want)
+    assert float(step_metrics["loss"]) == float(ref_metrics["loss"])
+
+  config, fed = tiny(
+    sizes=sizes, num_modes=2, local_training="ntk", aggregation_weights="data_size", taus=(2, 5)
+  )
+  hparams = schema.validate_config(config).algorithm
+  reference, ref_metrics = run_rounds(runner.make_algorithm(config, MODEL, fed), 2)
+  state, step_metrics = run_rounds(
+    _with_hook(config, fed, fed_ensemble.make_mode_update(MODEL, hparams)), 2
+  )
+  for got, want in zip(leaves(state.modes), leaves(reference.modes), strict=True):
+    np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(step_metrics["tau"], ref_metrics["tau"])
+
+
 # ----------------------------------------------------------------------------- evaluation
 
 

@@ -1,5 +1,8 @@
 """The options of the NTK kernel, evolution and client step, as enums checked once where they enter.
 
+It also holds :data:`AGGREGATES`, evaluation's choices of the aggregated model, so that the method
+interface (``ntk_fl.algorithms.base``) names them without importing the evaluator.
+
 Every option is a ``StrEnum`` (in the spirit of neural-tangents' ``NtkImplementation``): a member equals its
 string value, so configs and callers may pass either; the kernel implementation is neural-tangents'
 ``NtkImplementation`` itself, an ``IntEnum`` whose members also answer to this library's string
@@ -19,6 +22,7 @@ import jax
 import numpy as np
 
 __all__ = [
+  "AGGREGATES",
   "Choice",
   "Loss",
   "Solver",
@@ -34,6 +38,11 @@ __all__ = [
   "check_taus",
   "check_loss_solver",
 ]
+
+
+AGGREGATES = ("params", "ensemble_probs", "ensemble_logits")
+"""What the aggregated model is: the mean of the parameters, or an ensemble averaging probabilities / logits
+(public as ``ntk_fl.metrics.AGGREGATES``)."""
 
 
 class Choice(enum.StrEnum):

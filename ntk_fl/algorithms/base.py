@@ -37,9 +37,10 @@ from typing import Any, NamedTuple, Protocol
 from collections.abc import Callable
 
 import jax
-import numpy as np
 
-from ntk_fl.metrics import AGGREGATES  # the evaluator owns the choices; re-exported for methods
+from ntk_fl._src.options import (
+  AGGREGATES,
+)  # evaluation's choices (ntk_fl.metrics), re-exported for methods
 
 __all__ = [
   "AGGREGATES",
@@ -57,7 +58,6 @@ __all__ = [
   "TargetsFn",
   "check_evolution",
   "config_without",
-  "graph_round_inputs",
   "parse_enums",
   "run_options",
 ]
@@ -264,38 +264,6 @@ class GraphRound(NamedTuple):
   self_weight: Any
   neighbor_weights: Any
   key: Any
-
-
-def graph_round_inputs(graph_source, mixing: str, sizes, seed: int) -> Callable[[int], GraphRound]:
-  """``round_inputs`` of a decentralized method: a function of the round index only.
-
-  Args:
-    graph_source: a :class:`ntk_fl.topology.Topology` (``sample(round) -> Graph``).
-    mixing: mixing scheme for :func:`ntk_fl.topology.mixing_weights`.
-    sizes: ``[M]`` client data sizes (data-size weights).
-    seed: the config seed; round ``r``'s key is ``rng.jax_key(seed, Stream.ROUND_KEYS, r)``.
-  """
-  from ntk_fl import rng, topology  # pylint: disable=import-outside-toplevel -- base stays light to import
-
-  if graph_source is None:
-    raise ValueError(
-      "a decentralized method's rounds need a communication topology but got none: register "
-      "its Method with graph=True (the schema then builds config.topology)"
-    )
-
-  def round_inputs(round_index: int) -> GraphRound:
-    graph = graph_source.sample(round_index)
-    self_w, nbr_w = topology.mixing_weights(graph, mixing, sizes)
-    return GraphRound(
-      round=np.int32(round_index),
-      neighbors=graph.neighbors,
-      neighbor_mask=graph.mask,
-      self_weight=self_w,
-      neighbor_weights=nbr_w,
-      key=rng.jax_key(seed, rng.Stream.ROUND_KEYS, round_index),
-    )
-
-  return round_inputs
 
 
 def config_without(config: dict, *paths: str) -> dict:

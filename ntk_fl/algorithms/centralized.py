@@ -13,13 +13,11 @@ import math
 import jax.numpy as jnp
 
 from ntk_fl import compression, models
-from ntk_fl.algorithms import Method
 from ntk_fl.algorithms import local
 from ntk_fl.algorithms import server_round
-from ntk_fl.algorithms.base import Algorithm, run_options
 from ntk_fl.algorithms.server_round import ServerHParams
 
-__all__ = ["check", "make_centralized", "METHOD"]
+__all__ = ["check", "centralized_update", "make_centralized", "METHOD"]
 
 
 def check(hparams: ServerHParams, run) -> None:
@@ -32,30 +30,25 @@ def check(hparams: ServerHParams, run) -> None:
     )
 
 
-def make_centralized(
-  model: models.Model,
-  federation,
-  topology,
-  hparams: ServerHParams,
-  run=None,
-  *,
-  seed: int | None = None,
-) -> Algorithm:
-  """Centralised training (arguments as ``server_round.make_server_method``)."""
-  seed = run_options(run, "Centralized training", needs_topology=False, seed=seed).seed
+def centralized_update(model: models.Model, hparams: ServerHParams) -> server_round.ServerUpdate:
+  """Centralised training's round (:data:`~ntk_fl.algorithms.server_round.ServerUpdate`): the server trains on
+  the union of the participants' samples; each participant sends its samples (features and label, 32 bits
+  a value)."""
   local_update = local.local_update_from_hparams(model.apply, hparams)
-  # features + label
-  sample_bits = compression.FLOAT_BITS * (math.prod(federation.feature_shape) + 1)
 
   def update(params, x, y, mask, sizes, train_key, quant_key, lr, extra):
     del quant_key, extra
     k, n_max = mask.shape
+    sample_bits = compression.FLOAT_BITS * (math.prod(x.shape[2:]) + 1)  # features + label
     pooled = local_update(
       params, x.reshape(k * n_max, *x.shape[2:]), y.reshape(-1), mask.reshape(-1), train_key, lr
     )
     return pooled.params, pooled.loss, jnp.mean(sizes) * sample_bits
 
-  return server_round.make_server_method(model, federation, hparams, seed=seed, update=update)
+  return update
 
 
-METHOD = Method(make=make_centralized, hyperparameters=ServerHParams, check=check)
+METHOD = server_round.server_method(
+  "centralized", "Centralized training", centralized_update, check=check
+)
+make_centralized = METHOD.make

@@ -15,14 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ntk_fl import models
-from ntk_fl.algorithms import Method
 from ntk_fl.algorithms import local
 from ntk_fl.algorithms import server_round
-from ntk_fl.algorithms.base import Algorithm, run_options
 from ntk_fl.algorithms.server_round import ServerHParams
 from ntk_fl.rng import Stream, numpy_rng
 
-__all__ = ["DataShareHParams", "shared_set", "make_datashare", "METHOD"]
+__all__ = ["DataShareHParams", "shared_set", "datashare_update", "make_datashare", "METHOD"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,22 +53,19 @@ def _append_shared_set(x, y, mask, shared):
   return x, y, mask
 
 
-def make_datashare(
-  model: models.Model,
-  federation,
-  topology,
-  hparams: DataShareHParams,
-  run=None,
-  *,
-  seed: int | None = None,
-) -> Algorithm:
-  """DataShare for ``federation`` and ``model``; ``seed`` also draws the global set."""
-  seed = run_options(run, "DataShare", needs_topology=False, seed=seed).seed
-  shared = shared_set(federation, float(hparams.share_fraction), seed)
-  update = server_round.federated_update(model, hparams, augment=_append_shared_set)
-  return server_round.make_server_method(
-    model, federation, hparams, seed=seed, update=update, extra=shared
-  )
+def datashare_update(model: models.Model, hparams: DataShareHParams) -> server_round.ServerUpdate:
+  """DataShare's round: FedAvg's, every participant training on its samples followed by the global set
+  (``extra``)."""
+  return server_round.federated_update(model, hparams, augment=_append_shared_set)
 
 
-METHOD = Method(make=make_datashare, hyperparameters=DataShareHParams, check=server_round.check)
+METHOD = server_round.server_method(
+  "datashare",
+  "DataShare",
+  datashare_update,
+  hyperparameters=DataShareHParams,
+  extra=lambda federation, hparams, seed: shared_set(
+    federation, float(hparams.share_fraction), seed
+  ),
+)
+make_datashare = METHOD.make

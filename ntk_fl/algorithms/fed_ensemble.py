@@ -24,6 +24,10 @@ modes. In round ``r`` (0-based; age ``r // K``, slot ``r % K``):
    library's FedAvg and the paper's theory); a mode no participant trained stays
    as it is.
 
+Steps 2-3, the round's training of the modes, are public: :func:`make_mode_update` builds them from the
+hyperparameters, and a variant passes its own (:class:`ModeUpdateFn`) as ``mode_update`` of
+:func:`make_fed_ensemble`; the schedule, learning rate, bit count and metrics around it stay the method's.
+
 With ``K = 1`` every participant trains the one mode and the method *is*
 FedAvg (FedProx): same initial model (mode 0 is ``model.init(key)``, the model
 FedAvg starts from), same participants, same per-client keys, same local
@@ -60,7 +64,7 @@ accounting).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +90,8 @@ __all__ = [
   "sample_participants",
   "init_modes",
   "aggregate_modes",
+  "ModeUpdateFn",
+  "make_mode_update",
   "make_fed_ensemble",
   "FedEnsembleHParams",
   "check",
@@ -405,6 +411,119 @@ def check(hparams: FedEnsembleHParams, run) -> None:
 # ----------------------------------------------------------------------------- the method
 
 
+class ModeUpdateFn(Protocol):
+  """The hook of Fed-ensemble's round that trains the modes (:func:`make_mode_update`; ``mode_update`` of
+  :func:`make_fed_ensemble`). Called inside the round's ``jit``."""
+
+  def __call__(
+    self,
+    modes: Any,
+    assignment: jax.Array,
+    key: jax.Array,
+    x: jax.Array,
+    y: jax.Array,
+    mask: jax.Array,
+    lr: jax.Array,
+  ) -> tuple[Any, dict]:
+    """Args:
+      modes: the ``K`` modes before the round, leaves ``[K, ...]``.
+      assignment: int32 ``[P]``, the mode each of the round's ``P`` participants trains.
+      key: the round's PRNG key (local minibatches, quantisation).
+      x: ``[P, n_max, *in]`` the participants' samples (padded rows masked).
+      y: int ``[P, n_max]`` their labels.
+      mask: bool ``[P, n_max]``, True for real samples.
+      lr: float32 scalar, the round's learning rate.
+
+    Returns:
+      ``(new_modes, metrics)``: leaves ``[K, ...]`` (a mode no participant trained keeps its value) and a
+      dict of metric arrays (scalars or ``[K]`` per-mode values) for the round's line.
+    """
+
+
+def make_mode_update(model: models.Model, hparams: FedEnsembleHParams) -> ModeUpdateFn:
+  """Fed-ensemble's training of the modes in a round, every setting of ``hparams`` forwarded.
+
+  ``local_training='fedavg'`` / ``'fedprox'``: every participant runs the minibatch local update of
+  :func:`ntk_fl.algorithms.local.local_update_from_hparams` (``prox_mu`` anchored at its mode) from its
+  mode, sends it (``quantize_bits``, ``stochastic_rounding``), and each mode becomes the mean of the models
+  that started from it (:func:`aggregate_modes`, ``aggregation_weights``); metric ``loss``, the
+  participants' mean. ``'ntk'``: each mode evolves on its participants' pooled data by one
+  :func:`ntk_fl.evolve.ntk_step` (``taus``, ``solver``, ``select``, the network's kernel structure);
+  metrics ``tau`` ``[K]`` (0 for an idle mode) and ``loss``, the trained modes' mean.
+
+  Args:
+    model: the model of every mode.
+    hparams: :class:`FedEnsembleHParams`.
+
+  Returns:
+    A :class:`ModeUpdateFn`.
+  """
+  if hparams.local_training == "ntk":
+    evolve_options = dict(
+      taus=evolve.check_taus(tuple(hparams.taus)),
+      loss=evolve.Loss.CE,
+      solver=hparams.solver,
+      select=hparams.select,
+      dense_stack=model.dense_stack,
+      flax_apply=model.flax_apply,
+      per_sample=model.per_sample,
+    )
+
+    def ntk_update(modes, assignment, key, x, y, mask, lr):
+      """Each mode evolves on the pooled data of its participants (NTK-FL's server update)."""
+      del key  # the evolution draws nothing
+      num_modes = jax.tree.leaves(modes)[0].shape[0]
+      num_participants, n_max = mask.shape
+      num_classes = jax.eval_shape(
+        model.apply,
+        jax.eval_shape(model.init, jax.random.key(0)),
+        jax.ShapeDtypeStruct((1, *x.shape[2:]), jnp.float32),
+      ).shape[-1]
+      pooled_x = x.reshape(num_participants * n_max, *x.shape[2:])
+      targets = jax.nn.one_hot(y.reshape(-1), num_classes, dtype=jnp.float32)
+      owner = jnp.repeat(assignment, n_max)  # [P n]
+
+      def one_mode(params, index):
+        pooled_mask = mask.reshape(-1) & (owner == index)
+        delta, info = evolve.ntk_step(
+          model.apply, params, pooled_x, targets, pooled_mask, lr=lr, **evolve_options
+        )
+        return jax.tree.map(jnp.add, params, delta), info["tau"], info["loss"]
+
+      evolved, tau, loss = parallel.for_each_client(one_mode)(modes, jnp.arange(num_modes))
+      counts = jnp.sum(assignment[:, None] == jnp.arange(num_modes)[None, :], axis=0)
+      trained = counts > 0  # idle modes stay
+      new_modes = jax.tree.map(
+        lambda new, old: jnp.where(trained.reshape(-1, *([1] * (old.ndim - 1))), new, old),
+        evolved,
+        modes,
+      )
+      mean_loss = jnp.sum(jnp.where(trained, loss, 0.0)) / jnp.maximum(jnp.sum(trained), 1)
+      return new_modes, {"tau": jnp.where(trained, tau, 0), "loss": mean_loss}
+
+    return ntk_update
+
+  local_update = local.local_update_from_hparams(model.apply, hparams)
+  bits, stochastic = int(hparams.quantize_bits), bool(hparams.stochastic_rounding)
+  uniform_weights = hparams.aggregation_weights == "uniform"
+
+  def local_sgd_update(modes, assignment, key, x, y, mask, lr):
+    """FedAvg's vmapped local training, each participant starting from (and anchored at) its mode."""
+    train_key, quant_key = jax.random.split(key)
+    start = jax.tree.map(lambda m: m[assignment], modes)  # [P, ...]
+    per_client = lambda p, xc, yc, mc, kc: local_update(p, xc, yc, mc, kc, lr, anchor=p)
+    result = parallel.for_each_client(per_client)(
+      start, x, y, mask, jax.random.split(train_key, mask.shape[0])
+    )
+    sent = local.transmit(result.params, bits, key=quant_key, stochastic=stochastic)
+    sizes = jnp.sum(mask, axis=1).astype(jnp.float32)
+    weights = jnp.ones_like(sizes) if uniform_weights else sizes
+    new_modes, _ = aggregate_modes(modes, sent, assignment, weights)
+    return new_modes, {"loss": jnp.mean(result.loss)}
+
+  return local_sgd_update
+
+
 def make_fed_ensemble(
   model: models.Model,
   federation,
@@ -413,6 +532,7 @@ def make_fed_ensemble(
   run=None,
   *,
   seed: int | None = None,
+  mode_update: ModeUpdateFn | None = None,
 ) -> Algorithm:
   """Builds Fed-ensemble for ``federation`` and ``model`` (see the module docstring).
 
@@ -421,20 +541,22 @@ def make_fed_ensemble(
     federation: a :class:`ntk_fl.data.Federation`.
     hparams: :class:`FedEnsembleHParams`.
     seed: the run seed (strata, participants, mode assignments, round keys).
+    mode_update: the round's training of the modes (:class:`ModeUpdateFn`), a variant's own; default
+      :func:`make_mode_update` ``(model, hparams)``. The schedule (strata, participants, the modes they
+      train), the learning rate, the communication count and the metrics around it stay the method's.
 
   Returns:
     An :class:`Algorithm` with ``client_params`` = the ``[K, ...]`` modes and
     ``aggregate`` = ``'ensemble_probs'`` or ``'ensemble_logits'``.
   """
   seed = run_options(run, "Fed-ensemble", needs_topology=False, seed=seed).seed
-  num_clients, n_max = federation.mask.shape
+  num_clients = federation.mask.shape[0]
   num_modes = int(hparams.num_modes)
   k = int(hparams.clients_per_round) or num_clients
-  bits, stochastic = int(hparams.quantize_bits), bool(hparams.stochastic_rounding)
+  bits = int(hparams.quantize_bits)
   strata = make_strata(num_clients, int(hparams.num_strata), seed)
   data = parallel.to_device(federation)
   payload = compression.tree_payload_bits(jax.eval_shape(model.init, jax.random.key(0)), bits)
-  uniform_weights = hparams.aggregation_weights == "uniform"
   over, sizes = int(hparams.over_selected), np.asarray(federation.n)
 
   def init(key):
@@ -459,69 +581,14 @@ def make_fed_ensemble(
   def counts_of(assignment):
     return jnp.sum(assignment[:, None] == jnp.arange(num_modes)[None, :], axis=0).astype(jnp.int32)
 
-  if hparams.local_training == "ntk":
-    num_classes = int(
-      jax.eval_shape(
-        model.apply,
-        jax.eval_shape(model.init, jax.random.key(0)),
-        jax.ShapeDtypeStruct((1, *federation.feature_shape), jnp.float32),
-      ).shape[-1]
-    )
-    evolve_options = dict(
-      taus=evolve.check_taus(tuple(hparams.taus)),
-      loss=evolve.Loss.CE,
-      solver=hparams.solver,
-      select=hparams.select,
-      dense_stack=model.dense_stack,
-      flax_apply=model.flax_apply,
-      per_sample=model.per_sample,
-    )
-
-    def train(modes, inputs, x, y, mask, lr):
-      """Each mode evolves on the pooled data of its participants (NTK-FL's server update)."""
-      pooled_x = x.reshape(k * n_max, *x.shape[2:])
-      targets = jax.nn.one_hot(y.reshape(-1), num_classes, dtype=jnp.float32)
-      owner = jnp.repeat(inputs.modes, n_max)  # [P n]
-
-      def one_mode(params, index):
-        pooled_mask = mask.reshape(-1) & (owner == index)
-        delta, info = evolve.ntk_step(
-          model.apply, params, pooled_x, targets, pooled_mask, lr=lr, **evolve_options
-        )
-        return jax.tree.map(jnp.add, params, delta), info["tau"], info["loss"]
-
-      evolved, tau, loss = parallel.for_each_client(one_mode)(modes, jnp.arange(num_modes))
-      counts = counts_of(inputs.modes)
-      trained = counts > 0  # idle modes stay
-      new_modes = jax.tree.map(
-        lambda new, old: jnp.where(trained.reshape(-1, *([1] * (old.ndim - 1))), new, old),
-        evolved,
-        modes,
-      )
-      mean_loss = jnp.sum(jnp.where(trained, loss, 0.0)) / jnp.maximum(jnp.sum(trained), 1)
-      return new_modes, counts, {"tau": jnp.where(trained, tau, 0), "loss": mean_loss}
-  else:
-    local_update = local.local_update_from_hparams(model.apply, hparams)
-
-    def train(modes, inputs, x, y, mask, lr):
-      """FedAvg's vmapped local training, each participant starting from (and anchored at) its mode."""
-      train_key, quant_key = jax.random.split(inputs.key)
-      start = jax.tree.map(lambda m: m[inputs.modes], modes)  # [P, ...]
-      per_client = lambda p, xc, yc, mc, kc: local_update(p, xc, yc, mc, kc, lr, anchor=p)
-      result = parallel.for_each_client(per_client)(
-        start, x, y, mask, jax.random.split(train_key, k)
-      )
-      sent = local.transmit(result.params, bits, key=quant_key, stochastic=stochastic)
-      sizes = jnp.sum(mask, axis=1).astype(jnp.float32)
-      weights = jnp.ones_like(sizes) if uniform_weights else sizes
-      new_modes, counts = aggregate_modes(modes, sent, inputs.modes, weights)
-      return new_modes, counts, {"loss": jnp.mean(result.loss)}
+  train = make_mode_update(model, hparams) if mode_update is None else mode_update
 
   @jax.jit
   def _step(state, inputs, data):
     lr = local.round_lr(hparams, inputs.round)
     (x, y), mask = data.samples(data.index[inputs.clients]), data.mask[inputs.clients]
-    new_modes, counts, extra = train(state.modes, inputs, x, y, mask, lr)
+    new_modes, extra = train(state.modes, inputs.modes, inputs.key, x, y, mask, lr)
+    counts = counts_of(inputs.modes)
     total = jnp.float32(payload) * k
     new_state = EnsembleState(modes=new_modes, bits_cumulative=state.bits_cumulative + total)
     metrics = {

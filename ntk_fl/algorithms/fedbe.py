@@ -57,10 +57,8 @@ import numpy as np
 import optax
 
 from ntk_fl import models, validation
-from ntk_fl.algorithms import Method
 from ntk_fl.algorithms import local
 from ntk_fl.algorithms import server_round
-from ntk_fl.algorithms.base import Algorithm, run_options
 from ntk_fl.algorithms.server_round import ServerHParams
 from ntk_fl.rng import Stream, numpy_rng
 
@@ -301,21 +299,13 @@ def fedbe_update(model: models.Model, hparams: FedBEHParams) -> server_round.Ser
   return update
 
 
-def make_fedbe(
-  model: models.Model,
-  federation,
-  topology,
-  hparams: FedBEHParams,
-  run=None,
-  *,
-  seed: int | None = None,
-) -> Algorithm:
-  """FedBE for ``federation`` and ``model``; ``seed`` also draws the server set (arguments as FedAvg's)."""
-  seed = run_options(run, "FedBE", needs_topology=False, seed=seed).seed
-  unlabelled = server_set(federation, int(hparams.server_set_size), seed)
-  return server_round.make_server_method(
-    model, federation, hparams, seed=seed, update=fedbe_update(model, hparams), extra=unlabelled
-  )
-
-
-METHOD = Method(make=make_fedbe, hyperparameters=FedBEHParams, check=server_round.check)
+METHOD = server_round.server_method(
+  "fedbe",
+  "FedBE",
+  fedbe_update,
+  hyperparameters=FedBEHParams,
+  extra=lambda federation, hparams, seed: server_set(
+    federation, int(hparams.server_set_size), seed
+  ),
+)
+make_fedbe = METHOD.make

@@ -19,11 +19,9 @@ import jax
 import jax.numpy as jnp
 
 from ntk_fl import models, parallel
-from ntk_fl.algorithms import Method
 from ntk_fl.algorithms import local
 from ntk_fl.algorithms import qsgd
 from ntk_fl.algorithms import server_round
-from ntk_fl.algorithms.base import Algorithm, run_options
 from ntk_fl.algorithms.qsgd import QsgdNorm
 from ntk_fl.algorithms.server_round import ServerHParams
 
@@ -70,19 +68,7 @@ def compressed_update(model: models.Model, hparams: FedCOMHParams) -> server_rou
   return update
 
 
-def make_fedcom(
-  model: models.Model,
-  federation,
-  topology,
-  hparams: FedCOMHParams,
-  run=None,
-  *,
-  seed: int | None = None,
-) -> Algorithm:
-  """FedCOM for ``federation`` and ``model`` (arguments as ``server_round.make_server_method``)."""
-  seed = run_options(run, "FedCOM", needs_topology=False, seed=seed).seed
-  update = compressed_update(model, hparams)
-  return server_round.make_server_method(model, federation, hparams, seed=seed, update=update)
-
-
-METHOD = Method(make=make_fedcom, hyperparameters=FedCOMHParams, check=server_round.check)
+METHOD = server_round.server_method(
+  "fedcom", "FedCOM", compressed_update, hyperparameters=FedCOMHParams
+)
+make_fedcom = METHOD.make

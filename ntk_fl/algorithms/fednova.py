@@ -11,13 +11,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ntk_fl import models
-from ntk_fl.algorithms import Method
 from ntk_fl.algorithms import server_round
-from ntk_fl.algorithms.base import Algorithm, run_options
 from ntk_fl.algorithms.server_round import ServerHParams
 
-__all__ = ["nova_coefficient", "nova_average", "check", "make_fednova", "METHOD"]
+__all__ = ["nova_coefficient", "nova_average", "nova_update", "check", "make_fednova", "METHOD"]
 
 
 def nova_coefficient(steps, momentum: float):
@@ -55,20 +52,11 @@ def check(hparams: ServerHParams, run) -> None:
     )
 
 
-def make_fednova(
-  model: models.Model,
-  federation,
-  topology,
-  hparams: ServerHParams,
-  run=None,
-  *,
-  seed: int | None = None,
-) -> Algorithm:
-  """FedNova for ``federation`` and ``model`` (arguments as ``server_round.make_server_method``)."""
-  seed = run_options(run, "FedNova", needs_topology=False, seed=seed).seed
+def nova_update(model, hparams: ServerHParams) -> server_round.ServerUpdate:
+  """FedNova's round: FedAvg's local training, then :func:`nova_average` of the uploads."""
   aggregate = nova_average(float(hparams.momentum))
-  update = server_round.federated_update(model, hparams, aggregate=aggregate)
-  return server_round.make_server_method(model, federation, hparams, seed=seed, update=update)
+  return server_round.federated_update(model, hparams, aggregate=aggregate)
 
 
-METHOD = Method(make=make_fednova, hyperparameters=ServerHParams, check=check)
+METHOD = server_round.server_method("fednova", "FedNova", nova_update, check=check)
+make_fednova = METHOD.make

@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ntk_fl import models
-from ntk_fl.algorithms import Method
 from ntk_fl.algorithms import local
 from ntk_fl.algorithms import server_round
-from ntk_fl.algorithms.base import Algorithm, run_options
 from ntk_fl.algorithms.server_round import ServerHParams
 
 __all__ = ["FedProxHParams", "make_fedprox", "METHOD"]
@@ -30,20 +27,7 @@ class FedProxHParams(ServerHParams):
     local.check_fields(self, {"prox_mu": local.nonnegative})
 
 
-def make_fedprox(
-  model: models.Model,
-  federation,
-  topology,
-  hparams: FedProxHParams,
-  run=None,
-  *,
-  seed: int | None = None,
-) -> Algorithm:
-  """FedProx for ``federation`` and ``model`` (arguments as ``server_round.make_server_method``)."""
-  seed = run_options(run, "FedProx", needs_topology=False, seed=seed).seed
-  return server_round.make_server_method(
-    model, federation, hparams, seed=seed, update=server_round.federated_update(model, hparams)
-  )
-
-
-METHOD = Method(make=make_fedprox, hyperparameters=FedProxHParams, check=server_round.check)
+METHOD = server_round.server_method(
+  "fedprox", "FedProx", server_round.federated_update, hyperparameters=FedProxHParams
+)
+make_fedprox = METHOD.make

@@ -39,11 +39,11 @@ import numpy as np
 
 from ntk_fl import compression, gossip, models, parallel, topology
 from ntk_fl.algorithms import Method, local
+from ntk_fl.algorithms.graph_inputs import graph_round_inputs
 from ntk_fl.algorithms.base import (
   Algorithm,
   ParamsState,
   Replicable,
-  graph_round_inputs,
   run_options,
 )
 

@@ -87,6 +87,7 @@ from ntk_fl import (
 )
 from ntk_fl.algorithms import Method
 from ntk_fl._src.options import Kernel, Loss, Select, Solver
+from ntk_fl.algorithms.graph_inputs import graph_round_inputs
 from ntk_fl.algorithms.base import (
   Algorithm,
   ClientFn,
@@ -96,7 +97,6 @@ from ntk_fl.algorithms.base import (
   TargetsFn,
   check_evolution,
   config_without,
-  graph_round_inputs,
   run_options,
 )
 from ntk_fl.rng import Stream, jax_key

@@ -24,10 +24,9 @@ import jax.numpy as jnp
 
 from ntk_fl import communication, compression, models, parallel
 from ntk_fl._src.options import Choice
-from ntk_fl.algorithms import Method
 from ntk_fl.algorithms import local
 from ntk_fl.algorithms import server_round
-from ntk_fl.algorithms.base import Algorithm, parse_enums, run_options
+from ntk_fl.algorithms.base import parse_enums
 
 __all__ = [
   "QsgdNorm",
@@ -185,19 +184,5 @@ def gradient_update(model: models.Model, hparams: QSGDHParams) -> server_round.S
   return update
 
 
-def make_qsgd(
-  model: models.Model,
-  federation,
-  topology,
-  hparams: QSGDHParams,
-  run=None,
-  *,
-  seed: int | None = None,
-) -> Algorithm:
-  """QSGD for ``federation`` and ``model`` (arguments as ``server_round.make_server_method``)."""
-  seed = run_options(run, "QSGD", needs_topology=False, seed=seed).seed
-  update = gradient_update(model, hparams)
-  return server_round.make_server_method(model, federation, hparams, seed=seed, update=update)
-
-
-METHOD = Method(make=make_qsgd, hyperparameters=QSGDHParams, check=server_round.check)
+METHOD = server_round.server_method("qsgd", "QSGD", gradient_update, hyperparameters=QSGDHParams)
+make_qsgd = METHOD.make

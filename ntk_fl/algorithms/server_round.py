@@ -1,6 +1,7 @@
 """The round of the server baselines: FedAvg, FedProx, FedNova, DataShare and centralised training.
 
-One synchronous round ``r`` (0-based) of every method built on :func:`make_server_method`:
+One synchronous round ``r`` (0-based) of every method built on :func:`make_server_method` (registered
+through :func:`server_method`, which gives each its factory and :class:`~ntk_fl.algorithms.Method`):
 
 1. ``round_inputs(r)`` draws ``K = clients_per_round`` participants uniformly
    without replacement (``0`` = all ``M``; NTK-FL samples 20 of 300), from
@@ -32,8 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ntk_fl import compression, models, parallel
-from ntk_fl.algorithms import local
-from ntk_fl.algorithms.base import Algorithm, ParamsState
+from ntk_fl.algorithms import Method, local
+from ntk_fl.algorithms.base import Algorithm, ParamsState, run_options
 from ntk_fl.rng import Stream, jax_key, numpy_rng
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
   "ServerUpdate",
   "check",
   "make_server_method",
+  "server_method",
   "federated_update",
   "weighted_average",
 ]
@@ -158,6 +160,57 @@ def make_server_method(
     step=step,
     client_params=lambda state: jax.tree.map(lambda w: w[None], state.params),
   )
+
+
+def server_method(
+  name: str,
+  label: str,
+  update: Callable[[models.Model, Any], ServerUpdate],
+  *,
+  hyperparameters: type = ServerHParams,
+  check: Callable[[Any, Any], None] | None = check,
+  extra: Callable[[Any, Any, int], Any] | None = None,
+) -> Method:
+  """The registered :class:`~ntk_fl.algorithms.Method` of a server baseline built on :func:`make_server_method`.
+
+  Its factory is ``make(model, federation, topology, hparams, run=None, *, seed=None)`` (a
+  :class:`~ntk_fl.algorithms.MakeFn`; ``seed`` stands in for ``run`` as in
+  :func:`~ntk_fl.algorithms.base.run_options`; the topology is unused): the round of
+  :func:`make_server_method` with the method's ``update``.
+
+  Args:
+    name: the registry name (``'fedavg'``); the factory is named ``make_<name>``.
+    label: the display name (``'FedAvg'``), named by the factory's errors.
+    update: ``update(model, hparams) -> ServerUpdate``, the method's round (e.g. :func:`federated_update`).
+    hyperparameters: the method's dataclass (:class:`ServerHParams` or a subclass with its own fields).
+    check: ``check(hparams, run)``, the rules across blocks (default :func:`check`, at most
+      ``num_clients`` participants).
+    extra: optionally ``extra(federation, hparams, seed) -> arrays``, what the update reads besides the
+      participants' data (DataShare's global set, FedBE's server set), drawn once from the run seed.
+  """
+
+  def make(
+    model: models.Model,
+    federation,
+    topology,
+    hparams: ServerHParams,
+    run=None,
+    *,
+    seed: int | None = None,
+  ) -> Algorithm:
+    del topology  # a server method mixes over no graph
+    seed = run_options(run, label, needs_topology=False, seed=seed).seed
+    arrays = () if extra is None else extra(federation, hparams, seed)
+    return make_server_method(
+      model, federation, hparams, seed=seed, update=update(model, hparams), extra=arrays
+    )
+
+  make.__name__ = make.__qualname__ = f"make_{name}"
+  make.__doc__ = (
+    f"{label} for ``federation`` and ``model`` (arguments as :func:`make_server_method`; ``run`` or "
+    "``seed``)."
+  )
+  return Method(make=make, hyperparameters=hyperparameters, check=check)
 
 
 def weighted_average(params, result: local.LocalResult, sent, sizes):

@@ -34,7 +34,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from ntk_fl import compare, rundir
+from ntk_fl import rundir
 from ntk_fl.reproduce.registry import Experiment, Variant, build_config, override_flags
 
 __all__ = [
@@ -56,9 +56,9 @@ def stored_form(config) -> dict:
 
 
 def config_key(stored: dict) -> tuple:
-  """What two runs must share to be the same setting (:data:`ntk_fl.compare.NEUTRAL_KEYS` and the
+  """What two runs must share to be the same setting (:data:`ntk_fl.rundir.NEUTRAL_KEYS` and the
   seed left out)."""
-  return compare.setting_key(stored)
+  return rundir.setting_key(stored)
 
 
 def run_name(variant: Variant, seed: int) -> str:
