@@ -143,7 +143,7 @@ def setting_key(config: dict) -> tuple:
 
 # Keys that do not change the trajectory (where clients run, which checkpoints are kept, whether the
 # consensus models are also scored); resume and branch ignore them.
-_RESULT_NEUTRAL_KEYS = (
+RESULT_NEUTRAL_KEYS = (
   "devices",
   "checkpoint_keep",
   "eval.consensus",
@@ -478,9 +478,7 @@ def _experiment_configs(config, workdir: str, action: str) -> tuple[dict, dict]:
   )  # a config written without a defaulted key means its default
   # Where clients run is not part of the experiment: a run may resume on another device count
   # (results agree up to float rounding), and runs started before these keys existed lack them.
-  return config_without(stored, *_RESULT_NEUTRAL_KEYS), config_without(
-    current, *_RESULT_NEUTRAL_KEYS
-  )
+  return config_without(stored, *RESULT_NEUTRAL_KEYS), config_without(current, *RESULT_NEUTRAL_KEYS)
 
 
 def check_writable(workdir: str) -> None:
@@ -621,7 +619,7 @@ def run_identity(config) -> str:
   written from: checkpoints are tied to their run by it (:class:`ntk_fl.checkpoint.Checkpoints`).
   """
   plain = config if isinstance(config, dict) else json.loads(json.dumps(jsonable(config)))
-  plain = config_without(plain, *_RESULT_NEUTRAL_KEYS)
+  plain = config_without(plain, *RESULT_NEUTRAL_KEYS)
   return hashlib.sha256(json.dumps(plain, sort_keys=True).encode()).hexdigest()
 
 

@@ -152,8 +152,12 @@ class FakeLauncher:
     self.commands.append(command)
     workdir, seed = _flag(command, "workdir"), int(_flag(command, "config.seed"))
     spec = _flag(command, "config")
+    # The variant's own overrides (a resume also passes the stored neutral keys: placement, cadence).
     overrides = [
-      c for c in command if c.startswith("--config.") and not c.startswith("--config.seed=")
+      c
+      for c in command
+      if c.startswith("--config.")
+      and c[len("--config.") :].split("=")[0] not in rundir.NEUTRAL_KEYS
     ]
     variant = next(
       v for v in self.experiment.variants if v.config == spec and override_flags(v) == overrides
@@ -230,6 +234,34 @@ def test_a_run_with_the_same_config_under_another_name_is_found(tmp_path):
   ]
   with pytest.raises(ValueError, match="pattern 'nothing' matches no variant of smoke:queue"):
     queue.plan(SMOKE, str(out), patterns=["nothing"])
+
+
+def test_a_found_run_resumes_with_its_own_checkpoint_cadence_and_chunk(tmp_path):
+  """A run the queue matches (e.g. started by hand with another checkpoint_every) resumes as it was
+  started: the stored values come last on the command line, after --extra, and pass the resume check."""
+  out = tmp_path / "runs"
+  (variant,) = [v for v in SMOKE.variants if v.name == "smoke_lr01"]
+  config = build_config(variant, 0)
+  config.checkpoint_every, config.chunk_size = 3, 2  # neither is the variant's
+  workdir = out / "made_by_hand"
+  (workdir / "checkpoints" / "1").mkdir(parents=True)
+  with open(workdir / rundir.CONFIG_FILE, "w") as f:
+    json.dump(stored_form(config), f)
+  [job] = queue.plan(SMOKE, str(out), patterns=["smoke_lr01"], extra=["--config.chunk_size=0"])
+  assert (job.action, job.workdir) == ("resume", str(workdir))
+  assert job.command[-2:] == ["--config.chunk_size=2", "--config.checkpoint_every=3"]
+  # The command's config (the last flag of a key wins, as in ntk-fl) resumes the run.
+  parsed = build_config(variant, 0)
+  for flag in (c for c in job.command if c.startswith("--config.")):
+    key, text = flag[len("--config.") :].split("=", 1)
+    if key in ("chunk_size", "checkpoint_every"):
+      setattr(parsed, key, int(text))
+  assert (parsed.checkpoint_every, parsed.chunk_size) == (3, 2)
+  # Without the stored values the resume is refused (what the flags are for) ...
+  with pytest.raises(ValueError, match=r"different config.*checkpoint_every: 3 -> "):
+    rundir.check_workdir(build_config(variant, 0), str(workdir), resume=True)
+  # ... with them the config is the run's (its fake checkpoint holds no arrays, so it starts at 0).
+  assert rundir.check_workdir(parsed, str(workdir), resume=True) == 0
 
 
 def test_a_folder_at_the_run_name_with_another_config_is_moved_aside(tmp_path):

@@ -35,7 +35,13 @@ import time
 from collections.abc import Callable, Sequence
 
 from ntk_fl import rundir
-from ntk_fl.reproduce.registry import Experiment, Variant, build_config, override_flags
+from ntk_fl.reproduce.registry import (
+  Experiment,
+  Variant,
+  build_config,
+  config_flags,
+  override_flags,
+)
 
 __all__ = [
   "Job",
@@ -209,9 +215,22 @@ def plan(
         *(["--resume"] if job.action == "resume" else []),
         *([f"--branch_from={job.branch_from}"] if job.branch_from else []),
         *extra,
+        *(_resume_flags(job.workdir) if job.action == "resume" else []),
       ]
       jobs.append(job)
   return group_seeds(jobs, out, replicas) if replicas > 1 else jobs
+
+
+def _resume_flags(workdir: str) -> list[str]:
+  """``--config.KEY=VALUE`` for the stored values of the keys a resume must keep but the queue matches
+  runs without (:data:`ntk_fl.rundir.NEUTRAL_KEYS` less the seed and what a resume may change,
+  :data:`ntk_fl.rundir.RESULT_NEUTRAL_KEYS`): the checkpoint cadence and the chunk size of a run found
+  among ``--out``'s, which may have been started by hand or by another queue with other values. They
+  come last, so a resumed run continues as it was started whatever ``--extra`` says."""
+  stored = rundir.flatten(rundir.read_config(workdir))
+  keep = [k for k in rundir.NEUTRAL_KEYS if k != "seed" and k not in rundir.RESULT_NEUTRAL_KEYS]
+  # An absent key or an empty string (no data_dir) is the default: no flag.
+  return config_flags((k, stored[k]) for k in keep if stored.get(k) not in (None, ""))
 
 
 def _fresh(job: Job) -> bool:

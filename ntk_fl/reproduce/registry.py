@@ -134,8 +134,8 @@ def build_config(variant: Variant, seed: int):
   return config
 
 
-def override_flags(variant: Variant) -> list[str]:
-  """``--config.<key>=<value>`` flags of the variant's overrides, as ``ntk-fl`` parses them back."""
+def config_flags(pairs) -> list[str]:
+  """``--config.<key>=<value>`` flags of ``(dotted key, value)`` pairs, as ``ntk-fl`` parses them back."""
 
   def text(value) -> str:
     if isinstance(value, tuple):
@@ -143,4 +143,9 @@ def override_flags(variant: Variant) -> list[str]:
       return f"({inner}{',' if len(value) == 1 else ''})"
     return repr(value) if isinstance(value, float) else str(value)
 
-  return [f"--config.{key}={text(value)}" for key, value in variant.overrides]
+  return [f"--config.{key}={text(value)}" for key, value in pairs]
+
+
+def override_flags(variant: Variant) -> list[str]:
+  """``--config.<key>=<value>`` flags of the variant's overrides, as ``ntk-fl`` parses them back."""
+  return config_flags(variant.overrides)
