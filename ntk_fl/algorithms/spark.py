@@ -549,9 +549,12 @@ def make_client_update(
       kernel_options["kernel_matrix"] = ntk.projected_dense_ntk(
         model.dense_stack, wbar, x, projections=layer_sketches, trace_outputs=traced
       )
-    elif not sketched:  # the model's own structured kernels (dense stack, layer-wise)
+    elif not sketched:  # the model's own structured kernel: its dense stack, else layer-wise
       kernel_options.update(
-        dense_stack=model.dense_stack, flax_apply=model.flax_apply, per_sample=model.per_sample
+        dense_stack=model.dense_stack,
+        # Only without a dense stack (a CNN, a user's module): the MLP keeps the dense-stack kernel.
+        flax_apply=model.flax_apply if model.dense_stack is None else None,
+        per_sample=model.per_sample,
       )
     candidate = None
     if select_momentum:  # score the network the client will actually hold: w̄ + μ v_new + Δw_τ
@@ -567,7 +570,9 @@ def make_client_update(
       solver=solver,
       select=select,
       kernel=kernel_kind,
-      param_map=coords,
+      # Unsketched: the network's own coordinates (ntk_step's default), so that the model's layer-wise
+      # kernel (flax_apply) is used as by NTK-DFL; an explicit map would send a CNN to the generic kernel.
+      param_map=coords if sketched else None,
       labels=hard,  # τ* by the hard-label cross-entropy (paper §1.4(f))
       candidate=candidate,
       **kernel_options,
