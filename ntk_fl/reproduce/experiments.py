@@ -316,8 +316,8 @@ def _ntk_dfl() -> list[Experiment]:
     _needs(
       "ntk_dfl:fig5",
       "NTK-DFL Fig. 5: inter-client deviation (eq. 12) against final accuracy over trials",
-      "method: the deviation metric of eq. 12 logged per round, and the paper's trial grid "
-      "(not stated)",
+      "trials: the paper's grid of trials (each point a run with its own hyperparameters; the "
+      "grid is not stated). Eq. 12's deviation V is logged every round as `deviation`",
       claim="Final accuracy correlates positively with the deviation V.",
     ),
     Experiment(
