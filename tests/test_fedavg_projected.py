@@ -1,11 +1,12 @@
 """FedAvg' (NTK-FL Fig. 3): FedAvg on each participant's β share of its samples, projected by the shared P.
 
-The library's first round is checked against a hand computation in float64 numpy: ``P`` regenerated from
-its documented draw (i.i.d. standard normal from ``Stream.INPUT_PROJECTION``, scaled by ``1/sqrt(d1)``),
-each participant's share read off the round's documented key and checked to be ``max(1, floor(β n))``
-distinct real samples, then full-batch gradient descent on ``Z = X P`` through a hand-written MLP
-forward/backward pass, then FedAvg's data-size average over the shares' sizes. The evaluated network is
-checked against the hand network on projected test inputs.
+The library's first two rounds are checked against a hand computation in float64 numpy: ``P``
+regenerated from its documented draw (i.i.d. standard normal from ``Stream.INPUT_PROJECTION``, scaled by
+``1/sqrt(d1)``), each participant's share read off the round's documented key and checked to be
+``max(1, floor(β n))`` distinct real samples (and redrawn in the second round), then full-batch gradient
+descent on ``Z = X P`` through a hand-written MLP forward/backward pass, then FedAvg's data-size average
+over the shares' sizes. The evaluated network is checked against the hand network on projected test
+inputs.
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ def _hand_projection(seed, proj_dim):
   return np.asarray(jax.random.normal(key, (D_IN, proj_dim)), np.float64) / math.sqrt(D_IN)
 
 
-def _hand_shares(seed, clients, fed, beta):
+def _hand_shares(seed, round_, clients, fed, beta):
   """Each participant's kept sample indices: ``split(split(split(round key)[0])[0], K)[i]``."""
-  train_key, _ = jax.random.split(rng.jax_key(seed, rng.Stream.ROUND_KEYS, 0))
+  train_key, _ = jax.random.split(rng.jax_key(seed, rng.Stream.ROUND_KEYS, round_))
   sub_key, _ = jax.random.split(train_key)
   keys = jax.random.split(sub_key, len(clients))
   shares = []
@@ -105,42 +106,51 @@ def _as_hand(params):
   }
 
 
+def _hand_round(w, p, seed, round_, clients, fed, beta):
+  """One FedAvg' round by hand: GD on every participant's projected share, averaged by share size."""
+  trained, sizes = [], []
+  shares = _hand_shares(seed, round_, clients, fed, beta)
+  for c, kept in zip(clients, shares):
+    z = np.asarray(fed.x[c], np.float64)[kept] @ p
+    trained.append(_hand_gd(w, z, np.asarray(fed.y[c])[kept], 0.3, 3))
+    sizes.append(len(kept))
+  weights = np.asarray(sizes, np.float64) / sum(sizes)
+  return {k: sum(q * t[k] for q, t in zip(weights, trained)) for k in w}, dict(zip(clients, shares))
+
+
 @pytest.mark.parametrize("beta,proj_dim", [(0.5, 4), (0.4, 0), (1.0, 4)])
-def test_first_round_equals_hand_fedavg_on_the_projected_shares(beta, proj_dim):
+def test_two_rounds_equal_hand_fedavg_on_the_projected_shares(beta, proj_dim):
   seed = 3
   config, fed = tiny(seed, subsample_fraction=beta, projection_dim=proj_dim)
   schema.validate_config(config)
   algorithm = runner.make_algorithm(config, MODEL, fed)
-  state0 = algorithm.init(jax.random.key(0))
-  inputs = algorithm.round_inputs(0)
-  state1, metrics = algorithm.step(state0, inputs)
-
+  state = algorithm.init(jax.random.key(0))
   p = _hand_projection(seed, proj_dim) if proj_dim else np.eye(D_IN)
-  w0 = _as_hand(state0.params)
-  assert w0["w1"].shape == (proj_dim or D_IN, HIDDEN)  # the global model is the d1'-input MLP
-  trained, sizes = [], []
-  for c, kept in zip(inputs.clients, _hand_shares(seed, inputs.clients, fed, beta)):
-    z = np.asarray(fed.x[c], np.float64)[kept] @ p
-    trained.append(_hand_gd(w0, z, np.asarray(fed.y[c])[kept], 0.3, 3))
-    sizes.append(len(kept))
-  weights = np.asarray(sizes, np.float64) / sum(sizes)
-  want = {k: sum(q * w[k] for q, w in zip(weights, trained)) for k in w0}
-
-  got = _as_hand(state1.params)
-  for k in want:
-    np.testing.assert_allclose(got[k], want[k], rtol=RTOL, atol=ATOL, err_msg=k)
-  # The upload is the d1'-input model.
-  num_params = sum(v.size for v in w0.values())
-  assert float(metrics["bits_per_client"]) == num_params * 32
+  want = _as_hand(state.params)
+  assert want["w1"].shape == (proj_dim or D_IN, HIDDEN)  # the global model is the d1'-input MLP
+  shares = []
+  for r in range(2):
+    inputs = algorithm.round_inputs(r)
+    state, metrics = algorithm.step(state, inputs)
+    want, round_shares = _hand_round(want, p, seed, r, inputs.clients.tolist(), fed, beta)
+    shares.append(round_shares)
+    got = _as_hand(state.params)
+    for k in want:
+      np.testing.assert_allclose(got[k], want[k], rtol=RTOL, atol=ATOL, err_msg=f"round {r}: {k}")
+    # The upload is the d1'-input model.
+    assert float(metrics["bits_per_client"]) == sum(v.size for v in want.values()) * 32
+  if beta < 1:  # the shares are redrawn: a client in both rounds keeps another subset
+    both = set(shares[0]) & set(shares[1])
+    assert both and any(set(shares[0][c]) != set(shares[1][c]) for c in both)
 
   # Evaluation: the scored raw-input network is the hand network on test inputs projected by P.
   x_test = np.random.default_rng(9).normal(size=(16, D_IN))
-  scored = jax.tree.map(lambda w: w[0], algorithm.client_params(state1))
+  scored = jax.tree.map(lambda w: w[0], algorithm.client_params(state))
   logits = np.asarray(MODEL.apply(scored, x_test.astype(np.float32)), np.float64)
   np.testing.assert_allclose(logits, _forward(want, x_test @ p)[1], rtol=1e-4, atol=1e-5)
 
 
-def test_shares_are_redrawn_every_round_and_reproducible_from_the_seed():
+def test_runs_are_reproducible_from_the_seed():
   config, fed = tiny(subsample_fraction=0.5, projection_dim=4)
   runs = []
   for _ in range(2):
