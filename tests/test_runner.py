@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 
 import events
+import toy_method
 from ntk_fl import config as config_lib
-from ntk_fl import data, metrics, plotting, rundir, runner, schema
+from ntk_fl import data, metrics, models, plotting, rundir, runner, schema
 from ntk_fl.checkpoint import Checkpoints
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,6 +75,24 @@ def assert_png(path):
 
 
 # ----------------------------------------------------------------------------- outputs
+
+
+def test_logged_deviation_is_eq12_of_the_clients_weights(reference):
+  # NTK-DFL eq. 12 by brute force on the round-5 checkpoint's stacked client weights [10, d], in float64:
+  # V = (1/d) sum_j sqrt(sum_i (w_ij - wbar_j)^2). The line of round 5 logs the same clients' deviation.
+  workdir, lines, _ = reference
+  model = models.mlp(input_dim=784, hidden=(16,), num_classes=10)  # the toy config's model
+  template = toy_method.ToyState(models.init_clients(model, jax.random.key(0), 10), jnp.int32(0))
+  with Checkpoints(os.path.join(workdir, rundir.CHECKPOINT_DIR), read_only=True) as ckpt:
+    params = ckpt.restore(ROUNDS, template).params
+  flat = np.concatenate(
+    [np.asarray(w, np.float64).reshape(10, -1) for w in jax.tree.leaves(params)], axis=1
+  )
+  assert flat.shape == (10, 784 * 16 + 16 + 16 * 10 + 10)
+  want = np.mean(np.sqrt(np.sum((flat - flat.mean(axis=0)) ** 2, axis=0)))
+  assert want > 0  # the clients differ (IID data, different minibatch masks, a ring)
+  assert lines[ROUNDS - 1]["round"] == ROUNDS
+  assert lines[ROUNDS - 1]["deviation"] == pytest.approx(want, rel=1e-5)
 
 
 def test_main_py_run_writes_every_output(reference):

@@ -2,14 +2,104 @@
 
 The round, the participants' draw and the bit count are :mod:`ntk_fl.algorithms.server_round`'s;
 ``p_k = n_k / sum_K n`` weighs each participant by its data size.
+
+FedAvg' (NTK-FL, Yue et al. 2022, Fig. 3): FedAvg on the inputs CP-NTK-FL's clients send. With
+``subsample_fraction`` = β < 1 every participant trains on a random β share of its samples, redrawn
+every round (``n_k`` is then the share's size), and with ``projection_dim`` = d1' > 0 on ``Z = X P``,
+``P [d1, d1']`` the run's shared seeded projection; the global model is then the MLP on d1' inputs.
+Both are CP-NTK-FL's own pieces (:func:`ntk_fl.algorithms.server_ntk.input_projection`,
+:func:`~ntk_fl.algorithms.server_ntk.participant_inputs`), so a CP-NTK-FL run and a FedAvg' run of
+one seed project with the same ``P``. The round key's training half is split once more: its first
+half draws the shares (participant ``i`` with ``split(sub_key, K)[i]``), its second half trains. The
+test set is projected with the same ``P``: ``client_params`` folds ``P`` into the first dense layer
+(``(X P) W = X (P W)``), so the runner scores the raw-input network. β = 1 and d1' = 0 (the
+defaults) are plain FedAvg, unchanged.
 """
 
 from __future__ import annotations
 
-from ntk_fl.algorithms import server_round
+import dataclasses
 
-__all__ = ["make_fedavg", "METHOD"]
+import jax
+import jax.numpy as jnp
+
+from ntk_fl import jacobians, models
+from ntk_fl.algorithms import Method
+from ntk_fl.algorithms import server_ntk, server_round
+from ntk_fl.algorithms.base import Algorithm, run_options
+from ntk_fl.algorithms.server_round import ServerHParams
+
+__all__ = ["FedAvgHParams", "check", "make_fedavg", "METHOD"]
 
 
-METHOD = server_round.server_method("fedavg", "FedAvg", server_round.federated_update)
-make_fedavg = METHOD.make
+@dataclasses.dataclass(frozen=True)
+class FedAvgHParams(ServerHParams):
+  """FedAvg: :class:`~ntk_fl.algorithms.server_round.ServerHParams` plus FedAvg''s input options.
+
+  Attributes:
+    subsample_fraction: β in (0, 1], each participant's share of its samples per round (1 = all).
+    projection_dim: d1' of the shared input projection (0 = none; MLP only).
+    projection_scale: :data:`ntk_fl.jacobians.PROJECTION_SCALES`, as CP-NTK-FL's.
+  """
+
+  subsample_fraction: float = 1.0
+  projection_dim: int = 0
+  projection_scale: str = "sqrt_input"
+
+  def __post_init__(self):
+    super().__post_init__()
+    server_ntk.check_input_options(self)
+
+
+def check(hparams: FedAvgHParams, run) -> None:
+  """At most ``num_clients`` participants; the input projection needs the MLP."""
+  server_round.check(hparams, run)
+  server_ntk.check_projection_model(hparams, run)
+
+
+def make_fedavg(
+  model: models.Model,
+  federation,
+  topology,
+  hparams: ServerHParams,
+  run=None,
+  *,
+  seed: int | None = None,
+) -> Algorithm:
+  """FedAvg (FedAvg' with β < 1 or d1' > 0) for ``federation`` and ``model`` (arguments as
+  ``server_round.make_server_method``; ``model`` is the raw-input model)."""
+  seed = run_options(run, "FedAvg", needs_topology=False, seed=seed).seed
+  beta = float(getattr(hparams, "subsample_fraction", 1.0))
+  proj_dim = int(getattr(hparams, "projection_dim", 0))
+  if beta == 1 and not proj_dim:
+    return server_round.make_server_method(
+      model, federation, hparams, seed=seed, update=server_round.federated_update(model, hparams)
+    )
+  projection = server_ntk.input_projection(seed, federation.feature_shape, hparams)
+  net = models.mlp_on_inputs(model, proj_dim) if proj_dim else model
+  train = server_round.federated_update(net, hparams)
+
+  def update(params, x, y, mask, sizes, train_key, quant_key, lr, proj):
+    del sizes  # of the whole data; the participants train on their shares
+    sub_key, train_key = jax.random.split(train_key)
+    x, y, mask = server_ntk.participant_inputs(
+      x, y, mask, sub_key, beta=beta, projection=proj if proj_dim else None
+    )
+    sizes = jnp.sum(mask, axis=1).astype(jnp.float32)  # [K] the shares' sizes
+    return train(params, x, y, mask, sizes, train_key, quant_key, lr, ())
+
+  algorithm = server_round.make_server_method(
+    net, federation, hparams, seed=seed, update=update, extra=projection if proj_dim else ()
+  )
+  if projection is None:
+    return algorithm
+  first_layer = net.dense_stack.layers[0]
+
+  def client_params(state):
+    folded = jacobians.fold_projection(state.params, projection, layer=first_layer)
+    return jax.tree.map(lambda w: w[None], folded)
+
+  return algorithm._replace(client_params=client_params)
+
+
+METHOD = Method(make=make_fedavg, hyperparameters=FedAvgHParams, check=check)
