@@ -407,7 +407,6 @@ def compress_packages(
   bits: int,
   *,
   sent=None,
-  count_real_rows: bool = True,
 ):
   """Each sender's package of Jacobian rows, per tensor: zero padding rows, top-k magnitudes, ``bits``-bit values.
 
@@ -428,19 +427,12 @@ def compress_packages(
     bits: bits per value (:data:`FLOAT_BITS` = no quantisation).
     sent: optional bool ``[num_senders]``; packages marked False are not
       transmitted (a client's own rows) and are kept exact, padding zeroed.
-    count_real_rows: ``k`` from the sender's real rows (default). False takes
-      it from all ``n`` slots, padding included -- SPARK's packages, kept so
-      for its recorded runs: with unequal client sizes that keeps a few more
-      values than :func:`ntk_fl.communication.jacobian_package_bits` charges.
 
   Returns:
     A tuple of tensors shaped like ``leaves``.
   """
   mask = jnp.asarray(mask, bool)
-  slots = mask.shape[0] // num_senders
-  real_rows = (
-    mask.reshape(num_senders, -1).sum(axis=1) if count_real_rows else jnp.full(num_senders, slots)
-  )
+  real_rows = mask.reshape(num_senders, -1).sum(axis=1)
 
   def quantize_package(package, kept):
     quantized = quantize(package, bits)
