@@ -211,14 +211,19 @@ def num_kept(size: int, keep_fraction: float) -> int:
 
 
 _BIT_PATTERNS = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
+_DIGIT_BITS = 16  # radix of the threshold search: 2**16 histogram bins per pass
+_TIE_BLOCK = 1024  # entries per block of the tie-break's blocked running count
 
 
 def top_k_by_key(keys, k):
   """Bool mask of the ``k`` largest ``keys`` along the last axis; ties go to the lower index; negative keys never.
 
-  The ``k``-th largest key of every row is found by bisection: one counting
-  pass per bit (31 for int32) instead of a sort, so ``k`` may be traced (DisPFL's
-  annealed mask-update count is a function of the round).
+  The ``k``-th largest key of every row (the threshold) is found by a radix
+  select (:func:`_kth_largest_key`): one histogram pass per 16-bit digit of the
+  key, two for int32, instead of a sort or a 31-pass bisection, so ``k`` may be
+  traced (DisPFL's annealed mask-update count is a function of the round). Keys
+  above the threshold are kept; of those equal to it, the first ``k - above`` by
+  index (:func:`_tie_cutoff`).
 
   Args:
     keys: signed integer array ``[..., n]``. Entries ``< 0`` are excluded;
@@ -232,23 +237,99 @@ def top_k_by_key(keys, k):
   keys = jnp.asarray(keys)
   if not jnp.issubdtype(keys.dtype, jnp.signedinteger):
     raise ValueError(f"top_k_by_key expects signed integer keys, got dtype {keys.dtype}")
-  int_type = keys.dtype
-  batch = keys.shape[:-1]
-  k = jnp.asarray(k)  # not cast to the keys' type: a 16-bit key type cannot hold every k
+  batch, n = keys.shape[:-1], keys.shape[-1]
+  rows = keys.reshape(-1, n)
+  # not cast to the keys' type: a 16-bit key type cannot hold every k
+  k = jnp.broadcast_to(jnp.asarray(k), batch).reshape(-1).astype(jnp.int32)
+  threshold, room = _kth_largest_key(rows, k)
+  above = rows > threshold[:, None]
+  ties = rows == threshold[:, None]
+  kept = above | (ties & (jnp.arange(n) < _tie_cutoff(ties, room)[:, None]))
+  return kept.reshape(keys.shape)
 
-  def halve(_, bounds):
-    lo, hi = bounds  # invariant: count(keys >= lo) >= k > count(keys >= hi), or k <= 0
-    mid = lo + (hi - lo) // 2
-    enough = jnp.sum(keys >= mid[..., None], axis=-1) >= k
-    return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
 
-  lo = jnp.zeros(batch, int_type)
-  hi = jnp.full(batch, jnp.iinfo(int_type).max, int_type)
-  threshold, _ = jax.lax.fori_loop(0, 8 * keys.dtype.itemsize - 1, halve, (lo, hi))
-  above = keys > threshold[..., None]
-  ties = keys == threshold[..., None]
-  room = k - jnp.sum(above, axis=-1, keepdims=True)
-  return above | (ties & (jnp.cumsum(ties, axis=-1) <= room))
+def _kth_largest_key(rows, k):
+  """Per row of ``rows [R, n]`` the ``k``-th largest non-negative key and the room left at it, by radix select.
+
+  From the top digit down: a histogram of the digit over the entries whose
+  higher digits equal the prefix found so far; its suffix sums count the keys
+  at or above each digit value, and the digit is the largest value whose count
+  still reaches the ``k`` left. Exactly the threshold a bisection on the keys
+  finds (the largest ``t`` with ``count(keys >= t) >= k``), including the rows
+  it settles by convention: ``k <= 0`` gives the dtype's maximum minus one,
+  ``k`` above the count of non-negative keys gives 0.
+
+  Returns:
+    ``(threshold, room)``: ``threshold`` int ``[R]`` of the keys' dtype; ``room`` int32 ``[R]``, ``k`` minus
+    the count of keys above the threshold (the ties to keep; any count ``>=`` the ties' where every tie
+    is kept).
+  """
+  dtype = rows.dtype
+  value_bits = 8 * dtype.itemsize - 1  # non-negative keys
+  top = jnp.iinfo(dtype).max
+  widths = [value_bits % _DIGIT_BITS or _DIGIT_BITS] + [_DIGIT_BITS] * (
+    (value_bits - 1) // _DIGIT_BITS
+  )
+  prefix = jnp.zeros(rows.shape[:1], dtype)
+  remaining = k
+  eligible = rows >= 0
+  shift = value_bits
+  nonnegative = None
+  for width in widths:
+    shift -= width
+    bins = 1 << width
+    digit = ((rows >> shift) & (bins - 1)).astype(jnp.int32)
+    if shift + width < value_bits:  # the higher digits must equal the prefix found so far
+      match = eligible & ((rows >> (shift + width)) == prefix[:, None])
+    else:
+      match = eligible
+    # Entries outside the prefix go to bin ``bins``, which is out of range and dropped.
+    histogram = jax.vmap(lambda d: jnp.zeros(bins, jnp.int32).at[d].add(1, mode="drop"))(
+      jnp.where(match, digit, bins)
+    )
+    at_or_above = jnp.cumsum(histogram[:, ::-1], axis=-1)[:, ::-1]  # keys with digit >= b
+    if nonnegative is None:
+      nonnegative = at_or_above[:, 0]
+    chosen = jnp.sum(at_or_above >= remaining[:, None], axis=-1, dtype=jnp.int32) - 1
+    chosen = jnp.clip(chosen, 0, bins - 1)  # only a settled-by-convention row leaves [0, bins)
+    strictly_above = jnp.take_along_axis(
+      jnp.pad(at_or_above, ((0, 0), (0, 1))), chosen[:, None] + 1, axis=-1
+    )[:, 0]
+    remaining = remaining - strictly_above
+    prefix = (prefix << width) | chosen.astype(dtype)
+  # The bisection never returns the maximum (it is its exclusive upper end).
+  threshold = jnp.minimum(prefix, top - 1)
+  threshold = jnp.where(k <= 0, top - 1, jnp.where(nonnegative < k, 0, threshold)).astype(dtype)
+  # Settled rows: no key lies above the maximum minus one; with too few keys every tie (zero) is kept.
+  return threshold, jnp.where((k <= 0) | (nonnegative < k), k, remaining)
+
+
+def _tie_cutoff(ties, room):
+  """Per row of ``ties [R, n]``: the index below which the first ``room`` True entries lie (``n`` if all fit).
+
+  A running count over blocks of :data:`_TIE_BLOCK` entries finds the block
+  that holds the ``room``-th True entry; a running count inside that block
+  alone finds its position. Equal to taking ``cumsum(ties) <= room`` but
+  without a running count over the whole row.
+  """
+  num_rows, n = ties.shape
+  # The largest block size up to _TIE_BLOCK that divides the row (no padded copy), unless it is small.
+  block = max((b for b in range(1, min(_TIE_BLOCK, n) + 1) if n % b == 0), default=1)
+  block = block if block >= min(n, _TIE_BLOCK // 4) else min(_TIE_BLOCK, n)
+  num_blocks = -(-n // block)
+  blocks = jnp.pad(ties, ((0, 0), (0, num_blocks * block - n))).reshape(num_rows, num_blocks, block)
+  per_block = jnp.sum(blocks, axis=-1, dtype=jnp.int32)
+  through = jnp.cumsum(per_block, axis=-1)  # ties up to each block's end
+  where = jnp.sum(through < room[:, None], axis=-1, dtype=jnp.int32)  # first block reaching room
+  inside = jnp.minimum(where, num_blocks - 1)
+  before = jnp.where(
+    inside > 0, jnp.take_along_axis(through, jnp.maximum(inside - 1, 0)[:, None], axis=-1)[:, 0], 0
+  )
+  running = before[:, None] + jnp.cumsum(
+    jnp.take_along_axis(blocks, inside[:, None, None], axis=1)[:, 0], axis=-1, dtype=jnp.int32
+  )
+  length = jnp.sum(running <= room[:, None], axis=-1, dtype=jnp.int32)
+  return jnp.where(where >= num_blocks, n, inside * block + length)
 
 
 def magnitude_key(magnitude):
@@ -271,10 +352,11 @@ def topk_mask(magnitude, k: int):
 
   A non-negative float's bit pattern, read as a signed integer of the same
   width, is monotone in its value, so the ``k``-th largest value of every row is
-  found by bisection on the bit patterns (:func:`top_k_by_key`) instead of a
-  sort. For six of SPARK's 4-million-entry packages
-  at ``k = size/2`` this took 1.25 s against 18.9 s for ``lax.top_k`` on the
-  2-core CPU, with identical masks (benchmarks/RESULTS.md).
+  found by a radix select on the bit patterns (:func:`top_k_by_key`) instead of a
+  sort: ``lax.top_k`` sorts on XLA's CPU backend (18.9 s for six of SPARK's
+  4-million-entry packages at ``k = size/2``, against 1.25 s for the bisection
+  that preceded the radix select, itself 3.8x slower; benchmarks/RESULTS.md), with
+  identical masks.
 
   Args:
     magnitude: non-negative float array ``[..., n]`` (e.g. ``|x|``); no NaN.
@@ -325,7 +407,6 @@ def compress_packages(
   bits: int,
   *,
   sent=None,
-  count_real_rows: bool = True,
 ):
   """Each sender's package of Jacobian rows, per tensor: zero padding rows, top-k magnitudes, ``bits``-bit values.
 
@@ -346,29 +427,16 @@ def compress_packages(
     bits: bits per value (:data:`FLOAT_BITS` = no quantisation).
     sent: optional bool ``[num_senders]``; packages marked False are not
       transmitted (a client's own rows) and are kept exact, padding zeroed.
-    count_real_rows: ``k`` from the sender's real rows (default). False takes
-      it from all ``n`` slots, padding included -- SPARK's packages, kept so
-      for its recorded runs: with unequal client sizes that keeps a few more
-      values than :func:`ntk_fl.communication.jacobian_package_bits` charges.
 
   Returns:
     A tuple of tensors shaped like ``leaves``.
   """
   mask = jnp.asarray(mask, bool)
-  slots = mask.shape[0] // num_senders
-  real_rows = (
-    mask.reshape(num_senders, -1).sum(axis=1) if count_real_rows else jnp.full(num_senders, slots)
-  )
+  real_rows = mask.reshape(num_senders, -1).sum(axis=1)
 
-  def one_package(package, k):
-    kept = None
-    if keep_fraction < 1:
-      kept = top_k_by_key(magnitude_key(jnp.abs(package.reshape(-1))), k).reshape(package.shape)
-      package = jnp.where(kept, package, 0)
-    if bits != FLOAT_BITS:
-      quantized = quantize(package, bits)
-      package = quantized if kept is None else jnp.where(kept, quantized, 0)
-    return package
+  def quantize_package(package, kept):
+    quantized = quantize(package, bits)
+    return quantized if kept is None else jnp.where(kept, quantized, 0)
 
   out = []
   for leaf in leaves:
@@ -384,7 +452,13 @@ def compress_packages(
       ],
       jnp.int32,
     )
-    packed = jax.vmap(one_package)(rows, table[real_rows])
+    packed, kept = rows, None
+    if keep_fraction < 1:  # every package's selection in one batch, each with its own k
+      flat = rows.reshape(num_senders, -1)
+      kept = top_k_by_key(magnitude_key(jnp.abs(flat)), table[real_rows]).reshape(rows.shape)
+      packed = jnp.where(kept, rows, 0)
+    if bits != FLOAT_BITS:
+      packed = jax.vmap(quantize_package)(packed, kept)
     if sent is not None:
       packed = jnp.where(
         jnp.asarray(sent, bool).reshape((-1,) + (1,) * (rows.ndim - 1)), packed, rows

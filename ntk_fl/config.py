@@ -18,7 +18,8 @@ below it they travel as the frozen dataclasses of :mod:`ntk_fl.settings`):
   ``shards`` | ``by_writer`` | ``contiguous`` | ``index_map``), ``partition_file``
   (``index_map`` only, and then required: a CSR ``.npz`` index map or the name of
   a shipped one, see :mod:`ntk_fl.data.index_map`), ``num_clients``, ``alpha``,
-  ``samples_per_client``, ``classes_per_client``, ``max_train`` / ``max_test``
+  ``samples_per_client``, ``classes_per_client``, ``keep_per_client`` (``shards``: a
+  random subset of each client's samples, ``0`` = all), ``max_train`` / ``max_test``
   (``0`` = all; otherwise a random subset of that size drawn from the seed, for
   quick variants; an index map needs ``max_train = 0``, its indices refer to the
   whole training set).
@@ -104,6 +105,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.data.alpha = 0.1
   config.data.samples_per_client = 200
   config.data.classes_per_client = 2
+  config.data.keep_per_client = 0
   config.data.max_train = 0
   config.data.max_test = 0
 

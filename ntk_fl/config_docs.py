@@ -55,6 +55,7 @@ FIELD_DOCS: dict[str, str] = {
     "samples per client: iid (0 = all, near-equal), dirichlet_fixed_size and contiguous (0 = N / M)"
   ),
   "data.classes_per_client": "shards only: distinct classes per client",
+  "data.keep_per_client": "shards only: each client keeps a random this many of its samples (0 = all)",
   "data.max_train": "random training subset of this size, drawn from the seed (0 = whole training set)",
   "data.max_test": "random test subset of this size, drawn from the seed (0 = whole test set)",
   # ------------------------------------------------------------------ model
@@ -149,6 +150,9 @@ FIELD_DOCS: dict[str, str] = {
   "algorithm.distill_momentum": "FedBE: distillation SGD heavy-ball momentum",
   "algorithm.swa_start": "FedBE: SWA averages the distillation iterates after steps t > swa_start",
   "algorithm.swa_every": "FedBE: ... with t % swa_every == 0 (0 = no SWA, the last iterate)",
+  "algorithm.posterior": (
+    "FedBE: what the M models are sampled from: 'gaussian' (diagonal) | 'swag' (diagonal + low-rank)"
+  ),
   "algorithm.sam_rho": "DFedSAM: SAM's perturbation radius ρ",
   "algorithm.sam_adaptive": "DFedSAM: adaptive SAM (ASAM)",
   "algorithm.dense_ratio": "DisPFL: density of each client's sparse mask",

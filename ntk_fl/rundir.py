@@ -164,6 +164,7 @@ _ADDED_KEYS = {
   "model.per_sample": False,
   "replicas": 1,
   "replica_chunk": 1,
+  "data.keep_per_client": 0,
 }
 
 

@@ -216,6 +216,7 @@ def build_experiment(config) -> Experiment:
     alpha=data_settings.alpha,
     samples_per_client=data_settings.samples_per_client or None,
     classes_per_client=data_settings.classes_per_client,
+    keep_per_client=data_settings.keep_per_client or None,
     writers=dataset.writers_train,
     partition_file=data_settings.partition_file or None,
   )

@@ -174,6 +174,7 @@ def validate_config(config, reference=None) -> RunSettings:
     raise ValueError(f"config.data.alpha must be a finite number > 0, got {alpha!r}")
   _int(config, "data.samples_per_client", 0)
   _int(config, "data.classes_per_client", 1)
+  _int(config, "data.keep_per_client", 0)
   _int(config, "data.max_train", 0)
   _int(config, "data.max_test", 0)
   _check_partition_file(config, partition, dataset, num_clients)
@@ -415,6 +416,11 @@ _UNREAD = (
   ),
   (
     "data.classes_per_client",
+    lambda r: r.data.partition != "shards",
+    lambda r: f"data.partition = {r.data.partition!r} (only 'shards' reads it)",
+  ),
+  (
+    "data.keep_per_client",
     lambda r: r.data.partition != "shards",
     lambda r: f"data.partition = {r.data.partition!r} (only 'shards' reads it)",
   ),

@@ -48,6 +48,7 @@ class DataSettings:
   classes_per_client: int
   max_train: int
   max_test: int
+  keep_per_client: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,9 +46,9 @@ CLIENT_ARRAYS = ("tau", "loss")
 # selection, CP-NTK-FL's compression, Fed-ensemble's NTK modes, NTK-DFL's App. E.3 compression stack (explicit
 # compressed Jacobians of a projected model), SPARK's Option B (Jacobians at the senders' own weights), the
 # Adam client optimiser, NTK-FL's τ scored on held-out validation clients, Fed-ensemble's straggler
-# over-selection, NTK-DFL with the CNN (the layer-wise structured kernel; a few clients, samples, rounds
-# and test images, so that its compilation and rounds fit a test), and FedAvg' (FedAvg on CP-NTK-FL's
-# subsampled, projected inputs).
+# over-selection, FedBE's SWAG sampler, NTK-DFL with the CNN (the layer-wise structured kernel; a few
+# clients, samples, rounds and test images, so that its compilation and rounds fit a test), and FedAvg'
+# (FedAvg on CP-NTK-FL's subsampled, projected inputs).
 # (SPARK's ``full_stack`` itself holds a 79,510 x 10,000 flattened sketch, 3.2 GB: too big for a test.)
 EXTRA_VARIANTS = (
   ("ntk_dfl", "smoke,batched,subsample"),
@@ -66,6 +66,7 @@ EXTRA_VARIANTS = (
   ("ntk_fl", "smoke,validation"),
   ("ntk_dfl", "smoke,cnn,few"),
   ("fedavg", "smoke,fig3"),
+  ("fedbe", "smoke,swag"),
 )
 
 

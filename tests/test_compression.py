@@ -102,6 +102,87 @@ def test_topk_mask_of_16_bit_values_takes_a_k_beyond_the_16_bit_range():
   np.testing.assert_array_equal(mask, _brute_topk_mask(np.asarray(x.astype(jnp.float32)), k))
 
 
+def _bisection_top_k_by_key(keys, k):
+  """The selection as it was computed before the radix select: the threshold by a bisection over the key
+  range (one counting pass per bit), the ties by a running count over the whole row."""
+  keys = jnp.asarray(keys)
+  k = jnp.broadcast_to(jnp.asarray(k), keys.shape[:-1])
+
+  def halve(_, bounds):
+    lo, hi = bounds
+    mid = lo + (hi - lo) // 2
+    enough = jnp.sum(keys >= mid[..., None], axis=-1) >= k
+    return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
+
+  lo = jnp.zeros(keys.shape[:-1], keys.dtype)
+  hi = jnp.full(keys.shape[:-1], jnp.iinfo(keys.dtype).max, keys.dtype)
+  threshold, _ = jax.lax.fori_loop(0, 8 * keys.dtype.itemsize - 1, halve, (lo, hi))
+  above = keys > threshold[..., None]
+  ties = keys == threshold[..., None]
+  room = k[..., None] - jnp.sum(above, axis=-1, keepdims=True)
+  return above | (ties & (jnp.cumsum(ties, axis=-1) <= room))
+
+
+def _random_magnitudes(rng, kind, shape):
+  if kind == "normal":
+    return rng.standard_normal(shape)
+  if kind == "few values":  # heavy ties, ±0, a subnormal, NaN and inf
+    return rng.choice([0.0, -0.0, 1.0, -1.0, 2.5, 1e-40, np.nan, np.inf], size=shape)
+  if kind == "rounded":
+    return np.round(rng.standard_normal(shape) * 2)
+  if kind == "mostly zero":  # fewer nonzeros than k: the threshold is 0 and the zeros tie
+    return np.where(rng.random(shape) < 0.9, 0.0, rng.standard_cauchy(shape))
+  return np.exp(rng.standard_normal(shape) * 30)  # 80 octaves: under- and overflow to 0 and inf
+
+
+@pytest.mark.parametrize("kind", ["normal", "few values", "rounded", "mostly zero", "wide"])
+def test_radix_select_keeps_the_same_entries_as_the_bisection(kind):
+  """The radix select and its blocked tie-break against the former bisection and whole-row running count:
+  identical masks for every k (below 0 to above the row), one k per row, with excluded (negative) keys,
+  under jit and vmap, for 32- and 16-bit keys, at row lengths around the tie-break's block size; and
+  against a stable sort."""
+  rng = np.random.default_rng(len(kind))
+  new, old = jax.jit(compression.top_k_by_key), jax.jit(_bisection_top_k_by_key)
+  new_rows = jax.jit(jax.vmap(compression.top_k_by_key))
+  cases = [(jnp.float32, n) for n in (7, 1025, 70_001)] + [
+    (jnp.bfloat16, 1000),
+    (jnp.float16, 4099),
+  ]
+  for dtype, n in cases:
+    with np.errstate(over="ignore"):
+      values = jnp.asarray(_random_magnitudes(rng, kind, (3, n)), dtype)
+    keys = compression.magnitude_key(jnp.abs(values))
+    keys = jnp.where(jnp.asarray(rng.random((3, n)) < 0.2), -1, keys).astype(keys.dtype)
+    where = f"{jnp.dtype(dtype).name} n={n}"
+    for k in sorted({-1, 0, 1, n // 3, n // 2, n - 1, n, n + 5}):
+      k = jnp.int32(k)  # traced: one compilation per shape
+      np.testing.assert_array_equal(new(keys, k), old(keys, k), err_msg=f"{where} k={k}")
+    per_row = jnp.asarray(rng.integers(-2, n + 3, size=3), jnp.int32)
+    mask = np.asarray(new(keys, per_row))
+    np.testing.assert_array_equal(mask, old(keys, per_row), err_msg=f"{where} per row")
+    np.testing.assert_array_equal(new_rows(keys, per_row), mask, err_msg=f"{where} vmap")
+    if n <= 4099:  # a stable sort: the k largest eligible keys, lowest index first among equals
+      host = np.asarray(keys).astype(np.int64)
+      for row, k in enumerate(np.asarray(per_row)):
+        order = [i for i in np.argsort(-host[row], kind="stable") if host[row, i] >= 0]
+        expected = np.zeros(n, bool)
+        expected[order[: max(int(k), 0)]] = True
+        np.testing.assert_array_equal(mask[row], expected, err_msg=f"{where} sort row {row}")
+
+
+def test_radix_select_of_64_bit_keys():
+  """Keys of a 64-bit type take four histogram passes; the mask is still the k largest, lowest index first."""
+  rng = np.random.default_rng(11)
+  with jax.enable_x64(True):
+    keys = jnp.asarray(
+      rng.choice([-5, 0, 1, 2**40, 2**40 + 1, 2**62, 2**62 + 3], size=(2, 500)), jnp.int64
+    )
+    for k in (0, 1, 100, 400, 600):
+      np.testing.assert_array_equal(
+        compression.top_k_by_key(keys, k), _bisection_top_k_by_key(keys, k), err_msg=f"k={k}"
+      )
+
+
 def test_magnitude_key_orders_like_the_values():
   values = jnp.array([0.0, 1e-40, 1e-7, 0.5, 1.0, 3e38, jnp.inf], jnp.float32)  # incl. a subnormal
   keys = np.asarray(compression.magnitude_key(values))

@@ -1,7 +1,8 @@
 """FedBE's server against independent computations.
 
 * The Gaussian's mean and variance == numpy's weighted average and weighted variance (float64).
-* Its samples have that mean and variance over many draws (sampling-error bounds).
+* Its samples have that mean and variance over many draws (sampling-error bounds); SWAG's fit (mean,
+  variance, deviations) == numpy's and its samples have SWAG's diagonal-plus-low-rank covariance.
 * The ensemble's soft labels == numpy's mean of the members' softmax; one distillation step ==
   a hand-written gradient step of the cross-entropy to those soft labels (softmax regression's
   closed-form gradient); a whole distillation with momentum and SWA == a numpy loop.
@@ -99,6 +100,78 @@ def test_samples_have_the_gaussians_moments():
   )
   corr = np.corrcoef(z.T)
   assert np.max(np.abs(corr - np.eye(corr.shape[0]))) < 5 / np.sqrt(n)
+
+
+def test_swag_fit_and_samples_have_swags_moments():
+  """SWAG over 4 weighted client models of a two-leaf model (d = 12): the fitted mean, variance and
+  deviations == numpy (float64); 40,000 samples have mean ``mu`` and covariance
+  ``(diag(var) + D D^T / (K - 1)) / 2`` built in numpy, leaves coupled (5 standard errors per entry)."""
+  rng = np.random.default_rng(4)
+  k, n = 4, 40_000
+  clients = {"a": rng.normal(size=(k, 6)), "b": rng.normal(size=(k, 2, 3))}
+  weights = rng.uniform(0.5, 2.0, size=k)
+  weights /= weights.sum()
+  swag = fedbe.fit_swag(jax.tree.map(jnp.float32, clients), jnp.float32(weights))
+  flat = np.concatenate([clients[name].reshape(k, -1) for name in ("a", "b")], axis=1)  # [K, d]
+  mean = weights @ flat
+  var = weights @ (flat - mean) ** 2
+  deviations = flat - mean  # SWAG's D, one column per client
+  got = lambda tree: np.concatenate([np.asarray(tree[name]).reshape(-1) for name in ("a", "b")])
+  np.testing.assert_allclose(got(swag.mean), mean, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(got(swag.var), var, rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(
+    np.concatenate([np.asarray(swag.deviations[m]).reshape(k, -1) for m in ("a", "b")], axis=1),
+    deviations,
+    rtol=1e-5,
+    atol=1e-6,
+  )
+  covariance = (np.diag(var) + deviations.T @ deviations / (k - 1)) / 2
+  draws = fedbe.sample_swag(swag, jax.random.key(5), n)
+  assert draws["a"].shape == (n, 6) and draws["b"].shape == (n, 2, 3)
+  d = np.concatenate([np.asarray(draws[name], np.float64).reshape(n, -1) for name in ("a", "b")], 1)
+  sd = np.sqrt(np.diag(covariance))
+  assert np.all(np.abs(d.mean(0) - mean) < 5 * sd / np.sqrt(n))
+  # A sample covariance entry's standard error: sqrt((S_ii S_jj + S_ij^2) / n) for a Gaussian.
+  se = np.sqrt((np.outer(np.diag(covariance), np.diag(covariance)) + covariance**2) / n)
+  assert np.all(np.abs(np.cov(d.T) - covariance) < 5 * se)
+  # The low-rank part is real: across the leaves, some correlations are far from zero.
+  assert np.max(np.abs(np.corrcoef(d.T) - np.eye(d.shape[1]))) > 0.2
+
+
+def test_swag_with_one_client_is_the_half_variance_diagonal_gaussian():
+  """K = 1 has no low-rank term (D D^T / (K - 1) is undefined): the samples are the diagonal draw at
+  half the variance, exactly as :func:`fedbe.sample_models` makes it from the same key."""
+  rng = np.random.default_rng(6)
+  client = {"a": jnp.float32(rng.normal(size=(1, 5)))}
+  swag = fedbe.fit_swag(client, jnp.ones(1, jnp.float32))
+  swag = swag._replace(var={"a": jnp.float32(rng.uniform(0.1, 1.0, size=5))})
+  key = jax.random.key(2)
+  expected = fedbe.sample_models(
+    fedbe.Gaussian(swag.mean, {"a": swag.var["a"] / 2}), jax.random.split(key)[0], 7
+  )
+  np.testing.assert_array_equal(fedbe.sample_swag(swag, key, 7)["a"], expected["a"])
+
+
+def test_a_swag_round_differs_from_the_gaussian_round_only_by_its_samples():
+  """posterior='swag' keeps FedAvg's loss and bits and the distillation; its model differs from the
+  diagonal Gaussian's (other samples, other soft labels). A bad posterior name is one clear error."""
+  fed, _ = federation_with_free_rows()
+  made = {
+    posterior: fedbe.make_fedbe(
+      MODEL,
+      fed,
+      None,
+      hparams(server_set_size=8, distill_batch_size=4, posterior=posterior),
+      seed=7,
+    )
+    for posterior in ("gaussian", "swag")
+  }
+  (s1, m1), (s2, m2) = (a.step(a.init(jax.random.key(1)), a.round_inputs(0)) for a in made.values())
+  for k in ("loss", "bits_per_client", "bits_cumulative"):
+    np.testing.assert_array_equal(m1[k], m2[k])
+  assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s2)))
+  with pytest.raises(ValueError, match="posterior"):
+    hparams(posterior="laplace")
 
 
 def test_ensemble_is_mean_clients_samples_and_soft_labels_are_mean_softmax():
@@ -270,3 +343,26 @@ def test_server_set_draws_only_unheld_samples_from_the_seed():
 def test_bad_hyperparameters_name_the_value(changes, message):
   with pytest.raises(ValueError, match=message):
     hparams(**changes)
+
+
+def test_table2_runs_fedbe_non_iid_on_two_label_clients_with_a_server_set():
+  """``fed_ensemble:table2`` lists FedBE's non-iid run; its config's partition (MNIST's 60,000 labels, here a
+  balanced stand-in) gives 100 two-label clients of 550 and leaves 5,000 samples to the server."""
+  from ntk_fl.config import load_config  # pylint: disable=g-import-not-at-top
+  from ntk_fl.reproduce.experiments import EXPERIMENTS  # pylint: disable=g-import-not-at-top
+
+  runs = {v.name: v.config for v in EXPERIMENTS["fed_ensemble:table2"].variants}
+  assert runs["fe_t2_fedbe_noniid"] == "fedbe:noniid" and runs["fe_t2_fedbe_iid"] == "fedbe"
+  d = load_config("fedbe", "noniid").data
+  labels = np.random.default_rng(0).permutation(np.repeat(np.arange(10), 6_000))
+  clients = data.partition(
+    labels,
+    d.partition,
+    d.num_clients,
+    seed=0,
+    classes_per_client=d.classes_per_client,
+    keep_per_client=d.keep_per_client,
+  )
+  assert len(clients) == 100 and {c.size for c in clients} == {550}
+  assert max(np.unique(labels[c]).size for c in clients) == 2
+  assert labels.size - np.unique(np.concatenate(clients)).size == 5_000

@@ -325,6 +325,27 @@ def test_shards_unbalanced_classes_still_exact():
   _check_disjoint_cover(clients, labels.size)
 
 
+def test_shards_with_keep_per_client_keep_a_random_subset_of_each_clients_shards():
+  """Each client keeps ``s`` of its own shards' samples (so still at most k classes), the split itself is the
+  one without ``s`` (the subsets are drawn after it), the rest belong to no client, and the draw is seeded."""
+  labels = _balanced(600, 10)  # 100 clients x 60 samples
+  whole = partition(labels, "shards", 100, seed=3, classes_per_client=2)
+  kept = partition(labels, "shards", 100, seed=3, classes_per_client=2, keep_per_client=55)
+  assert [c.size for c in kept] == [55] * 100
+  for full, part in zip(whole, kept):
+    assert np.all(np.isin(part, full)) and np.all(np.diff(part) > 0)
+    assert np.unique(labels[part]).size <= 2
+  assert np.unique(np.concatenate(kept)).size == 5_500  # disjoint; 500 samples held by no client
+  assert any(
+    not np.array_equal(a, b)
+    for a, b in zip(
+      kept, partition(labels, "shards", 100, seed=4, classes_per_client=2, keep_per_client=55)
+    )
+  )
+  with pytest.raises(ValueError, match=r"keep_per_client=61 too large for shards: .* holds 60"):
+    partition(labels, "shards", 100, seed=3, classes_per_client=2, keep_per_client=61)
+
+
 # --- by_writer --------------------------------------------------------------------------------
 
 

@@ -304,18 +304,60 @@ def test_package_compression_keeps_top_k_and_quantises():
   rng = np.random.default_rng(0)
   leaf = jnp.asarray(rng.normal(size=(12, 3, 5)), jnp.float32)  # 3 senders x 4 rows
   mask = jnp.asarray([True] * 10 + [False] * 2)
-  (out,) = compression.compress_packages((leaf,), mask, 3, 0.5, 6, count_real_rows=False)
+  (out,) = compression.compress_packages((leaf,), mask, 3, 0.5, 6)
   out, ref = (
     np.asarray(out).reshape(3, 4, 3, 5),
     np.asarray(jnp.where(mask[:, None, None], leaf, 0)).reshape(3, 4, 3, 5),
   )
-  for s in range(3):
+  for s, real_rows in enumerate((4, 4, 2)):
     kept = out[s] != 0
-    assert kept.sum() == compression.num_kept(60, 0.5)
+    assert kept.sum() == compression.num_kept(real_rows * 15, 0.5)  # of the real rows' entries
+    assert not out[s, real_rows:].any()  # padding rows send nothing
     threshold = np.sort(np.abs(ref[s]).ravel())[-kept.sum()]
     assert np.all(np.abs(ref[s][kept]) >= threshold - 1e-6)  # the largest magnitudes survive
     step = (ref[s].max() - ref[s].min()) / 63
     assert np.all(np.abs(out[s][kept] - ref[s][kept]) <= step / 2 + 1e-6)
+
+
+def test_spark_packages_keep_the_top_fraction_of_their_real_entries(monkeypatch):
+  """Unequal client sizes (padded package slots), flattened sketch, top-50 %, no quantisation: every package a
+  SPARK client receives keeps ``num_kept(fraction, real entries)`` nonzero values -- the count its bits are
+  charged for -- where its real entries hold at least that many nonzeros (padding slots count for nothing)."""
+  config, model, federation = tiny_setup(
+    projection__scheme="flattened", projection__k_proj=8, compression__keep_fraction=0.5
+  )
+  real = compression.compress_packages
+  seen, padded = [], []
+
+  def record(packages, mask, num_senders, keep):  # per package: real entries, nonzeros in and out
+    rows = np.asarray(mask).reshape(-1, num_senders, np.asarray(mask).shape[-1] // num_senders)
+    for leaf_in, leaf_out in packages:
+      shape = (rows.shape[0], num_senders, rows.shape[2], -1)
+      leaf_in, leaf_out = np.asarray(leaf_in).reshape(shape), np.asarray(leaf_out).reshape(shape)
+      for c, s in np.ndindex(rows.shape[:2]):
+        real_rows = rows[c, s]
+        entries = int(real_rows.sum()) * leaf_in.shape[-1]
+        nonzero_in = int(np.count_nonzero(leaf_in[c, s][real_rows]))
+        seen.append((entries, nonzero_in, int(np.count_nonzero(leaf_out[c, s])), keep))
+        padded.append(0 < real_rows.sum() < real_rows.size)
+
+  def spy(leaves, mask, num_senders, keep_fraction, bits, **options):
+    out = real(leaves, mask, num_senders, keep_fraction, bits, **options)
+    jax.debug.callback(
+      lambda m, *pairs: record(list(zip(pairs[::2], pairs[1::2])), m, num_senders, keep_fraction),
+      mask,
+      *[x for pair in zip(leaves, out) for x in pair],
+    )
+    return out
+
+  monkeypatch.setattr(compression, "compress_packages", spy)
+  algorithm = runner.make_algorithm(config, model, federation)
+  state = algorithm.init(jax.random.key(0))
+  jax.block_until_ready(algorithm.step(state, algorithm.round_inputs(0)))
+  checked = [(e, i, o, f) for e, i, o, f in seen if e > 0 and i >= compression.num_kept(e, f)]
+  assert len(checked) > 10 and any(padded)
+  for entries, _, kept, fraction in checked:
+    assert kept == compression.num_kept(entries, fraction), (entries, kept)
 
 
 def test_spark_package_and_round_bits_by_hand():

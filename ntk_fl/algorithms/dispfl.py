@@ -141,7 +141,7 @@ def evolve_mask(weights, grads, mask, fraction):
   w, g, active = weights.ravel(), grads.ravel(), mask.ravel() > 0
   n_active = jnp.sum(active)
   k = jnp.minimum(jnp.floor(fraction * n_active).astype(jnp.int32), active.size - n_active)
-  # Exact selections by bisection on the magnitudes' bit patterns (compression.top_k_by_key), not by sorting:
+  # Exact selections by a radix select on the magnitudes' bit patterns (compression.top_k_by_key), not by sorting:
   # same sets, ties to the lower index as a stable sort, ~9x faster for 300 clients' 784x100 matrices.
   excluded = jnp.int32(-1)
   smallest_weight = compression.max_magnitude_key(w.dtype) - compression.magnitude_key(jnp.abs(w))

@@ -7,11 +7,14 @@ training, the upload and the bit count are FedAvg's, :mod:`ntk_fl.algorithms.ser
 2. **Gaussian.** The server fits a diagonal Gaussian over the client models around their
    data-size-weighted mean (FedBE's eq. with ``p_k = n_k / sum_K n``, the FedAvg weights):
    ``mu = sum_k p_k w_k`` (exactly FedAvg's new model) and ``var = sum_k p_k (w_k - mu)**2``,
-   per parameter (:func:`fit_gaussian`; FedBE also offers SWAG's low-rank-plus-diagonal form,
-   not implemented).
+   per parameter (:func:`fit_gaussian`). ``posterior='swag'``: FedBE's other choice, SWAG's
+   (Maddox et al. 2019) diagonal-plus-low-rank Gaussian over the same client models
+   (:func:`fit_swag`): the same ``mu`` and ``var``, and the deviations ``D = [w_1 - mu, ..., w_K - mu]``,
+   covariance ``(diag(var) + D D^T / (K - 1)) / 2``.
 3. **Ensemble.** It samples ``M = num_samples`` models ``mu + sqrt(var) * eps``, ``eps ~ N(0, I)``
-   (:func:`sample_models`) and forms the ensemble ``{mu, w_1..w_K, samples}`` of ``1 + K + M``
-   models (FedBE's "global mean + clients + samples").
+   (:func:`sample_models`; SWAG: ``mu + sqrt(var / 2) * z_1 + D z_2 / sqrt(2 (K - 1))``,
+   ``z_1 ~ N(0, I_d)``, ``z_2 ~ N(0, I_K)``, :func:`sample_swag`) and forms the ensemble
+   ``{mu, w_1..w_K, samples}`` of ``1 + K + M`` models (FedBE's "global mean + clients + samples").
 4. **Soft labels.** The ensemble's prediction on the server's unlabelled set ``U`` is the mean of
    its members' softmax probabilities, ``q(x) = mean_e softmax(f(x; w_e))``
    (:func:`ensemble_soft_labels`), computed once per round.
@@ -59,14 +62,20 @@ import optax
 from ntk_fl import models, validation
 from ntk_fl.algorithms import local
 from ntk_fl.algorithms import server_round
+from ntk_fl._src.options import Choice
+from ntk_fl.algorithms.base import parse_enums
 from ntk_fl.algorithms.server_round import ServerHParams
 from ntk_fl.rng import Stream, numpy_rng
 
 __all__ = [
   "FedBEHParams",
+  "Posterior",
   "Gaussian",
   "fit_gaussian",
   "sample_models",
+  "Swag",
+  "fit_swag",
+  "sample_swag",
   "ensemble_members",
   "ensemble_soft_labels",
   "soft_cross_entropy",
@@ -76,6 +85,13 @@ __all__ = [
   "make_fedbe",
   "METHOD",
 ]
+
+
+class Posterior(Choice):
+  """The distribution over models the server samples from: FedBE's diagonal Gaussian or SWAG's."""
+
+  GAUSSIAN = "gaussian"
+  SWAG = "swag"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +107,7 @@ class FedBEHParams(ServerHParams):
     distill_momentum: its heavy-ball momentum in [0, 1).
     swa_start: SWA averages the iterates after steps ``t > swa_start`` (>= 0) ...
     swa_every: ... with ``t % swa_every == 0`` (>= 0; 0 = no SWA, the last iterate).
+    posterior: :class:`Posterior`, the distribution the ``M`` models are sampled from.
   """
 
   num_samples: int
@@ -101,9 +118,11 @@ class FedBEHParams(ServerHParams):
   distill_momentum: float
   swa_start: int
   swa_every: int
+  posterior: Posterior = dataclasses.field(default=Posterior.GAUSSIAN, kw_only=True)
 
   def __post_init__(self):
     super().__post_init__()
+    parse_enums(self)  # 'gaussian' / 'swag' become members (another value is an error naming it)
     local.check_fields(
       self,
       {
@@ -183,6 +202,46 @@ def sample_models(gaussian: Gaussian, key, num: int):
     for m, v, k in zip(leaves, jax.tree.leaves(gaussian.var), keys)
   ]
   return jax.tree.unflatten(treedef, draws)
+
+
+class Swag(NamedTuple):
+  """SWAG's Gaussian over models: ``mean``, diagonal ``var`` and ``deviations`` (leaves ``[K, ...]``)."""
+
+  mean: Any
+  var: Any
+  deviations: Any
+
+
+def fit_swag(client_params, weights) -> Swag:
+  """SWAG's Gaussian over the client models (leaves ``[K, ...]``), FedBE's second choice.
+
+  ``mean`` and ``var`` as :func:`fit_gaussian`; ``deviations`` the columns ``w_k - mean`` of SWAG's
+  low-rank factor ``D``. The covariance is ``(diag(var) + D D^T / (K - 1)) / 2`` (Maddox et al. 2019,
+  eq. (1) of its SWAG sampling, with the clients as the collected models).
+  """
+  gaussian = fit_gaussian(client_params, weights)
+  deviations = jax.tree.map(lambda w, m: w - m[None], client_params, gaussian.mean)
+  return Swag(gaussian.mean, gaussian.var, deviations)
+
+
+def sample_swag(swag: Swag, key, num: int):
+  """``num`` models ``mean + sqrt(var / 2) * z_1 + D z_2 / sqrt(2 (K - 1))``: leaves ``[num, ...]``.
+
+  ``z_1 ~ N(0, I_d)`` per parameter (:func:`sample_models`' draw at half the variance, from
+  ``split(key)[0]``); ``z_2 ~ N(0, I_K)`` one vector per model, shared by all leaves (the low-rank term
+  couples the parameters; from ``split(key)[1]``). ``K = 1`` has no low-rank term.
+  """
+  diagonal_key, low_rank_key = jax.random.split(key)
+  half = jax.tree.map(lambda v: v / 2, swag.var)
+  draws = sample_models(Gaussian(swag.mean, half), diagonal_key, num)
+  k = jax.tree.leaves(swag.deviations)[0].shape[0]
+  if k < 2:
+    return draws
+  z = jax.random.normal(low_rank_key, (num, k), jax.tree.leaves(swag.mean)[0].dtype)
+  scale = 1.0 / np.sqrt(2.0 * (k - 1))
+  return jax.tree.map(
+    lambda d, dev: d + scale * jnp.tensordot(z, dev, axes=1), draws, swag.deviations
+  )
 
 
 def ensemble_members(mean, client_params, samples):
@@ -291,8 +350,13 @@ def fedbe_update(model: models.Model, hparams: FedBEHParams) -> server_round.Ser
     if hparams.distill_epochs == 0:  # the ensemble acts only through the distillation
       return mean, loss, bits
     sample_key, distill_key = jax.random.split(jax.random.fold_in(quant_key, 1))
-    gaussian = fit_gaussian(sent, sizes / jnp.sum(sizes))
-    members = ensemble_members(gaussian.mean, sent, sample_models(gaussian, sample_key, num))
+    if hparams.posterior == Posterior.SWAG:
+      swag = fit_swag(sent, sizes / jnp.sum(sizes))
+      gaussian, samples = swag, sample_swag(swag, sample_key, num)
+    else:
+      gaussian = fit_gaussian(sent, sizes / jnp.sum(sizes))
+      samples = sample_models(gaussian, sample_key, num)
+    members = ensemble_members(gaussian.mean, sent, samples)
     soft = ensemble_soft_labels(model.apply, members, server_x)
     return distill(model.apply, gaussian.mean, server_x, soft, distill_key, hparams), loss, bits
 

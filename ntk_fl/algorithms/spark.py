@@ -539,10 +539,7 @@ def make_client_update(
         jac, kernel_options["f0"] = sender_packages(senders, x, mats)
       leaves, treedef = jax.tree.flatten(jac)
       if hparams.compression.active:
-        # k from the package's slots, padding included, as SPARK's recorded runs were made.
-        leaves = compression.compress_packages(
-          leaves, mask, members, keep, bits, count_real_rows=False
-        )
+        leaves = compression.compress_packages(leaves, mask, members, keep, bits)
       kernel_options["jacobian"] = jax.tree.unflatten(treedef, leaves)
     elif structured_sketch:
       layer_sketches = projection.dense_stack_projections(plan, mats, model.dense_stack)

@@ -17,6 +17,9 @@ One entry point, :func:`partition`, with seven methods (``PARTITIONS``):
   of Fashion-MNIST's 60k images are used at 300 clients).
 * ``shards``: McMahan et al. (2017) pathological non-IID split: every client
   holds shards of exactly ``classes_per_client`` distinct classes. Disjoint.
+  With ``keep_per_client``, each client then keeps a uniformly random
+  ``keep_per_client`` of its shards' samples (the rest are no client's:
+  e.g. FedBE's unlabelled server set).
 * ``by_writer``: the natural split of handwriting data (FEMNIST), one client per
   writer.
 * ``contiguous``: client ``i`` holds ``arange(s i, s i + s)`` in training-set
@@ -70,6 +73,7 @@ def partition(
   alpha: float = 0.5,
   samples_per_client: int | None = None,
   classes_per_client: int = 2,
+  keep_per_client: int | None = None,
   writers: np.ndarray | None = None,
   partition_file: str | None = None,
 ) -> list[np.ndarray]:
@@ -92,6 +96,9 @@ def partition(
       Ignored by the other methods.
     classes_per_client: ``shards`` only: distinct classes per client, between 1
       and the number of classes present.
+    keep_per_client: ``shards`` only: each client keeps a uniformly random this
+      many of its shards' samples, drawn after the split (``None`` = all; at
+      most the smallest client's count).
     writers: ``by_writer`` only: ``[N]`` writer id of each sample.
     partition_file: ``index_map`` only: a ``.npz`` index map or the name of a
       shipped one (:func:`ntk_fl.data.index_map.resolve`); it must hold
@@ -118,6 +125,8 @@ def partition(
     raise ValueError(f"seed must be an int, got {seed!r}")
   if samples_per_client is not None:
     samples_per_client = _check_int("samples_per_client", samples_per_client, minimum=1)
+  if keep_per_client is not None:
+    keep_per_client = _check_int("keep_per_client", keep_per_client, minimum=1)
   if method == "index_map":
     if partition_file is None:
       raise ValueError(
@@ -141,9 +150,21 @@ def partition(
     )
   elif method == "shards":
     clients = _shards(labels, num_clients, classes_per_client, rng)
+    if keep_per_client is not None:
+      clients = _keep_subsets(clients, keep_per_client, rng)
   else:
     clients = _by_writer(labels.size, num_clients, writers, rng)
   return [np.sort(np.asarray(c, dtype=np.int64)) for c in clients]
+
+
+def _keep_subsets(clients, size: int, rng: np.random.Generator) -> list[np.ndarray]:
+  """Each client's uniformly random ``size`` of its samples, drawn client after client (after the split)."""
+  smallest = min(len(c) for c in clients)
+  if size > smallest:
+    raise ValueError(
+      f"keep_per_client={size} too large for shards: the smallest client holds {smallest} samples"
+    )
+  return [np.asarray(c)[rng.choice(len(c), size=size, replace=False)] for c in clients]
 
 
 # --- validation -------------------------------------------------------------------------------
