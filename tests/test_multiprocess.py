@@ -30,6 +30,7 @@ import time
 
 import numpy as np
 import psutil
+import pytest
 
 from ntk_fl import cli, distributed, rundir, runner
 from ntk_fl.config import load_config
@@ -144,6 +145,7 @@ def test_two_processes_equal_one_process_dfedavg(tmp_path):
   _compare(rundir.read_metrics(str(workdir)), reference)
 
 
+@pytest.mark.slow  # two two-process NTK-DFL runs (a kill, then a resume): minutes (CI: -m slow)
 def test_killed_process_resumes_to_the_same_numbers_ntk_dfl(tmp_path):
   """NTK-DFL over 2 processes; process 1 is killed mid-run, the run is resumed by both: the one-process numbers."""
   rounds, flags = 6, ("--config.rounds=6", "--config.checkpoint_every=1")
