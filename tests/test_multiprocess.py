@@ -134,6 +134,7 @@ def _each_process_held_only_its_blocks(workdir, name: str) -> None:
     assert used <= rows < num_samples // 2
 
 
+@pytest.mark.slow  # a one-process reference run, then a two-process run: minutes (CI: -m slow)
 def test_two_processes_equal_one_process_dfedavg(tmp_path):
   reference = _reference(tmp_path, "dfedavg")
   workdir = tmp_path / "dfedavg_2proc"
