@@ -35,3 +35,17 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # a cache the caller chose is
 
   jax.config.update("jax_compilation_cache_dir", _cache_dir)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def pytest_collection_modifyitems(config, items):
+  """Leave out the tests marked ``slow`` unless ``-m`` chooses (``-m slow``: only them; CI runs both).
+
+  A ``-m`` expression decides on its own, so ``-m slow`` and ``-m "slow or not slow"`` work as written;
+  without one the default run is the fast suite, and the summary counts the left-out tests as deselected.
+  """
+  if config.getoption("markexpr"):
+    return
+  slow = [item for item in items if item.get_closest_marker("slow") is not None]
+  if slow:
+    config.hook.pytest_deselected(items=slow)
+    items[:] = [item for item in items if item.get_closest_marker("slow") is None]

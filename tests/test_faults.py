@@ -1727,6 +1727,7 @@ def _console_lines(stderr: str) -> list[str]:
   ]
 
 
+@pytest.mark.slow  # a two-process run until round 3, then a kill: about a minute alone
 def test_a_killed_peer_is_one_line_and_the_survivors_reports_go_to_the_log(tmp_path):
   """Process 1 of a ``--num_processes=2`` run killed mid-run: the console shows the launcher's one
   ``error:`` line, none of the survivor's own errors about the lost peer (they are in ``log.txt``)."""
@@ -1758,6 +1759,7 @@ def test_a_killed_peer_is_one_line_and_the_survivors_reports_go_to_the_log(tmp_p
     assert "--- console output of process 0 (not shown) ---" in log
 
 
+@pytest.mark.slow  # two two-process runs of 60 rounds each: the suite's longest test
 def test_ctrl_c_of_a_two_process_run_is_one_hint_and_no_process_is_left(tmp_path):
   """Ctrl-C in the terminal of a ``--num_processes=2`` run (SIGINT to its whole process group): exit
   130, the console's one ``interrupted; continue the run with --resume`` line, no traceback, no process
@@ -1811,6 +1813,7 @@ def test_ctrl_c_of_a_two_process_run_is_one_hint_and_no_process_is_left(tmp_path
   assert "from the checkpoint after round 50" in (workdir / "log.txt").read_text()
 
 
+@pytest.mark.slow  # two two-process runs
 def test_a_changed_multi_process_checkpoint_is_set_aside_and_resume_is_exact(tmp_path):
   """A ``--num_processes=2`` checkpoint records the digest of its whole arrays: checkpoint 5 holding
   checkpoint 4's arrays (they load fine: only the digest can tell) is set aside by a two-process

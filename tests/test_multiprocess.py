@@ -30,6 +30,7 @@ import time
 
 import numpy as np
 import psutil
+import pytest
 
 from ntk_fl import cli, distributed, rundir, runner
 from ntk_fl.config import load_config
@@ -133,6 +134,7 @@ def _each_process_held_only_its_blocks(workdir, name: str) -> None:
     assert used <= rows < num_samples // 2
 
 
+@pytest.mark.slow  # a one-process reference run, then a two-process run: minutes (CI: -m slow)
 def test_two_processes_equal_one_process_dfedavg(tmp_path):
   reference = _reference(tmp_path, "dfedavg")
   workdir = tmp_path / "dfedavg_2proc"
@@ -144,6 +146,7 @@ def test_two_processes_equal_one_process_dfedavg(tmp_path):
   _compare(rundir.read_metrics(str(workdir)), reference)
 
 
+@pytest.mark.slow  # two two-process NTK-DFL runs (a kill, then a resume): minutes (CI: -m slow)
 def test_killed_process_resumes_to_the_same_numbers_ntk_dfl(tmp_path):
   """NTK-DFL over 2 processes; process 1 is killed mid-run, the run is resumed by both: the one-process numbers."""
   rounds, flags = 6, ("--config.rounds=6", "--config.checkpoint_every=1")
