@@ -17,6 +17,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from ntk_fl import jacobians
 from ntk_fl._src.options import IMPLEMENTATIONS, Implementation
 from ntk_fl._src.dense_stack import DenseStack
 
@@ -252,50 +253,10 @@ def default_chunk(params: Params, num_outputs: int) -> int:
 # 'jacobian': per-sample Jacobians (ntk_fl.jacobians) contracted leaf by leaf.
 
 
-def sample_minor_jacobian(apply_fn: ApplyFn, params: Params, x: jax.Array) -> list[jax.Array]:
-  """Per-sample Jacobians with the sample axis last: one ``[C, P_l, N]`` array per parameter leaf
-  ``l`` (``P_l`` its size, leaves in ``jax.tree.leaves`` order), all ``N`` samples in one ``vmap``.
-
-  The sample axis is last so that the kernel's contraction over parameters is a product
-  ``Fᵀ G`` of two ``[K, N]`` matrices. XLA's CPU backend runs that as one GEMM on the stored
-  arrays; the sample-major ``F Gᵀ`` of ``[N, K]`` matrices instead goes to a kernel that wants
-  its right operand transposed, and XLA recomputes the whole Jacobian in that transposed order
-  (twice the Jacobian writes, one of them strided) before a GEMM about half as fast
-  (docs/neural_tangents.md).
-  """
-  single = lambda p, xi: apply_fn(p, xi[None])[0]
-  jac = jax.vmap(lambda xi: jax.jacrev(single)(params, xi), out_axes=-1)(x)  # [C, *leaf, N]
-  return [leaf.reshape(leaf.shape[0], -1, leaf.shape[-1]) for leaf in jax.tree.leaves(jac)]
-
-
-def contract_sample_minor(
-  jac1: list[jax.Array], jac2: list[jax.Array], trace_outputs: bool
-) -> jax.Array:
-  """The kernel of two :func:`sample_minor_jacobian` results: traced ``[N1, N2]``
-  ``(1/C) Σ_c <J_c(x1_i), J_c(x2_j)>`` or full ``[N1, N2, C, C]`` ``<J_a(x1_i), J_b(x2_j)>``,
-  the leaves' terms summed in leaf order (as :func:`ntk_fl.jacobians.jacobian_kernel`)."""
-  terms = []
-  for a, b in zip(jac1, jac2):
-    c, n1, n2 = a.shape[0], a.shape[-1], b.shape[-1]
-    if trace_outputs:  # [C·P, N1]ᵀ [C·P, N2]
-      dims = (((0,), (0,)), ((), ()))
-      f1, f2 = a.reshape(-1, n1), b.reshape(-1, n2)
-      terms.append(jax.lax.dot_general(f1, f2, dims, precision=_HIGHEST) / c)
-    else:  # [P, C·N1]ᵀ [P, C·N2] -> [C, N1, C, N2] -> [N1, N2, C, C]
-      f1 = jnp.swapaxes(a, 0, 1).reshape(a.shape[1], c * n1)
-      f2 = jnp.swapaxes(b, 0, 1).reshape(b.shape[1], c * n2)
-      k = jax.lax.dot_general(f1, f2, (((0,), (0,)), ((), ())), precision=_HIGHEST)
-      terms.append(jnp.transpose(k.reshape(c, n1, c, n2), (1, 3, 0, 2)))
-  out = terms[0]
-  for term in terms[1:]:
-    out = out + term
-  return out
-
-
 def jacobian_kernel(apply_fn, params, x1, x2, trace_outputs, chunk):
   # A whole block's Jacobians at once (one vmap): the blocks already bound the memory.
-  features = lambda x: sample_minor_jacobian(apply_fn, params, x)
-  contract = lambda j1, j2: contract_sample_minor(j1, j2, trace_outputs)
+  features = lambda x: jacobians.per_sample_jacobian(apply_fn, params, x, chunk_size=x.shape[0])
+  contract = lambda j1, j2: jacobians.jacobian_kernel(j1, j2, trace_outputs=trace_outputs)
   out = jax.eval_shape(lambda p, x: apply_fn(p, x), params, x1[:1])
   num_params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
   return _blocked_kernel(
