@@ -137,6 +137,10 @@ class Checkpoints:
       it; a checkpoint whose recorded identity differs is damaged (a checkpoint
       copied from another run). ``None``: a reader that takes the recorded
       identity as given (the arrays are still checked against the digest).
+    also_accept: further identities a checkpoint may record and still belong to this run: a
+      resumed run's identity as its ``config.json`` was written, by a version of the package whose
+      schema lacked keys added since (:func:`ntk_fl.rundir.written_identity`). Saves record
+      ``identity``.
   """
 
   def __init__(
@@ -147,10 +151,12 @@ class Checkpoints:
     keep: Sequence[int] = (),
     read_only: bool = False,
     identity: str | None = None,
+    also_accept: Sequence[str | None] = (),
   ):
     self.directory = os.path.abspath(os.fspath(directory))
     self.read_only = read_only
     self.identity = identity
+    self.also_accept = tuple(a for a in also_accept if a and a != identity)
     preserve = ocp.checkpoint_managers
     policy = preserve.LatestN(n=max_to_keep)
     if keep:
@@ -225,16 +231,18 @@ class Checkpoints:
 
   def _check_digest(self, rounds_done: int, storable) -> None:
     record = self._record(rounds_done)
+    recorded = str(record.get("run", ""))
     # Without an identity (an analysis script reading a run's checkpoints) the recorded one is
     # taken as given.
-    identity = self.identity if self.identity is not None else str(record.get("run", ""))
-    other_run = CheckpointDamaged(
-      self.path(rounds_done), "it was written by a different run (another config or seed)"
-    )
+    identity = self.identity if self.identity is not None else recorded
+    if recorded in self.also_accept:
+      identity = recorded
     digest = state_digest(storable)
     if _tied(digest, identity) != record["digest"]:
-      if record.get("run", "") != identity:
-        raise other_run
+      if recorded != identity:
+        raise CheckpointDamaged(
+          self.path(rounds_done), "it was written by a different run (another config or seed)"
+        )
       raise CheckpointDamaged(
         self.path(rounds_done),
         "its arrays do not match the digest recorded "
@@ -243,6 +251,15 @@ class Checkpoints:
 
   def verify(self, rounds_done: int) -> None:
     """Restores checkpoint ``rounds_done`` without a template and checks its digest.
+
+    Raises:
+      CheckpointDamaged: the checkpoint is incomplete, unreadable or fails its digest.
+    """
+    self.read(rounds_done)
+
+  def read(self, rounds_done: int) -> Any:
+    """Checkpoint ``rounds_done`` as stored (NumPy arrays in nested dicts and lists, typed PRNG keys
+    as their raw data), its digest checked: for reading a run's state without building its template.
 
     Raises:
       CheckpointDamaged: the checkpoint is incomplete, unreadable or fails its digest.
@@ -256,6 +273,7 @@ class Checkpoints:
     except Exception as err:  # orbax/TensorStore raise many types (JSON, DATA_LOSS, OSError, ...)
       raise CheckpointDamaged(path, f"unreadable ({_first_line(err)})") from err
     self._check_digest(rounds_done, restored)
+    return restored
 
   def restore(self, rounds_done: int, template) -> Any:
     """Restores the checkpoint ``rounds_done`` into the structure/dtypes of ``template``.

@@ -75,6 +75,7 @@ __all__ = [
   "run_identity",
   "drop_event_files",
   "stored_identity",
+  "written_identity",
   "LOCK_FILE",
   "checkpoint_dir",
   "jsonable",
@@ -624,6 +625,22 @@ def run_identity(config) -> str:
   return hashlib.sha256(json.dumps(plain, sort_keys=True).encode()).hexdigest()
 
 
+def written_identity(workdir: str) -> str | None:
+  """:func:`run_identity` of ``workdir``'s ``config.json`` exactly as written, keys added to the schema
+  since left out; ``None`` without a readable one.
+
+  A run started by an older version of the package recorded this identity in its checkpoints; the
+  current config of the same run (its added keys at the values that reproduce it) hashes differently,
+  so a resume accepts both (``Checkpoints(also_accept=...)``).
+  """
+  try:
+    with open(os.path.join(workdir, CONFIG_FILE)) as f:
+      written = json.load(f)
+  except (OSError, ValueError, RecursionError):
+    return None
+  return run_identity(written) if isinstance(written, dict) else None
+
+
 def stored_identity(workdir: str) -> str:
   """:func:`run_identity` of the run stored in ``workdir`` (its ``config.json``)."""
   return run_identity(_stored_config(workdir, "read the run"))
@@ -720,7 +737,9 @@ def check_workdir(
     validation.check_int("resume_from_step", resume_from_step, low=1)
   start = None
   if os.path.isdir(ckpt_dir):
-    with Checkpoints(ckpt_dir, identity=run_identity(config)) as ckpt:
+    with Checkpoints(
+      ckpt_dir, identity=run_identity(config), also_accept=[written_identity(workdir)]
+    ) as ckpt:
       start = ckpt.recover(upto=resume_from_step)
       held = _metrics_rounds(workdir)
       if start is not None and start > held and resume_from_step is None:

@@ -652,9 +652,7 @@ def _run(
   keep = tuple(int(r) for r in config.checkpoint_keep)
   ckpt = None
   if config.checkpoint_every or keep:
-    ckpt = Checkpoints(
-      rundir.checkpoint_dir(workdir), keep=keep, identity=rundir.run_identity(config)
-    )
+    ckpt = _run_checkpoints(config, workdir, keep, resume)
   # Every process has checked the workdir (and, resuming, will read its metrics) before process 0 writes to it.
   distributed.barrier("ntk_fl.runner: workdir checked")
 
@@ -712,6 +710,18 @@ def _consensus_scorer(algorithm: Algorithm, state, config):
       f"does not have: {e}"
     ) from None
   return jax.jit(gossip.consensus)
+
+
+def _run_checkpoints(config, workdir: str, keep: tuple[int, ...], resume: bool) -> Checkpoints:
+  """The run's checkpoints, tied to its config; a resume also reads those its ``config.json`` as written
+  (by an older package version, before keys were added to the schema) tied them to."""
+  accepted = [rundir.written_identity(workdir)] if resume else []
+  return Checkpoints(
+    rundir.checkpoint_dir(workdir),
+    keep=keep,
+    identity=rundir.run_identity(config),
+    also_accept=accepted,
+  )
 
 
 def _start(config, workdir: str, state, start: int, ckpt, *, resume: bool, branch_from: str | None):
@@ -1070,9 +1080,7 @@ class _ReplicaRun:
     self.keep = keep
     self.ckpt = None
     if self.config.checkpoint_every or keep:
-      self.ckpt = Checkpoints(
-        rundir.checkpoint_dir(workdir), keep=keep, identity=rundir.run_identity(self.config)
-      )
+      self.ckpt = _run_checkpoints(self.config, workdir, keep, resume)
     self.diverged = None
     self.done = False
     self.last_round = start

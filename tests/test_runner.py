@@ -23,7 +23,7 @@ import events
 import toy_method
 from ntk_fl import config as config_lib
 from ntk_fl import data, metrics, models, plotting, rundir, runner, schema
-from ntk_fl.checkpoint import Checkpoints
+from ntk_fl.checkpoint import CheckpointDamaged, Checkpoints
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY_CONFIG = os.path.join(REPO, "tests", "configs", "toy.py")
@@ -279,6 +279,38 @@ def test_a_run_stored_before_a_schema_key_existed_resumes_with_its_old_value(ref
   # The filled-in value is the one the run used: a config that changes it is a different experiment.
   with pytest.raises(ValueError, match=r"different config.*max_test: 0 -> 100"):
     rundir.check_workdir(toy_config(**{"data.max_test": 100}), old, resume=True)
+
+
+def test_checkpoints_written_before_a_schema_key_existed_resume_exactly(reference, tmp_path):
+  """A run started by an older package version tied its checkpoints to its config as then written
+  (without the keys added since); the same run resumed by this version finds them its own."""
+  ref_workdir, ref_lines, ref_summary = reference
+  old = str(tmp_path / "old")
+  shutil.copytree(ref_workdir, old)
+  os.remove(os.path.join(old, rundir.SUMMARY_FILE))
+  with open(os.path.join(old, rundir.CONFIG_FILE)) as f:
+    stored = json.load(f)
+  del stored["model"]["module"], stored["model"]["per_sample"], stored["debug_clients"]
+  with open(os.path.join(old, rundir.CONFIG_FILE), "w") as f:
+    json.dump(stored, f)
+  old_identity = rundir.run_identity(stored)
+  assert old_identity != rundir.run_identity(toy_config())
+  ckpt_dir = rundir.checkpoint_dir(old)
+  with Checkpoints(ckpt_dir, read_only=True) as source:
+    states = {s: source.read(s) for s in source.steps()}
+  shutil.rmtree(ckpt_dir)
+  with Checkpoints(ckpt_dir, identity=old_identity) as writer:  # as the older version saved them
+    for step, state in states.items():
+      writer.save(step, state)
+  # Another run's identity is still refused: the accepted one is this run's config as written.
+  with Checkpoints(ckpt_dir, read_only=True, identity=rundir.run_identity(toy_config())) as ckpt:
+    with pytest.raises(CheckpointDamaged, match="written by a different run"):
+      ckpt.verify(4)
+  summary = runner.run(toy_config(), old, resume=True, resume_from_step=4)
+  assert summary["resumed_from"] == 4
+  lines = rundir.read_metrics(old)
+  assert [without(line, TIMES) for line in lines] == [without(line, TIMES) for line in ref_lines]
+  assert without(summary, SUMMARY_TIMES) == without(ref_summary, SUMMARY_TIMES)
 
 
 def test_branch_of_the_same_experiment_equals_the_uninterrupted_run(reference, tmp_path):
