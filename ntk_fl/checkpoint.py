@@ -231,6 +231,9 @@ class Checkpoints:
 
   def _check_digest(self, rounds_done: int, storable) -> None:
     record = self._record(rounds_done)
+    if "run" not in record:
+      self._check_untied_digest(rounds_done, record, storable)
+      return
     recorded = str(record.get("run", ""))
     # Without an identity (an analysis script reading a run's checkpoints) the recorded one is
     # taken as given.
@@ -248,6 +251,21 @@ class Checkpoints:
         "its arrays do not match the digest recorded "
         "when it was written (a data file was changed after the save)",
       )
+
+  def _check_untied_digest(self, rounds_done: int, record: dict, storable) -> None:
+    """A checkpoint from before checkpoints recorded their run: its digest is of the arrays alone, so the
+    arrays are checked and the run is not (the resume has checked the run's ``config.json``)."""
+    if state_digest(storable) != record["digest"]:
+      raise CheckpointDamaged(
+        self.path(rounds_done),
+        "its arrays do not match the digest recorded when it was written (a data file was changed "
+        "after the save)",
+      )
+    logging.warning(
+      "checkpoint %s was written before checkpoints recorded their run: its arrays are verified, "
+      "its run is taken from the workdir",
+      self.path(rounds_done),
+    )
 
   def verify(self, rounds_done: int) -> None:
     """Restores checkpoint ``rounds_done`` without a template and checks its digest.

@@ -23,7 +23,7 @@ import events
 import toy_method
 from ntk_fl import config as config_lib
 from ntk_fl import data, metrics, models, plotting, rundir, runner, schema
-from ntk_fl.checkpoint import CheckpointDamaged, Checkpoints
+from ntk_fl.checkpoint import CheckpointDamaged, Checkpoints, state_digest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY_CONFIG = os.path.join(REPO, "tests", "configs", "toy.py")
@@ -311,6 +311,42 @@ def test_checkpoints_written_before_a_schema_key_existed_resume_exactly(referenc
   lines = rundir.read_metrics(old)
   assert [without(line, TIMES) for line in lines] == [without(line, TIMES) for line in ref_lines]
   assert without(summary, SUMMARY_TIMES) == without(ref_summary, SUMMARY_TIMES)
+
+
+def test_checkpoints_written_before_they_recorded_their_run_resume_exactly(reference, tmp_path):
+  """The first checkpoint format recorded the arrays' digest alone: such a run resumes exactly, and a
+  changed array in one is still damage."""
+  ref_workdir, ref_lines, ref_summary = reference
+  old = str(tmp_path / "old")
+  shutil.copytree(ref_workdir, old)
+  os.remove(os.path.join(old, rundir.SUMMARY_FILE))
+  ckpt_dir = rundir.checkpoint_dir(old)
+  with Checkpoints(ckpt_dir, read_only=True) as source:
+    steps = source.steps()
+    untied = {s: state_digest(source.read(s)) for s in steps}
+  for step in steps:
+    meta_path = os.path.join(ckpt_dir, str(step), "_CHECKPOINT_METADATA")
+    with open(meta_path) as f:
+      meta = json.load(f)
+    meta["custom_metadata"]["ntk_fl"] = {"digest": untied[step]}
+    with open(meta_path, "w") as f:
+      json.dump(meta, f)
+  summary = runner.run(toy_config(), old, resume=True, resume_from_step=4)
+  assert summary["resumed_from"] == 4
+  lines = rundir.read_metrics(old)
+  assert [without(line, TIMES) for line in lines] == [without(line, TIMES) for line in ref_lines]
+  assert without(summary, SUMMARY_TIMES) == without(ref_summary, SUMMARY_TIMES)
+  meta_path = os.path.join(ckpt_dir, "4", "_CHECKPOINT_METADATA")
+  with open(meta_path) as f:
+    meta = json.load(f)
+  meta["custom_metadata"]["ntk_fl"]["digest"] = untied[
+    5
+  ]  # another state's digest: the arrays differ
+  with open(meta_path, "w") as f:
+    json.dump(meta, f)
+  with Checkpoints(ckpt_dir, read_only=True, identity=rundir.run_identity(toy_config())) as ckpt:
+    with pytest.raises(CheckpointDamaged, match="arrays do not match"):
+      ckpt.verify(4)
 
 
 def test_branch_of_the_same_experiment_equals_the_uninterrupted_run(reference, tmp_path):
