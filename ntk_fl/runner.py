@@ -644,7 +644,7 @@ def _run(
   if (
     start < config.rounds and jax.process_count() == 1
   ):  # NTK methods: FLOPs, memory, time of a round, logged
-    cost.run_estimate(config, exp.model, exp.federation)
+    cost.run_estimate(config, exp.model, exp.federation, ntk=get_method(config.method).ntk)
   state = _initial_state(algorithm, config)
   num_clients = jax.tree_util.tree_leaves(algorithm.client_params(state))[0].shape[0]
   num_params = sum(
@@ -1281,7 +1281,8 @@ def _run_replicas(
     os.makedirs(workdir, exist_ok=True)
     rundir.write_replicas(workdir, config)
     if min(starts) < config.rounds:
-      cost.run_estimate(runs[0], exps[0].model, exps[0].federation)
+      ntk = get_method(runs[0].method).ntk
+      cost.run_estimate(runs[0], exps[0].model, exps[0].federation, ntk=ntk)
     replicas = [
       _ReplicaRun(exp, d, start, resume and start > 0) for exp, d, start in zip(exps, dirs, starts)
     ]
