@@ -145,8 +145,8 @@ def _round_case(method: str, args) -> dict:
 def _replicas_case(method: str, args) -> dict:
   """Time one round of a seed-batched run of ``configs/<method>.py``: S = ``--size`` seeds in one vmap.
 
-  Built as :func:`ntk_fl.runner.run` builds a seed-batched run (its replicated step, the replicas' data
-  split into stacked and shared leaves), without the run's records: what is timed is the step alone.
+  Built as :func:`ntk_fl.runner.run` builds a seed-batched run (:func:`ntk_fl.runner.make_replicated_step`),
+  without the run's records: what is timed is the step alone.
   """
   import jax  # pylint: disable=import-outside-toplevel
   from ntk_fl import runner  # pylint: disable=import-outside-toplevel
@@ -160,16 +160,15 @@ def _replicas_case(method: str, args) -> dict:
       config.chunk_size = 0  # every client in one vmap: the GPU's best (see the NTK-DFL rows)
     exps.append(runner.build_experiment(config))
   with exps[0].device_policy():
-    step, treedef, stacked, shared = runner._replicable(exps)  # pylint: disable=protected-access
-    replicated = runner._make_replicated_step(step, treedef, num, 0)  # pylint: disable=protected-access
-    states = runner._stack([e.algorithm.init(jax.random.key(e.settings.seed)) for e in exps])  # pylint: disable=protected-access
+    replicated = runner.make_replicated_step(exps, replica_chunk=0)
+    states = replicated.stack_states(
+      [e.algorithm.init(jax.random.key(e.settings.seed)) for e in exps]
+    )
     holder = {"states": states, "round": 0}
 
     def one_round():
-      inputs = runner._stack_inputs(  # pylint: disable=protected-access
-        [e.algorithm.round_inputs(holder["round"]) for e in exps], exps
-      )
-      states, _ = replicated(holder["states"], inputs, stacked, shared)
+      inputs = replicated.stack_inputs([e.algorithm.round_inputs(holder["round"]) for e in exps])
+      states, _ = replicated(holder["states"], inputs)
       jax.block_until_ready(states)
       holder["states"], holder["round"] = states, holder["round"] + 1
 

@@ -16,8 +16,9 @@ Timed, steady state (after a compile call), the best of ``--repeats``:
 * ``compress_packages`` -- the whole package compression of all four tensors (top-k + 6-bit quantisation);
 
 each also with the former selection (a 31-pass bisection on the keys and a running count of the ties over
-the row, kept below as ``bisection_top_k_by_key``), back to back in one process. The masks are compared:
-the script fails unless they are identical.
+the row, kept below as ``bisection_top_k_by_key``, the one copy of it: tests/test_compression.py checks the
+radix select against it), back to back in one process. The masks are compared: the script fails unless they
+are identical.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ import os
 import jax
 import numpy as np
 
-from ntk_fl import metrics, rundir, runner, topology
+from ntk_fl import gossip, metrics, rundir, runner
 from ntk_fl.checkpoint import Checkpoints
 
 
@@ -55,7 +55,7 @@ def client_accuracies(
       raise FileNotFoundError(f"{workdir} has no finalised checkpoint")
     state = checkpoints.restore(round_, template)
   own = algorithm.client_params(state)
-  consensus = topology.consensus(own, algorithm.round_inputs(round_))
+  consensus = gossip.consensus(own, algorithm.round_inputs(round_))
   with experiment.device_policy():  # the run's devices and chunk size, as the runner evaluated
     evaluator = metrics.make_evaluator(
       experiment.model.apply,

@@ -82,9 +82,8 @@ _export(
   "ntk_fl.data", "Federation", "make_federation", "partition", rename={"load_dataset": "load"}
 )
 _export("ntk_fl.models", "Model", "mlp", "cnn", "init_clients")
-_export(
-  "ntk_fl.topology", "Topology", "Graph", "make_topology", "mixing_weights", "mix", "consensus"
-)
+_export("ntk_fl.topology", "Topology", "Graph", "make_topology", "mixing_weights")
+_export("ntk_fl.gossip", "mix", "consensus")
 _export("ntk_fl.ntk", "empirical_ntk", "empirical_ntk_fn", "NtkImplementation")
 _export("ntk_fl.evolve", "ntk_step", "ntk_update")
 _export("ntk_fl.parallel", "for_each_client", "use_devices", "Shared")

@@ -36,7 +36,6 @@ floats = 256 MiB) live beyond the output.
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 from typing import Any
@@ -46,6 +45,13 @@ import jax
 import jax.numpy as jnp
 
 from ntk_fl import compression, rng, validation
+from ntk_fl._src.kernels import (
+  flat_jacobian,
+  flatten_jacobian,
+  jacobian_kernel,
+  per_sample_jacobian,
+  unflatten_jacobian,
+)
 
 __all__ = [
   "PROJECTION_SCALES",
@@ -69,7 +75,6 @@ PROJECTION_SCALES = ("sqrt_input", "none")
 unit-variance features for standardised inputs) or none (the paper as printed; ``z`` then has
 variance ``≈ d1``, 784 for images, which saturates a Kaiming-initialised network)."""
 
-_BLOCK_FLOATS = 2**26  # one chunk's Jacobian stays below this (256 MiB float32) by default
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 Array = jax.Array
@@ -77,112 +82,8 @@ ApplyFn = Callable[[Any, Array], Array]
 
 
 # ----------------------------------------------------------------------------
-# Jacobians.
-
-
-def _num_params(params) -> int:
-  return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
-
-
-def per_sample_jacobian(apply_fn: ApplyFn, params, x: Array, *, chunk_size: int | None = None):
-  """Per-sample Jacobians ``J[i, c] = ∂f_c(x_i)/∂w`` at ``params``.
-
-  Args:
-    apply_fn: ``apply_fn(params, x [B, *in]) -> [B, C]``.
-    params: the linearisation point (pytree).
-    x: ``[N, *in]`` inputs.
-    chunk_size: samples whose Jacobians are computed together (one ``vmap``
-      batch of a ``lax.map``); ``None`` keeps a chunk below ``2**26`` floats.
-
-  Returns:
-    A pytree shaped like ``params`` whose leaves are ``[N, C, *leaf_shape]``.
-  """
-  if chunk_size is not None:
-    validation.check_int("chunk_size", chunk_size, low=1)
-  x = jnp.asarray(x)
-  if x.ndim < 1 or x.shape[0] == 0:
-    raise ValueError(f"x must be [N, *in] with N >= 1, got shape {x.shape}")
-  single = lambda p, xi: apply_fn(p, xi[None])[0]
-  out = jax.eval_shape(single, params, x[0])
-  if len(out.shape) != 1:
-    raise ValueError(f"apply_fn must return [B, C] outputs, got {out.shape} per sample")
-  if chunk_size is None:
-    chunk_size = max(1, _BLOCK_FLOATS // max(1, out.shape[0] * _num_params(params)))
-  jac_one = lambda xi: jax.jacrev(single)(params, xi)
-  if chunk_size >= x.shape[0]:
-    return jax.vmap(jac_one)(x)
-  return jax.lax.map(jac_one, x, batch_size=chunk_size)
-
-
-def flatten_jacobian(jac) -> Array:
-  """Pytree of ``[N, C, *leaf]`` leaves -> ``[N, C, d]`` (leaves in ``jax.tree.leaves`` order)."""
-  leaves = jax.tree.leaves(jac)
-  if not leaves or any(leaf.ndim < 2 for leaf in leaves):
-    raise ValueError(
-      f"flatten_jacobian needs leaves [N, C, *leaf], got {[leaf.shape for leaf in leaves]}"
-    )
-  return jnp.concatenate(
-    [leaf.reshape(leaf.shape[0], leaf.shape[1], -1) for leaf in leaves], axis=-1
-  )
-
-
-def unflatten_jacobian(flat: Array, params):
-  """``[..., d]`` -> pytree like ``params`` with leaves ``[..., *leaf_shape]`` (inverse of flattening)."""
-  leaves, treedef = jax.tree.flatten(params)
-  sizes = [math.prod(leaf.shape) for leaf in leaves]
-  if flat.shape[-1] != sum(sizes):
-    raise ValueError(f"flat trailing axis {flat.shape[-1]} != number of parameters {sum(sizes)}")
-  offsets = [0]
-  for size in sizes:
-    offsets.append(offsets[-1] + size)
-  parts = [
-    flat[..., a:b].reshape(*flat.shape[:-1], *leaf.shape)
-    for a, b, leaf in zip(offsets[:-1], offsets[1:], leaves)
-  ]
-  return jax.tree.unflatten(treedef, parts)
-
-
-def flat_jacobian(apply_fn: ApplyFn, params, x: Array, *, chunk_size: int | None = None) -> Array:
-  """:func:`per_sample_jacobian` in the flat layout ``[N, C, d]``."""
-  return flatten_jacobian(per_sample_jacobian(apply_fn, params, x, chunk_size=chunk_size))
-
-
-def jacobian_kernel(jac1, jac2=None, *, trace_outputs: bool = True) -> Array:
-  """The empirical NTK of explicit Jacobians: the one Jacobian -> kernel contraction.
-
-  :func:`ntk_fl.ntk.empirical_ntk`'s ``'jacobian'`` implementation, CP-NTK-FL's server and SPARK's
-  compressed sketches all contract here.
-
-  Args:
-    jac1: ``[N1, C, d]``, or a pytree of ``[N1, C, *leaf]`` leaves (:func:`per_sample_jacobian`'s layout;
-      the kernel sums over the leaves).
-    jac2: the same for ``N2`` samples (same structure), or ``None`` (``= jac1``).
-    trace_outputs: ``True`` -> ``[N1, N2]`` ``(1/C) Σ_c <J1[i, c], J2[j, c]>`` (the mean over outputs, as
-      :func:`ntk_fl.ntk.empirical_ntk`); ``False`` -> full ``[N1, N2, C, C]`` ``<J1[i, a], J2[j, b]>``.
-  """
-  leaves1 = jax.tree.leaves(jac1)
-  leaves2 = leaves1 if jac2 is None else jax.tree.leaves(jac2)
-  if (
-    not leaves1
-    or len(leaves1) != len(leaves2)
-    or any(a.ndim < 3 or b.ndim < 3 or a.shape[1:] != b.shape[1:] for a, b in zip(leaves1, leaves2))
-  ):
-    raise ValueError(
-      "jacobians must be [N, C, d] (or pytrees of [N, C, *leaf] leaves) with equal C and "
-      f"parameter shapes, got {[a.shape for a in leaves1]} and {[b.shape for b in leaves2]}"
-    )
-  flat = lambda a: a.reshape(a.shape[0], a.shape[1], -1)
-  if trace_outputs:  # each leaf's term is averaged over the outputs before the leaves are summed
-    terms = [
-      jnp.einsum("icp,jcp->ij", flat(a), flat(b), precision=_HIGHEST) / a.shape[1]
-      for a, b in zip(leaves1, leaves2)
-    ]
-  else:
-    terms = [
-      jnp.einsum("iap,jbp->ijab", flat(a), flat(b), precision=_HIGHEST)
-      for a, b in zip(leaves1, leaves2)
-    ]
-  return functools.reduce(jnp.add, terms)
+# Jacobians: per_sample_jacobian, flatten_jacobian, unflatten_jacobian, flat_jacobian and jacobian_kernel
+# are defined with the kernels that contract them (``ntk_fl._src.kernels``) and re-exported above.
 
 
 # ----------------------------------------------------------------------------

@@ -58,7 +58,7 @@ import jax.numpy as jnp
 
 from ntk_fl import rng, validation
 from ntk_fl._src.dense_stack import DenseStack
-from ntk_fl.evolve import ParamMap
+from ntk_fl._src.ntk_step import ParamMap
 from ntk_fl.ntk import DenseProjection, dense_jacobian_factors
 
 __all__ = [

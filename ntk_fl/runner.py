@@ -59,7 +59,7 @@ import math
 import os
 import time
 from typing import Any, NamedTuple
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from absl import logging
 import jax
@@ -81,7 +81,9 @@ from ntk_fl.settings import RunSettings
 __all__ = [
   "Diverged",
   "Experiment",
+  "ReplicatedStep",
   "make_finite_check",
+  "make_replicated_step",
   "build_experiment",
   "make_algorithm",
   "run",
@@ -642,7 +644,7 @@ def _run(
   if (
     start < config.rounds and jax.process_count() == 1
   ):  # NTK methods: FLOPs, memory, time of a round, logged
-    cost.run_estimate(config, exp.model, exp.federation)
+    cost.run_estimate(config, exp.model, exp.federation, ntk=get_method(config.method).ntk)
   state = _initial_state(algorithm, config)
   num_clients = jax.tree_util.tree_leaves(algorithm.client_params(state))[0].shape[0]
   num_params = sum(
@@ -991,12 +993,12 @@ def _replica(tree, k: int):
   return jax.tree.map(lambda x: x[k], tree)
 
 
-def _stack_inputs(inputs: list, replicas: list) -> Any:
+def _stack_inputs(inputs: list, seeds: Sequence[int]) -> Any:
   """The replicas' round inputs stacked; inputs of different shapes are a ``ValueError`` naming the seeds."""
-  for rep, tree in zip(replicas[1:], inputs[1:]):
+  for seed, tree in zip(seeds[1:], inputs[1:]):
     if _shapes(tree) != _shapes(inputs[0]):
       raise ValueError(
-        f"config.replicas: seeds {replicas[0].config.seed} and {rep.config.seed} draw round inputs of "
+        f"config.replicas: seeds {seeds[0]} and {seed} draw round inputs of "
         f"different shapes ({[s for s, _ in _shapes(inputs[0])]} vs {[s for s, _ in _shapes(tree)]}), "
         "e.g. graphs of different maximum degree: fix config.topology.k_max, or run the seeds separately"
       )
@@ -1067,6 +1069,50 @@ def _make_replicated_step(step, treedef, num_replicas: int, replica_chunk: int):
     return jax.lax.map(fn, xs, batch_size=replica_chunk)
 
   return replicated
+
+
+class ReplicatedStep(NamedTuple):
+  """``S`` seeds' runs of one method as one step over a leading replica axis ``S`` (a seed-batched run).
+
+  Built by :func:`make_replicated_step`; :func:`run` drives a run of ``config.replicas > 1`` with it, and a
+  benchmark can time it alone. ``stacked`` / ``shared``: the step data's leaves, ``[S, ...]`` where the
+  seeds differ, one copy where they agree.
+  """
+
+  step: Callable  # jitted (states, inputs, stacked, shared) -> (states, metrics); leaves [S, ...]
+  stacked: list
+  shared: list
+  seeds: tuple[int, ...]
+
+  def __call__(self, states, inputs):
+    """``(states [S, ...], inputs [S, ...]) -> (states, metrics)``: one round of every replica."""
+    return self.step(states, inputs, self.stacked, self.shared)
+
+  def stack_states(self, states: list):
+    """``S`` replicas' states (one per seed, in order) -> one state with a leading replica axis."""
+    return _stack(states)
+
+  def stack_inputs(self, inputs: list):
+    """``S`` replicas' round inputs -> one pytree ``[S, ...]``; a ``ValueError`` naming two seeds whose
+    inputs differ in shape (the replica axis needs one shape)."""
+    return _stack_inputs(inputs, self.seeds)
+
+  def replica(self, tree, k: int):
+    """Replica ``k`` of a stacked pytree (states or metrics), the replica axis taken away."""
+    return _replica(tree, k)
+
+
+def make_replicated_step(exps: Sequence[Experiment], replica_chunk: int = 0) -> ReplicatedStep:
+  """The seed-batched step of ``S = len(exps)`` experiments of one method (one per seed).
+
+  ``replica_chunk``: ``1`` maps the replicas one after another (each replica's round is the single-seed
+  program's, bit-identical on the CPU); ``0`` (or ``>= S``) one ``vmap`` of all; otherwise ``vmap`` chunks of
+  that size. Raises ``ValueError`` for a method without a replicable step or seeds whose step data differ
+  in shape. Call it, and the step, inside ``exps[0].device_policy()``.
+  """
+  step, treedef, stacked, shared = _replicable(list(exps))
+  replicated = _make_replicated_step(step, treedef, len(exps), replica_chunk)
+  return ReplicatedStep(replicated, stacked, shared, tuple(e.settings.seed for e in exps))
 
 
 class _ReplicaRun:
@@ -1229,21 +1275,20 @@ def _run_replicas(
       for run, d in zip(runs, dirs)
     ]
     exps = [build_experiment(run) for run in runs]
-    step, treedef, stacked, shared = _replicable(exps)
+    replicated = make_replicated_step(exps, config.replica_chunk)
     for exp in exps:
       _check_selection(exp.settings, exp.algorithm)
     os.makedirs(workdir, exist_ok=True)
     rundir.write_replicas(workdir, config)
     if min(starts) < config.rounds:
-      cost.run_estimate(runs[0], exps[0].model, exps[0].federation)
+      ntk = get_method(runs[0].method).ntk
+      cost.run_estimate(runs[0], exps[0].model, exps[0].federation, ntk=ntk)
     replicas = [
       _ReplicaRun(exp, d, start, resume and start > 0) for exp, d, start in zip(exps, dirs, starts)
     ]
     try:
       states = [r.open(_initial_state(e.algorithm, e.settings)) for r, e in zip(replicas, exps)]
-      states = _rounds_replicated(
-        replicas, states, step, treedef, stacked, shared, config, on_round_end
-      )
+      states = _rounds_replicated(replicas, states, replicated, config, on_round_end)
       for rep, state in zip(replicas, states):
         rep.close(state)
     finally:
@@ -1281,12 +1326,11 @@ def _run_replicas(
 
 
 def _rounds_replicated(
-  replicas: list[_ReplicaRun], states: list, step, treedef, stacked, shared, config, on_round_end
+  replicas: list[_ReplicaRun], states: list, replicated: ReplicatedStep, config, on_round_end
 ) -> list:
   """The rounds of every replica, one replicated step at a time; returns each replica's final state."""
   num = len(replicas)
-  replicated = _make_replicated_step(step, treedef, num, config.replica_chunk)
-  carried = _canonical(_stack(states))
+  carried = _canonical(replicated.stack_states(states))
   finals = list(states)
   rounds = config.rounds
   t = 0
@@ -1301,11 +1345,11 @@ def _rounds_replicated(
     while not all(r.done for r in replicas):
       # Replica k is at round start_k + t; a replica that is done gets its last round's inputs (unused).
       index = [min(r.start + t, rounds - 1) for r in replicas]
-      inputs = _stack_inputs(
-        [r.algorithm.round_inputs(i) for r, i in zip(replicas, index)], replicas
+      inputs = replicated.stack_inputs(
+        [r.algorithm.round_inputs(i) for r, i in zip(replicas, index)]
       )
       t0 = time.perf_counter()
-      carried, metrics = replicated(carried, inputs, stacked, shared)
+      carried, metrics = replicated(carried, inputs)
       carried = _canonical(jax.block_until_ready(carried))
       t1 = time.perf_counter()
       for k, rep in enumerate(replicas):

@@ -111,7 +111,9 @@ def validate_config(config, reference=None) -> RunSettings:
   Raises ``ValueError`` naming the bad key, its value and what is allowed. Loads
   no data.
   """
-  from ntk_fl import data, models, topology  # pylint: disable=g-import-not-at-top
+  from ntk_fl import models, topology  # pylint: disable=g-import-not-at-top
+  from ntk_fl.data.partition import PARTITIONS  # pylint: disable=g-import-not-at-top
+  from ntk_fl.data.sources import DATASETS  # pylint: disable=g-import-not-at-top
 
   if isinstance(config, RunSettings):
     return config
@@ -156,12 +158,12 @@ def validate_config(config, reference=None) -> RunSettings:
       f"split over every process's devices; use 0 (all {jax.device_count()} of them)"
     )
 
-  dataset = _choice(config, "data.name", data.DATASETS)
+  dataset = _choice(config, "data.name", DATASETS)
   if not isinstance(_get(config, "data.data_dir"), str):
     raise ValueError(
       f"config.data.data_dir must be a string ('' = search path), got {_get(config, 'data.data_dir')!r}"
     )
-  partition = _choice(config, "data.partition", data.PARTITIONS)
+  partition = _choice(config, "data.partition", PARTITIONS)
   if partition == "by_writer" and dataset not in ("femnist", "femnist_digits"):
     raise ValueError(
       f"config.data.partition = 'by_writer' needs writer ids; only 'femnist' and 'femnist_digits' "
@@ -279,6 +281,7 @@ def validate_config(config, reference=None) -> RunSettings:
 def _check_user_module(config, dataset: str) -> None:
   """``model.module`` / ``model.per_sample``: the user's flax module is imported and probed now (trusted code)."""
   from ntk_fl._src import user_model  # pylint: disable=g-import-not-at-top
+  from ntk_fl.data import sources  # pylint: disable=g-import-not-at-top
 
   model = _get(config, "model")
   spec, per_sample = model.get("module", ""), model.get("per_sample", False)
@@ -296,7 +299,7 @@ def _check_user_module(config, dataset: str) -> None:
       f"config.model.module = {spec!r} and config.model.name = {model['name']!r} both name a "
       "model; leave model.name at 'mlp' (the module replaces name, hidden and activation)"
     )
-  user_model.check_module(spec, *user_model.dataset_input(dataset))
+  user_model.check_module(spec, *sources.dataset_input(dataset))
 
 
 def _check_partition_fits(config, partition: str, dataset: str, num_clients: int) -> None:

@@ -59,14 +59,9 @@ from scipy import stats
 
 from ntk_fl import validation
 
-# The on-device mixing step lives in ntk_fl.gossip; these names stay importable from here.
-from ntk_fl.gossip import consensus, mix, mix_one
 from ntk_fl.rng import Stream, numpy_rng
 
 __all__ = [
-  "mix",
-  "mix_one",
-  "consensus",
   "Graph",
   "Topology",
   "TOPOLOGIES",

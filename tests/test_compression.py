@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from ntk_fl import communication, compression
+from scripts import load_benchmark
 
 
 def _brute_topk_mask(values, k):
@@ -102,25 +103,9 @@ def test_topk_mask_of_16_bit_values_takes_a_k_beyond_the_16_bit_range():
   np.testing.assert_array_equal(mask, _brute_topk_mask(np.asarray(x.astype(jnp.float32)), k))
 
 
-def _bisection_top_k_by_key(keys, k):
-  """The selection as it was computed before the radix select: the threshold by a bisection over the key
-  range (one counting pass per bit), the ties by a running count over the whole row."""
-  keys = jnp.asarray(keys)
-  k = jnp.broadcast_to(jnp.asarray(k), keys.shape[:-1])
-
-  def halve(_, bounds):
-    lo, hi = bounds
-    mid = lo + (hi - lo) // 2
-    enough = jnp.sum(keys >= mid[..., None], axis=-1) >= k
-    return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
-
-  lo = jnp.zeros(keys.shape[:-1], keys.dtype)
-  hi = jnp.full(keys.shape[:-1], jnp.iinfo(keys.dtype).max, keys.dtype)
-  threshold, _ = jax.lax.fori_loop(0, 8 * keys.dtype.itemsize - 1, halve, (lo, hi))
-  above = keys > threshold[..., None]
-  ties = keys == threshold[..., None]
-  room = k[..., None] - jnp.sum(above, axis=-1, keepdims=True)
-  return above | (ties & (jnp.cumsum(ties, axis=-1) <= room))
+# The former selection, the threshold by a bisection over the key range (one counting pass per bit) and the
+# ties by a running count over the whole row: one copy, in the benchmark that times it against the radix select.
+_bisection_top_k_by_key = load_benchmark("topk_select").bisection_top_k_by_key
 
 
 def _random_magnitudes(rng, kind, shape):

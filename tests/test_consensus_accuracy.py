@@ -8,7 +8,7 @@ from jax.flatten_util import ravel_pytree
 import numpy as np
 import pytest
 
-from ntk_fl import metrics, rundir, runner, topology
+from ntk_fl import gossip, metrics, rundir, runner, topology
 from ntk_fl.config import load_config
 from scripts import REPO, load_experiment
 
@@ -88,4 +88,4 @@ def test_row_and_bad_method():
     script.row("x_s0", result) == "| x_s0 | 3 | 85.12 | 81.00 (80.0–82.0) | 84.50 (84.0–85.0) |"
   )
   with pytest.raises(ValueError, match="decentralized method's round inputs"):
-    topology.consensus({"w": np.zeros((2, 3))}, object())
+    gossip.consensus({"w": np.zeros((2, 3))}, object())

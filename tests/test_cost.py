@@ -14,6 +14,8 @@ import pytest
 from ntk_fl import config as config_lib
 from ntk_fl import models, schema
 from ntk_fl._src import cost
+from ntk_fl._src.ntk_step import NTK_FUNCTIONS as NTK
+from ntk_fl.algorithms import get_method
 from tests.federations import ragged_federation
 
 
@@ -28,7 +30,7 @@ def test_mlp_kernel_flops_match_the_closed_form(hidden, n):
   d, c = 784, 10
   (h,) = hidden
   closed = 2 * n * d * h + 2 * n * n * (d + h + h)
-  flops = cost.kernel_flops(models.mlp(d, hidden, c), n)
+  flops = cost.kernel_flops(models.mlp(d, hidden, c), n, ntk=NTK)
   assert flops == pytest.approx(closed, rel=0.01)
   assert flops >= closed  # the closed form leaves out only the (positive) elementwise terms
 
@@ -63,15 +65,25 @@ def test_workload_of_each_ntk_method():
   assert ens.block == max(run.algorithm.clients_per_round // run.algorithm.num_modes, 1) * 9
 
 
+def test_the_ntk_methods_hand_the_estimate_their_step_and_the_others_none():
+  # The estimate imports no kernel code: a method whose rounds are NTK steps names them in its Method.
+  for name in ("ntk_dfl", "spark", "ntk_fl", "fed_ensemble"):
+    assert get_method(name).ntk is NTK, name
+  for name in ("fedavg", "fedprox", "dfedavg", "qsgd"):
+    assert get_method(name).ntk is None, name
+  fed = ragged_federation(np.random.default_rng(2), [6] * 20, dim=784, num_classes=10)
+  assert cost.estimate(_settings("ntk_dfl"), models.mlp(), fed, ntk=None) is None
+
+
 def test_estimate_scales_the_calibrated_step_and_warns_over_budget(caplog):
   fed = ragged_federation(np.random.default_rng(1), [6] * 20, dim=784, num_classes=10)
   model = models.mlp()
   settings = _settings("ntk_dfl")
-  est = cost.estimate(settings, model, fed)
+  est = cost.estimate(settings, model, fed, ntk=NTK)
   cal = est.calibration
   assert cal.block == 18 and cal.seconds > 0 and cal.step_bytes > 0
   assert est.round_seconds == pytest.approx(20 * cal.seconds)
-  assert est.kernel_flops == pytest.approx(20 * cost.kernel_flops(model, 18))
+  assert est.kernel_flops == pytest.approx(20 * cost.kernel_flops(model, 18, ntk=NTK))
   params = 79_510 * 4
   assert (
     est.peak_bytes == 1 * cal.step_bytes + 2 * 20 * params
@@ -104,9 +116,11 @@ def test_a_large_kernel_is_timed_on_a_smaller_block_and_scaled():
   work = cost.Workload(
     4, 64, 1, dict(taus=(5, 10), loss="ce", solver="euler", kernel="traced", select="network")
   )
-  full = cost.kernel_flops(model, 64)
-  cal = cost.calibrate(model, work, max_flops=full / 10)  # (N/2)² = a quarter, (N/4)² = 1/16 < 1/10
+  full = cost.kernel_flops(model, 64, ntk=NTK)
+  cal = cost.calibrate(
+    model, work, ntk=NTK, max_flops=full / 10
+  )  # (N/2)² = a quarter, (N/4)² = 1/16 < 1/10
   assert cal.block == 64 and cal.timed_block == 16 and cal.kernel_flops == full
-  whole = cost.calibrate(model, work)
+  whole = cost.calibrate(model, work, ntk=NTK)
   assert whole.timed_block == 64 and whole.step_bytes == cal.step_bytes  # memory of the full block
   assert cal.seconds > 0

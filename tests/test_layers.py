@@ -86,8 +86,11 @@ def _modules() -> dict[str, pathlib.Path]:
   return out
 
 
-def _import_graph(modules: dict[str, pathlib.Path]) -> dict[str, set[str]]:
-  """module -> the package's modules it imports anywhere in its source (top level and inside functions)."""
+def _import_graph(
+  modules: dict[str, pathlib.Path], *, top_level_only: bool = False
+) -> dict[str, set[str]]:
+  """module -> the package's modules it imports anywhere in its source (top level and inside functions;
+  ``top_level_only``: the imports outside function bodies, what importing the module runs)."""
 
   def resolve(name):  # ``ntk_fl.x.attr`` -> ``ntk_fl.x``
     while name and name not in modules:
@@ -98,7 +101,15 @@ def _import_graph(modules: dict[str, pathlib.Path]) -> dict[str, set[str]]:
   for name, path in modules.items():
     package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     deps = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    skipped = set()
+    if top_level_only:
+      for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+          skipped.update(id(n) for n in ast.walk(fn) if n is not fn)
+    for node in ast.walk(tree):
+      if id(node) in skipped:
+        continue
       if isinstance(node, ast.Import):
         deps.update(resolve(a.name) for a in node.names if a.name.split(".")[0] == "ntk_fl")
       elif isinstance(node, ast.ImportFrom):
@@ -210,35 +221,57 @@ def test_the_checker_sees_function_level_and_relative_imports(tmp_path):
   assert (
     graph["ntk_fl.sub"] == {"ntk_fl.sub.leaf", "ntk_fl.low"} and graph["ntk_fl.sub.leaf"] == set()
   )
+  top = _import_graph(modules, top_level_only=True)
+  assert top["ntk_fl.low"] == set() and top["ntk_fl.high"] == {"ntk_fl.low"}
 
 
 def test_the_import_chains_stay_short():
   # Counted in modules, function-level imports included: the whole package (from the commands at the
-  # top, through a run and its cost estimate, to the kernels), and the kernels and the NTK step.
+  # top, through a run, to the leaves), and the kernel stack and the NTK step.
   graph = _import_graph(_modules())
   chains = _longest_chains(graph)
   # The config layer reads no run directory: the config files load in three levels. The experiment
   # registry needs only the configs. The method interface imports only leaves (the graph inputs of a
   # decentralized round live in ``algorithms.graph_inputs``), so reading a run directory stays short.
+  # The cost estimate imports no kernel code (the method hands it its NTK step), the kernels import
+  # only leaves, and the package's own modules import ``_src`` directly, never the ``evolve`` face.
   for top, most in (
     ("ntk_fl.reproduce", 7),
-    ("ntk_fl.cli", 8),
-    ("ntk_fl.runner", 7),
-    ("ntk_fl.schema", 5),
+    ("ntk_fl.cli", 6),
+    ("ntk_fl.runner", 5),
+    ("ntk_fl.schema", 4),
     ("ntk_fl.rundir", 4),
     ("ntk_fl.compare", 5),
-    ("ntk_fl.algorithms.spark", 8),
+    ("ntk_fl.algorithms.spark", 6),
+    ("ntk_fl.algorithms.ntk_dfl", 5),
     ("ntk_fl.algorithms.base", 2),
     ("ntk_fl.algorithms", 3),
     ("ntk_fl.reproduce.experiments", 5),
     ("ntk_fl.config", 3),
-    ("ntk_fl.evolve", 6),
-    ("ntk_fl._src.ntk_step", 5),
-    ("ntk_fl.ntk", 5),
+    ("ntk_fl.topology", 2),
+    ("ntk_fl.evolve", 5),
+    ("ntk_fl._src.ntk_step", 4),
+    ("ntk_fl.ntk", 4),
+    ("ntk_fl._src.kernels", 2),
+    ("ntk_fl._src.cost", 1),
   ):
     assert len(chains[top]) <= most, " -> ".join(chains[top])
   longest = max(chains.values(), key=len)
-  assert len(longest) <= 9, " -> ".join(longest)
+  assert len(longest) <= 7, " -> ".join(longest)
+  # What importing a module runs (its top-level imports only) is shorter still.
+  loaded = _longest_chains(_import_graph(_modules(), top_level_only=True))
+  longest = max(loaded.values(), key=len)
+  assert len(longest) <= 6, " -> ".join(longest)
+
+
+def test_the_kernels_and_the_cost_estimate_import_only_leaves():
+  graph = _import_graph(_modules())
+  leaves = {m for m, deps in graph.items() if not deps}
+  assert graph["ntk_fl._src.kernels"] <= leaves, sorted(graph["ntk_fl._src.kernels"] - leaves)
+  assert not graph["ntk_fl._src.cost"], sorted(graph["ntk_fl._src.cost"])
+  # ``evolve`` only re-exports ``_src``: a module of the package importing it adds a level for nothing.
+  importers = sorted(m for m, deps in graph.items() if "ntk_fl.evolve" in deps and m != "ntk_fl")
+  assert not importers, importers
 
 
 def test_the_method_interface_loads_no_graph_nor_evaluation_code():

@@ -373,7 +373,9 @@ def test_every_storage_budget_gives_the_brute_force_kernel(monkeypatch, budget):
     for b, n2 in ((x2, 3), (None, 5)):
       ref = brute_force(module.apply, params, x1, x1 if b is None else b, trace_outputs)
       generic = jax.jit(
-        lambda p, a, b: kernels.jacobian_kernel(module.apply, p, a, b, trace_outputs, 2)
+        lambda p, a, b: kernels.jacobian_implementation_kernel(
+          module.apply, p, a, b, trace_outputs, 2
+        )
       )(params, x1, b)
       assert rel(generic, ref) < RTOL, (budget, trace_outputs, n2)
       for route in ("factorise", "contract"):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from ntk_fl import config as config_lib
-from ntk_fl import evolve, models, parallel, rundir, runner, schema, topology
+from ntk_fl import evolve, gossip, models, parallel, rundir, runner, schema, topology
 from ntk_fl.algorithms import ntk_dfl
 from federations import ragged_federation
 from ntk_fl.data import federation_from_padded
@@ -100,9 +100,7 @@ def test_neighbor_average_complete_graph_uniform_is_exact_mean():
     "b": jnp.asarray(rng.normal(size=(5,))),
   }
   neighbors = np.array([[j for j in range(5) if j != i] for i in range(5)], np.int32)
-  out = topology.mix(
-    params, neighbors, np.full(5, 0.2, np.float32), np.full((5, 4), 0.2, np.float32)
-  )
+  out = gossip.mix(params, neighbors, np.full(5, 0.2, np.float32), np.full((5, 4), 0.2, np.float32))
   for leaf, original in zip(jax.tree.leaves(out), jax.tree.leaves(params)):
     np.testing.assert_allclose(
       leaf, np.broadcast_to(np.mean(original, axis=0), original.shape), rtol=1e-6, atol=1e-6
@@ -116,7 +114,7 @@ def test_neighbor_average_equals_dense_mixing_matrix(scheme):
   self_w, nbr_w = topology.mixing_weights(graph, scheme, sizes)
   dense = topology.mixing_matrix(graph, scheme, sizes)
   w = np.random.default_rng(0).normal(size=(12, 7)).astype(np.float32)
-  out = topology.mix({"w": jnp.asarray(w)}, graph.neighbors, self_w, nbr_w)["w"]
+  out = gossip.mix({"w": jnp.asarray(w)}, graph.neighbors, self_w, nbr_w)["w"]
   np.testing.assert_allclose(out, dense @ w, rtol=1e-5, atol=1e-5)
 
 
@@ -302,7 +300,7 @@ def test_jacobian_batching_is_sequential_block_evolution_at_a_fixed_linearisatio
 
   lr = config.algorithm.lr
   n_max = federation.x.shape[1]
-  wbars = topology.mix(state.params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
+  wbars = gossip.mix(state.params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
   for i in range(federation.n.shape[0]):
     members = [i] + [int(j) for j, m in zip(inputs.neighbors[i], inputs.neighbor_mask[i]) if m]
     wbar = jax.tree.map(lambda leaf: leaf[i], wbars)
@@ -472,7 +470,7 @@ def test_another_scorer_picks_tau_as_scoring_each_candidate_by_itself_does():
   new_state, metrics = hooked.step(state, inputs)
   _, plain_metrics = plain.step(state, inputs)
   taus = tuple(config.algorithm.taus)
-  wbars = topology.mix(state.params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
+  wbars = gossip.mix(state.params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
   expected_taus = []
   for i in range(federation.n.shape[0]):
     members = [i] + [int(j) for j, m in zip(inputs.neighbors[i], inputs.neighbor_mask[i]) if m]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.flatten_util import ravel_pytree
 
-from ntk_fl import compression, evolve, models, projection, rundir, runner, schema, topology
+from ntk_fl import compression, evolve, gossip, models, projection, rundir, runner, schema
 from ntk_fl.algorithms import ntk_dfl, spark
 from ntk_fl.config import load_config
 from federations import ragged_federation
@@ -141,7 +141,7 @@ def reference_round(config, model, federation, state, inputs, plan, mats):
     temp_final=algo.distill.temp_final,
   )
   p = np.asarray(projection.dense_matrix(plan, mats), np.float64)
-  wbars = topology.mix(state.params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
+  wbars = gossip.mix(state.params, inputs.neighbors, inputs.self_weight, inputs.neighbor_weights)
   velocities = -np.stack(
     [
       np.asarray(ravel_pytree(jax.tree.map(lambda leaf: leaf[i], state.momentum[0].trace))[0])

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from ntk_fl import gossip
 from ntk_fl import topology as T
 
 _SETTINGS = settings(max_examples=25, deadline=None, derandomize=True)
@@ -385,7 +386,7 @@ def test_spectral_gap_rejects_non_stochastic_matrices():
 
 
 class MixTest(chex.TestCase):
-  """topology.mix against the dense mixing matrix, called directly and under jit (chex.variants)."""
+  """gossip.mix against the dense mixing matrix, called directly and under jit (chex.variants)."""
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_mix_uses_own_exact_weights_and_neighbours_transmitted_ones(self):
@@ -398,7 +399,7 @@ class MixTest(chex.TestCase):
       "b": rng.normal(size=(10,)).astype(np.float32),
     }
     sent = jax.tree.map(lambda a: (a + rng.normal(size=a.shape) * 0.1).astype(np.float32), w)
-    mix = self.variant(T.mix)
+    mix = self.variant(gossip.mix)
     out = mix(w, graph.neighbors, self_w, nbr_w, sent=sent)
     off_diagonal = dense - np.diag(np.diag(dense))
     want = jax.tree.map(
@@ -424,17 +425,17 @@ def test_mix_checks_shapes_at_the_boundary():
   with pytest.raises(
     AssertionError, match="tree_shape_prefix"
   ):  # 5 clients' params, a 6-client graph
-    T.mix({"w": np.zeros((5, 3), np.float32)}, graph.neighbors, self_w, nbr_w)
+    gossip.mix({"w": np.zeros((5, 3), np.float32)}, graph.neighbors, self_w, nbr_w)
   with pytest.raises(AssertionError, match="equal_shapes"):  # what was sent is shaped differently
-    T.mix(w, graph.neighbors, self_w, nbr_w, sent={"w": np.zeros((6, 4), np.float32)})
+    gossip.mix(w, graph.neighbors, self_w, nbr_w, sent={"w": np.zeros((6, 4), np.float32)})
   with pytest.raises(AssertionError, match=r"assert_shape"):  # weights of another graph
-    T.mix(w, graph.neighbors, self_w[:5], nbr_w)
+    gossip.mix(w, graph.neighbors, self_w[:5], nbr_w)
   with pytest.raises(AssertionError, match=r"assert_type"):  # a float neighbour table
     T.mixing_weights(T.Graph(graph.neighbors.astype(np.float32), graph.mask))
 
 
 def test_mix_does_not_materialise_the_gathered_neighbour_slots():
-  # benchmarks/gossip_step.py checks topology.mix against the one-gather formulation it replaced;
+  # benchmarks/gossip_step.py checks gossip.mix against the one-gather formulation it replaced;
   # the slot-by-slot sum must need far less XLA scratch than the [M, k, 784, 100] gather of the first layer.
   from scripts import load_benchmark  # pylint: disable=import-outside-toplevel
 
@@ -461,8 +462,8 @@ def test_mix_one_is_a_row_of_mix_inside_for_each_client():
     "a": rng.normal(size=(9, 4, 3)).astype(np.float32),
     "b": rng.normal(size=(9,)).astype(np.float32),
   }
-  want = T.mix(w, graph.neighbors, self_w, nbr_w)
-  one = lambda own, nbrs, s, a: T.mix_one(w, own, nbrs, s, a)
+  want = gossip.mix(w, graph.neighbors, self_w, nbr_w)
+  one = lambda own, nbrs, s, a: gossip.mix_one(w, own, nbrs, s, a)
   for chunk in (None, 2):
     got = jax.jit(parallel.for_each_client(one, chunk_size=chunk))(
       w, graph.neighbors, self_w, nbr_w
@@ -498,8 +499,8 @@ def test_mix_and_mix_one_use_every_neighbour_slot():
     )
   }
   chex.assert_trees_all_close(
-    T.mix(w, graph.neighbors, self_w, nbr_w), expected, rtol=1e-6, atol=1e-7
+    gossip.mix(w, graph.neighbors, self_w, nbr_w), expected, rtol=1e-6, atol=1e-7
   )
-  one = lambda own, nbrs, s, a: T.mix_one(w, own, nbrs, s, a)
+  one = lambda own, nbrs, s, a: gossip.mix_one(w, own, nbrs, s, a)
   got = jax.jit(parallel.for_each_client(one, chunk_size=None))(w, graph.neighbors, self_w, nbr_w)
   chex.assert_trees_all_close(got, expected, rtol=1e-6, atol=1e-7)

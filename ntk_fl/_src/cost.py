@@ -146,19 +146,18 @@ def _random_block(model, block: int, key):
   return x, y
 
 
-def kernel_flops(model, block: int, kernel: str = "traced") -> float:
+def kernel_flops(model, block: int, kernel: str = "traced", *, ntk) -> float:
   """XLA's FLOP count of the model's NTK on ``block`` random inputs (compiled, not run).
 
-  The kernel is :func:`ntk_fl.ntk.empirical_ntk` with the library's default implementation for the
-  model (the dense-stack or the layer-wise structured one where they apply), the block in one piece.
+  The kernel is ``ntk.empirical_ntk`` (:func:`ntk_fl.ntk.empirical_ntk`) with the library's default
+  implementation for the model (the dense-stack or the layer-wise structured one where they apply), the
+  block in one piece; ``ntk``: the method's ``NtkFunctions`` (``ntk_fl._src.ntk_step.NTK_FUNCTIONS``).
   """
-  from ntk_fl._src import kernels, neural_tangents_api  # pylint: disable=import-outside-toplevel
-
   params = jax.eval_shape(model.init, jax.random.key(0))
   x = jax.ShapeDtypeStruct((block, *model.input_shape), jnp.float32)
   traced = kernel == "traced"
   if getattr(model, "per_sample", True):
-    kernel_fn = lambda p, x: kernels.empirical_ntk(
+    kernel_fn = lambda p, x: ntk.empirical_ntk(
       model.apply,
       p,
       x,
@@ -168,7 +167,7 @@ def kernel_flops(model, block: int, kernel: str = "traced") -> float:
       chunk_size=block,
     )
   else:  # the whole batch's Jacobian (neural-tangents' vmap_axes=None), as the NTK step takes it
-    kernel_fn = lambda p, x: neural_tangents_api.empirical_ntk_fn(
+    kernel_fn = lambda p, x: ntk.empirical_ntk_fn(
       model.apply, trace_axes=(-1,) if traced else (), vmap_axes=None
     )(x, None, p)
   fn = jax.jit(kernel_fn)
@@ -195,14 +194,13 @@ def _bytes(compiled) -> int:
 
 
 def calibrate(
-  model, work: Workload, *, seed: int = 0, max_flops: float = CALIBRATION_FLOPS
+  model, work: Workload, *, ntk, seed: int = 0, max_flops: float = CALIBRATION_FLOPS
 ) -> Calibration:
-  """Compiles and times one NTK step of ``work``'s options on a random block (module docstring).
+  """Compiles and times one NTK step (``ntk.step``) of ``work``'s options on a random block (module
+  docstring); ``ntk``: the method's ``NtkFunctions``.
 
   A kernel above ``max_flops`` is timed on a smaller block and scaled (:class:`Calibration`).
   """
-  from ntk_fl._src import ntk_step  # pylint: disable=import-outside-toplevel
-
   params = model.init(jax.random.key(seed))
   model_options = dict(
     dense_stack=model.dense_stack,
@@ -210,9 +208,9 @@ def calibrate(
     per_sample=getattr(model, "per_sample", True),
   )
   step = jax.jit(
-    lambda p, x, y, m: ntk_step.ntk_step(
-      model.apply, p, x, y, m, lr=0.01, **model_options, **work.options
-    )[0]
+    lambda p, x, y, m: ntk.step(model.apply, p, x, y, m, lr=0.01, **model_options, **work.options)[
+      0
+    ]
   )
 
   def compiled_step(block):
@@ -220,7 +218,7 @@ def calibrate(
     args = (params, x, y, jnp.ones((block,), bool))
     return step.lower(*args).compile(), args
 
-  flops = kernel_flops(model, work.block, work.options["kernel"])
+  flops = kernel_flops(model, work.block, work.options["kernel"], ntk=ntk)
   timed = work.block
   while (
     timed > 8 and flops * (timed / work.block) ** 2 > max_flops
@@ -233,7 +231,7 @@ def calibrate(
   scale = 1.0
   if timed != work.block:
     compiled, args = compiled_step(timed)
-    scale = flops / kernel_flops(model, timed, work.options["kernel"])
+    scale = flops / kernel_flops(model, timed, work.options["kernel"], ntk=ntk)
   times = []
   for _ in range(2):
     t0 = time.perf_counter()
@@ -243,13 +241,17 @@ def calibrate(
 
 
 def estimate(
-  settings, model, federation, *, calibration: Calibration | None = None
+  settings, model, federation, *, ntk=None, calibration: Calibration | None = None
 ) -> Estimate | None:
-  """The round cost of the run ``settings`` on ``model`` and ``federation`` (``None``: no NTK step)."""
+  """The round cost of the run ``settings`` on ``model`` and ``federation`` (``None``: no NTK step).
+
+  ``ntk``: the method's ``NtkFunctions`` (:attr:`ntk_fl.algorithms.Method.ntk`), compiled by the
+  calibration; without them (and without a ``calibration``) there is no estimate.
+  """
   work = workload(settings, model, federation)
-  if work is None:
+  if work is None or (calibration is None and ntk is None):
     return None
-  cal = calibrate(model, work, seed=settings.seed) if calibration is None else calibration
+  cal = calibrate(model, work, ntk=ntk, seed=settings.seed) if calibration is None else calibration
   num_clients = int(federation.mask.shape[0])
   param_bytes = 4 * sum(
     math.prod(leaf.shape) for leaf in jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0)))
@@ -331,9 +333,9 @@ def report(est: Estimate | None, model, *, budget_s: float = ROUND_BUDGET_S) -> 
 
 
 def run_estimate(
-  settings, model, federation, *, budget_s: float = ROUND_BUDGET_S
+  settings, model, federation, *, ntk=None, budget_s: float = ROUND_BUDGET_S
 ) -> Estimate | None:
-  """:func:`estimate` then :func:`report`: the runner's one call before round 1."""
-  est = estimate(settings, model, federation)
+  """:func:`estimate` then :func:`report`: the runner's one call before round 1 (``ntk``: the method's)."""
+  est = estimate(settings, model, federation, ntk=ntk)
   report(est, model, budget_s=budget_s)
   return est

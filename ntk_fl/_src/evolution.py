@@ -1,6 +1,6 @@
 """Function-space evolution under a fixed kernel: the solvers behind :func:`ntk_fl.evolve.evolve`.
 
-Private: import these through :mod:`ntk_fl.evolve`. Conventions (masking, normalisation, the ``τ`` grid
+Users: import these from :mod:`ntk_fl.evolve`. Conventions (masking, normalisation, the ``τ`` grid
 readout) are stated in that module's docstring.
 """
 

@@ -1,4 +1,5 @@
-"""The implementations behind :mod:`ntk_fl.ntk` (private: import through that module).
+"""The implementations behind :mod:`ntk_fl.ntk` and the Jacobians of :mod:`ntk_fl.jacobians` (users: import
+them from those modules).
 
 Blocking over samples, the per-sample-Jacobian and NTK-vector-product kernels of any model, and the
 structured factorisation of a dense stack (plain and in SPARK's layer-wise sketch coordinates). The
@@ -7,6 +8,7 @@ trade-offs between them are documented in :mod:`ntk_fl.ntk` and on :class:`ntk_f
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -17,7 +19,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from ntk_fl import jacobians
+from ntk_fl import validation
 from ntk_fl._src.options import IMPLEMENTATIONS, Implementation
 from ntk_fl._src.dense_stack import DenseStack
 
@@ -253,10 +255,10 @@ def default_chunk(params: Params, num_outputs: int) -> int:
 # 'jacobian': per-sample Jacobians (ntk_fl.jacobians) contracted leaf by leaf.
 
 
-def jacobian_kernel(apply_fn, params, x1, x2, trace_outputs, chunk):
+def jacobian_implementation_kernel(apply_fn, params, x1, x2, trace_outputs, chunk):
   # A whole block's Jacobians at once (one vmap): the blocks already bound the memory.
-  features = lambda x: jacobians.per_sample_jacobian(apply_fn, params, x, chunk_size=x.shape[0])
-  contract = lambda j1, j2: jacobians.jacobian_kernel(j1, j2, trace_outputs=trace_outputs)
+  features = lambda x: per_sample_jacobian(apply_fn, params, x, chunk_size=x.shape[0])
+  contract = lambda j1, j2: jacobian_kernel(j1, j2, trace_outputs=trace_outputs)
   out = jax.eval_shape(lambda p, x: apply_fn(p, x), params, x1[:1])
   num_params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
   return _blocked_kernel(
@@ -655,9 +657,124 @@ def empirical_ntk(
     impl = Implementation.JACOBIAN if trace_outputs else Implementation.NTVP
   chunk = chunk_size if chunk_size is not None else default_chunk(params, num_outputs)
   if impl == Implementation.JACOBIAN:
-    return jacobian_kernel(apply_fn, params, x1, x2, trace_outputs, chunk)
+    return jacobian_implementation_kernel(apply_fn, params, x1, x2, trace_outputs, chunk)
   return ntvp_kernel(apply_fn, params, x1, x2, trace_outputs, num_outputs, out.dtype, chunk)
 
 
 def num_params_of(params: Params) -> int:
   return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
+
+
+# ----------------------------------------------------------------------------
+# Explicit per-sample Jacobians (public as ntk_fl.jacobians.*): the 'jacobian' implementation's features
+# and contraction, also CP-NTK-FL's and SPARK's uploads. Here, with the kernels, so that the kernel stack
+# imports only leaves.
+
+_BLOCK_FLOATS = 2**26  # one chunk's Jacobian stays below this (256 MiB float32) by default
+
+
+def _num_params(params) -> int:
+  return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
+
+
+def per_sample_jacobian(apply_fn: ApplyFn, params, x: jax.Array, *, chunk_size: int | None = None):
+  """Per-sample Jacobians ``J[i, c] = ∂f_c(x_i)/∂w`` at ``params``.
+
+  Args:
+    apply_fn: ``apply_fn(params, x [B, *in]) -> [B, C]``.
+    params: the linearisation point (pytree).
+    x: ``[N, *in]`` inputs.
+    chunk_size: samples whose Jacobians are computed together (one ``vmap``
+      batch of a ``lax.map``); ``None`` keeps a chunk below ``2**26`` floats.
+
+  Returns:
+    A pytree shaped like ``params`` whose leaves are ``[N, C, *leaf_shape]``.
+  """
+  if chunk_size is not None:
+    validation.check_int("chunk_size", chunk_size, low=1)
+  x = jnp.asarray(x)
+  if x.ndim < 1 or x.shape[0] == 0:
+    raise ValueError(f"x must be [N, *in] with N >= 1, got shape {x.shape}")
+  single = lambda p, xi: apply_fn(p, xi[None])[0]
+  out = jax.eval_shape(single, params, x[0])
+  if len(out.shape) != 1:
+    raise ValueError(f"apply_fn must return [B, C] outputs, got {out.shape} per sample")
+  if chunk_size is None:
+    chunk_size = max(1, _BLOCK_FLOATS // max(1, out.shape[0] * _num_params(params)))
+  jac_one = lambda xi: jax.jacrev(single)(params, xi)
+  if chunk_size >= x.shape[0]:
+    return jax.vmap(jac_one)(x)
+  return jax.lax.map(jac_one, x, batch_size=chunk_size)
+
+
+def flatten_jacobian(jac) -> jax.Array:
+  """Pytree of ``[N, C, *leaf]`` leaves -> ``[N, C, d]`` (leaves in ``jax.tree.leaves`` order)."""
+  leaves = jax.tree.leaves(jac)
+  if not leaves or any(leaf.ndim < 2 for leaf in leaves):
+    raise ValueError(
+      f"flatten_jacobian needs leaves [N, C, *leaf], got {[leaf.shape for leaf in leaves]}"
+    )
+  return jnp.concatenate(
+    [leaf.reshape(leaf.shape[0], leaf.shape[1], -1) for leaf in leaves], axis=-1
+  )
+
+
+def unflatten_jacobian(flat: jax.Array, params):
+  """``[..., d]`` -> pytree like ``params`` with leaves ``[..., *leaf_shape]`` (inverse of flattening)."""
+  leaves, treedef = jax.tree.flatten(params)
+  sizes = [math.prod(leaf.shape) for leaf in leaves]
+  if flat.shape[-1] != sum(sizes):
+    raise ValueError(f"flat trailing axis {flat.shape[-1]} != number of parameters {sum(sizes)}")
+  offsets = [0]
+  for size in sizes:
+    offsets.append(offsets[-1] + size)
+  parts = [
+    flat[..., a:b].reshape(*flat.shape[:-1], *leaf.shape)
+    for a, b, leaf in zip(offsets[:-1], offsets[1:], leaves)
+  ]
+  return jax.tree.unflatten(treedef, parts)
+
+
+def flat_jacobian(
+  apply_fn: ApplyFn, params, x: jax.Array, *, chunk_size: int | None = None
+) -> jax.Array:
+  """:func:`per_sample_jacobian` in the flat layout ``[N, C, d]``."""
+  return flatten_jacobian(per_sample_jacobian(apply_fn, params, x, chunk_size=chunk_size))
+
+
+def jacobian_kernel(jac1, jac2=None, *, trace_outputs: bool = True) -> jax.Array:
+  """The empirical NTK of explicit Jacobians: the one Jacobian -> kernel contraction.
+
+  :func:`ntk_fl.ntk.empirical_ntk`'s ``'jacobian'`` implementation, CP-NTK-FL's server and SPARK's
+  compressed sketches all contract here.
+
+  Args:
+    jac1: ``[N1, C, d]``, or a pytree of ``[N1, C, *leaf]`` leaves (:func:`per_sample_jacobian`'s layout;
+      the kernel sums over the leaves).
+    jac2: the same for ``N2`` samples (same structure), or ``None`` (``= jac1``).
+    trace_outputs: ``True`` -> ``[N1, N2]`` ``(1/C) Σ_c <J1[i, c], J2[j, c]>`` (the mean over outputs, as
+      :func:`ntk_fl.ntk.empirical_ntk`); ``False`` -> full ``[N1, N2, C, C]`` ``<J1[i, a], J2[j, b]>``.
+  """
+  leaves1 = jax.tree.leaves(jac1)
+  leaves2 = leaves1 if jac2 is None else jax.tree.leaves(jac2)
+  if (
+    not leaves1
+    or len(leaves1) != len(leaves2)
+    or any(a.ndim < 3 or b.ndim < 3 or a.shape[1:] != b.shape[1:] for a, b in zip(leaves1, leaves2))
+  ):
+    raise ValueError(
+      "jacobians must be [N, C, d] (or pytrees of [N, C, *leaf] leaves) with equal C and "
+      f"parameter shapes, got {[a.shape for a in leaves1]} and {[b.shape for b in leaves2]}"
+    )
+  flat = lambda a: a.reshape(a.shape[0], a.shape[1], -1)
+  if trace_outputs:  # each leaf's term is averaged over the outputs before the leaves are summed
+    terms = [
+      jnp.einsum("icp,jcp->ij", flat(a), flat(b), precision=_HIGHEST) / a.shape[1]
+      for a, b in zip(leaves1, leaves2)
+    ]
+  else:
+    terms = [
+      jnp.einsum("iap,jbp->ijab", flat(a), flat(b), precision=_HIGHEST)
+      for a, b in zip(leaves1, leaves2)
+    ]
+  return functools.reduce(jnp.add, terms)

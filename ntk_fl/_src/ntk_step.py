@@ -1,4 +1,4 @@
-"""The NTK client step behind :func:`ntk_fl.evolve.ntk_step` (private: import through :mod:`ntk_fl.evolve`).
+"""The NTK client step behind :func:`ntk_fl.evolve.ntk_step` (users: import it from :mod:`ntk_fl.evolve`).
 
 kernel -> function-space evolution -> candidate weight updates -> scoring -> choice of ``τ``, with every
 variable part an argument: the kernel (computed, precomputed, or from explicit Jacobians), the targets (fixed
@@ -18,9 +18,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ntk_fl import jacobians
 from ntk_fl._src import evolution as _evolution
-from ntk_fl._src.kernels import empirical_ntk
+from ntk_fl._src.kernels import empirical_ntk, jacobian_kernel
 from ntk_fl._src.neural_tangents_api import empirical_ntk_fn
 from ntk_fl._src.options import (
   Implementation,
@@ -334,7 +333,7 @@ def ntk_step(
   if kernel_matrix is not None:
     k = kernel_matrix
   elif jacobian is not None:
-    k = jacobians.jacobian_kernel(jacobian, trace_outputs=traced)
+    k = jacobian_kernel(jacobian, trace_outputs=traced)
   elif not per_sample:
     k = empirical_ntk_fn(
       coords.apply_fn,
@@ -398,3 +397,24 @@ def ntk_step(
     "f0": f0,
   }
   return delta, info
+
+
+class NtkFunctions(NamedTuple):
+  """The NTK client step and the kernels it computes, as a method hands them to the run's cost estimate.
+
+  An NTK method names them in its :class:`~ntk_fl.algorithms.Method` (``ntk=NTK_FUNCTIONS``); the runner
+  passes them to ``_src.cost``, which compiles one step and the kernel of a random block before round 1,
+  so the cost estimate imports none of the kernel stack itself.
+
+  Attributes:
+    step: :func:`ntk_step`.
+    empirical_ntk: :func:`ntk_fl._src.kernels.empirical_ntk` (per-sample models).
+    empirical_ntk_fn: :func:`ntk_fl._src.neural_tangents_api.empirical_ntk_fn` (whole-batch models).
+  """
+
+  step: Callable
+  empirical_ntk: Callable
+  empirical_ntk_fn: Callable
+
+
+NTK_FUNCTIONS = NtkFunctions(ntk_step, empirical_ntk, empirical_ntk_fn)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from ntk_fl._src import method_modules
 
-__all__ = ["load_factory", "build_module", "check_module", "dataset_input", "imported"]
+__all__ = ["load_factory", "build_module", "check_module", "imported"]
 
 
 def _split(spec: str) -> tuple[str, str]:
@@ -106,13 +106,3 @@ def check_module(spec: str, input_shape: tuple[int, ...], num_classes: int) -> N
       f"{shape if shape is not None else type(out).__name__} for a batch of shape "
       f"{(1, *input_shape)}"
     )
-
-
-def dataset_input(name: str) -> tuple[tuple[int, ...], int]:
-  """One unflattened input's shape and the class count of dataset ``name``, without loading it."""
-  from ntk_fl.data import sources  # pylint: disable=import-outside-toplevel
-
-  if name == "synthetic":
-    return tuple(sources._SYNTH_SHAPE), sources._SYNTH_CLASSES  # pylint: disable=protected-access
-  spec = sources._SPECS[name]  # pylint: disable=protected-access
-  return tuple(spec.image_shape), spec.num_classes

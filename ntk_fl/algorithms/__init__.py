@@ -73,6 +73,8 @@ class Method(NamedTuple):
     shared_rounds: ``shared_rounds(stored, current) -> int`` for branching from a run (module docstring).
     replicas: the method's :class:`~ntk_fl.algorithms.base.Algorithm` has a ``replicable`` step, so it
       runs seed-batched (``config.replicas > 1``); the others refuse it when the config is checked.
+    ntk: an NTK method's client step and kernels (``ntk_fl._src.ntk_step.NTK_FUNCTIONS``), which the
+      runner's cost estimate compiles before round 1; None for the methods that train by gradient steps.
   """
 
   make: MakeFn
@@ -81,6 +83,7 @@ class Method(NamedTuple):
   graph: bool = False
   shared_rounds: Callable[[dict, dict], int] | None = None
   replicas: bool = False
+  ntk: Any = None
 
 
 # name -> "module" defining METHOD or "module:ATTR" (imported on first use), or a registered Method.

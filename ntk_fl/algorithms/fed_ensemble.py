@@ -70,10 +70,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ntk_fl import compression, evolve, models, parallel, validation
+from ntk_fl import compression, models, parallel, validation
 from ntk_fl.algorithms import Method
 from ntk_fl.algorithms import local
-from ntk_fl._src.options import Choice, Select, Solver
+from ntk_fl._src import ntk_step
+from ntk_fl._src.options import Choice, Loss, Select, Solver, check_taus
 from ntk_fl.algorithms.base import Algorithm, parse_enums, run_options
 from ntk_fl.rng import Stream, jax_key, numpy_rng
 
@@ -289,7 +290,7 @@ def aggregate_modes(modes, returned, assignment, weights):
 
 def _check_taus(name, value):
   try:
-    evolve.check_taus(tuple(value))
+    check_taus(tuple(value))
   except (TypeError, ValueError) as e:
     raise ValueError(
       f"config.algorithm.{name} must be strictly ascending positive ints, got {value!r}"
@@ -460,8 +461,8 @@ def make_mode_update(model: models.Model, hparams: FedEnsembleHParams) -> ModeUp
   """
   if hparams.local_training == "ntk":
     evolve_options = dict(
-      taus=evolve.check_taus(tuple(hparams.taus)),
-      loss=evolve.Loss.CE,
+      taus=check_taus(tuple(hparams.taus)),
+      loss=Loss.CE,
       solver=hparams.solver,
       select=hparams.select,
       dense_stack=model.dense_stack,
@@ -485,7 +486,7 @@ def make_mode_update(model: models.Model, hparams: FedEnsembleHParams) -> ModeUp
 
       def one_mode(params, index):
         pooled_mask = mask.reshape(-1) & (owner == index)
-        delta, info = evolve.ntk_step(
+        delta, info = ntk_step.ntk_step(
           model.apply, params, pooled_x, targets, pooled_mask, lr=lr, **evolve_options
         )
         return jax.tree.map(jnp.add, params, delta), info["tau"], info["loss"]
@@ -613,4 +614,9 @@ def make_fed_ensemble(
   )
 
 
-METHOD = Method(make=make_fed_ensemble, hyperparameters=FedEnsembleHParams, check=check)
+METHOD = Method(
+  make=make_fed_ensemble,
+  hyperparameters=FedEnsembleHParams,
+  check=check,
+  ntk=ntk_step.NTK_FUNCTIONS,
+)

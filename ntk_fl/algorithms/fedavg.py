@@ -24,12 +24,10 @@ import jax
 import jax.numpy as jnp
 
 from ntk_fl import jacobians, models
-from ntk_fl.algorithms import Method
 from ntk_fl.algorithms import server_ntk, server_round
-from ntk_fl.algorithms.base import Algorithm, run_options
 from ntk_fl.algorithms.server_round import ServerHParams
 
-__all__ = ["FedAvgHParams", "check", "make_fedavg", "METHOD"]
+__all__ = ["FedAvgHParams", "check", "fedavg_update", "make_fedavg", "METHOD"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,27 +55,40 @@ def check(hparams: FedAvgHParams, run) -> None:
   server_ntk.check_projection_model(hparams, run)
 
 
-def make_fedavg(
-  model: models.Model,
-  federation,
-  topology,
-  hparams: ServerHParams,
-  run=None,
-  *,
-  seed: int | None = None,
-) -> Algorithm:
-  """FedAvg (FedAvg' with β < 1 or d1' > 0) for ``federation`` and ``model`` (arguments as
-  ``server_round.make_server_method``; ``model`` is the raw-input model)."""
-  seed = run_options(run, "FedAvg", needs_topology=False, seed=seed).seed
-  beta = float(getattr(hparams, "subsample_fraction", 1.0))
-  proj_dim = int(getattr(hparams, "projection_dim", 0))
-  if beta == 1 and not proj_dim:
-    return server_round.make_server_method(
-      model, federation, hparams, seed=seed, update=server_round.federated_update(model, hparams)
-    )
-  projection = server_ntk.input_projection(seed, federation.feature_shape, hparams)
-  net = models.mlp_on_inputs(model, proj_dim) if proj_dim else model
+def _input_options(hparams) -> tuple[float, int]:
+  """``(β, d1')``; a plain :class:`ServerHParams` (no input options) is plain FedAvg."""
+  return float(getattr(hparams, "subsample_fraction", 1.0)), int(
+    getattr(hparams, "projection_dim", 0)
+  )
+
+
+def _network(model: models.Model, hparams) -> models.Model:
+  """The network the participants train: the MLP on the d1' projected inputs, or the run's model."""
+  proj_dim = _input_options(hparams)[1]
+  return models.mlp_on_inputs(model, proj_dim) if proj_dim else model
+
+
+def _projection(federation, hparams, seed: int):
+  """The update's extra arrays: the shared input projection ``P [d1, d1']``, or ``()`` without one."""
+  if not _input_options(hparams)[1]:
+    return ()
+  return server_ntk.input_projection(seed, federation.feature_shape, hparams)
+
+
+def _scored_params(params, net: models.Model, projection):
+  """The global model on raw inputs: ``P`` folded into the first dense layer (``(X P) W = X (P W)``)."""
+  if isinstance(projection, tuple):  # no projection: the trained network is the raw-input one
+    return params
+  return jacobians.fold_projection(params, projection, layer=net.dense_stack.layers[0])
+
+
+def fedavg_update(net: models.Model, hparams) -> server_round.ServerUpdate:
+  """FedAvg's round of ``net``: :func:`~ntk_fl.algorithms.server_round.federated_update`, on each
+  participant's β share of its samples projected by ``P`` (the update's extra arrays) for FedAvg'."""
+  beta, proj_dim = _input_options(hparams)
   train = server_round.federated_update(net, hparams)
+  if beta == 1 and not proj_dim:
+    return train
 
   def update(params, x, y, mask, sizes, train_key, quant_key, lr, proj):
     del sizes  # of the whole data; the participants train on their shares
@@ -88,18 +99,17 @@ def make_fedavg(
     sizes = jnp.sum(mask, axis=1).astype(jnp.float32)  # [K] the shares' sizes
     return train(params, x, y, mask, sizes, train_key, quant_key, lr, ())
 
-  algorithm = server_round.make_server_method(
-    net, federation, hparams, seed=seed, update=update, extra=projection if proj_dim else ()
-  )
-  if projection is None:
-    return algorithm
-  first_layer = net.dense_stack.layers[0]
-
-  def client_params(state):
-    folded = jacobians.fold_projection(state.params, projection, layer=first_layer)
-    return jax.tree.map(lambda w: w[None], folded)
-
-  return algorithm._replace(client_params=client_params)
+  return update
 
 
-METHOD = Method(make=make_fedavg, hyperparameters=FedAvgHParams, check=check)
+METHOD = server_round.server_method(
+  "fedavg",
+  "FedAvg",
+  fedavg_update,
+  hyperparameters=FedAvgHParams,
+  check=check,
+  extra=_projection,
+  network=_network,
+  scored_params=_scored_params,
+)
+make_fedavg = METHOD.make

@@ -76,7 +76,6 @@ import numpy as np
 from ntk_fl import (
   communication,
   compression,
-  evolve,
   gossip,
   jacobians,
   models,
@@ -86,7 +85,8 @@ from ntk_fl import (
   validation,
 )
 from ntk_fl.algorithms import Method
-from ntk_fl._src.options import Kernel, Loss, Select, Solver
+from ntk_fl._src import ntk_step
+from ntk_fl._src.options import Kernel, Loss, Select, Solver, check_taus
 from ntk_fl.algorithms.graph_inputs import graph_round_inputs
 from ntk_fl.algorithms.base import (
   Algorithm,
@@ -412,7 +412,7 @@ def make_client_update(
     score_fn: ``score_fn(logits [N_b, C], hard [N_b, C], mask [N_b]) -> scalar``, the score of one ``τ``
       candidate's outputs on the block (:class:`~ntk_fl.algorithms.base.ScoreFn`: the candidate
       network's with ``select='network'``, the evolved ``f_τ`` with ``'linearized'``); the lowest wins.
-      Default: the mean ``hparams.loss``, ``evolve.mean_loss(logits, hard, mask, hparams.loss)``; the
+      Default: the mean ``hparams.loss``, ``ntk_fl.evolve.mean_loss(logits, hard, mask, hparams.loss)``; the
       ``loss`` metric is the chosen candidate's score.
     neighbourhood_slots: ``1 + k_max``, the neighbourhood's slots of ``N_b / (1 + k_max)`` rows each (the
       client's own first): needed when ``hparams`` compresses the sent Jacobians (App. E.3), whose
@@ -432,7 +432,7 @@ def make_client_update(
     )
   # The step's options, the τ grid checked once here rather than on every trace.
   options = dict(
-    taus=evolve.check_taus(tuple(hparams.taus)),
+    taus=check_taus(tuple(hparams.taus)),
     loss=hparams.loss,
     solver=hparams.solver,
     select=hparams.select,
@@ -446,7 +446,7 @@ def make_client_update(
   def step(params, x, hard, mask, lr, start, **explicit):
     targets = hard if targets_fn is None else functools.partial(_call_targets, targets_fn, hard)
     labels = None if targets_fn is None else hard
-    return evolve.ntk_step(
+    return ntk_step.ntk_step(
       model.apply,
       params,
       x,
@@ -679,4 +679,5 @@ METHOD = Method(
   graph=True,
   shared_rounds=shared_rounds,
   replicas=True,
+  ntk=ntk_step.NTK_FUNCTIONS,
 )

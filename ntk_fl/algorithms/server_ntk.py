@@ -76,9 +76,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ntk_fl import communication, compression, evolve, jacobians, models, parallel, validation
+from ntk_fl import communication, compression, jacobians, models, parallel, validation
 from ntk_fl.algorithms import Method
-from ntk_fl._src.options import Choice, JacobianPath, Kernel, Loss, Select, Solver
+from ntk_fl._src import ntk_step
+from ntk_fl._src.options import Choice, JacobianPath, Kernel, Loss, Select, Solver, check_taus
 from ntk_fl.algorithms.base import Algorithm, check_evolution, parse_enums, run_options
 from ntk_fl.rng import Stream, jax_key, numpy_rng
 
@@ -355,7 +356,7 @@ def make_server_update(net: models.Model, hparams: NTKFLHParams):
   by_validation = hparams.select == ServerSelect.VALIDATION
   # The step's options, parsed (and the τ grid checked) once here rather than on every trace.
   step_options = dict(
-    taus=evolve.check_taus(tuple(hparams.taus)),
+    taus=check_taus(tuple(hparams.taus)),
     loss=hparams.loss,
     solver=hparams.solver,
     select=Select.NETWORK if by_validation else Select(hparams.select.value),
@@ -374,12 +375,12 @@ def make_server_update(net: models.Model, hparams: NTKFLHParams):
     if jacobian is not None:
       # The kernel and the candidates come from the uploaded (possibly compressed) flat J [N, C, d], whose
       # coordinates are the flat parameter vector.
-      flat = evolve.ParamMap(net.apply, params, lambda d: jacobians.unflatten_jacobian(d, params))
-      delta, info = evolve.ntk_step(
+      flat = ntk_step.ParamMap(net.apply, params, lambda d: jacobians.unflatten_jacobian(d, params))
+      delta, info = ntk_step.ntk_step(
         net.apply, params, x, targets, mask, jacobian=jacobian, param_map=flat, **evolve_kwargs
       )
     else:
-      delta, info = evolve.ntk_step(
+      delta, info = ntk_step.ntk_step(
         net.apply,
         params,
         x,
@@ -491,7 +492,7 @@ def make_server_ntk(
       vx, vt, vm = (
         a.reshape(num_val * n_max, *a.shape[2:]) for a in client_data(fed, proj, held, None, False)
       )
-      score_fn = lambda w: evolve.mean_loss(net.apply(w, vx), vt, vm, evolve.Loss.CE)
+      score_fn = lambda w: ntk_step.mean_loss(net.apply(w, vx), vt, vm, Loss.CE)
     if explicit:
       jac = jacobians.flat_jacobian(net.apply, state.params, pool(x), chunk_size=jac_chunk)
       jac = jac.reshape(k, n_slots, *jac.shape[1:])
@@ -552,4 +553,6 @@ def make_server_ntk(
   return Algorithm(init=init, round_inputs=round_inputs, step=step, client_params=client_params)
 
 
-METHOD = Method(make=make_server_ntk, hyperparameters=NTKFLHParams, check=check)
+METHOD = Method(
+  make=make_server_ntk, hyperparameters=NTKFLHParams, check=check, ntk=ntk_step.NTK_FUNCTIONS
+)

@@ -97,6 +97,7 @@ def make_server_method(
   seed: int,
   update: ServerUpdate,
   extra: Any = (),
+  scored_params: Callable[[Any], Any] | None = None,
 ) -> Algorithm:
   """A server method's :class:`Algorithm`: the participants' draw, the global state, the bit count.
 
@@ -108,6 +109,9 @@ def make_server_method(
     update: the method's round (:data:`ServerUpdate`).
     extra: a pytree of arrays the update reads (e.g. DataShare's global set), passed to the compiled
       round as an argument.
+    scored_params: optionally ``scored_params(params) -> params``: the global model as the runner scores
+      it (``client_params``), when that is not the trained network itself (FedAvg' folds its input
+      projection into the first layer); default the global model unchanged.
 
   Returns:
     An :class:`Algorithm` whose ``step`` is jit-compiled with the federation's
@@ -154,12 +158,11 @@ def make_server_method(
   def step(state, inputs):
     return _step(state, inputs, data)
 
-  return Algorithm(
-    init=init,
-    round_inputs=round_inputs,
-    step=step,
-    client_params=lambda state: jax.tree.map(lambda w: w[None], state.params),
-  )
+  def client_params(state):
+    params = state.params if scored_params is None else scored_params(state.params)
+    return jax.tree.map(lambda w: w[None], params)
+
+  return Algorithm(init=init, round_inputs=round_inputs, step=step, client_params=client_params)
 
 
 def server_method(
@@ -170,13 +173,15 @@ def server_method(
   hyperparameters: type = ServerHParams,
   check: Callable[[Any, Any], None] | None = check,
   extra: Callable[[Any, Any, int], Any] | None = None,
+  network: Callable[[models.Model, Any], models.Model] | None = None,
+  scored_params: Callable[[Any, models.Model, Any], Any] | None = None,
 ) -> Method:
   """The registered :class:`~ntk_fl.algorithms.Method` of a server baseline built on :func:`make_server_method`.
 
   Its factory is ``make(model, federation, topology, hparams, run=None, *, seed=None)`` (a
   :class:`~ntk_fl.algorithms.MakeFn`; ``seed`` stands in for ``run`` as in
   :func:`~ntk_fl.algorithms.base.run_options`; the topology is unused): the round of
-  :func:`make_server_method` with the method's ``update``.
+  :func:`make_server_method` with the method's ``update`` of the network it trains.
 
   Args:
     name: the registry name (``'fedavg'``); the factory is named ``make_<name>``.
@@ -186,7 +191,14 @@ def server_method(
     check: ``check(hparams, run)``, the rules across blocks (default :func:`check`, at most
       ``num_clients`` participants).
     extra: optionally ``extra(federation, hparams, seed) -> arrays``, what the update reads besides the
-      participants' data (DataShare's global set, FedBE's server set), drawn once from the run seed.
+      participants' data (DataShare's global set, FedBE's server set, FedAvg''s input projection), drawn
+      once from the run seed.
+    network: optionally ``network(model, hparams) -> Model``, the network the participants train when it
+      is not the run's model (FedAvg''s MLP on the projected inputs); ``update`` and the initial global
+      model are of this network.
+    scored_params: optionally ``scored_params(params, net, extra_arrays) -> params``: the global model
+      ``params`` of the trained network ``net`` as the runner scores it on raw inputs (FedAvg' folds its
+      projection into the first layer); default ``params`` unchanged.
   """
 
   def make(
@@ -201,8 +213,16 @@ def server_method(
     del topology  # a server method mixes over no graph
     seed = run_options(run, label, needs_topology=False, seed=seed).seed
     arrays = () if extra is None else extra(federation, hparams, seed)
+    net = model if network is None else network(model, hparams)
+    scored = None if scored_params is None else lambda params: scored_params(params, net, arrays)
     return make_server_method(
-      model, federation, hparams, seed=seed, update=update(model, hparams), extra=arrays
+      net,
+      federation,
+      hparams,
+      seed=seed,
+      update=update(net, hparams),
+      extra=arrays,
+      scored_params=scored,
     )
 
   make.__name__ = make.__qualname__ = f"make_{name}"

@@ -80,7 +80,6 @@ import optax
 from ntk_fl import (
   communication,
   compression,
-  evolve,
   gossip,
   jacobians,
   models,
@@ -91,7 +90,8 @@ from ntk_fl import (
   validation,
 )
 from ntk_fl.algorithms import Method
-from ntk_fl._src.options import Choice, JacobianPath, Kernel, Select, Solver
+from ntk_fl._src import ntk_step
+from ntk_fl._src.options import Choice, JacobianPath, Kernel, Select, Solver, check_taus
 from ntk_fl.algorithms.base import Algorithm, check_evolution, config_without, run_options
 from ntk_fl.algorithms.ntk_dfl import make_neighbourhood_round
 
@@ -446,9 +446,9 @@ def make_client_update(
     ValueError: ``projected_kernel='structured'`` where the structured sketched kernel does not apply.
   """
   # The step's options, parsed (and the τ grid checked) once here rather than on every trace.
-  taus = evolve.check_taus(tuple(hparams.taus))
+  taus = check_taus(tuple(hparams.taus))
   solver, select, kernel_kind = hparams.solver, hparams.select, hparams.kernel
-  traced = kernel_kind == evolve.Kernel.TRACED
+  traced = kernel_kind == Kernel.TRACED
   select_momentum = bool(hparams.select_momentum)
   members = int(neighbourhood_slots)
   targets = distill_targets if targets_fn is None else targets_fn
@@ -504,7 +504,7 @@ def make_client_update(
     coords = (
       projection.sketch_map(model.apply, w, plan, mats)
       if sketched
-      else evolve.identity_map(model.apply, w)
+      else ntk_step.identity_map(model.apply, w)
     )
     return jacobians.per_sample_jacobian(coords.apply_fn, coords.point, x)
 
@@ -520,7 +520,7 @@ def make_client_update(
     return jax.tree.map(lambda leaf: leaf.reshape((-1,) + leaf.shape[2:]), (jac, z))
 
   def client_delta(wbar, x, hard, mask, lr, alpha, temp, mats, opt_state, senders=None):
-    """SPARK's NTK step at ``w̄`` on the neighbourhood ``x [N, ...]``: ``(Δw, info)`` (:func:`evolve.ntk_step`).
+    """SPARK's NTK step at ``w̄`` on the neighbourhood ``x [N, ...]``: ``(Δw, info)`` (:func:`ntk_fl.evolve.ntk_step`).
 
     ``senders`` (Option B): the members' own consensus weights, leaves ``[members, ...]``.
     """
@@ -529,7 +529,7 @@ def make_client_update(
     coords = (
       projection.sketch_map(model.apply, wbar, plan, mats)
       if sketched
-      else evolve.identity_map(model.apply, wbar)
+      else ntk_step.identity_map(model.apply, wbar)
     )
     kernel_options = {}
     if explicit:  # the kernel and the candidates from the explicit (compressed) sketched J̃
@@ -556,7 +556,7 @@ def make_client_update(
     candidate = None
     if select_momentum:  # score the network the client will actually hold: w̄ + μ v_new + Δw_τ
       candidate = lambda dw: nesterov_step(tx, wbar, dw, opt_state)[0]
-    delta, info = evolve.ntk_step(
+    delta, info = ntk_step.ntk_step(
       model.apply,
       wbar,
       x,
@@ -830,4 +830,5 @@ METHOD = Method(
   check=check,
   graph=True,
   shared_rounds=shared_rounds,
+  ntk=ntk_step.NTK_FUNCTIONS,
 )

@@ -76,7 +76,15 @@ import numpy as np
 from ntk_fl.data import safe_pickle
 from ntk_fl.rng import Stream, numpy_rng
 
-__all__ = ["Dataset", "DATASETS", "DATA_DIR_ENV", "DataNotFoundError", "load", "read_idx"]
+__all__ = [
+  "Dataset",
+  "DATASETS",
+  "DATA_DIR_ENV",
+  "DataNotFoundError",
+  "dataset_input",
+  "load",
+  "read_idx",
+]
 
 DATASETS = (
   "fashion_mnist",
@@ -975,3 +983,11 @@ def load(
     pixels.writers_train,
     pixels.writers_test,
   )
+
+
+def dataset_input(name: str) -> tuple[tuple[int, ...], int]:
+  """One unflattened input's shape and the class count of dataset ``name``, without loading it."""
+  if name == "synthetic":
+    return tuple(_SYNTH_SHAPE), _SYNTH_CLASSES
+  spec = _SPECS[name]
+  return tuple(spec.image_shape), spec.num_classes
