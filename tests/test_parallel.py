@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ntk_fl import parallel, rundir, runner, schema
+from ntk_fl import parallel, plotting, rundir, runner, schema
 from ntk_fl.config import load_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -218,9 +218,11 @@ def test_debug_mode_equals_the_mapped_clients(chunk):
     np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
 
 
-def test_a_run_with_debug_clients_equals_the_compiled_run(tmp_path):
+def test_a_run_with_debug_clients_equals_the_compiled_run(tmp_path, monkeypatch):
   config = load_config(str(REPO / "tests" / "configs" / "toy.py"), "smoke")
   config.rounds, config.checkpoint_every, config.eval.selection = 1, 0, False
+  # The metrics are compared; the plots drawn from them after the rounds are tests/test_plotting.py's.
+  monkeypatch.setattr(plotting, "plot_run", lambda *args, **kwargs: [])
   runner.run(config, str(tmp_path / "compiled"))
   config.debug_clients = True
   runner.run(config, str(tmp_path / "debug"))
