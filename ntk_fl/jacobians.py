@@ -17,8 +17,9 @@ no Python loops over samples):
 * :func:`jacobian_kernel` -- the NTK from explicit (possibly compressed)
   Jacobians: traced ``(1/C) Σ_c J_c J_cᵀ`` ``[N1, N2]`` or full ``[N1, N2, C, C]``.
 
-Both are the only ones of their kind: :mod:`ntk_fl.ntk`'s ``'jacobian'`` implementation and SPARK's
-sketched Jacobians of a non-dense model call them.
+SPARK's sketched Jacobians of a non-dense model and the transmitted (compressed) Jacobians call them;
+:mod:`ntk_fl.ntk`'s ``'jacobian'`` implementation forms the same Jacobians with the sample axis last
+(its contraction is a faster GEMM on a CPU that way; ``ntk_fl._src.kernels.sample_last_jacobian``).
 * Input projection (CP-NTK-FL's seeded ``Z = X P``): :func:`projection_matrix`,
   :func:`project_inputs` and :func:`fold_projection` (``P`` folded into the
   first dense layer, so a model trained on ``d1'``-dim projected inputs is

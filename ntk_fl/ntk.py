@@ -21,9 +21,11 @@ neural-tangents itself is not a dependency (it does not import on current JAX).
 
 Implementations (``implementation=``, an :class:`NtkImplementation` or its string name):
 
-* ``'jacobian'`` -- per-sample Jacobians (``vmap(jacrev)``) contracted leaf by
-  leaf. Cost ``2·N1·N2·C·d`` FLOPs traced, ``2·N1·N2·C²·d`` full (``d`` = number
-  of parameters). Works for any ``apply_fn``.
+* ``'jacobian'`` -- per-sample Jacobians (``vmap(jacrev)``, the sample axis last:
+  ``[C, P_l, N]`` per leaf) contracted leaf by leaf as ``Fᵀ G``, one GEMM per block
+  of the parameter axis and the blocks summed pairwise (float32 sums within a few
+  ``eps`` of float64). Cost ``2·N1·N2·C·d`` FLOPs traced, ``2·N1·N2·C²·d`` full
+  (``d`` = number of parameters). Works for any ``apply_fn``.
 * ``'ntvp'`` -- NTK-vector products: ``vjp`` at ``x2`` on the identity
   cotangents gives ``J2ᵀ e``; ``jvp`` of the network linearised at ``x1`` maps
   them to ``J1 J2ᵀ e``. About ``2·N1·N2·C·d`` (one linearised forward per

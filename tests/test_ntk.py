@@ -138,6 +138,49 @@ def test_paper_mlp_784_100_10():
   _assert_close(k, expected)
 
 
+def _float64_jacobian_kernels(apply_fn, params, x):
+  """Traced ``[N, N]`` and full ``[N, N, C, C]`` kernels of ``jax.jacobian`` computed in float64
+  throughout (parameters and inputs cast up, the Jacobian and its products in float64)."""
+  with jax.enable_x64(True):
+    flat, unravel = ravel_pytree(jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params))
+    x64 = jnp.asarray(x, jnp.float64)
+    jac = np.asarray(jax.jit(jax.jacobian(lambda w: apply_fn(unravel(w), x64)))(flat))
+  assert jac.dtype == np.float64
+  full = np.einsum("iap,jbp->ijab", jac, jac)
+  return np.einsum("ijcc->ij", full) / full.shape[-1], full
+
+
+@pytest.mark.parametrize("n", [3, 40])
+def test_generic_float32_kernel_long_sums_match_float64(n):
+  """The generic ``'jacobian'`` kernel in float32 on the 784-100-10 MLP (79,510 parameters: a
+  traced entry sums 795,100 products) against the float64 ``jax.jacobian`` kernel, traced and full.
+
+  The tolerance is 16 float32 epsilons relative: on the diagonal (sums of squares, no
+  cancellation) each entry against its own value, elsewhere against the largest entry. A
+  float32 sum of ``K`` terms in one sequential loop is off by up to ``K·eps`` (about ``√K·eps``
+  typically: 3e-4 relative at ``N = 3``, where XLA's CPU backend sums a tiny ``Fᵀ F`` that way);
+  summed in parameter blocks and then pairwise it stays within a few ``eps``.
+  """
+  module = DenseNet((100,), 10, nn.relu)
+  x = jax.random.normal(jax.random.key(3), (n, 784))
+  params = module.init(jax.random.key(4), x)
+  want_traced, want_full = _float64_jacobian_kernels(module.apply, params, x)
+  both = jax.jit(
+    lambda p, a: tuple(
+      ntk.empirical_ntk(module.apply, p, a, trace_outputs=t, implementation="jacobian")
+      for t in (True, False)
+    )
+  )
+  traced, full = (np.asarray(k, np.float64) for k in both(params, x))
+  rtol = 16 * float(jnp.finfo(jnp.float32).eps)
+  for got, want, diag in (
+    (traced, want_traced, lambda k: np.einsum("ii->i", k)),
+    (full, want_full, lambda k: np.einsum("iiaa->ia", k)),
+  ):
+    np.testing.assert_allclose(diag(got), diag(want), rtol=rtol, atol=0)
+    _assert_close(got, want, rtol=rtol)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_traced_is_mean_of_full_diagonal(impl):
   module, params, x1, x2, stack = _setup("mlp_tanh_deep")

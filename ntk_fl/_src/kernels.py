@@ -255,10 +255,110 @@ def default_chunk(params: Params, num_outputs: int) -> int:
 # 'jacobian': per-sample Jacobians (ntk_fl.jacobians) contracted leaf by leaf.
 
 
+# The parameter-axis blocks of the sample-last contraction: at least this many terms each ...
+_MIN_PARAM_BLOCK = 2048
+# ... at most this many ...
+_MAX_PARAM_BLOCK = 32768
+# ... and otherwise this many per output row or column (the larger side of one block's product), so
+# that the per-block products [num_blocks, M1, M2] stay 1/32 of the Jacobians that produce them.
+_PARAM_BLOCK_PER_ROW = 32
+
+
+def sample_last_jacobian(apply_fn: ApplyFn, params: Params, x: jax.Array) -> list[jax.Array]:
+  """Per-sample Jacobians with the sample axis last: one ``[C, P_l, N]`` array per parameter leaf
+  ``l`` (``P_l`` its size, leaves in ``jax.tree.leaves`` order), all ``N`` samples in one ``vmap``.
+
+  The sample axis is last so that the kernel's contraction over parameters is a product ``Fᵀ G``
+  of two ``[K, N]`` matrices. XLA's CPU backend runs that as a GEMM on the stored arrays; the
+  sample-major ``F Gᵀ`` of ``[N, K]`` matrices instead goes to a GEMM that wants its right operand
+  transposed, and XLA recomputes the whole Jacobian in that transposed order (twice the Jacobian
+  writes, one of them strided) before a GEMM about half as fast (docs/neural_tangents.md).
+  """
+  single = lambda p, xi: apply_fn(p, xi[None])[0]
+  jac = jax.vmap(lambda xi: jax.jacrev(single)(params, xi), out_axes=-1)(x)  # [C, *leaf, N]
+  return [leaf.reshape(leaf.shape[0], -1, leaf.shape[-1]) for leaf in jax.tree.leaves(jac)]
+
+
+def param_block(length: int, rows: int) -> tuple[int, int]:
+  """``(block, num_blocks)`` for a contraction of ``length`` terms with a ``rows``-wide product.
+
+  ``block`` is the largest divisor of ``length`` not above the target
+  ``clip(32 · rows, 2048, 32768)`` (the blocks are then a free reshape), or the target itself when
+  ``length`` has no divisor within 4× of it (the parameter axis is zero-padded);
+  ``num_blocks = ceil(length / block)``, ``1`` when ``length`` fits one block.
+  """
+  target = min(_MAX_PARAM_BLOCK, max(_MIN_PARAM_BLOCK, _PARAM_BLOCK_PER_ROW * rows))
+  if length <= target:
+    return length, 1
+  block = next(b for b in range(target, 0, -1) if length % b == 0)
+  if 4 * block < target:
+    block = target
+  return block, -(-length // block)
+
+
+def pairwise_sum(terms: jax.Array) -> jax.Array:
+  """``Σ_b terms[b]`` over the leading axis as a balanced binary tree (``⌈log2 B⌉`` levels of
+  halves added elementwise): float rounding grows with ``log B``, not with ``B`` as XLA's
+  sequential reduction would."""
+  while terms.shape[0] > 1:
+    half = terms.shape[0] // 2
+    head = terms[:half] + terms[half : 2 * half]
+    terms = jnp.concatenate([head, terms[2 * half :]]) if terms.shape[0] % 2 else head
+  return terms[0]
+
+
+def blocked_gram(f1: jax.Array, f2: jax.Array) -> jax.Array:
+  """``f1ᵀ f2`` ``[M1, M2]`` of ``f1 [K, M1]`` and ``f2 [K, M2]``, summed over ``K`` in blocks.
+
+  XLA's CPU backend sums a dot product with a small output in one sequential float32 loop (the
+  traced diagonal of a 784-100-10 MLP at ``N = 3``: 795,100 terms, 3e-4 relative off the float64
+  value). Here ``K`` is cut into :func:`param_block` blocks, each block's ``[M1, M2]`` product is one
+  GEMM, and the blocks are added by :func:`pairwise_sum`: a sequential error over at most one
+  block, a ``log``-depth one over the blocks (1e-7 relative, the sample-major kernel's accuracy)."""
+  length = f1.shape[0]
+  block, num_blocks = param_block(length, max(f1.shape[1], f2.shape[1]))
+  if num_blocks == 1:
+    return jax.lax.dot_general(f1, f2, (((0,), (0,)), ((), ())), precision=_HIGHEST)
+  pad = num_blocks * block - length
+
+  def to_blocks(f):
+    if pad:
+      f = jnp.pad(f, ((0, pad), (0, 0)))
+    return f.reshape(num_blocks, block, f.shape[-1])
+
+  # One plain GEMM per block in a loop (lax.map), not one batched dot_general: XLA's CPU backend
+  # runs the batched form 1.5-2.5x slower than the single GEMM at N = 200; the loop matches it.
+  gram = lambda blocks: jax.lax.dot_general(*blocks, (((0,), (0,)), ((), ())), precision=_HIGHEST)
+  return pairwise_sum(jax.lax.map(gram, (to_blocks(f1), to_blocks(f2))))  # [B, M1, M2] summed
+
+
+def contract_sample_last(
+  jac1: list[jax.Array], jac2: list[jax.Array], trace_outputs: bool
+) -> jax.Array:
+  """The kernel of two :func:`sample_last_jacobian` results: traced ``[N1, N2]``
+  ``(1/C) Σ_c <J_c(x1_i), J_c(x2_j)>`` or full ``[N1, N2, C, C]`` ``<J_a(x1_i), J_b(x2_j)>``,
+  each leaf's term a :func:`blocked_gram`, the leaves' terms summed in leaf order (as
+  :func:`ntk_fl.jacobians.jacobian_kernel`)."""
+  terms = []
+  for a, b in zip(jac1, jac2):
+    c, n1, n2 = a.shape[0], a.shape[-1], b.shape[-1]
+    if trace_outputs:  # [C·P, N1]ᵀ [C·P, N2]
+      terms.append(blocked_gram(a.reshape(-1, n1), b.reshape(-1, n2)) / c)
+    else:  # [P, C·N1]ᵀ [P, C·N2] -> [C, N1, C, N2] -> [N1, N2, C, C]
+      f1 = jnp.swapaxes(a, 0, 1).reshape(a.shape[1], c * n1)
+      f2 = jnp.swapaxes(b, 0, 1).reshape(b.shape[1], c * n2)
+      k = blocked_gram(f1, f2)
+      terms.append(jnp.transpose(k.reshape(c, n1, c, n2), (1, 3, 0, 2)))
+  out = terms[0]
+  for term in terms[1:]:
+    out = out + term
+  return out
+
+
 def jacobian_implementation_kernel(apply_fn, params, x1, x2, trace_outputs, chunk):
   # A whole block's Jacobians at once (one vmap): the blocks already bound the memory.
-  features = lambda x: per_sample_jacobian(apply_fn, params, x, chunk_size=x.shape[0])
-  contract = lambda j1, j2: jacobian_kernel(j1, j2, trace_outputs=trace_outputs)
+  features = lambda x: sample_last_jacobian(apply_fn, params, x)
+  contract = lambda j1, j2: contract_sample_last(j1, j2, trace_outputs)
   out = jax.eval_shape(lambda p, x: apply_fn(p, x), params, x1[:1])
   num_params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
   return _blocked_kernel(
@@ -743,10 +843,8 @@ def flat_jacobian(
 
 
 def jacobian_kernel(jac1, jac2=None, *, trace_outputs: bool = True) -> jax.Array:
-  """The empirical NTK of explicit Jacobians: the one Jacobian -> kernel contraction.
-
-  :func:`ntk_fl.ntk.empirical_ntk`'s ``'jacobian'`` implementation, CP-NTK-FL's server and SPARK's
-  compressed sketches all contract here.
+  """The empirical NTK of explicit sample-major Jacobians (CP-NTK-FL's server and SPARK's compressed
+  sketches contract here).
 
   Args:
     jac1: ``[N1, C, d]``, or a pytree of ``[N1, C, *leaf]`` leaves (:func:`per_sample_jacobian`'s layout;
