@@ -188,12 +188,9 @@ def _fit_smoke_to_model(config) -> None:
   than the MLP's whole run. Every stage still runs (kernels, steps, evaluation of the aggregate, the
   clients and the consensus, checkpoints); 200 test images cover every class.
 
-  Two settings keep the CNN's local training and evaluation cheap without changing what is computed:
-  clients (and ensemble modes) one at a time (``chunk_size = 1``: a convolution vmapped over clients is a
-  grouped convolution, which XLA's CPU backend runs several times slower than the clients' convolutions
-  one by one), and local minibatches no larger than a client's samples (a ``batch_size`` above them is
-  full-batch gradient descent either way, but every minibatch slot beyond the samples is a zero-weight
-  copy that costs a forward and backward pass).
+  Clients (and ensemble modes) are trained and scored one at a time (``chunk_size = 1``): a convolution
+  vmapped over clients is a grouped convolution, which XLA's CPU backend runs several times slower than
+  the clients' convolutions one by one.
   """
   if config.model.name == "cnn" and config.data.max_train == _SMOKE_MAX_TRAIN:
     config.data.samples_per_client = min(config.data.samples_per_client, SMOKE_CNN_SAMPLES)
