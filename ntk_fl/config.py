@@ -187,12 +187,19 @@ def _fit_smoke_to_model(config) -> None:
   NTK-DFL round took minutes on a CPU, and scoring every client's model on 2,000 images alone cost more
   than the MLP's whole run. Every stage still runs (kernels, steps, evaluation of the aggregate, the
   clients and the consensus, checkpoints); 200 test images cover every class.
+
+  Clients (and ensemble modes) are trained and scored one at a time (``chunk_size = 1``): a convolution
+  vmapped over clients is a grouped convolution, which XLA's CPU backend runs several times slower than
+  the clients' convolutions one by one.
   """
   if config.model.name == "cnn" and config.data.max_train == _SMOKE_MAX_TRAIN:
     config.data.samples_per_client = min(config.data.samples_per_client, SMOKE_CNN_SAMPLES)
     config.data.num_clients = min(config.data.num_clients, SMOKE_CNN_CLIENTS)
     config.data.max_test = min(config.data.max_test, SMOKE_CNN_TEST)
     config.eval.batch_size = min(config.eval.batch_size, SMOKE_CNN_TEST)
+    config.chunk_size = 1
+    if "batch_size" in config.algorithm:
+      config.algorithm.batch_size = min(config.algorithm.batch_size, config.data.samples_per_client)
 
 
 def _set_alpha(config, alpha: float) -> None:

@@ -67,8 +67,12 @@ def test_workload_of_each_ntk_method():
 
 def test_the_ntk_methods_hand_the_estimate_their_step_and_the_others_none():
   # The estimate imports no kernel code: a method whose rounds are NTK steps names them in its Method.
-  for name in ("ntk_dfl", "spark", "ntk_fl", "fed_ensemble"):
+  for name in ("ntk_dfl", "spark", "fed_ensemble"):
     assert get_method(name).ntk is NTK, name
+  # NTK-FL's server adds its explicit (transmitted-Jacobian) step and its projected-input network.
+  server = get_method("ntk_fl").ntk
+  assert server._replace(transmitted_step=None, server_model=None) == NTK
+  assert server.transmitted_step is not None and server.server_model is models.mlp_on_inputs
   for name in ("fedavg", "fedprox", "dfedavg", "qsgd"):
     assert get_method(name).ntk is None, name
   fed = ragged_federation(np.random.default_rng(2), [6] * 20, dim=784, num_classes=10)
@@ -124,3 +128,77 @@ def test_a_large_kernel_is_timed_on_a_smaller_block_and_scaled():
   whole = cost.calibrate(model, work, ntk=NTK)
   assert whole.timed_block == 64 and whole.step_bytes == cal.step_bytes  # memory of the full block
   assert cal.seconds > 0
+
+
+def test_scoring_flops_match_the_closed_form():
+  """T candidate MLPs d-h-C scored on S samples: ``T·S·2·(d·h + h·C)`` for the two matrix products; the
+  elementwise terms (biases, ReLU, log-softmax, the masked mean) are a few ``T·S·(h + C)``, under 2 %."""
+  d, h, c, s, t = 200, 100, 10, 120, 7
+  closed = t * s * 2 * (d * h + h * c)
+  flops = cost.scoring_flops(models.mlp(d, (h,), c), s, t, ntk=NTK)
+  assert flops == pytest.approx(closed, rel=0.02)
+  assert flops >= closed
+  assert cost.scoring_flops(models.mlp(d, (h,), c), 0, t, ntk=NTK) == 0.0
+
+
+def test_explicit_jacobian_kernel_flops_match_the_closed_form():
+  """Flat Jacobians [N, C, D] contracted, traced: ``2·N²·C·D`` for ``J Jᵀ``; building J (C backward passes
+  per sample, ``≈ 4·N·C·D``) adds a few percent at N = 60."""
+  d, h, c, n = 200, 100, 10, 60
+  params = d * h + h + h * c + c
+  closed = 2 * n * n * c * params
+  flops = cost.kernel_flops(models.mlp(d, (h,), c), n, ntk=NTK, explicit=True)
+  assert closed <= flops <= closed * 1.1
+  assert flops > 5 * cost.kernel_flops(
+    models.mlp(d, (h,), c), n, ntk=NTK
+  )  # the structured kernel's is far less
+
+
+def test_the_server_workload_follows_compression_and_validation_clients():
+  from ntk_fl.algorithms import server_ntk
+
+  fed = ragged_federation(np.random.default_rng(2), [7, 9, 5, 8] * 5, dim=784, num_classes=10)
+  model = models.mlp()
+  for variant in ("smoke", "smoke,table1", "smoke,validation", "smoke,table1,validation"):
+    for name in ("ntk_fl", "cp_ntk_fl"):
+      settings = _settings(name, variant)
+      work = cost.workload(settings, model, fed)
+      assert work.explicit == server_ntk.uses_explicit_jacobian(settings.algorithm)
+      assert work.score_block == settings.algorithm.validation_clients * 9
+      assert work.input_dim == settings.algorithm.projection_dim
+  assert cost.workload(_settings("cp_ntk_fl", "smoke,table1,validation"), model, fed).explicit
+  assert cost.workload(_settings("ntk_fl", "smoke,validation"), model, fed).score_block == 90
+
+
+def test_the_validation_estimate_exceeds_the_plain_one_by_the_scoring():
+  """CP-NTK-FL's Table 1 server step with and without τ scored on the validation clients: the same kernel
+  (explicit Jacobians of the projected MLP), plus the T candidates' forward passes on the validation block
+  (FLOPs as the closed form of the scoring, against the server's d1'-wide MLP) and that block's memory."""
+  fed = ragged_federation(np.random.default_rng(3), [7, 9, 5, 8] * 5, dim=784, num_classes=10)
+  model = models.mlp()
+  plain_settings = _settings("cp_ntk_fl", "smoke,table1")
+  val_settings = _settings("cp_ntk_fl", "smoke,table1,validation")
+  from ntk_fl.algorithms import server_ntk
+
+  plain = cost.estimate(plain_settings, model, fed, ntk=server_ntk.METHOD.ntk)
+  val = cost.estimate(val_settings, model, fed, ntk=server_ntk.METHOD.ntk)
+  algo = val_settings.algorithm
+  d1, t, s = algo.projection_dim, len(algo.taus), algo.validation_clients * 9
+  assert plain.workload.explicit and val.workload.explicit
+  assert plain.kernel_flops == val.kernel_flops
+  assert plain.kernel_flops >= 2 * plain.workload.block**2 * 10 * (d1 * 100 + 100 + 1_010)
+  assert plain.scoring_flops == 0.0
+  closed = t * s * 2 * (d1 * 100 + 100 * 10)
+  assert val.scoring_flops == pytest.approx(closed, rel=0.02) and val.scoring_flops >= closed
+  # Its arguments grow by the validation block (inputs, one-hot targets, mask); XLA may lay the temporaries
+  # out differently, so only the total's direction is certain.
+  assert val.calibration.step_bytes > plain.calibration.step_bytes
+  assert val.peak_bytes > plain.peak_bytes
+
+
+def test_the_explicit_step_time_is_extrapolated_through_two_blocks():
+  assert cost._extrapolate((10, 10 * 2.0 + 100 * 0.5), (20, 20 * 2.0 + 400 * 0.5), 80) == (
+    pytest.approx(80 * 2.0 + 6400 * 0.5)
+  )
+  assert cost._extrapolate((10, 5.0), (20, 4.0), 40) == pytest.approx(8.0)  # b < 0: linear only
+  assert cost._extrapolate((10, 1.0), (20, 8.0), 40) == pytest.approx(32.0)  # a < 0: quadratic only

@@ -32,3 +32,12 @@ def test_cnn_smoke_slice_is_smaller_in_either_order_and_the_mlp_slice_is_unchang
 def test_cnn_without_smoke_keeps_the_full_data():
   full = _slice("ntk_dfl", "")
   assert _slice("ntk_dfl", "cnn") == full
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_cnn_smoke_runs_clients_one_at_a_time(method):
+  for variant in ("smoke,cnn", "cnn,smoke"):
+    assert config_lib.load_config(str(CONFIG_DIR / f"{method}.py"), variant).chunk_size == 1
+  assert config_lib.load_config(str(CONFIG_DIR / f"{method}.py"), "cnn").chunk_size == (
+    config_lib.load_config(str(CONFIG_DIR / f"{method}.py"), "").chunk_size
+  )

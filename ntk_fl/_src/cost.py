@@ -16,17 +16,30 @@ method                 steps per round ``S``                   samples per kerne
 (``M`` clients, ``n_max`` samples per client slot, ``k_max`` neighbour slots, ``m2`` sub-sampling.) The
 other methods train by gradient steps and get no estimate.
 
+NTK-FL's server step differs from a client step in two ways the estimate follows. With compression
+(``sparsify_keep < 1`` or ``quantize_bits < 32``, or ``jacobian='explicit'``) the server materialises the
+pooled Jacobians ``J [N, C, d]`` (CP-NTK-FL's ``table1``): the calibrated step then builds ``J``, sparsifies
+and quantises it as the uploads are, and contracts it, ``2·N²·C·d`` FLOPs traced instead of the structured
+kernel's, and holds ``N·C·d`` floats several times over. With ``select='validation'`` every candidate
+network of the ``τ`` grid is scored on the pooled data of the validation clients (``score_block =
+validation_clients · n_max`` samples, ``T`` forward passes): the calibrated step scores a random block of
+that size, and :attr:`Calibration.scoring_flops` is XLA's count of that scoring alone (for an MLP of
+widths ``d_0, ..., d_L``: ``T · S · 2 Σ_l d_l d_{l+1}`` plus the loss's elementwise terms). CP-NTK-FL's
+server trains the MLP on the ``projection_dim``-wide projected inputs: the calibrated network is that one.
+
 :func:`calibrate` compiles one plain NTK step (the method's kernel, loss, solver and ``τ`` grid) on a
 random block of ``N`` inputs, runs it twice and keeps the faster run (a kernel above
 :data:`CALIBRATION_FLOPS` is run on a halved block, and halved again, and its time scaled by the
-ratio of the kernels' FLOP counts, so the calibration stays short); it also reads XLA's FLOP count of
+ratio of the kernels' FLOP counts, so the calibration stays short; the explicit-Jacobian step, whose
+top-k and quantisation are memory passes linear in ``N`` that XLA counts no FLOPs for, is timed on the
+halved block and its half and extrapolated by ``a·N + b·N²`` instead); it also reads XLA's FLOP count of
 the kernel alone on that block (``compiled.cost_analysis()``, the whole block in one piece so that no
 loop hides its body's repetitions) and the step's memory (``compiled.memory_analysis()``: arguments,
 outputs and temporaries). :func:`estimate` scales them: round time ``≈ S × step time``
 (the clients of a round run one after another or in vmapped chunks, whose cost grows with their size);
 peak memory ``≈`` clients per chunk ``×`` one step's memory ``+`` two copies of the clients' parameters
-(the state a round starts from and the one it returns). SPARK's sketch, CP-NTK-FL's projection and
-compression change the step's constant factors; the estimate uses the plain step, so read it as the
+(the state a round starts from and the one it returns). SPARK's sketch and compression change the
+step's constant factors; the estimate uses the plain step there, so read it as the
 order of magnitude it is.
 
 :func:`report` logs the estimate (INFO: the workdir's ``log.txt``) and warns (WARNING: the console too)
@@ -50,6 +63,7 @@ __all__ = [
   "Estimate",
   "workload",
   "kernel_flops",
+  "scoring_flops",
   "calibrate",
   "estimate",
   "advice",
@@ -67,12 +81,24 @@ CALIBRATION_FLOPS = 2e10
 
 
 class Workload(NamedTuple):
-  """``steps`` NTK client steps per round on kernel blocks of ``block`` samples; the step's options."""
+  """``steps`` NTK client steps per round on kernel blocks of ``block`` samples; the step's options.
+
+  ``explicit``: the step materialises the block's flat Jacobians ``[N, C, d]`` (compressed as
+  ``keep_fraction`` and ``bits`` say) and contracts them (NTK-FL's server with compression);
+  ``score_block``: samples every ``τ`` candidate is scored on besides the block (NTK-FL's validation
+  clients; 0 = the block's own samples); ``input_dim``: the network's input width when the server trains
+  an MLP on projected inputs (CP-NTK-FL's ``projection_dim``; 0 = the model's own inputs).
+  """
 
   steps: int
   block: int
   concurrent: int  # steps computed at once (vmapped chunk of clients)
   options: dict  # ntk_step keyword options: taus, loss, solver, kernel, select
+  explicit: bool = False
+  keep_fraction: float = 1.0
+  bits: int = 32
+  score_block: int = 0
+  input_dim: int = 0
 
 
 class Calibration(NamedTuple):
@@ -89,6 +115,9 @@ class Calibration(NamedTuple):
   kernel_flops: float  # XLA's FLOP count of the kernel alone on the block
   step_bytes: int  # arguments + outputs + temporaries of the compiled step on `block` samples
   timed_block: int = 0  # the block actually run (= block unless extrapolated)
+  scoring_flops: float = (
+    0.0  # XLA's FLOP count of scoring the τ candidates on `score_block` samples
+  )
 
 
 class Estimate(NamedTuple):
@@ -100,6 +129,7 @@ class Estimate(NamedTuple):
   peak_bytes: int
   round_seconds: float
   device: str
+  scoring_flops: float = 0.0  # per round: steps × the candidates' scoring on the validation clients
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -129,8 +159,19 @@ def workload(settings, model, federation) -> Workload | None:
     return Workload(steps * m1, (k + 1) * per_member, min(chunk, steps), options(algo.kernel))
   if method in ("ntk_fl", "cp_ntk_fl"):
     participants = algo.clients_per_round or num_clients
+    keep, bits = float(algo.sparsify_keep), int(algo.quantize_bits)
+    # As the server decides (algorithms.server_ntk.uses_explicit_jacobian): compression alters J.
+    explicit = algo.jacobian == "explicit" or (algo.jacobian == "auto" and (keep < 1 or bits != 32))
     return Workload(
-      1, participants * math.ceil(algo.subsample_fraction * n_max), 1, options(algo.kernel)
+      1,
+      participants * math.ceil(algo.subsample_fraction * n_max),
+      1,
+      options(algo.kernel),
+      explicit=explicit,
+      keep_fraction=keep,
+      bits=bits,
+      score_block=int(getattr(algo, "validation_clients", 0)) * n_max,
+      input_dim=int(algo.projection_dim),
     )
   if method == "fed_ensemble" and algo.local_training == "ntk":
     participants = algo.clients_per_round or num_clients
@@ -146,17 +187,25 @@ def _random_block(model, block: int, key):
   return x, y
 
 
-def kernel_flops(model, block: int, kernel: str = "traced", *, ntk) -> float:
+def kernel_flops(
+  model, block: int, kernel: str = "traced", *, ntk, explicit: bool = False
+) -> float:
   """XLA's FLOP count of the model's NTK on ``block`` random inputs (compiled, not run).
 
   The kernel is ``ntk.empirical_ntk`` (:func:`ntk_fl.ntk.empirical_ntk`) with the library's default
   implementation for the model (the dense-stack or the layer-wise structured one where they apply), the
-  block in one piece; ``ntk``: the method's ``NtkFunctions`` (``ntk_fl._src.ntk_step.NTK_FUNCTIONS``).
+  block in one piece; ``explicit``: the flat Jacobians ``[N, C, d]`` built and contracted
+  (``ntk.flat_jacobian``, ``ntk.jacobian_kernel``), as NTK-FL's server does with compression. ``ntk``:
+  the method's ``NtkFunctions`` (``ntk_fl._src.ntk_step.NTK_FUNCTIONS``).
   """
   params = jax.eval_shape(model.init, jax.random.key(0))
   x = jax.ShapeDtypeStruct((block, *model.input_shape), jnp.float32)
   traced = kernel == "traced"
-  if getattr(model, "per_sample", True):
+  if explicit:
+    kernel_fn = lambda p, x: ntk.jacobian_kernel(
+      ntk.flat_jacobian(model.apply, p, x), trace_outputs=traced
+    )
+  elif getattr(model, "per_sample", True):
     kernel_fn = lambda p, x: ntk.empirical_ntk(
       model.apply,
       p,
@@ -172,6 +221,24 @@ def kernel_flops(model, block: int, kernel: str = "traced", *, ntk) -> float:
     )(x, None, p)
   fn = jax.jit(kernel_fn)
   return _flops(fn.lower(params, x).compile())
+
+
+def _score_fn(model, vx, vy, vm, ntk):
+  return lambda w: ntk.mean_loss(model.apply(w, vx), vy, vm, "ce")
+
+
+def scoring_flops(model, score_block: int, num_taus: int, *, ntk) -> float:
+  """XLA's FLOP count of scoring ``num_taus`` candidate networks on ``score_block`` samples (compiled, not
+  run): the mean cross-entropy of each candidate's logits, as NTK-FL's validation clients score ``τ``."""
+  if not score_block:
+    return 0.0
+  params = jax.eval_shape(model.init, jax.random.key(0))
+  stacked = jax.tree.map(lambda p: jax.ShapeDtypeStruct((num_taus, *p.shape), p.dtype), params)
+  vx = jax.ShapeDtypeStruct((score_block, *model.input_shape), jnp.float32)
+  vy = jax.ShapeDtypeStruct((score_block, model.num_classes), jnp.float32)
+  vm = jax.ShapeDtypeStruct((score_block,), jnp.bool_)
+  fn = jax.jit(lambda w, x, y, m: jax.vmap(_score_fn(model, x, y, m, ntk))(w))
+  return _flops(fn.lower(stacked, vx, vy, vm).compile())
 
 
 def _flops(compiled) -> float:
@@ -193,32 +260,88 @@ def _bytes(compiled) -> int:
   )
 
 
-def calibrate(
-  model, work: Workload, *, ntk, seed: int = 0, max_flops: float = CALIBRATION_FLOPS
-) -> Calibration:
-  """Compiles and times one NTK step (``ntk.step``) of ``work``'s options on a random block (module
-  docstring); ``ntk``: the method's ``NtkFunctions``.
+def _server_model(model, work: Workload, ntk):
+  """The network the step trains: the model, or (``input_dim``) the same MLP on projected inputs
+  (``ntk.server_model``, the method's)."""
+  if not work.input_dim:
+    return model
+  if ntk.server_model is None:
+    raise ValueError(
+      f"the workload trains on {work.input_dim}-dimensional projected inputs, but the method's "
+      "NtkFunctions have no server_model to build that network"
+    )
+  return ntk.server_model(model, work.input_dim)
 
-  A kernel above ``max_flops`` is timed on a smaller block and scaled (:class:`Calibration`).
-  """
-  params = model.init(jax.random.key(seed))
+
+def _step_fn(model, work: Workload, ntk):
+  """``step(params, x, y, mask, vx, vy, vm) -> Δw``: one NTK step of ``work``'s options (module docstring):
+  ``ntk.step``, or on the explicit path ``ntk.transmitted_step`` (the method's)."""
   model_options = dict(
     dense_stack=model.dense_stack,
     flax_apply=getattr(model, "flax_apply", None),
     per_sample=getattr(model, "per_sample", True),
   )
-  step = jax.jit(
-    lambda p, x, y, m: ntk.step(model.apply, p, x, y, m, lr=0.01, **model_options, **work.options)[
-      0
-    ]
-  )
+  if work.explicit and ntk.transmitted_step is None:
+    raise ValueError(
+      "the workload computes explicit (transmitted) Jacobians, but the method's NtkFunctions have no "
+      "transmitted_step"
+    )
+
+  def step(p, x, y, m, vx, vy, vm):
+    extra = {"score_fn": _score_fn(model, vx, vy, vm, ntk)} if work.score_block else {}
+    if not work.explicit:
+      return ntk.step(model.apply, p, x, y, m, lr=0.01, **model_options, **work.options, **extra)[0]
+    return ntk.transmitted_step(
+      model.apply,
+      p,
+      x,
+      y,
+      m,
+      lr=0.01,
+      keep_fraction=work.keep_fraction,
+      bits=work.bits,
+      **work.options,
+      **extra,
+    )[0]
+
+  return jax.jit(step)
+
+
+def _extrapolate(small: tuple[int, float], large: tuple[int, float], n: int) -> float:
+  """``a·n + b·n²`` through two timed points ``(N, seconds)``, ``a, b >= 0`` (a noisy pair whose line would
+  give a negative coefficient keeps only the other term, fitted to the larger point)."""
+  (n1, t1), (n2, t2) = small, large
+  b = (t2 / n2 - t1 / n1) / (n2 - n1)
+  a = t2 / n2 - b * n2
+  if b < 0:
+    a, b = t2 / n2, 0.0
+  elif a < 0:
+    a, b = 0.0, t2 / n2**2
+  return a * n + b * n * n
+
+
+def calibrate(
+  model, work: Workload, *, ntk, seed: int = 0, max_flops: float = CALIBRATION_FLOPS
+) -> Calibration:
+  """Compiles and times one NTK step of ``work``'s options on a random block (module docstring);
+  ``ntk``: the method's ``NtkFunctions``, whose step and kernels are compiled.
+
+  A kernel above ``max_flops`` is timed on a smaller block and scaled (:class:`Calibration`); the
+  validation block (``work.score_block``) keeps its size.
+  """
+  model = _server_model(model, work, ntk)
+  params = model.init(jax.random.key(seed))
+  step = _step_fn(model, work, ntk)
+  score = _random_block(model, work.score_block, jax.random.key(seed + 2))
+  score = (*score, jnp.ones((work.score_block,), bool))
 
   def compiled_step(block):
     x, y = _random_block(model, block, jax.random.key(seed + 1))
-    args = (params, x, y, jnp.ones((block,), bool))
+    args = (params, x, y, jnp.ones((block,), bool), *score)
     return step.lower(*args).compile(), args
 
-  flops = kernel_flops(model, work.block, work.options["kernel"], ntk=ntk)
+  kernel = work.options["kernel"]
+  flops = kernel_flops(model, work.block, kernel, ntk=ntk, explicit=work.explicit)
   timed = work.block
   while (
     timed > 8 and flops * (timed / work.block) ** 2 > max_flops
@@ -228,16 +351,39 @@ def calibrate(
   compiled, args = compiled_step(work.block)
   compile_seconds = time.perf_counter() - t0
   step_bytes = _bytes(compiled)
-  scale = 1.0
-  if timed != work.block:
-    compiled, args = compiled_step(timed)
-    scale = flops / kernel_flops(model, timed, work.options["kernel"], ntk=ntk)
-  times = []
-  for _ in range(2):
-    t0 = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    times.append(time.perf_counter() - t0)
-  return Calibration(work.block, min(times) * scale, compile_seconds, flops, step_bytes, timed)
+
+  def best_of_two(compiled, args):
+    times = []
+    for _ in range(2):
+      t0 = time.perf_counter()
+      jax.block_until_ready(compiled(*args))
+      times.append(time.perf_counter() - t0)
+    return min(times)
+
+  if timed == work.block:
+    seconds = best_of_two(compiled, args)
+  elif not work.explicit:  # the kernel dominates: scale by the kernels' FLOP ratio
+    seconds = best_of_two(*compiled_step(timed)) * (
+      flops / kernel_flops(model, timed, kernel, ntk=ntk, explicit=False)
+    )
+  else:
+    # The explicit path's top-k and quantisation of J are O(N·C·d) memory passes that XLA counts no FLOPs
+    # for: fit t(N) = a·N + b·N² through two timed blocks instead.
+    half = max(timed // 2, 1)
+    seconds = _extrapolate(
+      (half, best_of_two(*compiled_step(half))),
+      (timed, best_of_two(*compiled_step(timed))),
+      work.block,
+    )
+  return Calibration(
+    work.block,
+    seconds,
+    compile_seconds,
+    flops,
+    step_bytes,
+    timed,
+    scoring_flops(model, work.score_block, len(work.options["taus"]), ntk=ntk),
+  )
 
 
 def estimate(
@@ -246,15 +392,18 @@ def estimate(
   """The round cost of the run ``settings`` on ``model`` and ``federation`` (``None``: no NTK step).
 
   ``ntk``: the method's ``NtkFunctions`` (:attr:`ntk_fl.algorithms.Method.ntk`), compiled by the
-  calibration; without them (and without a ``calibration``) there is no estimate.
+  calibration; without them (and without a ``calibration``) there is no estimate. With a given
+  ``calibration`` and no ``ntk``, the parameter memory is the model's own (not a projected-input MLP's).
   """
   work = workload(settings, model, federation)
   if work is None or (calibration is None and ntk is None):
     return None
   cal = calibrate(model, work, ntk=ntk, seed=settings.seed) if calibration is None else calibration
   num_clients = int(federation.mask.shape[0])
+  server = model if ntk is None else _server_model(model, work, ntk)
   param_bytes = 4 * sum(
-    math.prod(leaf.shape) for leaf in jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0)))
+    math.prod(leaf.shape)
+    for leaf in jax.tree.leaves(jax.eval_shape(server.init, jax.random.key(0)))
   )
   peak = work.concurrent * cal.step_bytes + 2 * num_clients * param_bytes
   device = jax.devices()[0]
@@ -262,7 +411,13 @@ def estimate(
     device.platform if device.platform == "cpu" else f"{device.platform} ({device.device_kind})"
   )
   return Estimate(
-    work, cal, work.steps * cal.kernel_flops, int(peak), work.steps * cal.seconds, name
+    work,
+    cal,
+    work.steps * cal.kernel_flops,
+    int(peak),
+    work.steps * cal.seconds,
+    name,
+    work.steps * cal.scoring_flops,
   )
 
 
@@ -306,15 +461,24 @@ def report(est: Estimate | None, model, *, budget_s: float = ROUND_BUDGET_S) -> 
     if c.timed_block and c.timed_block != c.block
     else ""
   )
+  kernel_kind = " (explicit Jacobians [N, C, d] contracted)" if w.explicit else ""
+  scoring = (
+    f"; scoring the {len(w.options['taus'])} τ candidates on {w.score_block} validation samples "
+    f"{_human(est.scoring_flops, 'FLOP')} per round"
+    if w.score_block
+    else ""
+  )
   logging.info(
-    "cost estimate on %s: %d NTK step(s) per round on kernel blocks of N = %d samples; kernel "
-    "%s per round (%s per block); one step %.3g s%s after a %.3g s compile; peak memory ~ %s; "
+    "cost estimate on %s: %d NTK step(s) per round on kernel blocks of N = %d samples; kernel%s "
+    "%s per round (%s per block)%s; one step %.3g s%s after a %.3g s compile; peak memory ~ %s; "
     "a round ~ %.3g s",
     est.device,
     w.steps,
     w.block,
+    kernel_kind,
     _human(est.kernel_flops, "FLOP"),
     _human(c.kernel_flops, "FLOP"),
+    scoring,
     c.seconds,
     timed,
     c.compile_seconds,

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from ntk_fl._src import evolution as _evolution
-from ntk_fl._src.kernels import empirical_ntk, jacobian_kernel
+from ntk_fl._src.kernels import empirical_ntk, flat_jacobian, jacobian_kernel
 from ntk_fl._src.neural_tangents_api import empirical_ntk_fn
 from ntk_fl._src.options import (
   Implementation,
@@ -410,11 +410,26 @@ class NtkFunctions(NamedTuple):
     step: :func:`ntk_step`.
     empirical_ntk: :func:`ntk_fl._src.kernels.empirical_ntk` (per-sample models).
     empirical_ntk_fn: :func:`ntk_fl._src.neural_tangents_api.empirical_ntk_fn` (whole-batch models).
+    mean_loss: :func:`mean_loss` (the validation clients' score of a candidate network).
+    flat_jacobian: :func:`ntk_fl._src.kernels.flat_jacobian` (explicit Jacobians ``[N, C, d]``).
+    jacobian_kernel: :func:`ntk_fl._src.kernels.jacobian_kernel` (their contraction).
+    transmitted_step: ``(apply_fn, params, x, y, mask, *, lr, keep_fraction, bits, **options) ->
+      (Δw, info)``: the step on explicit, compressed Jacobians as a server receives them (NTK-FL's
+      ``table1``), or ``None`` for a method without that path.
+    server_model: ``(model, input_dim) -> model``: the network a server trains on projected
+      ``input_dim``-wide inputs (CP-NTK-FL's ``projection_dim``), or ``None``.
   """
 
   step: Callable
   empirical_ntk: Callable
   empirical_ntk_fn: Callable
+  mean_loss: Callable
+  flat_jacobian: Callable
+  jacobian_kernel: Callable
+  transmitted_step: Callable | None = None
+  server_model: Callable | None = None
 
 
-NTK_FUNCTIONS = NtkFunctions(ntk_step, empirical_ntk, empirical_ntk_fn)
+NTK_FUNCTIONS = NtkFunctions(
+  ntk_step, empirical_ntk, empirical_ntk_fn, mean_loss, flat_jacobian, jacobian_kernel
+)

@@ -553,6 +553,29 @@ def make_server_ntk(
   return Algorithm(init=init, round_inputs=round_inputs, step=step, client_params=client_params)
 
 
+def transmitted_step(
+  apply_fn, params, x, targets, mask, *, lr, keep_fraction: float, bits: int, **options
+):
+  """One NTK step on the block's explicit flat Jacobians ``[N, C, d]`` compressed as the uploads arrive
+  (row top-k ``keep_fraction``, ``bits``-bit quantisation, deterministic rounding): what the cost estimate
+  times for NTK-FL's explicit path. ``options`` go to :func:`ntk_fl.evolve.ntk_step`; returns ``(Δw, info)``."""
+  jac = jacobians.flat_jacobian(apply_fn, params, x)
+  support = jnp.ones(jac.shape, bool)
+  if keep_fraction < 1:
+    jac, support = jacobians.sparsify_rows(jac, keep_fraction)
+  if bits != compression.FLOAT_BITS:
+    jac = jacobians.quantize_kept(jac, support, bits)
+  flat = ntk_step.ParamMap(apply_fn, params, lambda d: jacobians.unflatten_jacobian(d, params))
+  return ntk_step.ntk_step(
+    apply_fn, params, x, targets, mask, lr=lr, jacobian=jac, param_map=flat, **options
+  )
+
+
 METHOD = Method(
-  make=make_server_ntk, hyperparameters=NTKFLHParams, check=check, ntk=ntk_step.NTK_FUNCTIONS
+  make=make_server_ntk,
+  hyperparameters=NTKFLHParams,
+  check=check,
+  ntk=ntk_step.NTK_FUNCTIONS._replace(
+    transmitted_step=transmitted_step, server_model=models.mlp_on_inputs
+  ),
 )
