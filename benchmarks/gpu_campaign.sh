@@ -14,7 +14,10 @@
 #            device memory allows). Give a smaller chunk where a run's per-client arrays are large:
 #            the compressed NTK-DFL runs (explicit N x C x d Jacobians per client) and the CNN. On an
 #            H200 the CNN round at chunk 10 stopped with CUDA_ERROR_ILLEGAL_ADDRESS and the compressed
-#            runs at chunk 0 failed after about 80 s (benchmarks/RESULTS.md, "GPU")
+#            runs at chunk 0 ran out of device memory (229 GiB of temporaries for 300 clients). Chunks
+#            that fit an H200 (benchmarks/RESULTS.md, "Compressed NTK-DFL"): ntk_dfl:fig15=fig15_compressed@100,
+#            ntk_dfl:fig16=fig16_*@100, ntk_dfl:fig15=fig15_topk_bits_sub@25, ntk_dfl:fig15=fig15_topk@4,
+#            ntk_dfl:fig15=fig15_topk_bits@4
 #
 # Environment: PYTHON (default python3), GPU_CHECK_ARGS (default: the cases this script's table needs),
 # NTK_FL_DATA_DIR (where the data sets are; nothing is downloaded). Run from the repository root.
