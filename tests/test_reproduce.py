@@ -133,6 +133,27 @@ def test_estimates_follow_the_cost_table():
     costs.estimate({"method": "nope", "rounds": 1})
 
 
+def test_compressed_gossip_runs_are_costed_from_the_measured_compressed_round():
+  """``ntk_dfl:compressed`` is the measured row itself; unprojected top-k and no subsampling (Fig. 15's
+  first stack) hold 5x the neighbourhood samples and 3.77x the parameters; uncompressed runs keep the
+  kernel row."""
+  plain = build_config(Variant("ntk_dfl", "ntk_dfl", ()), 0)
+  compressed = build_config(Variant("ntk_dfl_c", "ntk_dfl:compressed", ()), 0)
+  topk = build_config(Variant("ntk_dfl_t", "ntk_dfl:topk0.5", ()), 0)
+  as_dict = stored_form
+  assert not costs.transmits_jacobians(as_dict(plain))
+  assert costs.transmits_jacobians(as_dict(compressed)) and costs.transmits_jacobians(as_dict(topk))
+  row = costs.TRANSMITTED_ROUND
+  cpu, _, measured = costs.estimate(as_dict(compressed))
+  assert cpu == pytest.approx(compressed.rounds * row.cpu) and not measured
+  assert costs.round_scale(as_dict(topk)) == pytest.approx(5 * 79_510 / 21_110)
+  assert costs.estimate(as_dict(plain))[0] == pytest.approx(
+    plain.rounds * costs.ROUND_SECONDS["ntk_dfl"].cpu
+  )
+  # The compressed stack costs more per round than plain NTK-DFL on the CPU, as measured (4.6x).
+  assert costs.estimate(as_dict(compressed))[0] > 4 * costs.estimate(as_dict(plain))[0]
+
+
 # ----------------------------------------------------------------------------- the queue (a stand-
 # in launcher)
 

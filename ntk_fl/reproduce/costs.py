@@ -7,15 +7,19 @@ round) -- on the 2-core AMD EPYC (both cores) and on one NVIDIA H100, each with 
 source. :func:`estimate` scales a row to a config: linearly in the clients and the
 rounds, and for the NTK methods with the square of the neighbourhood's sample
 count (the Euler evolution through the ``[N, N]`` kernel is ≈ 95 % of an NTK-DFL
-round, benchmarks/RESULTS.md) and linearly in the largest τ. The estimates are for
-planning a queue; a run stopped at a target accuracy takes at most that long.
+round, benchmarks/RESULTS.md) and linearly in the largest τ. A gossip NTK run that transmits explicit,
+compressed Jacobians (top-k, b-bit quantisation or the input projection, NTK-DFL App. E.3) is dominated
+by building, compressing and contracting those Jacobians instead: its row is the measured compressed
+round (:data:`TRANSMITTED_ROUND`), scaled with the Jacobians' size (clients × neighbourhood samples ×
+parameters of the network on the transmitted inputs). The estimates are for planning a queue; a run
+stopped at a target accuracy takes at most that long.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["Cost", "ROUND_SECONDS", "estimate", "markdown_table"]
+__all__ = ["Cost", "ROUND_SECONDS", "TRANSMITTED_ROUND", "estimate", "markdown_table"]
 
 
 class Cost(NamedTuple):
@@ -100,6 +104,19 @@ ROUND_SECONDS: dict[str, Cost] = {
   ),
 }
 
+# The gossip NTK round on explicit, compressed Jacobians, measured on `ntk_dfl:compressed` (top-k 0.5,
+# 6 bits, m2 = 5, d1' = 200): 240 samples per neighbourhood, 21,110 parameters of the MLP on d1'-wide inputs.
+TRANSMITTED_ROUND = Cost(
+  4.6 * 62.5,
+  None,
+  "benchmarks/RESULTS.md, compressed NTK-DFL: a 300-client `ntk_dfl:compressed` round 940 s against an "
+  "uncompressed one's 206.5 s, back to back on the loaded 2-core AMD EPYC (4.6x), times the idle "
+  "NTK-DFL row",
+  4.0,
+)
+_TRANSMITTED_SAMPLES = 240  # per neighbourhood in the measured config
+_TRANSMITTED_PARAMS = 200 * 100 + 100 + 100 * 10 + 10
+
 _NTK_GOSSIP = ("ntk_dfl", "spark")
 _NTK_SERVER = ("ntk_fl", "cp_ntk_fl")
 # Where a method has no GPU measurement, its CPU time is divided by the measured CPU/GPU ratio of
@@ -122,12 +139,32 @@ def _degree(config: dict) -> float:
   return float(topology["degree"])
 
 
+def transmits_jacobians(config: dict) -> bool:
+  """Whether ``config`` is a gossip NTK run whose clients send explicit, compressed Jacobians."""
+  algo = config.get("algorithm", {})
+  return config["method"] in _NTK_GOSSIP and (
+    algo.get("sparsify_keep", 1.0) < 1
+    or algo.get("quantize_bits", 32) < 32
+    or algo.get("projection_dim", 0) > 0
+  )
+
+
+def _row(config: dict) -> Cost:
+  return TRANSMITTED_ROUND if transmits_jacobians(config) else ROUND_SECONDS[config["method"]]
+
+
 def round_scale(config: dict) -> float:
-  """How much one round of ``config`` costs relative to its method's :data:`ROUND_SECONDS` row."""
+  """How much one round of ``config`` costs relative to its row (:data:`ROUND_SECONDS`, or
+  :data:`TRANSMITTED_ROUND` where :func:`transmits_jacobians`)."""
   data, algo = config["data"], config.get("algorithm", {})
   clients = data["num_clients"] / 300
   samples = data.get("samples_per_client", 200) / 200
   method = config["method"]
+  if transmits_jacobians(config):
+    neighbourhood = (_degree(config) + 1) * 200 * samples / algo.get("subsample", 1)
+    inputs = algo.get("projection_dim", 0) or 784
+    params = inputs * 100 + 100 + 100 * 10 + 10
+    return clients * neighbourhood / _TRANSMITTED_SAMPLES * params / _TRANSMITTED_PARAMS
   if method in _NTK_GOSSIP:
     per_client = ((_degree(config) + 1) / 6 * samples / algo.get("subsample", 1)) ** 2
     per_client /= algo.get("jacobian_batches", 1)
@@ -153,7 +190,7 @@ def estimate(config: dict) -> tuple[float, float, bool]:
       f"no per-round cost for method {method!r}; add it to ntk_fl.reproduce.costs.ROUND_SECONDS "
       f"(known: {', '.join(sorted(ROUND_SECONDS))})"
     )
-  cost = ROUND_SECONDS[method]
+  cost = _row(config)
   scale, rounds = round_scale(config), config["rounds"]
   cpu = ((cost.cpu - cost.cpu_eval) * scale + cost.cpu_eval) * rounds
   if cost.gpu is not None:
