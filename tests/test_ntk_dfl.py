@@ -154,14 +154,16 @@ def test_padding_does_not_change_the_round():
 
 
 def test_rounds_compile_once(monkeypatch):
+  from ntk_fl._src import ntk_step as ntk_step_module  # where the method modules call the step
+
   traces = []
-  original = evolve.ntk_step
+  original = ntk_step_module.ntk_step
 
   def counting(*args, **kwargs):
     traces.append(1)
     return original(*args, **kwargs)
 
-  monkeypatch.setattr(evolve, "ntk_step", counting)
+  monkeypatch.setattr(ntk_step_module, "ntk_step", counting)
   config, model, federation = tiny_setup()
   algorithm = runner.make_algorithm(config, model, federation)
   state = algorithm.init(jax.random.key(0))
