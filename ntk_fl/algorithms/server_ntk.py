@@ -559,12 +559,14 @@ def transmitted_step(
   """One NTK step on the block's explicit flat Jacobians ``[N, C, d]`` compressed as the uploads arrive
   (row top-k ``keep_fraction``, ``bits``-bit quantisation, deterministic rounding): what the cost estimate
   times for NTK-FL's explicit path. ``options`` go to :func:`ntk_fl.evolve.ntk_step`; returns ``(Δw, info)``."""
-  jac = jacobians.flat_jacobian(apply_fn, params, x)
-  support = jnp.ones(jac.shape, bool)
-  if keep_fraction < 1:
-    jac, support = jacobians.sparsify_rows(jac, keep_fraction)
-  if bits != compression.FLOAT_BITS:
-    jac = jacobians.quantize_kept(jac, support, bits)
+  jac = _compress_client(
+    jacobians.flat_jacobian(apply_fn, params, x),
+    mask,
+    None,
+    keep=keep_fraction,
+    bits=bits,
+    stochastic=False,
+  )
   flat = ntk_step.ParamMap(apply_fn, params, lambda d: jacobians.unflatten_jacobian(d, params))
   return ntk_step.ntk_step(
     apply_fn, params, x, targets, mask, lr=lr, jacobian=jac, param_map=flat, **options
