@@ -221,7 +221,7 @@ def _set_contiguous(config) -> None:
 
 def _set_authors_map(config, token: str) -> None:
   """``authors_alpha<α>[_d<draw>]`` / ``authors_iid[_d<draw>]``: the shipped map, draw 0 by default."""
-  from ntk_fl.data import index_map  # pylint: disable=import-outside-toplevel
+  from ntk_fl._src.names import VENDORED_DATASET, authors_map_name  # pylint: disable=import-outside-toplevel
 
   level, _, draw = token[len("authors_") :].partition("_d")
   if draw and not draw.isdigit():
@@ -232,10 +232,10 @@ def _set_authors_map(config, token: str) -> None:
     )
   alpha = None if level == "iid" else level[len("alpha") :]
   try:
-    name = index_map.authors_map_name("iid" if alpha is None else alpha, int(draw or 0))
+    name = authors_map_name("iid" if alpha is None else alpha, int(draw or 0))
   except ValueError as e:
     raise ValueError(f"variant {token!r}: {e}") from None
-  config.data.name = index_map.VENDORED_DATASET
+  config.data.name = VENDORED_DATASET
   config.data.partition = "index_map"
   config.data.partition_file = name
   config.data.num_clients = 300

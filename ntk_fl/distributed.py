@@ -47,6 +47,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
+# The mesh axis's name from the leaf: this module needs it, not the client map of ``parallel``.
+from ntk_fl._src.names import CLIENTS
+
 __all__ = [
   "initialize",
   "shutdown",
@@ -321,7 +324,6 @@ def client_shardings(shapes: Any, num_clients: int, mesh) -> Any:
   """
   if mesh is None:
     return None
-  from ntk_fl.parallel import CLIENTS  # pylint: disable=g-import-not-at-top
 
   size = mesh.shape[CLIENTS]
 
@@ -360,7 +362,6 @@ def place_federation(
     the same in every process).
   """
   from ntk_fl.data import federation as federation_lib  # pylint: disable=g-import-not-at-top
-  from ntk_fl.parallel import CLIENTS  # pylint: disable=g-import-not-at-top
 
   y = federation_lib.check_samples(x, y)
   num_blocks = int(mesh.shape[CLIENTS])

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from ntk_fl import parallel, validation
 from ntk_fl._src.dense_stack import DenseStack
+from ntk_fl._src.names import ACTIVATIONS, MODELS  # re-exported
 
 __all__ = [
   "DenseStack",
@@ -77,7 +78,6 @@ class Model(NamedTuple):
 
 # --------------------------------------------------------------------- pieces
 
-MODELS = ("mlp", "cnn")
 _INIT_MODES = ("shared", "per_client")
 
 # Kaiming-normal, fan-in, *untruncated* (see the module docstring).
@@ -101,7 +101,8 @@ _ACTIVATIONS: dict[str, Callable[[Any], Any]] = {
   "erf": jax.scipy.special.erf,
   "identity": _identity,
 }
-ACTIVATIONS = tuple(_ACTIVATIONS)
+# ACTIVATIONS, the table's names in its order, lives in the leaf ``_src.names`` (the schema checks a
+# config's activation without loading flax); tests/test_layers.py holds the two equal.
 
 
 def _activation(name: str) -> Callable[[Any], Any]:

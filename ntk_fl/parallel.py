@@ -69,6 +69,9 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
 from ntk_fl import validation
+from ntk_fl._src.names import (
+  CLIENTS,
+)  # the mesh axis; a leaf, so the multi-process code names it alone
 
 __all__ = [
   "CLIENTS",
@@ -85,8 +88,6 @@ __all__ = [
   "to_device",
 ]
 
-CLIENTS = "clients"
-"""Name of the mesh axis the client axis is sharded over."""
 
 _STATE = (
   threading.local()

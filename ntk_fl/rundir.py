@@ -48,8 +48,7 @@ import numpy as np
 from ntk_fl import distributed, settings, validation
 from ntk_fl._src import fsutil
 from ntk_fl._src.method_modules import method_module_imported
-from ntk_fl.algorithms import available, get_method
-from ntk_fl.algorithms.base import config_without
+from ntk_fl.algorithms.base import available, config_without, get_method
 from ntk_fl.checkpoint import Checkpoints
 
 __all__ = [

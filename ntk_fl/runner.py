@@ -72,7 +72,7 @@ from ntk_fl import metrics as metrics_lib
 from ntk_fl import plotting
 from ntk_fl import summaries
 from ntk_fl._src import cost
-from ntk_fl.algorithms import Algorithm, get_method
+from ntk_fl.algorithms.base import Algorithm, get_method  # the registry, two levels deep
 from ntk_fl.checkpoint import Checkpoints
 from ntk_fl.rng import Stream, numpy_rng
 from ntk_fl.schema import replica_settings, validate_config
@@ -195,14 +195,18 @@ def build_experiment(config) -> Experiment:
   ``exp.device_policy()``, ``state = exp.algorithm.init(jax.random.key(seed))``
   and ``state, metrics = exp.algorithm.step(state, exp.algorithm.round_inputs(r))``.
   """
-  from ntk_fl import data, models  # pylint: disable=g-import-not-at-top
+  # The data modules themselves, not the ``ntk_fl.data`` face that re-exports them (one level less).
+  from ntk_fl import models  # pylint: disable=g-import-not-at-top
+  from ntk_fl.data.federation import make_federation  # pylint: disable=g-import-not-at-top
+  from ntk_fl.data.partition import partition as partition_clients  # pylint: disable=g-import-not-at-top
+  from ntk_fl.data.sources import load as load_dataset  # pylint: disable=g-import-not-at-top
 
   settings = validate_config(config)
   data_settings = settings.data
   mesh = parallel.current_mesh()
   # Several processes: each converts (and keeps) only its own clients' training samples.
   split = jax.process_count() > 1 and mesh is not None
-  dataset = data.load(
+  dataset = load_dataset(
     data_settings.name,
     data_settings.data_dir or None,
     flatten=models.flat_inputs(settings.model),
@@ -210,7 +214,7 @@ def build_experiment(config) -> Experiment:
     lazy_train=split,
   )
   dataset = _subsample(dataset, data_settings.max_train, data_settings.max_test, settings.seed)
-  client_indices = data.partition(
+  client_indices = partition_clients(
     dataset.y_train,
     data_settings.partition,
     data_settings.num_clients,
@@ -239,7 +243,7 @@ def build_experiment(config) -> Experiment:
     )
     dataset = dataset._replace(x_train=None)
   else:
-    federation = data.make_federation(dataset.x_train, dataset.y_train, client_indices)
+    federation = make_federation(dataset.x_train, dataset.y_train, client_indices)
   return Experiment(
     settings,
     dataset,

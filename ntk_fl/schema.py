@@ -25,8 +25,9 @@ import jax
 import ml_collections
 
 from ntk_fl import settings, validation
+from ntk_fl._src.names import ACTIVATIONS, DATASETS, MODELS, PARTITIONS
 from ntk_fl._src.method_modules import import_method_module, method_module_imported
-from ntk_fl.algorithms import get_method
+from ntk_fl.algorithms.base import get_method  # the registry, two levels deep
 from ntk_fl.config import base_config
 from ntk_fl.settings import DataSettings, EvalSettings, ModelSettings, RunSettings, TopologySettings
 
@@ -111,9 +112,7 @@ def validate_config(config, reference=None) -> RunSettings:
   Raises ``ValueError`` naming the bad key, its value and what is allowed. Loads
   no data.
   """
-  from ntk_fl import models, topology  # pylint: disable=g-import-not-at-top
-  from ntk_fl.data.partition import PARTITIONS  # pylint: disable=g-import-not-at-top
-  from ntk_fl.data.sources import DATASETS  # pylint: disable=g-import-not-at-top
+  from ntk_fl import topology  # pylint: disable=g-import-not-at-top
 
   if isinstance(config, RunSettings):
     return config
@@ -182,13 +181,13 @@ def validate_config(config, reference=None) -> RunSettings:
   _check_partition_file(config, partition, dataset, num_clients)
   _check_partition_fits(config, partition, dataset, num_clients)
 
-  _choice(config, "model.name", models.MODELS)
+  _choice(config, "model.name", MODELS)
   hidden = _get(config, "model.hidden")
   if not isinstance(hidden, (tuple, list)) or not all(
     isinstance(h, numbers.Integral) and not isinstance(h, bool) and h >= 1 for h in hidden
   ):
     raise ValueError(f"config.model.hidden must be a tuple of positive ints, got {hidden!r}")
-  _choice(config, "model.activation", models.ACTIVATIONS)
+  _choice(config, "model.activation", ACTIVATIONS)
   _choice(config, "model.init", ("shared", "per_client"))
   _check_user_module(config, dataset)
 

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from ntk_fl import compression, models, parallel, topology, validation
-from ntk_fl.algorithms import Method
+from ntk_fl.algorithms.base import Method
 from ntk_fl.algorithms import gossip_round
 from ntk_fl.algorithms import local
 from ntk_fl.algorithms.base import Algorithm, run_options

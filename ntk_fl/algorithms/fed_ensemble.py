@@ -71,7 +71,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ntk_fl import compression, models, parallel, validation
-from ntk_fl.algorithms import Method
+from ntk_fl.algorithms.base import Method
 from ntk_fl.algorithms import local
 from ntk_fl._src import ntk_step
 from ntk_fl._src.options import Choice, Loss, Select, Solver, check_taus

@@ -38,7 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ntk_fl import compression, gossip, models, parallel, topology
-from ntk_fl.algorithms import Method, local
+from ntk_fl.algorithms import local
+from ntk_fl.algorithms.base import Method
 from ntk_fl.algorithms.graph_inputs import graph_round_inputs
 from ntk_fl.algorithms.base import (
   Algorithm,

@@ -84,7 +84,7 @@ from ntk_fl import (
   topology,
   validation,
 )
-from ntk_fl.algorithms import Method
+from ntk_fl.algorithms.base import Method
 from ntk_fl._src import ntk_step
 from ntk_fl._src.options import Kernel, Loss, Select, Solver, check_taus
 from ntk_fl.algorithms.graph_inputs import graph_round_inputs

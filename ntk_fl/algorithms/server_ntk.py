@@ -77,7 +77,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ntk_fl import communication, compression, jacobians, models, parallel, validation
-from ntk_fl.algorithms import Method
+from ntk_fl.algorithms.base import Method
 from ntk_fl._src import ntk_step
 from ntk_fl._src.options import Choice, JacobianPath, Kernel, Loss, Select, Solver, check_taus
 from ntk_fl.algorithms.base import Algorithm, check_evolution, parse_enums, run_options

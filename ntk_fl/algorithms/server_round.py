@@ -33,7 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ntk_fl import compression, models, parallel
-from ntk_fl.algorithms import Method, local
+from ntk_fl.algorithms import local
+from ntk_fl.algorithms.base import Method
 from ntk_fl.algorithms.base import Algorithm, ParamsState, run_options
 from ntk_fl.rng import Stream, jax_key, numpy_rng
 

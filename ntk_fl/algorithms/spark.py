@@ -89,7 +89,7 @@ from ntk_fl import (
   topology,
   validation,
 )
-from ntk_fl.algorithms import Method
+from ntk_fl.algorithms.base import Method
 from ntk_fl._src import ntk_step
 from ntk_fl._src.options import Choice, JacobianPath, Kernel, Select, Solver, check_taus
 from ntk_fl.algorithms.base import Algorithm, check_evolution, config_without, run_options

@@ -36,6 +36,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
+# The shipped maps' names live in a leaf, so that reading a config variant that names one
+# (``authors_alpha0.1``) loads no data code; re-exported here, where the maps are read.
+from ntk_fl._src.names import (
+  AUTHORS_ALPHAS,  # noqa: F401
+  AUTHORS_DIRICHLET_DRAWS,  # noqa: F401
+  AUTHORS_IID_DRAWS,  # noqa: F401
+  VENDORED_DATASET,  # noqa: F401
+  VENDORED_MAPS,
+  authors_map_name,
+)
+
 __all__ = [
   "VENDORED_DIR",
   "VENDORED_MAPS",
@@ -53,18 +64,6 @@ __all__ = [
 VENDORED_DIR = Path(__file__).resolve().parent / "partitions"
 """Folder of the index maps shipped with the package."""
 
-AUTHORS_ALPHAS = ("0.1", "0.2", "0.3", "0.4", "0.5")
-AUTHORS_DIRICHLET_DRAWS = 5
-AUTHORS_IID_DRAWS = 3
-
-VENDORED_MAPS = tuple(
-  [f"fmnist_alpha{a}_{d}" for a in AUTHORS_ALPHAS for d in range(AUTHORS_DIRICHLET_DRAWS)]
-  + [f"fmnist_iid_{d}" for d in range(AUTHORS_IID_DRAWS)]
-)
-"""Names of the shipped maps (``<name>.npz`` in :data:`VENDORED_DIR`); all are Fashion-MNIST, 300 clients."""
-
-VENDORED_DATASET = "fashion_mnist"
-
 TRAIN_SIZES = {"fashion_mnist": 60_000, "cifar10": 50_000, "emnist_digits": 240_000}
 """Training-set sizes of the datasets that have exactly one standard file set.
 
@@ -73,26 +72,6 @@ Used to check a map's indices before any data loads; for the other datasets
 when the partition is built."""
 
 _KEYS = ("indices", "offsets")
-
-
-def authors_map_name(level: str, draw: int = 0) -> str:
-  """Name of a shipped map: ``level`` is an α such as ``'0.1'`` / ``0.1``, or ``'iid'``.
-
-  Raises ``ValueError`` naming the levels and draws that exist.
-  """
-  if level != "iid":
-    try:
-      level = f"alpha{float(level):g}"
-    except (TypeError, ValueError):
-      level = f"alpha{level}"
-  name = f"fmnist_{level}_{draw}"
-  if name not in VENDORED_MAPS:
-    raise ValueError(
-      f"no shipped partition {name!r}: the authors' Fashion-MNIST maps exist for alpha in "
-      f"{{{', '.join(AUTHORS_ALPHAS)}}} with draws 0-{AUTHORS_DIRICHLET_DRAWS - 1} and for iid with "
-      f"draws 0-{AUTHORS_IID_DRAWS - 1}"
-    )
-  return name
 
 
 def resolve(partition_file: str) -> Path:

@@ -43,20 +43,12 @@ import numbers
 import numpy as np
 
 from ntk_fl import validation
+from ntk_fl._src.names import PARTITIONS  # re-exported: the schema reads it from the leaf
 from ntk_fl.data import index_map
 from ntk_fl.rng import Stream, numpy_rng
 
 __all__ = ["partition", "PARTITIONS", "DIRICHLET_DRAWS", "SHARD_SWAPS_PER_EDGE"]
 
-PARTITIONS = (
-  "iid",
-  "dirichlet",
-  "dirichlet_fixed_size",
-  "shards",
-  "by_writer",
-  "contiguous",
-  "index_map",
-)
 
 # Full redraws of the disjoint Dirichlet split before empty clients are repaired.
 DIRICHLET_DRAWS = 10

@@ -73,6 +73,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from ntk_fl._src.names import DATASETS  # re-exported: the schema reads it from the leaf
 from ntk_fl.data import safe_pickle
 from ntk_fl.rng import Stream, numpy_rng
 
@@ -86,15 +87,6 @@ __all__ = [
   "read_idx",
 ]
 
-DATASETS = (
-  "fashion_mnist",
-  "mnist",
-  "emnist_digits",
-  "femnist",
-  "femnist_digits",
-  "cifar10",
-  "synthetic",
-)
 DATA_DIR_ENV = "NTK_FL_DATA_DIR"
 
 # Where Debian's `dataset-*` packages install their files (a module constant so

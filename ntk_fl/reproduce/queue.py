@@ -239,7 +239,7 @@ def _fresh(job: Job) -> bool:
 
 def _replicable(variant: Variant) -> bool:
   """Whether ``variant``'s method runs seed-batched (``Method.replicas``; others run seed by seed)."""
-  from ntk_fl.algorithms import get_method  # pylint: disable=import-outside-toplevel
+  from ntk_fl.algorithms.base import get_method  # pylint: disable=import-outside-toplevel
 
   try:
     return get_method(build_config(variant, 0).method).replicas
