@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -184,6 +185,32 @@ def test_cnn_matches_an_independent_lax_forward():
   h = jnp.maximum(h @ p["dense_0"]["kernel"] + p["dense_0"]["bias"], 0.0)
   expected = h @ p["dense_1"]["kernel"] + p["dense_1"]["bias"]
   np.testing.assert_allclose(model.apply(params, x), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(3, 8, 6, 4), (2, 7, 5, 3)])
+def test_cnn_max_pool_derivatives_are_nn_max_pools_bit_for_bit(shape):
+  # Ties on purpose: ReLU zeros and values rounded to halves, so many windows have several maxima.
+  k1, k2, k3 = jax.random.split(jax.random.key(7), 3)
+  x = jnp.maximum(jnp.round(2 * jax.random.normal(k1, shape)) / 2, 0.0)
+  ref = lambda h: nn.max_pool(h, (2, 2), strides=(2, 2))
+  out = (shape[0], shape[1] // 2, shape[2] // 2, shape[3])
+  g = jax.random.normal(k2, (5, *out))  # five cotangents, vmapped as the kernel's are
+  t = jax.random.normal(k3, shape)
+  assert np.array_equal(M._max_pool_2x2(x), ref(x))
+  pullback = lambda f: jax.vmap(jax.vjp(f, x)[1])(g)[0]
+  got, want = np.asarray(pullback(M._max_pool_2x2)), np.asarray(pullback(ref))
+  assert np.array_equal(got, want) and np.array_equal(np.signbit(got), np.signbit(want))
+  np.testing.assert_array_equal(
+    jax.jvp(M._max_pool_2x2, (x,), (t,))[1], jax.jvp(ref, (x,), (t,))[1]
+  )
+  # Brute force: each window's cotangent goes to its first maximum in row-major order.
+  xn, gn = np.asarray(x), np.asarray(g[0])
+  brute = np.zeros(shape, np.float32)
+  for b, i, j, c in np.ndindex(*out):
+    window = xn[b, 2 * i : 2 * i + 2, 2 * j : 2 * j + 2, c].reshape(-1)
+    di, dj = divmod(int(np.argmax(window)), 2)
+    brute[b, 2 * i + di, 2 * j + dj, c] = gn[b, i, j, c]
+  np.testing.assert_array_equal(got[0], brute)
 
 
 def test_cnn_init_uses_receptive_field_fan_in():
