@@ -783,7 +783,7 @@ def test_pre_data_checks_name_the_fix(tmp_path, monkeypatch):
   import json  # pylint: disable=g-import-not-at-top
   from ntk_fl import data, rundir, schema  # pylint: disable=g-import-not-at-top
 
-  monkeypatch.setattr(data, "load", lambda *a, **k: pytest.fail("data loaded"))
+  monkeypatch.setattr(data.sources, "load", lambda *a, **k: pytest.fail("data loaded"))
   for overrides, fragment in [
     (
       {"data.max_train": 500, "data.num_clients": 600},
@@ -1020,7 +1020,7 @@ def test_bad_metrics_file_is_found_before_data(uninterrupted, tmp_path, monkeypa
   lines[1] = "{not json"
   with open(path, "w") as f:
     f.write("\n".join(lines) + "\n")
-  monkeypatch.setattr(data, "load", lambda *a, **k: pytest.fail("data loaded"))
+  monkeypatch.setattr(data.sources, "load", lambda *a, **k: pytest.fail("data loaded"))
   with pytest.raises(ValueError, match=r"metrics.jsonl: line 2 is not valid JSON"):
     runner.run(_toy_config(), workdir, resume=True)
 
@@ -1424,7 +1424,7 @@ def test_a_fresh_run_refuses_links_and_a_dangling_checkpoints_link_is_caught_bef
 ):
   from ntk_fl import data, runner  # pylint: disable=g-import-not-at-top
 
-  monkeypatch.setattr(data, "load", lambda *a, **k: pytest.fail("data loaded"))
+  monkeypatch.setattr(data.sources, "load", lambda *a, **k: pytest.fail("data loaded"))
   victim = tmp_path / "victim"
   victim.write_text("precious")
   workdir = tmp_path / "run"
@@ -1545,7 +1545,7 @@ def test_out_of_range_values_and_malformed_blocks_are_one_clear_error(tmp_path, 
   from ntk_fl import data, rundir, schema  # pylint: disable=g-import-not-at-top
   from ntk_fl.config import load_config  # pylint: disable=g-import-not-at-top
 
-  monkeypatch.setattr(data, "load", lambda *a, **k: pytest.fail("data loaded"))
+  monkeypatch.setattr(data.sources, "load", lambda *a, **k: pytest.fail("data loaded"))
   ntk_dfl = load_config(os.path.join(_CONFIGS, "ntk_dfl.py"), "smoke")
   ntk_dfl.algorithm.taus = (4294967396,)
   with pytest.raises(

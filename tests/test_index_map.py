@@ -266,14 +266,18 @@ def toy(**overrides):
   ],
 )
 def test_bad_index_map_configs_fail_before_data_loads(overrides, match, tmp_path, monkeypatch):
-  monkeypatch.setattr(data, "load", lambda *a, **k: pytest.fail("data loaded before validation"))
+  monkeypatch.setattr(
+    data.sources, "load", lambda *a, **k: pytest.fail("data loaded before validation")
+  )
   with pytest.raises(ValueError, match=match):
     runner.run(toy(**overrides), str(tmp_path / "run"))
   assert not os.path.exists(tmp_path / "run")
 
 
 def test_out_of_range_fmnist_indices_fail_before_data_loads(tmp_path, monkeypatch):
-  monkeypatch.setattr(data, "load", lambda *a, **k: pytest.fail("data loaded before validation"))
+  monkeypatch.setattr(
+    data.sources, "load", lambda *a, **k: pytest.fail("data loaded before validation")
+  )
   path = write_map(tmp_path / "m.npz", np.int32([0, 60_000]), np.int32([0, 1, 2]))
   config = toy(
     **{

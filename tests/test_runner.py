@@ -235,7 +235,7 @@ def test_resume_after_interruption_equals_uninterrupted(reference, tmp_path):
 
 def test_resume_refusals_fail_before_any_work(reference, tmp_path, monkeypatch):
   ref_workdir, _, _ = reference
-  monkeypatch.setattr(data, "load", lambda *a, **k: pytest.fail("data loaded"))
+  monkeypatch.setattr(data.sources, "load", lambda *a, **k: pytest.fail("data loaded"))
   with pytest.raises(ValueError, match=r"different config.*seed: 0 -> 3"):
     runner.run(toy_config(seed=3), ref_workdir, resume=True)
   with pytest.raises(ValueError, match=r"different config.*seed: 0 -> 3"):
@@ -495,7 +495,9 @@ def test_checkpoints_skip_half_written_and_restore_exactly(tmp_path):
   ],
 )
 def test_bad_config_fails_before_data_load(key, value, match, tmp_path, monkeypatch):
-  monkeypatch.setattr(data, "load", lambda *a, **k: pytest.fail("data loaded before validation"))
+  monkeypatch.setattr(
+    data.sources, "load", lambda *a, **k: pytest.fail("data loaded before validation")
+  )
   with pytest.raises(ValueError, match=match):
     runner.run(toy_config(**{key: value}), str(tmp_path / "run"))
   assert not os.path.exists(tmp_path / "run")
