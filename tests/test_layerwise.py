@@ -218,6 +218,31 @@ def test_convolution_patches():
   check_routes(_Convs(), (7, 7, 2), {("c0",), ("c1",), ("c2",), ("head",)})
 
 
+@pytest.mark.parametrize(
+  "module, in_shape, conv_paths",
+  [
+    (models._CNN(num_classes=5, kernel_size=3), (8, 8, 1), {("conv_0",), ("conv_1",)}),
+    (_Convs(), (7, 7, 2), {("c0",), ("c1",), ("c2",)}),
+  ],
+  ids=["library_cnn", "strides_padding_dilation"],
+)
+def test_patch_vjp_matches_jax_vjp(module, in_shape, conv_paths):
+  """The weight update's pullback with the convolutions' weight gradients from their patches against
+  ``jax.vjp`` of the whole network (float64), for a batch of cotangents (``vmap``, as the NTK step)."""
+  params, x, _ = setup(module, in_shape)
+  convs = layerwise.conv_layers(module.apply, params, x[:1])
+  assert {layer.path for layer in convs} == conv_paths
+  out_ref, pull_ref = jax.vjp(lambda p: module.apply(p, x), params)
+  out, pull = layerwise.patch_vjp(module.apply, params, x, convs)
+  assert rel(out, out_ref) < RTOL
+  cotangents = jax.random.normal(jax.random.PRNGKey(7), (3, *out_ref.shape), jnp.float64)
+  got = jax.jit(jax.vmap(pull))(cotangents)
+  want = jax.vmap(pull_ref)(cotangents)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert rel(g, w) < RTOL
+
+
 def test_empirical_ntk_fn_structured_on_module_apply():
   module = _Scaled()
   params, x1, x2 = setup(module, (5,))

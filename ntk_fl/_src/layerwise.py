@@ -551,3 +551,68 @@ def layerwise_kernel(
     chunk = max(1, 2**26 // max(1, feature_floats(plan)))
   itemsize = jax.eval_shape(apply_fn, params, x1[:1]).dtype.itemsize
   return blocked(features, features, contract, x1, x2, chunk, feature_floats(plan), itemsize)
+
+
+# ----------------------------------------------------------------------------
+# The weight update's pullback with the convolutions' weight gradients from their patches.
+
+
+def conv_layers(apply_fn: Callable, params: Params, x_probe: jax.Array) -> tuple[Layer, ...]:
+  """The model's eligible convolutions (``Layer``s of kind ``'conv'``, whatever their kernel route)."""
+  plan = make_plan(apply_fn, params, x_probe, True, route="factorise")
+  return tuple(layer for layer in plan.factorised if layer.kind == "conv")
+
+
+def patch_vjp(apply_fn: Callable, params: Params, x: jax.Array, convs: tuple[Layer, ...]):
+  """``(f(params, x) [B, C], pullback)`` as ``jax.vjp(lambda p: apply_fn(p, x), params)`` gives them,
+  with each convolution's weight gradient formed from its input patches instead of differentiated.
+
+  A convolution ``z_t = A_t W + b`` over the batch's ``B·T`` positions has ``∂L/∂W = Σ_t A_tᵀ G_t``
+  and ``∂L/∂b = Σ_t G_t`` for the cotangents ``G_t`` of its output: one matrix product
+  ``[k²·c_in, B·T] @ [B·T, c_out]``. XLA's CPU backend lowers the differentiated weight gradient
+  (a convolution whose window is the whole image) to its generic loop inside a compiled loop body
+  (a step over clients with ``lax.map``), several times slower than that product; the input
+  gradients, ordinary convolutions, stay. Same values up to float rounding.
+
+  ``apply_fn`` must reach its flax layers without a ``jax.jit`` boundary; ``convs``:
+  :func:`conv_layers` of the model.
+  """
+  by_path = {layer.path: layer for layer in convs}
+  rest, fixed = _split(params, set(by_path))
+  eps = {
+    layer.path: jnp.zeros((x.shape[0], *layer.out_shape[1:]), jnp.result_type(x)) for layer in convs
+  }
+
+  def forward(rest_p, eps):
+    patches = {}
+
+    def interceptor(next_fun, args, kwargs, context):
+      y = next_fun(*args, **kwargs)
+      layer = by_path.get(tuple(context.module.path)) if type(context.module) is nn.Conv else None
+      if context.method_name != "__call__" or layer is None:
+        return y
+      patches[layer.path] = _patches(layer, args[0])
+      return y + eps[layer.path].astype(y.dtype)
+
+    with nn.intercept_methods(interceptor):
+      y = apply_fn(_merge(rest_p, fixed), x)
+    return y, patches
+
+  out, pull, patches = jax.vjp(forward, rest, eps, has_aux=True)
+
+  def pullback(cotangent):
+    g_rest, g_eps = pull(cotangent)
+    tree = g_rest["params"] if "params" in g_rest else g_rest
+    for layer in convs:
+      g = g_eps[layer.path].reshape(-1, layer.d_out)
+      a = patches[layer.path]  # [B·T, c_in·k²], the channel slowest (conv_general_dilated_patches)
+      w = jnp.matmul(a.T, g, precision=_HIGHEST)
+      c_in = layer.d_in // math.prod(layer.conv["filter_shape"])
+      w = w.reshape(c_in, *layer.conv["filter_shape"], layer.d_out)
+      grads = {"kernel": jnp.moveaxis(w, 0, -2)}  # [k.., c_in, c_out], the kernel's layout
+      if layer.use_bias:
+        grads["bias"] = g.sum(0)
+      tree = _insert(tree, layer.path, grads)
+    return ({**g_rest, "params": tree} if "params" in g_rest else tree,)
+
+  return out, pullback

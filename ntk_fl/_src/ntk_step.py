@@ -80,6 +80,19 @@ def _scale(lr, norm, dtype) -> Array:
   return -jnp.asarray(lr, dtype) / jnp.asarray(norm, dtype)
 
 
+def _vjp(coords: ParamMap, x: Array, flax_apply: ApplyFn | None):
+  """``jax.vjp`` of the network on ``x`` at ``coords.point``; for a flax model with convolutions
+  (``flax_apply``), their weight gradients from the input patches (``layerwise.patch_vjp``: XLA's CPU
+  backend runs the differentiated ones several times slower inside the round's loop over clients)."""
+  if flax_apply is not None:
+    from ntk_fl._src import layerwise  # pylint: disable=import-outside-toplevel
+
+    convs = layerwise.conv_layers(flax_apply, coords.point, x[:1])
+    if convs:
+      return layerwise.patch_vjp(flax_apply, coords.point, x, convs)
+  return jax.vjp(lambda u: coords.apply_fn(u, x), coords.point)
+
+
 def _deltas_from_pullback(pullback, residual_sums: Array, scale: Array):
   (grads,) = jax.vmap(pullback)(residual_sums)
   return jax.tree_util.tree_map(lambda g: (scale * g).astype(g.dtype), grads)
@@ -315,7 +328,7 @@ def ntk_step(
   x = _mask_inputs(x, mask)
   coords = identity_map(apply_fn, params) if param_map is None else param_map
   if jacobian is None:
-    f0, pullback = jax.vjp(lambda u: coords.apply_fn(u, x), coords.point)
+    f0, pullback = _vjp(coords, x, flax_apply if param_map is None and per_sample else None)
   else:
     f0 = coords.apply_fn(coords.point, x)
   if start is not None:
