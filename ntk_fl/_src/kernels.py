@@ -393,22 +393,25 @@ def ntvp_kernel(apply_fn, params, x1, x2, trace_outputs, num_outputs, out_dtype,
   """
   c = num_outputs
 
-  def linearized_at(x1b):
-    # The primal forward pass at x1b is shared by every tangent.
-    return jax.linearize(lambda p: apply_fn(p, x1b), params)[1]
+  def contract(x1b, tangents):
+    # Blocks of at most `chunk` samples of x1 against `chunk·C` tangents: the jvp's intermediates
+    # (tangents x samples x activations per sample) stay bounded by the chunk, whatever N2.
+    def x1_block(x1c):
+      # The primal forward pass at x1c is shared by every tangent.
+      jvp_fn = jax.linearize(lambda p: apply_fn(p, x1c), params)[1]
+      out = map_blocks(jax.vmap(jvp_fn), tangents, chunk * c)  # [b2·C, b1, C]
+      return jnp.swapaxes(out, 0, 1)  # [b1, b2·C, C]: [i, (j, b), a] = <J_a(x1_i), J_b(x2_j)>
 
-  def contract(jvp_fn, tangents):
-    out = jax.vmap(jvp_fn)(tangents)  # [b2·C, b1, C]: out[(j, b), i, a] = <J_a(x1_i), J_b(x2_j)>
-    b1 = out.shape[1]
-    out = out.reshape(-1, c, b1, c)  # [j, b, i, a]
+    out = map_blocks(x1_block, x1b, chunk)
+    out = out.reshape(out.shape[0], -1, c, c)  # [i, j, b, a]
     if trace_outputs:
-      return jnp.einsum("jcic->ij", out) / c
-    return jnp.transpose(out, (2, 0, 3, 1))  # [i, j, a, b]
+      return jnp.einsum("ijcc->ij", out) / c
+    return jnp.swapaxes(out, 2, 3)  # [i, j, a, b]
 
   rows = lambda x2b: jacobian_rows(apply_fn, params, x2b)
   num_params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
   return _blocked_kernel(
-    linearized_at, rows, contract, x1, x2, chunk, c * num_params, jnp.dtype(out_dtype).itemsize
+    lambda x1b: x1b, rows, contract, x1, x2, chunk, c * num_params, jnp.dtype(out_dtype).itemsize
   )
 
 
