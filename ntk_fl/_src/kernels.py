@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 from collections.abc import Callable
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 
 from ntk_fl import validation
@@ -384,6 +385,22 @@ def jacobian_rows(apply_fn: ApplyFn, params: Params, x: jax.Array) -> Params:
   return jax.tree.map(lambda leaf: leaf.reshape(-1, *leaf.shape[2:]), jac)
 
 
+def activation_floats(apply_fn: ApplyFn, params: Params, x: jax.Array) -> int:
+  """The values every operation of ``apply_fn(params, x)`` produces (``x``: one sample, ``[1, *in]``),
+  summed (at least 1): a bound on what one tangent's ``jvp`` keeps per sample."""
+  jaxpr = jax.make_jaxpr(apply_fn)(params, x)
+
+  def count(jaxpr) -> int:
+    total = 0
+    for eqn in jaxpr.eqns:
+      total += sum(math.prod(getattr(v.aval, "shape", ())) for v in eqn.outvars)
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        total += count(sub)
+    return total
+
+  return max(1, count(jaxpr.jaxpr))
+
+
 def ntvp_kernel(apply_fn, params, x1, x2, trace_outputs, num_outputs, out_dtype, chunk):
   """``K[i, j, a, b] = (J(x1_i) J(x2_j)ᵀ)[a, b]`` as ``jvp``s: the ``N2·C`` rows of ``J(x2)``
   (:func:`jacobian_rows`, kept like the ``'jacobian'`` features under the storage budget) are the
@@ -392,17 +409,24 @@ def ntvp_kernel(apply_fn, params, x1, x2, trace_outputs, num_outputs, out_dtype,
   times fewer than the full Jacobian contraction.
   """
   c = num_outputs
+  # Floats one tangent's jvp keeps per sample of x1 (every intermediate value of one sample's
+  # forward pass): the jvp block of b1 samples and t tangents holds about b1·t·act of them.
+  act = activation_floats(apply_fn, params, x1[:1])
 
   def contract(x1b, tangents):
-    # Blocks of at most `chunk` samples of x1 against `chunk·C` tangents: the jvp's intermediates
-    # (tangents x samples x activations per sample) stay bounded by the chunk, whatever N2.
+    # x1 in blocks of at most _BLOCK_FLOATS / (C·act) samples (at least C tangents each), the
+    # tangents in blocks of a multiple of C that keep b1·t·act below _BLOCK_FLOATS: as large as
+    # that allows, since XLA's CPU GEMMs (x1 block against the tangents) slow down on small blocks.
+    b1 = max(1, min(x1b.shape[0], _BLOCK_FLOATS // (c * act)))
+    t = max(c, _BLOCK_FLOATS // (b1 * act) // c * c)
+
     def x1_block(x1c):
       # The primal forward pass at x1c is shared by every tangent.
       jvp_fn = jax.linearize(lambda p: apply_fn(p, x1c), params)[1]
-      out = map_blocks(jax.vmap(jvp_fn), tangents, chunk * c)  # [b2·C, b1, C]
+      out = map_blocks(jax.vmap(jvp_fn), tangents, t)  # [b2·C, b1, C]
       return jnp.swapaxes(out, 0, 1)  # [b1, b2·C, C]: [i, (j, b), a] = <J_a(x1_i), J_b(x2_j)>
 
-    out = map_blocks(x1_block, x1b, chunk)
+    out = map_blocks(x1_block, x1b, b1)
     out = out.reshape(out.shape[0], -1, c, c)  # [i, j, b, a]
     if trace_outputs:
       return jnp.einsum("ijcc->ij", out) / c
