@@ -42,11 +42,15 @@ Implementations (``implementation=``, an :class:`NtkImplementation` or its strin
   times fewer than the Jacobian contraction. It reads the weights from
   ``params`` and never calls ``apply_fn``: the caller promises that ``apply_fn``
   *is* that dense stack.
-* ``'auto'`` -- ``'structured'`` when ``dense_stack`` is given; otherwise
-  ``'jacobian'`` for the traced kernel and ``'ntvp'`` for the full kernel, the
-  faster one in each case (benchmarks/ntk_kernels.py, 784-100-10 MLP on 2 CPU
-  cores: traced N=600 13 s vs 29 s; full N=200 2.2 s vs 3.8 s, where ntvp needs
-  ``C`` times fewer FLOPs); their peak memory is similar (two blocks).
+* ``'auto'`` -- ``'structured'`` when ``dense_stack`` is given (or the layer-wise kernel,
+  given ``flax_apply``, when it needs fewer FLOPs); otherwise ``'jacobian'`` for the traced
+  kernel, and for the full kernel ``'ntvp'`` when one sample's forward FLOPs ``F`` (XLA's
+  count) are at most ``C·d`` -- its ``≈ N1·N2·C·F`` FLOPs at most half the contraction's
+  ``2·N1·N2·C²·d`` -- else ``'jacobian'``. Measured (benchmarks/ntk_any_model.py, loaded
+  2-core CPU, one core each): the 784-100-10 MLP (``F = 1.6e5``, ``C·d = 8.0e5``) full at
+  N=50 'ntvp' 0.75 s vs 'jacobian' 2.6 s, at N=200 4.7 s (neural-tangents'
+  ``NTK_VECTOR_PRODUCTS`` 5.4 s); the library's CNN (``F = 7.7e6``, ``C·d = 3.3e6``: its
+  convolutions reuse their weights) full at N=50 'jacobian' 25.4 s vs 'ntvp' 63.3 s.
 
 :func:`projected_dense_ntk` is the structured kernel of a dense stack in
 SPARK's layer-wise sketch coordinates (``J̃ J̃ᵀ`` with ``J̃ = J P``), at the

@@ -426,3 +426,18 @@ def test_ntvp_float64_matches_jax_jacobian(name, budget, monkeypatch):
       assert traced.dtype == full.dtype == jnp.float64
       _assert_close(traced, want_traced, rtol=1e-10)
       _assert_close(full, want_full, rtol=1e-10)
+
+
+@pytest.mark.parametrize("name,want", [("mlp_relu", "ntvp"), ("cnn", "jacobian")])
+def test_auto_full_generic_choice_by_forward_flops(name, want):
+  """``'auto'``'s full generic kernel: ``'ntvp'`` for a dense net (forward FLOPs ``F <= C·d``),
+  ``'jacobian'`` for a conv net whose weights are reused over positions (``F > C·d``); either
+  way the kernel is the brute-force one."""
+  module, params, x1, x2, _ = _setup(name)
+  c = _reference(name).shape[-1]
+  flops = _kernels.forward_flops(module.apply, params, x1[:1])
+  d = ravel_pytree(params)[0].size
+  assert (flops <= c * d) == (want == "ntvp")
+  choice = _kernels.full_generic_choice(module.apply, params, x1[:1], c)
+  assert choice == ntk.NtkImplementation(want)
+  _assert_close(_kernel(module.apply, params, x1, x2, trace_outputs=False), _reference(name))
