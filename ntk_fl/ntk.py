@@ -26,31 +26,38 @@ Implementations (``implementation=``, an :class:`NtkImplementation` or its strin
   of the parameter axis and the blocks summed pairwise (float32 sums within a few
   ``eps`` of float64). Cost ``2·N1·N2·C·d`` FLOPs traced, ``2·N1·N2·C²·d`` full
   (``d`` = number of parameters). Works for any ``apply_fn``.
-* ``'ntvp'`` -- NTK-vector products: ``vjp`` at ``x2`` on the identity
-  cotangents gives ``J2ᵀ e``; ``jvp`` of the network linearised at ``x1`` maps
-  them to ``J1 J2ᵀ e``. About ``2·N1·N2·C·d`` (one linearised forward per
-  tangent) for the traced *and* the full kernel, so it is the cheap generic
-  choice for the full kernel. Memory additionally grows with
-  ``chunk² · C · (activation size per sample)``: pass a small ``chunk_size`` for
-  conv nets.
+* ``'ntvp'`` -- NTK-vector products: the rows of the per-sample Jacobians of ``x2``
+  (``vmap`` over samples of ``jacrev``: ``N2·C`` reverse passes of one sample, ``2·N2·C·d``
+  FLOPs) are the tangents of a ``vmap``-ed ``jvp`` of the network linearised at ``x1``,
+  which maps them to ``J1 J2ᵀ``: ``2·N1·N2·C·d`` FLOPs (one linearised forward pass per
+  tangent) for the traced *and* the full kernel, ``C`` times fewer than the full
+  ``'jacobian'`` contraction, so it is the generic choice for the full kernel. The rows
+  are kept like the ``'jacobian'`` features (storage budget below); the ``jvp`` runs on
+  blocks of ``b1`` samples of ``x1`` and ``t`` tangents with ``b1·t·a`` below ``2**26``
+  floats, ``a`` the values one sample's forward pass produces (784-100-10 MLP: 640, the
+  library's CNN: 201,440), ``b1`` as large as that allows with ``t >= C``.
 * ``'structured'`` -- for a stack of dense layers (:class:`ntk_fl.models.DenseStack`)
   the kernel factorises over layers (the private ``structured_kernel``); for the
   784-100-10 MLP that is ``≈ 2·N1·N2·(784 + 100 + 100)`` FLOPs, about a thousand
   times fewer than the Jacobian contraction. It reads the weights from
   ``params`` and never calls ``apply_fn``: the caller promises that ``apply_fn``
   *is* that dense stack.
-* ``'auto'`` -- ``'structured'`` when ``dense_stack`` is given; otherwise
-  ``'jacobian'`` for the traced kernel and ``'ntvp'`` for the full kernel, the
-  faster one in each case (benchmarks/ntk_kernels.py, 784-100-10 MLP on 2 CPU
-  cores: traced N=600 13 s vs 29 s; full N=200 2.2 s vs 3.8 s, where ntvp needs
-  ``C`` times fewer FLOPs); their peak memory is similar (two blocks).
+* ``'auto'`` -- ``'structured'`` when ``dense_stack`` is given (or the layer-wise kernel,
+  given ``flax_apply``, when it needs fewer FLOPs); otherwise ``'jacobian'`` for the traced
+  kernel, and for the full kernel ``'ntvp'`` when one sample's forward FLOPs ``F`` (XLA's
+  count) are at most ``C·d`` -- its ``≈ N1·N2·C·F`` FLOPs at most half the contraction's
+  ``2·N1·N2·C²·d`` -- else ``'jacobian'``. Measured (benchmarks/ntk_any_model.py, loaded
+  2-core CPU, one core each): the 784-100-10 MLP (``F = 1.6e5``, ``C·d = 8.0e5``) full at
+  N=50 'ntvp' 0.75 s vs 'jacobian' 2.6 s, at N=200 4.7 s (neural-tangents'
+  ``NTK_VECTOR_PRODUCTS`` 5.4 s); the library's CNN (``F = 7.7e6``, ``C·d = 3.3e6``: its
+  convolutions reuse their weights) full at N=50 'jacobian' 25.4 s vs 'ntvp' 63.3 s.
 
 :func:`projected_dense_ntk` is the structured kernel of a dense stack in
 SPARK's layer-wise sketch coordinates (``J̃ J̃ᵀ`` with ``J̃ = J P``), at the
 structured kernel's cost.
 
-The generic (``'jacobian'``) and layer-wise kernels keep all of ``x2``'s per-sample
-features (Jacobians, layer factors) when they fit in the **storage budget** and compute
+The generic (``'jacobian'``, ``'ntvp'``) and layer-wise kernels keep all of ``x2``'s per-sample
+features (Jacobians or their rows, layer factors) when they fit in the **storage budget** and compute
 every sample's features once, as neural-tangents does; ``x1``'s follow in one batch or in
 blocks as large as the rest of the budget allows. The budget is half of the memory the
 default device has available when the kernel is traced (``/proc/meminfo``'s
@@ -60,7 +67,7 @@ sets it instead (bytes, or with a ``K``/``M``/``G``/``T`` suffix: ``NTK_FL_KERNE
 It bounds one kernel call (a ``vmap`` over ``k`` clients holds up to ``k`` times as much).
 Beyond it the kernel is assembled from blocks of at most ``chunk_size`` samples of
 ``x2`` (``lax.map``) against ``x1`` blocks as large as the budget allows, recomputing the
-``x2`` side once per ``x1`` block; ``'ntvp'`` always works in such blocks. The default
+``x2`` side once per ``x1`` block. The default
 block keeps one block's Jacobian under ``2**26`` floats (256 MiB).
 
 The implementations live in the private module ``ntk_fl._src.kernels``; this module is their public face.

@@ -391,3 +391,53 @@ def test_one_enum_for_the_implementation():
   np.testing.assert_array_equal(by_name, by_member)
   with pytest.raises(ValueError, match="unknown NTK implementation True"):
     ntk.empirical_ntk(module.apply, params, x1, implementation=True)
+
+
+@pytest.mark.parametrize("budget", [None, "64K"])
+@pytest.mark.parametrize("name", ["mlp_tanh_deep", "cnn"])
+def test_ntvp_float64_matches_jax_jacobian(name, budget, monkeypatch):
+  """``'ntvp'`` in float64 (the Jacobian rows of ``x2`` pushed through the ``jvp`` at ``x1``),
+  traced and full, with ``x2`` given and ``x2=None``, against the float64 ``jax.jacobian`` kernel
+  to 1e-10 relative. A 64 KiB storage budget with ``chunk_size=2`` takes the blocked route (rows
+  of ``x2`` recomputed per block pair) instead of one batch."""
+  if budget is not None:
+    monkeypatch.setenv(_kernels.MEMORY_ENV, budget)
+  module, params, x1, x2, _ = _setup(name)
+  chunk = None if budget is None else 2
+  with jax.enable_x64(True):
+    p64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params)
+    a64, b64 = jnp.asarray(x1, jnp.float64), jnp.asarray(x2, jnp.float64)
+    flat, unravel = ravel_pytree(p64)
+    jac = np.asarray(
+      jax.jit(jax.jacobian(lambda w: module.apply(unravel(w), jnp.concatenate([a64, b64]))))(flat)
+    )
+    j1, j2 = jac[: x1.shape[0]], jac[x1.shape[0] :]
+
+    def both(p, a, b):
+      kw = dict(implementation="ntvp", chunk_size=chunk)
+      return tuple(
+        ntk.empirical_ntk(module.apply, p, a, b, trace_outputs=t, **kw) for t in (True, False)
+      )
+
+    for left, right, b in ((j1, j2, b64), (j1, j1, None)):
+      want_full = np.einsum("iap,jbp->ijab", left, right)
+      want_traced = np.einsum("ijcc->ij", want_full) / want_full.shape[-1]
+      traced, full = jax.jit(both)(p64, a64, b)
+      assert traced.dtype == full.dtype == jnp.float64
+      _assert_close(traced, want_traced, rtol=1e-10)
+      _assert_close(full, want_full, rtol=1e-10)
+
+
+@pytest.mark.parametrize("name,want", [("mlp_relu", "ntvp"), ("cnn", "jacobian")])
+def test_auto_full_generic_choice_by_forward_flops(name, want):
+  """``'auto'``'s full generic kernel: ``'ntvp'`` for a dense net (forward FLOPs ``F <= C·d``),
+  ``'jacobian'`` for a conv net whose weights are reused over positions (``F > C·d``); either
+  way the kernel is the brute-force one."""
+  module, params, x1, x2, _ = _setup(name)
+  c = _reference(name).shape[-1]
+  flops = _kernels.forward_flops(module.apply, params, x1[:1])
+  d = ravel_pytree(params)[0].size
+  assert (flops <= c * d) == (want == "ntvp")
+  choice = _kernels.full_generic_choice(module.apply, params, x1[:1], c)
+  assert choice == ntk.NtkImplementation(want)
+  _assert_close(_kernel(module.apply, params, x1, x2, trace_outputs=False), _reference(name))

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 from collections.abc import Callable
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 
 from ntk_fl import validation
@@ -47,8 +48,9 @@ def resolve_implementation(
   flax_apply: Callable | None = None,
 ) -> Implementation:
   """The implementation (``AUTO`` resolved, except between the layer-wise structured kernel and the
-  generic ones, which :func:`ntk_fl.ntk.empirical_ntk` decides from the model's layers); errors name
-  the bad value and the allowed ones."""
+  generic ones, which :func:`ntk_fl.ntk.empirical_ntk` decides from the model's layers, and for the
+  full kernel between ``'jacobian'`` and ``'ntvp'``, decided there from the model's forward FLOPs,
+  :func:`full_generic_choice`); errors name the bad value and the allowed ones."""
   try:
     if isinstance(implementation, bool):  # an int to the IntEnum, but never meant as a choice
       raise ValueError(implementation)
@@ -77,9 +79,9 @@ def resolve_implementation(
     return implementation
   if dense_stack is not None:
     return Implementation.STRUCTURED
-  if flax_apply is not None:
+  if flax_apply is not None or not trace_outputs:
     return Implementation.AUTO
-  return Implementation.JACOBIAN if trace_outputs else Implementation.NTVP
+  return Implementation.JACOBIAN
 
 
 def check_dense_stack(dense_stack: DenseStack | None) -> None:
@@ -367,31 +369,75 @@ def jacobian_implementation_kernel(apply_fn, params, x1, x2, trace_outputs, chun
 
 
 # ----------------------------------------------------------------------------
-# 'ntvp': NTK-vector products (vjp at x2 on identity cotangents, then jvp at x1).
+# 'ntvp': NTK-vector products (the rows of J(x2) pushed forward through the network linearised at x1).
+
+
+def jacobian_rows(apply_fn: ApplyFn, params: Params, x: jax.Array) -> Params:
+  """The rows of the per-sample Jacobians as tangents: a pytree like ``params`` with leaves
+  ``[N·C, *leaf]`` (row ``j·C + b`` is ``∂f_b(x_j)/∂w``).
+
+  One reverse pass per sample and output (``vmap`` over samples of ``jacrev`` of one sample):
+  ``N·C`` backward passes of one sample each, ``≈ 2·N·C·d`` FLOPs. (A ``vjp`` of the whole batch
+  on the ``N·C`` identity cotangents gives the same rows at ``N`` times the cost: each cotangent
+  is zero on all samples but one, yet flows back through all of them.)
+  """
+  single = lambda p, xi: apply_fn(p, xi[None])[0]
+  jac = jax.vmap(lambda xi: jax.jacrev(single)(params, xi))(x)  # leaves [N, C, *leaf]
+  return jax.tree.map(lambda leaf: leaf.reshape(-1, *leaf.shape[2:]), jac)
+
+
+def activation_floats(apply_fn: ApplyFn, params: Params, x: jax.Array) -> int:
+  """The values every operation of ``apply_fn(params, x)`` produces (``x``: one sample, ``[1, *in]``),
+  summed (at least 1): a bound on what one tangent's ``jvp`` keeps per sample."""
+  jaxpr = jax.make_jaxpr(apply_fn)(params, x)
+
+  def count(jaxpr) -> int:
+    total = 0
+    for eqn in jaxpr.eqns:
+      total += sum(math.prod(getattr(v.aval, "shape", ())) for v in eqn.outvars)
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        total += count(sub)
+    return total
+
+  return max(1, count(jaxpr.jaxpr))
 
 
 def ntvp_kernel(apply_fn, params, x1, x2, trace_outputs, num_outputs, out_dtype, chunk):
+  """``K[i, j, a, b] = (J(x1_i) J(x2_j)ᵀ)[a, b]`` as ``jvp``s: the ``N2·C`` rows of ``J(x2)``
+  (:func:`jacobian_rows`, kept like the ``'jacobian'`` features under the storage budget) are the
+  tangents of one ``vmap``-ed ``jvp`` of the network linearised at ``x1``. Cost ``≈ 2·N1·N2·C·d``
+  FLOPs (one linearised forward pass of ``x1`` per tangent) plus ``2·N2·C·d`` for the rows: ``C``
+  times fewer than the full Jacobian contraction.
+  """
   c = num_outputs
+  # Floats one tangent's jvp keeps per sample of x1 (every intermediate value of one sample's
+  # forward pass): the jvp block of b1 samples and t tangents holds about b1·t·act of them.
+  act = activation_floats(apply_fn, params, x1[:1])
 
-  def linearized_at(x1b):
-    # The primal forward pass at x1b is shared by every tangent.
-    return jax.linearize(lambda p: apply_fn(p, x1b), params)[1]
+  def contract(x1b, tangents):
+    # x1 in blocks of at most _BLOCK_FLOATS / (C·act) samples (at least C tangents each), the
+    # tangents in blocks of a multiple of C that keep b1·t·act below _BLOCK_FLOATS: as large as
+    # that allows, since XLA's CPU GEMMs (x1 block against the tangents) slow down on small blocks.
+    b1 = max(1, min(x1b.shape[0], _BLOCK_FLOATS // (c * act)))
+    t = max(c, _BLOCK_FLOATS // (b1 * act) // c * c)
 
-  def transposed_basis(x2b):
-    b2 = x2b.shape[0]
-    _, vjp_fn = jax.vjp(lambda p: apply_fn(p, x2b), params)
-    basis = jnp.eye(b2 * c, dtype=out_dtype).reshape(b2 * c, b2, c)
-    return jax.vmap(vjp_fn)(basis)[0]  # leaves [b2·C, *leaf]: the rows of J(x2b)
+    def x1_block(x1c):
+      # The primal forward pass at x1c is shared by every tangent.
+      jvp_fn = jax.linearize(lambda p: apply_fn(p, x1c), params)[1]
+      out = map_blocks(jax.vmap(jvp_fn), tangents, t)  # [b2·C, b1, C]
+      return jnp.swapaxes(out, 0, 1)  # [b1, b2·C, C]: [i, (j, b), a] = <J_a(x1_i), J_b(x2_j)>
 
-  def contract(jvp_fn, tangents):
-    out = jax.vmap(jvp_fn)(tangents)  # [b2·C, b1, C]: out[(j, b), i, a] = <J_a(x1_i), J_b(x2_j)>
-    b1 = out.shape[1]
-    out = out.reshape(-1, c, b1, c)  # [j, b, i, a]
+    out = map_blocks(x1_block, x1b, b1)
+    out = out.reshape(out.shape[0], -1, c, c)  # [i, j, b, a]
     if trace_outputs:
-      return jnp.einsum("jcic->ij", out) / c
-    return jnp.transpose(out, (2, 0, 3, 1))  # [i, j, a, b]
+      return jnp.einsum("ijcc->ij", out) / c
+    return jnp.swapaxes(out, 2, 3)  # [i, j, a, b]
 
-  return _blocked_kernel(linearized_at, transposed_basis, contract, x1, x2, chunk)
+  rows = lambda x2b: jacobian_rows(apply_fn, params, x2b)
+  num_params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
+  return _blocked_kernel(
+    lambda x1b: x1b, rows, contract, x1, x2, chunk, c * num_params, jnp.dtype(out_dtype).itemsize
+  )
 
 
 # ----------------------------------------------------------------------------
@@ -742,7 +788,7 @@ def empirical_ntk(
   if len(out.shape) != 2:
     raise ValueError(f"apply_fn must return [B, C] outputs, got shape {out.shape} for a batch of 1")
   num_outputs = out.shape[1]
-  if impl in (Implementation.STRUCTURED, Implementation.AUTO):
+  if impl == Implementation.STRUCTURED or (impl == Implementation.AUTO and flax_apply is not None):
     # Imported here: the layer-wise kernel needs flax, which a dense-stack or generic kernel does not load.
     from ntk_fl._src import layerwise
 
@@ -754,11 +800,39 @@ def empirical_ntk(
       return layerwise.layerwise_kernel(
         flax_apply, params, x1, x2, trace_outputs, chunk_size, plan=plan, blocked=_blocked_kernel
       )
-    impl = Implementation.JACOBIAN if trace_outputs else Implementation.NTVP
+  if impl == Implementation.AUTO:
+    impl = (
+      Implementation.JACOBIAN
+      if trace_outputs
+      else full_generic_choice(apply_fn, params, x1[:1], num_outputs)
+    )
   chunk = chunk_size if chunk_size is not None else default_chunk(params, num_outputs)
   if impl == Implementation.JACOBIAN:
     return jacobian_implementation_kernel(apply_fn, params, x1, x2, trace_outputs, chunk)
   return ntvp_kernel(apply_fn, params, x1, x2, trace_outputs, num_outputs, out.dtype, chunk)
+
+
+def forward_flops(apply_fn: ApplyFn, params: Params, x: jax.Array) -> float | None:
+  """FLOPs of ``apply_fn(params, x)`` (``x``: one sample ``[1, *in]``) as XLA's cost analysis of the
+  lowered program counts them (2 per multiply-add); ``None`` where the backend reports none."""
+  spec = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
+  cost = jax.jit(apply_fn).lower(jax.tree.map(spec, params), spec(x)).cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
+  flops = None if not cost else cost.get("flops")
+  return None if flops is None or flops <= 0 else float(flops)
+
+
+def full_generic_choice(apply_fn: ApplyFn, params: Params, x: jax.Array, num_outputs: int):
+  """``'auto'``'s generic full kernel: ``'ntvp'`` (``≈ N1·N2·C·F`` FLOPs, ``F`` one sample's forward
+  FLOPs, :func:`forward_flops`) when ``F <= C·d``, i.e. when it needs at most half the FLOPs of the
+  ``'jacobian'`` contraction (``2·N1·N2·C²·d``), else ``'jacobian'``: its ``jvp``s run below GEMM
+  speed (784-100-10 MLP: ``F = 1.6e5 <= C·d = 8.0e5``, ``'ntvp'`` 3.5× faster at ``N = 50``; the library's CNN,
+  whose convolutions reuse their weights: ``F = 7.7e6 > C·d = 3.3e6``, ``'jacobian'`` 2.5× faster).
+  ``'ntvp'`` where the FLOPs are not reported."""
+  flops = forward_flops(apply_fn, params, x)
+  if flops is not None and flops > num_outputs * num_params_of(params):
+    return Implementation.JACOBIAN
+  return Implementation.NTVP
 
 
 def num_params_of(params: Params) -> int:

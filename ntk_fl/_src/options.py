@@ -109,11 +109,12 @@ class NtkImplementation(enum.IntEnum):
 
   * ``AUTO`` (``'auto'``): ``STRUCTURED_DERIVATIVES`` given a dense stack, or given the model's flax
     computation when the layer-wise kernel needs fewer FLOPs; else ``JACOBIAN_CONTRACTION`` (traced
-    kernel) or ``NTK_VECTOR_PRODUCTS`` (full kernel).
+    kernel) or, for the full kernel, ``NTK_VECTOR_PRODUCTS`` when one sample's forward FLOPs are at
+    most ``C·d`` (dense nets), else ``JACOBIAN_CONTRACTION`` (conv nets).
   * ``JACOBIAN_CONTRACTION`` (``'jacobian'``): per-sample Jacobians contracted (any model; best generic
     choice for the traced kernel).
-  * ``NTK_VECTOR_PRODUCTS`` (``'ntvp'``): ``vjp`` then ``jvp``, no Jacobian stored (any model; ``C`` times
-    fewer FLOPs for the full kernel).
+  * ``NTK_VECTOR_PRODUCTS`` (``'ntvp'``): the per-sample Jacobian rows of ``x2`` pushed through ``jvp``s
+    at ``x1`` (any model; ``C`` times fewer FLOPs for the full kernel of a dense net).
   * ``STRUCTURED_DERIVATIVES`` (``'structured'``): the dense-stack factorisation (MLPs: ~1000x fewer
     FLOPs), or the layer-wise one of any flax model (dense layers factorised, the rest contracted; the
     library's CNN: ~15x fewer FLOPs); needs ``dense_stack`` or the flax computation (``flax_apply``).
