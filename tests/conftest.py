@@ -13,27 +13,12 @@ the multi-device check) through the environment, so a program one worker
 compiled is a hit in the other. JAX writes an entry without a lock (no
 eviction); a reader that meets an entry still being written gets a warning and
 compiles, so sharing can cost a compilation, never a wrong executable.
-
-Under pytest-xdist (``-n 2``) the tests are handed out as by ``--dist load``,
-except that the tests sharing a fixture of module scope defined in their module
-(a finished run, the 4-device subprocess) go to one worker as one unit, the
-largest units first (a ``--dist loadscope`` whose scopes are these groups and
-single tests; the workers write the groups they collect to a file the
-controller's scheduler reads): with plain ``load`` each worker
-would compute such a fixture itself, and the 4-device subprocess held the
-second worker waiting on its lock. The golden runs, the suite's longest single
-tests, are handed out next, so that the two workers finish together on short
-tests.
 """
 
 import atexit
-import json
 import os
-import pathlib
 import shutil
 import tempfile
-
-import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -53,67 +38,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # a cache the caller chose is
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
-# Where the xdist workers leave the groups they collected for the controller's scheduler (made by the
-# controller, the first process to import this file; the workers inherit it).
-_GROUPS_ENV = "NTK_FL_TEST_GROUPS_DIR"
-if _GROUPS_ENV not in os.environ and "PYTEST_XDIST_WORKER" not in os.environ:
-  os.environ[_GROUPS_ENV] = tempfile.mkdtemp(prefix="ntk_fl-tests-groups-")
-  atexit.register(shutil.rmtree, os.environ[_GROUPS_ENV], ignore_errors=True)
-
-
-def _grouped(config) -> bool:
-  """Whether this is a pytest-xdist run that hands out the groups below: ``-n N`` and no ``--dist``."""
-  if any(str(arg).startswith(("--dist", "-d")) for arg in config.invocation_params.args):
-    return False
-  return bool(getattr(config.option, "numprocesses", None)) or hasattr(config, "workerinput")
-
-
-def _shared_fixture_group(item) -> str | None:
-  """``module::fixture`` for the fixtures of module scope defined in the item's own module, or None."""
-  info = getattr(item, "_fixtureinfo", None)
-  module = item.nodeid.split("::")[0]
-  names = sorted(
-    name
-    for name, defs in (info.name2fixturedefs.items() if info else ())
-    if defs and defs[-1].scope == "module" and defs[-1].baseid == module
-  )
-  return f"{module}::{'+'.join(names)}" if names else None
-
-
 def pytest_collection_modifyitems(config, items):
-  """Slow tests out unless chosen (:func:`_deselect_slow`); on an xdist worker, the order and the groups."""
+  """Slow tests out unless chosen (:func:`_deselect_slow`)."""
   _deselect_slow(config, items)
-  if not (hasattr(config, "workerinput") and _grouped(config)):
-    return
-  # Stable: the golden runs first among the single tests, the rest in collection order.
-  items.sort(key=lambda item: not item.nodeid.startswith("tests/test_golden.py::"))
-  groups = {item.nodeid: group for item in items if (group := _shared_fixture_group(item))}
-  out = pathlib.Path(os.environ[_GROUPS_ENV]) / f"{config.workerinput['workerid']}.json"
-  tmp = out.with_suffix(".tmp")
-  tmp.write_text(json.dumps(groups))
-  tmp.replace(out)  # whole or absent for the controller
-
-
-@pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own choice (plain load)
-def pytest_xdist_make_scheduler(config, log):
-  """The controller's scheduler under ``-n N``: ``load``, except the groups written above are one unit each."""
-  if not (config.getvalue("dist") == "load" and _grouped(config) and _GROUPS_ENV in os.environ):
-    return None
-  from xdist.scheduler import LoadScopeScheduling  # pylint: disable=import-outside-toplevel
-
-  class FixtureGroupScheduling(LoadScopeScheduling):
-    """Units: a group of tests sharing a module's fixture, else one test; largest units first."""
-
-    _groups: dict[str, str] | None = None
-
-    def _split_scope(self, nodeid: str) -> str:
-      # Read once, when scheduling starts: after every worker has collected (and written its file).
-      if self._groups is None:
-        files = sorted(pathlib.Path(os.environ[_GROUPS_ENV]).glob("*.json"))
-        self._groups = json.loads(files[0].read_text()) if files else {}
-      return self._groups.get(nodeid, nodeid)
-
-  return FixtureGroupScheduling(config, log)
 
 
 def _deselect_slow(config, items):

@@ -31,8 +31,8 @@ def _x64():
   jax.config.update("jax_enable_x64", False)
 
 
-def brute_force(apply_fn, params, x1, x2, trace_outputs, per_sample=True):
-  """``J(x1) J(x2)ᵀ`` from ``jax.jacobian`` of the flattened parameters (mean over outputs when traced);
+def jacobian(apply_fn, params, x, per_sample=True):
+  """``J(x)`` ``[n, outputs, params]`` from ``jax.jacobian`` of the flattened parameters, in float64;
   ``per_sample=False``: the Jacobian of the whole batch's outputs at once."""
   flat, unravel = ravel_pytree(params)
   if per_sample:
@@ -41,10 +41,20 @@ def brute_force(apply_fn, params, x1, x2, trace_outputs, per_sample=True):
     )(x)
   else:
     jac = lambda x: jax.jacobian(lambda w: apply_fn(unravel(w), x))(flat)
-  j1, j2 = jax.jit(jac)(x1), jax.jit(jac)(x2)
+  return jax.jit(jac)(x)
+
+
+def contract(j1, j2, trace_outputs):
+  """``J1 J2ᵀ`` (mean over outputs when traced): ``[n1, n2]``, else ``[n1, n2, outputs, outputs]``."""
   if trace_outputs:
     return jnp.einsum("icd,jcd->ij", j1, j2) / j1.shape[1]
   return jnp.einsum("iad,jbd->ijab", j1, j2)
+
+
+def brute_force(apply_fn, params, x1, x2, trace_outputs, per_sample=True):
+  """``J(x1) J(x2)ᵀ`` (:func:`jacobian`, :func:`contract`)."""
+  j1 = jacobian(apply_fn, params, x1, per_sample)
+  return contract(j1, jacobian(apply_fn, params, x2, per_sample), trace_outputs)
 
 
 def rel(a, b):
@@ -58,13 +68,19 @@ def to64(tree):
 
 
 def setup(module, in_shape, n1=4, n2=3, seed=0):
-  k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
-  x1 = jax.random.normal(k1, (n1, *in_shape), jnp.float64)
-  x2 = jax.random.normal(k2, (n2, *in_shape), jnp.float64)
-  params = to64(module.init(k3, x1[:1]))
-  # Non-zero biases, so that the bias terms are exercised.
-  params = jax.tree.map(lambda a: a + 0.1 * jax.random.normal(k3, a.shape, a.dtype), params)
-  return params, x1, x2
+  """Float64 parameters (non-zero biases) and inputs ``x1 [n1, *in_shape]``, ``x2 [n2, *in_shape]``."""
+
+  def draw(key):
+    k1, k2, k3 = jax.random.split(key, 3)
+    x1 = jax.random.normal(k1, (n1, *in_shape), jnp.float64)
+    x2 = jax.random.normal(k2, (n2, *in_shape), jnp.float64)
+    params = to64(module.init(k3, x1[:1]))
+    # Non-zero biases, so that the bias terms are exercised.
+    params = jax.tree.map(lambda a: a + 0.1 * jax.random.normal(k3, a.shape, a.dtype), params)
+    return params, x1, x2
+
+  # One compiled program: drawn op by op, every initialiser and shape is a compilation of its own.
+  return jax.jit(draw)(jax.random.PRNGKey(seed))
 
 
 def _kernel(apply_fn, params, x1, x2, trace_outputs, chunk, route):
@@ -77,11 +93,17 @@ def _kernel(apply_fn, params, x1, x2, trace_outputs, chunk, route):
 
 
 def check_routes(module, in_shape, expect_factorised=None):
-  """Every route, blocked (2 samples per block) and not, ``x2`` given and ``x2=None``."""
+  """Every route, blocked (2 samples per block) and not, ``x2`` given and ``x2=None``.
+
+  Returns the parameters, the inputs and the brute-force kernels ``{trace_outputs: (K(x1, x2),
+  K(x1, x1))}`` (both from one Jacobian of each input, computed once).
+  """
   params, x1, x2 = setup(module, in_shape)
+  j1, j2 = jacobian(module.apply, params, x1), jacobian(module.apply, params, x2)
+  refs = {}
   for trace_outputs in (True, False):
-    ref = brute_force(module.apply, params, x1, x2, trace_outputs)
-    ref_self = brute_force(module.apply, params, x1, x1, trace_outputs)
+    ref, ref_self = contract(j1, j2, trace_outputs), contract(j1, j1, trace_outputs)
+    refs[trace_outputs] = ref, ref_self
     for route in (None, "factorise", "contract"):
       k = _kernel(module.apply, params, x1, x2, trace_outputs, None, route)
       assert rel(k, ref) < RTOL, (trace_outputs, route)
@@ -92,7 +114,7 @@ def check_routes(module, in_shape, expect_factorised=None):
   if expect_factorised is not None:
     plan = layerwise.make_plan(module.apply, params, x1[:1], True, "factorise")
     assert {layer.path for layer in plan.factorised} == set(expect_factorised)
-  return params, x1, x2
+  return params, x1, x2, refs
 
 
 class _Mlp(nn.Module):
@@ -153,9 +175,14 @@ def test_mlp():
 
 def test_library_cnn():
   module = models.cnn((8, 8, 1), 5)
-  params, x1, x2 = setup(models._CNN(num_classes=5, kernel_size=3), (8, 8, 1))
+  # The same network and draws as ``module``: its brute-force kernels serve both checks.
+  params, x1, x2, refs = check_routes(
+    models._CNN(num_classes=5, kernel_size=3),
+    (8, 8, 1),
+    {("conv_0",), ("conv_1",), ("dense_0",), ("dense_1",)},
+  )
   for trace_outputs in (True, False):
-    ref = brute_force(module.flax_apply, params, x1, x2, trace_outputs)
+    ref = refs[trace_outputs][0]
     for impl in ("structured", "auto"):
       k = jax.jit(
         lambda p, a, b: empirical_ntk(
@@ -169,11 +196,6 @@ def test_library_cnn():
         )
       )(params, x1, x2)
       assert rel(k, ref) < RTOL
-  check_routes(
-    models._CNN(num_classes=5, kernel_size=3),
-    (8, 8, 1),
-    {("conv_0",), ("conv_1",), ("dense_0",), ("dense_1",)},
-  )
 
 
 def test_library_cnn_routes_and_flops():
@@ -192,13 +214,13 @@ def test_library_cnn_routes_and_flops():
 
 
 def test_non_layer_parameters():
-  params, x1, _ = check_routes(_Scaled(), (5,), {("a",), ("b",)})
+  params, x1, _, _ = check_routes(_Scaled(), (5,), {("a",), ("b",)})
   plan = layerwise.make_plan(_Scaled().apply, params, x1[:1], True)
   assert plan.num_rest == 5 + 2 * 6  # the scale and the LayerNorm's scale and bias
 
 
 def test_dense_on_positions():
-  params, x1, _ = check_routes(_Positions(), (12,), {("token",), ("token_out",), ("head",)})
+  params, x1, _, _ = check_routes(_Positions(), (12,), {("token",), ("token_out",), ("head",)})
   layer = {
     layer.path: layer
     for layer in layerwise.make_plan(
@@ -209,7 +231,7 @@ def test_dense_on_positions():
 
 
 def test_shared_module_is_contracted():
-  params, x1, _ = check_routes(_Shared(), (4,), {("head",)})
+  params, x1, _, _ = check_routes(_Shared(), (4,), {("head",)})
   plan = layerwise.make_plan(_Shared().apply, params, x1[:1], True, "factorise")
   assert dict(plan.contracted)[("shared",)] == "called 2 times"
 
@@ -282,6 +304,14 @@ def test_batch_dependent_model_default_vmap_axes_none():
   assert not model.per_sample
 
 
+# The whole step as one compiled program (eager, each of its operations compiles on its own).
+_ntk_step = jax.jit(
+  evolve.ntk_step,
+  static_argnums=0,
+  static_argnames=("taus", "kernel_impl", "flax_apply", "per_sample"),
+)
+
+
 def test_from_flax_per_sample_and_structured_ntk_step():
   model = models.from_flax(_Scaled(), (5,), 3, per_sample=True)
   params = to64(model.init(jax.random.PRNGKey(0)))
@@ -289,10 +319,10 @@ def test_from_flax_per_sample_and_structured_ntk_step():
   y = jax.nn.one_hot(jnp.arange(6) % 3, 3, dtype=jnp.float64)
   mask = jnp.ones(6, bool)
   common = dict(lr=0.5, taus=(1, 2, 4))
-  d_generic, info_generic = evolve.ntk_step(
+  d_generic, info_generic = _ntk_step(
     model.apply, params, x, y, mask, kernel_impl="jacobian", **common
   )
-  d_struct, info_struct = evolve.ntk_step(
+  d_struct, info_struct = _ntk_step(
     model.apply, params, x, y, mask, flax_apply=model.flax_apply, kernel_impl="structured", **common
   )
   assert rel(ravel_pytree(d_struct)[0], ravel_pytree(d_generic)[0]) < 1e-9
@@ -309,7 +339,7 @@ def test_ntk_step_whole_batch_model():
   j = jax.jacobian(lambda w: model.apply(unravel(w), x))(flat)
   assert rel(k, jnp.einsum("icd,jcd->ij", j, j) / 3) < RTOL
   y = jax.nn.one_hot(jnp.arange(5) % 3, 3, dtype=jnp.float64)
-  delta, info = evolve.ntk_step(
+  delta, info = _ntk_step(
     model.apply, params, x, y, jnp.ones(5, bool), lr=0.5, taus=(1, 2), per_sample=False
   )
   assert np.all(np.isfinite(info["losses"]))
@@ -394,9 +424,10 @@ def test_every_storage_budget_gives_the_brute_force_kernel(monkeypatch, budget):
     monkeypatch.setenv(kernels.MEMORY_ENV, budget)
   module = _Convs()
   params, x1, x2 = setup(module, (7, 7, 2), n1=5, n2=3)
+  j1, j2 = jacobian(module.apply, params, x1), jacobian(module.apply, params, x2)
   for trace_outputs in (True, False):
     for b, n2 in ((x2, 3), (None, 5)):
-      ref = brute_force(module.apply, params, x1, x1 if b is None else b, trace_outputs)
+      ref = contract(j1, j1 if b is None else j2, trace_outputs)
       generic = jax.jit(
         lambda p, a, b: kernels.jacobian_implementation_kernel(
           module.apply, p, a, b, trace_outputs, 2

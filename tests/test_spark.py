@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import pathlib
 
 import jax
@@ -126,6 +127,18 @@ def test_without_momentum_and_distillation_spark_is_ntk_dfl(jacobian):
       np.testing.assert_allclose(x, y, **tol)
 
 
+# The reference's pieces compiled whole (eager, each operation compiles on its own for every neighbourhood
+# size); what they compute is unchanged.
+_evolve = jax.jit(evolve.evolve, static_argnames="taus")
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _flat_jacobian(apply_fn, params, x):
+  """``d apply_fn(params, x) / dw`` with respect to the flattened parameters ``w``: ``[N, C, d]``."""
+  flat, unravel = ravel_pytree(params)
+  return jax.jacrev(lambda w: apply_fn(unravel(w), x))(flat)
+
+
 def reference_round(config, model, federation, state, inputs, plan, mats):
   """One SPARK round client by client: explicit J, dense P, hard-label selection, closed-form momentum."""
   algo = config.algorithm
@@ -160,14 +173,12 @@ def reference_round(config, model, federation, state, inputs, plan, mats):
     wbar = jax.tree.map(lambda leaf: leaf[i], wbars)
     flat, unravel = ravel_pytree(wbar)
     f0 = model.apply(wbar, x)
-    jac = np.asarray(
-      jax.jacrev(lambda w: model.apply(unravel(w), x))(flat), np.float64
-    )  # [N, C, d]
+    jac = np.asarray(_flat_jacobian(model.apply, wbar, x), np.float64)  # [N, C, d]
     jt = jac @ p  # J̃ = J P
     kernel = np.einsum("icp,jcp->ij", jt, jt) / 3
     soft = np.asarray(jax.nn.softmax(f0 / temp))
     targets = float(alpha) * np.asarray(hard) + (1 - float(alpha)) * soft
-    evo = evolve.evolve(
+    evo = _evolve(
       jnp.asarray(kernel, jnp.float32),
       f0,
       jnp.asarray(targets, jnp.float32),
