@@ -223,7 +223,7 @@ def kernel_flops(
   # The lowered program's count: compiling the kernel only to count its FLOPs cost the CNN's estimate as
   # long as compiling the step it calibrates (10-13 s on a loaded 2-core CPU); the compiled count differs
   # by the optimiser's rewrites, within 3 % (the CNN at N = 27: 4.56 vs 4.67 GFLOP; the MLP: 0.01 %).
-  return _flops(fn.lower(params, x))
+  return xla_flops(fn.lower(params, x))
 
 
 def _score_fn(model, vx, vy, vm, ntk):
@@ -241,11 +241,12 @@ def scoring_flops(model, score_block: int, num_taus: int, *, ntk) -> float:
   vy = jax.ShapeDtypeStruct((score_block, model.num_classes), jnp.float32)
   vm = jax.ShapeDtypeStruct((score_block,), jnp.bool_)
   fn = jax.jit(lambda w, x, y, m: jax.vmap(_score_fn(model, x, y, m, ntk))(w))
-  return _flops(fn.lower(stacked, vx, vy, vm).compile())
+  return xla_flops(fn.lower(stacked, vx, vy, vm).compile())
 
 
-def _flops(compiled) -> float:
-  analysis = compiled.cost_analysis()
+def xla_flops(program) -> float:
+  """XLA's FLOP count of a lowered or compiled program (``nan`` where the backend reports none)."""
+  analysis = program.cost_analysis()
   if isinstance(analysis, (list, tuple)):  # older JAX: one dict per program
     analysis = analysis[0] if analysis else {}
   return float((analysis or {}).get("flops", float("nan")))

@@ -21,6 +21,7 @@ import jax.extend
 import jax.numpy as jnp
 
 from ntk_fl import validation
+from ntk_fl._src.cost import xla_flops
 from ntk_fl._src.options import IMPLEMENTATIONS, Implementation
 from ntk_fl._src.dense_stack import DenseStack
 
@@ -434,9 +435,15 @@ def ntvp_kernel(apply_fn, params, x1, x2, trace_outputs, num_outputs, out_dtype,
     return jnp.swapaxes(out, 2, 3)  # [i, j, a, b]
 
   rows = lambda x2b: jacobian_rows(apply_fn, params, x2b)
-  num_params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
   return _blocked_kernel(
-    lambda x1b: x1b, rows, contract, x1, x2, chunk, c * num_params, jnp.dtype(out_dtype).itemsize
+    lambda x1b: x1b,
+    rows,
+    contract,
+    x1,
+    x2,
+    chunk,
+    c * num_params_of(params),
+    jnp.dtype(out_dtype).itemsize,
   )
 
 
@@ -816,10 +823,8 @@ def forward_flops(apply_fn: ApplyFn, params: Params, x: jax.Array) -> float | No
   """FLOPs of ``apply_fn(params, x)`` (``x``: one sample ``[1, *in]``) as XLA's cost analysis of the
   lowered program counts them (2 per multiply-add); ``None`` where the backend reports none."""
   spec = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
-  cost = jax.jit(apply_fn).lower(jax.tree.map(spec, params), spec(x)).cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
-  flops = None if not cost else cost.get("flops")
-  return None if flops is None or flops <= 0 else float(flops)
+  flops = xla_flops(jax.jit(apply_fn).lower(jax.tree.map(spec, params), spec(x)))
+  return flops if flops > 0 else None  # nan (not reported) compares False
 
 
 def full_generic_choice(apply_fn: ApplyFn, params: Params, x: jax.Array, num_outputs: int):
