@@ -852,10 +852,6 @@ def num_params_of(params: Params) -> int:
 _BLOCK_FLOATS = 2**26  # one chunk's Jacobian stays below this (256 MiB float32) by default
 
 
-def _num_params(params) -> int:
-  return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
-
-
 def per_sample_jacobian(apply_fn: ApplyFn, params, x: jax.Array, *, chunk_size: int | None = None):
   """Per-sample Jacobians ``J[i, c] = ∂f_c(x_i)/∂w`` at ``params``.
 
@@ -879,7 +875,7 @@ def per_sample_jacobian(apply_fn: ApplyFn, params, x: jax.Array, *, chunk_size: 
   if len(out.shape) != 1:
     raise ValueError(f"apply_fn must return [B, C] outputs, got {out.shape} per sample")
   if chunk_size is None:
-    chunk_size = max(1, _BLOCK_FLOATS // max(1, out.shape[0] * _num_params(params)))
+    chunk_size = max(1, _BLOCK_FLOATS // max(1, out.shape[0] * num_params_of(params)))
   jac_one = lambda xi: jax.jacrev(single)(params, xi)
   if chunk_size >= x.shape[0]:
     return jax.vmap(jac_one)(x)
