@@ -32,10 +32,12 @@ Implementations (``implementation=``, an :class:`NtkImplementation` or its strin
   which maps them to ``J1 J2ᵀ``: ``2·N1·N2·C·d`` FLOPs (one linearised forward pass per
   tangent) for the traced *and* the full kernel, ``C`` times fewer than the full
   ``'jacobian'`` contraction, so it is the generic choice for the full kernel. The rows
-  are kept like the ``'jacobian'`` features (storage budget below); the ``jvp`` runs on
-  blocks of ``b1`` samples of ``x1`` and ``t`` tangents with ``b1·t·a`` below ``2**26``
-  floats, ``a`` the values one sample's forward pass produces (784-100-10 MLP: 640, the
-  library's CNN: 201,440), ``b1`` as large as that allows with ``t >= C``.
+  are never all stored: a ``lax.map`` takes ``x2`` one sample at a time (blocks whose rows
+  stay below ``2**20`` floats, 4 MiB), and each sample's ``C`` rows go through the ``jvp``
+  at a block of ``b1`` samples of ``x1`` at once, ``b1·b2·C·a`` below ``2**26`` floats,
+  ``a`` the values one sample's forward pass produces (784-100-10 MLP: 640, the library's
+  CNN: 201,440). Small blocks are the fast schedule on a CPU: the rows stay in cache and
+  XLA writes them straight into the ``jvp``'s GEMM operand.
 * ``'structured'`` -- for a stack of dense layers (:class:`ntk_fl.models.DenseStack`)
   the kernel factorises over layers (the private ``structured_kernel``); for the
   784-100-10 MLP that is ``≈ 2·N1·N2·(784 + 100 + 100)`` FLOPs, about a thousand
@@ -56,8 +58,8 @@ Implementations (``implementation=``, an :class:`NtkImplementation` or its strin
 SPARK's layer-wise sketch coordinates (``J̃ J̃ᵀ`` with ``J̃ = J P``), at the
 structured kernel's cost.
 
-The generic (``'jacobian'``, ``'ntvp'``) and layer-wise kernels keep all of ``x2``'s per-sample
-features (Jacobians or their rows, layer factors) when they fit in the **storage budget** and compute
+The ``'jacobian'`` and layer-wise kernels keep all of ``x2``'s per-sample
+features (Jacobians, layer factors) when they fit in the **storage budget** and compute
 every sample's features once, as neural-tangents does; ``x1``'s follow in one batch or in
 blocks as large as the rest of the budget allows. The budget is half of the memory the
 default device has available when the kernel is traced (``/proc/meminfo``'s

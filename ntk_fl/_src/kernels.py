@@ -403,48 +403,49 @@ def activation_floats(apply_fn: ApplyFn, params: Params, x: jax.Array) -> int:
   return max(1, count(jaxpr.jaxpr))
 
 
-def ntvp_kernel(apply_fn, params, x1, x2, trace_outputs, num_outputs, out_dtype, chunk):
-  """``K[i, j, a, b] = (J(x1_i) J(x2_j)ᵀ)[a, b]`` as ``jvp``s: the ``N2·C`` rows of ``J(x2)``
-  (:func:`jacobian_rows`, kept like the ``'jacobian'`` features under the storage budget) are the
-  tangents of one ``vmap``-ed ``jvp`` of the network linearised at ``x1``. Cost ``≈ 2·N1·N2·C·d``
-  FLOPs (one linearised forward pass of ``x1`` per tangent) plus ``2·N2·C·d`` for the rows: ``C``
-  times fewer than the full Jacobian contraction.
+# The Jacobian rows of one x2 block stay below this (4 MiB of float32): one sample's rows for the
+# 784-100-10 MLP (3.2 MB). Measured on a CPU (benchmarks/RESULTS.md): one sample per block is 2-5x
+# faster than blocks of 2 and 2.6-8x faster than one block of all of x2 (the former schedule, 160 MiB
+# at N = 50); in every case XLA writes the rows straight into the [d_l, C·P_l] operand of the jvp's
+# GEMM, so the difference is (most likely) that one small block stays in cache between that write
+# and the GEMM's read, where a large one goes through main memory twice.
+_ROW_BLOCK_FLOATS = 2**20
+
+
+def ntvp_kernel(apply_fn, params, x1, x2, trace_outputs, num_outputs, chunk_size):
+  """``K[i, j, a, b] = (J(x1_i) J(x2_j)ᵀ)[a, b]`` as ``jvp``s: the ``C`` rows of ``J(x2_j)``
+  (:func:`jacobian_rows`) are the tangents of one ``vmap``-ed ``jvp`` of the network linearised at
+  an ``x1`` block, one ``x2`` sample (or block of samples whose rows fit :data:`_ROW_BLOCK_FLOATS`)
+  at a time in a ``lax.map``. Cost ``≈ 2·N1·N2·C·d`` FLOPs (one linearised forward pass of ``x1``
+  per tangent) plus ``2·N2·C·d`` per ``x1`` block for the rows: ``C`` times fewer than the full
+  Jacobian contraction. Memory: one ``x2`` block's rows and one ``jvp`` block, never all of ``J(x2)``.
+
+  ``x1`` blocks hold at most ``2**26 / (b2·C·act)`` samples (``act``: the values one sample's forward
+  pass produces, :func:`activation_floats`; 640 for the 784-100-10 MLP), ``x1`` and ``x2`` blocks at
+  most ``chunk_size`` samples when given.
   """
   c = num_outputs
-  # Floats one tangent's jvp keeps per sample of x1 (every intermediate value of one sample's
-  # forward pass): the jvp block of b1 samples and t tangents holds about b1·t·act of them.
+  n1 = x1.shape[0]
+  x2 = x1 if x2 is None else x2
   act = activation_floats(apply_fn, params, x1[:1])
+  limit = chunk_size or max(n1, x2.shape[0])
+  b2 = max(1, min(limit, _ROW_BLOCK_FLOATS // max(1, c * num_params_of(params))))
+  b1 = max(1, min(n1, limit, _BLOCK_FLOATS // (b2 * c * act)))
 
-  def contract(x1b, tangents):
-    # x1 in blocks of at most _BLOCK_FLOATS / (C·act) samples (at least C tangents each), the
-    # tangents in blocks of a multiple of C that keep b1·t·act below _BLOCK_FLOATS: as large as
-    # that allows, since XLA's CPU GEMMs (x1 block against the tangents) slow down on small blocks.
-    b1 = max(1, min(x1b.shape[0], _BLOCK_FLOATS // (c * act)))
-    t = max(c, _BLOCK_FLOATS // (b1 * act) // c * c)
+  def x1_block(x1c):
+    # The primal forward pass at x1c is shared by every x2 block.
+    jvp_fn = jax.linearize(lambda p: apply_fn(p, x1c), params)[1]
 
-    def x1_block(x1c):
-      # The primal forward pass at x1c is shared by every tangent.
-      jvp_fn = jax.linearize(lambda p: apply_fn(p, x1c), params)[1]
-      out = map_blocks(jax.vmap(jvp_fn), tangents, t)  # [b2·C, b1, C]
-      return jnp.swapaxes(out, 0, 1)  # [b1, b2·C, C]: [i, (j, b), a] = <J_a(x1_i), J_b(x2_j)>
+    def x2_block(x2b):
+      out = jax.vmap(jvp_fn)(jacobian_rows(apply_fn, params, x2b))  # [b2·C, b1, C]
+      return out.reshape(x2b.shape[0], c, *out.shape[1:])  # [j, b, i, a]
 
-    out = map_blocks(x1_block, x1b, b1)
-    out = out.reshape(out.shape[0], -1, c, c)  # [i, j, b, a]
-    if trace_outputs:
-      return jnp.einsum("ijcc->ij", out) / c
-    return jnp.swapaxes(out, 2, 3)  # [i, j, a, b]
+    return jnp.transpose(map_blocks(x2_block, x2, b2), (2, 0, 1, 3))  # [i, j, b, a]
 
-  rows = lambda x2b: jacobian_rows(apply_fn, params, x2b)
-  return _blocked_kernel(
-    lambda x1b: x1b,
-    rows,
-    contract,
-    x1,
-    x2,
-    chunk,
-    c * num_params_of(params),
-    jnp.dtype(out_dtype).itemsize,
-  )
+  out = map_blocks(x1_block, x1, b1)  # [i, j, b, a] = <J_a(x1_i), J_b(x2_j)>
+  if trace_outputs:
+    return jnp.einsum("ijcc->ij", out) / c
+  return jnp.swapaxes(out, 2, 3)  # [i, j, a, b]
 
 
 # ----------------------------------------------------------------------------
@@ -816,7 +817,7 @@ def empirical_ntk(
   chunk = chunk_size if chunk_size is not None else default_chunk(params, num_outputs)
   if impl == Implementation.JACOBIAN:
     return jacobian_implementation_kernel(apply_fn, params, x1, x2, trace_outputs, chunk)
-  return ntvp_kernel(apply_fn, params, x1, x2, trace_outputs, num_outputs, out.dtype, chunk)
+  return ntvp_kernel(apply_fn, params, x1, x2, trace_outputs, num_outputs, chunk_size)
 
 
 def forward_flops(apply_fn: ApplyFn, params: Params, x: jax.Array) -> float | None:
