@@ -49,10 +49,10 @@ Implementations (``implementation=``, an :class:`NtkImplementation` or its strin
   kernel, and for the full kernel ``'ntvp'`` when one sample's forward FLOPs ``F`` (XLA's
   count) are at most ``C·d`` -- its ``≈ N1·N2·C·F`` FLOPs at most half the contraction's
   ``2·N1·N2·C²·d`` -- else ``'jacobian'``. Measured (benchmarks/ntk_any_model.py, loaded
-  2-core CPU, one core each): the 784-100-10 MLP (``F = 1.6e5``, ``C·d = 8.0e5``) full at
-  N=50 'ntvp' 0.75 s vs 'jacobian' 2.6 s, at N=200 4.7 s (neural-tangents'
-  ``NTK_VECTOR_PRODUCTS`` 5.4 s); the library's CNN (``F = 7.7e6``, ``C·d = 3.3e6``: its
-  convolutions reuse their weights) full at N=50 'jacobian' 25.4 s vs 'ntvp' 63.3 s.
+  2-core CPU): the 784-100-10 MLP (``F = 1.6e5``, ``C·d = 8.0e5``) full at N=50 'ntvp'
+  0.51 s (neural-tangents' ``NTK_VECTOR_PRODUCTS`` 0.95 s), at N=200 2.9 s (5.9 s); the
+  library's CNN (``F = 7.7e6``, ``C·d = 3.3e6``: its convolutions reuse their weights) full at
+  N=50 'jacobian' 9.8 s vs 'ntvp' 37.8 s.
 
 :func:`projected_dense_ntk` is the structured kernel of a dense stack in
 SPARK's layer-wise sketch coordinates (``J̃ J̃ᵀ`` with ``J̃ = J P``), at the

@@ -832,8 +832,9 @@ def full_generic_choice(apply_fn: ApplyFn, params: Params, x: jax.Array, num_out
   """``'auto'``'s generic full kernel: ``'ntvp'`` (``≈ N1·N2·C·F`` FLOPs, ``F`` one sample's forward
   FLOPs, :func:`forward_flops`) when ``F <= C·d``, i.e. when it needs at most half the FLOPs of the
   ``'jacobian'`` contraction (``2·N1·N2·C²·d``), else ``'jacobian'``: its ``jvp``s run below GEMM
-  speed (784-100-10 MLP: ``F = 1.6e5 <= C·d = 8.0e5``, ``'ntvp'`` 3.5× faster at ``N = 50``; the library's CNN,
-  whose convolutions reuse their weights: ``F = 7.7e6 > C·d = 3.3e6``, ``'jacobian'`` 2.5× faster).
+  speed (784-100-10 MLP: ``F = 1.6e5 <= C·d = 8.0e5``, ``'ntvp'`` the faster; the library's CNN,
+  whose convolutions reuse their weights: ``F = 7.7e6 > C·d = 3.3e6``, ``'jacobian'`` 3.9× faster at
+  ``N = 50``).
   ``'ntvp'`` where the FLOPs are not reported."""
   flops = forward_flops(apply_fn, params, x)
   if flops is not None and flops > num_outputs * num_params_of(params):
