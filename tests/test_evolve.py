@@ -432,18 +432,25 @@ def test_tau_selection_is_argmin_of_independent_losses():
   # The full kernel makes f_τ exactly the Taylor model f0 + J Δw_τ, from which
   # the linearised losses below are recomputed.
   kw = dict(lr=3.0, kernel_impl="jacobian", kernel="full")
+
   # Candidates from the lower-level pieces (checked against GD elsewhere);
   # their losses are recomputed here by hand.
-  k = _kernels(apply, params, x)["full"]
-  evo = ev.evolve_ce_euler(k, apply(params, x), y, mask, lr=kw["lr"], taus=taus)
-  deltas = ev.weight_update_vjp(apply, params, x, evo.residual_sums, lr=kw["lr"], norm=2 * N)
-  net, lin = [], []
-  for t in range(len(taus)):
-    d = jax.tree_util.tree_map(lambda a: a[t], deltas)
-    w = jax.tree_util.tree_map(jnp.add, params, d)
-    net.append(float(optax.softmax_cross_entropy(apply(w, x), y).mean()))
-    f0, f_lin = jax.jvp(lambda p: apply(p, x), (params,), (d,))
-    lin.append(float(optax.softmax_cross_entropy(f0 + f_lin, y).mean()))
+  # Jitted as a whole: one program instead of every operation compiled on its own.
+  @jax.jit
+  def candidate_losses(params, x, y, mask):
+    k = _kernels(apply, params, x)["full"]
+    evo = ev.evolve_ce_euler(k, apply(params, x), y, mask, lr=kw["lr"], taus=taus)
+    deltas = ev.weight_update_vjp(apply, params, x, evo.residual_sums, lr=kw["lr"], norm=2 * N)
+    net, lin = [], []
+    for t in range(len(taus)):
+      d = jax.tree_util.tree_map(lambda a: a[t], deltas)
+      w = jax.tree_util.tree_map(jnp.add, params, d)
+      net.append(optax.softmax_cross_entropy(apply(w, x), y).mean())
+      f0, f_lin = jax.jvp(lambda p: apply(p, x), (params,), (d,))
+      lin.append(optax.softmax_cross_entropy(f0 + f_lin, y).mean())
+    return jnp.stack(net), jnp.stack(lin)
+
+  net, lin = (np.asarray(v).tolist() for v in candidate_losses(params, x, y, mask))
   tol = _tol(jnp.float32, 1000)
   _, info = _delta(apply, params, x, y, mask, taus=taus, **kw)
   np.testing.assert_allclose(info["losses"], net, rtol=tol)
@@ -612,30 +619,38 @@ def test_start_moves_the_initial_condition_but_not_the_linearisation_point():
   targets = jax.nn.one_hot(jnp.arange(9) % 3, 3)
   mask = jnp.ones(9, bool)
   taus = (3, 6)
-  delta, info = evolve.ntk_step(
-    model.apply,
-    params,
-    x,
-    targets,
-    mask,
-    lr=0.1,
-    taus=taus,
-    dense_stack=model.dense_stack,
-    start=start,
-  )
-  kernel = ntk.empirical_ntk(model.apply, params, x, dense_stack=model.dense_stack)
-  evo = evolve.evolve(
-    kernel, model.apply(start, x), targets, mask, lr=0.1, taus=taus, loss="ce", solver="euler"
-  )
-  deltas = evolve.weight_update_vjp(model.apply, params, x, evo.residual_sums, 0.1, 9.0)
-  losses = [
-    float(
+  # The step and the reference each jitted as a whole (one program each, not op by op).
+  delta, info = jax.jit(
+    lambda params, start: evolve.ntk_step(
+      model.apply,
+      params,
+      x,
+      targets,
+      mask,
+      lr=0.1,
+      taus=taus,
+      dense_stack=model.dense_stack,
+      start=start,
+    )
+  )(params, start)
+
+  @jax.jit
+  def reference(params, start):
+    kernel = ntk.empirical_ntk(model.apply, params, x, dense_stack=model.dense_stack)
+    evo = evolve.evolve(
+      kernel, model.apply(start, x), targets, mask, lr=0.1, taus=taus, loss="ce", solver="euler"
+    )
+    deltas = evolve.weight_update_vjp(model.apply, params, x, evo.residual_sums, 0.1, 9.0)
+    losses = [
       evolve.mean_loss(
         model.apply(jax.tree_util.tree_map(lambda s, d: s + d[k], start, deltas), x), targets, mask
       )
-    )
-    for k in range(len(taus))
-  ]
+      for k in range(len(taus))
+    ]
+    return deltas, jnp.stack(losses)
+
+  deltas, losses = reference(params, start)
+  losses = np.asarray(losses).tolist()
   k = int(np.argmin(losses))
   assert int(info["tau"]) == taus[k]
   for got, want in zip(jax.tree_util.tree_leaves(delta), jax.tree_util.tree_leaves(deltas)):

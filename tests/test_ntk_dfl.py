@@ -334,6 +334,9 @@ def test_jacobian_batching_is_sequential_block_evolution_at_a_fixed_linearisatio
     )
 
 
+# End to end, opt-in (CI: -m slow): the default suite still runs this config's smoke run in tests/test_golden.py
+# (ntk_dfl.json: every round's accuracy, losses and τ) and checks a run's output files in tests/test_runner.py.
+@pytest.mark.slow
 def test_smoke_variant_runs_through_the_runner_and_learns(tmp_path):
   """The CI smoke run: real Fashion-MNIST slice, 3 rounds, every output file, accuracy far above chance."""
   from ntk_fl import runner

@@ -486,6 +486,9 @@ def test_lr_boost_scales_the_round_rate():
   np.testing.assert_allclose([float(m1["lr"]), float(m2["lr"])], [0.05, 0.15], rtol=1e-6)
 
 
+# End to end, opt-in (CI: -m slow): the default suite still runs this config's smoke run in tests/test_golden.py
+# (spark.json: every round's accuracy, losses, τ and bits).
+@pytest.mark.slow
 def test_smoke_variant_runs_through_the_runner_and_learns(tmp_path):
   from ntk_fl import runner
 
@@ -530,10 +533,27 @@ def _smoke(variant: str, **overrides):
   return config
 
 
-def test_ablation_row_branched_after_the_warm_up_equals_its_run_from_scratch(tmp_path):
-  """Momentum only (abl_momentum) taken from SPARK's round-2 checkpoint == abl_momentum run from round 0."""
-  source, branched, scratch = (str(tmp_path / name) for name in ("spark", "branched", "scratch"))
+@pytest.fixture(scope="module")
+def spark_source(tmp_path_factory):
+  """SPARK's 4-round smoke run with checkpoints after rounds 2 and 4: the source both branching tests
+  branch from (one run instead of one per test; each test works on its own copy)."""
+  source = str(tmp_path_factory.mktemp("spark_source") / "spark")
   runner.run(_smoke(""), source)
+  return source
+
+
+def _copy_of(source: str, tmp_path) -> str:
+  import shutil  # pylint: disable=g-import-not-at-top
+
+  return shutil.copytree(source, str(tmp_path / "spark"))
+
+
+def test_ablation_row_branched_after_the_warm_up_equals_its_run_from_scratch(
+  spark_source, tmp_path
+):
+  """Momentum only (abl_momentum) taken from SPARK's round-2 checkpoint == abl_momentum run from round 0."""
+  source = _copy_of(spark_source, tmp_path)
+  branched, scratch = (str(tmp_path / name) for name in ("branched", "scratch"))
   summary = runner.run(_smoke("abl_momentum"), branched, branch_from=source)
   runner.run(_smoke("abl_momentum"), scratch)
   assert summary["branched_from"] == {"source": source, "round": 2}
@@ -552,17 +572,16 @@ def test_ablation_row_branched_after_the_warm_up_equals_its_run_from_scratch(tmp
   assert abs(spark_lines[2]["loss_mean"] - want[2]["loss_mean"]) > 1e-4
 
 
-def test_branch_refusals_name_the_reason(tmp_path):
-  source = str(tmp_path / "spark")
-  runner.run(_smoke("", rounds=3), source)  # checkpoints after rounds 2 and 3
+def test_branch_refusals_name_the_reason(spark_source, tmp_path):
+  source = _copy_of(spark_source, tmp_path)  # checkpoints after rounds 2 and 4
   with pytest.raises(
     ValueError, match=r"differs \(.*algorithm.momentum: 0.9 -> 0.0.*does not certify"
   ):
     runner.run(_smoke("abl_none"), str(tmp_path / "a"), branch_from=source)
-  with pytest.raises(ValueError, match=r"after round 3: the two configs compute only rounds 1..2"):
-    rundir.check_branch(_smoke("abl_momentum"), source, 3)
+  with pytest.raises(ValueError, match=r"after round 4: the two configs compute only rounds 1..2"):
+    rundir.check_branch(_smoke("abl_momentum"), source, 4)
   with pytest.raises(
-    FileNotFoundError, match=r"no finalised checkpoint for it \(checkpoints after rounds \[2, 3\]\)"
+    FileNotFoundError, match=r"no finalised checkpoint for it \(checkpoints after rounds \[2, 4\]\)"
   ):
     rundir.check_branch(_smoke("abl_momentum"), source, 1)
   with pytest.raises(ValueError, match="exclude each other"):
@@ -571,9 +590,9 @@ def test_branch_refusals_name_the_reason(tmp_path):
     runner.run(_smoke("abl_momentum"), str(tmp_path / "b"), branch_round=2)
   with pytest.raises(FileNotFoundError, match="cannot branch"):
     rundir.check_branch(_smoke("abl_momentum"), str(tmp_path / "nothing"))
-  assert rundir.check_branch(_smoke("abl_momentum"), source) == 2  # not 3: past the warm-up
+  assert rundir.check_branch(_smoke("abl_momentum"), source) == 2  # not 4: past the warm-up
   # SPARK itself with more rounds anneals more slowly after the warm-up: again only the warm-up is shared.
-  assert rundir.check_branch(_smoke("", rounds=4), source) == 2
+  assert rundir.check_branch(_smoke("", rounds=5), source) == 2
 
 
 # ------------------------------------------------------------------ the public client update and its hook
