@@ -85,6 +85,7 @@ SLOW_RUNS = (
   "spark:smoke,option_b,compressed",
   "ntk_fl:smoke,cnn,few,two_per_round",
   "cp_ntk_fl:smoke,cnn,few,two_per_round",
+  "spark:smoke,cnn,few,one_round",
   "fed_ensemble:smoke,cnn,few,two_per_round,shards5",
 )
 
