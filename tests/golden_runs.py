@@ -46,9 +46,11 @@ CLIENT_ARRAYS = ("tau", "loss")
 # selection, CP-NTK-FL's compression, Fed-ensemble's NTK modes, NTK-DFL's App. E.3 compression stack (explicit
 # compressed Jacobians of a projected model), SPARK's Option B (Jacobians at the senders' own weights), the
 # Adam client optimiser, NTK-FL's τ scored on held-out validation clients, Fed-ensemble's straggler
-# over-selection, FedBE's SWAG sampler, NTK-DFL with the CNN (the layer-wise structured kernel; a few
-# clients, samples, rounds and test images, so that its compilation and rounds fit a test), and FedAvg'
-# (FedAvg on CP-NTK-FL's subsampled, projected inputs).
+# over-selection, FedBE's SWAG sampler, NTK-DFL, NTK-FL, CP-NTK-FL, SPARK and Fed-ensemble with the CNN (the
+# layer-wise structured kernel, the convolutions' weight gradients from their patches in the NTK step
+# and in Fed-ensemble's SGD clients; a few clients, samples, rounds and test images, so that their
+# compilation and rounds fit a test; the server methods and Fed-ensemble with two participants a
+# round), and FedAvg' (FedAvg on CP-NTK-FL's subsampled, projected inputs).
 # (SPARK's ``full_stack`` itself holds a 79,510 x 10,000 flattened sketch, 3.2 GB: too big for a test.)
 EXTRA_VARIANTS = (
   ("ntk_dfl", "smoke,batched,subsample"),
@@ -65,6 +67,10 @@ EXTRA_VARIANTS = (
   ("fed_ensemble", "smoke,stragglers"),
   ("ntk_fl", "smoke,validation"),
   ("ntk_dfl", "smoke,cnn,few"),
+  ("ntk_fl", "smoke,cnn,few,two_per_round"),
+  ("cp_ntk_fl", "smoke,cnn,few,two_per_round"),
+  ("spark", "smoke,cnn,few,one_round"),
+  ("fed_ensemble", "smoke,cnn,few,two_per_round,shards5"),
   ("fedavg", "smoke,fig3"),
   ("fedbe", "smoke,swag"),
 )
@@ -84,6 +90,15 @@ OVERRIDES = {
     "data.max_test": 250,
     "eval.batch_size": 250,
   },
+  # The server methods' and Fed-ensemble's participants per round, within ``few``'s 4 clients.
+  "two_per_round": {"algorithm.clients_per_round": 2},
+  # Fed-ensemble's shard partition (two classes a client) needs 5 clients for 10 classes; it ignores
+  # samples_per_client, so the training slice is cut instead (5 clients of 200 samples).
+  "shards5": {"data.num_clients": 5, "data.max_train": 1_000},
+  # SPARK's CNN run's second round (its first with distillation) did not repeat from one run to the
+  # next on one machine (identical first rounds; then one client's τ 50 or 100 and client losses apart
+  # by orders of magnitude), so only one round is kept, distilling from its start.
+  "one_round": {"rounds": 1, "algorithm.distill.warmup_rounds": 0},
 }
 
 

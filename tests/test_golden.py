@@ -78,8 +78,16 @@ def test_every_config_has_a_golden_file():
 
 
 # Runs that take minutes on a 2-core CPU (SPARK's compression stack builds every client's explicit
-# compressed Jacobian): opt-in, marked slow (CI runs them with ``-m slow``; README, "Tests").
-SLOW_RUNS = ("spark:smoke,proj500,compressed", "spark:smoke,option_b,compressed")
+# compressed Jacobian; the CNN runs compile the CNN's steps, cost estimates and evaluation, 1-2 minutes
+# each): opt-in, marked slow (CI runs them with ``-m slow``; README, "Tests").
+SLOW_RUNS = (
+  "spark:smoke,proj500,compressed",
+  "spark:smoke,option_b,compressed",
+  "ntk_fl:smoke,cnn,few,two_per_round",
+  "cp_ntk_fl:smoke,cnn,few,two_per_round",
+  "spark:smoke,cnn,few,one_round",
+  "fed_ensemble:smoke,cnn,few,two_per_round,shards5",
+)
 
 
 @pytest.mark.parametrize(

@@ -752,6 +752,7 @@ def empirical_ntk(
   dense_stack: DenseStack | None = None,
   flax_apply: ApplyFn | None = None,
   chunk_size: int | None = None,
+  plan: Any = None,
 ) -> jax.Array:
   """Empirical NTK of ``apply_fn`` at ``params`` between ``x1`` and ``x2``.
 
@@ -775,6 +776,9 @@ def empirical_ntk(
     chunk_size: samples per block of ``x1`` and of ``x2``; ``None`` picks one
       that keeps a block's Jacobian (or factors) below 256 MiB (dense-stack ``'structured'``: no
       blocking, its factors are already ``O(N)``).
+    plan: the layer-wise kernel's :class:`~ntk_fl._src.layerwise.Plan`, when the caller already
+      built it (``layerwise.make_plan(flax_apply, params, x1[:1], trace_outputs)``); ``None``: built
+      here when needed.
 
   Returns:
     The kernel in the dtype of the network outputs.
@@ -800,7 +804,8 @@ def empirical_ntk(
     # Imported here: the layer-wise kernel needs flax, which a dense-stack or generic kernel does not load.
     from ntk_fl._src import layerwise
 
-    plan = layerwise.make_plan(flax_apply, params, x1[:1], trace_outputs)
+    if plan is None:
+      plan = layerwise.make_plan(flax_apply, params, x1[:1], trace_outputs)
     generic = layerwise.contraction_flops(num_params_of(params), num_outputs, True)
     if (
       impl == Implementation.STRUCTURED or layerwise.plan_flops(plan, trace_outputs, 1, 1) < generic

@@ -557,10 +557,16 @@ def layerwise_kernel(
 # The weight update's pullback with the convolutions' weight gradients from their patches.
 
 
+def plan_convs(plan: Plan) -> tuple[Layer, ...]:
+  """The eligible convolutions of a :func:`make_plan` plan (``route`` ``None`` or ``'factorise'``),
+  whatever their kernel route: either way every eligible layer is factorised or contracted from
+  its factors."""
+  return tuple(layer for layer in plan.factorised + plan.from_factors if layer.kind == "conv")
+
+
 def conv_layers(apply_fn: Callable, params: Params, x_probe: jax.Array) -> tuple[Layer, ...]:
   """The model's eligible convolutions (``Layer``s of kind ``'conv'``, whatever their kernel route)."""
-  plan = make_plan(apply_fn, params, x_probe, True, route="factorise")
-  return tuple(layer for layer in plan.factorised if layer.kind == "conv")
+  return plan_convs(make_plan(apply_fn, params, x_probe, True, route="factorise"))
 
 
 def patch_vjp(apply_fn: Callable, params: Params, x: jax.Array, convs: tuple[Layer, ...]):

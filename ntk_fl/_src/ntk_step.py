@@ -80,14 +80,15 @@ def _scale(lr, norm, dtype) -> Array:
   return -jnp.asarray(lr, dtype) / jnp.asarray(norm, dtype)
 
 
-def _vjp(coords: ParamMap, x: Array, flax_apply: ApplyFn | None):
+def _vjp(coords: ParamMap, x: Array, flax_apply: ApplyFn | None, plan=None):
   """``jax.vjp`` of the network on ``x`` at ``coords.point``; for a flax model with convolutions
-  (``flax_apply``), their weight gradients from the input patches (``layerwise.patch_vjp``: XLA's CPU
-  backend runs the differentiated ones several times slower inside the round's loop over clients)."""
-  if flax_apply is not None:
+  (``flax_apply`` and its layer-wise ``plan`` on ``x``), their weight gradients from the input patches
+  (``layerwise.patch_vjp``: XLA's CPU backend runs the differentiated ones several times slower inside
+  the round's loop over clients)."""
+  if flax_apply is not None and plan is not None:
     from ntk_fl._src import layerwise  # pylint: disable=import-outside-toplevel
 
-    convs = layerwise.conv_layers(flax_apply, coords.point, x[:1])
+    convs = layerwise.plan_convs(plan)
     if convs:
       return layerwise.patch_vjp(flax_apply, coords.point, x, convs)
   return jax.vjp(lambda u: coords.apply_fn(u, x), coords.point)
@@ -327,8 +328,15 @@ def ntk_step(
   mask = jnp.asarray(mask).astype(bool)
   x = _mask_inputs(x, mask)
   coords = identity_map(apply_fn, params) if param_map is None else param_map
+  traced = kernel == Kernel.TRACED
+  flax_model = flax_apply if param_map is None and per_sample else None
+  plan = None  # the model's layers, found once: the pullback's convolutions and the kernel's routes
+  if flax_model is not None and jacobian is None:
+    from ntk_fl._src import layerwise  # pylint: disable=import-outside-toplevel
+
+    plan = layerwise.make_plan(flax_model, coords.point, x[:1], traced)
   if jacobian is None:
-    f0, pullback = _vjp(coords, x, flax_apply if param_map is None and per_sample else None)
+    f0, pullback = _vjp(coords, x, flax_model, plan)
   else:
     f0 = coords.apply_fn(coords.point, x)
   if start is not None:
@@ -342,7 +350,6 @@ def ntk_step(
   labels = targets if labels is None else labels.astype(f0.dtype)
   chex.assert_equal_shape([labels, f0])
 
-  traced = kernel == Kernel.TRACED
   if kernel_matrix is not None:
     k = kernel_matrix
   elif jacobian is not None:
@@ -363,6 +370,7 @@ def ntk_step(
       implementation=kernel_impl,
       dense_stack=dense_stack,
       flax_apply=flax_apply if param_map is None else None,
+      plan=plan,
     )
   evo = _evolution.evolve(
     k,

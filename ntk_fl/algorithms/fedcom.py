@@ -49,7 +49,9 @@ def compressed_update(model: models.Model, hparams: FedCOMHParams) -> server_rou
   """FedCOM's round as a :data:`~ntk_fl.algorithms.server_round.ServerUpdate` (module docstring)."""
   options = qsgd.QsgdOptions.of(hparams)
   payload = qsgd.upload_bits(model, options)
-  local_update = local.local_update_from_hparams(model.apply, hparams)
+  local_update = local.local_update_from_hparams(
+    model.apply, hparams, flax_apply=local.patch_apply(model)
+  )
   server_lr = float(hparams.server_lr)
 
   def update(params, x, y, mask, sizes, train_key, quant_key, lr, extra):

@@ -53,6 +53,8 @@ from ntk_fl import compression, parallel, rng, validation
 __all__ = [
   "LocalResult",
   "make_local_update",
+  "minibatch_value_and_grad",
+  "patch_apply",
   "epoch_order",
   "num_batches",
   "sgd",
@@ -161,6 +163,48 @@ def sam_perturbation(params, grads, rho, *, adaptive: bool = False):
   return jax.tree.map(lambda w, g: jnp.square(scale_of(w)) * g * factor, params, grads)
 
 
+def minibatch_value_and_grad(apply_fn: Callable, flax_apply: Callable | None = None) -> Callable:
+  """``value_and_grad(params, xb [B, ...], yb [B], weights [B]) -> (loss, grads)`` of
+  :func:`masked_cross_entropy` of ``apply_fn(params, xb)``: the local training's one gradient.
+
+  Given ``flax_apply`` (the same function, reaching its flax layers without a ``jax.jit`` boundary)
+  and a model with eligible ``nn.Conv`` layers, the gradient is one ``layerwise.patch_vjp``: each
+  convolution's weight gradient is formed from its input patches, ``Σ_t A_tᵀ G_t`` (one matrix
+  product), not differentiated. Inside the compiled loops of local training (minibatches, epochs,
+  clients) XLA's CPU backend runs the differentiated weight gradient of a convolution in its generic
+  loop, several times slower. Same values up to float rounding. Without convolutions (the MLP) or
+  without ``flax_apply``, exactly ``jax.value_and_grad`` of the loss.
+  """
+
+  def objective(params, xb, yb, weights):
+    return masked_cross_entropy(apply_fn(params, xb), yb, weights)
+
+  plain = jax.value_and_grad(objective)
+  if flax_apply is None:
+    return plain
+
+  def value_and_grad(params, xb, yb, weights):
+    from ntk_fl._src import layerwise  # pylint: disable=import-outside-toplevel
+
+    # A shape, not a slice of xb: the probe adds nothing to the traced program.
+    probe = jax.ShapeDtypeStruct((1, *xb.shape[1:]), xb.dtype)
+    convs = layerwise.conv_layers(flax_apply, params, probe)
+    if not convs:
+      return plain(params, xb, yb, weights)
+    logits, pullback = layerwise.patch_vjp(flax_apply, params, xb, convs)
+    loss, cotangent = jax.value_and_grad(masked_cross_entropy)(logits, yb, weights)
+    (grads,) = pullback(cotangent)
+    return loss, grads
+
+  return value_and_grad
+
+
+def patch_apply(model) -> Callable | None:
+  """A model's ``flax_apply`` for :func:`minibatch_value_and_grad`: only where each sample is mapped on
+  its own (``model.per_sample``), so that every convolution runs on the minibatch's own samples."""
+  return model.flax_apply if getattr(model, "per_sample", False) else None
+
+
 def make_local_update(
   apply_fn: Callable,
   *,
@@ -176,6 +220,7 @@ def make_local_update(
   adam_b1: float = 0.9,
   adam_b2: float = 0.999,
   adam_eps: float = 1e-8,
+  flax_apply: Callable | None = None,
 ) -> Callable[..., LocalResult]:
   """Builds one client's local training (see the module docstring).
 
@@ -188,6 +233,9 @@ def make_local_update(
     sam_rho, sam_adaptive: SAM / ASAM radius (0 = plain gradient steps).
     optimizer: one of :data:`OPTIMIZERS`; ``'adam'`` takes ``adam_b1``, ``adam_b2``, ``adam_eps``
       (:func:`adam`) and no ``momentum``/``nesterov``.
+    flax_apply: ``apply_fn``'s computation reaching its flax layers without a ``jax.jit`` boundary
+      (:attr:`ntk_fl.models.Model.flax_apply`), or ``None``: a model with convolutions then takes
+      their weight gradients from the input patches (:func:`minibatch_value_and_grad`).
 
   Returns:
     ``local_update(params, x, y, mask, key, lr, anchor=None, param_mask=None) ->
@@ -217,10 +265,7 @@ def make_local_update(
       validation.check_real(name, value, low=0, high=1, high_open=True)
     validation.check_real("adam_eps", adam_eps, low=0, low_open=True)
 
-  def objective(params, xb, yb, weights):
-    return masked_cross_entropy(apply_fn(params, xb), yb, weights)
-
-  grad_fn = jax.value_and_grad(objective)
+  grad_fn = minibatch_value_and_grad(apply_fn, flax_apply)
   optimizer_name = optimizer
 
   def local_update(params, x, y, mask, key, lr, anchor=None, param_mask=None) -> LocalResult:
@@ -393,9 +438,10 @@ def round_lr(hparams: LocalHParams, round_index):
 
 
 def local_update_from_hparams(
-  apply_fn: Callable, hparams: LocalHParams
+  apply_fn: Callable, hparams: LocalHParams, *, flax_apply: Callable | None = None
 ) -> Callable[..., LocalResult]:
-  """:func:`make_local_update` with the local-training fields of ``hparams`` (FedProx/SAM extras when present)."""
+  """:func:`make_local_update` with the local-training fields of ``hparams`` (FedProx/SAM extras when
+  present); ``flax_apply``: :func:`make_local_update`'s (a model's :attr:`~ntk_fl.models.Model.flax_apply`)."""
   return make_local_update(
     apply_fn,
     epochs=hparams.epochs,
@@ -410,6 +456,7 @@ def local_update_from_hparams(
     adam_b1=float(hparams.adam_b1),
     adam_b2=float(hparams.adam_b2),
     adam_eps=float(hparams.adam_eps),
+    flax_apply=flax_apply,
   )
 
 
