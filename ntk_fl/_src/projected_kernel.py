@@ -58,7 +58,7 @@ def projected_dense_ntk(
   """NTK of a dense stack in layer-wise sketch coordinates: ``J̃ J̃ᵀ`` with ``J̃ = J P`` (SPARK).
 
   ``P = blkdiag(P_l ⊗ I, P_b)`` sketches each layer's kernel along its input
-  axis and its bias (:class:`DenseProjection`; ``ntk_fl.projection``'s
+  axis and its bias (:class:`~ntk_fl.ntk.DenseProjection`; ``ntk_fl.projection``'s
   ``'layerwise'`` scheme). With ``z_l = A_l W_l + b_l`` and the output
   Jacobians ``M_l = ∂f/∂z_l`` ``[out_l, C]``, the Jacobian entries are
   ``∂f_c/∂W_l[p, q] = A_l[p] M_l[q, c]`` and ``∂f_c/∂b_l[q] = M_l[q, c]``. In
@@ -83,7 +83,7 @@ def projected_dense_ntk(
     params: the linearisation point ``w̄`` (flax variables dict), where ``u = 0``.
     x1: ``[N1, *in]`` inputs.
     x2: ``[N2, *in]`` inputs, or ``None`` for ``x2 = x1``.
-    projections: one :class:`DenseProjection` (or ``None``) per layer of ``stack``.
+    projections: one :class:`~ntk_fl.ntk.DenseProjection` (or ``None``) per layer of ``stack``.
     trace_outputs: ``[N1, N2]`` traced (mean over outputs) or ``[N1, N2, C, C]`` full kernel.
     chunk_size: blocks the contraction over rows of ``x1`` (as ``'structured'``).
 
