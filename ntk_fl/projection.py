@@ -58,8 +58,9 @@ import jax.numpy as jnp
 
 from ntk_fl import rng, validation
 from ntk_fl._src.dense_stack import DenseStack
-from ntk_fl._src.ntk_step import ParamMap
-from ntk_fl.ntk import DenseProjection, dense_jacobian_factors
+from ntk_fl._src.kernels import DenseProjection
+from ntk_fl._src.param_map import ParamMap
+from ntk_fl._src.projected_kernel import dense_jacobian_factors
 
 __all__ = [
   "SCHEMES",

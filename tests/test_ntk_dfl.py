@@ -17,7 +17,7 @@ import pytest
 
 from ntk_fl import config as config_lib
 from ntk_fl import evolve, gossip, models, parallel, rundir, runner, schema, topology
-from ntk_fl.algorithms import ntk_dfl
+from ntk_fl.algorithms import neighbourhood_round, ntk_dfl
 from federations import ragged_federation
 from ntk_fl.data import federation_from_padded
 
@@ -198,14 +198,14 @@ def test_subsample_indices_draw_a_fraction_of_real_samples():
   mask = np.zeros((4, 10), bool)
   for i, n in enumerate((10, 9, 5, 1)):
     mask[i, :n] = True
-  idx, keep = ntk_dfl._subsample_indices(jax.random.key(0), jnp.asarray(mask), 4, 3)
+  idx, keep = neighbourhood_round._subsample_indices(jax.random.key(0), jnp.asarray(mask), 4, 3)
   idx, keep = np.asarray(idx), np.asarray(keep)
   np.testing.assert_array_equal(keep.sum(axis=1), [3, 3, 1, 1])  # floor(n/3), at least one
   for i in range(4):
     chosen = idx[i][keep[i]]
     assert len(set(chosen.tolist())) == len(chosen)
     assert mask[i][chosen].all()
-  idx2, _ = ntk_dfl._subsample_indices(jax.random.key(1), jnp.asarray(mask), 4, 3)
+  idx2, _ = neighbourhood_round._subsample_indices(jax.random.key(1), jnp.asarray(mask), 4, 3)
   assert not np.array_equal(idx, np.asarray(idx2))
 
 
@@ -217,7 +217,9 @@ def test_subsampled_round_uses_only_the_drawn_samples():
   new_state, _ = algorithm.step(state, inputs)
   # Reference: the same draw, applied by hand, then a full (m2 = 1) round on the reduced federation.
   n_sub = -(-federation.x.shape[1] // 2)
-  idx, keep = ntk_dfl._subsample_indices(inputs.key, jnp.asarray(federation.mask), n_sub, 2)
+  idx, keep = neighbourhood_round._subsample_indices(
+    inputs.key, jnp.asarray(federation.mask), n_sub, 2
+  )
   idx, keep = np.asarray(idx), np.asarray(keep)
   reduced = federation_from_padded(
     np.take_along_axis(federation.x, idx[..., None], axis=1),

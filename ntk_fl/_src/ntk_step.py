@@ -21,6 +21,7 @@ import optax
 from ntk_fl._src import evolution as _evolution
 from ntk_fl._src.kernels import empirical_ntk, flat_jacobian, jacobian_kernel
 from ntk_fl._src.neural_tangents_api import empirical_ntk_fn
+from ntk_fl._src.param_map import ParamMap, identity_map  # re-exported: the sketch builds one
 from ntk_fl._src.options import (
   Implementation,
   Kernel,
@@ -46,30 +47,6 @@ class TauChoice(NamedTuple):
   index: Array
   tau: Array
   loss: Array
-
-
-class ParamMap(NamedTuple):
-  """The coordinates an NTK step linearises in, and the way back to the network's parameters.
-
-  Attributes:
-    apply_fn: ``apply_fn(point, x) -> [N, C]``, the network in these coordinates.
-    point: the linearisation point in these coordinates.
-    to_params: maps candidate updates in these coordinates (leaves with a leading ``[T]`` axis) to updates
-      of the network's parameters (same leading axis).
-
-  :func:`identity_map` is the network itself. SPARK's sketch (:func:`ntk_fl.projection.sketch_map`) is
-  ``u ↦ w̄ + P u`` at ``u = 0``, with ``Δw = P Δu``; CP-NTK-FL's flat Jacobians have the flat parameter
-  vector as coordinates, mapped back by :func:`ntk_fl.jacobians.unflatten_jacobian`.
-  """
-
-  apply_fn: ApplyFn
-  point: Any
-  to_params: Callable[[Any], Any]
-
-
-def identity_map(apply_fn: ApplyFn, params) -> ParamMap:
-  """The network's own parameters as the coordinates of the linearisation."""
-  return ParamMap(apply_fn, params, lambda deltas: deltas)
 
 
 # ----------------------------------------------------------------------------

@@ -7,8 +7,9 @@ FedAvg' (NTK-FL, Yue et al. 2022, Fig. 3): FedAvg on the inputs CP-NTK-FL's clie
 ``subsample_fraction`` = β < 1 every participant trains on a random β share of its samples, redrawn
 every round (``n_k`` is then the share's size), and with ``projection_dim`` = d1' > 0 on ``Z = X P``,
 ``P [d1, d1']`` the run's shared seeded projection; the global model is then the MLP on d1' inputs.
-Both are CP-NTK-FL's own pieces (:func:`ntk_fl.algorithms.server_ntk.input_projection`,
-:func:`~ntk_fl.algorithms.server_ntk.participant_inputs`), so a CP-NTK-FL run and a FedAvg' run of
+Both are CP-NTK-FL's own pieces, kept with the server round both build on
+(:func:`ntk_fl.algorithms.server_round.input_projection`,
+:func:`~ntk_fl.algorithms.server_round.participant_inputs`), so a CP-NTK-FL run and a FedAvg' run of
 one seed project with the same ``P``. The round key's training half is split once more: its first
 half draws the shares (participant ``i`` with ``split(sub_key, K)[i]``), its second half trains. The
 test set is projected with the same ``P``: ``client_params`` folds ``P`` into the first dense layer
@@ -24,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from ntk_fl import jacobians, models
-from ntk_fl.algorithms import server_ntk, server_round
+from ntk_fl.algorithms import server_round
 from ntk_fl.algorithms.server_round import ServerHParams
 
 __all__ = ["FedAvgHParams", "check", "fedavg_update", "make_fedavg", "METHOD"]
@@ -46,13 +47,13 @@ class FedAvgHParams(ServerHParams):
 
   def __post_init__(self):
     super().__post_init__()
-    server_ntk.check_input_options(self)
+    server_round.check_input_options(self)
 
 
 def check(hparams: FedAvgHParams, run) -> None:
   """At most ``num_clients`` participants; the input projection needs the MLP."""
   server_round.check(hparams, run)
-  server_ntk.check_projection_model(hparams, run)
+  server_round.check_projection_model(hparams, run)
 
 
 def _input_options(hparams) -> tuple[float, int]:
@@ -72,7 +73,7 @@ def _projection(federation, hparams, seed: int):
   """The update's extra arrays: the shared input projection ``P [d1, d1']``, or ``()`` without one."""
   if not _input_options(hparams)[1]:
     return ()
-  return server_ntk.input_projection(seed, federation.feature_shape, hparams)
+  return server_round.input_projection(seed, federation.feature_shape, hparams)
 
 
 def _scored_params(params, net: models.Model, projection):
@@ -93,7 +94,7 @@ def fedavg_update(net: models.Model, hparams) -> server_round.ServerUpdate:
   def update(params, x, y, mask, sizes, train_key, quant_key, lr, proj):
     del sizes  # of the whole data; the participants train on their shares
     sub_key, train_key = jax.random.split(train_key)
-    x, y, mask = server_ntk.participant_inputs(
+    x, y, mask = server_round.participant_inputs(
       x, y, mask, sub_key, beta=beta, projection=proj if proj_dim else None
     )
     sizes = jnp.sum(mask, axis=1).astype(jnp.float32)  # [K] the shares' sizes

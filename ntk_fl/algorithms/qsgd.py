@@ -12,7 +12,8 @@ weights on the fixed-size partition). Uplink: :func:`ntk_fl.communication.qsgd_u
 
 The quantisation options (:class:`QsgdOptions`: bits, stochastic rounding, bucket size, norm) are
 shared with FedCOM (:mod:`ntk_fl.algorithms.fedcom`), which sends its local update through the same
-quantiser (:func:`transmit_qsgd`).
+quantiser (:func:`transmit_qsgd`); that uplink lives with the server round both build on
+(:mod:`ntk_fl.algorithms.server_round`), and this module re-exports it.
 """
 
 from __future__ import annotations
@@ -22,11 +23,16 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ntk_fl import communication, compression, models, parallel
-from ntk_fl._src.options import Choice
+from ntk_fl import models, parallel
 from ntk_fl.algorithms import local
 from ntk_fl.algorithms import server_round
-from ntk_fl.algorithms.base import parse_enums
+from ntk_fl.algorithms.server_round import (  # re-exported: the uplink FedCOM shares
+  QsgdNorm,
+  QsgdOptions,
+  check_qsgd_fields,
+  transmit_qsgd,
+  upload_bits,
+)
 
 __all__ = [
   "QsgdNorm",
@@ -38,89 +44,6 @@ __all__ = [
   "make_qsgd",
   "METHOD",
 ]
-
-
-class QsgdNorm(Choice):
-  """The scale of a QSGD bucket: its Euclidean norm (``L2``, Alistarh et al.) or its largest magnitude
-  (``MAX``, the max-abs scaling of the NTK-FL authors' unused quantiser: smaller variance, same bits)."""
-
-  L2 = "l2"
-  MAX = "max"
-
-
-def _check_qsgd_bits(name, value):
-  if isinstance(value, bool) or not isinstance(value, int) or not (2 <= value <= 16 or value == 32):
-    raise ValueError(
-      f"config.algorithm.{name} must be 32 (float32, no quantisation) or an int in [2, 16] "
-      f"(QSGD's code: a sign and at least one level bit), got {value!r}"
-    )
-
-
-def check_qsgd_fields(hparams) -> None:
-  """Checks the QSGD fields of ``hparams`` (``quantize_bits``, ``stochastic_rounding``, ``bucket_size``,
-  ``qsgd_norm``; the last becomes a :class:`QsgdNorm` member)."""
-  local.check_fields(
-    hparams,
-    {
-      "quantize_bits": _check_qsgd_bits,
-      "stochastic_rounding": local.flag,
-      "bucket_size": local.int_at_least(0),
-    },
-  )
-  parse_enums(hparams)
-
-
-@dataclasses.dataclass(frozen=True)
-class QsgdOptions:
-  """The uplink quantiser of FedCOM and QSGD (:func:`ntk_fl.compression.qsgd_quantize`).
-
-  Attributes:
-    quantize_bits: bits per coordinate, sign included (``s = 2**(b-1) - 1`` levels); 32 = float32.
-    stochastic_rounding: QSGD's unbiased rounding (True) or the nearest level.
-    bucket_size: entries per bucket, each with its own float32 norm (0 = one bucket per tensor).
-    qsgd_norm: :class:`QsgdNorm`.
-  """
-
-  quantize_bits: int
-  stochastic_rounding: bool
-  bucket_size: int
-  qsgd_norm: QsgdNorm
-
-  @classmethod
-  def of(cls, hparams) -> QsgdOptions:
-    return cls(
-      hparams.quantize_bits, hparams.stochastic_rounding, hparams.bucket_size, hparams.qsgd_norm
-    )
-
-
-def transmit_qsgd(stacked, options: QsgdOptions, key):
-  """What the server receives of every client's vector: QSGD-quantised, or exact at 32 bits.
-
-  Args:
-    stacked: pytree with leaves ``[K, ...]`` (one vector per client).
-    options: the quantiser.
-    key: the round's quantisation key; client ``k`` quantises with ``split(key, K)[k]``
-      (:func:`ntk_fl.compression.qsgd_quantize_tree` splits it per leaf).
-  """
-  if options.quantize_bits == compression.FLOAT_BITS:
-    return stacked
-  quantize = lambda tree, k: compression.qsgd_quantize_tree(
-    tree,
-    options.quantize_bits,
-    key=k,
-    bucket_size=options.bucket_size,
-    norm=str(options.qsgd_norm),
-    stochastic=options.stochastic_rounding,
-  )
-  num_clients = jax.tree.leaves(stacked)[0].shape[0]
-  return parallel.for_each_client(quantize)(stacked, jax.random.split(key, num_clients))
-
-
-def upload_bits(model: models.Model, options: QsgdOptions) -> int:
-  """Bits one client uploads per round: :func:`ntk_fl.communication.qsgd_upload_bits` of the model's tensors."""
-  shapes = jax.eval_shape(model.init, jax.random.key(0))
-  sizes = [leaf.size for leaf in jax.tree.leaves(shapes)]
-  return communication.qsgd_upload_bits(sizes, options.quantize_bits, options.bucket_size)
 
 
 @dataclasses.dataclass(frozen=True)

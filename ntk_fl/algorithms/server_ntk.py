@@ -68,7 +68,6 @@ test inputs with the unmodified network.
 from __future__ import annotations
 
 import dataclasses
-import math
 import types
 from typing import Any, NamedTuple
 
@@ -81,6 +80,12 @@ from ntk_fl.algorithms.base import Method
 from ntk_fl._src import ntk_step
 from ntk_fl._src.options import Choice, JacobianPath, Kernel, Loss, Select, Solver, check_taus
 from ntk_fl.algorithms.base import Algorithm, check_evolution, parse_enums, run_options
+from ntk_fl.algorithms.server_round import (  # re-exported: the inputs FedAvg' shares
+  check_input_options,
+  check_projection_model,
+  input_projection,
+  participant_inputs,
+)
 from ntk_fl.rng import Stream, jax_key, numpy_rng
 
 __all__ = [
@@ -242,84 +247,6 @@ def check(hparams: NTKFLHParams, run) -> None:
     high=run.data.num_clients - 1,
   )
   check_projection_model(hparams, run)
-
-
-def check_input_options(hparams) -> None:
-  """β (``subsample_fraction``) in (0, 1], ``projection_dim`` >= 0 and ``projection_scale`` a known
-  scale: the client-side input options CP-NTK-FL shares with FedAvg'."""
-  validation.check_choice(
-    "config.algorithm.projection_scale", hparams.projection_scale, jacobians.PROJECTION_SCALES
-  )
-  validation.check_real(
-    "config.algorithm.subsample_fraction (β; 1 = all samples)",
-    hparams.subsample_fraction,
-    low=0,
-    high=1,
-    low_open=True,
-  )
-  validation.check_int(
-    "config.algorithm.projection_dim (d1'; 0 = no projection)", hparams.projection_dim, low=0
-  )
-
-
-def check_projection_model(hparams, run) -> None:
-  """The input projection feeds the first dense layer of an MLP: refuse it for other models."""
-  if hparams.projection_dim and run.model.name != "mlp":
-    raise ValueError(
-      "config.algorithm.projection_dim projects flattened inputs into the first dense layer; it "
-      f"needs model.name='mlp', got {run.model.name!r}"
-    )
-
-
-def input_projection(seed: int, feature_shape: tuple[int, ...], hparams):
-  """The run's shared secret projection ``P [d1, d1']``, or None when ``projection_dim`` is 0.
-
-  Every participant and the evaluator derive the same ``P`` from the run seed
-  (``Stream.INPUT_PROJECTION``), so CP-NTK-FL and FedAvg' runs of one seed share it.
-
-  Raises:
-    ValueError: the samples are not flat vectors ``[d1]``.
-  """
-  proj_dim = int(hparams.projection_dim)
-  if not proj_dim:
-    return None
-  input_dim = math.prod(feature_shape)
-  if len(feature_shape) != 1:
-    raise ValueError(
-      "config.algorithm.projection_dim needs flattened inputs [M, n, d1], got samples of shape "
-      f"{feature_shape}"
-    )
-  return jacobians.projection_matrix(
-    jax_key(seed, Stream.INPUT_PROJECTION), input_dim, proj_dim, scale=hparams.projection_scale
-  )
-
-
-def participant_inputs(x, y, mask, key, *, beta: float, projection=None):
-  """What the participants train on: each keeps a random ``β`` share of its samples, projected by ``P``.
-
-  Args:
-    x: ``[K, n_max, ...]`` the participants' padded samples (``[K, n_max, d1]`` with a projection).
-    y: ``[K, n_max]`` int labels. mask: ``[K, n_max]`` bool, True for real samples.
-    key: the round's subsampling key (participant ``i`` draws with ``split(key, K)[i]``), or None
-      to keep every sample.
-    beta: ``β`` in (0, 1] (:func:`ntk_fl.jacobians.subsample`; 1 keeps every sample).
-    projection: ``P [d1, d1']`` (:func:`input_projection`) or None.
-
-  Returns:
-    ``(x [K, n_slots, ...], y [K, n_slots], mask [K, n_slots])`` with ``n_slots =
-    max(1, floor(β n_max))`` when subsampling (else ``n_max``), ``x`` projected to ``d1'``
-    features when ``P`` is given; padded rows of ``x`` are zero.
-  """
-  if beta < 1 and key is not None:
-    idx, mask = parallel.for_each_client(
-      lambda kk, m: jacobians.subsample(kk, m, beta), chunk_size=0
-    )(jax.random.split(key, mask.shape[0]), mask)
-    x = jnp.take_along_axis(x, idx.reshape(*idx.shape, *([1] * (x.ndim - 2))), axis=1)
-    y = jnp.take_along_axis(y, idx, axis=1)
-  if projection is not None:
-    x = jacobians.project_inputs(x, projection)
-  x = jnp.where(mask.reshape(*mask.shape, *([1] * (x.ndim - 2))), x, 0)
-  return x, y, mask
 
 
 def _compress_client(jac, mask, key, *, keep: float, bits: int, stochastic: bool):

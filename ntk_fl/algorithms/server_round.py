@@ -20,11 +20,18 @@ Communication (uplink only, as NTK-FL Table 1 counts): ``bits_per_client``,
 float32, so relative rounding ~1e-7). The global model is the state's only
 model, so ``client_params`` returns it with a client axis of length 1 (the
 aggregated model the runner scores is then exactly the global model).
+
+Two pieces here are shared by a pair of server methods, so that neither imports the other: the
+participants' inputs of CP-NTK-FL, which FedAvg' trains on (:func:`participant_inputs`: a β share of
+each participant's samples, projected by the run's :func:`input_projection`), and the QSGD uplink of
+QSGD and FedCOM (:class:`QsgdOptions`, :func:`transmit_qsgd`, :func:`upload_bits`).
+:mod:`~ntk_fl.algorithms.server_ntk` and :mod:`~ntk_fl.algorithms.qsgd` re-export them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 from collections.abc import Callable
 
@@ -32,10 +39,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ntk_fl import compression, models, parallel
+from ntk_fl import communication, compression, jacobians, models, parallel, validation
+from ntk_fl._src.options import Choice
 from ntk_fl.algorithms import local
 from ntk_fl.algorithms.base import Method
-from ntk_fl.algorithms.base import Algorithm, ParamsState, run_options
+from ntk_fl.algorithms.base import Algorithm, ParamsState, parse_enums, run_options
 from ntk_fl.rng import Stream, jax_key, numpy_rng
 
 __all__ = [
@@ -47,6 +55,15 @@ __all__ = [
   "server_method",
   "federated_update",
   "weighted_average",
+  "check_input_options",
+  "check_projection_model",
+  "input_projection",
+  "participant_inputs",
+  "QsgdNorm",
+  "QsgdOptions",
+  "check_qsgd_fields",
+  "transmit_qsgd",
+  "upload_bits",
 ]
 
 
@@ -285,3 +302,172 @@ def federated_update(
     return aggregate(params, result, sent, sizes), jnp.mean(result.loss), jnp.float32(payload)
 
   return update
+
+
+# ----------------------------------------------------------------------------
+# The participants' inputs: CP-NTK-FL's β share and input projection, which FedAvg' trains on.
+
+
+def check_input_options(hparams) -> None:
+  """β (``subsample_fraction``) in (0, 1], ``projection_dim`` >= 0 and ``projection_scale`` a known
+  scale: the client-side input options CP-NTK-FL shares with FedAvg'."""
+  validation.check_choice(
+    "config.algorithm.projection_scale", hparams.projection_scale, jacobians.PROJECTION_SCALES
+  )
+  validation.check_real(
+    "config.algorithm.subsample_fraction (β; 1 = all samples)",
+    hparams.subsample_fraction,
+    low=0,
+    high=1,
+    low_open=True,
+  )
+  validation.check_int(
+    "config.algorithm.projection_dim (d1'; 0 = no projection)", hparams.projection_dim, low=0
+  )
+
+
+def check_projection_model(hparams, run) -> None:
+  """The input projection feeds the first dense layer of an MLP: refuse it for other models."""
+  if hparams.projection_dim and run.model.name != "mlp":
+    raise ValueError(
+      "config.algorithm.projection_dim projects flattened inputs into the first dense layer; it "
+      f"needs model.name='mlp', got {run.model.name!r}"
+    )
+
+
+def input_projection(seed: int, feature_shape: tuple[int, ...], hparams):
+  """The run's shared secret projection ``P [d1, d1']``, or None when ``projection_dim`` is 0.
+
+  Every participant and the evaluator derive the same ``P`` from the run seed
+  (``Stream.INPUT_PROJECTION``), so CP-NTK-FL and FedAvg' runs of one seed share it.
+
+  Raises:
+    ValueError: the samples are not flat vectors ``[d1]``.
+  """
+  proj_dim = int(hparams.projection_dim)
+  if not proj_dim:
+    return None
+  input_dim = math.prod(feature_shape)
+  if len(feature_shape) != 1:
+    raise ValueError(
+      "config.algorithm.projection_dim needs flattened inputs [M, n, d1], got samples of shape "
+      f"{feature_shape}"
+    )
+  return jacobians.projection_matrix(
+    jax_key(seed, Stream.INPUT_PROJECTION), input_dim, proj_dim, scale=hparams.projection_scale
+  )
+
+
+def participant_inputs(x, y, mask, key, *, beta: float, projection=None):
+  """What the participants train on: each keeps a random ``β`` share of its samples, projected by ``P``.
+
+  Args:
+    x: ``[K, n_max, ...]`` the participants' padded samples (``[K, n_max, d1]`` with a projection).
+    y: ``[K, n_max]`` int labels. mask: ``[K, n_max]`` bool, True for real samples.
+    key: the round's subsampling key (participant ``i`` draws with ``split(key, K)[i]``), or None
+      to keep every sample.
+    beta: ``β`` in (0, 1] (:func:`ntk_fl.jacobians.subsample`; 1 keeps every sample).
+    projection: ``P [d1, d1']`` (:func:`input_projection`) or None.
+
+  Returns:
+    ``(x [K, n_slots, ...], y [K, n_slots], mask [K, n_slots])`` with ``n_slots =
+    max(1, floor(β n_max))`` when subsampling (else ``n_max``), ``x`` projected to ``d1'``
+    features when ``P`` is given; padded rows of ``x`` are zero.
+  """
+  if beta < 1 and key is not None:
+    idx, mask = parallel.for_each_client(
+      lambda kk, m: jacobians.subsample(kk, m, beta), chunk_size=0
+    )(jax.random.split(key, mask.shape[0]), mask)
+    x = jnp.take_along_axis(x, idx.reshape(*idx.shape, *([1] * (x.ndim - 2))), axis=1)
+    y = jnp.take_along_axis(y, idx, axis=1)
+  if projection is not None:
+    x = jacobians.project_inputs(x, projection)
+  x = jnp.where(mask.reshape(*mask.shape, *([1] * (x.ndim - 2))), x, 0)
+  return x, y, mask
+
+
+# ----------------------------------------------------------------------------
+# The QSGD uplink: QSGD's quantised gradients and FedCOM's quantised local updates.
+
+
+class QsgdNorm(Choice):
+  """The scale of a QSGD bucket: its Euclidean norm (``L2``, Alistarh et al.) or its largest magnitude
+  (``MAX``, the max-abs scaling of the NTK-FL authors' unused quantiser: smaller variance, same bits)."""
+
+  L2 = "l2"
+  MAX = "max"
+
+
+def _check_qsgd_bits(name, value):
+  if isinstance(value, bool) or not isinstance(value, int) or not (2 <= value <= 16 or value == 32):
+    raise ValueError(
+      f"config.algorithm.{name} must be 32 (float32, no quantisation) or an int in [2, 16] "
+      f"(QSGD's code: a sign and at least one level bit), got {value!r}"
+    )
+
+
+def check_qsgd_fields(hparams) -> None:
+  """Checks the QSGD fields of ``hparams`` (``quantize_bits``, ``stochastic_rounding``, ``bucket_size``,
+  ``qsgd_norm``; the last becomes a :class:`QsgdNorm` member)."""
+  local.check_fields(
+    hparams,
+    {
+      "quantize_bits": _check_qsgd_bits,
+      "stochastic_rounding": local.flag,
+      "bucket_size": local.int_at_least(0),
+    },
+  )
+  parse_enums(hparams)
+
+
+@dataclasses.dataclass(frozen=True)
+class QsgdOptions:
+  """The uplink quantiser of FedCOM and QSGD (:func:`ntk_fl.compression.qsgd_quantize`).
+
+  Attributes:
+    quantize_bits: bits per coordinate, sign included (``s = 2**(b-1) - 1`` levels); 32 = float32.
+    stochastic_rounding: QSGD's unbiased rounding (True) or the nearest level.
+    bucket_size: entries per bucket, each with its own float32 norm (0 = one bucket per tensor).
+    qsgd_norm: :class:`QsgdNorm`.
+  """
+
+  quantize_bits: int
+  stochastic_rounding: bool
+  bucket_size: int
+  qsgd_norm: QsgdNorm
+
+  @classmethod
+  def of(cls, hparams) -> QsgdOptions:
+    return cls(
+      hparams.quantize_bits, hparams.stochastic_rounding, hparams.bucket_size, hparams.qsgd_norm
+    )
+
+
+def transmit_qsgd(stacked, options: QsgdOptions, key):
+  """What the server receives of every client's vector: QSGD-quantised, or exact at 32 bits.
+
+  Args:
+    stacked: pytree with leaves ``[K, ...]`` (one vector per client).
+    options: the quantiser.
+    key: the round's quantisation key; client ``k`` quantises with ``split(key, K)[k]``
+      (:func:`ntk_fl.compression.qsgd_quantize_tree` splits it per leaf).
+  """
+  if options.quantize_bits == compression.FLOAT_BITS:
+    return stacked
+  quantize = lambda tree, k: compression.qsgd_quantize_tree(
+    tree,
+    options.quantize_bits,
+    key=k,
+    bucket_size=options.bucket_size,
+    norm=str(options.qsgd_norm),
+    stochastic=options.stochastic_rounding,
+  )
+  num_clients = jax.tree.leaves(stacked)[0].shape[0]
+  return parallel.for_each_client(quantize)(stacked, jax.random.split(key, num_clients))
+
+
+def upload_bits(model: models.Model, options: QsgdOptions) -> int:
+  """Bits one client uploads per round: :func:`ntk_fl.communication.qsgd_upload_bits` of the model's tensors."""
+  shapes = jax.eval_shape(model.init, jax.random.key(0))
+  sizes = [leaf.size for leaf in jax.tree.leaves(shapes)]
+  return communication.qsgd_upload_bits(sizes, options.quantize_bits, options.bucket_size)

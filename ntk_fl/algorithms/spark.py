@@ -1,6 +1,6 @@
 """SPARK (Xia, arXiv 2512.12737v2): NTK-DFL + Nesterov momentum + annealed distillation targets + sketches.
 
-SPARK keeps NTK-DFL's round (:func:`ntk_fl.algorithms.ntk_dfl.make_neighbourhood_round`:
+SPARK keeps NTK-DFL's round (:func:`ntk_fl.algorithms.neighbourhood_round.make_neighbourhood_round`:
 graph, per-round averaging, neighbourhood gather, optional sub-sampling) and
 changes the client update (paper Alg. 1-2; every choice is
 recorded in ``configs/spark.py`` and docs/spark.md):
@@ -93,7 +93,7 @@ from ntk_fl.algorithms.base import Method
 from ntk_fl._src import ntk_step
 from ntk_fl._src.options import Choice, JacobianPath, Kernel, Select, Solver, check_taus
 from ntk_fl.algorithms.base import Algorithm, check_evolution, config_without, run_options
-from ntk_fl.algorithms.ntk_dfl import make_neighbourhood_round
+from ntk_fl.algorithms.neighbourhood_round import make_neighbourhood_round
 
 __all__ = [
   "SparkState",
@@ -392,7 +392,7 @@ class SparkTargetsFn(Protocol):
 
 class SparkClient(NamedTuple):
   """SPARK's client update (:func:`make_client_update`), for the ``run`` of the round of
-  :func:`ntk_fl.algorithms.ntk_dfl.make_neighbourhood_round`.
+  :func:`ntk_fl.algorithms.neighbourhood_round.make_neighbourhood_round`.
 
   Attributes:
     update: ``update(w̄, x [N, ...], hard [N, C], mask [N], lr, alpha, temperature, matrices, opt_state,
