@@ -20,6 +20,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # a cache the caller chose is left to jax
@@ -55,3 +57,12 @@ def _deselect_slow(config, items):
   if slow:
     config.hook.pytest_deselected(items=slow)
     items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+
+
+@pytest.fixture
+def x64():
+  """Float64 for the test (``pytestmark = pytest.mark.usefixtures("x64")`` for a whole module)."""
+  import jax  # pylint: disable=import-outside-toplevel  (after the platform is chosen above)
+
+  with jax.enable_x64(True):
+    yield

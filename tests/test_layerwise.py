@@ -16,19 +16,13 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 from ntk_fl import evolve, models, ntk
+from float64_checks import RTOL, Convs, rel
 from ntk_fl._src import kernels
 from ntk_fl._src.kernels import _blocked_kernel
 from ntk_fl._src import layerwise
 from ntk_fl.ntk import NtkImplementation, empirical_ntk, empirical_ntk_fn
 
-RTOL = 1e-10
-
-
-@pytest.fixture(autouse=True)
-def _x64():
-  jax.config.update("jax_enable_x64", True)
-  yield
-  jax.config.update("jax_enable_x64", False)
+pytestmark = pytest.mark.usefixtures("x64")
 
 
 def jacobian(apply_fn, params, x, per_sample=True):
@@ -55,12 +49,6 @@ def brute_force(apply_fn, params, x1, x2, trace_outputs, per_sample=True):
   """``J(x1) J(x2)ᵀ`` (:func:`jacobian`, :func:`contract`)."""
   j1 = jacobian(apply_fn, params, x1, per_sample)
   return contract(j1, jacobian(apply_fn, params, x2, per_sample), trace_outputs)
-
-
-def rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  assert a.shape == b.shape, (a.shape, b.shape)
-  return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
 def to64(tree):
@@ -156,19 +144,6 @@ class _Shared(nn.Module):
     return nn.Dense(3, name="head")(h)
 
 
-class _Convs(nn.Module):
-  """Convolutions with strides, VALID and explicit padding, dilation, no bias."""
-
-  @nn.compact
-  def __call__(self, x):
-    x = jnp.tanh(nn.Conv(3, (3, 3), strides=2, padding="VALID", name="c0")(x))
-    x = jnp.tanh(
-      nn.Conv(4, (2, 2), padding=((1, 0), (0, 1)), kernel_dilation=1, use_bias=False, name="c1")(x)
-    )
-    x = jnp.tanh(nn.Conv(2, (2, 2), padding="SAME", kernel_dilation=2, name="c2")(x))
-    return nn.Dense(3, name="head")(x.reshape(x.shape[0], -1))
-
-
 def test_mlp():
   check_routes(_Mlp(), (6,), {("a",), ("b",), ("c",)})
 
@@ -237,14 +212,14 @@ def test_shared_module_is_contracted():
 
 
 def test_convolution_patches():
-  check_routes(_Convs(), (7, 7, 2), {("c0",), ("c1",), ("c2",), ("head",)})
+  check_routes(Convs(), (7, 7, 2), {("c0",), ("c1",), ("c2",), ("head",)})
 
 
 @pytest.mark.parametrize(
   "module, in_shape, conv_paths",
   [
     (models._CNN(num_classes=5, kernel_size=3), (8, 8, 1), {("conv_0",), ("conv_1",)}),
-    (_Convs(), (7, 7, 2), {("c0",), ("c1",), ("c2",)}),
+    (Convs(), (7, 7, 2), {("c0",), ("c1",), ("c2",)}),
   ],
   ids=["library_cnn", "strides_padding_dilation"],
 )
@@ -422,7 +397,7 @@ def test_every_storage_budget_gives_the_brute_force_kernel(monkeypatch, budget):
     monkeypatch.delenv(kernels.MEMORY_ENV, raising=False)
   else:
     monkeypatch.setenv(kernels.MEMORY_ENV, budget)
-  module = _Convs()
+  module = Convs()
   params, x1, x2 = setup(module, (7, 7, 2), n1=5, n2=3)
   j1, j2 = jacobian(module.apply, params, x1), jacobian(module.apply, params, x2)
   for trace_outputs in (True, False):

@@ -10,47 +10,23 @@ model without convolutions (the MLP) traces the very same program as before.
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from float64_checks import RTOL, Convs, rel
 from ntk_fl import models
 from ntk_fl._src import layerwise
 from ntk_fl.algorithms import local
 
-RTOL = 1e-10
-
-
-@pytest.fixture(autouse=True)
-def _x64():
-  jax.config.update("jax_enable_x64", True)
-  yield
-  jax.config.update("jax_enable_x64", False)
-
-
-class _Convs(nn.Module):
-  """Convolutions with strides, VALID and explicit padding, dilation, no bias."""
-
-  @nn.compact
-  def __call__(self, x):
-    x = jnp.tanh(nn.Conv(3, (3, 3), strides=2, padding="VALID", name="c0")(x))
-    x = jnp.tanh(nn.Conv(4, (2, 2), padding=((1, 0), (0, 1)), use_bias=False, name="c1")(x))
-    x = jnp.tanh(nn.Conv(2, (2, 2), padding="SAME", kernel_dilation=2, name="c2")(x))
-    return nn.Dense(3, name="head")(x.reshape(x.shape[0], -1))
+pytestmark = pytest.mark.usefixtures("x64")
 
 
 MODELS = {
   "library_cnn": models.cnn((8, 8, 1), num_classes=5),
-  "strides_padding_dilation": models.from_flax(_Convs(), (7, 7, 2), 3, per_sample=True),
+  "strides_padding_dilation": models.from_flax(Convs(), (7, 7, 2), 3, per_sample=True),
 }
-
-
-def rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  assert a.shape == b.shape, (a.shape, b.shape)
-  return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
 def setup(model, n, seed=0):
@@ -138,5 +114,5 @@ def test_without_convolutions_the_program_is_unchanged():
 
 def test_patch_apply_needs_a_per_sample_flax_model():
   assert local.patch_apply(MODELS["library_cnn"]) is MODELS["library_cnn"].flax_apply
-  batch_wide = models.from_flax(_Convs(), (7, 7, 2), 3, per_sample=False)
+  batch_wide = models.from_flax(Convs(), (7, 7, 2), 3, per_sample=False)
   assert local.patch_apply(batch_wide) is None
