@@ -34,9 +34,7 @@ def centralized_update(model: models.Model, hparams: ServerHParams) -> server_ro
   """Centralised training's round (:data:`~ntk_fl.algorithms.server_round.ServerUpdate`): the server trains on
   the union of the participants' samples; each participant sends its samples (features and label, 32 bits
   a value)."""
-  local_update = local.local_update_from_hparams(
-    model.apply, hparams, flax_apply=local.patch_apply(model)
-  )
+  local_update = local.model_local_update(model, hparams)
 
   def update(params, x, y, mask, sizes, train_key, quant_key, lr, extra):
     del quant_key, extra

@@ -216,9 +216,7 @@ def make_dispfl(
     raise TypeError("make_dispfl needs the run settings or rounds=")
   num_clients = federation.mask.shape[0]
   bits, stochastic = int(hparams.quantize_bits), bool(hparams.stochastic_rounding)
-  local_update = local.local_update_from_hparams(
-    model.apply, hparams, flax_apply=local.patch_apply(model)
-  )
+  local_update = local.model_local_update(model, hparams)
 
   shapes = jax.eval_shape(model.init, jax.random.key(0))
   sparse = sparse_leaves(shapes)

@@ -504,9 +504,7 @@ def make_mode_update(model: models.Model, hparams: FedEnsembleHParams) -> ModeUp
 
     return ntk_update
 
-  local_update = local.local_update_from_hparams(
-    model.apply, hparams, flax_apply=local.patch_apply(model)
-  )
+  local_update = local.model_local_update(model, hparams)
   bits, stochastic = int(hparams.quantize_bits), bool(hparams.stochastic_rounding)
   uniform_weights = hparams.aggregation_weights == "uniform"
 

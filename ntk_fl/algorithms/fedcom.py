@@ -47,9 +47,7 @@ def compressed_update(model: models.Model, hparams: FedCOMHParams) -> server_rou
   """FedCOM's round as a :data:`~ntk_fl.algorithms.server_round.ServerUpdate` (module docstring)."""
   options = server_round.QsgdOptions.of(hparams)
   payload = server_round.upload_bits(model, options)
-  local_update = local.local_update_from_hparams(
-    model.apply, hparams, flax_apply=local.patch_apply(model)
-  )
+  local_update = local.model_local_update(model, hparams)
   server_lr = float(hparams.server_lr)
 
   def update(params, x, y, mask, sizes, train_key, quant_key, lr, extra):

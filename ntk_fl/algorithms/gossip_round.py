@@ -181,9 +181,7 @@ def make_local_sgd_gossip(
   """
   num_clients = federation.mask.shape[0]
   bits, stochastic = int(hparams.quantize_bits), bool(hparams.stochastic_rounding)
-  local_update = local.local_update_from_hparams(
-    model.apply, hparams, flax_apply=local.patch_apply(model)
-  )
+  local_update = local.model_local_update(model, hparams)
   payload = compression.tree_payload_bits(jax.eval_shape(model.init, jax.random.key(0)), bits)
 
   def init(key):

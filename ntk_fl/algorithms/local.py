@@ -64,6 +64,7 @@ __all__ = [
   "masked_cross_entropy",
   "LocalHParams",
   "local_update_from_hparams",
+  "model_local_update",
   "round_lr",
   "check_fields",
   "positive",
@@ -458,6 +459,13 @@ def local_update_from_hparams(
     adam_eps=float(hparams.adam_eps),
     flax_apply=flax_apply,
   )
+
+
+def model_local_update(model, hparams: LocalHParams) -> Callable[..., LocalResult]:
+  """:func:`local_update_from_hparams` for a :class:`~ntk_fl.models.Model`: its ``apply``, and its
+  ``flax_apply`` where :func:`patch_apply` allows (the convolutions' weight gradients from their
+  patches). What every local-training method builds its clients' update with."""
+  return local_update_from_hparams(model.apply, hparams, flax_apply=patch_apply(model))
 
 
 def transmit(stacked_params, bits: int, *, key, stochastic: bool):

@@ -287,9 +287,7 @@ def federated_update(
       trains on besides its own samples (DataShare's global set).
   """
   bits, stochastic = int(hparams.quantize_bits), bool(hparams.stochastic_rounding)
-  local_update = local.local_update_from_hparams(
-    model.apply, hparams, flax_apply=local.patch_apply(model)
-  )
+  local_update = local.model_local_update(model, hparams)
   payload = compression.tree_payload_bits(jax.eval_shape(model.init, jax.random.key(0)), bits)
 
   def update(params, x, y, mask, sizes, train_key, quant_key, lr, extra):
