@@ -31,7 +31,9 @@ Implementations (``implementation=``, an :class:`NtkImplementation` or its strin
   FLOPs) are the tangents of a ``vmap``-ed ``jvp`` of the network linearised at ``x1``,
   which maps them to ``J1 J2ᵀ``: ``2·N1·N2·C·d`` FLOPs (one linearised forward pass per
   tangent) for the traced *and* the full kernel, ``C`` times fewer than the full
-  ``'jacobian'`` contraction, so it is the generic choice for the full kernel. The rows
+  ``'jacobian'`` contraction, so it is the generic choice for the full kernel, and for the traced
+  kernel of a network without weight reuse up to ``256²`` sample pairs (the same FLOPs as the
+  contraction, at a higher rate). The rows
   are never all stored: a ``lax.map`` takes ``x2`` one sample at a time (blocks whose rows
   stay below ``2**20`` floats, 4 MiB), and each sample's ``C`` rows go through the ``jvp``
   at a block of ``b1`` samples of ``x1`` at once, ``b1·b2·C·a`` below ``2**26`` floats,
@@ -45,14 +47,18 @@ Implementations (``implementation=``, an :class:`NtkImplementation` or its strin
   ``params`` and never calls ``apply_fn``: the caller promises that ``apply_fn``
   *is* that dense stack.
 * ``'auto'`` -- ``'structured'`` when ``dense_stack`` is given (or the layer-wise kernel,
-  given ``flax_apply``, when it needs fewer FLOPs); otherwise ``'jacobian'`` for the traced
-  kernel, and for the full kernel ``'ntvp'`` when one sample's forward FLOPs ``F`` (XLA's
-  count) are at most ``C·d`` -- its ``≈ N1·N2·C·F`` FLOPs at most half the contraction's
-  ``2·N1·N2·C²·d`` -- else ``'jacobian'``. Measured (benchmarks/ntk_any_model.py, loaded
-  2-core CPU): the 784-100-10 MLP (``F = 1.6e5``, ``C·d = 8.0e5``) full at N=50 'ntvp'
-  0.51 s (neural-tangents' ``NTK_VECTOR_PRODUCTS`` 0.95 s), at N=200 2.9 s (5.9 s); the
-  library's CNN (``F = 7.7e6``, ``C·d = 3.3e6``: its convolutions reuse their weights) full at
-  N=50 'jacobian' 9.8 s vs 'ntvp' 37.8 s.
+  given ``flax_apply``, when it needs fewer FLOPs); otherwise ``'ntvp'`` or ``'jacobian'`` from one
+  sample's forward FLOPs ``F`` (XLA's count) against the ``d`` parameters: the full kernel takes
+  ``'ntvp'`` when ``F <= C·d`` (its ``≈ N1·N2·C·F`` FLOPs at most half the contraction's
+  ``2·N1·N2·C²·d``), the traced kernel when ``F <= 2.5·d`` (at most 1.25× the traced contraction's
+  ``2·N1·N2·C·d``: a network that uses each weight once per sample) and ``N1·N2 <= 256²``, else
+  ``'jacobian'``.
+  Measured (benchmarks/ntk_any_model.py, loaded 2-core CPU): the 784-100-10 MLP (``F = 2.0·d``)
+  full at N=50 'ntvp' 0.51 s (neural-tangents' ``NTK_VECTOR_PRODUCTS`` 0.95 s), at N=200 2.9 s
+  (5.9 s); traced 'ntvp' against 'jacobian' 0.33 s / 0.96 s at N=50, 10.9 s / 18.4 s at N=200,
+  not reliably faster at N=600 (57-152 s / 95-134 s, medians of four 106 s / 122 s); the
+  library's CNN (``F = 23·d``: its convolutions reuse their weights) at N=50 'jacobian' 9.8 s vs
+  'ntvp' 37.8 s full, 26 s vs 214 s traced.
 
 :func:`projected_dense_ntk` is the structured kernel of a dense stack in
 SPARK's layer-wise sketch coordinates (``J̃ J̃ᵀ`` with ``J̃ = J P``), at the
@@ -137,7 +143,7 @@ def make_ntk_fn(
   per input shape (and once more for ``x2=None``); see :func:`empirical_ntk` for
   the arguments and the returned kernel.
   """
-  impl = _kernels.resolve_implementation(implementation, dense_stack, trace_outputs, flax_apply)
+  impl = _kernels.resolve_implementation(implementation, dense_stack, flax_apply)
   _kernels.check_chunk_size(chunk_size)
 
   def ntk_fn(params: Params, x1: jax.Array, x2: jax.Array | None = None) -> jax.Array:

@@ -426,16 +426,71 @@ def test_ntvp_float64_matches_jax_jacobian(name, chunk):
       _assert_close(full, want_full, rtol=1e-10)
 
 
-@pytest.mark.parametrize("name,want", [("mlp_relu", "ntvp"), ("cnn", "jacobian")])
-def test_auto_full_generic_choice_by_forward_flops(name, want):
-  """``'auto'``'s full generic kernel: ``'ntvp'`` for a dense net (forward FLOPs ``F <= C·d``),
-  ``'jacobian'`` for a conv net whose weights are reused over positions (``F > C·d``); either
-  way the kernel is the brute-force one."""
+@pytest.mark.parametrize(
+  "name,traced,full",
+  [
+    ("mlp_relu", "ntvp", "ntvp"),
+    ("mlp_tanh_deep", "ntvp", "ntvp"),
+    ("cnn", "jacobian", "jacobian"),
+  ],
+)
+def test_auto_generic_choice_by_forward_flops(name, traced, full):
+  """``'auto'``'s generic kernel (no dense stack, no ``flax_apply``) from one sample's forward FLOPs
+  ``F``: traced ``'ntvp'`` when ``F <= 2.5·d`` and ``N1·N2 <= 256²``, full when ``F <= C·d`` (any
+  ``N``). The dense nets use each weight once per sample (``F`` between the ``2·w`` of their weight
+  matrices and ``2·d`` plus one operation per hidden unit), the conv net reuses its kernel over the
+  36 positions (``F`` above ``16·2·w_conv``, the 16 inner ones). ``'auto'`` computes the chosen
+  kernel bit for bit, and it is the brute-force one (float32 here; float64 to 1e-10 in
+  :func:`test_auto_generic_kernels_float64`)."""
   module, params, x1, x2, _ = _setup(name)
   c = _reference(name).shape[-1]
   flops = _kernels.forward_flops(module.apply, params, x1[:1])
   d = ravel_pytree(params)[0].size
-  assert (flops <= c * d) == (want == "ntvp")
-  choice = _kernels.full_generic_choice(module.apply, params, x1[:1], c)
-  assert choice == ntk.NtkImplementation(want)
-  _assert_close(_kernel(module.apply, params, x1, x2, trace_outputs=False), _reference(name))
+  tree = params["params"]
+  if name == "cnn":  # at least the whole 3x3 kernel at each of the 4x4 inner positions of 6x6
+    assert flops >= 16 * 2 * tree["Conv_0"]["kernel"].size > 2.5 * d
+  else:
+    weights = sum(layer["kernel"].size for layer in tree.values())
+    hidden = sum(layer["bias"].size for layer in tree.values()) - c
+    assert 2 * weights <= flops <= 2 * d + hidden <= 2.5 * d
+  assert (flops <= 2.5 * d) == (traced == "ntvp") and (flops <= c * d) == (full == "ntvp")
+  for t, want in ((True, traced), (False, full)):
+    choice = lambda pairs: _kernels.generic_choice(module.apply, params, x1[:1], c, t, pairs)
+    assert choice(x1.shape[0] * x2.shape[0]) == choice(256**2) == ntk.NtkImplementation(want)
+    assert choice(256**2 + 1) == ntk.NtkImplementation("jacobian" if t else want)
+    got = _kernel(module.apply, params, x1, x2, trace_outputs=t)
+    np.testing.assert_array_equal(
+      got, _kernel(module.apply, params, x1, x2, trace_outputs=t, implementation=want)
+    )
+    ref = _reference(name)
+    _assert_close(got, np.einsum("ijcc->ij", ref) / c if t else ref)
+
+
+def test_auto_whole_batch_takes_the_contraction():
+  """A batch differentiated as one sample (``empirical_ntk_fn``'s ``vmap_axes=None``: ``N`` samples'
+  outputs as one sample's ``N·C``) costs ``N`` forward passes per ``jvp``, ``F = N·F_1 > 2.5·d``:
+  traced, ``'auto'`` takes the ``'jacobian'`` contraction even for a dense net, whose single samples
+  take ``'ntvp'``."""
+  module, params, x1, _, _ = _setup("mlp_relu")
+  whole = lambda p, xb: module.apply(p, xb[0]).reshape(1, -1)
+  c = x1.shape[0] * _reference("mlp_relu").shape[-1]
+  jacobian, ntvp = ntk.NtkImplementation.JACOBIAN, ntk.NtkImplementation.NTVP
+  assert _kernels.generic_choice(whole, params, x1[None], c, True, 1) == jacobian
+  assert _kernels.generic_choice(module.apply, params, x1[:1], c, True, 1) == ntvp
+
+
+@pytest.mark.parametrize("name", ["mlp_tanh_deep", "cnn"])
+def test_auto_generic_kernels_float64(name, x64):
+  """The kernels ``'auto'`` computes without structure (traced and full, ``x2`` given and ``None``;
+  ``'ntvp'`` for the dense net, ``'jacobian'`` for the conv net), in float64, against the float64
+  ``jax.jacobian`` kernel to 1e-10 relative."""
+  del x64
+  module, params, x1, x2, _ = _setup(name)
+  p64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params)
+  a64, b64 = jnp.asarray(x1, jnp.float64), jnp.asarray(x2, jnp.float64)
+  for b in (b64, None):
+    want = _brute_full(module.apply, p64, a64, a64 if b is None else b)
+    for t in (True, False):
+      got = _kernel(module.apply, p64, a64, b, trace_outputs=t)
+      assert got.dtype == jnp.float64
+      _assert_close(got, np.einsum("ijcc->ij", want) / want.shape[-1] if t else want, rtol=1e-10)

@@ -45,13 +45,12 @@ ApplyFn = Callable[[Params, jax.Array], jax.Array]
 def resolve_implementation(
   implementation: Implementation | str,
   dense_stack: DenseStack | None,
-  trace_outputs: bool,
   flax_apply: Callable | None = None,
 ) -> Implementation:
   """The implementation (``AUTO`` resolved, except between the layer-wise structured kernel and the
-  generic ones, which :func:`ntk_fl.ntk.empirical_ntk` decides from the model's layers, and for the
-  full kernel between ``'jacobian'`` and ``'ntvp'``, decided there from the model's forward FLOPs,
-  :func:`full_generic_choice`); errors name the bad value and the allowed ones."""
+  generic ones, which :func:`ntk_fl.ntk.empirical_ntk` decides from the model's layers, and between
+  ``'jacobian'`` and ``'ntvp'``, decided there from the model's forward FLOPs,
+  :func:`generic_choice`); errors name the bad value and the allowed ones."""
   try:
     if isinstance(implementation, bool):  # an int to the IntEnum, but never meant as a choice
       raise ValueError(implementation)
@@ -80,9 +79,7 @@ def resolve_implementation(
     return implementation
   if dense_stack is not None:
     return Implementation.STRUCTURED
-  if flax_apply is not None or not trace_outputs:
-    return Implementation.AUTO
-  return Implementation.JACOBIAN
+  return Implementation.AUTO
 
 
 def check_dense_stack(dense_stack: DenseStack | None) -> None:
@@ -789,7 +786,7 @@ def empirical_ntk(
       ``chunk_size``; outputs that are not ``[B, C]``; params that do not match
       ``dense_stack``.
   """
-  impl = resolve_implementation(implementation, dense_stack, trace_outputs, flax_apply)
+  impl = resolve_implementation(implementation, dense_stack, flax_apply)
   check_chunk_size(chunk_size)
   check_inputs(x1, x2)
   if impl == Implementation.STRUCTURED and dense_stack is not None:
@@ -814,11 +811,8 @@ def empirical_ntk(
         flax_apply, params, x1, x2, trace_outputs, chunk_size, plan=plan, blocked=_blocked_kernel
       )
   if impl == Implementation.AUTO:
-    impl = (
-      Implementation.JACOBIAN
-      if trace_outputs
-      else full_generic_choice(apply_fn, params, x1[:1], num_outputs)
-    )
+    pairs = x1.shape[0] * (x1 if x2 is None else x2).shape[0]
+    impl = generic_choice(apply_fn, params, x1[:1], num_outputs, trace_outputs, pairs)
   chunk = chunk_size if chunk_size is not None else default_chunk(params, num_outputs)
   if impl == Implementation.JACOBIAN:
     return jacobian_implementation_kernel(apply_fn, params, x1, x2, trace_outputs, chunk)
@@ -833,18 +827,52 @@ def forward_flops(apply_fn: ApplyFn, params: Params, x: jax.Array) -> float | No
   return flops if flops > 0 else None  # nan (not reported) compares False
 
 
-def full_generic_choice(apply_fn: ApplyFn, params: Params, x: jax.Array, num_outputs: int):
-  """``'auto'``'s generic full kernel: ``'ntvp'`` (``≈ N1·N2·C·F`` FLOPs, ``F`` one sample's forward
-  FLOPs, :func:`forward_flops`) when ``F <= C·d``, i.e. when it needs at most half the FLOPs of the
-  ``'jacobian'`` contraction (``2·N1·N2·C²·d``), else ``'jacobian'``: its ``jvp``s run below GEMM
-  speed (784-100-10 MLP: ``F = 1.6e5 <= C·d = 8.0e5``, ``'ntvp'`` the faster; the library's CNN,
-  whose convolutions reuse their weights: ``F = 7.7e6 > C·d = 3.3e6``, ``'jacobian'`` 3.9× faster at
-  ``N = 50``).
-  ``'ntvp'`` where the FLOPs are not reported."""
+# 'auto''s traced kernel takes 'ntvp' for a network that does not reuse its weights (one sample's forward
+# FLOPs F within 1.25x of 2·d: ntvp's N1·N2·C·F FLOPs then exceed the traced contraction's 2·N1·N2·C·d
+# by at most 25 %; elementwise operations add a few per cent to the 2·d of one multiply-add per weight,
+# while a convolution over positions, a recurrent cell or a whole batch differentiated as one sample
+# makes F several d: the library's CNN 23·d) and kernels of at most 256² sample pairs. Measured on the
+# 784-100-10 MLP (F = 2.0·d) on one loaded core (benchmarks/RESULTS.md): 'ntvp' 3.0x faster than the
+# contraction at N = 50, 1.7x at N = 200, and not reliably faster at N = 600 (57-152 s against
+# 95-134 s: the contraction's GEMM gains more from the larger N, and 'ntvp's cache-resident rows
+# suffer more from the load).
+TRACED_NTVP_FLOPS_PER_PARAM = 2.5
+TRACED_NTVP_MAX_PAIRS = 256**2
+
+
+def generic_choice(
+  apply_fn: ApplyFn,
+  params: Params,
+  x: jax.Array,
+  num_outputs: int,
+  trace_outputs: bool,
+  pairs: int,
+) -> Implementation:
+  """``'auto'``'s generic kernel (no dense stack, no cheaper layer-wise kernel): ``'ntvp'`` or
+  ``'jacobian'`` from ``F``, one sample's forward FLOPs (:func:`forward_flops`; ``x``: ``[1, *in]``),
+  against ``d`` parameters and ``C`` outputs; ``pairs = N1·N2``, the kernel's sample pairs.
+
+  * Full kernel: ``'ntvp'`` (``≈ N1·N2·C·F`` FLOPs) when ``F <= C·d``, i.e. at most half the
+    ``'jacobian'`` contraction's ``2·N1·N2·C²·d``, else ``'jacobian'`` (its ``jvp``s run below GEMM
+    speed: the library's CNN, ``F = 7.7e6 > C·d = 3.3e6``, ``'jacobian'`` 3.9× faster at ``N = 50``);
+    ``'ntvp'`` where XLA reports no FLOPs.
+  * Traced kernel: ``'ntvp'`` when ``F <= 2.5·d`` (:data:`TRACED_NTVP_FLOPS_PER_PARAM`: at most
+    1.25× the traced contraction's ``2·N1·N2·C·d``, a network that uses each weight once per sample;
+    the 784-100-10 MLP without its ``DenseStack``: ``F = 2.0·d``) and ``N1·N2 <= 256²``
+    (:data:`TRACED_NTVP_MAX_PAIRS`; there it is 1.7-3× faster, at ``N = 600`` not reliably), else
+    ``'jacobian'`` (the CNN: ``F = 23·d``); ``'jacobian'`` where XLA reports no FLOPs.
+  """
   flops = forward_flops(apply_fn, params, x)
-  if flops is not None and flops > num_outputs * num_params_of(params):
-    return Implementation.JACOBIAN
-  return Implementation.NTVP
+  d = num_params_of(params)
+  if trace_outputs:
+    ntvp = (
+      flops is not None
+      and flops <= TRACED_NTVP_FLOPS_PER_PARAM * d
+      and pairs <= TRACED_NTVP_MAX_PAIRS
+    )
+  else:
+    ntvp = flops is None or flops <= num_outputs * d
+  return Implementation.NTVP if ntvp else Implementation.JACOBIAN
 
 
 def num_params_of(params: Params) -> int:
