@@ -63,7 +63,9 @@ def analytic_flops(impl: str, model: models.Model, params, n: int, trace_outputs
   return layerwise.plan_flops(plan, trace_outputs, n, n)
 
 
-def measure_ours(net: str, n: int, impl: str, trace_outputs: bool, reps: int) -> dict:
+def measure_ours(
+  net: str, n: int, impl: str, trace_outputs: bool, reps: int, warmup: int = 1
+) -> dict:
   model = make(net)
   params = model.init(jax.random.PRNGKey(0))
   x = jax.random.uniform(jax.random.PRNGKey(1), (n, *INPUTS[net]))
@@ -86,7 +88,8 @@ def measure_ours(net: str, n: int, impl: str, trace_outputs: bool, reps: int) ->
   )
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  jax.block_until_ready(compiled(params, x))
+  for _ in range(warmup):
+    jax.block_until_ready(compiled(params, x))
   times = []
   for _ in range(reps):
     start = time.perf_counter()
@@ -106,7 +109,7 @@ def measure_ours(net: str, n: int, impl: str, trace_outputs: bool, reps: int) ->
 
 
 def measure_oracle(
-  python: str, net: str, n: int, impls, trace_outputs: bool, reps: int
+  python: str, net: str, n: int, impls, trace_outputs: bool, reps: int, warmup: int = 1
 ) -> list[dict]:
   cmd = [
     python,
@@ -117,6 +120,8 @@ def measure_oracle(
     str(n),
     "--reps",
     str(reps),
+    "--warmup",
+    str(warmup),
     "--impls",
     *map(str, impls),
   ] + ([] if trace_outputs else ["--full"])
@@ -142,6 +147,12 @@ def main(argv=None) -> None:
     "--full", action="store_true", help="full [N, N, C, C] kernel instead of traced"
   )
   parser.add_argument("--reps", type=int, default=3, help="timed runs per measurement")
+  parser.add_argument(
+    "--warmup",
+    type=int,
+    default=1,
+    help="untimed runs after compilation (0 for the largest cases: the first run is then timed)",
+  )
   parser.add_argument("--rounds", type=int, default=1, help="repetitions of the back-to-back pair")
   parser.add_argument(
     "--oracle-python", default=None, help="the neural-tangents environment's python"
@@ -153,10 +164,19 @@ def main(argv=None) -> None:
   rows: dict = {}
   for n in args.sizes:
     for _ in range(args.rounds):
-      results = [measure_ours(args.net, n, impl, trace_outputs, args.reps) for impl in args.impls]
+      results = [
+        measure_ours(args.net, n, impl, trace_outputs, args.reps, args.warmup)
+        for impl in args.impls
+      ]
       if args.oracle_python and args.oracle_impls:
         results += measure_oracle(
-          args.oracle_python, args.net, n, args.oracle_impls, trace_outputs, args.reps
+          args.oracle_python,
+          args.net,
+          n,
+          args.oracle_impls,
+          trace_outputs,
+          args.reps,
+          args.warmup,
         )
       for r in results:
         key = (r["library"].split()[0], r["n"], str(r["implementation"]))
@@ -169,7 +189,8 @@ def main(argv=None) -> None:
 
   print(
     f"{args.net}, {'traced [N, N]' if trace_outputs else 'full [N, N, C, C]'} kernel, float32, "
-    f"device {jax.devices()[0].device_kind}; median of {args.rounds}x{args.reps} runs\n"
+    f"device {jax.devices()[0].device_kind}; median of {args.rounds}x{args.reps} runs "
+    f"after {args.warmup} untimed\n"
   )
   print("| library | impl | N | time (s) | planned peak (MiB) | XLA GFLOP | analytic GFLOP |")
   print("|---|---|---:|---:|---:|---:|---:|")

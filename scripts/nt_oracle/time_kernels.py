@@ -73,7 +73,7 @@ def init(net, key):
   return {"params": tree}
 
 
-def measure(net, n, implementation, full, reps):
+def measure(net, n, implementation, full, reps, warmup=1):
   params = init(net, jax.random.PRNGKey(0))
   x = jax.random.uniform(jax.random.PRNGKey(1), (n, *INPUTS[net]))
   ntk_fn = nt.empirical_ntk_fn(
@@ -88,7 +88,8 @@ def measure(net, n, implementation, full, reps):
   )
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  jax.block_until_ready(compiled(x, params))
+  for _ in range(warmup):
+    jax.block_until_ready(compiled(x, params))
   times = []
   for _ in range(reps):
     start = time.perf_counter()
@@ -115,9 +116,12 @@ def main():
   parser.add_argument("--impls", type=int, nargs="+", default=[1, 2, 3])
   parser.add_argument("--full", action="store_true")
   parser.add_argument("--reps", type=int, default=3)
+  parser.add_argument("--warmup", type=int, default=1, help="untimed runs after compilation")
   args = parser.parse_args()
   for impl in args.impls:
-    print(json.dumps(measure(args.net, args.n, impl, args.full, args.reps)), flush=True)
+    print(
+      json.dumps(measure(args.net, args.n, impl, args.full, args.reps, args.warmup)), flush=True
+    )
 
 
 if __name__ == "__main__":
