@@ -370,12 +370,19 @@ def save_figure(fig, stem: str) -> list[str]:
   return [stem + ".png", stem + ".pdf"]
 
 
+def accuracy_band(c: dict) -> tuple[np.ndarray, np.ndarray]:
+  """The 95 % band ``(low, high)`` of a :func:`curve` of accuracies, within ``[0, 1]``: the
+  t-interval of a few noisy seeds can reach past either end, an accuracy cannot."""
+  return np.clip(c["mean"] - c["half"], 0.0, 1.0), np.clip(c["mean"] + c["half"], 0.0, 1.0)
+
+
 def plot_curves(groups: Sequence[Group], stem: str, target: float = 0.85, title: str = "") -> dict:
   """Mean aggregated (solid) and mean-client (dashed) accuracy per round with 95 % bands; PNG and
   PDF.
 
   Returns what was drawn: ``{"curves": {label: {"test_acc": curve, "client_acc_mean": curve or
-  None}}, "xticks": the round axis' tick positions}``.
+  None}}, "xticks": the round axis' tick positions}``; a curve over several seeds also holds its
+  drawn ``"band"`` (:func:`accuracy_band`).
   """
   from matplotlib.ticker import MaxNLocator  # pylint: disable=import-outside-toplevel
 
@@ -402,10 +409,11 @@ def plot_curves(groups: Sequence[Group], stem: str, target: float = 0.85, title:
         marker="." if style == "-" else None,
       )
       if c["n"] > 1:
+        low, high = lines[key]["band"] = accuracy_band(c)
         ax.fill_between(
           c["rounds"],
-          100 * (c["mean"] - c["half"]),
-          100 * (c["mean"] + c["half"]),
+          100 * low,
+          100 * high,
           color=color,
           alpha=0.15,
           linewidth=0,
@@ -414,7 +422,8 @@ def plot_curves(groups: Sequence[Group], stem: str, target: float = 0.85, title:
   ax.axhline(100 * target, color="gray", linewidth=0.8, linestyle=":")
   ax.xaxis.set_major_locator(MaxNLocator(integer=True))
   ax.set_xlabel("communication round")
-  ax.set_ylabel("test accuracy (%)")
+  banded = any(c is not None and c["n"] > 1 for lines in drawn.values() for c in lines.values())
+  ax.set_ylabel("test accuracy (%)" + ("; band: 95 % CI over seeds" if banded else ""))
   ax.set_title(
     textwrap.fill(
       title or "aggregated model (solid) and mean client (dashed); mean over seeds, 95 % CI", 72

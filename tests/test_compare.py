@@ -174,6 +174,23 @@ def test_curves_are_the_per_round_means_with_intervals_and_integer_ticks(lr_runs
   assert (tmp_path / "out" / "curves.pdf").read_bytes()[:5] == b"%PDF-"
 
 
+def test_the_accuracy_band_stays_within_0_and_100_percent(tmp_path):
+  # Three seeds far apart: the 95 % t-interval (t = 4.30 with two degrees of freedom) reaches
+  # below 0 in round 1 and above 1 in round 2; the drawn band stops at the bounds.
+  seeds = ([0.05, 0.97], [0.55, 0.99], [0.30, 0.50])
+  runs = [write_run(tmp_path, f"s{s}", stored_config(s), acc) for s, acc in enumerate(seeds)]
+  groups = compare.group_runs([rundir.read_run(w) for w in runs])
+  drawn = compare.plot_curves(groups, str(tmp_path / "curves"))
+  agg = drawn["curves"][groups[0].label]["test_acc"]
+  values = np.array(seeds).T
+  half = scipy_stats.t.ppf(0.975, 2) * values.std(axis=1, ddof=1) / np.sqrt(3)
+  mean = values.mean(axis=1)
+  assert mean[0] - half[0] < 0 and mean[1] + half[1] > 1  # the unclipped interval leaves [0, 1]
+  low, high = agg["band"]
+  np.testing.assert_allclose(low, [0.0, mean[1] - half[1]], rtol=1e-9)
+  np.testing.assert_allclose(high, [mean[0] + half[0], 1.0], rtol=1e-9)
+
+
 def test_a_round_not_logged_by_all_runs_is_refused(tmp_path):
   a = [write_run(tmp_path, f"a{s}", stored_config(s), [0.8, 0.85]) for s in (0, 1)]
   b = [
