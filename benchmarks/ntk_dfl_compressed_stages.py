@@ -14,6 +14,10 @@ the client update separately, each on the previous stage's materialised output:
 * uncompressed: the structured (matrix-free) kernel, the evolution, the VJP updates and scoring;
 * both: the whole client update, and the whole round (all clients, steady state).
 
+``--ab`` times only the whole compressed client update by the routes before 129b874 (``jax.jacrev``
+Jacobian, one vmapped scatter per histogram pass) and the current ones, alternately, and checks their
+outputs agree bit for bit.
+
 For each stage: steady-state seconds (best of ``--repeats`` after a compile call), XLA's
 ``cost_analysis()`` FLOPs and bytes accessed, and ``memory_analysis()`` temporaries. Prints markdown tables.
 """
@@ -278,6 +282,52 @@ def _whole(experiment, client_fn, client_inputs, state, inputs, repeats, whole_r
   return rows
 
 
+def _former_histogram(rows, shift, width, prefix):
+  """The radix select's histogram pass before 129b874: one vmapped scatter over whole rows."""
+  bins = 1 << width
+  digit = ((rows >> shift) & (bins - 1)).astype(jnp.int32)
+  match = rows >= 0
+  if prefix is not None:
+    match = match & ((rows >> (shift + width)) == prefix[:, None])
+  scatter = lambda d: jnp.zeros(bins, jnp.int32).at[d].add(1, mode="drop")
+  return jax.vmap(scatter)(jnp.where(match, digit, bins))
+
+
+def _ab(args):
+  """The whole compressed client update by the former routes (``jacrev`` Jacobian, whole-row histogram)
+  and the current ones, compiled once each and called alternately; checks that they agree bit for bit."""
+  experiment, captured = _build(args.variant, args)
+  _, _, client_inputs = _client_inputs(experiment, captured, args.client)
+  current = (compression._digit_histogram, ntk_dfl.dense_stack_jacobian)
+  former = (_former_histogram, lambda *a: None)
+  compiled = {}
+  for name, (histogram, jacobian) in (("former", former), ("current", current)):
+    compression._digit_histogram, ntk_dfl.dense_stack_jacobian = histogram, jacobian
+    fn = ntk_dfl.make_client_update(
+      captured["model"], captured["hparams"], neighbourhood_slots=captured["slots"]
+    )
+    compiled[name] = jax.jit(fn).lower(*client_inputs).compile()
+  compression._digit_histogram, ntk_dfl.dense_stack_jacobian = current
+  times, outputs = {name: [] for name in compiled}, {}
+  for _ in range(args.repeats):
+    for name, fn in compiled.items():
+      outputs[name] = jax.block_until_ready(fn(*client_inputs))
+      start = time.perf_counter()
+      jax.block_until_ready(fn(*client_inputs))
+      times[name].append(time.perf_counter() - start)
+  same = all(
+    bool(
+      jnp.all(
+        jax.lax.bitcast_convert_type(a, jnp.int32) == jax.lax.bitcast_convert_type(b, jnp.int32)
+      )
+    )
+    for a, b in zip(jax.tree.leaves(outputs["former"]), jax.tree.leaves(outputs["current"]))
+  )
+  for name, seconds in times.items():
+    print(f"{name}: " + " / ".join(f"{t:.2f}" for t in seconds) + " s")
+  print(f"bit-identical: {same}")
+
+
 def main():
   parser = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -291,7 +341,12 @@ def main():
   parser.add_argument("--client", type=int, default=0)
   parser.add_argument("--skip-uncompressed", action="store_true")
   parser.add_argument("--skip-round", action="store_true", help="do not time the whole rounds")
+  parser.add_argument(
+    "--ab", action="store_true", help="only the whole client update, former routes against current"
+  )
   args = parser.parse_args()
+  if args.ab:
+    return _ab(args)
 
   tables = []
   settings = [(args.variant, _compressed_rows)]
