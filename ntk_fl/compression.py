@@ -213,6 +213,7 @@ def num_kept(size: int, keep_fraction: float) -> int:
 _BIT_PATTERNS = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
 _DIGIT_BITS = 16  # radix of the threshold search: 2**16 histogram bins per pass
 _TIE_BLOCK = 1024  # entries per block of the tie-break's blocked running count
+_HISTOGRAM_STEP = 1 << 16  # entries per row per scatter of the radix select's histogram pass
 
 
 def top_k_by_key(keys, k):
@@ -272,20 +273,14 @@ def _kth_largest_key(rows, k):
   )
   prefix = jnp.zeros(rows.shape[:1], dtype)
   remaining = k
-  eligible = rows >= 0
   shift = value_bits
   nonnegative = None
   for width in widths:
     shift -= width
     bins = 1 << width
-    digit = ((rows >> shift) & (bins - 1)).astype(jnp.int32)
-    if shift + width < value_bits:  # the higher digits must equal the prefix found so far
-      match = eligible & ((rows >> (shift + width)) == prefix[:, None])
-    else:
-      match = eligible
-    # Entries outside the prefix go to bin ``bins``, which is out of range and dropped.
-    histogram = jax.vmap(lambda d: jnp.zeros(bins, jnp.int32).at[d].add(1, mode="drop"))(
-      jnp.where(match, digit, bins)
+    # Below the top digit only the keys whose higher digits equal the prefix found so far count.
+    histogram = _digit_histogram(
+      rows, shift, width, None if shift + width == value_bits else prefix
     )
     at_or_above = jnp.cumsum(histogram[:, ::-1], axis=-1)[:, ::-1]  # keys with digit >= b
     if nonnegative is None:
@@ -302,6 +297,53 @@ def _kth_largest_key(rows, k):
   threshold = jnp.where(k <= 0, top - 1, jnp.where(nonnegative < k, 0, threshold)).astype(dtype)
   # Settled rows: no key lies above the maximum minus one; with too few keys every tie (zero) is kept.
   return threshold, jnp.where((k <= 0) | (nonnegative < k), k, remaining)
+
+
+def _digit_histogram(rows, shift: int, width: int, prefix):
+  """``[R, 2**width]`` int32 counts of the digit ``(key >> shift) & (2**width - 1)`` of every row's keys.
+
+  Counts the keys ``>= 0`` of each row of ``rows [R, n]`` and, when ``prefix`` (``[R]``, the keys' dtype) is
+  given, only those whose higher bits ``key >> (shift + width)`` equal it. The row is scanned in steps of
+  :data:`_HISTOGRAM_STEP` entries, each one scatter-add of its bin indices into one flat histogram of all
+  rows: a step's digits and indices stay in cache instead of row-sized index arrays in memory (the
+  counts are integers, so any order of the additions gives the same histogram).
+  """
+  num_rows, n = rows.shape
+  bins = 1 << width
+  if (
+    num_rows > 1 and num_rows * bins >= jnp.iinfo(jnp.int32).max
+  ):  # flat indices overflow: row by row
+    one_row = lambda row, p: _digit_histogram(
+      row[None], shift, width, None if prefix is None else p[None]
+    )[0]
+    return jax.vmap(one_row)(rows, jnp.zeros(num_rows, rows.dtype) if prefix is None else prefix)
+  offsets = (jnp.arange(num_rows, dtype=jnp.int32) * bins)[:, None]
+
+  def add(
+    histogram, block
+  ):  # block [R, b]: entries outside the prefix go to an out-of-range bin, dropped
+    match = block >= 0
+    if prefix is not None:
+      match = match & ((block >> (shift + width)) == prefix[:, None])
+    digit = ((block >> shift) & (bins - 1)).astype(jnp.int32)
+    index = jnp.where(match, digit + offsets, num_rows * bins)
+    return histogram.at[index.reshape(-1)].add(1, mode="drop")
+
+  histogram = jnp.zeros(num_rows * bins, jnp.int32)
+  step = min(n, _HISTOGRAM_STEP)
+  steps = n // step
+  if steps > 1:
+    histogram = jax.lax.fori_loop(
+      0,
+      steps,
+      lambda j, h: add(h, jax.lax.dynamic_slice_in_dim(rows, j * step, step, axis=1)),
+      histogram,
+    )
+  else:
+    histogram = add(histogram, rows[:, :step])
+  if n % step:
+    histogram = add(histogram, rows[:, steps * step :])
+  return histogram.reshape(num_rows, bins)
 
 
 def _tie_cutoff(ties, room):

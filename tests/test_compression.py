@@ -124,12 +124,14 @@ def _random_magnitudes(rng, kind, shape):
 def test_radix_select_keeps_the_same_entries_as_the_bisection(kind):
   """The radix select and its blocked tie-break against the former bisection and whole-row running count:
   identical masks for every k (below 0 to above the row), one k per row, with excluded (negative) keys,
-  under jit and vmap, for 32- and 16-bit keys, at row lengths around the tie-break's block size; and
+  under jit and vmap, for 32- and 16-bit keys, at row lengths around the tie-break's block size and the
+  histogram's step; and
   against a stable sort."""
   rng = np.random.default_rng(len(kind))
   new, old = jax.jit(compression.top_k_by_key), jax.jit(_bisection_top_k_by_key)
   new_rows = jax.jit(jax.vmap(compression.top_k_by_key))
-  cases = [(jnp.float32, n) for n in (7, 1025, 70_001)] + [
+  # 2·2**16 + 3: the histogram's steps of 2**16 entries, a loop over them and a remainder
+  cases = [(jnp.float32, n) for n in (7, 1025, 70_001, 2 * 65_536 + 3)] + [
     (jnp.bfloat16, 1000),
     (jnp.float16, 4099),
   ]

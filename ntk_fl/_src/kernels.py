@@ -917,6 +917,51 @@ def per_sample_jacobian(apply_fn: ApplyFn, params, x: jax.Array, *, chunk_size: 
   return jax.lax.map(jac_one, x, batch_size=chunk_size)
 
 
+def dense_stack_jacobian(stack: DenseStack, params, x: jax.Array):
+  """:func:`per_sample_jacobian` of a dense stack of one or two layers, from its factors, or ``None``.
+
+  With ``z_0 = A_0 W_0 + b_0``, ``A_1 = σ(z_0)`` and ``g_l[i, c] = ∂f_c(x_i)/∂z_l``, the kernel Jacobian of
+  layer ``l`` is ``A_l[i, p] · g_l[i, c, q]`` and its bias Jacobian ``g_l[i, c]``: one product per entry,
+  written once in the layout the caller reads, where ``jax.jacrev`` under ``vmap`` writes the kernel
+  Jacobians transposed and then copies them. ``g`` of the last layer is one-hot and that of the first the
+  activation's pullback of ``W_1[:, c]`` -- what autodiff's backward pass forms from a one-hot cotangent
+  (``relu``: ``select(z > 0, W_1[:, c], 0)``), so every entry is autodiff's float, bit for bit. Deeper
+  stacks sum in their backward pass: ``None`` (use :func:`per_sample_jacobian`), as for parameters that
+  are not exactly the stack's layers.
+
+  Args:
+    stack: the model's :class:`DenseStack`.
+    params: its parameters (``{'params': {layer: {'kernel', 'bias'}}}`` or without the ``'params'`` level).
+    x: ``[N, *in]`` inputs.
+
+  Returns:
+    A pytree shaped like ``params`` with leaves ``[N, C, *leaf_shape]``, or ``None``.
+  """
+  tree = params["params"] if isinstance(params, Mapping) and "params" in params else params
+  if len(stack.layers) > 2 or not isinstance(tree, Mapping) or set(tree) != set(stack.layers):
+    return None
+  kernels, biases = dense_weights(stack, params)
+  a = x.reshape(x.shape[0], -1)
+  c = kernels[-1].shape[1]
+  eye = jnp.broadcast_to(jnp.eye(c, dtype=a.dtype), (a.shape[0], c, c))  # g of the logits
+  if len(kernels) == 1:
+    inputs, outputs = [a], [eye]
+  else:
+    z = jnp.matmul(a, kernels[0], precision=_HIGHEST) + biases[0]
+    hidden, pullback = jax.vjp(stack.activation, z)
+    cotangent = lambda w_c: pullback(jnp.broadcast_to(w_c, z.shape))[0]
+    g = jnp.swapaxes(jax.vmap(cotangent, in_axes=1)(kernels[1]), 0, 1)  # [N, C, hidden]
+    inputs, outputs = [a, hidden], [g, eye]
+  layers = {
+    name: {"kernel": a_l[:, None, :, None] * g_l[:, :, None, :], "bias": g_l}
+    for name, a_l, g_l in zip(stack.layers, inputs, outputs)
+  }
+  jac = {"params": layers} if tree is not params else layers
+  if jax.tree.structure(jac) != jax.tree.structure(params):
+    return None
+  return jac
+
+
 def flatten_jacobian(jac) -> jax.Array:
   """Pytree of ``[N, C, *leaf]`` leaves -> ``[N, C, d]`` (leaves in ``jax.tree.leaves`` order)."""
   leaves = jax.tree.leaves(jac)

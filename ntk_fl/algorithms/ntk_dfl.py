@@ -81,6 +81,7 @@ from ntk_fl import (
 )
 from ntk_fl.algorithms.base import Method
 from ntk_fl._src import ntk_step
+from ntk_fl._src.kernels import dense_stack_jacobian
 from ntk_fl._src.options import Kernel, Loss, Select, Solver, check_taus
 from ntk_fl.algorithms.base import (
   Algorithm,
@@ -267,7 +268,11 @@ def make_client_update(
     params, x, mask
   ):  # x [N_b, ...]: the packages as the client receives them
     xs = jnp.where(mask.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0)
-    leaves, treedef = jax.tree.flatten(jacobians.per_sample_jacobian(model.apply, params, xs))
+    # An MLP's Jacobian from its layer factors, the same entries written once (not transposed and copied).
+    jac = None if model.dense_stack is None else dense_stack_jacobian(model.dense_stack, params, xs)
+    if jac is None:
+      jac = jacobians.per_sample_jacobian(model.apply, params, xs)
+    leaves, treedef = jax.tree.flatten(jac)
     sent = (
       jnp.arange(neighbourhood_slots) > 0
     )  # the client's own rows (slot 0) are never transmitted
