@@ -191,21 +191,18 @@ def test_library_cnn():
     (8, 8, 1),
     {("conv_0",), ("conv_1",), ("dense_0",), ("dense_1",)},
   )
-  for trace_outputs in (True, False):
-    ref = refs[trace_outputs][0]
-    for impl in ("structured", "auto"):
-      k = jax.jit(
-        lambda p, a, b: empirical_ntk(
-          module.apply,
-          p,
-          a,
-          b,
-          trace_outputs=trace_outputs,
-          implementation=impl,
-          flax_apply=module.flax_apply,
-        )
-      )(params, x1, x2)
-      assert rel(k, ref) < RTOL
+  cases = [(t, impl) for t in (True, False) for impl in ("structured", "auto")]
+
+  def kernels_of(p, a, b):  # the four kernels in one compiled program, not one each
+    return [
+      empirical_ntk(
+        module.apply, p, a, b, trace_outputs=t, implementation=impl, flax_apply=module.flax_apply
+      )
+      for t, impl in cases
+    ]
+
+  for (trace_outputs, impl), k in zip(cases, jax.jit(kernels_of)(params, x1, x2)):
+    assert rel(k, refs[trace_outputs][0]) < RTOL, (trace_outputs, impl)
 
 
 def test_library_cnn_routes_and_flops():
@@ -264,12 +261,23 @@ def test_patch_vjp_matches_jax_vjp(module, in_shape, conv_paths):
   params, x, _ = setup(module, in_shape)
   convs = layerwise.conv_layers(module.apply, params, x[:1])
   assert {layer.path for layer in convs} == conv_paths
-  out_ref, pull_ref = jax.vjp(lambda p: module.apply(p, x), params)
-  out, pull = layerwise.patch_vjp(module.apply, params, x, convs)
+  out_shape = jax.eval_shape(module.apply, params, x).shape
+  cotangents = jax.random.normal(jax.random.PRNGKey(7), (3, *out_shape), jnp.float64)
+
+  # Each side one compiled program (run op by op, every operation of the network compiles on its own).
+  @jax.jit
+  def tested(params, cotangents):
+    out, pull = layerwise.patch_vjp(module.apply, params, x, convs)
+    return out, jax.vmap(pull)(cotangents)
+
+  @jax.jit
+  def reference(params, cotangents):
+    out_ref, pull_ref = jax.vjp(lambda p: module.apply(p, x), params)
+    return out_ref, jax.vmap(pull_ref)(cotangents)
+
+  out, got = tested(params, cotangents)
+  out_ref, want = reference(params, cotangents)
   assert rel(out, out_ref) < RTOL
-  cotangents = jax.random.normal(jax.random.PRNGKey(7), (3, *out_ref.shape), jnp.float64)
-  got = jax.jit(jax.vmap(pull))(cotangents)
-  want = jax.vmap(pull_ref)(cotangents)
   assert jax.tree.structure(got) == jax.tree.structure(want)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert rel(g, w) < RTOL
