@@ -286,17 +286,27 @@ def test_patch_vjp_matches_jax_vjp(module, in_shape, conv_paths):
 def test_empirical_ntk_fn_structured_on_module_apply():
   module = _Scaled()
   params, x1, x2 = setup(module, (5,))
-  for trace_axes in ((-1,), ()):
-    ref = brute_force(module.apply, params, x1, x2, trace_axes == (-1,))
+  j1, j2 = jacobian(module.apply, params, x1), jacobian(module.apply, params, x2)
+  cases = [
+    (trace_axes, impl)
+    for trace_axes in ((-1,), ())
     for impl in (
       NtkImplementation.STRUCTURED_DERIVATIVES,
       NtkImplementation.AUTO,
       NtkImplementation.JACOBIAN_CONTRACTION,
-    ):
-      k = jax.jit(
-        empirical_ntk_fn(module.apply, trace_axes=trace_axes, vmap_axes=0, implementation=impl)
-      )(x1, x2, params)
-      assert rel(k, ref) < RTOL, (trace_axes, impl)
+    )
+  ]
+
+  def kernels_of(a, b, p):  # the six kernels in one compiled program, not one each
+    return [
+      empirical_ntk_fn(module.apply, trace_axes=trace_axes, vmap_axes=0, implementation=impl)(
+        a, b, p
+      )
+      for trace_axes, impl in cases
+    ]
+
+  for (trace_axes, impl), k in zip(cases, jax.jit(kernels_of)(x1, x2, params)):
+    assert rel(k, contract(j1, j2, trace_axes == (-1,))) < RTOL, (trace_axes, impl)
 
 
 class _BatchDependent(nn.Module):
@@ -312,9 +322,14 @@ def test_batch_dependent_model_default_vmap_axes_none():
   module = _BatchDependent()
   params, x1, _ = setup(module, (4,))
   ref = brute_force(module.apply, params, x1, x1, True, per_sample=False)
-  k = empirical_ntk_fn(module.apply)(x1, None, params)  # default: vmap_axes=None
+  # Both kernels in one compiled program (eager, each of their operations compiles on its own).
+  k, per_sample = jax.jit(
+    lambda a, p: (
+      empirical_ntk_fn(module.apply)(a, None, p),  # default: vmap_axes=None
+      empirical_ntk_fn(module.apply, vmap_axes=0)(a, None, p),
+    )
+  )(x1, params)
   assert rel(k, ref) < RTOL
-  per_sample = empirical_ntk_fn(module.apply, vmap_axes=0)(x1, None, params)
   assert rel(per_sample, ref) > 0.1  # the per-sample kernel is a different (wrong) kernel here
   with pytest.raises(ValueError, match="depend on the rest of the batch"):
     models.from_flax(module, (4,), 3, per_sample=True)
