@@ -99,7 +99,7 @@ _ROUTE_CASES = tuple(
 def _route_kernels(apply_fn, params, x1, x2):
   """Every kernel of ``_ROUTE_CASES``, in one compiled program: each is still its own route's
   computation (the routes differ in their operations, which XLA does not merge), but one compilation
-  instead of 14 (the convolution stack's ``check_routes``: 22.6 -> 13.3 CPU-s, loaded 2-core CPU)."""
+  instead of 14: about 40 % less CPU time for the convolution stack's checks (benchmarks/RESULTS.md)."""
 
   def kernels_of(p, a, b):
     return [
