@@ -204,16 +204,20 @@ def build_experiment(config) -> Experiment:
   settings = validate_config(config)
   data_settings = settings.data
   mesh = parallel.current_mesh()
-  # Several processes: each converts (and keeps) only its own clients' training samples.
+  # Several processes: each converts (and keeps) only its own clients' training samples. One process with
+  # a training slice (data.max_train) converts only the slice's rows: the same float32 values (one table
+  # lookup per pixel), without converting all 60,000 Fashion-MNIST images first (about a second of CPU).
   split = jax.process_count() > 1 and mesh is not None
   dataset = load_dataset(
     data_settings.name,
     data_settings.data_dir or None,
     flatten=models.flat_inputs(settings.model),
     seed=settings.seed,
-    lazy_train=split,
+    lazy_train=split or bool(data_settings.max_train),
   )
   dataset = _subsample(dataset, data_settings.max_train, data_settings.max_test, settings.seed)
+  if not split and not isinstance(dataset.x_train, np.ndarray):  # a slice still unconverted
+    dataset = dataset._replace(x_train=np.asarray(dataset.x_train))
   client_indices = partition_clients(
     dataset.y_train,
     data_settings.partition,

@@ -38,10 +38,26 @@ def own_method_example() -> str:
   return match.group(1)
 
 
+# Rounds of the runs that are compared round for round with NTK-DFL's: a setting the method dropped, or a
+# state it did not carry over, shows in the first round and the next; a third round repeats the second's
+# code on new numbers. The README's code as written (three rounds, checkpoints, selection curves) runs in
+# test_readme_own_method_runs_through_the_runner_and_learns.
+COMPARED_ROUNDS = 2
+
+
+def _compared(config) -> None:
+  """The run settings of a compared run: ``COMPARED_ROUNDS`` rounds; no checkpoints or selection curves
+  (written after a round's metrics line and after the run: neither changes a metric)."""
+  config.rounds = COMPARED_ROUNDS
+  config.checkpoint_every = 0
+  config.eval.selection = False
+
+
 def _run_own_method(
-  tmp_path, monkeypatch, beta: float | None = None, variant: str = ""
+  tmp_path, monkeypatch, beta: float | None = None, variant: str = "", compared: bool = False
 ) -> tuple[dict, list[dict]]:
-  """Runs the README's own-method code in ``tmp_path`` (optionally with another ``BETA`` and config variant)."""
+  """Runs the README's own-method code in ``tmp_path`` (optionally with another ``BETA`` and config
+  variant; ``compared``: with :func:`_compared`'s settings)."""
   from ntk_fl import rundir  # pylint: disable=import-outside-toplevel
 
   code = own_method_example()
@@ -53,8 +69,13 @@ def _run_own_method(
       r'load_config\("ntk_dfl", "smoke"\)', f'load_config("ntk_dfl", "smoke,{variant}")', code
     )
     assert count == 1
+  if compared:
+    code, count = re.subn(
+      r'^(config\.method = "ntk_dfl_mix")', r"\1; _compared(config)", code, flags=re.M
+    )
+    assert count == 1
   monkeypatch.chdir(tmp_path)
-  namespace = {}
+  namespace = {"_compared": _compared}
   exec(compile(code, "README.md", "exec"), namespace)  # pylint: disable=exec-used
   return namespace["summary"], rundir.read_metrics(str(tmp_path / "runs" / "ntk_dfl_mix"))
 
@@ -65,7 +86,9 @@ def _ntk_dfl_lines(tmp_path, variant: str) -> list[dict]:
   from ntk_fl.config import load_config  # pylint: disable=import-outside-toplevel
 
   workdir = str(tmp_path / f"ntk_dfl_{variant}")
-  runner.run(load_config("ntk_dfl", f"smoke,{variant}"), workdir)
+  config = load_config("ntk_dfl", f"smoke,{variant}")
+  _compared(config)
+  runner.run(config, workdir)
   return rundir.read_metrics(workdir)
 
 
@@ -74,10 +97,11 @@ def _golden_ntk_dfl() -> list[dict]:
 
 
 def test_readme_own_method_with_beta_zero_is_ntk_dfl(tmp_path, monkeypatch):
-  """BETA = 0 leaves the hard labels as targets: the new method is NTK-DFL's smoke run (tests/golden)."""
-  _, lines = _run_own_method(tmp_path, monkeypatch, beta=0.0)
+  """BETA = 0 leaves the hard labels as targets: the new method is NTK-DFL's smoke run (tests/golden),
+  round for round over its first ``COMPARED_ROUNDS`` rounds."""
+  _, lines = _run_own_method(tmp_path, monkeypatch, beta=0.0, compared=True)
   golden = _golden_ntk_dfl()
-  assert len(lines) == len(golden)
+  assert len(lines) == COMPARED_ROUNDS < len(golden)
   for line, want in zip(lines, golden):
     np.testing.assert_array_equal(line["clients"]["tau"], want["clients_tau"])
     # The same computation in the same order: equal up to the golden test's float32 tolerance (tests/test_golden.py).
@@ -92,9 +116,9 @@ def test_readme_own_method_keeps_every_setting(tmp_path, monkeypatch):
   One variant sets all three (one pair of runs, not a pair per setting): a setting the method dropped would
   still make its run differ from NTK-DFL's, which takes every one of them."""
   variant = "mse,batched,subsample"
-  _, lines = _run_own_method(tmp_path, monkeypatch, beta=0.0, variant=variant)
+  _, lines = _run_own_method(tmp_path, monkeypatch, beta=0.0, variant=variant, compared=True)
   reference = _ntk_dfl_lines(tmp_path, variant)
-  assert len(lines) == len(reference) == 3
+  assert len(lines) == len(reference) == COMPARED_ROUNDS
   for line, want in zip(lines, reference):
     np.testing.assert_array_equal(line["clients"]["tau"], want["clients"]["tau"])
     np.testing.assert_allclose(line["clients"]["loss"], want["clients"]["loss"], rtol=1e-6)

@@ -80,6 +80,38 @@ def _kernel(apply_fn, params, x1, x2, trace_outputs, chunk, route):
   return fn(params, x1, x2)
 
 
+# The kernels check_routes compares, as (trace_outputs, route, x2 given, samples per block): every route
+# unblocked with x2 and blocked (2 samples per block) with x2=None, and the factorised route blocked with x2.
+_ROUTE_CASES = tuple(
+  case
+  for trace_outputs in (True, False)
+  for case in (
+    *(
+      (trace_outputs, route, x2, chunk)
+      for route in (None, "factorise", "contract")
+      for x2, chunk in ((True, None), (False, 2))
+    ),
+    (trace_outputs, "factorise", True, 2),
+  )
+)
+
+
+def _route_kernels(apply_fn, params, x1, x2):
+  """Every kernel of ``_ROUTE_CASES``, in one compiled program: each is still its own route's
+  computation (the routes differ in their operations, which XLA does not merge), but one compilation
+  instead of 14: about 40 % less CPU time for the convolution stack's checks (benchmarks/RESULTS.md)."""
+
+  def kernels_of(p, a, b):
+    return [
+      layerwise.layerwise_kernel(
+        apply_fn, p, a, b if given else None, trace, chunk, route=route, blocked=_blocked_kernel
+      )
+      for trace, route, given, chunk in _ROUTE_CASES
+    ]
+
+  return jax.jit(kernels_of)(params, x1, x2)
+
+
 def check_routes(module, in_shape, expect_factorised=None):
   """Every route, blocked (2 samples per block) and not, ``x2`` given and ``x2=None``.
 
@@ -88,17 +120,20 @@ def check_routes(module, in_shape, expect_factorised=None):
   """
   params, x1, x2 = setup(module, in_shape)
   j1, j2 = jacobian(module.apply, params, x1), jacobian(module.apply, params, x2)
-  refs = {}
-  for trace_outputs in (True, False):
-    ref, ref_self = contract(j1, j2, trace_outputs), contract(j1, j1, trace_outputs)
-    refs[trace_outputs] = ref, ref_self
-    for route in (None, "factorise", "contract"):
-      k = _kernel(module.apply, params, x1, x2, trace_outputs, None, route)
-      assert rel(k, ref) < RTOL, (trace_outputs, route)
-      k = _kernel(module.apply, params, x1, None, trace_outputs, 2, route)
-      assert rel(k, ref_self) < RTOL, (trace_outputs, route, "x2=None, blocks of 2")
-    k = _kernel(module.apply, params, x1, x2, trace_outputs, 2, "factorise")
-    assert rel(k, ref) < RTOL, (trace_outputs, "blocks of 2")
+  refs = {
+    trace_outputs: (contract(j1, j2, trace_outputs), contract(j1, j1, trace_outputs))
+    for trace_outputs in (True, False)
+  }
+  for (trace_outputs, route, given, chunk), k in zip(
+    _ROUTE_CASES, _route_kernels(module.apply, params, x1, x2)
+  ):
+    ref, ref_self = refs[trace_outputs]
+    assert rel(k, ref if given else ref_self) < RTOL, (
+      trace_outputs,
+      route,
+      "x2 given" if given else "x2=None",
+      f"blocks of {chunk}" if chunk else "unblocked",
+    )
   if expect_factorised is not None:
     plan = layerwise.make_plan(module.apply, params, x1[:1], True, "factorise")
     assert {layer.path for layer in plan.factorised} == set(expect_factorised)
@@ -156,21 +191,18 @@ def test_library_cnn():
     (8, 8, 1),
     {("conv_0",), ("conv_1",), ("dense_0",), ("dense_1",)},
   )
-  for trace_outputs in (True, False):
-    ref = refs[trace_outputs][0]
-    for impl in ("structured", "auto"):
-      k = jax.jit(
-        lambda p, a, b: empirical_ntk(
-          module.apply,
-          p,
-          a,
-          b,
-          trace_outputs=trace_outputs,
-          implementation=impl,
-          flax_apply=module.flax_apply,
-        )
-      )(params, x1, x2)
-      assert rel(k, ref) < RTOL
+  cases = [(t, impl) for t in (True, False) for impl in ("structured", "auto")]
+
+  def kernels_of(p, a, b):  # the four kernels in one compiled program, not one each
+    return [
+      empirical_ntk(
+        module.apply, p, a, b, trace_outputs=t, implementation=impl, flax_apply=module.flax_apply
+      )
+      for t, impl in cases
+    ]
+
+  for (trace_outputs, impl), k in zip(cases, jax.jit(kernels_of)(params, x1, x2)):
+    assert rel(k, refs[trace_outputs][0]) < RTOL, (trace_outputs, impl)
 
 
 def test_library_cnn_routes_and_flops():
@@ -229,12 +261,23 @@ def test_patch_vjp_matches_jax_vjp(module, in_shape, conv_paths):
   params, x, _ = setup(module, in_shape)
   convs = layerwise.conv_layers(module.apply, params, x[:1])
   assert {layer.path for layer in convs} == conv_paths
-  out_ref, pull_ref = jax.vjp(lambda p: module.apply(p, x), params)
-  out, pull = layerwise.patch_vjp(module.apply, params, x, convs)
+  out_shape = jax.eval_shape(module.apply, params, x).shape
+  cotangents = jax.random.normal(jax.random.PRNGKey(7), (3, *out_shape), jnp.float64)
+
+  # Each side one compiled program (run op by op, every operation of the network compiles on its own).
+  @jax.jit
+  def tested(params, cotangents):
+    out, pull = layerwise.patch_vjp(module.apply, params, x, convs)
+    return out, jax.vmap(pull)(cotangents)
+
+  @jax.jit
+  def reference(params, cotangents):
+    out_ref, pull_ref = jax.vjp(lambda p: module.apply(p, x), params)
+    return out_ref, jax.vmap(pull_ref)(cotangents)
+
+  out, got = tested(params, cotangents)
+  out_ref, want = reference(params, cotangents)
   assert rel(out, out_ref) < RTOL
-  cotangents = jax.random.normal(jax.random.PRNGKey(7), (3, *out_ref.shape), jnp.float64)
-  got = jax.jit(jax.vmap(pull))(cotangents)
-  want = jax.vmap(pull_ref)(cotangents)
   assert jax.tree.structure(got) == jax.tree.structure(want)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert rel(g, w) < RTOL
@@ -243,17 +286,27 @@ def test_patch_vjp_matches_jax_vjp(module, in_shape, conv_paths):
 def test_empirical_ntk_fn_structured_on_module_apply():
   module = _Scaled()
   params, x1, x2 = setup(module, (5,))
-  for trace_axes in ((-1,), ()):
-    ref = brute_force(module.apply, params, x1, x2, trace_axes == (-1,))
+  j1, j2 = jacobian(module.apply, params, x1), jacobian(module.apply, params, x2)
+  cases = [
+    (trace_axes, impl)
+    for trace_axes in ((-1,), ())
     for impl in (
       NtkImplementation.STRUCTURED_DERIVATIVES,
       NtkImplementation.AUTO,
       NtkImplementation.JACOBIAN_CONTRACTION,
-    ):
-      k = jax.jit(
-        empirical_ntk_fn(module.apply, trace_axes=trace_axes, vmap_axes=0, implementation=impl)
-      )(x1, x2, params)
-      assert rel(k, ref) < RTOL, (trace_axes, impl)
+    )
+  ]
+
+  def kernels_of(a, b, p):  # the six kernels in one compiled program, not one each
+    return [
+      empirical_ntk_fn(module.apply, trace_axes=trace_axes, vmap_axes=0, implementation=impl)(
+        a, b, p
+      )
+      for trace_axes, impl in cases
+    ]
+
+  for (trace_axes, impl), k in zip(cases, jax.jit(kernels_of)(x1, x2, params)):
+    assert rel(k, contract(j1, j2, trace_axes == (-1,))) < RTOL, (trace_axes, impl)
 
 
 class _BatchDependent(nn.Module):
@@ -269,9 +322,14 @@ def test_batch_dependent_model_default_vmap_axes_none():
   module = _BatchDependent()
   params, x1, _ = setup(module, (4,))
   ref = brute_force(module.apply, params, x1, x1, True, per_sample=False)
-  k = empirical_ntk_fn(module.apply)(x1, None, params)  # default: vmap_axes=None
+  # Both kernels in one compiled program (eager, each of their operations compiles on its own).
+  k, per_sample = jax.jit(
+    lambda a, p: (
+      empirical_ntk_fn(module.apply)(a, None, p),  # default: vmap_axes=None
+      empirical_ntk_fn(module.apply, vmap_axes=0)(a, None, p),
+    )
+  )(x1, params)
   assert rel(k, ref) < RTOL
-  per_sample = empirical_ntk_fn(module.apply, vmap_axes=0)(x1, None, params)
   assert rel(per_sample, ref) > 0.1  # the per-sample kernel is a different (wrong) kernel here
   with pytest.raises(ValueError, match="depend on the rest of the batch"):
     models.from_flax(module, (4,), 3, per_sample=True)
@@ -400,18 +458,28 @@ def test_every_storage_budget_gives_the_brute_force_kernel(monkeypatch, budget):
   module = Convs()
   params, x1, x2 = setup(module, (7, 7, 2), n1=5, n2=3)
   j1, j2 = jacobian(module.apply, params, x1), jacobian(module.apply, params, x2)
-  for trace_outputs in (True, False):
-    for b, n2 in ((x2, 3), (None, 5)):
-      ref = contract(j1, j1 if b is None else j2, trace_outputs)
-      generic = jax.jit(
-        lambda p, a, b: kernels.jacobian_implementation_kernel(
-          module.apply, p, a, b, trace_outputs, 2
-        )
-      )(params, x1, b)
-      assert rel(generic, ref) < RTOL, (budget, trace_outputs, n2)
-      for route in ("factorise", "contract"):
-        k = _kernel(module.apply, params, x1, b, trace_outputs, 2, route)
-        assert rel(k, ref) < RTOL, (budget, trace_outputs, n2, route)
+  cases = [
+    (trace_outputs, given, route)
+    for trace_outputs in (True, False)
+    for given in (True, False)
+    for route in ("generic", "factorise", "contract")
+  ]
+
+  def kernels_of(
+    p, a, b
+  ):  # every case in one compiled program (the budget is read as it is traced)
+    return [
+      kernels.jacobian_implementation_kernel(module.apply, p, a, b if given else None, trace, 2)
+      if route == "generic"
+      else layerwise.layerwise_kernel(
+        module.apply, p, a, b if given else None, trace, 2, route=route, blocked=_blocked_kernel
+      )
+      for trace, given, route in cases
+    ]
+
+  for (trace_outputs, given, route), k in zip(cases, jax.jit(kernels_of)(params, x1, x2)):
+    ref = contract(j1, j2 if given else j1, trace_outputs)
+    assert rel(k, ref) < RTOL, (budget, trace_outputs, 3 if given else 5, route)
 
 
 def test_storage_budget_from_the_environment_or_the_machine(monkeypatch):

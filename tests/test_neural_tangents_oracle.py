@@ -283,18 +283,25 @@ def test_conv_dense_layerwise_matches_neural_tangents(name):
   ntk_fn = empirical_ntk_fn(
     apply_fn, case["trace_axes"], case["diagonal_axes"], 0, IMPL.STRUCTURED_DERIVATIVES
   )
+  chunks = (None, 2)
+
+  def kernels_of(p, a, b):  # one compiled program per dtype for the three kernels, not one each
+    factorised = [
+      layerwise.layerwise_kernel(
+        apply_fn, p, a, b, trace_outputs, chunk, route="factorise", blocked=_blocked_kernel
+      )
+      for chunk in chunks
+    ]
+    return factorised, ntk_fn(a, b, p)
+
   for dtype, rtol in ((jnp.float32, RTOL32), (jnp.float64, RTOL64)):
     with jax.enable_x64(dtype == jnp.float64):
       x1, x2, params = _conv_dense_inputs(case, dtype)
-      for chunk in (None, 2):
-        factorised = jax.jit(
-          lambda p, a, b: layerwise.layerwise_kernel(
-            apply_fn, p, a, b, trace_outputs, chunk, route="factorise", blocked=_blocked_kernel
-          )
-        )(params, x1, x2)
-        assert factorised.dtype == dtype
-        assert _max_rel(factorised, expected) < rtol, (dtype, chunk)
-      assert _max_rel(jax.jit(ntk_fn)(x1, x2, params), expected) < rtol, dtype
+      factorised, routed = jax.jit(kernels_of)(params, x1, x2)
+      for chunk, kernel in zip(chunks, factorised):
+        assert kernel.dtype == dtype
+        assert _max_rel(kernel, expected) < rtol, (dtype, chunk)
+      assert _max_rel(routed, expected) < rtol, dtype
   # neural-tangents' own float32 kernel is as close to the float64 reference as the tolerance says.
   assert _max_rel(ref[f"{name}/kernel_float32"], expected) < RTOL32
 
