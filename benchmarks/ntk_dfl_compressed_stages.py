@@ -39,11 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from ntk_fl import compression, evolve, jacobians, ntk, runner  # noqa: E402
 from ntk_fl.algorithms import ntk_dfl  # noqa: E402
 from ntk_fl._src import ntk_step  # noqa: E402
-
-try:  # the MLP's Jacobian from its factors (where the library has it)
-  from ntk_fl._src.kernels import dense_stack_jacobian  # noqa: E402
-except ImportError:
-  dense_stack_jacobian = None
+from ntk_fl._src.kernels import dense_stack_jacobian  # noqa: E402
 
 
 def _config(variant, args):
@@ -118,6 +114,20 @@ def _measure(name, fn, *args, repeats):
   return row, out
 
 
+def _evolve_stage(taus):
+  """The client's Euler cross-entropy evolution over the τ candidates, as a stage function."""
+  return lambda kernel, f0, hard, mask, lr: evolve.evolve(
+    kernel, f0, hard, mask, lr=lr, taus=taus, loss="ce", solver="euler"
+  )
+
+
+def _score_stage(model):
+  """The τ scoring as a stage function: every candidate network's mean loss on the masked inputs."""
+  return lambda params, deltas, xs, hard, mask: jax.vmap(
+    lambda d: evolve.mean_loss(model.apply(jax.tree.map(jnp.add, params, d), xs), hard, mask)
+  )(deltas)
+
+
 def _compressed_rows(captured, client_inputs, repeats):
   model, hparams, slots = captured["model"], captured["hparams"], captured["slots"]
   params, x, hard, mask, lr = client_inputs
@@ -128,14 +138,12 @@ def _compressed_rows(captured, client_inputs, repeats):
 
   def jac_stage(params, x, mask):  # the route the client update takes
     xs = jnp.where(mask[:, None], x, 0)
-    jac = None
-    if model.dense_stack is not None and dense_stack_jacobian is not None:
-      jac = dense_stack_jacobian(model.dense_stack, params, xs)
+    jac = None if model.dense_stack is None else dense_stack_jacobian(model.dense_stack, params, xs)
     if jac is None:
       jac = jacobians.per_sample_jacobian(model.apply, params, xs)
     return jax.tree.leaves(jac)
 
-  route = "jacrev per sample" if dense_stack_jacobian is None else "dense-stack factors"
+  route = "jacrev per sample" if model.dense_stack is None else "dense-stack factors"
   row, leaves = _measure(
     f"Jacobian formation ({route})", jac_stage, params, x, mask, repeats=repeats
   )
@@ -175,13 +183,10 @@ def _compressed_rows(captured, client_inputs, repeats):
   )
   rows.append(row)
   treedef = jax.tree.structure(params)
-  f0 = model.apply(params, jnp.where(mask[:, None], x, 0))
-
-  def evolve_stage(kernel, f0, hard, mask, lr):
-    return evolve.evolve(kernel, f0, hard, mask, lr=lr, taus=taus, loss="ce", solver="euler")
-
+  xs = jnp.where(mask[:, None], x, 0)
+  f0 = model.apply(params, xs)
   row, evo = _measure(
-    "Euler CE evolution", evolve_stage, kernel, f0, hard, mask, lr, repeats=repeats
+    "Euler CE evolution", _evolve_stage(taus), kernel, f0, hard, mask, lr, repeats=repeats
   )
   rows.append(row)
   norm = jnp.maximum(mask.sum(), 1)
@@ -197,15 +202,15 @@ def _compressed_rows(captured, client_inputs, repeats):
     repeats=repeats,
   )
   rows.append(row)
-
-  def score(params, deltas, x, hard, mask):
-    xs = jnp.where(mask[:, None], x, 0)
-    return jax.vmap(
-      lambda d: evolve.mean_loss(model.apply(jax.tree.map(jnp.add, params, d), xs), hard, mask)
-    )(deltas)
-
   row, _ = _measure(
-    "τ scoring (T candidate networks)", score, params, deltas, x, hard, mask, repeats=repeats
+    "τ scoring (T candidate networks)",
+    _score_stage(model),
+    params,
+    deltas,
+    xs,
+    hard,
+    mask,
+    repeats=repeats,
   )
   rows.append(row)
   return rows
@@ -229,9 +234,7 @@ def _uncompressed_rows(captured, client_inputs, repeats):
   f0 = model.apply(params, xs)
   row, evo = _measure(
     "Euler CE evolution",
-    lambda k, f0, hard, mask, lr: evolve.evolve(
-      k, f0, hard, mask, lr=lr, taus=taus, loss="ce", solver="euler"
-    ),
+    _evolve_stage(taus),
     kernel,
     f0,
     hard,
@@ -252,14 +255,15 @@ def _uncompressed_rows(captured, client_inputs, repeats):
     repeats=repeats,
   )
   rows.append(row)
-
-  def score(params, deltas, xs, hard, mask):
-    return jax.vmap(
-      lambda d: evolve.mean_loss(model.apply(jax.tree.map(jnp.add, params, d), xs), hard, mask)
-    )(deltas)
-
   row, _ = _measure(
-    "τ scoring (T candidate networks)", score, params, deltas, xs, hard, mask, repeats=repeats
+    "τ scoring (T candidate networks)",
+    _score_stage(model),
+    params,
+    deltas,
+    xs,
+    hard,
+    mask,
+    repeats=repeats,
   )
   rows.append(row)
   return rows

@@ -310,18 +310,16 @@ def _digit_histogram(rows, shift: int, width: int, prefix):
   """
   num_rows, n = rows.shape
   bins = 1 << width
-  if (
-    num_rows > 1 and num_rows * bins >= jnp.iinfo(jnp.int32).max
-  ):  # flat indices overflow: row by row
+  if num_rows > 1 and num_rows * bins >= jnp.iinfo(jnp.int32).max:
+    # The flat indices would overflow int32: one row at a time.
     one_row = lambda row, p: _digit_histogram(
       row[None], shift, width, None if prefix is None else p[None]
     )[0]
     return jax.vmap(one_row)(rows, jnp.zeros(num_rows, rows.dtype) if prefix is None else prefix)
   offsets = (jnp.arange(num_rows, dtype=jnp.int32) * bins)[:, None]
 
-  def add(
-    histogram, block
-  ):  # block [R, b]: entries outside the prefix go to an out-of-range bin, dropped
+  def add(histogram, block):
+    # block [R, b]; entries outside the prefix go to an out-of-range bin, which is dropped.
     match = block >= 0
     if prefix is not None:
       match = match & ((block >> (shift + width)) == prefix[:, None])
