@@ -5,8 +5,8 @@
 #   benchmarks/gpu_campaign.sh OUT SECONDS [ITEM ...] [-- ITEM ... [-- ITEM ...]]
 #
 #   OUT      folder for the results: gpu_check.json / .log (benchmarks/gpu_check.py), campaign.log,
-#            runs.tgz (each finished run's config, metrics and summary, and the queues' logs; no
-#            checkpoints) and results.tgz (the rendered tables and figures of the experiments touched)
+#            runs.tgz.aa, .ab, ... (one archive in 15 MiB pieces: each finished run's config, metrics,
+#            summary and log, and the queues' logs; no checkpoints or plots) and results.tgz (the rendered tables and figures of the experiments touched)
 #   SECONDS  the wall-clock budget of the whole script; a campaign run that cannot finish inside it is
 #            stopped (it is lost: its checkpoints stay on the machine) and the files are still written
 #   ITEM     EXPERIMENT=PATTERN[,PATTERN...][@CHUNK]: one `ntk-fl reproduce EXPERIMENT --variants
@@ -118,6 +118,10 @@ wait
   find . -maxdepth 2 \( -name '*.log' -o -name log.txt \) -print
 } > packed.txt)
 say "finished runs: $(find "$RUNS" -maxdepth 3 -name summary.json | wc -l)"
-tar czf "$OUT/runs.tgz" -C "$RUNS" --exclude='checkpoints' --exclude='*.lock' -T "$RUNS/packed.txt" 2>> "$OUT/campaign.log"
+# The per-run plots and TensorBoard events repeat metrics.jsonl; the archive is cut into 15 MiB pieces
+# (runs.tgz.aa, .ab, ...: `cat runs.tgz.* | tar xz`), under the size a file may have to travel back.
+tar czf - -C "$RUNS" --exclude='checkpoints' --exclude='*.lock' --exclude='events.out.*' \
+  --exclude='*.png' --exclude='*.pdf' -T "$RUNS/packed.txt" 2>> "$OUT/campaign.log" |
+  split -b 15M - "$OUT/runs.tgz."
 tar czf "$OUT/results.tgz" -C "$RUNS" results 2>> "$OUT/campaign.log"
 say "done"
