@@ -7,6 +7,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import flax.linen as nn
 import numpy as np
 import pytest
@@ -202,3 +205,55 @@ def test_the_explicit_step_time_is_extrapolated_through_two_blocks():
   )
   assert cost._extrapolate((10, 5.0), (20, 4.0), 40) == pytest.approx(8.0)  # b < 0: linear only
   assert cost._extrapolate((10, 1.0), (20, 8.0), 40) == pytest.approx(32.0)  # a < 0: quadratic only
+
+
+def test_cost_estimate_false_skips_it_and_changes_neither_the_results_nor_the_runs_identity(
+  tmp_path, monkeypatch, caplog
+):
+  """NTK-DFL's smoke run, 1 round on synthetic data, with and without the estimate: only the run with it
+  compiles a calibration step and logs the estimate; every logged number but the timings is the same, and
+  each run's folder is the other config's run (resumed, grouped, tied to its checkpoints)."""
+  from ntk_fl import rundir, runner  # pylint: disable=import-outside-toplevel
+
+  calibrations = []
+  calibrate = cost.calibrate
+  monkeypatch.setattr(
+    cost, "calibrate", lambda *a, **k: calibrations.append(a[1].block) or calibrate(*a, **k)
+  )
+
+  def config(estimate):
+    c = config_lib.load_config("ntk_dfl", "smoke")
+    c.data.name, c.data.max_train, c.data.max_test = "synthetic", 0, 0
+    c.rounds, c.eval.selection, c.cost_estimate = 1, False, estimate
+    return c
+
+  runs = {}
+  for estimate in (True, False):
+    workdir = str(tmp_path / f"estimate_{estimate}")
+    calibrations.clear()
+    caplog.clear()
+    with caplog.at_level("INFO"):
+      runner.run(config(estimate), workdir)
+    logged = [r.getMessage() for r in caplog.records if "cost estimate on" in r.getMessage()]
+    runs[estimate] = workdir, len(calibrations), len(logged)
+  assert runs[True][1:] == (1, 1) and runs[False][1:] == (0, 0)
+
+  untimed = lambda workdir: [
+    {k: v for k, v in line.items() if not k.endswith("time")}
+    for line in rundir.read_metrics(workdir)
+  ]
+  assert untimed(runs[False][0]) == untimed(runs[True][0])
+  stored = {e: rundir.read_config(workdir) for e, (workdir, _, _) in runs.items()}
+  assert stored[False]["cost_estimate"] is False and stored[True]["cost_estimate"] is True
+  assert rundir.setting_key(stored[False]) == rundir.setting_key(stored[True])
+  assert rundir.run_identity(stored[False]) == rundir.run_identity(stored[True])
+  for estimate in (True, False):  # the other config finds each run finished: nothing to resume
+    other = schema.validate_config(config(not estimate))
+    assert rundir.check_workdir(other, runs[estimate][0], resume=True) == 1
+  # A config.json written before the switch existed ran the estimate.
+  path = os.path.join(runs[False][0], rundir.CONFIG_FILE)
+  with open(path, "w") as f:
+    json.dump({k: v for k, v in stored[False].items() if k != "cost_estimate"}, f)
+  assert rundir.read_config(runs[False][0])["cost_estimate"] is True
+  with pytest.raises(ValueError, match=r"config.cost_estimate must be a bool, got 'no'"):
+    schema.validate_config({**config(True).to_dict(), "cost_estimate": "no"})
