@@ -257,3 +257,73 @@ def test_cost_estimate_false_skips_it_and_changes_neither_the_results_nor_the_ru
   assert rundir.read_config(runs[False][0])["cost_estimate"] is True
   with pytest.raises(ValueError, match=r"config.cost_estimate must be a bool, got 'no'"):
     schema.validate_config({**config(True).to_dict(), "cost_estimate": "no"})
+
+
+def _spy_generic_kernels(monkeypatch) -> list:
+  """Records ``(implementation, N1)`` for every generic kernel traced from now on."""
+  from ntk_fl._src import kernels  # pylint: disable=import-outside-toplevel
+
+  seen = []
+  for impl, name in (("ntvp", "ntvp_kernel"), ("jacobian", "jacobian_implementation_kernel")):
+    kernel = getattr(kernels, name)
+    monkeypatch.setattr(
+      kernels,
+      name,
+      lambda *a, _k=kernel, _i=impl, **kw: seen.append((_i, a[2].shape[0])) or _k(*a, **kw),
+    )
+  return seen
+
+
+@pytest.mark.parametrize(
+  "block", [200, 300]
+)  # N² below and above 'ntvp''s bound of 256² sample pairs
+def test_the_calibration_times_the_implementation_of_the_runs_kernel(block, monkeypatch):
+  """A net without a DenseStack or flax layers, whose traced kernel 'auto' computes by 'ntvp' up to 256²
+  sample pairs and by the Jacobian contraction above (one sample's forward FLOPs ≈ 2·d: no weight reuse),
+  calibrated on a quarter of its block: the timed step's kernel takes the implementation of the run's
+  step on the whole block, on both sides of the bound."""
+  model = models.mlp(20, (16,), 10)._replace(dense_stack=None, flax_apply=None)
+  options = dict(taus=(5, 10), loss="ce", solver="euler", kernel="traced", select="network")
+  seen = _spy_generic_kernels(monkeypatch)
+  params = model.init(cost.jax.random.key(0))
+  x = np.zeros((block, 20), np.float32)
+  y = np.eye(10, dtype=np.float32)[np.arange(block) % 10]
+  run_step = lambda p, x, y, m: NTK.step(model.apply, p, x, y, m, lr=0.01, **options)[0]
+  cost.jax.eval_shape(run_step, params, x, y, np.ones(block, bool))  # traced as a round traces it
+  (run,) = set(seen)
+  assert run == ("ntvp" if block**2 <= 256**2 else "jacobian", block)  # the rule of generic_choice
+
+  seen.clear()
+  work = cost.Workload(4, block, 1, options)
+  full = cost.kernel_flops(model, block, ntk=NTK)
+  cal = cost.calibrate(model, work, ntk=NTK, max_flops=full / 10)
+  assert cal.timed_block == block // 4 and cal.kernel_flops == full
+  # The timed block's step and FLOP count, and the whole block's (compiled for its memory): one routine.
+  assert {impl for impl, _ in seen} == {run[0]}
+  assert {n for _, n in seen} == {block, block // 4}
+  assert cost.kernel_implementation(model, block, ntk=NTK) == run[0]
+
+
+@pytest.mark.parametrize("flax_layers", [False, True])
+def test_the_calibration_of_a_structured_kernel_is_unchanged(flax_layers):
+  """The paper MLP (its DenseStack) and the same MLP through its flax layers only (the layer-wise kernel):
+  'auto' resolved for the block names the structured kernel, and the calibrated step and kernel are the
+  very programs they were under 'auto'."""
+  model = models.mlp(20, (16,), 10)
+  if flax_layers:
+    model = model._replace(dense_stack=None)
+  work = cost.Workload(
+    4, 64, 1, dict(taus=(5, 10), loss="ce", solver="euler", kernel="traced", select="network")
+  )
+  impl = cost.kernel_implementation(model, 64, ntk=NTK)
+  assert impl == "structured"
+  params = model.init(cost.jax.random.key(0))
+  x = np.zeros((64, 20), np.float32)
+  y = np.eye(10, dtype=np.float32)[np.arange(64) % 10]
+  args = (params, x, y, np.ones(64, bool), *(np.zeros((0, *s), np.float32) for s in ((20,), (10,))))
+  args = (*args, np.ones(0, bool))
+  text = lambda i: cost._step_fn(model, work, NTK, i).lower(*args).as_text()
+  assert text(impl) == text("auto")
+  assert cost.kernel_flops(model, 64, ntk=NTK, implementation=impl) == cost.kernel_flops(
+    model, 64, ntk=NTK
+  )
