@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import time
@@ -76,14 +75,10 @@ def _data(args, num_clients):
 
 
 def _time(fn, *args, repeats):
-  import jax  # pylint: disable=import-outside-toplevel
+  """Median of ``repeats`` calls after a warm-up call."""
+  from _timing import time_calls  # pylint: disable=import-outside-toplevel
 
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  return time_calls(fn, *args, repeats=repeats).median
 
 
 def _worker(args, spec):
@@ -116,7 +111,6 @@ def _worker(args, spec):
   start = time.perf_counter()
   compiled = update.lower(params, x, y, mask).compile()
   compile_s = time.perf_counter() - start
-  jax.block_until_ready(compiled(params, x, y, mask))  # warm-up
   steady_s = _time(compiled, params, x, y, mask, repeats=args.repeats)
   out = {
     "clients": num_clients,
@@ -134,10 +128,9 @@ def _worker(args, spec):
     kernel_fn = jax.jit(
       lambda p, xi: ntk.empirical_ntk(model.apply, p, xi, dense_stack=model.dense_stack)
     )
-    k = jax.block_until_ready(kernel_fn(p0, x0))
+    k = jax.block_until_ready(kernel_fn(p0, x0))  # compiles it
     f0 = model.apply(p0, x0)
     evolve_fn = jax.jit(functools.partial(evolve.evolve, lr=args.lr, taus=taus, solver=solver))
-    jax.block_until_ready(evolve_fn(k, f0, y0, m0))
     out["kernel_s"] = _time(kernel_fn, p0, x0, repeats=args.repeats)
     out["evolve_s"] = _time(evolve_fn, k, f0, y0, m0, repeats=args.repeats)
   print(json.dumps(out), flush=True)

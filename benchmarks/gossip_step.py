@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
-import time
+
+from _timing import time_calls
 
 __all__ = ["main", "mix_gather_all_slots"]
 
@@ -54,13 +54,8 @@ def _time(fn, args, repeats):
   import jax  # pylint: disable=import-outside-toplevel
 
   compiled = jax.jit(fn).lower(*args).compile()
-  out = jax.block_until_ready(compiled(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    times.append(time.perf_counter() - start)
-  return out, compiled.memory_analysis().temp_size_in_bytes, statistics.median(times)
+  timing = time_calls(compiled, *args, repeats=repeats)  # the first call warms up, untimed here
+  return timing.output, compiled.memory_analysis().temp_size_in_bytes, timing.median
 
 
 def main(argv=None):

@@ -33,10 +33,8 @@ import json
 import os
 import platform
 import resource
-import statistics
 import subprocess
 import sys
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = (
@@ -85,15 +83,10 @@ def _peak_memory_bytes() -> tuple[int, str]:
 
 def _time_calls(fn, repeats: int) -> tuple[float, float]:
   """(first call, median of ``repeats`` further calls) in seconds; ``fn`` blocks until its result is ready."""
-  start = time.perf_counter()
-  fn()
-  first = time.perf_counter() - start
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return first, statistics.median(times)
+  from _timing import time_calls  # pylint: disable=import-outside-toplevel
+
+  timing = time_calls(fn, repeats=repeats)
+  return timing.first_s, timing.median
 
 
 def _load(method: str, args, variant: str = ""):

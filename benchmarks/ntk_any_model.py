@@ -29,11 +29,11 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
+from _timing import time_calls
 from ntk_fl import models, ntk
 from ntk_fl._src import layerwise
 
@@ -88,13 +88,11 @@ def measure_ours(
   )
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  for _ in range(warmup):
-    jax.block_until_ready(compiled(params, x))
-  times = []
-  for _ in range(reps):
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(params, x))
-    times.append(time.perf_counter() - start)
+  if warmup:  # the first run is the first of the untimed ones
+    times = list(time_calls(compiled, params, x, repeats=reps, warmup=warmup - 1).times)
+  else:  # the first run after compilation is timed too
+    timing = time_calls(compiled, params, x, repeats=reps - 1)
+    times = [timing.first_s, *timing.times]
   return {
     "library": "ntk_fl",
     "net": net,

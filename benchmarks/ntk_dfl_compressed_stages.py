@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from _timing import time_calls  # noqa: E402
 from ntk_fl import compression, evolve, jacobians, ntk, runner  # noqa: E402
 from ntk_fl.algorithms import ntk_dfl  # noqa: E402
 from ntk_fl._src import ntk_step  # noqa: E402
@@ -94,15 +95,10 @@ def _measure(name, fn, *args, repeats):
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
   memory = compiled.memory_analysis()
-  out = jax.block_until_ready(compiled(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    times.append(time.perf_counter() - start)
+  timing = time_calls(compiled, *args, repeats=repeats)  # the first call warms up, untimed here
   row = (
     name,
-    min(times),
+    timing.best,
     float(cost.get("flops", 0.0)),
     float(cost.get("bytes accessed", 0.0)),
     memory.temp_size_in_bytes if memory is not None else 0,
@@ -111,7 +107,7 @@ def _measure(name, fn, *args, repeats):
     f"  {name}: {row[1]:.3f} s, {row[2] / 1e9:.2f} GFLOP, {row[3] / 1e9:.2f} GB, temp {row[4] / 2**30:.3f} GiB",
     flush=True,
   )
-  return row, out
+  return row, timing.output
 
 
 def _evolve_stage(taus):

@@ -26,12 +26,13 @@ import os
 import platform
 import resource
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from _timing import time_calls  # noqa: E402
 
 from ntk_fl import evolve, gossip, ntk, parallel, runner  # noqa: E402
 from ntk_fl import metrics as metrics_lib  # noqa: E402
@@ -53,13 +54,8 @@ def _config(args):
 
 
 def _timed(fn, *args, repeats):
-  jax.block_until_ready(fn(*args))  # compile + warm up
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return min(times)
+  """Best of ``repeats`` calls after the compiling one."""
+  return time_calls(fn, *args, repeats=repeats).best
 
 
 def main():

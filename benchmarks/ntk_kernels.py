@@ -27,12 +27,11 @@ Run on a quiet machine for reportable numbers: the timings are wall-clock.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
+from _timing import time_calls
 from ntk_fl import models, ntk
 
 IMPLS = ("structured", "jacobian", "ntvp")
@@ -61,13 +60,8 @@ def flops(
 
 
 def _median_time(fn, *args, reps: int) -> float:
-  jax.block_until_ready(fn(*args))  # warm-up (compile happened in lower().compile())
-  times = []
-  for _ in range(reps):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  """Median of ``reps`` calls after a warm-up call (the compile happened in ``lower().compile()``)."""
+  return time_calls(fn, *args, repeats=reps).median
 
 
 def _peak_bytes(compiled) -> float | None:

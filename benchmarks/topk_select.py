@@ -28,13 +28,14 @@ import os
 import platform
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from _timing import time_calls  # noqa: E402
 
 from ntk_fl import compression  # noqa: E402
 
@@ -62,13 +63,9 @@ def bisection_top_k_by_key(keys, k):
 
 
 def _timed(fn, *args, repeats):
-  out = jax.block_until_ready(fn(*args))  # compile + warm up
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return min(times), out
+  """(best of ``repeats`` calls after the compiling one, the output)."""
+  timing = time_calls(fn, *args, repeats=repeats)
+  return timing.best, timing.output
 
 
 def main():

@@ -69,6 +69,9 @@ below it they travel as the frozen dataclasses of :mod:`ntk_fl.settings`):
 * ``debug_clients``: the client map's debug mode (:func:`ntk_fl.parallel.use_devices` with
   ``debug=True``): nothing compiled, clients one at a time in a Python loop, and an exception
   names the client and the stage. Slow; for finding which client fails where.
+* ``cost_estimate``: an NTK method's cost estimate before round 1 (:mod:`ntk_fl._src.cost`: one client
+  step compiled and timed, logged to ``log.txt``); ``False`` skips it, and its compilation, where only
+  the run's own time counts (a campaign on a shared device). Results do not depend on it.
 * ``algorithm``: the method's own hyperparameters.
 """
 
@@ -144,6 +147,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.replicas = 1
   config.replica_chunk = 1
   config.debug_clients = False
+  config.cost_estimate = True
   config.algorithm = ml_collections.ConfigDict()
   return config
 

@@ -41,6 +41,7 @@ FIELD_DOCS: dict[str, str] = {
   "replicas": "seeds seed .. seed+replicas-1 run as one compiled program, one run directory each (1 = one run)",
   "replica_chunk": "replicas vmapped at once (1 = one after another in the program, exact; 0 = all, GPU throughput)",
   "debug_clients": "no jit, clients one by one in a Python loop; an error names the client and the stage",
+  "cost_estimate": "NTK methods: compile and time one client step before round 1, log the round's cost (False = skip)",
   # ------------------------------------------------------------------ data
   "data.name": "dataset: fashion_mnist | mnist | emnist_digits | femnist | cifar10 (never downloaded)",
   "data.data_dir": "folder searched first for the dataset's files ('' = $NTK_FL_DATA_DIR, system folders)",

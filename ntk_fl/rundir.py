@@ -117,11 +117,13 @@ NEUTRAL_KEYS = (
   "on_divergence",
   "eval.consensus",
   "data.data_dir",
+  "cost_estimate",
 )
 """Config fields that do not make two runs different settings (grouping in :mod:`ntk_fl.compare`, matching
 runs to experiments in :mod:`ntk_fl.reproduce`): the seed (what a group is made of), where the clients ran
 and in how many vmap chunks or in the debug loop (equal up to float rounding), which checkpoints were kept,
-the divergence policy, the extra consensus scoring and where the data files were read from."""
+the divergence policy, the extra consensus scoring, where the data files were read from and whether the
+cost estimate ran before round 1."""
 
 
 def flatten(config: dict, prefix: str = "") -> dict:
@@ -142,7 +144,7 @@ def setting_key(config: dict) -> tuple:
 
 
 # Keys that do not change the trajectory (where clients run, which checkpoints are kept, whether the
-# consensus models are also scored); resume and branch ignore them.
+# consensus models are also scored, whether the cost estimate ran); resume and branch ignore them.
 RESULT_NEUTRAL_KEYS = (
   "devices",
   "checkpoint_keep",
@@ -151,6 +153,7 @@ RESULT_NEUTRAL_KEYS = (
   "debug_clients",
   "replicas",  # a seed-batched run writes each replica as a single-seed run (replicas = 1)
   "replica_chunk",
+  "cost_estimate",
 )
 # Keys added to the schema after runs were stored, each with the value that reproduces those runs: a stored
 # config.json without one ran with that value (resume, branch and read_config fill it in).
@@ -165,6 +168,7 @@ _ADDED_KEYS = {
   "replicas": 1,
   "replica_chunk": 1,
   "data.keep_per_client": 0,
+  "cost_estimate": True,
 }
 
 

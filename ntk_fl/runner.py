@@ -650,7 +650,7 @@ def _run(
   _check_selection(config, algorithm)
   os.makedirs(workdir, exist_ok=True)
   if (
-    start < config.rounds and jax.process_count() == 1
+    config.cost_estimate and start < config.rounds and jax.process_count() == 1
   ):  # NTK methods: FLOPs, memory, time of a round, logged
     cost.run_estimate(config, exp.model, exp.federation, ntk=get_method(config.method).ntk)
   state = _initial_state(algorithm, config)
@@ -1288,7 +1288,7 @@ def _run_replicas(
       _check_selection(exp.settings, exp.algorithm)
     os.makedirs(workdir, exist_ok=True)
     rundir.write_replicas(workdir, config)
-    if min(starts) < config.rounds:
+    if config.cost_estimate and min(starts) < config.rounds:
       ntk = get_method(runs[0].method).ntk
       cost.run_estimate(runs[0], exps[0].model, exps[0].federation, ntk=ntk)
     replicas = [

@@ -219,6 +219,9 @@ def validate_config(config, reference=None) -> RunSettings:
   for flag in ("eval.consensus", "eval.selection", "topology.dynamic", "debug_clients"):
     if not isinstance(_get(config, flag), bool):
       raise ValueError(f"config.{flag} must be a bool, got {_get(config, flag)!r}")
+  # A config.json written before the switch existed has no key (the estimate ran).
+  if not isinstance(config.get("cost_estimate", True), bool):
+    raise ValueError(f"config.cost_estimate must be a bool, got {config['cost_estimate']!r}")
 
   import_method_module(method_module)
   spec = get_method(method)
@@ -247,6 +250,7 @@ def validate_config(config, reference=None) -> RunSettings:
     debug_clients=config["debug_clients"],
     replicas=config.get("replicas", 1),
     replica_chunk=config.get("replica_chunk", 1),
+    cost_estimate=config.get("cost_estimate", True),
     algorithm=hyperparameters,
     **shared,
   )

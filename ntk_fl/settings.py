@@ -123,6 +123,7 @@ class RunSettings:
   debug_clients: bool = False
   replicas: int = 1
   replica_chunk: int = 1
+  cost_estimate: bool = True
   built_topology: Any = dataclasses.field(default=None, compare=False, repr=False)
 
 

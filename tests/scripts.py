@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import sys
 import types
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -25,4 +26,7 @@ def load_experiment(name: str) -> types.ModuleType:
 
 def load_benchmark(name: str) -> types.ModuleType:
   """``benchmarks/<name>.py`` as a fresh module object."""
+  # Its folder on sys.path, as when it runs as a script: a benchmark imports its sibling _timing.py.
+  if str(BENCHMARKS) not in sys.path:
+    sys.path.append(str(BENCHMARKS))
   return _load(BENCHMARKS / f"{name}.py")

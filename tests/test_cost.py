@@ -7,6 +7,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import flax.linen as nn
 import numpy as np
 import pytest
@@ -202,3 +205,125 @@ def test_the_explicit_step_time_is_extrapolated_through_two_blocks():
   )
   assert cost._extrapolate((10, 5.0), (20, 4.0), 40) == pytest.approx(8.0)  # b < 0: linear only
   assert cost._extrapolate((10, 1.0), (20, 8.0), 40) == pytest.approx(32.0)  # a < 0: quadratic only
+
+
+def test_cost_estimate_false_skips_it_and_changes_neither_the_results_nor_the_runs_identity(
+  tmp_path, monkeypatch, caplog
+):
+  """NTK-DFL's smoke run, 1 round on synthetic data, with and without the estimate: only the run with it
+  compiles a calibration step and logs the estimate; every logged number but the timings is the same, and
+  each run's folder is the other config's run (resumed, grouped, tied to its checkpoints)."""
+  from ntk_fl import rundir, runner  # pylint: disable=import-outside-toplevel
+
+  calibrations = []
+  calibrate = cost.calibrate
+  monkeypatch.setattr(
+    cost, "calibrate", lambda *a, **k: calibrations.append(a[1].block) or calibrate(*a, **k)
+  )
+
+  def config(estimate):
+    c = config_lib.load_config("ntk_dfl", "smoke")
+    c.data.name, c.data.max_train, c.data.max_test = "synthetic", 0, 0
+    c.rounds, c.eval.selection, c.cost_estimate = 1, False, estimate
+    return c
+
+  runs = {}
+  for estimate in (True, False):
+    workdir = str(tmp_path / f"estimate_{estimate}")
+    calibrations.clear()
+    caplog.clear()
+    with caplog.at_level("INFO"):
+      runner.run(config(estimate), workdir)
+    logged = [r.getMessage() for r in caplog.records if "cost estimate on" in r.getMessage()]
+    runs[estimate] = workdir, len(calibrations), len(logged)
+  assert runs[True][1:] == (1, 1) and runs[False][1:] == (0, 0)
+
+  untimed = lambda workdir: [
+    {k: v for k, v in line.items() if not k.endswith("time")}
+    for line in rundir.read_metrics(workdir)
+  ]
+  assert untimed(runs[False][0]) == untimed(runs[True][0])
+  stored = {e: rundir.read_config(workdir) for e, (workdir, _, _) in runs.items()}
+  assert stored[False]["cost_estimate"] is False and stored[True]["cost_estimate"] is True
+  assert rundir.setting_key(stored[False]) == rundir.setting_key(stored[True])
+  assert rundir.run_identity(stored[False]) == rundir.run_identity(stored[True])
+  for estimate in (True, False):  # the other config finds each run finished: nothing to resume
+    other = schema.validate_config(config(not estimate))
+    assert rundir.check_workdir(other, runs[estimate][0], resume=True) == 1
+  # A config.json written before the switch existed ran the estimate.
+  path = os.path.join(runs[False][0], rundir.CONFIG_FILE)
+  with open(path, "w") as f:
+    json.dump({k: v for k, v in stored[False].items() if k != "cost_estimate"}, f)
+  assert rundir.read_config(runs[False][0])["cost_estimate"] is True
+  with pytest.raises(ValueError, match=r"config.cost_estimate must be a bool, got 'no'"):
+    schema.validate_config({**config(True).to_dict(), "cost_estimate": "no"})
+
+
+def _spy_generic_kernels(monkeypatch) -> list:
+  """Records ``(implementation, N1)`` for every generic kernel traced from now on."""
+  from ntk_fl._src import kernels  # pylint: disable=import-outside-toplevel
+
+  seen = []
+  for impl, name in (("ntvp", "ntvp_kernel"), ("jacobian", "jacobian_implementation_kernel")):
+    kernel = getattr(kernels, name)
+    monkeypatch.setattr(
+      kernels,
+      name,
+      lambda *a, _k=kernel, _i=impl, **kw: seen.append((_i, a[2].shape[0])) or _k(*a, **kw),
+    )
+  return seen
+
+
+@pytest.mark.parametrize(
+  "block", [200, 300]
+)  # N² below and above 'ntvp''s bound of 256² sample pairs
+def test_the_calibration_times_the_implementation_of_the_runs_kernel(block, monkeypatch):
+  """A net without a DenseStack or flax layers, whose traced kernel 'auto' computes by 'ntvp' up to 256²
+  sample pairs and by the Jacobian contraction above (one sample's forward FLOPs ≈ 2·d: no weight reuse),
+  calibrated on a quarter of its block: the timed step's kernel takes the implementation of the run's
+  step on the whole block, on both sides of the bound."""
+  model = models.mlp(20, (16,), 10)._replace(dense_stack=None, flax_apply=None)
+  options = dict(taus=(5, 10), loss="ce", solver="euler", kernel="traced", select="network")
+  seen = _spy_generic_kernels(monkeypatch)
+  params = model.init(cost.jax.random.key(0))
+  x = np.zeros((block, 20), np.float32)
+  y = np.eye(10, dtype=np.float32)[np.arange(block) % 10]
+  run_step = lambda p, x, y, m: NTK.step(model.apply, p, x, y, m, lr=0.01, **options)[0]
+  cost.jax.eval_shape(run_step, params, x, y, np.ones(block, bool))  # traced as a round traces it
+  (run,) = set(seen)
+  assert run == ("ntvp" if block**2 <= 256**2 else "jacobian", block)  # the rule of generic_choice
+
+  seen.clear()
+  work = cost.Workload(4, block, 1, options)
+  full = cost.kernel_flops(model, block, ntk=NTK)
+  cal = cost.calibrate(model, work, ntk=NTK, max_flops=full / 10)
+  assert cal.timed_block == block // 4 and cal.kernel_flops == full
+  # The timed block's step and FLOP count, and the whole block's (compiled for its memory): one routine.
+  assert {impl for impl, _ in seen} == {run[0]}
+  assert {n for _, n in seen} == {block, block // 4}
+  assert cost.kernel_implementation(model, block, ntk=NTK) == run[0]
+
+
+@pytest.mark.parametrize("flax_layers", [False, True])
+def test_the_calibration_of_a_structured_kernel_is_unchanged(flax_layers):
+  """The paper MLP (its DenseStack) and the same MLP through its flax layers only (the layer-wise kernel):
+  'auto' resolved for the block names the structured kernel, and the calibrated step and kernel are the
+  very programs they were under 'auto'."""
+  model = models.mlp(20, (16,), 10)
+  if flax_layers:
+    model = model._replace(dense_stack=None)
+  work = cost.Workload(
+    4, 64, 1, dict(taus=(5, 10), loss="ce", solver="euler", kernel="traced", select="network")
+  )
+  impl = cost.kernel_implementation(model, 64, ntk=NTK)
+  assert impl == "structured"
+  params = model.init(cost.jax.random.key(0))
+  x = np.zeros((64, 20), np.float32)
+  y = np.eye(10, dtype=np.float32)[np.arange(64) % 10]
+  args = (params, x, y, np.ones(64, bool), *(np.zeros((0, *s), np.float32) for s in ((20,), (10,))))
+  args = (*args, np.ones(0, bool))
+  text = lambda i: cost._step_fn(model, work, NTK, i).lower(*args).as_text()
+  assert text(impl) == text("auto")
+  assert cost.kernel_flops(model, 64, ntk=NTK, implementation=impl) == cost.kernel_flops(
+    model, 64, ntk=NTK
+  )

@@ -30,7 +30,9 @@ server trains the MLP on the ``projection_dim``-wide projected inputs: the calib
 :func:`calibrate` compiles one plain NTK step (the method's kernel, loss, solver and ``τ`` grid) on a
 random block of ``N`` inputs, runs it twice and keeps the faster run (a kernel above
 :data:`CALIBRATION_FLOPS` is run on a halved block, and halved again, and its time scaled by the
-ratio of the kernels' FLOP counts, so the calibration stays short; the explicit-Jacobian step, whose
+ratio of the kernels' FLOP counts, so the calibration stays short; the smaller block's kernel is computed by
+the implementation the run's block takes, :func:`kernel_implementation`, since ``'auto'`` chooses by the
+kernel's size; the explicit-Jacobian step, whose
 top-k and quantisation are memory passes linear in ``N`` that XLA counts no FLOPs for, is timed on the
 halved block and its half and extrapolated by ``a·N + b·N²`` instead); it also reads XLA's FLOP count of
 the kernel alone on that block (``lowered.cost_analysis()``, the whole block in one piece so that no
@@ -63,6 +65,7 @@ __all__ = [
   "Estimate",
   "workload",
   "kernel_flops",
+  "kernel_implementation",
   "scoring_flops",
   "calibrate",
   "estimate",
@@ -187,14 +190,47 @@ def _random_block(model, block: int, key):
   return x, y
 
 
-def kernel_flops(
+def kernel_implementation(
   model, block: int, kernel: str = "traced", *, ntk, explicit: bool = False
+) -> str:
+  """The implementation the model's NTK on ``block`` samples takes under ``'auto'``, as the run computes it
+  (``ntk.auto_implementation``: ``'structured'``, ``'jacobian'`` or ``'ntvp'``); ``'auto'`` where no choice
+  depends on the block: explicit Jacobians, a model that is not per-sample (its whole batch is one
+  sample), ``NtkFunctions`` without ``auto_implementation``.
+
+  ``'auto'`` picks ``'ntvp'`` for the traced kernel of a net that does not reuse its weights only up to
+  ``256²`` sample pairs (:func:`ntk_fl._src.kernels.generic_choice`): a block timed smaller than the run's
+  must be computed by the run's block's choice, or the estimate scales another implementation's time.
+  """
+  if explicit or not getattr(model, "per_sample", True) or ntk.auto_implementation is None:
+    return "auto"
+  params = jax.eval_shape(model.init, jax.random.key(0))
+  x = jax.ShapeDtypeStruct((block, *model.input_shape), jnp.float32)
+  impl = ntk.auto_implementation(
+    model.apply,
+    params,
+    x,
+    trace_outputs=kernel == "traced",
+    dense_stack=model.dense_stack,
+    flax_apply=getattr(model, "flax_apply", None),
+  )
+  return impl.short_name
+
+
+def kernel_flops(
+  model,
+  block: int,
+  kernel: str = "traced",
+  *,
+  ntk,
+  explicit: bool = False,
+  implementation: str = "auto",
 ) -> float:
   """XLA's FLOP count of the model's NTK on ``block`` random inputs (lowered, neither compiled nor run).
 
-  The kernel is ``ntk.empirical_ntk`` (:func:`ntk_fl.ntk.empirical_ntk`) with the library's default
-  implementation for the model (the dense-stack or the layer-wise structured one where they apply), the
-  block in one piece; ``explicit``: the flat Jacobians ``[N, C, d]`` built and contracted
+  The kernel is ``ntk.empirical_ntk`` (:func:`ntk_fl.ntk.empirical_ntk`) with ``implementation`` (default
+  the library's choice for the model and ``block``: the dense-stack or the layer-wise structured one where
+  they apply), the block in one piece; ``explicit``: the flat Jacobians ``[N, C, d]`` built and contracted
   (``ntk.flat_jacobian``, ``ntk.jacobian_kernel``), as NTK-FL's server does with compression. ``ntk``:
   the method's ``NtkFunctions`` (``ntk_fl._src.ntk_step.NTK_FUNCTIONS``).
   """
@@ -211,6 +247,7 @@ def kernel_flops(
       p,
       x,
       trace_outputs=traced,
+      implementation=implementation,
       dense_stack=model.dense_stack,
       flax_apply=getattr(model, "flax_apply", None),
       chunk_size=block,
@@ -277,10 +314,12 @@ def _server_model(model, work: Workload, ntk):
   return ntk.server_model(model, work.input_dim)
 
 
-def _step_fn(model, work: Workload, ntk):
+def _step_fn(model, work: Workload, ntk, implementation: str = "auto"):
   """``step(params, x, y, mask, vx, vy, vm) -> Δw``: one NTK step of ``work``'s options (module docstring):
-  ``ntk.step``, or on the explicit path ``ntk.transmitted_step`` (the method's)."""
+  ``ntk.step`` with the kernel's ``implementation``, or on the explicit path ``ntk.transmitted_step`` (the
+  method's)."""
   model_options = dict(
+    kernel_impl=implementation,
     dense_stack=model.dense_stack,
     flax_apply=getattr(model, "flax_apply", None),
     per_sample=getattr(model, "per_sample", True),
@@ -335,7 +374,10 @@ def calibrate(
   """
   model = _server_model(model, work, ntk)
   params = model.init(jax.random.key(seed))
-  step = _step_fn(model, work, ntk)
+  kernel = work.options["kernel"]
+  # The run's block's implementation, for the smaller timed block too ('auto' chooses by the kernel's size).
+  impl = kernel_implementation(model, work.block, kernel, ntk=ntk, explicit=work.explicit)
+  step = _step_fn(model, work, ntk, impl)
   score = _random_block(model, work.score_block, jax.random.key(seed + 2))
   score = (*score, jnp.ones((work.score_block,), bool))
 
@@ -344,8 +386,9 @@ def calibrate(
     args = (params, x, y, jnp.ones((block,), bool), *score)
     return step.lower(*args).compile(), args
 
-  kernel = work.options["kernel"]
-  flops = kernel_flops(model, work.block, kernel, ntk=ntk, explicit=work.explicit)
+  flops = kernel_flops(
+    model, work.block, kernel, ntk=ntk, explicit=work.explicit, implementation=impl
+  )
   timed = work.block
   while (
     timed > 8 and flops * (timed / work.block) ** 2 > max_flops
@@ -368,7 +411,7 @@ def calibrate(
     seconds = best_of_two(compiled, args)
   elif not work.explicit:  # the kernel dominates: scale by the kernels' FLOP ratio
     seconds = best_of_two(*compiled_step(timed)) * (
-      flops / kernel_flops(model, timed, kernel, ntk=ntk, explicit=False)
+      flops / kernel_flops(model, timed, kernel, ntk=ntk, implementation=impl)
     )
   else:
     # The explicit path's top-k and quantisation of J are O(N·C·d) memory passes that XLA counts no FLOPs

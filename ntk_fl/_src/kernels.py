@@ -792,31 +792,85 @@ def empirical_ntk(
   if impl == Implementation.STRUCTURED and dense_stack is not None:
     return structured_kernel(dense_stack, params, x1, x2, trace_outputs, chunk_size)
 
-  probe = jax.ShapeDtypeStruct((1, *jnp.shape(x1)[1:]), jnp.result_type(x1))
-  out = jax.eval_shape(apply_fn, params, probe)
-  if len(out.shape) != 2:
-    raise ValueError(f"apply_fn must return [B, C] outputs, got shape {out.shape} for a batch of 1")
-  num_outputs = out.shape[1]
-  if impl == Implementation.STRUCTURED or (impl == Implementation.AUTO and flax_apply is not None):
+  num_outputs = _num_outputs(apply_fn, params, x1)
+  if impl == Implementation.AUTO:
+    impl, plan = _auto_choice(
+      apply_fn, params, x1, x2, trace_outputs, flax_apply, num_outputs, plan
+    )
+  if impl == Implementation.STRUCTURED:  # the layer-wise kernel of flax_apply
     # Imported here: the layer-wise kernel needs flax, which a dense-stack or generic kernel does not load.
     from ntk_fl._src import layerwise
 
     if plan is None:
       plan = layerwise.make_plan(flax_apply, params, x1[:1], trace_outputs)
-    generic = layerwise.contraction_flops(num_params_of(params), num_outputs, True)
-    if (
-      impl == Implementation.STRUCTURED or layerwise.plan_flops(plan, trace_outputs, 1, 1) < generic
-    ):
-      return layerwise.layerwise_kernel(
-        flax_apply, params, x1, x2, trace_outputs, chunk_size, plan=plan, blocked=_blocked_kernel
-      )
-  if impl == Implementation.AUTO:
-    pairs = x1.shape[0] * (x1 if x2 is None else x2).shape[0]
-    impl = generic_choice(apply_fn, params, x1[:1], num_outputs, trace_outputs, pairs)
+    return layerwise.layerwise_kernel(
+      flax_apply, params, x1, x2, trace_outputs, chunk_size, plan=plan, blocked=_blocked_kernel
+    )
   chunk = chunk_size if chunk_size is not None else default_chunk(params, num_outputs)
   if impl == Implementation.JACOBIAN:
     return jacobian_implementation_kernel(apply_fn, params, x1, x2, trace_outputs, chunk)
   return ntvp_kernel(apply_fn, params, x1, x2, trace_outputs, num_outputs, chunk_size)
+
+
+def _num_outputs(apply_fn: ApplyFn, params: Params, x1) -> int:
+  """``C``, the outputs per sample of ``apply_fn`` (``x1``: ``[N, *in]``, an array or a shape)."""
+  probe = jax.ShapeDtypeStruct((1, *jnp.shape(x1)[1:]), jnp.result_type(x1))
+  out = jax.eval_shape(apply_fn, params, probe)
+  if len(out.shape) != 2:
+    raise ValueError(f"apply_fn must return [B, C] outputs, got shape {out.shape} for a batch of 1")
+  return out.shape[1]
+
+
+def _first_sample(x):
+  """``x[:1]`` (``[1, *in]``); its shape where ``x`` is a ``jax.ShapeDtypeStruct``."""
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct((1, *x.shape[1:]), x.dtype)
+  return x[:1]
+
+
+def _auto_choice(apply_fn, params, x1, x2, trace_outputs, flax_apply, num_outputs, plan):
+  """``'auto'`` without a dense stack: ``(STRUCTURED, plan)`` where ``flax_apply``'s layer-wise kernel needs
+  fewer FLOPs per sample pair than the generic contraction, else ``(generic_choice, plan)`` for the kernel's
+  ``N1·N2`` sample pairs; ``plan``: the layer-wise plan, built here when ``flax_apply`` is given and
+  ``plan`` is ``None``."""
+  probe = _first_sample(x1)
+  if flax_apply is not None:
+    from ntk_fl._src import layerwise  # pylint: disable=import-outside-toplevel
+
+    if plan is None:
+      plan = layerwise.make_plan(flax_apply, params, probe, trace_outputs)
+    generic = layerwise.contraction_flops(num_params_of(params), num_outputs, True)
+    if layerwise.plan_flops(plan, trace_outputs, 1, 1) < generic:
+      return Implementation.STRUCTURED, plan
+  pairs = x1.shape[0] * (x1 if x2 is None else x2).shape[0]
+  return generic_choice(apply_fn, params, probe, num_outputs, trace_outputs, pairs), plan
+
+
+def auto_implementation(
+  apply_fn: ApplyFn,
+  params: Params,
+  x1,
+  x2=None,
+  *,
+  trace_outputs: bool = True,
+  dense_stack: DenseStack | None = None,
+  flax_apply: ApplyFn | None = None,
+) -> Implementation:
+  """The implementation :func:`empirical_ntk` with ``implementation='auto'`` takes for this kernel:
+  ``STRUCTURED`` (the dense-stack or the layer-wise kernel), ``JACOBIAN`` or ``NTVP``.
+
+  ``x1``, ``x2``: ``[N1, *in]``, ``[N2, *in]`` arrays or ``jax.ShapeDtypeStruct``s (only their shapes
+  matter); ``params`` may be shapes too. The choice depends on ``N1·N2`` (:func:`generic_choice`:
+  ``'ntvp'`` for a traced kernel of at most :data:`TRACED_NTVP_MAX_PAIRS` pairs), so a kernel timed on a
+  smaller block than the one it stands for (the cost estimate's calibration) names the large block's
+  choice, computed here, as its ``implementation``: with it the kernel of any size is computed as the
+  large block's is.
+  """
+  impl = resolve_implementation(Implementation.AUTO, dense_stack, flax_apply)
+  if impl != Implementation.AUTO:
+    return impl
+  num_outputs = _num_outputs(apply_fn, params, x1)
+  return _auto_choice(apply_fn, params, x1, x2, trace_outputs, flax_apply, num_outputs, None)[0]
 
 
 def forward_flops(apply_fn: ApplyFn, params: Params, x: jax.Array) -> float | None:

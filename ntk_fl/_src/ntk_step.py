@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from ntk_fl._src import evolution as _evolution
-from ntk_fl._src.kernels import empirical_ntk, flat_jacobian, jacobian_kernel
+from ntk_fl._src.kernels import auto_implementation, empirical_ntk, flat_jacobian, jacobian_kernel
 from ntk_fl._src.neural_tangents_api import empirical_ntk_fn
 from ntk_fl._src.param_map import ParamMap, identity_map  # re-exported: the sketch builds one
 from ntk_fl._src.options import (
@@ -416,6 +416,9 @@ class NtkFunctions(NamedTuple):
       ``table1``), or ``None`` for a method without that path.
     server_model: ``(model, input_dim) -> model``: the network a server trains on projected
       ``input_dim``-wide inputs (CP-NTK-FL's ``projection_dim``), or ``None``.
+    auto_implementation: :func:`ntk_fl._src.kernels.auto_implementation`, the implementation
+      ``empirical_ntk``'s ``'auto'`` takes for a kernel of a given size (the calibration times a smaller
+      block with the run's block's choice), or ``None`` (the smaller block then chooses its own).
   """
 
   step: Callable
@@ -426,8 +429,15 @@ class NtkFunctions(NamedTuple):
   jacobian_kernel: Callable
   transmitted_step: Callable | None = None
   server_model: Callable | None = None
+  auto_implementation: Callable | None = None
 
 
 NTK_FUNCTIONS = NtkFunctions(
-  ntk_step, empirical_ntk, empirical_ntk_fn, mean_loss, flat_jacobian, jacobian_kernel
+  ntk_step,
+  empirical_ntk,
+  empirical_ntk_fn,
+  mean_loss,
+  flat_jacobian,
+  jacobian_kernel,
+  auto_implementation=auto_implementation,
 )
