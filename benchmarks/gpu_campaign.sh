@@ -19,9 +19,10 @@
 #            "Compressed NTK-DFL"): ntk_dfl:fig15=fig15_compressed@100, ntk_dfl:fig16=fig16_*@100,
 #            ntk_dfl:fig15=fig15_topk_bits_sub@25, ntk_dfl:fig15=fig15_topk@4,
 #            ntk_dfl:fig15=fig15_topk_bits@4
-#            Every run also gets --config.cost_estimate=false: the runs' costs are known, and the estimate
-#            before round 1 compiles a calibration step of its own (on a shared GPU 60 s of a 195 s
-#            paper-scale run); it changes no result, and a run is matched and resumed with or without it.
+#            Every run also gets --config.cost_estimate=false: the runs' costs are known, and the
+#            estimate before round 1 compiles a calibration step of its own (on an H200 shared by eight
+#            lanes 60 s of a 195 s paper-scale NTK-DFL run, benchmarks/RESULTS.md); it changes no
+#            result, and a run is matched and resumed with or without it.
 #   --       starts another lane. Lanes run side by side on the one device, each its items in order; a
 #            lane of cheap runs (the gradient baselines leave most of the device idle) beside one of
 #            NTK runs uses the device better than one queue, and the runs' compilations, which take

@@ -108,9 +108,11 @@ class NtkImplementation(enum.IntEnum):
   (``JACOBIAN`` is ``JACOBIAN_CONTRACTION``) and as a string (``NtkImplementation('jacobian')``):
 
   * ``AUTO`` (``'auto'``): ``STRUCTURED_DERIVATIVES`` given a dense stack, or given the model's flax
-    computation when the layer-wise kernel needs fewer FLOPs; else ``JACOBIAN_CONTRACTION`` (traced
-    kernel) or, for the full kernel, ``NTK_VECTOR_PRODUCTS`` when one sample's forward FLOPs are at
-    most ``C·d`` (dense nets), else ``JACOBIAN_CONTRACTION`` (conv nets).
+    computation when the layer-wise kernel needs fewer FLOPs; else, for the traced kernel,
+    ``NTK_VECTOR_PRODUCTS`` when the network uses each weight once per sample (forward FLOPs at most
+    ``2.5·d``) and the kernel has at most 256² sample pairs, else ``JACOBIAN_CONTRACTION``; for the
+    full kernel ``NTK_VECTOR_PRODUCTS`` when one sample's forward FLOPs are at most ``C·d`` (dense
+    nets), else ``JACOBIAN_CONTRACTION`` (conv nets). The rule: ``ntk_fl._src.kernels.generic_choice``.
   * ``JACOBIAN_CONTRACTION`` (``'jacobian'``): per-sample Jacobians contracted (any model; best generic
     choice for the traced kernel).
   * ``NTK_VECTOR_PRODUCTS`` (``'ntvp'``): the per-sample Jacobian rows of ``x2`` pushed through ``jvp``s
