@@ -307,12 +307,17 @@ class _NoEvents:
 
 
 def _initial_state(algorithm: Algorithm, config):
-  """``algorithm.init`` from the config seed; across processes, each keeps only its clients' part."""
+  """``algorithm.init`` from the config seed; across processes, each keeps only its clients' part.
+
+  On several devices the state starts laid out as the sharded step returns it (clients split over the
+  devices, the rest replicated), also in one process: a state on one device would make the second
+  round's input layout differ from the first's, and the step compile a second time.
+  """
   key = jax.random.key(config.seed)
-  if jax.process_count() == 1:
-    return _canonical(algorithm.init(key))
   mesh = parallel.current_mesh()
-  if mesh is not None and config.data.num_clients % mesh.size:
+  if jax.process_count() == 1 and mesh is None:
+    return _canonical(algorithm.init(key))
+  if jax.process_count() > 1 and mesh is not None and config.data.num_clients % mesh.size:
     logging.warning(
       "%d clients do not divide over %d devices: every process holds every client's model "
       "(choose a client count that is a multiple of the device count to split them)",

@@ -164,7 +164,13 @@ def algorithm_case(
   def run():
     # The chunk size travels with the device policy: the same devices as the caller's, chunk_size clients a chunk.
     with parallel.use_devices(parallel.num_client_shards(), chunk_size=chunk_size):
-      state = algorithm.init(jax.random.PRNGKey(0))
+      # Laid out as a run lays it out (the runner's initial state): clients over the devices, the rest
+      # replicated, as the sharded step returns it, so the second round reuses the first one's program.
+      key = jax.random.PRNGKey(0)
+      layout = distributed.client_shardings(
+        jax.eval_shape(algorithm.init, key), num_clients, parallel.current_mesh()
+      )
+      state = jax.jit(algorithm.init, out_shardings=layout)(key)
       for r in range(rounds):
         state, metrics = algorithm.step(state, algorithm.round_inputs(r))
     return {"params": algorithm.client_params(state), "metrics": metrics}

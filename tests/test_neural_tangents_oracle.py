@@ -102,21 +102,39 @@ def _max_rel(actual, expected):
   return float(np.max(np.abs(actual - expected)) / np.max(np.abs(expected)))
 
 
-def _kernel(case, implementation, vmap_axes=0, dtype=jnp.float32):
-  net = case["network"]
-  ref = _reference()
-  x1 = jnp.asarray(ref[f"{net}/x1"], dtype)
-  x2 = None if case["x2"] is None else jnp.asarray(ref[f"{net}/{case['x2']}"], dtype)
-  dense_stack = MLP.dense_stack if net == "mlp" else None
-  ntk_fn = empirical_ntk_fn(
-    NETWORKS[net],
+def _ntk_fn(case, implementation, vmap_axes=0):
+  return empirical_ntk_fn(
+    NETWORKS[case["network"]],
     case["trace_axes"],
     case["diagonal_axes"],
     vmap_axes,
     implementation,
-    dense_stack=dense_stack,
+    dense_stack=MLP.dense_stack if case["network"] == "mlp" else None,
   )
-  return jax.jit(ntk_fn)(x1, x2, _params(net, dtype))
+
+
+@functools.cache
+def _kernels_in_one_program(runs, dtype_name="float32"):
+  """``{(name, implementation, vmap_axes): kernel}`` for ``runs``, cases of one network, computed in one
+  compiled program (compiling is most of a small kernel's time; one program per case compiled the
+  network's fixed parts once per case). Each kernel is still its own case's ``empirical_ntk_fn``, and
+  each test compares its own kernel with the reference."""
+  dtype = jnp.dtype(dtype_name)
+  cases = [next(c for c in _cases() if c["name"] == name) for name, _, _ in runs]
+  (net,) = {c["network"] for c in cases}
+  ref = _reference()
+  second = {c["x2"] for c in cases} - {None}
+  with jax.enable_x64(dtype == jnp.float64):
+    x1 = jnp.asarray(ref[f"{net}/x1"], dtype)
+    others = {key: jnp.asarray(ref[f"{net}/{key}"], dtype) for key in sorted(second)}
+    fns = [_ntk_fn(c, impl, axes) for c, (_, impl, axes) in zip(cases, runs)]
+
+    def kernels(params, x1, others):
+      return [
+        fn(x1, None if c["x2"] is None else others[c["x2"]], params) for fn, c in zip(fns, cases)
+      ]
+
+    return dict(zip(runs, jax.jit(kernels)(_params(net, dtype), x1, others)))
 
 
 # ----------------------------------------------------------------------------
@@ -184,65 +202,88 @@ ORACLE_RUNS = (
 )
 
 
+WITHOUT_VMAP_AXES = [
+  "mlp/full",
+  "mlp/diag_batch",
+  "conv_features/trace_spatial",
+  "conv_features/diag_batch_last_trace_rows",
+]
+FLOAT64_RUNS = [
+  ("mlp/full", IMPL.STRUCTURED_DERIVATIVES),
+  ("mlp/diag_outputs", IMPL.NTK_VECTOR_PRODUCTS),
+  ("conv_features/diag_spatial_trace_last", IMPL.JACOBIAN_CONTRACTION),
+]
+# (name, implementation, vmap_axes) of every kernel the three tests below compare, per dtype.
+RUNS = {
+  "float32": [(n, i, 0) for n, i in ORACLE_RUNS]
+  + [(n, IMPL.JACOBIAN_CONTRACTION, None) for n in WITHOUT_VMAP_AXES],
+  "float64": [(n, i, 0) for n, i in FLOAT64_RUNS],
+}
+
+
+def _oracle_kernel(name, implementation, vmap_axes=0, dtype_name="float32"):
+  """The kernel of one run, from its network's one program for every run of that network and dtype."""
+  net = name.split("/")[0]
+  group = tuple(r for r in RUNS[dtype_name] if r[0].split("/")[0] == net)
+  return _kernels_in_one_program(group, dtype_name)[(name, implementation, vmap_axes)]
+
+
 @pytest.mark.parametrize(
   "name,implementation", ORACLE_RUNS, ids=[f"{n}-{i.name}" for n, i in ORACLE_RUNS]
 )
 def test_matches_neural_tangents(name, implementation):
-  case = next(c for c in _cases() if c["name"] == name)
-  assert _max_rel(_kernel(case, implementation), _reference()[f"{name}/kernel"]) < RTOL32
+  assert _max_rel(_oracle_kernel(name, implementation), _reference()[f"{name}/kernel"]) < RTOL32
 
 
-@pytest.mark.parametrize(
-  "name",
-  [
-    "mlp/full",
-    "mlp/diag_batch",
-    "conv_features/trace_spatial",
-    "conv_features/diag_batch_last_trace_rows",
-  ],
-)
+@pytest.mark.parametrize("name", WITHOUT_VMAP_AXES)
 def test_matches_neural_tangents_without_vmap_axes(name):
-  case = next(c for c in _cases() if c["name"] == name)
-  assert (
-    _max_rel(
-      _kernel(case, IMPL.JACOBIAN_CONTRACTION, vmap_axes=None), _reference()[f"{name}/kernel"]
-    )
-    < RTOL32
-  )
+  kernel = _oracle_kernel(name, IMPL.JACOBIAN_CONTRACTION, vmap_axes=None)
+  assert _max_rel(kernel, _reference()[f"{name}/kernel"]) < RTOL32
 
 
-@pytest.mark.parametrize(
-  "name,implementation",
-  [
-    ("mlp/full", IMPL.STRUCTURED_DERIVATIVES),
-    ("mlp/diag_outputs", IMPL.NTK_VECTOR_PRODUCTS),
-    ("conv_features/diag_spatial_trace_last", IMPL.JACOBIAN_CONTRACTION),
-  ],
-)
+@pytest.mark.parametrize("name,implementation", FLOAT64_RUNS)
 def test_matches_neural_tangents_in_float64(name, implementation):
-  case = next(c for c in _cases() if c["name"] == name)
-  with jax.enable_x64(True):
-    kernel = _kernel(case, implementation, dtype=jnp.float64)
-    assert kernel.dtype == jnp.float64
-    assert _max_rel(kernel, _reference()[f"{name}/kernel"]) < RTOL64
+  kernel = _oracle_kernel(name, implementation, dtype_name="float64")
+  assert kernel.dtype == jnp.float64
+  assert _max_rel(kernel, _reference()[f"{name}/kernel"]) < RTOL64
 
 
-@pytest.mark.parametrize("name", ["cnn/trace_last", "cnn/full", "cnn/diag_batch"])
+CNN_LAYERWISE = ["cnn/trace_last", "cnn/full", "cnn/diag_batch"]
+
+
+@functools.cache
+def _cnn_layerwise_kernels(dtype_name):
+  """The CNN's layer-wise structured kernels of every case of :data:`CNN_LAYERWISE` in one program per
+  dtype, on the float32 inputs (cast up for float64) and the parameters in that dtype."""
+  dtype = jnp.dtype(dtype_name)
+  ref = _reference()
+  cases = [next(c for c in _cases() if c["name"] == name) for name in CNN_LAYERWISE]
+  fns = [
+    empirical_ntk_fn(
+      CNN.flax_apply, c["trace_axes"], c["diagonal_axes"], 0, IMPL.STRUCTURED_DERIVATIVES
+    )
+    for c in cases
+  ]
+  with jax.enable_x64(dtype == jnp.float64):
+    cast = lambda key: jnp.asarray(np.asarray(ref[f"cnn/{key}"], np.float32), dtype)
+    x1, others = cast("x1"), {c["x2"]: cast(c["x2"]) for c in cases if c["x2"] is not None}
+
+    def kernels(params, x1, others):
+      return [
+        fn(x1, None if c["x2"] is None else others[c["x2"]], params) for fn, c in zip(fns, cases)
+      ]
+
+    return dict(zip(CNN_LAYERWISE, jax.jit(kernels)(_params("cnn", dtype), x1, others)))
+
+
+@pytest.mark.parametrize("name", CNN_LAYERWISE)
 def test_cnn_layerwise_structured_matches_neural_tangents(name):
   """The layer-wise structured kernel of the CNN (its flax layers intercepted, no declaration)."""
-  case = next(c for c in _cases() if c["name"] == name)
-  ref = _reference()
-  x1 = jnp.asarray(ref["cnn/x1"])
-  x2 = None if case["x2"] is None else jnp.asarray(ref[f"cnn/{case['x2']}"])
-  ntk_fn = empirical_ntk_fn(
-    CNN.flax_apply, case["trace_axes"], case["diagonal_axes"], 0, IMPL.STRUCTURED_DERIVATIVES
-  )
-  assert _max_rel(jax.jit(ntk_fn)(x1, x2, _params("cnn")), ref[f"{name}/kernel"]) < RTOL32
-  with jax.enable_x64(True):
-    x1, x2 = (None if a is None else a.astype(jnp.float64) for a in (x1, x2))
-    kernel = jax.jit(ntk_fn)(x1, x2, _params("cnn", jnp.float64))
-    assert kernel.dtype == jnp.float64
-    assert _max_rel(kernel, ref[f"{name}/kernel"]) < RTOL64
+  expected = _reference()[f"{name}/kernel"]
+  assert _max_rel(_cnn_layerwise_kernels("float32")[name], expected) < RTOL32
+  kernel = _cnn_layerwise_kernels("float64")[name]
+  assert kernel.dtype == jnp.float64
+  assert _max_rel(kernel, expected) < RTOL64
 
 
 CONV_DENSE = [
@@ -314,8 +355,9 @@ def _brute_force(f, params, x1, x2, trace_axes, diagonal_axes):
   """NTK from ``jax.jacrev`` of ``f`` on the whole batches, traces and diagonals taken entry by entry."""
   x2 = x1 if x2 is None else x2
   flat, unravel = ravel_pytree(params)
-  j1 = jax.jacrev(lambda w: f(unravel(w), x1))(flat)  # [*fx1, P]
-  j2 = jax.jacrev(lambda w: f(unravel(w), x2))(flat)
+  # Jitted: op by op, every operation of the network's reverse pass compiles on its own.
+  j1 = jax.jit(jax.jacrev(lambda w: f(unravel(w), x1)))(flat)  # [*fx1, P]
+  j2 = jax.jit(jax.jacrev(lambda w: f(unravel(w), x2)))(flat)
   full = np.tensordot(np.asarray(j1, np.float64), np.asarray(j2, np.float64), axes=(-1, -1))
   shape1, shape2 = j1.shape[:-1], j2.shape[:-1]
   nd = len(shape1)
@@ -357,36 +399,61 @@ def _small_problem():
   )
 
 
-@pytest.mark.parametrize("implementation", [IMPL.JACOBIAN_CONTRACTION, IMPL.NTK_VECTOR_PRODUCTS])
-@pytest.mark.parametrize(
-  "trace_axes,diagonal_axes,second",
-  [
-    ((0,), (), "x2"),  # trace over outputs (axis 0 here), batch pairs kept
-    ((), (1,), "x2"),  # diagonal over the batch with x2 != x1
-    ((1,), (), "x2"),  # trace over the batch with x2 != x1: mean over i of K(x1_i, x2_i)
-    ((), (), "x3"),  # full kernel, N1 = 4, N2 = 2
-    ((-2, -1), (), None),  # negative axes: trace over everything
-  ],
-)
+BATCH_LAST_IMPLS = [IMPL.JACOBIAN_CONTRACTION, IMPL.NTK_VECTOR_PRODUCTS]
+BATCH_LAST_AXES = [
+  ((0,), (), "x2"),  # trace over outputs (axis 0 here), batch pairs kept
+  ((), (1,), "x2"),  # diagonal over the batch with x2 != x1
+  ((1,), (), "x2"),  # trace over the batch with x2 != x1: mean over i of K(x1_i, x2_i)
+  ((), (), "x3"),  # full kernel, N1 = 4, N2 = 2
+  ((-2, -1), (), None),  # negative axes: trace over everything
+]
+UNBATCHED_AXES = [((), ()), ((), (0,)), ((0,), ())]
+# (vmap_axes, implementation, trace_axes, diagonal_axes, second input) of every kernel of the two tests below.
+SMALL_RUNS = [
+  ((1, 1, {}), impl, t, d, second) for impl in BATCH_LAST_IMPLS for t, d, second in BATCH_LAST_AXES
+] + [(None, IMPL.NTK_VECTOR_PRODUCTS, t, d, "x3") for t, d in UNBATCHED_AXES]
+
+
+@functools.cache
+def _small_problem_kernels():
+  """Every kernel of :data:`SMALL_RUNS` on :func:`_small_problem`, in one compiled program (not one each),
+  keyed by its run without ``vmap_axes`` (``None`` or ``'batched'`` in its place)."""
+  params, x1, x2, x3 = _small_problem()
+  fns = [empirical_ntk_fn(_batch_last_mlp, t, d, axes, impl) for axes, impl, t, d, _ in SMALL_RUNS]
+
+  def kernels(params, x1, x2, x3):
+    other = {"x2": x2, "x3": x3, None: None}
+    return [fn(x1, other[run[-1]], params) for fn, run in zip(fns, SMALL_RUNS)]
+
+  keys = [(axes and "batched", *rest) for axes, *rest in SMALL_RUNS]
+  return dict(zip(keys, jax.jit(kernels)(params, x1, x2, x3)))
+
+
+@functools.cache
+def _small_problem_brute_force(trace_axes, diagonal_axes, second):
+  params, x1, x2, x3 = _small_problem()
+  other = {"x2": x2, "x3": x3, None: None}[second]
+  return _brute_force(_batch_last_mlp, params, x1, other, trace_axes, diagonal_axes)
+
+
+@pytest.mark.parametrize("implementation", BATCH_LAST_IMPLS)
+@pytest.mark.parametrize("trace_axes,diagonal_axes,second", BATCH_LAST_AXES)
 def test_batch_axis_elsewhere_matches_brute_force(
   implementation, trace_axes, diagonal_axes, second
 ):
-  params, x1, x2, x3 = _small_problem()
-  other = {"x2": x2, "x3": x3, None: None}[second]
-  ntk_fn = empirical_ntk_fn(_batch_last_mlp, trace_axes, diagonal_axes, (1, 1, {}), implementation)
-  expected = _brute_force(_batch_last_mlp, params, x1, other, trace_axes, diagonal_axes)
-  assert _max_rel(jax.jit(ntk_fn)(x1, other, params), expected) < RTOL32
+  kernel = _small_problem_kernels()[("batched", implementation, trace_axes, diagonal_axes, second)]
+  expected = _small_problem_brute_force(trace_axes, diagonal_axes, second)
+  assert _max_rel(kernel, expected) < RTOL32
 
 
-@pytest.mark.parametrize("trace_axes,diagonal_axes", [((), ()), ((), (0,)), ((0,), ())])
+@pytest.mark.parametrize("trace_axes,diagonal_axes", UNBATCHED_AXES)
 def test_unbatched_inputs_of_different_shapes_match_brute_force(trace_axes, diagonal_axes):
   """vmap_axes=None with x1 [5, 4] and x2 [5, 2]: f's outputs [3, 4] and [3, 2] are one sample each."""
-  params, x1, _, x3 = _small_problem()
-  ntk_fn = empirical_ntk_fn(
-    _batch_last_mlp, trace_axes, diagonal_axes, None, IMPL.NTK_VECTOR_PRODUCTS
-  )
-  expected = _brute_force(_batch_last_mlp, params, x1, x3, trace_axes, diagonal_axes)
-  assert _max_rel(jax.jit(ntk_fn)(x1, x3, params), expected) < RTOL32
+  kernel = _small_problem_kernels()[
+    (None, IMPL.NTK_VECTOR_PRODUCTS, trace_axes, diagonal_axes, "x3")
+  ]
+  expected = _small_problem_brute_force(trace_axes, diagonal_axes, "x3")
+  assert _max_rel(kernel, expected) < RTOL32
 
 
 def test_scalar_outputs_and_keyword_arguments_match_brute_force():
