@@ -135,10 +135,12 @@ def record(name: str, variant: str = "smoke") -> dict:
   )
   for token in tokens:
     config.update_from_flattened_dict(OVERRIDES.get(token, {}))
-  # Neither changes a metric: checkpoints are written after the round's line, selection curves after the run.
+  # None changes a metric: checkpoints are written after the round's line, selection curves after the run,
+  # and the cost estimate before round 1 only logs (tests/test_cost.py checks it and the switch).
   config.checkpoint_every = 0
   config.checkpoint_keep = ()
   config.eval.selection = False
+  config.cost_estimate = False
   with tempfile.TemporaryDirectory(prefix=f"golden-{name}-") as workdir:
     runner.run(config, workdir)
     lines = rundir.read_metrics(workdir)
