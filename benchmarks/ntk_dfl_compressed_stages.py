@@ -179,37 +179,17 @@ def _compressed_rows(captured, client_inputs, repeats):
   )
   rows.append(row)
   treedef = jax.tree.structure(params)
-  xs = jnp.where(mask[:, None], x, 0)
-  f0 = model.apply(params, xs)
-  row, evo = _measure(
-    "Euler CE evolution", _evolve_stage(taus), kernel, f0, hard, mask, lr, repeats=repeats
-  )
-  rows.append(row)
-  norm = jnp.maximum(mask.sum(), 1)
-  row, deltas = _measure(
+  update = (
     "weight updates Jᵀ S_τ from the compressed Jacobian",
-    lambda packed, sums, lr, norm: ntk_step.weight_update_from_jacobian(
+    lambda sums, lr, norm, packed: ntk_step.weight_update_from_jacobian(
       jax.tree.unflatten(treedef, list(packed)), sums, lr, norm
     ),
-    packed,
-    evo.residual_sums,
-    lr,
-    norm,
-    repeats=repeats,
+    (packed,),
   )
-  rows.append(row)
-  row, _ = _measure(
-    "τ scoring (T candidate networks)",
-    _score_stage(model),
-    params,
-    deltas,
-    xs,
-    hard,
-    mask,
-    repeats=repeats,
+  xs = jnp.where(mask[:, None], x, 0)
+  return rows + _evolve_update_score_rows(
+    model, taus, kernel, params, xs, hard, mask, lr, update, repeats
   )
-  rows.append(row)
-  return rows
 
 
 def _uncompressed_rows(captured, client_inputs, repeats):
@@ -227,12 +207,27 @@ def _uncompressed_rows(captured, client_inputs, repeats):
     repeats=repeats,
   )
   rows.append(row)
-  f0 = model.apply(params, xs)
+  update = (
+    "weight updates (one VJP, T cotangents)",
+    lambda sums, lr, norm, p, xs: ntk_step.weight_update_vjp(model.apply, p, xs, sums, lr, norm),
+    (params, xs),
+  )
+  return rows + _evolve_update_score_rows(
+    model, taus, kernel, params, xs, hard, mask, lr, update, repeats
+  )
+
+
+def _evolve_update_score_rows(model, taus, kernel, params, xs, hard, mask, lr, update, repeats):
+  """The stages after the kernel, shared by both settings: the Euler evolution from ``kernel``
+  ``[N, N]`` (or ``[N, N, C, C]``), the weight updates, the τ scoring. ``update``: ``(label, fn,
+  args)``, ``fn(residual_sums, lr, norm, *args)`` giving the T candidate weight updates."""
+  label, update_fn, update_args = update
+  rows = []
   row, evo = _measure(
     "Euler CE evolution",
     _evolve_stage(taus),
     kernel,
-    f0,
+    model.apply(params, xs),
     hard,
     mask,
     lr,
@@ -241,14 +236,7 @@ def _uncompressed_rows(captured, client_inputs, repeats):
   rows.append(row)
   norm = jnp.maximum(mask.sum(), 1)
   row, deltas = _measure(
-    "weight updates (one VJP, T cotangents)",
-    lambda p, xs, sums, lr, norm: ntk_step.weight_update_vjp(model.apply, p, xs, sums, lr, norm),
-    params,
-    xs,
-    evo.residual_sums,
-    lr,
-    norm,
-    repeats=repeats,
+    label, update_fn, evo.residual_sums, lr, norm, *update_args, repeats=repeats
   )
   rows.append(row)
   row, _ = _measure(
