@@ -154,6 +154,22 @@ def test_compressed_gossip_runs_are_costed_from_the_measured_compressed_round():
   assert costs.estimate(as_dict(compressed))[0] > 4 * costs.estimate(as_dict(plain))[0]
 
 
+def test_erdos_renyi_runs_are_costed_by_their_padded_neighbour_slots():
+  """Every client's NTK block is padded to the topology's ``k_max``: for an Erdős–Rényi graph the
+  degree bound (from the binomial tail, independent of the estimate), not the mean degree."""
+  from scipy import stats  # pylint: disable=import-outside-toplevel
+
+  er = build_config(
+    Variant("er", "ntk_dfl", (("topology.name", "erdos_renyi"), ("topology.mean_degree", 5.0))), 0
+  )
+  # The smallest k with 300 * P(Binomial(299, 5/299) > k) < 1e-6, by a plain loop.
+  bound = next(k for k in range(300) if 300 * stats.binom.sf(k, 299, 5 / 299) < 1e-6)
+  assert bound > 5
+  regular = build_config(Variant("k5", "ntk_dfl", ()), 0)
+  ratio = costs.round_scale(stored_form(er)) / costs.round_scale(stored_form(regular))
+  assert ratio == pytest.approx(((bound + 1) / 6) ** 2)
+
+
 # ----------------------------------------------------------------------------- the queue (a stand-
 # in launcher)
 

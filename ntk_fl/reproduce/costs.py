@@ -7,7 +7,11 @@ round) -- on the 2-core AMD EPYC (both cores) and on one NVIDIA H100, each with 
 source. :func:`estimate` scales a row to a config: linearly in the clients and the
 rounds, and for the NTK methods with the square of the neighbourhood's sample
 count (the Euler evolution through the ``[N, N]`` kernel is ≈ 95 % of an NTK-DFL
-round, benchmarks/RESULTS.md) and linearly in the largest τ. A gossip NTK run that transmits explicit,
+round, benchmarks/RESULTS.md) and linearly in the largest τ. The neighbourhood is
+counted as every client's block is laid out: padded to the topology's neighbour
+slots (``k_max``), which for an Erdős–Rényi graph is its degree bound, not its mean
+degree. The kernel of a block that outgrows the caches runs slower than this
+scaling says (a measured Erdős–Rényi round: docs/REPRODUCTION.md, Fig. 8). A gossip NTK run that transmits explicit,
 compressed Jacobians (top-k, b-bit quantisation or the input projection, NTK-DFL App. E.3) is dominated
 by building, compressing and contracting those Jacobians instead: its row is the measured compressed
 round (:data:`TRANSMITTED_ROUND`), scaled with the Jacobians' size (clients × neighbourhood samples ×
@@ -18,6 +22,8 @@ stopped at a target accuracy takes at most that long.
 from __future__ import annotations
 
 from typing import NamedTuple
+
+from ntk_fl import topology
 
 __all__ = ["Cost", "ROUND_SECONDS", "TRANSMITTED_ROUND", "estimate", "markdown_table"]
 
@@ -125,18 +131,26 @@ _GPU_RATIO_NTK = ROUND_SECONDS["ntk_dfl"].cpu / ROUND_SECONDS["ntk_dfl"].gpu
 _GPU_RATIO_GRADIENT = ROUND_SECONDS["dfedavg"].cpu / ROUND_SECONDS["dfedavg"].gpu
 
 
-def _degree(config: dict) -> float:
-  topology = config["topology"]
-  name = topology["name"]
-  if name in ("ring", "line"):
-    return 2.0
-  if name == "erdos_renyi":
-    return float(topology["mean_degree"])
-  if name == "clustered":
-    return float(topology["cluster_size"] - 1)
-  if name == "complete":
-    return float(config["data"]["num_clients"] - 1)
-  return float(topology["degree"])
+def _neighbour_slots(config: dict) -> int:
+  """Neighbour slots each client's NTK block is padded to: the topology's ``k_max``.
+
+  A regular, ring, line, complete or clustered graph fills its slots; an Erdős–Rényi graph's are
+  its degree bound (22 for 300 clients at mean degree 5), far above its mean degree, and every
+  client's block is padded to them, so the NTK rounds cost what the slots cost.
+  """
+  t = config["topology"]
+  built = topology.make_topology(
+    t["name"],
+    config["data"]["num_clients"],
+    seed=0,  # the slot count does not depend on the seed
+    degree=t.get("degree", 5),
+    p=t.get("p", 0.0),
+    mean_degree=t.get("mean_degree", 0.0),
+    cluster_size=t.get("cluster_size", 6),
+    dynamic=t.get("dynamic", True),
+    k_max=t.get("k_max", 0),
+  )
+  return built.k_max
 
 
 def transmits_jacobians(config: dict) -> bool:
@@ -161,12 +175,12 @@ def round_scale(config: dict) -> float:
   samples = data.get("samples_per_client", 200) / 200
   method = config["method"]
   if transmits_jacobians(config):
-    neighbourhood = (_degree(config) + 1) * 200 * samples / algo.get("subsample", 1)
+    neighbourhood = (_neighbour_slots(config) + 1) * 200 * samples / algo.get("subsample", 1)
     inputs = algo.get("projection_dim", 0) or 784
     params = inputs * 100 + 100 + 100 * 10 + 10
     return clients * neighbourhood / _TRANSMITTED_SAMPLES * params / _TRANSMITTED_PARAMS
   if method in _NTK_GOSSIP:
-    per_client = ((_degree(config) + 1) / 6 * samples / algo.get("subsample", 1)) ** 2
+    per_client = ((_neighbour_slots(config) + 1) / 6 * samples / algo.get("subsample", 1)) ** 2
     per_client /= algo.get("jacobian_batches", 1)
     return clients * per_client * max(algo.get("taus", (800,))) / 800
   if method in _NTK_SERVER:
