@@ -10,9 +10,9 @@ count (the Euler evolution through the ``[N, N]`` kernel is ≈ 95 % of an NTK-D
 round, benchmarks/RESULTS.md) and linearly in the largest τ. The neighbourhood is
 counted as every client's block is laid out: padded to the topology's neighbour
 slots (``k_max``), which for an Erdős–Rényi graph is its degree bound, not its mean
-degree. The kernel of a block that outgrows the caches runs slower than this
-scaling says (a measured Erdős–Rényi round: docs/REPRODUCTION.md, Fig. 8). A gossip NTK run that transmits explicit,
-compressed Jacobians (top-k, b-bit quantisation or the input projection, NTK-DFL App. E.3) is dominated
+degree. A block that outgrows the caches may run slower than this scaling says.
+A gossip NTK run that transmits explicit, compressed Jacobians (top-k, b-bit quantisation
+or the input projection, NTK-DFL App. E.3) is dominated
 by building, compressing and contracting those Jacobians instead: its row is the measured compressed
 round (:data:`TRANSMITTED_ROUND`), scaled with the Jacobians' size (clients × neighbourhood samples ×
 parameters of the network on the transmitted inputs). The estimates are for planning a queue; a run
