@@ -25,10 +25,19 @@ is ``QUANTIZED_RTOL = 1e-3``; τ, bits and accuracies keep their checks.
 
 Where the computation order is unchanged the values are bit-identical (the runs are deterministic on one
 machine); the tolerances only admit reordered float32 arithmetic.
+
+Another kind of CPU is another computation order: XLA's CPU backend generates code for the instruction set
+it finds (AVX2 or AVX-512) and blocks matrix products for the caches. Most runs still agree within the
+tolerances above; a few carry the difference further (measured on an AVX2-only AMD EPYC against the main
+records: NTK-DFL ``batched,subsample`` one client's loss 2.3e-2 relative and the mean loss 9.4e-4, NTK-DFL
+``mse`` 1.3e-3, SPARK 1.0e-4 and 1.1e-4, with every τ, bit count and accuracy as recorded). Widening the
+tolerances to that would hide real changes, so such a run keeps a record per CPU kind
+(``tests/golden/<kind>/``, see tests/golden_runs.py) and passes when it matches any of them.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -50,7 +59,8 @@ EXACT = ("round", "bits_cumulative", "clients_tau")
 ACCURACIES = ("test_acc", "client_acc_mean", "consensus_acc_mean")
 
 
-def _compare(name: str, expected: dict, actual: dict) -> None:
+def compare(name: str, expected: dict, actual: dict) -> None:
+  """Asserts that run ``name``'s record ``actual`` matches ``expected`` within the tolerances above."""
   assert [r["round"] for r in actual["rounds"]] == [r["round"] for r in expected["rounds"]], name
   for want, got in zip(expected["rounds"], actual["rounds"]):
     where = f"{name}, round {want['round']}"
@@ -75,6 +85,28 @@ def test_every_config_has_a_golden_file():
     golden_runs.path(name, variant).name for name, variant in golden_runs.golden_runs()
   )
   assert recorded == expected
+  # A CPU kind's folder says which CPU made it and holds records of known runs only.
+  for folder in (p for p in golden_runs.GOLDEN_DIR.iterdir() if p.is_dir()):
+    platform = json.loads((folder / "PLATFORM.json").read_text())
+    assert platform["model name"] and platform["vector flags"], folder
+    extra = {p.name for p in folder.glob("*.json")} - {"PLATFORM.json"}
+    assert extra and extra <= set(expected), (folder, extra - set(expected))
+
+
+def test_compare_admits_rounding_and_refuses_a_moved_value_or_tau():
+  recorded = json.loads(golden_runs.path("ntk_dfl").read_text())
+  compare("ntk_dfl:smoke", recorded, recorded)
+  rounded = copy.deepcopy(recorded)
+  rounded["rounds"][-1]["test_loss"] *= 1 + RTOL / 10
+  compare("ntk_dfl:smoke", recorded, rounded)
+  moved = copy.deepcopy(recorded)
+  moved["rounds"][-1]["test_loss"] *= 1 + 10 * RTOL
+  with pytest.raises(AssertionError, match="test_loss"):
+    compare("ntk_dfl:smoke", recorded, moved)
+  retimed = copy.deepcopy(recorded)
+  retimed["rounds"][0]["clients_tau"][0] += 100
+  with pytest.raises(AssertionError, match="clients_tau"):
+    compare("ntk_dfl:smoke", recorded, retimed)
 
 
 # Runs that take minutes on a 2-core CPU (SPARK's compression stack builds every client's explicit
@@ -99,5 +131,12 @@ SLOW_RUNS = (
   ids=[golden_runs.path(n, v).stem for n, v in golden_runs.golden_runs()],
 )
 def test_smoke_run_matches_golden(name, variant):
-  expected = json.loads(golden_runs.path(name, variant).read_text())
-  _compare(f"{name}:{variant}", expected, golden_runs.record(name, variant))
+  actual = golden_runs.record(name, variant)
+  mismatches = []
+  for recorded in golden_runs.records(name, variant).values():
+    try:
+      compare(f"{name}:{variant}", json.loads(recorded.read_text()), actual)
+      return  # matches the record of one CPU kind
+    except AssertionError as error:
+      mismatches.append(f"against {recorded.relative_to(golden_runs.REPO)}: {error}")
+  raise AssertionError("\n".join(mismatches))
