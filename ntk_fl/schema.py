@@ -255,17 +255,8 @@ def validate_config(config, reference=None) -> RunSettings:
     **shared,
   )
   if spec.graph:
-    t = run.topology
-    built = topology.make_topology(
-      t.name,
-      run.data.num_clients,
-      seed=run.seed,
-      degree=t.degree,
-      p=t.p,
-      mean_degree=t.mean_degree,
-      cluster_size=t.cluster_size,
-      dynamic=t.dynamic,
-      k_max=t.k_max,
+    built = topology.topology_from_fields(
+      dataclasses.asdict(run.topology), run.data.num_clients, seed=run.seed
     )
     run = dataclasses.replace(run, built_topology=built)
   if run.replicas > 1 and not spec.replicas:

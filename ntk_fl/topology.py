@@ -50,7 +50,7 @@ from __future__ import annotations
 import itertools
 import math
 from typing import Any, NamedTuple
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import chex
 import networkx as nx
@@ -67,6 +67,7 @@ __all__ = [
   "TOPOLOGIES",
   "MIXING_SCHEMES",
   "make_topology",
+  "topology_from_fields",
   "graph_from_networkx",
   "graph_to_networkx",
   "degrees",
@@ -343,6 +344,20 @@ def make_topology(
 
 
 # -------------------------------------------------------------- mixing weights
+
+
+# The graph arguments of make_topology that a config's ``topology`` fields name.
+_GRAPH_FIELDS = ("degree", "p", "mean_degree", "cluster_size", "dynamic", "k_max")
+
+
+def topology_from_fields(fields: Mapping[str, Any], num_clients: int, *, seed: int) -> Topology:
+  """:func:`make_topology` from a config's ``topology`` fields (a stored config's dict or its settings).
+
+  Fields ``make_topology`` does not take (``mixing``) are ignored and absent ones take its defaults,
+  so a config stored before a field existed builds the graph it ran on.
+  """
+  graph = {key: fields[key] for key in _GRAPH_FIELDS if key in fields}
+  return make_topology(fields["name"], num_clients, seed=seed, **graph)
 
 
 def _check_scheme(scheme: str) -> None:

@@ -78,6 +78,18 @@ def test_regular_has_requested_degree(args, seed):
   assert g.mask.all()  # k_max == degree: no padding at all
 
 
+def test_topology_from_config_fields_equals_make_topology_with_those_arguments():
+  fields = dict(name="erdos_renyi", degree=4, p=0.0, mean_degree=3.0, cluster_size=6)
+  fields.update(dynamic=False, k_max=0, mixing="metropolis")  # mixing is not a graph argument
+  built = T.topology_from_fields(fields, 30, seed=7)
+  direct = T.make_topology("erdos_renyi", 30, seed=7, mean_degree=3.0, dynamic=False)
+  assert built.k_max == direct.k_max and not built.dynamic
+  for r in (0, 3):
+    np.testing.assert_array_equal(built.sample(r).neighbors, direct.sample(r).neighbors)
+  # Absent fields take make_topology's defaults (a config stored before the field existed).
+  assert T.topology_from_fields({"name": "regular"}, 12, seed=0).k_max == 5
+
+
 def test_ring_and_line_are_a_cycle_and_a_path_over_all_clients():
   m = 11
   ring = nx.Graph(T.graph_to_networkx(_make("ring", m, 4).sample(2)))

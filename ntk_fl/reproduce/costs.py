@@ -138,18 +138,8 @@ def _neighbour_slots(config: dict) -> int:
   its degree bound (22 for 300 clients at mean degree 5), far above its mean degree, and every
   client's block is padded to them, so the NTK rounds cost what the slots cost.
   """
-  t = config["topology"]
-  built = topology.make_topology(
-    t["name"],
-    config["data"]["num_clients"],
-    seed=0,  # the slot count does not depend on the seed
-    degree=t.get("degree", 5),
-    p=t.get("p", 0.0),
-    mean_degree=t.get("mean_degree", 0.0),
-    cluster_size=t.get("cluster_size", 6),
-    dynamic=t.get("dynamic", True),
-    k_max=t.get("k_max", 0),
-  )
+  # The slot count does not depend on the seed.
+  built = topology.topology_from_fields(config["topology"], config["data"]["num_clients"], seed=0)
   return built.k_max
 
 
