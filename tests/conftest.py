@@ -17,8 +17,11 @@ compiles, so sharing can cost a compilation, never a wrong executable.
 
 import atexit
 import os
+import pathlib
+import resource
 import shutil
 import tempfile
+import time
 
 import pytest
 
@@ -40,9 +43,60 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # a cache the caller chose is
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
+# The default suite's tier: the tests listed here are marked slow (opt-in) where they are collected.
+SLOW_TESTS = pathlib.Path(__file__).with_name("slow_tests.txt")
+
+
+def pytest_addoption(parser):
+  parser.addoption(
+    "--cpu-profile",
+    metavar="PATH",
+    help="append each test's node id, CPU seconds (its process and the subprocesses it waited for) "
+    "and wall seconds to PATH, tab-separated (xdist workers append to the same file)",
+  )
+
+
 def pytest_collection_modifyitems(config, items):
-  """Slow tests out unless chosen (:func:`_deselect_slow`)."""
+  """Mark the listed tests slow (:func:`_mark_listed_slow`), then leave slow tests out unless chosen."""
+  _mark_listed_slow(config, items, _read_slow_list(SLOW_TESTS))
   _deselect_slow(config, items)
+
+
+def _read_slow_list(path):
+  """Node ids of ``slow_tests.txt``: one per line, its first tab-separated field; ``#`` lines are comments."""
+  lines = path.read_text().splitlines()
+  return [line.split("\t", 1)[0] for line in lines if line.strip() and not line.startswith("#")]
+
+
+def _mark_listed_slow(config, items, listed):
+  """Add the ``slow`` marker to each listed test; a listed id absent from a whole collected file is an error.
+
+  The check runs only for files collected whole (named by a path argument without ``::``), so running
+  one test or a ``-k`` selection is never refused; a renamed or removed test left in the list is.
+  """
+  listed = set(listed)
+  collected = {item.nodeid for item in items}
+  for item in items:
+    if item.nodeid in listed:
+      item.add_marker(pytest.mark.slow)
+  whole_files = {item.nodeid.split("::", 1)[0] for item in items if _collected_whole(config, item)}
+  stale = sorted(i for i in listed - collected if i.split("::", 1)[0] in whole_files)
+  if stale:
+    raise pytest.UsageError(
+      f"{SLOW_TESTS.name} lists tests that do not exist (renamed or removed?): {', '.join(stale)}"
+    )
+
+
+def _collected_whole(config, item):
+  """Whether an argument (a directory or file, no ``::``) covers ``item``'s whole file."""
+  path = pathlib.Path(str(item.path)).resolve()
+  for arg in config.args:
+    if "::" in arg:
+      continue
+    target = pathlib.Path(config.invocation_params.dir, arg).resolve()
+    if path == target or target in path.parents:
+      return True
+  return False
 
 
 def _deselect_slow(config, items):
@@ -57,6 +111,26 @@ def _deselect_slow(config, items):
   if slow:
     config.hook.pytest_deselected(items=slow)
     items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+
+
+def _cpu_seconds():
+  """User + system CPU seconds of this process and of the subprocesses it has waited for."""
+  own = resource.getrusage(resource.RUSAGE_SELF)
+  children = resource.getrusage(resource.RUSAGE_CHILDREN)
+  return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  """With ``--cpu-profile PATH``: append the test's CPU and wall seconds (setup, call and teardown)."""
+  path = item.config.getoption("cpu_profile")
+  cpu, wall = _cpu_seconds(), time.perf_counter()
+  yield
+  if path:
+    line = f"{item.nodeid}\t{_cpu_seconds() - cpu:.2f}\t{time.perf_counter() - wall:.2f}\n"
+    # One short append per test: the workers' lines do not interleave.
+    with open(path, "a", encoding="utf-8") as f:
+      f.write(line)
 
 
 @pytest.fixture

@@ -293,6 +293,7 @@ def _compare(results, name):
 
 
 @pytest.mark.multidevice
+@pytest.mark.slow  # the shared 4-device subprocess: about two CPU minutes (CI: -m slow)
 @pytest.mark.parametrize("m", [3, 6, 8])
 @pytest.mark.parametrize("chunk", ["None", "1"])
 def test_sharded_toy_function_equals_single_device(multidevice, m, chunk):
@@ -303,12 +304,14 @@ def test_sharded_toy_function_equals_single_device(multidevice, m, chunk):
 
 
 @pytest.mark.multidevice
+@pytest.mark.slow  # the shared 4-device subprocess: about two CPU minutes (CI: -m slow)
 def test_nested_for_each_client_shards_only_the_outer_axis(multidevice):
   _compare(multidevice, "nested_m6")
   assert set(multidevice["nested_m6/shards"].tolist()) == {1}  # inner call saw the manual axis
 
 
 @pytest.mark.multidevice
+@pytest.mark.slow  # the shared 4-device subprocess: about two CPU minutes (CI: -m slow)
 @pytest.mark.parametrize("name", ["ntk_dfl_m6", "ntk_dfl_m8_chunk1", "dfedavg_m6"])
 def test_sharded_algorithm_rounds_equal_single_device(multidevice, name):
   _compare(multidevice, name)
@@ -316,6 +319,7 @@ def test_sharded_algorithm_rounds_equal_single_device(multidevice, name):
 
 
 @pytest.mark.multidevice
+@pytest.mark.slow  # the shared 4-device subprocess: about two CPU minutes (CI: -m slow)
 @pytest.mark.parametrize("name", ["shared_m6_chunkNone", "shared_m7_chunk2"])
 def test_shared_rows_split_over_devices_equal_the_direct_gather(multidevice, name):
   _compare(multidevice, name)
@@ -326,6 +330,7 @@ def test_shared_rows_split_over_devices_equal_the_direct_gather(multidevice, nam
 
 
 @pytest.mark.multidevice
+@pytest.mark.slow  # the shared 4-device subprocess: about two CPU minutes (CI: -m slow)
 @pytest.mark.parametrize(
   "name", ["ntk_dfl_m6_split", "ntk_dfl_m8_chunk1_split", "dfedavg_m6_split", "fedavg_m6_split"]
 )
@@ -336,5 +341,6 @@ def test_rounds_with_samples_split_over_devices_equal_single_device(multidevice,
 
 
 @pytest.mark.multidevice
+@pytest.mark.slow  # the shared 4-device subprocess: about two CPU minutes (CI: -m slow)
 def test_runner_with_config_devices_equals_single_device(multidevice):
   _compare(multidevice, "runner_toy")
