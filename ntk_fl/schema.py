@@ -20,6 +20,7 @@ import dataclasses
 import math
 import numbers
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import jax
 import ml_collections
@@ -30,6 +31,9 @@ from ntk_fl._src.method_modules import import_method_module, method_module_impor
 from ntk_fl.algorithms.base import get_method  # the registry, two levels deep
 from ntk_fl.config import base_config
 from ntk_fl.settings import DataSettings, EvalSettings, ModelSettings, RunSettings, TopologySettings
+
+if TYPE_CHECKING:  # the graphs are built lazily, inside validate_config
+  from ntk_fl import topology
 
 __all__ = [
   "DIVERGENCE_POLICIES",
@@ -88,6 +92,23 @@ def _check_keys(config) -> None:
         f"unknown key(s) {sorted(f'{block}.{k}' for k in unknown)}; "
         f"config.{block} has: {sorted(schema[block].keys())}"
       )
+
+
+def _check_rounds_fit_k_max(built: topology.Topology, rounds: int) -> None:
+  """A chosen ``config.topology.k_max`` must hold every round's graph: found now, not at the round.
+
+  A drawn graph of larger degree stops the run at its round (its neighbour lists are never truncated);
+  drawing the run's graphs here (milliseconds each, and the run draws the same ones) turns hours of
+  rounds before it into an error before any data loads.
+  """
+  for r in range(rounds if built.dynamic else 1):
+    try:
+      built.sample(r)
+    except ValueError as error:
+      raise ValueError(
+        f"config.topology.k_max = {built.k_max} is too small for this run's graphs: {error} "
+        "(all rounds are checked before the run; use k_max = 0 to derive a bound)"
+      ) from None
 
 
 def validate_config(config, reference=None) -> RunSettings:
@@ -258,6 +279,8 @@ def validate_config(config, reference=None) -> RunSettings:
     built = topology.topology_from_fields(
       dataclasses.asdict(run.topology), run.data.num_clients, seed=run.seed
     )
+    if run.topology.k_max:
+      _check_rounds_fit_k_max(built, run.rounds)
     run = dataclasses.replace(run, built_topology=built)
   if run.replicas > 1 and not spec.replicas:
     raise ValueError(

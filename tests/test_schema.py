@@ -242,3 +242,29 @@ def test_the_command_line_warns_before_loading_data(tmp_path):
   warnings = [line for line in proc.stderr.splitlines() if "has no effect" in line]
   assert len(warnings) == 1, proc.stderr
   assert "config.data.alpha = 0.5 has no effect: data.partition = 'iid'" in warnings[0]
+
+
+# ------------------------------------------------------------------------ a chosen neighbour bound
+
+
+def _erdos_renyi_smoke(rounds, k_max, dynamic=True):
+  config = config_lib.load_config("dfedavg", "smoke")
+  config.topology.name, config.topology.mean_degree = "erdos_renyi", 5.0
+  config.topology.k_max, config.topology.dynamic, config.rounds = k_max, dynamic, rounds
+  return config
+
+
+def test_a_chosen_k_max_too_small_for_a_later_round_is_refused_before_the_run():
+  config = _erdos_renyi_smoke(1, 0)
+  derived = topology.make_topology(
+    "erdos_renyi", config.data.num_clients, seed=config.seed, mean_degree=5.0
+  )
+  degrees = [int(derived.sample(r).mask.sum(axis=1).max()) for r in range(40)]
+  # the first round whose graph has a larger degree than every round before it
+  late = next(r for r in range(1, 40) if degrees[r] > max(degrees[:r]))
+  bound = max(degrees[:late])
+  assert schema.validate_config(_erdos_renyi_smoke(late, bound)).built_topology.k_max == bound
+  with pytest.raises(ValueError, match=rf"k_max = {bound} is too small.*round {late}: .*degree"):
+    schema.validate_config(_erdos_renyi_smoke(late + 1, bound))
+  # a static graph is round 0's graph in every round
+  schema.validate_config(_erdos_renyi_smoke(late + 1, degrees[0], dynamic=False))
