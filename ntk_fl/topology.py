@@ -348,9 +348,6 @@ def make_topology(
   )
 
 
-# -------------------------------------------------------------- mixing weights
-
-
 # The graph arguments of make_topology that a config's ``topology`` fields name.
 _GRAPH_FIELDS = ("degree", "p", "mean_degree", "cluster_size", "dynamic", "k_max")
 
@@ -363,6 +360,9 @@ def topology_from_fields(fields: Mapping[str, Any], num_clients: int, *, seed: i
   """
   graph = {key: fields[key] for key in _GRAPH_FIELDS if key in fields}
   return make_topology(fields["name"], num_clients, seed=seed, **graph)
+
+
+# -------------------------------------------------------------- mixing weights
 
 
 def _check_scheme(scheme: str) -> None:

@@ -124,13 +124,15 @@ def _cpu_seconds():
 def pytest_runtest_protocol(item, nextitem):
   """With ``--cpu-profile PATH``: append the test's CPU and wall seconds (setup, call and teardown)."""
   path = item.config.getoption("cpu_profile")
+  if not path:
+    yield
+    return
   cpu, wall = _cpu_seconds(), time.perf_counter()
   yield
-  if path:
-    line = f"{item.nodeid}\t{_cpu_seconds() - cpu:.2f}\t{time.perf_counter() - wall:.2f}\n"
-    # One short append per test: the workers' lines do not interleave.
-    with open(path, "a", encoding="utf-8") as f:
-      f.write(line)
+  line = f"{item.nodeid}\t{_cpu_seconds() - cpu:.2f}\t{time.perf_counter() - wall:.2f}\n"
+  # One short append per test: the workers' lines do not interleave.
+  with open(path, "a", encoding="utf-8") as f:
+    f.write(line)
 
 
 @pytest.fixture
