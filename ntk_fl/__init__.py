@@ -86,7 +86,7 @@ _export("ntk_fl.topology", "Topology", "Graph", "make_topology", "mixing_weights
 _export("ntk_fl.gossip", "mix", "consensus")
 _export("ntk_fl.ntk", "empirical_ntk", "empirical_ntk_fn", "NtkImplementation")
 _export("ntk_fl.evolve", "ntk_step", "ntk_update")
-_export("ntk_fl.parallel", "for_each_client", "use_devices", "Shared")
+_export("ntk_fl.parallel", "for_each_client", "for_each_client_by_group", "use_devices", "Shared")
 _export("ntk_fl.metrics", "evaluate", "evaluate_clients", "average_params", "make_evaluator")
 
 _SUBMODULES = (

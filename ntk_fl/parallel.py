@@ -78,6 +78,7 @@ __all__ = [
   "ClientError",
   "debug_clients",
   "for_each_client",
+  "for_each_client_by_group",
   "make_client_mesh",
   "use_devices",
   "num_client_shards",
@@ -299,6 +300,41 @@ def _chunked(fn, chunk_size, stacked_args):
   return jax.lax.map(lambda args: fn(*args), stacked_args, batch_size=chunk_size)
 
 
+def _grouped(fns, chunk_size, stacked_args):
+  """Client ``i`` runs ``fns[group[i]]`` (``group = stacked_args[0]``), each group ``chunk_size`` clients at a time.
+
+  The clients are ordered by group (stable); group ``g``'s clients are mapped chunk by chunk in a loop of
+  ``ceil(count_g / chunk_size)`` trips (so a group nobody is in this round costs nothing), and each chunk's
+  outputs are scattered back to its clients' rows. A last chunk's unused lanes repeat the chunk's first
+  client (real inputs: they compute nothing non-finite) and their outputs are dropped.
+  """
+  num_clients = _num_clients(stacked_args)
+  if len(fns) == 1 or not chunk_size or chunk_size >= num_clients:
+    return _chunked(fns[-1], chunk_size, stacked_args)
+  group = jnp.clip(jnp.asarray(stacked_args[0]).astype(jnp.int32), 0, len(fns) - 1)
+  shapes = jax.eval_shape(fns[-1], *jax.tree.map(lambda leaf: leaf[0], stacked_args))
+  out = jax.tree.map(lambda s: jnp.zeros((num_clients, *s.shape), s.dtype), shapes)
+  counts = jnp.bincount(group, length=len(fns))
+  starts = jnp.cumsum(counts) - counts
+  # Room for a last chunk that runs past the end of the order.
+  order = jnp.concatenate([jnp.argsort(group, stable=True), jnp.zeros(chunk_size, jnp.int32)])
+  lanes = jnp.arange(chunk_size)
+
+  for g, fn in enumerate(fns):
+
+    def chunk(j, out, g=g, fn=fn):
+      position = j * chunk_size + lanes
+      valid = position < counts[g]
+      clients = order[starts[g] + position]
+      clients = jnp.where(valid, clients, clients[0])
+      results = jax.vmap(fn)(*jax.tree.map(lambda leaf: leaf[clients], stacked_args))
+      rows = jnp.where(valid, clients, num_clients)  # out of range: dropped
+      return jax.tree.map(lambda o, r: o.at[rows].set(r, mode="drop"), out, results)
+
+    out = jax.lax.fori_loop(0, (counts[g] + chunk_size - 1) // chunk_size, chunk, out)
+  return out
+
+
 def _stage_name(fn) -> str:
   while hasattr(fn, "func"):  # functools.partial
     fn = fn.func
@@ -364,6 +400,42 @@ def for_each_client(fn: Callable[..., Any], *, chunk_size: int | None = None) ->
     ValueError: a negative or non-int ``chunk_size`` (at once); arguments
       without a common leading axis (when called).
   """
+  return _lift((fn,), chunk_size, grouped=False)
+
+
+def for_each_client_by_group(
+  fns: Sequence[Callable[..., Any]], *, chunk_size: int | None = None
+) -> Callable[..., Any]:
+  """Lift ``G`` per-client functions: client ``i`` runs ``fns[group[i]]``, ``group`` known only when run.
+
+  For work whose cost depends on a per-client size that varies from round to round (a client's
+  neighbour count on an Erdős–Rényi graph): ``fns[g]`` is specialised to the ``g``-th size, and each
+  client runs the smallest specialisation that holds it instead of every client running the largest.
+  Within each group the clients are mapped ``chunk_size`` at a time (a loop whose trip count is the
+  group's size this round, rounded up to whole chunks), and their outputs are written back in client
+  order. Every ``fns[g]`` must return the same output structure and shapes, and ``fns[-1]`` must be
+  right for every client: where grouping cannot pay -- all clients at once (``chunk_size`` 0 or
+  ``>= M``), or one function -- every client runs ``fns[-1]``, exactly :func:`for_each_client` of it.
+
+  Args:
+    fns: the per-client functions, one per group, the most general last.
+    chunk_size: as :func:`for_each_client`.
+
+  Returns:
+    ``mapped(group, *stacked_args)``: ``group`` int ``[M]`` with values in ``[0, G)`` (it is not passed to
+    the functions; values outside are clipped); the rest as :func:`for_each_client`. Sharded and
+    debug-mode calls group each device's clients, or run each client's own function.
+  """
+  fns = tuple(fns)
+  if not fns or not all(callable(f) for f in fns):
+    raise ValueError(
+      f"for_each_client_by_group needs a non-empty sequence of functions, got {fns!r}"
+    )
+  return _lift(fns, chunk_size, grouped=True)
+
+
+def _lift(fns, chunk_size, *, grouped: bool):
+  """:func:`for_each_client` (``grouped=False``, one function) or :func:`for_each_client_by_group`."""
   if chunk_size is not None:
     validation.check_int("chunk_size (None or 0 = all clients at once)", chunk_size, low=0)
 
@@ -373,24 +445,40 @@ def for_each_client(fn: Callable[..., Any], *, chunk_size: int | None = None) ->
     num_clients = _num_clients(stacked_args)
     chunk = policy_chunk_size() if chunk_size is None else chunk_size
 
-    def with_shared(shared_trees):
+    def with_shared(shared_trees, fn):
       """``fn`` of the mapped arguments alone, the shared ones (in their places) given whole."""
       views = {i: Shared(tree, shared_at[i].split) for i, tree in zip(shared_at, shared_trees)}
+      offset = 1 if grouped else 0  # the group (args[0]) is mapped but not passed on
 
       def per_client(*client_args):
-        it = iter(client_args)
-        return fn(*(views[i] if i in views else next(it) for i in range(len(args))))
+        it = iter(client_args[offset:])
+        return fn(*(views[i] if i in views else next(it) for i in range(offset, len(args))))
 
       return per_client
 
+    def run(shared_trees, local_args):
+      """The chunked map of the local clients (all of them, or one device's)."""
+      lifted = tuple(with_shared(shared_trees, fn) for fn in fns)
+      if not grouped:
+        return _chunked(lifted[0], chunk, local_args)
+      return _grouped(lifted, chunk, local_args)
+
     shared_trees = tuple(a.tree for a in shared_at.values())
+    if grouped and 0 in shared_at:
+      raise ValueError("for_each_client_by_group: the group (first argument) cannot be Shared")
     if debug_clients():
-      out = _client_loop(with_shared(shared_trees), _stage_name(fn), stacked_args)
+      lifted = tuple(with_shared(shared_trees, fn) for fn in fns)
+      if grouped:  # concrete values here (no jit): each client runs its own group's function
+        last = len(fns) - 1
+        one = lambda group, *rest: lifted[min(max(int(group), 0), last)](group, *rest)
+        out = _client_loop(one, _stage_name(fns[-1]), stacked_args)
+      else:
+        out = _client_loop(lifted[0], _stage_name(fns[0]), stacked_args)
       chex.assert_tree_shape_prefix(out, (num_clients,))
       return out
     shards = num_client_shards()
     if shards == 1:
-      out = _chunked(with_shared(shared_trees), chunk, stacked_args)
+      out = run(shared_trees, stacked_args)
       chex.assert_tree_shape_prefix(out, (num_clients,))
       return out
     padded = -(-num_clients // shards) * shards
@@ -403,7 +491,7 @@ def for_each_client(fn: Callable[..., Any], *, chunk_size: int | None = None) ->
       _pad_rows(t, shards) if a.split else t for t, a in zip(shared_trees, shared_at.values())
     )
     sharded = jax.shard_map(
-      lambda shared, *args: _chunked(with_shared(shared), chunk, args),
+      lambda shared, *args: run(shared, args),
       mesh=_current_mesh(),
       in_specs=(shared_specs, *(PartitionSpec(CLIENTS),) * len(stacked_args)),
       out_specs=PartitionSpec(CLIENTS),

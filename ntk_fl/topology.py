@@ -43,8 +43,10 @@ chooses ``k_max`` draws all its rounds' graphs before it starts, so a bound too
 small for a later round is an error before any work. Its padded slots are what
 an NTK round costs: a chosen bound near the drawn graphs' largest degree (15
 over the first 30 rounds of ``M = 300``, mean degree 5, seed 0, against the
-derived 22) makes every neighbourhood block smaller. Isolated clients are
-possible (an all-``False`` mask row).
+derived 22) makes every neighbourhood block smaller. NTK-DFL's round does not pad every
+client to ``k_max`` when it maps clients in chunks: :func:`degree_slot_groups` gives each client the
+fewest slots of a short ladder that hold its degree. Isolated clients are possible (an all-``False``
+mask row).
 
 Mixing weights (``MIXING_SCHEMES``): each client's new value is
 ``self_weight[i] * v_i + sum_k neighbor_weights[i, k] * v_{neighbors[i, k]}``.
@@ -73,6 +75,7 @@ __all__ = [
   "MIXING_SCHEMES",
   "make_topology",
   "topology_from_fields",
+  "degree_slot_groups",
   "graph_from_networkx",
   "graph_to_networkx",
   "degrees",
@@ -350,6 +353,10 @@ def make_topology(
 
 # The graph arguments of make_topology that a config's ``topology`` fields name.
 _GRAPH_FIELDS = ("degree", "p", "mean_degree", "cluster_size", "dynamic", "k_max")
+# Consecutive neighbour-slot groups of degree_slot_groups grow by this factor: a client runs at most
+# this many times its degree's slots (plus one), and each group compiles the client update once more.
+_SLOT_GROWTH = 1.4
+_SPREAD_DEGREES = ("erdos_renyi",)  # the families whose clients' degrees spread below k_max
 
 
 def topology_from_fields(fields: Mapping[str, Any], num_clients: int, *, seed: int) -> Topology:
@@ -360,6 +367,24 @@ def topology_from_fields(fields: Mapping[str, Any], num_clients: int, *, seed: i
   """
   graph = {key: fields[key] for key in _GRAPH_FIELDS if key in fields}
   return make_topology(fields["name"], num_clients, seed=seed, **graph)
+
+
+def degree_slot_groups(graphs: Topology) -> tuple[int, ...]:
+  """The neighbour-slot counts a degree-grouped round gives neighbourhoods, ascending, ending at ``k_max``.
+
+  ``(k_max,)`` for a family whose clients all reach (about) the same degree; for Erdős–Rényi
+  ``2, 3, 5, 7, 10, 14, 20, ...`` (each about :data:`_SLOT_GROWTH` times the last) up to ``k_max``: a
+  client of degree ``d`` gets the first count ``>= d``. The NTK work of a neighbourhood grows with the
+  square of its samples, so at 300 clients of mean degree 5 (``k_max`` 22) a round costs about a tenth
+  of one that pads every client to ``k_max``.
+  """
+  k_max = graphs.k_max
+  if graphs.name not in _SPREAD_DEGREES or k_max <= 2:
+    return (k_max,)
+  groups = [2]
+  while math.ceil(groups[-1] * _SLOT_GROWTH) < k_max:
+    groups.append(max(groups[-1] + 1, math.ceil(groups[-1] * _SLOT_GROWTH)))
+  return (*groups, k_max)
 
 
 # -------------------------------------------------------------- mixing weights

@@ -136,16 +136,26 @@ def _split_like(federation: Federation) -> Federation:
 
 
 def algorithm_case(
-  method: str, num_clients: int, chunk_size: int, rounds: int = 2, split: bool = False
+  method: str,
+  num_clients: int,
+  chunk_size: int,
+  rounds: int = 2,
+  split: bool = False,
+  erdos_renyi: bool = False,
 ):
   """``rounds`` rounds of ``method`` on a tiny federation (MLP 5-8-3, degree-2 dynamic graphs).
 
   ``split``: on the sharded path the federation's samples are split over the devices
   (:func:`ntk_fl.distributed.place_federation`, what a multi-process run uses).
+  ``erdos_renyi``: Erdős–Rényi graphs of mean degree 3 instead (NTK-DFL then groups each device's
+  clients by degree).
   """
   config = load_config(os.path.join(REPO, "configs", f"{method}.py"))
   config.data.num_clients = num_clients
   config.topology.degree = 2
+  if erdos_renyi:
+    config.topology.name = "erdos_renyi"
+    config.topology.mean_degree = 3.0
   if method == "ntk_dfl":
     config.algorithm.lr = 0.05
     config.algorithm.taus = (5, 10)
@@ -203,6 +213,9 @@ def main(out_dir: str) -> None:
       "nested_m6": nested_case,
       "ntk_dfl_m6": lambda: algorithm_case("ntk_dfl", 6, chunk_size=0),
       "ntk_dfl_m8_chunk1": lambda: algorithm_case("ntk_dfl", 8, chunk_size=1, rounds=1),
+      "ntk_dfl_erdos_renyi_m8_chunk1": lambda: algorithm_case(
+        "ntk_dfl", 8, chunk_size=1, rounds=1, erdos_renyi=True
+      ),
       "dfedavg_m6": lambda: algorithm_case("dfedavg", 6, chunk_size=0),
       "shared_m6_chunkNone": lambda: shared_case(6, None),
       "shared_m7_chunk2": lambda: shared_case(7, 2),

@@ -525,3 +525,82 @@ def test_a_scorer_and_a_validation_score_exclude_each_other():
       score_fn=lambda p: 0.0,
       score_outputs=_squared_logits,
     )
+
+
+def _erdos_renyi_setup(num_clients=14):
+  config, model, federation = tiny_setup(num_clients=num_clients, per_round_averaging=True)
+  config.topology.name = "erdos_renyi"
+  config.topology.mean_degree = 3.0
+  config.model.init = "per_client"
+  return config, model, federation
+
+
+def test_an_erdos_renyi_round_grouped_by_degree_equals_the_client_by_client_reference():
+  """Each client's neighbourhood takes the fewest slots that hold its degree (chunks of 3: part-filled last
+  chunks in some groups): the round is the reference's, computed on real samples only."""
+  config, model, federation = _erdos_renyi_setup()
+  algorithm = runner.make_algorithm(config, model, federation)
+  state = algorithm.init(jax.random.key(0))
+  inputs = algorithm.round_inputs(0)
+  expected, expected_taus = reference_round(config, model, federation, state.params, inputs)
+  with parallel.use_devices(1, chunk_size=3):
+    state, metrics = algorithm.step(state, inputs)
+  assert_trees_close(state.params, expected)
+  np.testing.assert_array_equal(np.asarray(metrics["tau"]), expected_taus)
+
+
+def test_degree_groups_cover_the_drawn_degrees_of_an_erdos_renyi_round():
+  config, model, federation = _erdos_renyi_setup()
+  algorithm = runner.make_algorithm(config, model, federation)
+  degrees = algorithm.round_inputs(0).neighbor_mask.sum(axis=1)
+  k_max = algorithm.round_inputs(0).neighbor_mask.shape[1]
+  graphs = topology.make_topology("erdos_renyi", 14, seed=0, mean_degree=3.0)
+  groups = topology.degree_slot_groups(graphs)
+  assert groups[-1] == graphs.k_max == k_max
+  assert list(groups) == sorted(set(groups)) and groups[0] == 2
+  # This round's clients fall into at least three groups: the grouping is exercised above.
+  assert len(set(np.searchsorted(groups, degrees).tolist())) >= 3
+  regular = topology.make_topology("regular", 14, seed=0, degree=4)
+  assert topology.degree_slot_groups(regular) == (4,)
+
+
+@pytest.mark.parametrize("chunk, grouped", [(1, True), (4, True), (0, False)])
+def test_a_degree_grouped_round_gives_each_client_the_slots_of_its_group(chunk, grouped):
+  """What each client's update receives: its own neighbourhood, padded to its group's slot count (chunks
+  of 1 or 4), or to k_max for every client (chunk 0, where grouping cannot pay)."""
+  config, model, federation = _erdos_renyi_setup()
+  graphs = topology.make_topology("erdos_renyi", 14, seed=config.seed, mean_degree=3.0)
+  groups = topology.degree_slot_groups(graphs)
+  n_max = federation.mask.shape[1]
+  core = neighbourhood_round.make_neighbourhood_round(
+    model,
+    federation,
+    graphs,
+    seed=0,
+    lr=0.1,
+    lr_decay=0.0,
+    per_round_averaging=False,
+    group_by_degree=True,
+  )
+  seen = set()
+
+  def client_fn(params, x, targets, mask, lr):
+    seen.add(
+      x.shape[1] // n_max
+    )  # traced once per slot count: the slots it was given, plus its own
+    return {"samples": mask.sum(), "first": x[0, 0, 0], "slots": jnp.int32(x.shape[1] // n_max)}
+
+  params = jnp.zeros((14, 1))
+  inputs = core.round_inputs(0)
+  with parallel.use_devices(1, chunk_size=chunk):
+    out, _ = jax.jit(lambda p, i, d: core.run(p, i, d, client_fn))(params, inputs, core.data)
+  degrees = inputs.neighbor_mask.sum(axis=1)
+  expected_slots = np.asarray(groups)[np.searchsorted(groups, degrees)] if grouped else graphs.k_max
+  np.testing.assert_array_equal(np.asarray(out["slots"]), 1 + expected_slots)
+  assert seen == ({1 + g for g in groups} if grouped else {1 + graphs.k_max})
+  # Every client's real samples: its own and its neighbours', nothing lost to the narrower slots.
+  members = [[i] + list(inputs.neighbors[i][inputs.neighbor_mask[i]]) for i in range(14)]
+  np.testing.assert_array_equal(
+    np.asarray(out["samples"]), [federation.mask[m].sum() for m in members]
+  )
+  np.testing.assert_array_equal(np.asarray(out["first"]), federation.x[np.arange(14), 0, 0])

@@ -72,6 +72,62 @@ def _temp_bytes(m, chunk):
   return compiled.memory_analysis().temp_size_in_bytes
 
 
+def _group_fns(groups):
+  """Per-group functions of different cost and result: group g reads the first g + 1 rows of x."""
+  return [
+    lambda p, x, g=g: {
+      "y": jnp.tanh(x[: g + 1].sum(0) @ p["w"]) * (g + 1) + p["b"],
+      "g": jnp.int32(g),
+    }
+    for g in range(groups)
+  ]
+
+
+@pytest.mark.parametrize(
+  "m,chunk", [(9, None), (9, 0), (9, 1), (9, 2), (9, 4), (9, 9), (9, 50), (1, 1)]
+)
+def test_for_each_client_by_group_equals_a_loop_over_each_clients_group(m, chunk):
+  """Client i runs fns[group[i]] (chunks of 1, 2, 4: groups of every size, part-filled last chunks);
+  where grouping cannot pay (chunk 0, None = all at once, chunk >= M) every client runs fns[-1]."""
+  rng = np.random.default_rng(m)
+  params = {
+    "w": jnp.asarray(rng.normal(size=(m, 4, 3)), jnp.float32),
+    "b": jnp.asarray(rng.normal(size=(m, 3)), jnp.float32),
+  }
+  x = jnp.asarray(rng.normal(size=(m, 5, 4)), jnp.float32)
+  group = jnp.asarray([3, 0, 1, 3, -2, 0, 3, 7, 1][:m])  # -2 and 7 lie outside [0, 4): clipped
+  fns = _group_fns(4)
+  got = jax.jit(parallel.for_each_client_by_group(fns, chunk_size=chunk))(group, params, x)
+  grouped = bool(chunk) and chunk < m
+  runs = np.clip(np.asarray(group), 0, 3) if grouped else np.full(m, 3)
+  want = _loop(lambda g, p, xi: fns[int(g)](p, xi), jnp.asarray(runs), params, x)
+  np.testing.assert_array_equal(np.asarray(got["g"]), runs)
+  np.testing.assert_allclose(got["y"], want["y"], rtol=1e-6, atol=1e-6)
+
+
+def test_for_each_client_by_group_reads_shared_arguments_whole_and_in_debug_mode_runs_each_clients_group():
+  table = jnp.arange(12.0).reshape(6, 2)
+  fns = [lambda t, i, g=g: t.take(i[None])[0] * (g + 1) for g in range(3)]
+  group, index = jnp.asarray([2, 0, 1, 1, 0, 2]), jnp.asarray([5, 4, 3, 2, 1, 0])
+  want = np.asarray(table)[np.asarray(index)] * (np.asarray(group)[:, None] + 1)
+  shared = parallel.Shared(table)
+  got = jax.jit(lambda g, i: parallel.for_each_client_by_group(fns, chunk_size=2)(g, shared, i))(
+    group, index
+  )
+  np.testing.assert_array_equal(np.asarray(got), want)
+  with parallel.use_devices(1, debug=True):
+    np.testing.assert_array_equal(
+      np.asarray(parallel.for_each_client_by_group(fns)(group, shared, index)), want
+    )
+
+
+def test_for_each_client_by_group_needs_functions():
+  with pytest.raises(ValueError, match="non-empty sequence of functions"):
+    parallel.for_each_client_by_group([])
+  with pytest.raises(ValueError, match="chunk_size"):
+    parallel.for_each_client_by_group([jnp.sin], chunk_size=-1)
+
+
 def test_chunking_bounds_scratch_memory_by_the_chunk_not_by_m():
   per_client = 2 * 512 * 512 * 4
   chunked_small, chunked_large = _temp_bytes(16, 4), _temp_bytes(64, 4)
@@ -312,7 +368,9 @@ def test_nested_for_each_client_shards_only_the_outer_axis(multidevice):
 
 @pytest.mark.multidevice
 @pytest.mark.slow  # the shared 4-device subprocess: about two CPU minutes (CI: -m slow)
-@pytest.mark.parametrize("name", ["ntk_dfl_m6", "ntk_dfl_m8_chunk1", "dfedavg_m6"])
+@pytest.mark.parametrize(
+  "name", ["ntk_dfl_m6", "ntk_dfl_m8_chunk1", "ntk_dfl_erdos_renyi_m8_chunk1", "dfedavg_m6"]
+)
 def test_sharded_algorithm_rounds_equal_single_device(multidevice, name):
   _compare(multidevice, name)
   assert int(multidevice[f"{name}/devices"]) == 4

@@ -154,20 +154,46 @@ def test_compressed_gossip_runs_are_costed_from_the_measured_compressed_round():
   assert costs.estimate(as_dict(compressed))[0] > 4 * costs.estimate(as_dict(plain))[0]
 
 
+def _erdos_renyi_config(method="ntk_dfl", chunk=1):
+  er = (("topology.name", "erdos_renyi"), ("topology.mean_degree", 5.0), ("chunk_size", chunk))
+  return stored_form(build_config(Variant("er", method, er), 0))
+
+
 def test_erdos_renyi_runs_are_costed_by_their_padded_neighbour_slots():
-  """Every client's NTK block is padded to the topology's ``k_max``: for an Erdős–Rényi graph the
-  degree bound (from the binomial tail, independent of the estimate), not the mean degree."""
+  """A round that pads every client's NTK block to the topology's ``k_max`` (all clients at once, or
+  SPARK, whose client update is per slot): for an Erdős–Rényi graph the degree bound (from the binomial
+  tail, independent of the estimate), not the mean degree."""
   from scipy import stats  # pylint: disable=import-outside-toplevel
 
-  er = build_config(
-    Variant("er", "ntk_dfl", (("topology.name", "erdos_renyi"), ("topology.mean_degree", 5.0))), 0
-  )
   # The smallest k with 300 * P(Binomial(299, 5/299) > k) < 1e-6, by a plain loop.
   bound = next(k for k in range(300) if 300 * stats.binom.sf(k, 299, 5 / 299) < 1e-6)
   assert bound > 5
-  regular = build_config(Variant("k5", "ntk_dfl", ()), 0)
-  ratio = costs.round_scale(stored_form(er)) / costs.round_scale(stored_form(regular))
-  assert ratio == pytest.approx(((bound + 1) / 6) ** 2)
+  for method in ("ntk_dfl", "spark"):
+    padded, regular = (
+      _erdos_renyi_config(method, chunk=0),
+      build_config(Variant("k5", method, ()), 0),
+    )
+    assert not costs.groups_by_degree(padded)
+    ratio = costs.round_scale(padded) / costs.round_scale(stored_form(regular))
+    assert ratio == pytest.approx(((bound + 1) / 6) ** 2)
+
+
+def test_erdos_renyi_ntk_dfl_runs_in_chunks_are_costed_by_their_degree_groups():
+  """NTK-DFL mapped in chunks gives each client its degree group's slots: the mean over round 0's clients
+  of (1 + slots)², by a plain loop over the drawn degrees."""
+  from ntk_fl import topology  # pylint: disable=import-outside-toplevel
+
+  grouped = _erdos_renyi_config()
+  assert costs.groups_by_degree(grouped)
+  graphs = topology.make_topology("erdos_renyi", 300, seed=0, mean_degree=5.0)
+  groups = topology.degree_slot_groups(graphs)
+  members = []
+  for degree in np.asarray(graphs.sample(0).mask).sum(axis=1):
+    members.append(1 + next(g for g in groups if g >= degree))
+  regular = stored_form(build_config(Variant("k5", "ntk_dfl", ()), 0))
+  ratio = costs.round_scale(grouped) / costs.round_scale(regular)
+  assert ratio == pytest.approx(np.mean(np.square(members)) / 36)
+  assert ratio < 0.2 * costs.round_scale(_erdos_renyi_config(chunk=0)) / costs.round_scale(regular)
 
 
 # ----------------------------------------------------------------------------- the queue (a stand-

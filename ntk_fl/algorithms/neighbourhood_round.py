@@ -86,6 +86,7 @@ def make_neighbourhood_round(
   jacobian_batches: int = 1,
   subsample: int = 1,
   share_cliques: bool = False,
+  group_by_degree: bool = False,
 ) -> NeighbourhoodRound:
   """Builds the parts of an NTK-DFL round shared by every neighbourhood-NTK method.
 
@@ -108,6 +109,12 @@ def make_neighbourhood_round(
       its client function is the same up to float summation order: compute it
       once per clique (SPARK App. A.2: "each device computes one Jacobian reused
       by all neighbours"), clique-size times less work. Needs ``per_round_averaging``.
+    group_by_degree: on a topology whose clients' degrees spread (Erdős–Rényi), give each client's
+      neighbourhood the fewest neighbour slots of :func:`ntk_fl.topology.degree_slot_groups` that hold its degree this
+      round instead of all ``k_max`` (:func:`ntk_fl.parallel.for_each_client_by_group`), when clients are
+      mapped in chunks. Only for a ``client_fn`` whose work does not depend on the slot count (NTK-DFL's
+      uncompressed update: padded slots are masked samples, so the result is the same up to float
+      rounding); elsewhere every neighbourhood keeps ``k_max`` slots.
   """
   if graphs is None:
     raise ValueError(
@@ -141,6 +148,7 @@ def make_neighbourhood_round(
   split = parallel.is_client_split(federation.samples_x)
   data = parallel.to_device(federation)
   round_inputs = graph_round_inputs(graphs, mixing, sizes, seed)
+  slot_groups = topology.degree_slot_groups(graphs) if group_by_degree else (graphs.k_max,)
 
   def neighbourhood(idx, nbrs, nbr_mask, samples, rows, ms):
     """Gathers client ``idx``'s and its neighbours' (sub-sampled) data into ``m1`` blocks.
@@ -177,22 +185,30 @@ def make_neighbourhood_round(
       ms = jnp.pad(ms, [(0, 0), (0, pad)])
     round_lr = lr * jnp.exp(-lr_decay * inputs.round.astype(jnp.float32))
 
-    def per_client(stacked, samples, p, idx, nbrs, nbr_mask, self_w, nbr_w, *args):
+    def per_client(slots, stacked, samples, p, idx, nbrs, nbr_mask, self_w, nbr_w, *args):
       if per_round_averaging:
         # w̄_i (eq. 1) from the round-start state shared whole: formed per chunk, so the round holds
         # the state it starts from and the one it returns, never an [M, ...] copy of the averages.
         p = gossip.mix_one(stacked, p, nbrs, self_w, nbr_w)
-      x, t, m = neighbourhood(idx, nbrs, nbr_mask, samples, rows, ms)
+      # Real neighbours come first in a row, so the first `slots` hold all of them.
+      x, t, m = neighbourhood(idx, nbrs[:slots], nbr_mask[:slots], samples, rows, ms)
       return client_fn(p, x, t, m, round_lr, *args)
 
     shared = (
       parallel.Shared(params, split),
       parallel.Shared((data.samples_x, data.samples_y), split),
     )
-    update = functools.partial(parallel.for_each_client(per_client), *shared)
+    update = functools.partial(
+      parallel.for_each_client(functools.partial(per_client, graphs.k_max)), *shared
+    )
     clients = jnp.arange(num_clients)
     weights = (inputs.self_weight, inputs.neighbor_weights)
     if not share_cliques:
+      if len(slot_groups) > 1:
+        # The group of a client: the first slot count that holds its degree this round.
+        group = jnp.searchsorted(jnp.asarray(slot_groups), inputs.neighbor_mask.sum(axis=1))
+        fns = [functools.partial(per_client, slots) for slots in slot_groups]
+        update = functools.partial(parallel.for_each_client_by_group(fns), group, *shared)
       return update(
         params, clients, inputs.neighbors, inputs.neighbor_mask, *weights, *client_args
       ), round_lr

@@ -349,6 +349,8 @@ def make_ntk_dfl(
     per_round_averaging=hparams.per_round_averaging,
     jacobian_batches=int(hparams.jacobian_batches),
     subsample=int(hparams.subsample),
+    # Compressed packages are per slot (App. E.3), so only the uncompressed update fits any slot count.
+    group_by_degree=not hparams.compressed,
   )
   client_update = make_client_update(
     model, hparams, targets_fn=targets_fn, score_fn=score_fn, neighbourhood_slots=1 + topology.k_max

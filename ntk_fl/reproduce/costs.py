@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
+
 from ntk_fl import topology
 
 __all__ = ["Cost", "ROUND_SECONDS", "TRANSMITTED_ROUND", "estimate", "markdown_table"]
@@ -131,16 +133,49 @@ _GPU_RATIO_NTK = ROUND_SECONDS["ntk_dfl"].cpu / ROUND_SECONDS["ntk_dfl"].gpu
 _GPU_RATIO_GRADIENT = ROUND_SECONDS["dfedavg"].cpu / ROUND_SECONDS["dfedavg"].gpu
 
 
+def _built_topology(config: dict) -> topology.Topology:
+  # Neither the slot count nor the degree spread depends on the seed.
+  return topology.topology_from_fields(config["topology"], config["data"]["num_clients"], seed=0)
+
+
 def _neighbour_slots(config: dict) -> int:
   """Neighbour slots each client's NTK block is padded to: the topology's ``k_max``.
 
   A regular, ring, line, complete or clustered graph fills its slots; an Erdős–Rényi graph's are
   its degree bound (22 for 300 clients at mean degree 5), far above its mean degree, and every
-  client's block is padded to them, so the NTK rounds cost what the slots cost.
+  client's block is padded to them unless the round groups clients by degree
+  (:func:`_mean_squared_members`).
   """
-  # The slot count does not depend on the seed.
-  built = topology.topology_from_fields(config["topology"], config["data"]["num_clients"], seed=0)
-  return built.k_max
+  return _built_topology(config).k_max
+
+
+def groups_by_degree(config: dict) -> bool:
+  """Whether ``config``'s NTK round gives each client its degree group's slots instead of ``k_max``.
+
+  NTK-DFL's uncompressed round mapped in chunks (``chunk_size >= 1``) on a topology whose degrees
+  spread (:func:`ntk_fl.topology.degree_slot_groups`).
+  """
+  built = _built_topology(config)
+  return (
+    config["method"] == "ntk_dfl"
+    and not transmits_jacobians(config)
+    and config.get("chunk_size", 0) >= 1
+    and len(topology.degree_slot_groups(built)) > 1
+  )
+
+
+def _mean_squared_members(config: dict) -> float:
+  """The mean over clients of ``(1 + slots)²``, the NTK work of a neighbourhood of that many members.
+
+  Padded: ``(1 + k_max)²``. Grouped by degree: each client's group's slots in the round-0 graph of
+  seed 0 (the degrees of other rounds and seeds spread alike).
+  """
+  built = _built_topology(config)
+  if not groups_by_degree(config):
+    return float((1 + built.k_max) ** 2)
+  groups = np.asarray(topology.degree_slot_groups(built))
+  degrees = np.asarray(built.sample(0).mask).sum(axis=1)
+  return float(np.mean((1 + groups[np.searchsorted(groups, degrees)]) ** 2))
 
 
 def transmits_jacobians(config: dict) -> bool:
@@ -170,7 +205,7 @@ def round_scale(config: dict) -> float:
     params = inputs * 100 + 100 + 100 * 10 + 10
     return clients * neighbourhood / _TRANSMITTED_SAMPLES * params / _TRANSMITTED_PARAMS
   if method in _NTK_GOSSIP:
-    per_client = ((_neighbour_slots(config) + 1) / 6 * samples / algo.get("subsample", 1)) ** 2
+    per_client = _mean_squared_members(config) / 36 * (samples / algo.get("subsample", 1)) ** 2
     per_client /= algo.get("jacobian_batches", 1)
     return clients * per_client * max(algo.get("taus", (800,))) / 800
   if method in _NTK_SERVER:
