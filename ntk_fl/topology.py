@@ -118,6 +118,8 @@ class Topology(NamedTuple):
     cliques: how many disjoint cliques every sampled graph consists of (the
       ``clustered`` family: every closed neighbourhood is a whole clique); 0 for
       the other families.
+    slot_groups: the neighbour-slot counts a degree-grouped NTK round gives
+      neighbourhoods (:func:`degree_slot_groups`); ``()`` = ``(k_max,)``.
   """
 
   name: str
@@ -126,6 +128,7 @@ class Topology(NamedTuple):
   dynamic: bool
   sample: Callable[[int], Graph]
   cliques: int = 0
+  slot_groups: tuple[int, ...] = ()
 
 
 # --------------------------------------------------------------------------- graphs
@@ -347,7 +350,13 @@ def make_topology(
     return draw(r if dynamic else 0)
 
   return Topology(
-    name=name, num_clients=m, k_max=slots, dynamic=dynamic, sample=sample, cliques=cliques
+    name=name,
+    num_clients=m,
+    k_max=slots,
+    dynamic=dynamic,
+    sample=sample,
+    cliques=cliques,
+    slot_groups=_slot_ladder(name, slots),
   )
 
 
@@ -373,13 +382,17 @@ def degree_slot_groups(graphs: Topology) -> tuple[int, ...]:
   """The neighbour-slot counts a degree-grouped round gives neighbourhoods, ascending, ending at ``k_max``.
 
   ``(k_max,)`` for a family whose clients all reach (about) the same degree; for Erdős–Rényi
-  ``2, 3, 5, 7, 10, 14, 20, ...`` (each about :data:`_SLOT_GROWTH` times the last) up to ``k_max``: a
-  client of degree ``d`` gets the first count ``>= d``. The NTK work of a neighbourhood grows with the
-  square of its samples, so at 300 clients of mean degree 5 (``k_max`` 22) a round costs about a tenth
-  of one that pads every client to ``k_max``.
+  ``2, 3, 5, 7, 10, 14, 20, ...`` (each about :data:`_SLOT_GROWTH` times the last) up to ``k_max``
+  (:attr:`Topology.slot_groups`): a client of degree ``d`` gets the first count ``>= d``. The NTK work
+  of a neighbourhood grows with the square of its samples, so at 300 clients of mean degree 5
+  (``k_max`` 22) a round does about a tenth of the work of one that pads every client to ``k_max``.
   """
-  k_max = graphs.k_max
-  if graphs.name not in _SPREAD_DEGREES or k_max <= 2:
+  return tuple(graphs.slot_groups) or (graphs.k_max,)
+
+
+def _slot_ladder(name: str, k_max: int) -> tuple[int, ...]:
+  """:attr:`Topology.slot_groups` of the family ``name`` with ``k_max`` slots."""
+  if name not in _SPREAD_DEGREES or k_max <= 2:
     return (k_max,)
   groups = [2]
   while math.ceil(groups[-1] * _SLOT_GROWTH) < k_max:

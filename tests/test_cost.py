@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ntk_fl import config as config_lib
-from ntk_fl import models, schema
+from ntk_fl import models, schema, topology
 from ntk_fl._src import cost
 from ntk_fl._src.ntk_step import NTK_FUNCTIONS as NTK
 from ntk_fl.algorithms import get_method
@@ -66,6 +66,35 @@ def test_workload_of_each_ntk_method():
   run = _settings("fed_ensemble", "smoke,ntk")
   assert ens.steps == run.algorithm.num_modes
   assert ens.block == max(run.algorithm.clients_per_round // run.algorithm.num_modes, 1) * 9
+
+
+def _erdos_renyi_settings(variant="smoke", chunk=1, clients=40):
+  config = config_lib.load_config("ntk_dfl", variant)
+  config.data.name = "synthetic"
+  config.data.num_clients = clients
+  config.topology.name = "erdos_renyi"
+  config.topology.mean_degree = 5.0
+  config.chunk_size = chunk
+  return schema.validate_config(config)
+
+
+def test_an_erdos_renyi_ntk_dfl_round_is_costed_at_its_degree_groups_blocks():
+  """Grouped (chunks of 1): the root mean square over round 0's clients of 1 + their group's slots, by a
+  plain loop; padded (all clients at once, or compressed packages): k_max + 1 members."""
+  fed = ragged_federation(np.random.default_rng(0), [9] * 40, dim=784, num_classes=10)
+  model = models.mlp()
+  grouped = _erdos_renyi_settings()
+  graphs = grouped.built_topology
+  groups = topology.degree_slot_groups(graphs)
+  assert len(groups) > 1
+  squares = []
+  for degree in np.asarray(graphs.sample(0).mask).sum(axis=1):
+    squares.append((1 + next(g for g in groups if g >= degree)) ** 2)
+  work = cost.workload(grouped, model, fed)
+  assert (work.steps, work.block) == (40, round(float(np.sqrt(np.mean(squares)))) * 9)
+  assert work.block < (graphs.k_max + 1) * 9 / 2
+  for padded in (_erdos_renyi_settings(chunk=0), _erdos_renyi_settings("smoke,topk0.5")):
+    assert cost.workload(padded, model, fed).block == (graphs.k_max + 1) * 9
 
 
 def test_the_ntk_methods_hand_the_estimate_their_step_and_the_others_none():

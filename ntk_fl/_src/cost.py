@@ -7,14 +7,17 @@ settings:
 =====================  ======================================  =============================================
 method                 steps per round ``S``                   samples per kernel block ``N``
 =====================  ======================================  =============================================
-``ntk_dfl``            ``M · m1`` (``m1`` Jacobian batches)     ``(k_max + 1) · ⌈⌈n_max / m2⌉ / m1⌉``
+``ntk_dfl``            ``M · m1`` (``m1`` Jacobian batches)     ``(k_max + 1) · ⌈⌈n_max / m2⌉ / m1⌉`` (†)
 ``spark``              ``M`` (cliques, when shared)            ``(k_max + 1) · ⌈n_max / m2⌉``
 ``ntk_fl, cp_ntk_fl``  ``1`` (the server)                      participants · ``⌈β · n_max⌉``
 ``fed_ensemble`` ntk   ``K`` (one per mode)                    participants / ``K`` · ``n_max``
 =====================  ======================================  =============================================
 
 (``M`` clients, ``n_max`` samples per client slot, ``k_max`` neighbour slots, ``m2`` sub-sampling.) The
-other methods train by gradient steps and get no estimate.
+other methods train by gradient steps and get no estimate. (†) Where NTK-DFL's round gives each client its
+degree group's slots (an Erdős–Rényi graph, uncompressed, clients mapped in chunks), ``k_max + 1`` becomes
+the root mean square of ``1 +`` round 0's clients' group slots: the steps cost what blocks of that size
+cost together.
 
 NTK-FL's server step differs from a client step in two ways the estimate follows. With compression
 (``sparsify_keep < 1`` or ``quantize_bits < 32``, or ``jacobian='explicit'``) the server materialises the
@@ -140,6 +143,23 @@ def _ceil_div(a: int, b: int) -> int:
   return -(-a // b)
 
 
+def _groups_ntk_dfl(algo, chunk: int, clients: int) -> bool:
+  """Whether NTK-DFL's round groups clients by degree: uncompressed, mapped in chunks of fewer than all."""
+  compressed = float(algo.sparsify_keep) < 1 or int(algo.quantize_bits) < 32
+  return not compressed and 1 <= chunk < clients
+
+
+def _members(graphs, *, grouped: bool) -> int:
+  """Members of the block the round's steps are costed at: ``k_max + 1``, or, where the round gives each
+  client its degree group's slots (``ntk_fl.topology.degree_slot_groups``), the root mean square over
+  round 0's clients of ``1 +`` their group's slots (a step's cost grows with the square of its block)."""
+  groups = np.asarray(tuple(graphs.slot_groups) or (graphs.k_max,))
+  if not grouped or len(groups) == 1:
+    return graphs.k_max + 1
+  degrees = np.asarray(graphs.sample(0).mask).sum(axis=1)
+  return max(1, round(float(np.sqrt(np.mean((1 + groups[np.searchsorted(groups, degrees)]) ** 2)))))
+
+
 def workload(settings, model, federation) -> Workload | None:
   """The NTK client steps of one round of ``settings.method`` (module docstring), or ``None``."""
   algo, method = settings.algorithm, settings.method
@@ -154,13 +174,14 @@ def workload(settings, model, federation) -> Workload | None:
     select="network" if algo.select == "validation" else algo.select,
   )
   if method in ("ntk_dfl", "spark"):
-    k = settings.built_topology.k_max
+    graphs = settings.built_topology
     m1 = int(getattr(algo, "jacobian_batches", 1))
     per_member = _ceil_div(_ceil_div(n_max, int(algo.subsample)), m1)
     steps = num_clients
-    if method == "spark" and algo.share_cliques and settings.built_topology.cliques:
-      steps = settings.built_topology.cliques
-    return Workload(steps * m1, (k + 1) * per_member, min(chunk, steps), options(algo.kernel))
+    if method == "spark" and algo.share_cliques and graphs.cliques:
+      steps = graphs.cliques
+    members = _members(graphs, grouped=method == "ntk_dfl" and _groups_ntk_dfl(algo, chunk, steps))
+    return Workload(steps * m1, members * per_member, min(chunk, steps), options(algo.kernel))
   if method in ("ntk_fl", "cp_ntk_fl"):
     participants = algo.clients_per_round or num_clients
     keep, bits = float(algo.sparsify_keep), int(algo.quantize_bits)
