@@ -152,14 +152,14 @@ def _neighbour_slots(config: dict) -> int:
 def groups_by_degree(config: dict) -> bool:
   """Whether ``config``'s NTK round gives each client its degree group's slots instead of ``k_max``.
 
-  NTK-DFL's uncompressed round mapped in chunks (``chunk_size >= 1``) on a topology whose degrees
+  NTK-DFL's uncompressed round mapped in chunks (``1 <= chunk_size < M``) on a topology whose degrees
   spread (:func:`ntk_fl.topology.degree_slot_groups`).
   """
   built = _built_topology(config)
   return (
     config["method"] == "ntk_dfl"
     and not transmits_jacobians(config)
-    and config.get("chunk_size", 0) >= 1
+    and 1 <= config.get("chunk_size", 0) < config["data"]["num_clients"]
     and len(topology.degree_slot_groups(built)) > 1
   )
 
