@@ -110,11 +110,11 @@ def make_neighbourhood_round(
       once per clique (SPARK App. A.2: "each device computes one Jacobian reused
       by all neighbours"), clique-size times less work. Needs ``per_round_averaging``.
     group_by_degree: on a topology whose clients' degrees spread (Erdős–Rényi), give each client's
-      neighbourhood the fewest neighbour slots of :func:`ntk_fl.topology.degree_slot_groups` that hold its degree this
-      round instead of all ``k_max`` (:func:`ntk_fl.parallel.for_each_client_by_group`), when clients are
-      mapped in chunks. Only for a ``client_fn`` whose work does not depend on the slot count (NTK-DFL's
-      uncompressed update: padded slots are masked samples, so the result is the same up to float
-      rounding); elsewhere every neighbourhood keeps ``k_max`` slots.
+      neighbourhood the fewest neighbour slots of :func:`ntk_fl.topology.degree_slot_groups` that hold
+      its degree this round instead of all ``k_max`` (:func:`ntk_fl.parallel.for_each_client_by_group`),
+      when clients are mapped in chunks. Only for a ``client_fn`` whose work does not depend on the slot
+      count (NTK-DFL's uncompressed update: padded slots are masked samples, so the result is the same
+      up to float rounding); elsewhere every neighbourhood keeps ``k_max`` slots.
   """
   if graphs is None:
     raise ValueError(
