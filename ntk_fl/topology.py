@@ -130,6 +130,12 @@ class Topology(NamedTuple):
   cliques: int = 0
   slot_groups: tuple[int, ...] = ()
 
+  def client_slots(self, graph: Graph) -> np.ndarray:
+    """int ``[M]``: the neighbour slots each client of ``graph`` (one of this topology's draws) takes in a
+    degree-grouped round, the first of :func:`degree_slot_groups` that holds its degree."""
+    groups = np.asarray(degree_slot_groups(self))
+    return groups[np.searchsorted(groups, np.asarray(graph.mask).sum(axis=1))]
+
 
 # --------------------------------------------------------------------------- graphs
 

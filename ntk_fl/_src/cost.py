@@ -143,21 +143,14 @@ def _ceil_div(a: int, b: int) -> int:
   return -(-a // b)
 
 
-def _groups_ntk_dfl(algo, chunk: int, clients: int) -> bool:
-  """Whether NTK-DFL's round groups clients by degree: uncompressed, mapped in chunks of fewer than all."""
-  compressed = float(algo.sparsify_keep) < 1 or int(algo.quantize_bits) < 32
-  return not compressed and 1 <= chunk < clients
-
-
 def _members(graphs, *, grouped: bool) -> int:
   """Members of the block the round's steps are costed at: ``k_max + 1``, or, where the round gives each
-  client its degree group's slots (``ntk_fl.topology.degree_slot_groups``), the root mean square over
+  client its degree group's slots (``ntk_fl.topology.Topology.client_slots``), the root mean square over
   round 0's clients of ``1 +`` their group's slots (a step's cost grows with the square of its block)."""
-  groups = np.asarray(tuple(graphs.slot_groups) or (graphs.k_max,))
-  if not grouped or len(groups) == 1:
+  if not grouped or len(graphs.slot_groups) < 2:
     return graphs.k_max + 1
-  degrees = np.asarray(graphs.sample(0).mask).sum(axis=1)
-  return max(1, round(float(np.sqrt(np.mean((1 + groups[np.searchsorted(groups, degrees)]) ** 2)))))
+  members = 1 + graphs.client_slots(graphs.sample(0))
+  return max(1, round(float(np.sqrt(np.mean(members**2)))))
 
 
 def workload(settings, model, federation) -> Workload | None:
@@ -180,7 +173,9 @@ def workload(settings, model, federation) -> Workload | None:
     steps = num_clients
     if method == "spark" and algo.share_cliques and graphs.cliques:
       steps = graphs.cliques
-    members = _members(graphs, grouped=method == "ntk_dfl" and _groups_ntk_dfl(algo, chunk, steps))
+    # NTK-DFL groups clients by degree when uncompressed and mapped in chunks of fewer than all.
+    grouped = method == "ntk_dfl" and not algo.compressed and 1 <= chunk < steps
+    members = _members(graphs, grouped=grouped)
     return Workload(steps * m1, members * per_member, min(chunk, steps), options(algo.kernel))
   if method in ("ntk_fl", "cp_ntk_fl"):
     participants = algo.clients_per_round or num_clients

@@ -149,13 +149,13 @@ def _neighbour_slots(config: dict) -> int:
   return _built_topology(config).k_max
 
 
-def groups_by_degree(config: dict) -> bool:
+def groups_by_degree(config: dict, built: topology.Topology | None = None) -> bool:
   """Whether ``config``'s NTK round gives each client its degree group's slots instead of ``k_max``.
 
   NTK-DFL's uncompressed round mapped in chunks (``1 <= chunk_size < M``) on a topology whose degrees
-  spread (:func:`ntk_fl.topology.degree_slot_groups`).
+  spread (:func:`ntk_fl.topology.degree_slot_groups`). ``built``: the config's topology, if at hand.
   """
-  built = _built_topology(config)
+  built = _built_topology(config) if built is None else built
   return (
     config["method"] == "ntk_dfl"
     and not transmits_jacobians(config)
@@ -171,11 +171,9 @@ def _mean_squared_members(config: dict) -> float:
   seed 0 (the degrees of other rounds and seeds spread alike).
   """
   built = _built_topology(config)
-  if not groups_by_degree(config):
+  if not groups_by_degree(config, built):
     return float((1 + built.k_max) ** 2)
-  groups = np.asarray(topology.degree_slot_groups(built))
-  degrees = np.asarray(built.sample(0).mask).sum(axis=1)
-  return float(np.mean((1 + groups[np.searchsorted(groups, degrees)]) ** 2))
+  return float(np.mean((1 + built.client_slots(built.sample(0))) ** 2))
 
 
 def transmits_jacobians(config: dict) -> bool:
