@@ -196,6 +196,27 @@ def test_erdos_renyi_ntk_dfl_runs_in_chunks_are_costed_by_their_degree_groups():
   assert ratio < 0.2 * costs.round_scale(_erdos_renyi_config(chunk=0)) / costs.round_scale(regular)
 
 
+def test_projection_alone_is_costed_and_grouped_as_the_uncompressed_round():
+  """The input projection without top-k or quantisation keeps NTK-DFL's round matrix-free and its
+  client update independent of the slot count (``NTKDFLHParams.compressed`` is False), so the estimate
+  takes the uncompressed row and, on an Erdős–Rényi graph mapped in chunks, the degree groups, as the
+  round does; adding top-k to it switches both off."""
+  from ntk_fl.algorithms import ntk_dfl  # pylint: disable=import-outside-toplevel
+
+  projected = build_config(Variant("p", "ntk_dfl:proj200", ()), 0)
+  plain = build_config(Variant("k5", "ntk_dfl", ()), 0)
+  assert projected.algorithm.projection_dim == 200
+  assert not ntk_dfl.NTKDFLHParams(**projected.algorithm.to_dict()).compressed
+  assert not costs.transmits_jacobians(stored_form(projected))
+  assert costs.estimate(stored_form(projected)) == costs.estimate(stored_form(plain))
+  er = (("topology.name", "erdos_renyi"), ("topology.mean_degree", 5.0), ("chunk_size", 1))
+  projected_er = stored_form(build_config(Variant("p_er", "ntk_dfl:proj200", er), 0))
+  assert costs.groups_by_degree(projected_er)
+  assert costs.round_scale(projected_er) == pytest.approx(costs.round_scale(_erdos_renyi_config()))
+  compressed_er = stored_form(build_config(Variant("c_er", "ntk_dfl:topk0.5,proj200", er), 0))
+  assert costs.transmits_jacobians(compressed_er) and not costs.groups_by_degree(compressed_er)
+
+
 # ----------------------------------------------------------------------------- the queue (a stand-
 # in launcher)
 

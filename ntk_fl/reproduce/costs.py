@@ -11,12 +11,13 @@ round, benchmarks/RESULTS.md) and linearly in the largest τ. The neighbourhood 
 counted as every client's block is laid out: padded to the topology's neighbour
 slots (``k_max``), which for an Erdős–Rényi graph is its degree bound, not its mean
 degree. A block that outgrows the caches may run slower than this scaling says.
-A gossip NTK run that transmits explicit, compressed Jacobians (top-k, b-bit quantisation
-or the input projection, NTK-DFL App. E.3) is dominated
-by building, compressing and contracting those Jacobians instead: its row is the measured compressed
-round (:data:`TRANSMITTED_ROUND`), scaled with the Jacobians' size (clients × neighbourhood samples ×
-parameters of the network on the transmitted inputs). The estimates are for planning a queue; a run
-stopped at a target accuracy takes at most that long.
+A gossip NTK run that transmits explicit, compressed Jacobians (top-k or b-bit quantisation,
+NTK-DFL App. E.3, with or without the input projection) is dominated by building, compressing and
+contracting those Jacobians instead: its row is the measured compressed round
+(:data:`TRANSMITTED_ROUND`), scaled with the Jacobians' size (clients × neighbourhood samples ×
+parameters of the network on the transmitted inputs). The input projection alone keeps the round
+matrix-free, so it is costed (and grouped by degree) as the uncompressed round. The estimates are
+for planning a queue; a run stopped at a target accuracy takes at most that long.
 """
 
 from __future__ import annotations
@@ -177,12 +178,14 @@ def _mean_squared_members(config: dict) -> float:
 
 
 def transmits_jacobians(config: dict) -> bool:
-  """Whether ``config`` is a gossip NTK run whose clients send explicit, compressed Jacobians."""
+  """Whether ``config`` is a gossip NTK run whose clients send explicit, compressed Jacobians.
+
+  Top-k or quantisation (``NTKDFLHParams.compressed``); the input projection alone does not: its round
+  stays matrix-free (the model on ``d1'`` inputs, docs/ntk_dfl.md).
+  """
   algo = config.get("algorithm", {})
   return config["method"] in _NTK_GOSSIP and (
-    algo.get("sparsify_keep", 1.0) < 1
-    or algo.get("quantize_bits", 32) < 32
-    or algo.get("projection_dim", 0) > 0
+    algo.get("sparsify_keep", 1.0) < 1 or algo.get("quantize_bits", 32) < 32
   )
 
 
