@@ -138,9 +138,9 @@ class Checkpoints:
       copied from another run). ``None``: a reader that takes the recorded
       identity as given (the arrays are still checked against the digest).
     also_accept: further identities a checkpoint may record and still belong to this run: a
-      resumed run's identity as its ``config.json`` was written, by a version of the package whose
-      schema lacked keys added since (:func:`ntk_fl.rundir.written_identity`). Saves record
-      ``identity``.
+      resumed (or branched-from) run's identity as its ``config.json`` was written, by a version of the
+      package whose schema lacked keys added since or still counted the checkpoint cadence as part of
+      the run (:func:`ntk_fl.rundir.written_identities`). Saves record ``identity``.
   """
 
   def __init__(

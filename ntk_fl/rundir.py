@@ -74,7 +74,7 @@ __all__ = [
   "run_identity",
   "drop_event_files",
   "stored_identity",
-  "written_identity",
+  "written_identities",
   "LOCK_FILE",
   "checkpoint_dir",
   "jsonable",
@@ -143,10 +143,12 @@ def setting_key(config: dict) -> tuple:
   return tuple(sorted((k, v) for k, v in flatten(config).items() if k not in NEUTRAL_KEYS))
 
 
-# Keys that do not change the trajectory (where clients run, which checkpoints are kept, whether the
-# consensus models are also scored, whether the cost estimate ran); resume and branch ignore them.
+# Keys that do not change the trajectory (where clients run, when checkpoints are written and which are
+# kept, whether the consensus models are also scored, whether the cost estimate ran); resume and branch
+# ignore them.
 RESULT_NEUTRAL_KEYS = (
   "devices",
+  "checkpoint_every",  # a long run may resume checkpointing more often than it started
   "checkpoint_keep",
   "eval.consensus",
   "on_divergence",
@@ -617,31 +619,40 @@ def check_links(workdir: str, *, fresh: bool) -> None:
     )
 
 
-def run_identity(config) -> str:
+# Keys of RESULT_NEUTRAL_KEYS that were part of a run's identity when older versions of the package
+# recorded it in their checkpoints (:func:`written_identities`).
+_FORMERLY_IDENTIFYING_KEYS = ("checkpoint_every",)
+
+
+def run_identity(config, *, _identifying: tuple[str, ...] = ()) -> str:
   """SHA-256 of a run's experiment config (its seed included; placement keys left out), as hex.
 
   The same for a ``config.json`` read back (``dict``) and the config it was
   written from: checkpoints are tied to their run by it (:class:`ntk_fl.checkpoint.Checkpoints`).
+  ``_identifying``: result-neutral keys hashed all the same, as an older version did.
   """
   plain = config if isinstance(config, dict) else json.loads(json.dumps(jsonable(config)))
-  plain = config_without(plain, *RESULT_NEUTRAL_KEYS)
+  plain = config_without(plain, *(k for k in RESULT_NEUTRAL_KEYS if k not in _identifying))
   return hashlib.sha256(json.dumps(plain, sort_keys=True).encode()).hexdigest()
 
 
-def written_identity(workdir: str) -> str | None:
-  """:func:`run_identity` of ``workdir``'s ``config.json`` exactly as written, keys added to the schema
-  since left out; ``None`` without a readable one.
+def written_identities(workdir: str) -> list[str]:
+  """The identities an older version of the package may have tied ``workdir``'s checkpoints to: the
+  :func:`run_identity` of its ``config.json`` exactly as written (keys added to the schema since left
+  out), and the same with the keys that were then part of the identity (the checkpoint cadence); empty
+  without a readable ``config.json``.
 
-  A run started by an older version of the package recorded this identity in its checkpoints; the
-  current config of the same run (its added keys at the values that reproduce it) hashes differently,
-  so a resume accepts both (``Checkpoints(also_accept=...)``).
+  The current config of such a run (its added keys at the values that reproduce it, another cadence)
+  hashes differently, so a resume or a branch accepts these too (``Checkpoints(also_accept=...)``).
   """
   try:
     with open(os.path.join(workdir, CONFIG_FILE)) as f:
       written = json.load(f)
   except (OSError, ValueError, RecursionError):
-    return None
-  return run_identity(written) if isinstance(written, dict) else None
+    return []
+  if not isinstance(written, dict):
+    return []
+  return [run_identity(written), run_identity(written, _identifying=_FORMERLY_IDENTIFYING_KEYS)]
 
 
 def stored_identity(workdir: str) -> str:
@@ -741,7 +752,7 @@ def check_workdir(
   start = None
   if os.path.isdir(ckpt_dir):
     with Checkpoints(
-      ckpt_dir, identity=run_identity(config), also_accept=[written_identity(workdir)]
+      ckpt_dir, identity=run_identity(config), also_accept=written_identities(workdir)
     ) as ckpt:
       start = ckpt.recover(upto=resume_from_step)
       held = _metrics_rounds(workdir)
@@ -950,7 +961,12 @@ def check_branch(config, source: str, branch_round: int | None = None) -> int:
   steps = []
   if os.path.isdir(ckpt_dir):
     # Another run's: verified against its own identity, never renamed.
-    with Checkpoints(ckpt_dir, read_only=True, identity=run_identity(stored)) as ckpt:
+    with Checkpoints(
+      ckpt_dir,
+      read_only=True,
+      identity=run_identity(stored),
+      also_accept=written_identities(source),
+    ) as ckpt:
       steps, damaged = ckpt.good_steps()
     for step, why in damaged.items():
       logging.warning(

@@ -730,7 +730,7 @@ def _consensus_scorer(algorithm: Algorithm, state, config):
 def _run_checkpoints(config, workdir: str, keep: tuple[int, ...], resume: bool) -> Checkpoints:
   """The run's checkpoints, tied to its config; a resume also reads those its ``config.json`` as written
   (by an older package version, before keys were added to the schema) tied them to."""
-  accepted = [rundir.written_identity(workdir)] if resume else []
+  accepted = rundir.written_identities(workdir) if resume else []
   return Checkpoints(
     rundir.checkpoint_dir(workdir),
     keep=keep,
@@ -750,6 +750,7 @@ def _start(config, workdir: str, state, start: int, ckpt, *, resume: bool, branc
       rundir.checkpoint_dir(branch_from),
       read_only=True,
       identity=rundir.stored_identity(branch_from),
+      also_accept=rundir.written_identities(branch_from),
     ) as source:
       state = _canonical(source.restore(start, state))
     lines = rundir.metrics_up_to(branch_from, start, "branch")

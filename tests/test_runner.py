@@ -7,6 +7,7 @@ reproduce its every logged number exactly.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -311,6 +312,63 @@ def test_checkpoints_written_before_a_schema_key_existed_resume_exactly(referenc
   lines = rundir.read_metrics(old)
   assert [without(line, TIMES) for line in lines] == [without(line, TIMES) for line in ref_lines]
   assert without(summary, SUMMARY_TIMES) == without(ref_summary, SUMMARY_TIMES)
+
+
+def _tie_checkpoints_to(ckpt_dir: str, identity: str) -> None:
+  """Rewrites ``ckpt_dir``'s checkpoints as a writer recording ``identity`` saves them."""
+  with Checkpoints(ckpt_dir, read_only=True) as source:
+    states = {s: source.read(s) for s in source.steps()}
+  shutil.rmtree(ckpt_dir)
+  with Checkpoints(ckpt_dir, identity=identity) as writer:
+    for step, state in states.items():
+      writer.save(step, state)
+
+
+def test_a_run_resumes_with_another_checkpoint_cadence_exactly(reference, tmp_path):
+  """The cadence decides when the state is written, not what is computed: a run started with
+  checkpoint_every = 2 and killed after round 3, whose checkpoint an older version tied to an identity that
+  included the cadence, resumes with checkpoint_every = 1, checkpoints every round from then on (killed
+  again after round 4, it resumes from 4) and equals the uninterrupted run; a branch from it is accepted
+  too. Another setting is still refused."""
+  _, ref_lines, ref_summary = reference
+  workdir = str(tmp_path / "run")
+
+  def kill_after(stop):
+    def on_round_end(round_, line):
+      if round_ == stop:
+        raise _Killed
+
+    return on_round_end
+
+  with pytest.raises(_Killed):
+    runner.run(toy_config(), workdir, on_round_end=kill_after(3))
+  with open(os.path.join(workdir, rundir.CONFIG_FILE)) as f:
+    stored = json.load(f)
+  assert stored["checkpoint_every"] == 2
+  # The identity as the older version computed it: the cadence hashed with the rest.
+  identifying = [k for k in rundir.RESULT_NEUTRAL_KEYS if k != "checkpoint_every"]
+  plain = json.dumps(rundir.config_without(stored, *identifying), sort_keys=True)
+  with_cadence = hashlib.sha256(plain.encode()).hexdigest()
+  assert with_cadence != rundir.run_identity(stored)
+  assert rundir.run_identity(toy_config(checkpoint_every=1)) == rundir.run_identity(toy_config())
+  ckpt_dir = rundir.checkpoint_dir(workdir)
+  _tie_checkpoints_to(ckpt_dir, with_cadence)
+  assert (
+    rundir.check_branch(toy_config(), workdir) == 2
+  )  # verified against the identity it recorded
+  with pytest.raises(_Killed):
+    runner.run(toy_config(checkpoint_every=1), workdir, resume=True, on_round_end=kill_after(4))
+  with Checkpoints(ckpt_dir, read_only=True) as ckpt:
+    assert ckpt.steps() == [3, 4]  # rounds 3 and 4 each checkpointed; the two newest kept
+  summary = runner.run(toy_config(checkpoint_every=1), workdir, resume=True)
+  assert summary["resumed_from"] == 4
+  lines = rundir.read_metrics(workdir)
+  assert [without(line, TIMES) for line in lines] == [without(line, TIMES) for line in ref_lines]
+  assert summary["config"]["checkpoint_every"] == 1  # the summary records what the last process ran
+  summary["config"]["checkpoint_every"] = 2
+  assert without(summary, SUMMARY_TIMES) == without(ref_summary, SUMMARY_TIMES)
+  with pytest.raises(ValueError, match=r"different config.*lr"):
+    rundir.check_workdir(toy_config(**{"algorithm.lr": 0.25}), workdir, resume=True)
 
 
 def test_checkpoints_written_before_they_recorded_their_run_resume_exactly(reference, tmp_path):

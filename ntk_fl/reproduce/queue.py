@@ -224,9 +224,10 @@ def plan(
 def _resume_flags(workdir: str) -> list[str]:
   """``--config.KEY=VALUE`` for the stored values of the keys a resume must keep but the queue matches
   runs without (:data:`ntk_fl.rundir.NEUTRAL_KEYS` less the seed and what a resume may change,
-  :data:`ntk_fl.rundir.RESULT_NEUTRAL_KEYS`): the checkpoint cadence and the chunk size of a run found
-  among ``--out``'s, which may have been started by hand or by another queue with other values. They
-  come last, so a resumed run continues as it was started whatever ``--extra`` says."""
+  :data:`ntk_fl.rundir.RESULT_NEUTRAL_KEYS`): the chunk size (float rounding) of a run found among
+  ``--out``'s, which may have been started by hand or by another queue with another value. They come
+  last, so a resumed run continues as it was started whatever ``--extra`` says; the checkpoint cadence
+  is not among them (``--extra=--config.checkpoint_every=1`` changes it for the rest of a run)."""
   stored = rundir.flatten(rundir.read_config(workdir))
   keep = [k for k in rundir.NEUTRAL_KEYS if k != "seed" and k not in rundir.RESULT_NEUTRAL_KEYS]
   # An absent key or an empty string (no data_dir) is the default: no flag.
