@@ -350,6 +350,31 @@ def test_a_found_run_resumes_with_its_own_chunk_and_any_checkpoint_cadence(tmp_p
   assert rundir.check_workdir(parsed, str(workdir), resume=True) == 0
 
 
+def test_runs_with_long_rounds_checkpoint_every_round(tmp_path):
+  """A run estimated at LONG_ROUND_SECONDS or more a round (Fig. 15's compressed stack: the explicit-
+  Jacobian row) gets --config.checkpoint_every=1 before --extra (which still decides); a paper-scale
+  NTK-DFL run below the bound keeps its config's cadence."""
+  fig15 = EXPERIMENTS["ntk_dfl:fig15"]
+  compressed, plain = fig15.variant("fig15_compressed"), fig15.variant("fig9_ntk_dfl_k5")
+  per_round = {
+    v.name: costs.estimate(stored_form(build_config(v, 0)))[0] / build_config(v, 0).rounds
+    for v in (compressed, plain)
+  }
+  assert per_round["fig15_compressed"] >= queue.LONG_ROUND_SECONDS > per_round["fig9_ntk_dfl_k5"]
+  assert build_config(compressed, 0).checkpoint_every != 1
+  jobs = {
+    j.variant.name: j.command
+    for j in queue.plan(fig15, str(tmp_path), patterns=["fig15_compressed", "fig9_ntk_dfl_k5"])
+  }
+  assert "--config.checkpoint_every=1" in jobs["fig15_compressed"]
+  assert not any("checkpoint_every" in c for c in jobs["fig9_ntk_dfl_k5"])
+  [job] = queue.plan(
+    fig15, str(tmp_path), patterns=["fig15_compressed"], extra=["--config.checkpoint_every=3"]
+  )
+  cadence = [c for c in job.command if c.startswith("--config.checkpoint_every=")]
+  assert cadence == ["--config.checkpoint_every=1", "--config.checkpoint_every=3"]  # the last wins
+
+
 def test_a_folder_at_the_run_name_with_another_config_is_moved_aside(tmp_path):
   out = tmp_path / "runs"
   (out / "smoke_lr01_s0" / "checkpoints" / "1").mkdir(parents=True)

@@ -14,6 +14,9 @@ two experiments is made once):
 
 Every run's console goes to ``OUT/<name>_s<seed>.log`` and its full log to
 ``OUT/<name>_s<seed>/log.txt``. A failed run is reported and the queue goes on.
+A run whose rounds are long (:data:`LONG_ROUND_SECONDS` by :func:`ntk_fl.reproduce.costs.estimate`)
+checkpoints every round (``--config.checkpoint_every=1``, before ``--extra``), so a machine that goes
+costs it at most one round.
 
 With ``replicas = S > 1`` (``ntk-fl reproduce --replicas S``), up to ``S`` consecutive seeds of a
 variant that all start afresh run as one seed-batched run (``--config.replicas``) in
@@ -35,6 +38,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from ntk_fl import rundir
+from ntk_fl.reproduce import costs
 from ntk_fl.reproduce.registry import (
   Experiment,
   Variant,
@@ -149,6 +153,22 @@ def expected_key(variant: Variant, seed: int) -> tuple:
   return config_key(stored_form(build_config(variant, seed)))
 
 
+LONG_ROUND_SECONDS = 120.0
+"""Estimated seconds per round (the 2-core CPU's, :func:`ntk_fl.reproduce.costs.estimate`) from which a
+queued run checkpoints every round: ≈ 8 minutes or more a round on one core shared with another run,
+where the cadence of a paper config (2 rounds) would lose up to a quarter of an hour to a machine that
+goes. A checkpoint costs about a second at the papers' scale."""
+
+
+def _cadence_flags(variant: Variant, seed: int) -> list[str]:
+  """``--config.checkpoint_every=1`` for a run whose rounds are long (:data:`LONG_ROUND_SECONDS`)."""
+  stored = stored_form(build_config(variant, seed))
+  cpu_seconds, _, _ = costs.estimate(stored)
+  if stored["checkpoint_every"] != 1 and cpu_seconds / stored["rounds"] >= LONG_ROUND_SECONDS:
+    return ["--config.checkpoint_every=1"]
+  return []
+
+
 def _pick(candidates: list[str], canonical: str) -> str | None:
   """The run to use among same-config runs: the one at the canonical name, else a finished one, else
   the first."""
@@ -211,6 +231,7 @@ def plan(
         f"--config={variant.config}",
         f"--config.seed={seed}",
         *override_flags(variant),
+        *_cadence_flags(variant, seed),
         f"--workdir={job.workdir}",
         *(["--resume"] if job.action == "resume" else []),
         *([f"--branch_from={job.branch_from}"] if job.branch_from else []),
