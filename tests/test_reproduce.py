@@ -351,25 +351,24 @@ def test_a_found_run_resumes_with_its_own_chunk_and_any_checkpoint_cadence(tmp_p
 
 
 def test_runs_with_long_rounds_checkpoint_every_round(tmp_path):
-  """A run estimated at LONG_ROUND_SECONDS or more a round (Fig. 15's compressed stack: the explicit-
-  Jacobian row) gets --config.checkpoint_every=1 before --extra (which still decides); a paper-scale
-  NTK-DFL run below the bound keeps its config's cadence."""
-  fig15 = EXPERIMENTS["ntk_dfl:fig15"]
-  compressed, plain = fig15.variant("fig15_compressed"), fig15.variant("fig9_ntk_dfl_k5")
-  per_round = {
-    v.name: costs.estimate(stored_form(build_config(v, 0)))[0] / build_config(v, 0).rounds
-    for v in (compressed, plain)
-  }
-  assert per_round["fig15_compressed"] >= queue.LONG_ROUND_SECONDS > per_round["fig9_ntk_dfl_k5"]
-  assert build_config(compressed, 0).checkpoint_every != 1
-  jobs = {
-    j.variant.name: j.command
-    for j in queue.plan(fig15, str(tmp_path), patterns=["fig15_compressed", "fig9_ntk_dfl_k5"])
-  }
-  assert "--config.checkpoint_every=1" in jobs["fig15_compressed"]
-  assert not any("checkpoint_every" in c for c in jobs["fig9_ntk_dfl_k5"])
+  """A run estimated at LONG_ROUND_SECONDS or more a round (NTK-DFL in the paper setting, its compressed
+  stack) gets --config.checkpoint_every=1 before --extra (which still decides); DFedAvg's short rounds
+  keep their config's cadence."""
+  fig16 = EXPERIMENTS["ntk_dfl:fig16"]
+  names = ("fig16_compressed_clustered", "fig9_ntk_dfl_k5", "fig3_dfedavg_k5")
+  per_round = {}
+  for name in names:
+    config = build_config(fig16.variant(name), 0)
+    assert config.checkpoint_every != 1
+    per_round[name] = costs.estimate(stored_form(config))[0] / config.rounds
+  assert per_round["fig16_compressed_clustered"] > per_round["fig9_ntk_dfl_k5"]
+  assert per_round["fig9_ntk_dfl_k5"] >= queue.LONG_ROUND_SECONDS > per_round["fig3_dfedavg_k5"]
+  jobs = {j.variant.name: j.command for j in queue.plan(fig16, str(tmp_path), patterns=names)}
+  assert "--config.checkpoint_every=1" in jobs["fig16_compressed_clustered"]
+  assert "--config.checkpoint_every=1" in jobs["fig9_ntk_dfl_k5"]
+  assert not any("checkpoint_every" in c for c in jobs["fig3_dfedavg_k5"])
   [job] = queue.plan(
-    fig15, str(tmp_path), patterns=["fig15_compressed"], extra=["--config.checkpoint_every=3"]
+    fig16, str(tmp_path), patterns=[names[0]], extra=["--config.checkpoint_every=3"]
   )
   cadence = [c for c in job.command if c.startswith("--config.checkpoint_every=")]
   assert cadence == ["--config.checkpoint_every=1", "--config.checkpoint_every=3"]  # the last wins
@@ -683,3 +682,60 @@ def test_the_former_suites_map_onto_experiments(tmp_path):
     check=False,
   )
   assert bad.returncode == 2 and "unknown row 'nothing'" in bad.stderr
+
+
+# ----------------------------------------------------------------------------- progress (--status)
+
+
+def test_status_reports_each_run_and_the_time_it_still_needs(tmp_path, capsys):
+  """A finished run, a partial one (its newest finalised checkpoint, not an unfinished save, is where a
+  resume starts; its time left is the rounds left times the median of its own rounds) and runs not
+  started (the cost estimate: the CPU's, or the H100's for a variant registered for a GPU)."""
+  from ntk_fl.reproduce import progress  # pylint: disable=import-outside-toplevel
+
+  fig16 = EXPERIMENTS["ntk_dfl:fig16"]
+  runs = tmp_path / "runs"
+  finished = _fake_run(runs, "fig3_dfedavg_k5_s0", fig16.variant("fig3_dfedavg_k5"), 0, [0.8] * 100)
+  with open(os.path.join(finished, rundir.SUMMARY_FILE), "w") as f:
+    json.dump({"status": "finished"}, f)
+  partial = _fake_run(
+    runs,
+    "by_hand",
+    fig16.variant("fig16_compressed_clustered"),
+    0,
+    [0.6, 0.7, 0.72, 0.75, 0.76, 0.77, 0.78],
+  )
+  step = [600.0, 100.0, 110.0, 90.0, 105.0, 95.0, 120.0]  # the first round compiles
+  lines = rundir.read_metrics(partial)
+  for line, seconds in zip(lines, step):
+    line.update(step_time=seconds, eval_time=5.0)
+  rundir.write_metrics(partial, lines)
+  for name in ("4", "6", "7.orbax-checkpoint-tmp-1795800000"):  # round 7's save did not finish
+    os.makedirs(os.path.join(rundir.checkpoint_dir(partial), name))
+
+  by_name = {p.name: p for p in progress.experiment_progress(fig16, str(runs))}
+  assert sorted(by_name) == [
+    "by_hand",
+    "fig12_dfedavg_q8_s0",
+    "fig3_dfedavg_k5_s0",
+    "fig9_ntk_dfl_k5_s0",
+  ]
+  done = by_name["fig3_dfedavg_k5_s0"]
+  assert (done.state, done.held, done.left_seconds, done.accuracy) == ("finished", 100, 0.0, 0.8)
+  part = by_name["by_hand"]
+  assert (part.state, part.held, part.rounds, part.accuracy) == ("partial", 6, 30, 0.78)
+  assert part.round_seconds == 110.0  # the median of 605, 105, 115, 95, 110, 100, 125
+  assert part.left_seconds == pytest.approx(24 * 110.0) and part.measured
+  for name in ("fig9_ntk_dfl_k5", "fig12_dfedavg_q8"):
+    fresh = by_name[f"{name}_s0"]
+    cpu, gpu, _ = costs.estimate(stored_form(build_config(fig16.variant(name), 0)))
+    assert fresh.state == "not started" and not fresh.measured
+    assert fresh.left_seconds == pytest.approx(gpu if fresh.gpu else cpu)
+
+  assert reproduce.main(["ntk_dfl:fig16", "--out", str(runs), "--status"]) == 0
+  table = capsys.readouterr().out
+  assert "| by_hand | partial | 6 / 30 | 78.00 | 110 | 44 min at its own pace |" in table
+  assert "| fig3_dfedavg_k5_s0 | finished | 100 / 100 | 80.00 |" in table
+  assert reproduce.main(["--out", str(runs), "--status"]) == 0
+  rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| ntk_dfl:fig16 |")]
+  assert rows == [rows[0]] and "| 1 | 1 (by_hand 6/30) | 2 | 44 min |" in rows[0]

@@ -5,6 +5,7 @@
         [--skip_gpu] [--python 'taskset -c 1 python'] [--extra=--config.chunk_size=0] [--replicas S]
         [--dry_run]
   ntk-fl reproduce ntk_dfl:fig9 --out DIR --render_only [--render_dir FIGDIR]
+  ntk-fl reproduce [ntk_dfl:fig9] --out DIR --status   where the runs stand, the time left
   ntk-fl reproduce ntk_dfl:fig9 --runs RUN_DIR... --render_dir FIGDIR
 
 An experiment (:mod:`ntk_fl.reproduce.experiments`) runs as a resumable queue
@@ -96,9 +97,21 @@ def list_table() -> str:
   return "\n".join(rows)
 
 
+def _status_table(out: str, seeds: Sequence[int] | None) -> str:
+  """One markdown row per experiment with runs: how its runs in ``out`` stand (:mod:`.progress`)."""
+  from ntk_fl.reproduce import progress  # pylint: disable=import-outside-toplevel
+
+  rows = [progress.SUMMARY_HEADER]
+  for name, experiment in EXPERIMENTS.items():
+    if name.startswith("smoke:") or not experiment.variants or experiment.needs:
+      continue
+    rows.append(progress.summary_row(name, progress.experiment_progress(experiment, out, seeds)))
+  return "\n".join(rows)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   """``ntk-fl reproduce``; returns the exit status (1 when a run failed, 2 for a bad request)."""
-  from ntk_fl.reproduce import queue, render  # pylint: disable=import-outside-toplevel
+  from ntk_fl.reproduce import progress, queue, render  # pylint: disable=import-outside-toplevel
   from ntk_fl import compare, rundir  # pylint: disable=import-outside-toplevel
 
   parser = argparse.ArgumentParser(
@@ -111,6 +124,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   )
   parser.add_argument(
     "--list", action="store_true", help="list every experiment with its runs and estimated time"
+  )
+  parser.add_argument(
+    "--status",
+    action="store_true",
+    help="where the experiment's runs in --out stand (finished, partial, not started) and the time "
+    "they still need; without a name, one line per experiment",
   )
   parser.add_argument(
     "--seeds", type=int, nargs="+", default=None, help="seeds (default: the experiment's)"
@@ -172,6 +191,9 @@ def main(argv: Sequence[str] | None = None) -> int:
       "stopped at a target); ≈: GPU time scaled from the method family's measured CPU/GPU ratio."
     )
     return 0
+  if args.status and not args.name:
+    print(_status_table(args.out, args.seeds))
+    return 0
   if not args.name:
     parser.error("name an experiment (ntk-fl reproduce --list shows them)")
   if args.name not in EXPERIMENTS:
@@ -181,6 +203,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"error: unknown experiment {args.name!r}; known: {', '.join(close)}", file=sys.stderr)
     return 2
   experiment = EXPERIMENTS[args.name]
+  if args.status:
+    if not experiment.variants:
+      print(f"{args.name} has no runs: it needs {experiment.needs}")
+      return 0
+    print(progress.run_table(progress.experiment_progress(experiment, args.out, args.seeds)))
+    return 0
   # Rendering someone else's runs (--render_only, --runs) never writes into their folder by default.
   reading_only = args.render_only or args.runs is not None
   render_dir = args.render_dir or ("runs/results" if reading_only else f"{args.out}/results")

@@ -153,11 +153,12 @@ def expected_key(variant: Variant, seed: int) -> tuple:
   return config_key(stored_form(build_config(variant, seed)))
 
 
-LONG_ROUND_SECONDS = 120.0
+LONG_ROUND_SECONDS = 30.0
 """Estimated seconds per round (the 2-core CPU's, :func:`ntk_fl.reproduce.costs.estimate`) from which a
-queued run checkpoints every round: ≈ 8 minutes or more a round on one core shared with another run,
-where the cadence of a paper config (2 rounds) would lose up to a quarter of an hour to a machine that
-goes. A checkpoint costs about a second at the papers' scale."""
+queued run checkpoints every round: NTK-DFL and SPARK in the papers' setting (≈ 4 minutes a round on one
+core shared with another run, up to 20 for the compressed stacks), whose configs' cadence of 5 rounds
+could lose an hour or more to a machine that goes, while a checkpoint costs about a second at the
+papers' scale; the gradient baselines' short rounds keep their configs' cadence."""
 
 
 def _cadence_flags(variant: Variant, seed: int) -> list[str]:

@@ -1,0 +1,166 @@
+"""Where an experiment's runs stand in an output folder, and how long the rest will take.
+
+``ntk-fl reproduce NAME --status [--out DIR]`` lists each run of ``NAME`` (found by config, as the
+queue finds them, :func:`ntk_fl.reproduce.queue.plan`): finished, partial (the round its newest
+checkpoint holds, which is where a resume starts) or not started, and the time it still needs:
+
+* a partial run: its rounds left times the median of its own recorded rounds (``step_time +
+  eval_time`` of ``metrics.jsonl``; the median leaves out the first round's compilation), so on the
+  machine and under the load it ran on;
+* a run not started: the estimate of :func:`ntk_fl.reproduce.costs.estimate` (the 2-core CPU, or one
+  H100 for a variant registered for a GPU).
+
+Both are upper bounds for a run that stops at a target accuracy (``eval.stop_at``).
+``ntk-fl reproduce --status`` without a name gives one line per experiment with runs in ``DIR``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+from ntk_fl import rundir
+from ntk_fl.reproduce import costs
+from ntk_fl.reproduce.queue import plan, stored_form
+from ntk_fl.reproduce.registry import Experiment, build_config
+
+__all__ = ["RunProgress", "experiment_progress", "run_table", "summary_row"]
+
+FINISHED, PARTIAL, NOT_STARTED = "finished", "partial", "not started"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunProgress:
+  """One run of an experiment in an output folder.
+
+  Attributes:
+    name: the run's name, ``<variant>_s<seed>``.
+    state: ``"finished"``, ``"partial"`` or ``"not started"``.
+    workdir: the run's folder (found by config; the canonical name where there is none yet).
+    rounds: the rounds the run is configured for.
+    held: rounds done: all of a finished run's, a partial run's newest checkpoint (where a resume
+      starts), 0 otherwise.
+    accuracy: the aggregated test accuracy of the last recorded round, or ``None``.
+    round_seconds: the median seconds of the run's recorded rounds, or ``None`` before any.
+    left_seconds: the time the run still needs (0 when finished).
+    measured: whether ``left_seconds`` comes from the run's own rounds (else from the estimate).
+    gpu: whether the variant is registered for a GPU (its estimate is then one H100's).
+  """
+
+  name: str
+  state: str
+  workdir: str
+  rounds: int
+  held: int
+  accuracy: float | None
+  round_seconds: float | None
+  left_seconds: float
+  measured: bool
+  gpu: bool
+
+
+def _checkpointed_round(workdir: str) -> int:
+  """The newest finalised checkpoint's round in ``workdir`` (0 without one); orbax renames a step's
+  folder to its number only once the save is complete."""
+  folder = rundir.checkpoint_dir(workdir)
+  if not os.path.isdir(folder):
+    return 0
+  return max((int(n) for n in os.listdir(folder) if re.fullmatch(r"\d+", n)), default=0)
+
+
+def _progress(job, rounds: int, estimate: tuple[float, float, bool]) -> RunProgress:
+  name = (
+    os.path.basename(job.workdir) if job.action != "start" else f"{job.variant.name}_s{job.seed}"
+  )
+  lines = rundir.read_metrics(job.workdir) if job.action in ("skip", "resume") else []
+  seconds = [
+    line["step_time"] + line.get("eval_time", 0.0) for line in lines if "step_time" in line
+  ]
+  median = float(np.median(seconds)) if seconds else None
+  accuracy = lines[-1].get("test_acc") if lines else None
+  if job.action == "skip":
+    state, held, left, measured = FINISHED, len(lines), 0.0, True
+  elif job.action == "resume":
+    held = _checkpointed_round(job.workdir)
+    state, measured = PARTIAL, median is not None
+    per_round = median if measured else estimate[1 if job.variant.gpu else 0] / rounds
+    left = (rounds - held) * per_round
+  else:
+    state, held, measured = NOT_STARTED, 0, False
+    left = estimate[1 if job.variant.gpu else 0]
+  return RunProgress(
+    name=name,
+    state=state,
+    workdir=job.workdir,
+    rounds=rounds,
+    held=held,
+    accuracy=accuracy,
+    round_seconds=median,
+    left_seconds=float(left),
+    measured=measured,
+    gpu=job.variant.gpu,
+  )
+
+
+def experiment_progress(
+  experiment: Experiment, out: str, seeds: Sequence[int] | None = None
+) -> list[RunProgress]:
+  """Every run of ``experiment`` (each variant and seed, distinct runs once) as found in ``out``."""
+  progress = []
+  for job in plan(experiment, out, seeds=seeds):
+    config = build_config(job.variant, job.seed)
+    progress.append(_progress(job, int(config.rounds), costs.estimate(stored_form(config))))
+  return progress
+
+
+def _duration(seconds: float) -> str:
+  if seconds <= 0:
+    return "—"
+  hours = seconds / 3600
+  return f"{seconds / 60:.0f} min" if hours < 1 else f"{hours:.1f} h"
+
+
+def run_table(progress: Sequence[RunProgress]) -> str:
+  """A markdown table of ``progress``, one row per run."""
+  rows = [
+    "| run | state | rounds | aggregated (%) | s/round (median) | left |",
+    "|---|---|---:|---:|---:|---|",
+  ]
+  for p in progress:
+    accuracy = "—" if p.accuracy is None else f"{100 * p.accuracy:.2f}"
+    median = (
+      "—" if p.round_seconds is None else f"{p.round_seconds:,.{1 if p.round_seconds < 10 else 0}f}"
+    )
+    if p.state == FINISHED:
+      left = "—"
+    elif p.measured:
+      left = f"{_duration(p.left_seconds)} at its own pace"
+    else:
+      left = f"{_duration(p.left_seconds)} estimated ({'one H100' if p.gpu else '2-core CPU'})"
+    rows.append(
+      f"| {p.name} | {p.state} | {p.held} / {p.rounds} | {accuracy} | {median} | {left} |"
+    )
+  return "\n".join(rows)
+
+
+def summary_row(name: str, progress: Sequence[RunProgress]) -> str:
+  """One markdown row for an experiment: its runs by state and the time they still need."""
+  count = {s: sum(1 for p in progress if p.state == s) for s in (FINISHED, PARTIAL, NOT_STARTED)}
+  measured = sum(p.left_seconds for p in progress if p.state == PARTIAL and p.measured)
+  cpu = sum(p.left_seconds for p in progress if not p.measured and not p.gpu)
+  gpu = sum(p.left_seconds for p in progress if not p.measured and p.gpu)
+  partial = ", ".join(f"{p.name} {p.held}/{p.rounds}" for p in progress if p.state == PARTIAL)
+  return (
+    f"| {name} | {count[FINISHED]} | {count[PARTIAL]}{f' ({partial})' if partial else ''} | "
+    f"{count[NOT_STARTED]} | {_duration(measured)} | {_duration(cpu)} | {_duration(gpu)} |"
+  )
+
+
+SUMMARY_HEADER = (
+  "| experiment | finished | partial | not started | partial runs left (their own pace) | "
+  "rest, 2-core CPU estimate | rest, one H100 estimate |\n|---|---:|---|---:|---:|---:|---:|"
+)
