@@ -68,8 +68,8 @@ def test_workload_of_each_ntk_method():
   assert ens.block == max(run.algorithm.clients_per_round // run.algorithm.num_modes, 1) * 9
 
 
-def _erdos_renyi_settings(variant="smoke", chunk=1, clients=40):
-  config = config_lib.load_config("ntk_dfl", variant)
+def _erdos_renyi_settings(variant="smoke", chunk=1, clients=40, method="ntk_dfl"):
+  config = config_lib.load_config(method, variant)
   config.data.name = "synthetic"
   config.data.num_clients = clients
   config.topology.name = "erdos_renyi"
@@ -78,12 +78,13 @@ def _erdos_renyi_settings(variant="smoke", chunk=1, clients=40):
   return schema.validate_config(config)
 
 
-def test_an_erdos_renyi_ntk_dfl_round_is_costed_at_its_degree_groups_blocks():
+@pytest.mark.parametrize("method", ["ntk_dfl", "spark"])
+def test_an_erdos_renyi_round_is_costed_at_its_degree_groups_blocks(method):
   """Grouped (chunks of 1): the root mean square over round 0's clients of 1 + their group's slots, by a
   plain loop; padded (all clients at once, or compressed packages): k_max + 1 members."""
   fed = ragged_federation(np.random.default_rng(0), [9] * 40, dim=784, num_classes=10)
   model = models.mlp()
-  grouped = _erdos_renyi_settings()
+  grouped = _erdos_renyi_settings(method=method)
   graphs = grouped.built_topology
   groups = topology.degree_slot_groups(graphs)
   assert len(groups) > 1
@@ -93,7 +94,12 @@ def test_an_erdos_renyi_ntk_dfl_round_is_costed_at_its_degree_groups_blocks():
   work = cost.workload(grouped, model, fed)
   assert (work.steps, work.block) == (40, round(float(np.sqrt(np.mean(squares)))) * 9)
   assert work.block < (graphs.k_max + 1) * 9 / 2
-  for padded in (_erdos_renyi_settings(chunk=0), _erdos_renyi_settings("smoke,topk0.5")):
+  per_slot = "smoke,topk0.5" if method == "ntk_dfl" else "smoke,option_b"
+  for padded in (
+    _erdos_renyi_settings(chunk=0, method=method),
+    _erdos_renyi_settings(per_slot, method=method),
+  ):
+    assert not padded.algorithm.any_slot_count or padded.chunk_size == 0
     assert cost.workload(padded, model, fed).block == (graphs.k_max + 1) * 9
 
 

@@ -178,22 +178,32 @@ def test_erdos_renyi_runs_are_costed_by_their_padded_neighbour_slots():
     assert ratio == pytest.approx(((bound + 1) / 6) ** 2)
 
 
-def test_erdos_renyi_ntk_dfl_runs_in_chunks_are_costed_by_their_degree_groups():
-  """NTK-DFL mapped in chunks gives each client its degree group's slots: the mean over round 0's clients
-  of (1 + slots)², by a plain loop over the drawn degrees."""
+@pytest.mark.parametrize("method", ["ntk_dfl", "spark"])
+def test_erdos_renyi_runs_in_chunks_are_costed_by_their_degree_groups(method):
+  """NTK-DFL and SPARK mapped in chunks give each client its degree group's slots: the mean over round
+  0's clients of (1 + slots)², by a plain loop over the drawn degrees; SPARK's compressed packages keep
+  k_max slots."""
   from ntk_fl import topology  # pylint: disable=import-outside-toplevel
 
-  grouped = _erdos_renyi_config()
+  grouped = _erdos_renyi_config(method)
   assert costs.groups_by_degree(grouped)
   graphs = topology.make_topology("erdos_renyi", 300, seed=0, mean_degree=5.0)
   groups = topology.degree_slot_groups(graphs)
   members = []
   for degree in np.asarray(graphs.sample(0).mask).sum(axis=1):
     members.append(1 + next(g for g in groups if g >= degree))
-  regular = stored_form(build_config(Variant("k5", "ntk_dfl", ()), 0))
+  regular = stored_form(build_config(Variant("k5", method, ()), 0))
   ratio = costs.round_scale(grouped) / costs.round_scale(regular)
   assert ratio == pytest.approx(np.mean(np.square(members)) / 36)
-  assert ratio < 0.2 * costs.round_scale(_erdos_renyi_config(chunk=0)) / costs.round_scale(regular)
+  padded = _erdos_renyi_config(method, chunk=0)
+  assert ratio < 0.2 * costs.round_scale(padded) / costs.round_scale(regular)
+  if method == "spark":
+    packed = dict(grouped, algorithm=dict(grouped["algorithm"]))
+    packed["algorithm"]["compression"] = dict(
+      grouped["algorithm"]["compression"], keep_fraction=0.5
+    )
+    assert not costs.groups_by_degree(packed)
+    assert costs.round_scale(packed) == pytest.approx(costs.round_scale(padded))
 
 
 def test_projection_alone_is_costed_and_grouped_as_the_uncompressed_round():

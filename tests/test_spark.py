@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.flatten_util import ravel_pytree
 
-from ntk_fl import compression, evolve, gossip, models, projection, rundir, runner, schema
+from ntk_fl import compression, evolve, gossip, models, parallel, projection, rundir, runner, schema
 from ntk_fl.algorithms import ntk_dfl, spark
 from ntk_fl.config import load_config
 from federations import ragged_federation
@@ -241,6 +241,77 @@ def test_projected_round_equals_brute_force_reference(
     )
     np.testing.assert_allclose(got, expected, rtol=2e-3, atol=2e-4)
   assert float(metrics["alpha"]) < 1 and float(metrics["temperature"]) > 1
+
+
+@pytest.mark.parametrize("chunk", [3, 0])
+def test_an_erdos_renyi_round_grouped_by_degree_equals_the_brute_force_reference(
+  chunk, monkeypatch
+):
+  """On an Erdős–Rényi graph clients mapped in chunks (3: part-filled last chunks in some groups) take
+  the fewest neighbour slots that hold their degree (the uncompressed, Option A update fits any slot
+  count); all clients at once (chunk 0) keep k_max. Both are the client-by-client reference on real
+  samples only, rounds 1-2 (α < 1, T > 1 and a velocity in round 2)."""
+  config, model, federation = tiny_setup(
+    num_clients=14, projection__scheme="layerwise", projection__k_proj=3
+  )
+  n_max = federation.mask.shape[1]
+  traced = set()  # the neighbourhood sizes the client update is traced for, in slots
+
+  def recording(*args, **kwargs):
+    client = make_client_update(*args, **kwargs)
+
+    def update(wbar, x, *rest):
+      traced.add(x.shape[0] // n_max)
+      return client.update(wbar, x, *rest)
+
+    return client._replace(update=update)
+
+  make_client_update = spark.make_client_update
+  monkeypatch.setattr(spark, "make_client_update", recording)
+  config.topology.name = "erdos_renyi"
+  config.topology.mean_degree = 3.0
+  run = schema.validate_config(config)
+  assert run.algorithm.any_slot_count
+  groups = run.built_topology.slot_groups
+  algorithm = runner.make_algorithm(config, model, federation)
+  degrees = np.asarray(algorithm.round_inputs(0).neighbor_mask.sum(axis=1))
+  assert len(set(np.searchsorted(groups, degrees).tolist())) >= 3  # the grouping is exercised
+  template = jax.eval_shape(model.init, jax.random.key(0))
+  plan = projection.make_plan(template, "layerwise", 3)
+  mats = projection.sample_matrices(plan, config.seed)
+  state = algorithm.init(jax.random.key(0))
+  for r in range(2):
+    inputs = algorithm.round_inputs(r)
+    expected = reference_round(config, model, federation, state, inputs, plan, mats)
+    with parallel.use_devices(1, chunk_size=chunk):
+      state, _ = algorithm.step(state, inputs)
+    got = np.stack(
+      [
+        np.asarray(ravel_pytree(jax.tree.map(lambda leaf: leaf[i], state.params))[0])
+        for i in range(federation.n.shape[0])
+      ]
+    )
+    np.testing.assert_allclose(got, expected, rtol=2e-3, atol=2e-4)
+  k_max = run.built_topology.k_max
+  assert traced == ({1 + g for g in groups} if chunk else {1 + k_max})
+
+
+def test_compressed_packages_and_option_b_keep_every_slot():
+  """Compressed packages and Option B's senders are per slot: those updates do not fit any slot count,
+  so their rounds keep k_max slots (NTK-DFL's compressed update likewise)."""
+  assert tiny_setup()[0].algorithm.linearise_at == "receiver"
+  for algo, fits in (
+    ({}, True),
+    ({"compression__keep_fraction": 0.5}, False),
+    ({"compression__bits": 8}, False),
+    ({"linearise_at": "sender"}, False),
+  ):
+    config, _, _ = tiny_setup(**algo)
+    assert schema.validate_config(config).algorithm.any_slot_count is fits, algo
+  for keep, bits, fits in ((1.0, 32, True), (0.5, 32, False), (1.0, 6, False)):
+    config = load_config(str(REPO / "configs" / "ntk_dfl.py"))
+    config.algorithm.sparsify_keep, config.algorithm.quantize_bits = keep, bits
+    assert schema.validate_config(config).algorithm.any_slot_count is fits
 
 
 def test_explicit_and_matrix_free_sketched_paths_agree():

@@ -8,14 +8,15 @@ settings:
 method                 steps per round ``S``                   samples per kernel block ``N``
 =====================  ======================================  =============================================
 ``ntk_dfl``            ``M · m1`` (``m1`` Jacobian batches)     ``(k_max + 1) · ⌈⌈n_max / m2⌉ / m1⌉`` (†)
-``spark``              ``M`` (cliques, when shared)            ``(k_max + 1) · ⌈n_max / m2⌉``
+``spark``              ``M`` (cliques, when shared)            ``(k_max + 1) · ⌈n_max / m2⌉`` (†)
 ``ntk_fl, cp_ntk_fl``  ``1`` (the server)                      participants · ``⌈β · n_max⌉``
 ``fed_ensemble`` ntk   ``K`` (one per mode)                    participants / ``K`` · ``n_max``
 =====================  ======================================  =============================================
 
 (``M`` clients, ``n_max`` samples per client slot, ``k_max`` neighbour slots, ``m2`` sub-sampling.) The
-other methods train by gradient steps and get no estimate. (†) Where NTK-DFL's round gives each client its
-degree group's slots (an Erdős–Rényi graph, uncompressed, clients mapped in chunks), ``k_max + 1`` becomes
+other methods train by gradient steps and get no estimate. (†) Where the round gives each client its
+degree group's slots (an Erdős–Rényi graph, clients mapped in chunks, an update that fits any slot count:
+NTK-DFL uncompressed, SPARK uncompressed with Option A), ``k_max + 1`` becomes
 the root mean square of ``1 +`` round 0's clients' group slots: the steps cost what blocks of that size
 cost together.
 
@@ -173,8 +174,9 @@ def workload(settings, model, federation) -> Workload | None:
     steps = num_clients
     if method == "spark" and algo.share_cliques and graphs.cliques:
       steps = graphs.cliques
-    # NTK-DFL groups clients by degree when uncompressed and mapped in chunks of fewer than all.
-    grouped = method == "ntk_dfl" and not algo.compressed and 1 <= chunk < steps
+    # The round groups clients by degree where the update fits any slot count (uncompressed, SPARK's
+    # Option A) and clients are mapped in chunks of fewer than all.
+    grouped = algo.any_slot_count and 1 <= chunk < steps
     members = _members(graphs, grouped=grouped)
     return Workload(steps * m1, members * per_member, min(chunk, steps), options(algo.kernel))
   if method in ("ntk_fl", "cp_ntk_fl"):

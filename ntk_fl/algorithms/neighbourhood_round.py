@@ -113,8 +113,9 @@ def make_neighbourhood_round(
       neighbourhood the fewest neighbour slots of :func:`ntk_fl.topology.degree_slot_groups` that hold
       its degree this round instead of all ``k_max`` (:func:`ntk_fl.parallel.for_each_client_by_group`),
       when clients are mapped in chunks. Only for a ``client_fn`` whose work does not depend on the slot
-      count (NTK-DFL's uncompressed update: padded slots are masked samples, so the result is the same
-      up to float rounding); elsewhere every neighbourhood keeps ``k_max`` slots.
+      count (the ``any_slot_count`` of NTK-DFL's and SPARK's hyperparameters: padded slots are masked
+      samples, so the result is the same up to float rounding); elsewhere every neighbourhood keeps
+      ``k_max`` slots.
   """
   if graphs is None:
     raise ValueError(

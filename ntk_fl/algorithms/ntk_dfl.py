@@ -182,6 +182,13 @@ class NTKDFLHParams:
     """Whether the sent Jacobians are altered (so the client must materialise them)."""
     return self.sparsify_keep < 1 or self.quantize_bits != compression.FLOAT_BITS
 
+  @property
+  def any_slot_count(self) -> bool:
+    """Whether the client update fits a neighbourhood of any slot count (padded slots are masked
+    samples), so a round may give each client its degree group's slots: uncompressed (compressed
+    packages are per slot)."""
+    return not self.compressed
+
 
 def check(hparams: NTKDFLHParams, run) -> None:
   """Rules across blocks: the input projection needs the MLP."""
@@ -350,7 +357,7 @@ def make_ntk_dfl(
     jacobian_batches=int(hparams.jacobian_batches),
     subsample=int(hparams.subsample),
     # Compressed packages are per slot (App. E.3), so only the uncompressed update fits any slot count.
-    group_by_degree=not hparams.compressed,
+    group_by_degree=hparams.any_slot_count,
   )
   client_update = make_client_update(
     model, hparams, targets_fn=targets_fn, score_fn=score_fn, neighbourhood_slots=1 + topology.k_max

@@ -308,6 +308,13 @@ class SparkHParams:
   # Alg. 1's Option A (the receiver's w̄_i; configs stored before this existed ran it) or B (the sender's w̄_j).
   linearise_at: LinearisationPoint = LinearisationPoint.RECEIVER
 
+  @property
+  def any_slot_count(self) -> bool:
+    """Whether the client update fits a neighbourhood of any slot count (padded slots are masked
+    samples), so a round may give each client its degree group's slots: neither compressed packages
+    nor Option B's senders, which are per slot."""
+    return not self.compression.active and self.linearise_at == LinearisationPoint.RECEIVER
+
   def __post_init__(self):
     check_evolution(self)
     validation.check_int("config.algorithm.subsample", self.subsample, low=1)
@@ -655,6 +662,7 @@ def make_spark(
     per_round_averaging=True,
     subsample=m2,
     share_cliques=share_cliques,
+    group_by_degree=hparams.any_slot_count,
   )
   client = make_client_update(
     model, hparams, seed=seed, neighbourhood_slots=1 + graphs.k_max, targets_fn=targets_fn

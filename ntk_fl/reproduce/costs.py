@@ -26,7 +26,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ntk_fl import topology
+from ntk_fl import settings, topology
+from ntk_fl.algorithms.base import get_method
 
 __all__ = ["Cost", "ROUND_SECONDS", "TRANSMITTED_ROUND", "estimate", "markdown_table"]
 
@@ -150,18 +151,28 @@ def _neighbour_slots(config: dict) -> int:
   return _built_topology(config).k_max
 
 
+def _any_slot_count(config: dict) -> bool:
+  """The method's own ``any_slot_count`` (NTK-DFL's and SPARK's hyperparameters): whether its client
+  update fits a neighbourhood of any slot count."""
+  spec = get_method(config["method"])
+  hparams = settings.from_mapping(spec.hyperparameters, config["algorithm"], "config.algorithm")
+  return bool(getattr(hparams, "any_slot_count", False))
+
+
 def groups_by_degree(config: dict, built: topology.Topology | None = None) -> bool:
   """Whether ``config``'s NTK round gives each client its degree group's slots instead of ``k_max``.
 
-  NTK-DFL's uncompressed round mapped in chunks (``1 <= chunk_size < M``) on a topology whose degrees
-  spread (:func:`ntk_fl.topology.degree_slot_groups`). ``built``: the config's topology, if at hand.
+  A round mapped in chunks (``1 <= chunk_size < M``) on a topology whose degrees spread
+  (:func:`ntk_fl.topology.degree_slot_groups`), of a method whose update fits any slot count (NTK-DFL
+  uncompressed, SPARK uncompressed with Option A). ``built``: the config's topology, if at hand.
   """
+  if config["method"] not in _NTK_GOSSIP:
+    return False
   built = _built_topology(config) if built is None else built
   return (
-    config["method"] == "ntk_dfl"
-    and not transmits_jacobians(config)
-    and 1 <= config.get("chunk_size", 0) < config["data"]["num_clients"]
+    1 <= config.get("chunk_size", 0) < config["data"]["num_clients"]
     and len(topology.degree_slot_groups(built)) > 1
+    and _any_slot_count(config)
   )
 
 

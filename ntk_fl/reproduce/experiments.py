@@ -133,21 +133,19 @@ def _topologies(prefix: str, config: str, regular: Variant, **labels: str) -> tu
   """A topology figure: clustered, the 5-regular ``regular`` run, Erdős–Rényi, ring and line.
 
   Erdős–Rényi's degree bound ``k_max`` is 22 slots for 300 clients at mean degree 5
-  (``ntk_fl.topology``). NTK-DFL's round gives each client its degree group's slots instead
-  (``ntk_fl.topology.degree_slot_groups``: blocks of ≈ 1,400 samples in the root mean square against
-  ≈ 1,200 on the 5-regular graph), so its run is a CPU run; SPARK pads every neighbourhood to
-  ``k_max`` (≈ 4,600 samples a block; ≈ 100 min a round on the 2-core CPU), so its run is registered for
-  a GPU.
+  (``ntk_fl.topology``), far above its clients' degrees. NTK-DFL's and SPARK's rounds (uncompressed)
+  give each client its degree group's slots instead (``ntk_fl.topology.degree_slot_groups``: blocks of
+  ≈ 1,400 samples in the root mean square against ≈ 1,200 on the 5-regular graph, not ≈ 4,600), so the
+  run is a CPU run.
   """
-  padded = config.split(":")[0] != "ntk_dfl"
 
-  def run(name: str, label: str, gpu: bool = False) -> Variant:
-    return Variant(f"{prefix}_{name}", config, (("topology.name", name),), label, gpu=gpu)
+  def run(name: str, label: str) -> Variant:
+    return Variant(f"{prefix}_{name}", config, (("topology.name", name),), label)
 
   return (
     run("clustered", labels.get("clustered", "clustered")),
     regular,
-    run("erdos_renyi", labels.get("erdos_renyi", "Erdős–Rényi"), gpu=padded),
+    run("erdos_renyi", labels.get("erdos_renyi", "Erdős–Rényi")),
     run("ring", "ring"),
     run("line", "line"),
   )
