@@ -147,8 +147,8 @@ def algorithm_case(
 
   ``split``: on the sharded path the federation's samples are split over the devices
   (:func:`ntk_fl.distributed.place_federation`, what a multi-process run uses).
-  ``erdos_renyi``: Erdős–Rényi graphs of mean degree 3 instead (NTK-DFL then groups each device's
-  clients by degree).
+  ``erdos_renyi``: Erdős–Rényi graphs of mean degree 3 instead (NTK-DFL and SPARK then group each
+  device's clients by degree).
   """
   config = load_config(os.path.join(REPO, "configs", f"{method}.py"))
   config.data.num_clients = num_clients
@@ -156,7 +156,7 @@ def algorithm_case(
   if erdos_renyi:
     config.topology.name = "erdos_renyi"
     config.topology.mean_degree = 3.0
-  if method == "ntk_dfl":
+  if method in ("ntk_dfl", "spark"):
     config.algorithm.lr = 0.05
     config.algorithm.taus = (5, 10)
   else:
@@ -215,6 +215,10 @@ def main(out_dir: str) -> None:
       "ntk_dfl_m8_chunk1": lambda: algorithm_case("ntk_dfl", 8, chunk_size=1, rounds=1),
       "ntk_dfl_erdos_renyi_m8_chunk1": lambda: algorithm_case(
         "ntk_dfl", 8, chunk_size=1, rounds=1, erdos_renyi=True
+      ),
+      # SPARK's grouped round carries per-client arguments too (velocities, member indices).
+      "spark_erdos_renyi_m8_chunk1": lambda: algorithm_case(
+        "spark", 8, chunk_size=1, rounds=2, erdos_renyi=True
       ),
       "dfedavg_m6": lambda: algorithm_case("dfedavg", 6, chunk_size=0),
       "shared_m6_chunkNone": lambda: shared_case(6, None),

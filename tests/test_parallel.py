@@ -369,7 +369,14 @@ def test_nested_for_each_client_shards_only_the_outer_axis(multidevice):
 @pytest.mark.multidevice
 @pytest.mark.slow  # the shared 4-device subprocess: about two CPU minutes (CI: -m slow)
 @pytest.mark.parametrize(
-  "name", ["ntk_dfl_m6", "ntk_dfl_m8_chunk1", "ntk_dfl_erdos_renyi_m8_chunk1", "dfedavg_m6"]
+  "name",
+  [
+    "ntk_dfl_m6",
+    "ntk_dfl_m8_chunk1",
+    "ntk_dfl_erdos_renyi_m8_chunk1",
+    "spark_erdos_renyi_m8_chunk1",
+    "dfedavg_m6",
+  ],
 )
 def test_sharded_algorithm_rounds_equal_single_device(multidevice, name):
   _compare(multidevice, name)
