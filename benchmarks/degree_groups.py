@@ -1,15 +1,18 @@
-"""Time an NTK-DFL round on an Erdős–Rényi graph: neighbourhoods grouped by degree against padded to k_max.
+"""Time an NTK-DFL (or SPARK) round on an Erdős–Rényi graph: neighbourhoods grouped by degree against padded.
 
   .venv/bin/python benchmarks/degree_groups.py                     # 30 clients, mean degree 5, chunk 1
   .venv/bin/python benchmarks/degree_groups.py --clients 300 --grouped-only
+  .venv/bin/python benchmarks/degree_groups.py --method spark --samples-per-client 50
 
 An Erdős–Rényi graph's degree bound ``k_max`` (derived so that a draw exceeds it with probability 1e-6:
 18 at 30 clients of mean degree 5, 22 at 300) lies far above its clients' degrees (mean 5, at most 10-14
 in a draw). Padded, every client's neighbourhood holds ``1 + k_max`` slots of 200 samples and its NTK
 work grows with their square; grouped (``ntk_fl.topology.degree_slot_groups``, the default of an
 uncompressed NTK-DFL round mapped in chunks), each client takes the fewest slots of its group. Both
-programs run the same round 0 (real Fashion-MNIST, 200 samples per client as in the paper's partition,
-the paper's MLP and τ grid) at ``config.chunk_size`` clients a chunk; the padded one by making every
+programs run the same round 0 (real Fashion-MNIST, 200 samples per client as in the paper's partition
+unless ``--samples-per-client`` says otherwise, the paper's MLP and τ grid; ``--method spark``: SPARK's
+paper config, sketch, momentum and distillation included) at ``config.chunk_size`` clients a chunk; the
+padded one by making every
 topology's groups ``(k_max,)``. Prints each program's compile time (its first call less its best) and its
 best of ``--repeats`` timed calls after the first, the groups and the drawn degrees, and the largest
 weight difference between the two rounds.
@@ -37,9 +40,12 @@ from ntk_fl.config import load_config  # noqa: E402
 def _round(args, grouped: bool):
   """``(compile_s, step_times, client params after round 0, round-0 inputs, experiment)``; ``compile_s`` is
   the first call's time less the best timed one."""
-  config = load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "ntk_dfl.py"))
+  config = load_config(
+    os.path.join(os.path.dirname(__file__), "..", "configs", f"{args.method}.py")
+  )
   config.data.num_clients = args.clients
-  config.data.samples_per_client = 200  # the paper's client size, whatever the number of clients
+  # The paper's client size (200) by default, whatever the number of clients.
+  config.data.samples_per_client = args.samples_per_client
   config.topology.name = "erdos_renyi"
   config.topology.mean_degree = args.mean_degree
   config.chunk_size = args.chunk
@@ -70,7 +76,9 @@ def main():
   parser = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
   )
+  parser.add_argument("--method", choices=("ntk_dfl", "spark"), default="ntk_dfl")
   parser.add_argument("--clients", type=int, default=30)
+  parser.add_argument("--samples-per-client", type=int, default=200)
   parser.add_argument("--mean-degree", type=float, default=5.0)
   parser.add_argument("--chunk", type=int, default=1, help="clients per vmap chunk (>= 1 to group)")
   parser.add_argument("--repeats", type=int, default=1, help="timed calls after the compiling one")
@@ -91,7 +99,8 @@ def main():
   groups = topology.degree_slot_groups(graphs)
   per_group = np.bincount(np.searchsorted(groups, degrees), minlength=len(groups)).tolist()
   print(
-    f"{args.clients} clients, Erdős–Rényi mean degree {args.mean_degree}, k_max {graphs.k_max}, "
+    f"{args.method}: {args.clients} clients of {args.samples_per_client} samples, "
+    f"Erdős–Rényi mean degree {args.mean_degree}, k_max {graphs.k_max}, "
     f"chunk {args.chunk}; groups {groups}; round-0 degrees: mean {degrees.mean():.2f}, "
     f"max {degrees.max()}, clients per group {per_group}"
   )
