@@ -749,3 +749,6 @@ def test_status_reports_each_run_and_the_time_it_still_needs(tmp_path, capsys):
   assert reproduce.main(["--out", str(runs), "--status"]) == 0
   rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| ntk_dfl:fig16 |")]
   assert rows == [rows[0]] and "| 1 | 1 (by_hand 6/30) | 2 | 44 min |" in rows[0]
+  # A mistyped folder is an error, not a table of runs "not started".
+  assert reproduce.main(["ntk_dfl:fig16", "--out", str(tmp_path / "runz"), "--status"]) == 2
+  assert "runz' is not a folder of runs" in capsys.readouterr().err

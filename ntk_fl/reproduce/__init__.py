@@ -26,6 +26,7 @@ names. ``--archive DIR`` copies the rendered runs' scalars to ``DIR/<run name>/`
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from collections.abc import Sequence
@@ -191,6 +192,11 @@ def main(argv: Sequence[str] | None = None) -> int:
       "stopped at a target); ≈: GPU time scaled from the method family's measured CPU/GPU ratio."
     )
     return 0
+  if args.status and not os.path.isdir(args.out):
+    print(
+      f"error: --out {args.out!r} is not a folder of runs (--status reads one)", file=sys.stderr
+    )
+    return 2
   if args.status and not args.name:
     print(_status_table(args.out, args.seeds))
     return 0
