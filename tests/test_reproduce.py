@@ -742,6 +742,13 @@ def test_status_reports_each_run_and_the_time_it_still_needs(tmp_path, capsys):
     assert fresh.state == "not started" and not fresh.measured
     assert fresh.left_seconds == pytest.approx(gpu if fresh.gpu else cpu)
 
+  # A run that ended on a non-finite round is reported as such.
+  with open(os.path.join(finished, rundir.SUMMARY_FILE), "w") as f:
+    json.dump({"status": "diverged"}, f)
+  states = {p.name: p.state for p in progress.experiment_progress(fig16, str(runs))}
+  assert states["fig3_dfedavg_k5_s0"] == "diverged"
+  with open(os.path.join(finished, rundir.SUMMARY_FILE), "w") as f:
+    json.dump({"status": "finished"}, f)
   assert reproduce.main(["ntk_dfl:fig16", "--out", str(runs), "--status"]) == 0
   table = capsys.readouterr().out
   assert "| by_hand | partial | 6 / 30 | 78.00 | 110 | 44 min at its own pace |" in table

@@ -30,7 +30,7 @@ from ntk_fl.reproduce.registry import Experiment, build_config
 
 __all__ = ["RunProgress", "experiment_progress", "run_table", "summary_row"]
 
-FINISHED, PARTIAL, NOT_STARTED = "finished", "partial", "not started"
+FINISHED, DIVERGED, PARTIAL, NOT_STARTED = "finished", "diverged", "partial", "not started"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +38,9 @@ class RunProgress:
   """One run of an experiment in an output folder.
 
   Attributes:
-    name: the run's name, ``<variant>_s<seed>``.
-    state: ``"finished"``, ``"partial"`` or ``"not started"``.
+    name: the run's folder name (``<variant>_s<seed>`` where the queue made it).
+    state: ``"finished"``, ``"diverged"`` (finished early, its ``summary.json`` says so), ``"partial"``
+      or ``"not started"``.
     workdir: the run's folder (found by config; the canonical name where there is none yet).
     rounds: the rounds the run is configured for.
     held: rounds done: all of a finished run's, a partial run's newest checkpoint (where a resume
@@ -83,7 +84,9 @@ def _progress(job, rounds: int, estimate: tuple[float, float, bool]) -> RunProgr
   median = float(np.median(seconds)) if seconds else None
   accuracy = lines[-1].get("test_acc") if lines else None
   if job.action == "skip":
-    state, held, left, measured = FINISHED, len(lines), 0.0, True
+    summary = rundir.read_summary(job.workdir) or {}
+    state = DIVERGED if summary.get("status") == DIVERGED else FINISHED
+    held, left, measured = len(lines), 0.0, True
   elif job.action == "resume":
     held = _checkpointed_round(job.workdir)
     state, measured = PARTIAL, median is not None
@@ -135,7 +138,7 @@ def run_table(progress: Sequence[RunProgress]) -> str:
     median = (
       "—" if p.round_seconds is None else f"{p.round_seconds:,.{1 if p.round_seconds < 10 else 0}f}"
     )
-    if p.state == FINISHED:
+    if p.state in (FINISHED, DIVERGED):
       left = "—"
     elif p.measured:
       left = f"{_duration(p.left_seconds)} at its own pace"
@@ -150,6 +153,7 @@ def run_table(progress: Sequence[RunProgress]) -> str:
 def summary_row(name: str, progress: Sequence[RunProgress]) -> str:
   """One markdown row for an experiment: its runs by state and the time they still need."""
   count = {s: sum(1 for p in progress if p.state == s) for s in (FINISHED, PARTIAL, NOT_STARTED)}
+  count[FINISHED] += sum(1 for p in progress if p.state == DIVERGED)
   measured = sum(p.left_seconds for p in progress if p.state == PARTIAL and p.measured)
   cpu = sum(p.left_seconds for p in progress if not p.measured and not p.gpu)
   gpu = sum(p.left_seconds for p in progress if not p.measured and p.gpu)
