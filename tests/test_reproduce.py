@@ -759,3 +759,19 @@ def test_status_reports_each_run_and_the_time_it_still_needs(tmp_path, capsys):
   # A mistyped folder is an error, not a table of runs "not started".
   assert reproduce.main(["ntk_dfl:fig16", "--out", str(tmp_path / "runz"), "--status"]) == 2
   assert "runz' is not a folder of runs" in capsys.readouterr().err
+
+
+def test_your_own_method_queues_and_reports_without_a_cost_row(tmp_path):
+  """An experiment of a method the cost table does not know (the toy method) still plans, with its
+  config's checkpoint cadence, and --status says it has no estimate instead of failing."""
+  from ntk_fl.reproduce import progress  # pylint: disable=import-outside-toplevel
+
+  toy = os.path.join(os.path.dirname(__file__), "configs", "toy.py")
+  variant = Variant("toy", f"{toy}:smoke", (("rounds", 3),), "toy")
+  experiment = Experiment("t:toy", "toy", (variant,), claim="", kind="accuracy")
+  assert build_config(variant, 0).method not in costs.ROUND_SECONDS
+  [job] = queue.plan(experiment, str(tmp_path))
+  assert not any("checkpoint_every" in c for c in job.command)
+  [run] = progress.experiment_progress(experiment, str(tmp_path))
+  assert (run.state, run.left_seconds) == ("not started", None)
+  assert "no estimate" in progress.run_table([run])

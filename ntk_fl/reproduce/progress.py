@@ -47,7 +47,8 @@ class RunProgress:
       starts), 0 otherwise.
     accuracy: the aggregated test accuracy of the last recorded round, or ``None``.
     round_seconds: the median seconds of the run's recorded rounds, or ``None`` before any.
-    left_seconds: the time the run still needs (0 when finished).
+    left_seconds: the time the run still needs (0 when finished; ``None`` for a run not started of a
+      method without a cost row in :data:`ntk_fl.reproduce.costs.ROUND_SECONDS`).
     measured: whether ``left_seconds`` comes from the run's own rounds (else from the estimate).
     gpu: whether the variant is registered for a GPU (its estimate is then one H100's).
   """
@@ -59,7 +60,7 @@ class RunProgress:
   held: int
   accuracy: float | None
   round_seconds: float | None
-  left_seconds: float
+  left_seconds: float | None
   measured: bool
   gpu: bool
 
@@ -73,7 +74,7 @@ def _checkpointed_round(workdir: str) -> int:
   return max((int(n) for n in os.listdir(folder) if re.fullmatch(r"\d+", n)), default=0)
 
 
-def _progress(job, rounds: int, estimate: tuple[float, float, bool]) -> RunProgress:
+def _progress(job, rounds: int, estimate: tuple[float, float, bool] | None) -> RunProgress:
   name = (
     os.path.basename(job.workdir) if job.action != "start" else f"{job.variant.name}_s{job.seed}"
   )
@@ -90,11 +91,12 @@ def _progress(job, rounds: int, estimate: tuple[float, float, bool]) -> RunProgr
   elif job.action == "resume":
     held = _checkpointed_round(job.workdir)
     state, measured = PARTIAL, median is not None
-    per_round = median if measured else estimate[1 if job.variant.gpu else 0] / rounds
-    left = (rounds - held) * per_round
+    estimated = None if estimate is None else estimate[1 if job.variant.gpu else 0] / rounds
+    per_round = median if measured else estimated
+    left = None if per_round is None else (rounds - held) * per_round
   else:
     state, held, measured = NOT_STARTED, 0, False
-    left = estimate[1 if job.variant.gpu else 0]
+    left = None if estimate is None else estimate[1 if job.variant.gpu else 0]
   return RunProgress(
     name=name,
     state=state,
@@ -103,7 +105,7 @@ def _progress(job, rounds: int, estimate: tuple[float, float, bool]) -> RunProgr
     held=held,
     accuracy=accuracy,
     round_seconds=median,
-    left_seconds=float(left),
+    left_seconds=None if left is None else float(left),
     measured=measured,
     gpu=job.variant.gpu,
   )
@@ -116,7 +118,9 @@ def experiment_progress(
   progress = []
   for job in plan(experiment, out, seeds=seeds):
     config = build_config(job.variant, job.seed)
-    progress.append(_progress(job, int(config.rounds), costs.estimate(stored_form(config))))
+    stored = stored_form(config)
+    estimate = costs.estimate(stored) if stored["method"] in costs.ROUND_SECONDS else None
+    progress.append(_progress(job, int(config.rounds), estimate))
   return progress
 
 
@@ -140,6 +144,8 @@ def run_table(progress: Sequence[RunProgress]) -> str:
     )
     if p.state in (FINISHED, DIVERGED):
       left = "—"
+    elif p.left_seconds is None:
+      left = "no estimate (a method without a cost row)"
     elif p.measured:
       left = f"{_duration(p.left_seconds)} at its own pace"
     else:
@@ -155,8 +161,8 @@ def summary_row(name: str, progress: Sequence[RunProgress]) -> str:
   count = {s: sum(1 for p in progress if p.state == s) for s in (FINISHED, PARTIAL, NOT_STARTED)}
   count[FINISHED] += sum(1 for p in progress if p.state == DIVERGED)
   measured = sum(p.left_seconds for p in progress if p.state == PARTIAL and p.measured)
-  cpu = sum(p.left_seconds for p in progress if not p.measured and not p.gpu)
-  gpu = sum(p.left_seconds for p in progress if not p.measured and p.gpu)
+  cpu = sum(p.left_seconds or 0.0 for p in progress if not p.measured and not p.gpu)
+  gpu = sum(p.left_seconds or 0.0 for p in progress if not p.measured and p.gpu)
   partial = ", ".join(f"{p.name} {p.held}/{p.rounds}" for p in progress if p.state == PARTIAL)
   return (
     f"| {name} | {count[FINISHED]} | {count[PARTIAL]}{f' ({partial})' if partial else ''} | "

@@ -162,8 +162,11 @@ papers' scale; the gradient baselines' short rounds keep their configs' cadence.
 
 
 def _cadence_flags(variant: Variant, seed: int) -> list[str]:
-  """``--config.checkpoint_every=1`` for a run whose rounds are long (:data:`LONG_ROUND_SECONDS`)."""
+  """``--config.checkpoint_every=1`` for a run whose rounds are long (:data:`LONG_ROUND_SECONDS`); a
+  method without a cost row (your own) keeps its config's cadence."""
   stored = stored_form(build_config(variant, seed))
+  if stored["method"] not in costs.ROUND_SECONDS:
+    return []
   cpu_seconds, _, _ = costs.estimate(stored)
   if stored["checkpoint_every"] != 1 and cpu_seconds / stored["rounds"] >= LONG_ROUND_SECONDS:
     return ["--config.checkpoint_every=1"]
