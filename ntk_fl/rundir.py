@@ -77,6 +77,7 @@ __all__ = [
   "written_identities",
   "LOCK_FILE",
   "checkpoint_dir",
+  "finalised_steps",
   "jsonable",
   "is_run",
   "metrics_line",
@@ -177,6 +178,13 @@ _ADDED_KEYS = {
 def checkpoint_dir(workdir: str) -> str:
   """Where the run in ``workdir`` keeps its orbax checkpoints."""
   return os.path.join(workdir, CHECKPOINT_DIR)
+
+
+def finalised_steps(workdir: str) -> list[int]:
+  """The rounds of ``workdir``'s finalised checkpoints, ascending (by folder name, without opening them:
+  orbax renames a step's folder to its number only once the save is complete)."""
+  folder = checkpoint_dir(workdir)
+  return sorted(int(n) for n in os.listdir(folder) if n.isdigit()) if os.path.isdir(folder) else []
 
 
 def jsonable(obj):
@@ -725,8 +733,7 @@ def check_workdir(
         "round 0, the old files moved aside) or choose an empty workdir"
       )
     return 0
-  steps = [n for n in os.listdir(ckpt_dir) if n.isdigit()] if os.path.isdir(ckpt_dir) else []
-  if not os.path.exists(os.path.join(workdir, CONFIG_FILE)) and not steps:
+  if not os.path.exists(os.path.join(workdir, CONFIG_FILE)) and not finalised_steps(workdir):
     moved = _move_unfinished_aside(workdir) if os.path.isdir(workdir) else None
     logging.warning(
       "nothing to resume in %s (no %s): starting the run from round 0%s",

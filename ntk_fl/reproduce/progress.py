@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from collections.abc import Sequence
 
 import numpy as np
 
 from ntk_fl import rundir
-from ntk_fl.reproduce import costs
-from ntk_fl.reproduce.queue import plan, stored_form
+from ntk_fl.reproduce.queue import plan
 from ntk_fl.reproduce.registry import Experiment, build_config
 
 __all__ = ["RunProgress", "experiment_progress", "run_table", "summary_row"]
@@ -65,19 +63,10 @@ class RunProgress:
   gpu: bool
 
 
-def _checkpointed_round(workdir: str) -> int:
-  """The newest finalised checkpoint's round in ``workdir`` (0 without one); orbax renames a step's
-  folder to its number only once the save is complete."""
-  folder = rundir.checkpoint_dir(workdir)
-  if not os.path.isdir(folder):
-    return 0
-  return max((int(n) for n in os.listdir(folder) if re.fullmatch(r"\d+", n)), default=0)
-
-
-def _progress(job, rounds: int, estimate: tuple[float, float, bool] | None) -> RunProgress:
-  name = (
-    os.path.basename(job.workdir) if job.action != "start" else f"{job.variant.name}_s{job.seed}"
-  )
+def _progress(job, rounds: int) -> RunProgress:
+  # A found run's folder, or the queue's own name (run_name) where it would start.
+  name = os.path.basename(job.workdir)
+  estimate = job.estimate
   lines = rundir.read_metrics(job.workdir) if job.action in ("skip", "resume") else []
   seconds = [
     line["step_time"] + line.get("eval_time", 0.0) for line in lines if "step_time" in line
@@ -89,7 +78,7 @@ def _progress(job, rounds: int, estimate: tuple[float, float, bool] | None) -> R
     state = DIVERGED if summary.get("status") == DIVERGED else FINISHED
     held, left, measured = len(lines), 0.0, True
   elif job.action == "resume":
-    held = _checkpointed_round(job.workdir)
+    held = max(rundir.finalised_steps(job.workdir), default=0)
     state, measured = PARTIAL, median is not None
     estimated = None if estimate is None else estimate[1 if job.variant.gpu else 0] / rounds
     per_round = median if measured else estimated
@@ -115,13 +104,10 @@ def experiment_progress(
   experiment: Experiment, out: str, seeds: Sequence[int] | None = None
 ) -> list[RunProgress]:
   """Every run of ``experiment`` (each variant and seed, distinct runs once) as found in ``out``."""
-  progress = []
-  for job in plan(experiment, out, seeds=seeds):
-    config = build_config(job.variant, job.seed)
-    stored = stored_form(config)
-    estimate = costs.estimate(stored) if stored["method"] in costs.ROUND_SECONDS else None
-    progress.append(_progress(job, int(config.rounds), estimate))
-  return progress
+  return [
+    _progress(job, int(build_config(job.variant, job.seed).rounds))
+    for job in plan(experiment, out, seeds=seeds)
+  ]
 
 
 def _duration(seconds: float) -> str:

@@ -88,6 +88,8 @@ class Job:
   branch_from: str = ""
   command: list = dataclasses.field(default_factory=list)
   replicas: int = 1  # seeds seed .. seed + replicas - 1 in one seed-batched run
+  # costs.estimate of the run, (cpu_s, gpu_s, gpu_measured); None for a method without a cost row
+  estimate: tuple | None = None
 
   @property
   def seeds(self) -> list[int]:
@@ -153,6 +155,12 @@ def expected_key(variant: Variant, seed: int) -> tuple:
   return config_key(stored_form(build_config(variant, seed)))
 
 
+def _estimate(stored: dict) -> tuple | None:
+  """:func:`ntk_fl.reproduce.costs.estimate` of a stored config; ``None`` for a method without a cost
+  row (your own)."""
+  return costs.estimate(stored) if stored["method"] in costs.ROUND_SECONDS else None
+
+
 LONG_ROUND_SECONDS = 30.0
 """Estimated seconds per round (the 2-core CPU's, :func:`ntk_fl.reproduce.costs.estimate`) from which a
 queued run checkpoints every round: NTK-DFL and SPARK in the papers' setting (≈ 4 minutes a round on one
@@ -161,16 +169,14 @@ could lose an hour or more to a machine that goes, while a checkpoint costs abou
 papers' scale; the gradient baselines' short rounds keep their configs' cadence."""
 
 
-def _cadence_flags(variant: Variant, seed: int) -> list[str]:
+def _cadence_flags(stored: dict, estimate: tuple | None) -> list[str]:
   """``--config.checkpoint_every=1`` for a run whose rounds are long (:data:`LONG_ROUND_SECONDS`); a
   method without a cost row (your own) keeps its config's cadence."""
-  stored = stored_form(build_config(variant, seed))
-  if stored["method"] not in costs.ROUND_SECONDS:
+  if estimate is None or stored["checkpoint_every"] == 1:
     return []
-  cpu_seconds, _, _ = costs.estimate(stored)
-  if stored["checkpoint_every"] != 1 and cpu_seconds / stored["rounds"] >= LONG_ROUND_SECONDS:
-    return ["--config.checkpoint_every=1"]
-  return []
+  return (
+    ["--config.checkpoint_every=1"] if estimate[0] / stored["rounds"] >= LONG_ROUND_SECONDS else []
+  )
 
 
 def _pick(candidates: list[str], canonical: str) -> str | None:
@@ -203,7 +209,8 @@ def plan(
   for variant in [v for v in chosen if not v.branch_from] + [v for v in chosen if v.branch_from]:
     for seed in experiment.seeds_of(variant, tuple(seeds) if seeds is not None else None):
       canonical = os.path.join(out, run_name(variant, seed))
-      found = _pick(index.get((expected_key(variant, seed), seed), []), canonical)
+      stored = stored_form(build_config(variant, seed))
+      found = _pick(index.get((config_key(stored), seed), []), canonical)
       if (
         found
         and found != canonical
@@ -213,7 +220,7 @@ def plan(
         found = (
           None  # a same-config folder elsewhere with nothing to resume: start at the run's own name
         )
-      job = Job(variant, seed, found or canonical, "start")
+      job = Job(variant, seed, found or canonical, "start", estimate=_estimate(stored))
       if found and rundir.read_summary(found) is not None:
         job.action = "skip"
       elif found and _has_checkpoint(found):
@@ -235,7 +242,7 @@ def plan(
         f"--config={variant.config}",
         f"--config.seed={seed}",
         *override_flags(variant),
-        *_cadence_flags(variant, seed),
+        *_cadence_flags(stored, job.estimate),
         f"--workdir={job.workdir}",
         *(["--resume"] if job.action == "resume" else []),
         *([f"--branch_from={job.branch_from}"] if job.branch_from else []),
