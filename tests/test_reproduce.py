@@ -288,12 +288,16 @@ def test_the_queue_starts_skips_resumes_and_moves_aside(tmp_path):
     "skip",
   ]
   assert launch.commands == []
-  # Interrupted after a checkpoint: resumed in place. Killed before its first checkpoint: moved
-  # aside, restarted.
+  # Interrupted after a checkpoint: resumed in place. Killed before its first finalised checkpoint:
+  # moved aside, restarted.
   os.remove(os.path.join(out, "smoke_lr01_s0", rundir.SUMMARY_FILE))
   lr03 = os.path.join(out, "smoke_lr03_s0")
   os.remove(os.path.join(lr03, rundir.SUMMARY_FILE))
-  os.rmdir(os.path.join(lr03, "checkpoints", "1"))
+  # Its only save did not finish (orbax's temporary folder name starts with the step): not a checkpoint.
+  os.rename(
+    os.path.join(lr03, "checkpoints", "1"),
+    os.path.join(lr03, "checkpoints", "1.orbax-checkpoint-tmp-1795800000"),
+  )
   messages = []
   launch = FakeLauncher(SMOKE)
   jobs = queue.run_queue(SMOKE, out, launch=launch, echo=messages.append)

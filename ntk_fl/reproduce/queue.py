@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import glob
 import json
 import os
 import shlex
@@ -115,7 +114,9 @@ def select_variants(experiment: Experiment, patterns: Sequence[str] | None) -> l
 
 
 def _has_checkpoint(workdir: str) -> bool:
-  return bool(glob.glob(os.path.join(rundir.checkpoint_dir(workdir), "[0-9]*")))
+  """Whether ``workdir`` holds a finalised checkpoint to resume or branch from (an unfinished save is
+  not one: the resume would find nothing and start again from round 0)."""
+  return bool(rundir.finalised_steps(workdir))
 
 
 def index_runs(dirs: Sequence[str]) -> dict[tuple, list[str]]:
