@@ -5,13 +5,17 @@
       [--branch_from=OTHER_WORKDIR [--branch_round=K]]
       [--num_processes=P | --distributed | --num_processes=P --process_id=I --coordinator_address=HOST:PORT]
   ntk-fl --config=ntk_dfl:smoke [--config.key=value ...] --print_config
+  ntk-fl --config=ntk_dfl:compressed [--config.key=value ...] --estimate
   ntk-fl --list_configs | --version
 
 ``--config`` names a packaged config (``ntk_dfl``, ``spark:iid,alpha0.5``; see
 :mod:`ntk_fl.configs`) or a config file (``configs/ntk_dfl.py:smoke``,
 ``my/sweep.py``). ``--config.key=value`` overrides any config field (an unknown
 key is a flags error); ``--print_config`` prints the resolved config, each
-field with its meaning (:mod:`ntk_fl.config_docs`), and exits;
+field with its meaning (:mod:`ntk_fl.config_docs`), and exits; ``--estimate``
+loads the data, prints the run's cost estimate (an NTK method's kernel FLOPs,
+peak memory and round time on this device, from one calibrated client step:
+``ntk_fl.runner.cost_report``) and exits, running no round and writing nothing;
 ``--list_configs`` lists the packaged configs and their variants. The config
 and the workdir are checked before any data is loaded; a bad value exits
 non-zero with one ``error:`` line naming it. The workdir receives
@@ -156,6 +160,13 @@ def _define_flags() -> None:
     "overrides), each field with its one-line meaning, and exit (no --workdir needed, no data "
     "loaded).",
   )
+  _FLAGS["estimate"] = flags.DEFINE_bool(
+    "estimate",
+    False,
+    "Print the run's cost estimate (an NTK method's kernel FLOPs, peak memory and round time on "
+    "this device, from one compiled and timed client step) and exit: loads the data, runs no "
+    "round, writes nothing (no --workdir needed).",
+  )
   _FLAGS["list_configs"] = flags.DEFINE_bool(
     "list_configs", False, "List the packaged configs with their variants and exit."
   )
@@ -168,8 +179,14 @@ def _define_flags() -> None:
     "lists them)",
   )
   flags.register_multi_flags_validator(
-    ["workdir", "print_config", "list_configs", "version"],
-    lambda f: f["workdir"] is not None or f["print_config"] or f["list_configs"] or f["version"],
+    ["workdir", "print_config", "estimate", "list_configs", "version"],
+    lambda f: (
+      f["workdir"] is not None
+      or f["print_config"]
+      or f["estimate"]
+      or f["list_configs"]
+      or f["version"]
+    ),
     message="--workdir is required (the run's output directory)",
   )
 
@@ -544,6 +561,20 @@ def _print_and_exit(config) -> bool:
   return True
 
 
+def _print_estimate(config) -> None:
+  """``--estimate``: the config checked (before any data loads), then the run's cost estimate printed."""
+  from ntk_fl import runner, schema  # pylint: disable=import-outside-toplevel
+
+  try:
+    settings = schema.validate_config(config, reference=_config_before_overrides())
+    text = runner.cost_report(settings)
+  except _ONE_LINE_ERRORS as e:
+    if logging.get_verbosity() >= 1:
+      traceback.print_exc()
+    sys.exit(f"error: {one_line(e)}")
+  print(text, flush=True)
+
+
 def _config_before_overrides():
   """The ``--config`` file's ``get_config(variant)`` without the ``--config.<key>`` overrides (the
   schema compares against it to warn about changed settings that have no effect)."""
@@ -824,6 +855,9 @@ def _main(argv: list[str]) -> None:
       f"{one_line(object.__getattribute__(config, '_error'))}"
     )
   if _print_and_exit(config):
+    return
+  if _FLAGS["estimate"].value:
+    _print_estimate(config)
     return
   workdir = _FLAGS["workdir"].value
   start = dict(

@@ -85,6 +85,7 @@ __all__ = [
   "make_finite_check",
   "make_replicated_step",
   "build_experiment",
+  "cost_report",
   "make_algorithm",
   "run",
 ]
@@ -256,6 +257,28 @@ def build_experiment(config) -> Experiment:
     model,
     make_algorithm(settings, model, federation),
   )
+
+
+def cost_report(config) -> str:
+  """What ``ntk-fl --estimate`` prints: the cost of one round of ``config`` (a run config or checked
+  settings) on this device, from one NTK step compiled and timed on a block of the run's size
+  (:mod:`ntk_fl._src.cost`, as the run logs it before round 1), and the warning when a round exceeds 10
+  minutes; for a method that takes no NTK step, a line saying so. Loads the data; runs no round and
+  writes nothing.
+  """
+  exp = build_experiment(config)
+  settings = exp.settings
+  est = cost.estimate(settings, exp.model, exp.federation, ntk=get_method(settings.method).ntk)
+  if est is None:
+    return (
+      f"no cost estimate: a {settings.method} round takes no NTK step (the estimate covers the NTK "
+      "methods' client and server steps)"
+    )
+  text = cost.describe(est)
+  if settings.replicas > 1:
+    text += f" (one seed's; a round of the run computes its {settings.replicas} replicas)"
+  warning = cost.over_budget(est, exp.model)
+  return text + (f"\nwarning: {warning}" if warning else "")
 
 
 def make_algorithm(config, model, federation) -> Algorithm:

@@ -109,8 +109,39 @@ def test_version_and_list_configs_need_no_config():
 def test_helpfull_points_to_print_config():
   proc = _cli("--helpfull")
   assert "--print_config" in proc.stdout and "--config.<key>" in proc.stdout
-  for flag in ("--[no]version:", "--[no]list_configs:", "--[no]print_config:"):
+  for flag in ("--[no]version:", "--[no]list_configs:", "--[no]print_config:", "--[no]estimate:"):
     assert flag in proc.stdout
+
+
+_SYNTHETIC = (
+  "--config.data.name=synthetic",
+  "--config.data.max_train=0",
+  "--config.data.max_test=0",
+)
+
+
+def test_estimate_prints_the_round_cost_and_writes_nothing(tmp_path):
+  """``--estimate`` prints the cost line the run logs before round 1 and exits 0; the workdir it is given
+  is not created; a method without NTK steps says it has no estimate; a bad value is one error line."""
+  import re  # pylint: disable=g-import-not-at-top
+
+  workdir = tmp_path / "run"
+  proc = _cli("--config=ntk_dfl:smoke", *_SYNTHETIC, "--estimate", f"--workdir={workdir}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  # smoke: 20 clients, degree 2 (3 members) of at most 99 synthetic samples each.
+  line = re.fullmatch(
+    r"cost estimate on cpu: 20 NTK step\(s\) per round on kernel blocks of N = 297 samples; "
+    r"kernel (\S+) GFLOP per round .*; a round ~ (\S+) s",
+    proc.stdout.strip(),
+  )
+  assert line, proc.stdout
+  assert float(line[1]) > 0 and float(line[2]) > 0
+  assert not workdir.exists()
+  proc = _cli("--config=dfedavg:smoke", *_SYNTHETIC, "--estimate")
+  assert proc.returncode == 0 and proc.stdout.startswith("no cost estimate: a dfedavg round"), proc
+  proc = _cli("--config=ntk_dfl:smoke", "--config.rounds=0", "--estimate")
+  assert proc.returncode == 1 and "Traceback" not in proc.stderr
+  assert proc.stderr.strip().splitlines()[-1].startswith("error: config.rounds must be an int >= 1")
 
 
 def test_a_run_still_needs_a_workdir():

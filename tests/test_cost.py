@@ -11,6 +11,8 @@ import json
 import os
 
 import flax.linen as nn
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -18,7 +20,7 @@ from ntk_fl import config as config_lib
 from ntk_fl import models, schema, topology
 from ntk_fl._src import cost
 from ntk_fl._src.ntk_step import NTK_FUNCTIONS as NTK
-from ntk_fl.algorithms import get_method
+from ntk_fl.algorithms import get_method, ntk_dfl
 from tests.federations import ragged_federation
 
 
@@ -105,12 +107,15 @@ def test_an_erdos_renyi_round_is_costed_at_its_degree_groups_blocks(method):
 
 def test_the_ntk_methods_hand_the_estimate_their_step_and_the_others_none():
   # The estimate imports no kernel code: a method whose rounds are NTK steps names them in its Method.
-  for name in ("ntk_dfl", "spark", "fed_ensemble"):
+  for name in ("spark", "fed_ensemble"):
     assert get_method(name).ntk is NTK, name
-  # NTK-FL's server adds its explicit (transmitted-Jacobian) step and its projected-input network.
-  server = get_method("ntk_fl").ntk
-  assert server._replace(transmitted_step=None, server_model=None) == NTK
-  assert server.transmitted_step is not None and server.server_model is models.mlp_on_inputs
+  # NTK-FL's server and NTK-DFL's client add their explicit (transmitted-Jacobian) step and their
+  # projected-input network.
+  for name in ("ntk_fl", "ntk_dfl"):
+    own = get_method(name).ntk
+    assert own._replace(transmitted_step=None, projected_model=None) == NTK
+    assert own.transmitted_step is not None and own.projected_model is models.mlp_on_inputs
+  assert get_method("ntk_fl").ntk.transmitted_step is not get_method("ntk_dfl").ntk.transmitted_step
   for name in ("fedavg", "fedprox", "dfedavg", "qsgd"):
     assert get_method(name).ntk is None, name
   fed = ragged_federation(np.random.default_rng(2), [6] * 20, dim=784, num_classes=10)
@@ -206,6 +211,64 @@ def test_the_server_workload_follows_compression_and_validation_clients():
       assert work.input_dim == settings.algorithm.projection_dim
   assert cost.workload(_settings("cp_ntk_fl", "smoke,table1,validation"), model, fed).explicit
   assert cost.workload(_settings("ntk_fl", "smoke,validation"), model, fed).score_block == 90
+
+
+def _compressed_ntk_dfl():
+  fed = ragged_federation(np.random.default_rng(4), [7, 9, 5, 8] * 5, dim=784, num_classes=10)
+  settings = _settings("ntk_dfl", "smoke,topk0.5,bits6,proj20")
+  return settings, fed, cost.workload(settings, models.mlp(), fed)
+
+
+def test_a_compressing_ntk_dfl_client_is_costed_as_the_explicit_step_of_the_projected_mlp():
+  """NTK-DFL with compressed packages (App. E.3) holds its neighbourhood's Jacobian explicitly: the
+  workload is the explicit step of the d1'-wide MLP on k_max + 1 package slots. The input projection
+  alone keeps the structured step, on the projected MLP."""
+  settings, fed, work = _compressed_ntk_dfl()
+  assert work.explicit and (work.keep_fraction, work.bits, work.input_dim) == (0.5, 6, 20)
+  assert (work.packages, work.block) == (3, 3 * 9)  # smoke: degree 2, 9 samples a client
+  projected_only = cost.workload(_settings("ntk_dfl", "smoke,proj20"), models.mlp(), fed)
+  assert (projected_only.explicit, projected_only.input_dim, projected_only.packages) == (
+    False,
+    20,
+    0,
+  )
+  plain = cost.workload(_settings("ntk_dfl"), models.mlp(), fed)
+  assert (plain.explicit, plain.input_dim, plain.packages) == (False, 0, 0)
+
+
+def test_the_calibrated_compressed_ntk_dfl_step_is_the_client_update():
+  """The step the estimate times for a compressing NTK-DFL client gives the client update's new weights
+  on the same neighbourhood block; its kernel FLOPs are the closed form ``2·N²·C·P`` of the d1'-wide MLP;
+  a block too large to run whole is timed in whole package slots."""
+  settings, fed, work = _compressed_ntk_dfl()
+  model = models.mlp()
+  ntk = get_method("ntk_dfl").ntk
+  params_count = 20 * 100 + 100 + 100 * 10 + 10
+  closed = 2 * work.block**2 * 10 * params_count
+  # A block too large to run whole is timed in whole slots: 27 samples -> 12 (and 6 for the line).
+  cal = cost.calibrate(model, work, ntk=ntk, max_flops=closed / 3)
+  assert closed <= cal.kernel_flops <= 1.1 * closed
+  assert (cal.block, cal.timed_block) == (27, 12) and cal.seconds > 0
+
+  # The calibrated step against the client update of the run, on one neighbourhood block.
+  projected = models.mlp_on_inputs(model, 20)
+  params = projected.init(jax.random.key(0))
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(rng.standard_normal((work.block, 20)), jnp.float32)
+  hard = jax.nn.one_hot(rng.integers(0, 10, work.block), 10)
+  mask = jnp.asarray(rng.random(work.block) > 0.2).at[0].set(True)
+  update = ntk_dfl.make_client_update(projected, settings.algorithm, neighbourhood_slots=3)
+  client_w, _ = jax.jit(update)(params, x[None], hard[None], mask[None], 0.01)
+  no_scoring = cost._random_block(projected, 0, 0)
+  delta = cost._step_fn(projected, work, ntk)(
+    params, x, hard, mask, *no_scoring, jnp.ones((0,), bool)
+  )
+  estimated_w = jax.tree.map(jnp.add, params, delta)
+  for got, want in zip(jax.tree.leaves(estimated_w), jax.tree.leaves(client_w)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  assert any(
+    not np.allclose(a, b) for a, b in zip(jax.tree.leaves(client_w), jax.tree.leaves(params))
+  )
 
 
 def test_the_validation_estimate_exceeds_the_plain_one_by_the_scoring():

@@ -20,16 +20,19 @@ NTK-DFL uncompressed, SPARK uncompressed with Option A), ``k_max + 1`` becomes
 the root mean square of ``1 +`` round 0's clients' group slots: the steps cost what blocks of that size
 cost together.
 
-NTK-FL's server step differs from a client step in two ways the estimate follows. With compression
-(``sparsify_keep < 1`` or ``quantize_bits < 32``, or ``jacobian='explicit'``) the server materialises the
-pooled Jacobians ``J [N, C, d]`` (CP-NTK-FL's ``table1``): the calibrated step then builds ``J``, sparsifies
-and quantises it as the uploads are, and contracts it, ``2·N²·C·d`` FLOPs traced instead of the structured
-kernel's, and holds ``N·C·d`` floats several times over. With ``select='validation'`` every candidate
-network of the ``τ`` grid is scored on the pooled data of the validation clients (``score_block =
-validation_clients · n_max`` samples, ``T`` forward passes): the calibrated step scores a random block of
-that size, and :attr:`Calibration.scoring_flops` is XLA's count of that scoring alone (for an MLP of
-widths ``d_0, ..., d_L``: ``T · S · 2 Σ_l d_l d_{l+1}`` plus the loss's elementwise terms). CP-NTK-FL's
-server trains the MLP on the ``projection_dim``-wide projected inputs: the calibrated network is that one.
+Compressed Jacobians change the step, and the estimate follows. With compression (``sparsify_keep < 1``
+or ``quantize_bits < 32``; NTK-FL's ``jacobian='explicit'`` too) the step materialises the Jacobians
+``J [N, C, d]``: NTK-FL's server its pooled uploads (CP-NTK-FL's ``table1``), an NTK-DFL client its
+neighbourhood's, its own rows exact and each neighbour's slot a compressed package (App. E.3,
+:attr:`Workload.packages`). The calibrated step is then the method's ``transmitted_step``: it builds ``J``,
+sparsifies and quantises it as the messages are, and contracts it, ``2·N²·C·d`` FLOPs traced instead of
+the structured kernel's, and holds ``N·C·d`` floats several times over. With ``select='validation'`` every
+candidate network of the ``τ`` grid is scored on the pooled data of the validation clients (``score_block
+= validation_clients · n_max`` samples, ``T`` forward passes): the calibrated step scores a random block
+of that size, and :attr:`Calibration.scoring_flops` is XLA's count of that scoring alone (for an MLP of
+widths ``d_0, ..., d_L``: ``T · S · 2 Σ_l d_l d_{l+1}`` plus the loss's elementwise terms). With the input
+projection (``projection_dim``), CP-NTK-FL's server and NTK-DFL's clients train the MLP on the
+``d1'``-wide projected inputs: the calibrated network is that one.
 
 :func:`calibrate` compiles one plain NTK step (the method's kernel, loss, solver and ``τ`` grid) on a
 random block of ``N`` inputs, runs it twice and keeps the faster run (a kernel above
@@ -75,6 +78,8 @@ __all__ = [
   "calibrate",
   "estimate",
   "advice",
+  "describe",
+  "over_budget",
   "report",
   "run_estimate",
   "ROUND_BUDGET_S",
@@ -91,11 +96,14 @@ CALIBRATION_FLOPS = 2e10
 class Workload(NamedTuple):
   """``steps`` NTK client steps per round on kernel blocks of ``block`` samples; the step's options.
 
-  ``explicit``: the step materialises the block's flat Jacobians ``[N, C, d]`` (compressed as
-  ``keep_fraction`` and ``bits`` say) and contracts them (NTK-FL's server with compression);
+  ``explicit``: the step materialises the block's Jacobians ``[N, C, d]`` (compressed as
+  ``keep_fraction`` and ``bits`` say) and contracts them (NTK-FL's server, NTK-DFL's clients with
+  compression); ``packages``: the block is that many equal slots of rows, the first the step's own and
+  exact, each other one sender's compressed package (NTK-DFL's neighbourhood; 0 = the pooled uploads of
+  a server, compressed row by row);
   ``score_block``: samples every ``τ`` candidate is scored on besides the block (NTK-FL's validation
-  clients; 0 = the block's own samples); ``input_dim``: the network's input width when the server trains
-  an MLP on projected inputs (CP-NTK-FL's ``projection_dim``; 0 = the model's own inputs).
+  clients; 0 = the block's own samples); ``input_dim``: the network's input width when the step trains
+  an MLP on projected inputs (CP-NTK-FL's and NTK-DFL's ``projection_dim``; 0 = the model's own inputs).
   """
 
   steps: int
@@ -107,6 +115,7 @@ class Workload(NamedTuple):
   bits: int = 32
   score_block: int = 0
   input_dim: int = 0
+  packages: int = 0
 
 
 class Calibration(NamedTuple):
@@ -178,7 +187,19 @@ def workload(settings, model, federation) -> Workload | None:
     # Option A) and clients are mapped in chunks of fewer than all.
     grouped = algo.any_slot_count and 1 <= chunk < steps
     members = _members(graphs, grouped=grouped)
-    return Workload(steps * m1, members * per_member, min(chunk, steps), options(algo.kernel))
+    work = Workload(steps * m1, members * per_member, min(chunk, steps), options(algo.kernel))
+    if method == "spark":  # its sketch and package compression: the plain step (module docstring)
+      return work
+    # NTK-DFL's client trains the MLP on the projected inputs, and with compressed packages holds its
+    # neighbourhood's Jacobian explicitly (algorithms.ntk_dfl.transmitted_step).
+    compressed = bool(algo.compressed)
+    return work._replace(
+      explicit=compressed,
+      keep_fraction=float(algo.sparsify_keep),
+      bits=int(algo.quantize_bits),
+      input_dim=int(algo.projection_dim),
+      packages=members if compressed else 0,
+    )
   if method in ("ntk_fl", "cp_ntk_fl"):
     participants = algo.clients_per_round or num_clients
     keep, bits = float(algo.sparsify_keep), int(algo.quantize_bits)
@@ -323,17 +344,17 @@ def _bytes(compiled) -> int:
   )
 
 
-def _server_model(model, work: Workload, ntk):
+def _trained_model(model, work: Workload, ntk):
   """The network the step trains: the model, or (``input_dim``) the same MLP on projected inputs
-  (``ntk.server_model``, the method's)."""
+  (``ntk.projected_model``, the method's)."""
   if not work.input_dim:
     return model
-  if ntk.server_model is None:
+  if ntk.projected_model is None:
     raise ValueError(
       f"the workload trains on {work.input_dim}-dimensional projected inputs, but the method's "
-      "NtkFunctions have no server_model to build that network"
+      "NtkFunctions have no projected_model to build that network"
     )
-  return ntk.server_model(model, work.input_dim)
+  return ntk.projected_model(model, work.input_dim)
 
 
 def _step_fn(model, work: Workload, ntk, implementation: str = "auto"):
@@ -356,6 +377,7 @@ def _step_fn(model, work: Workload, ntk, implementation: str = "auto"):
     extra = {"score_fn": _score_fn(model, vx, vy, vm, ntk)} if work.score_block else {}
     if not work.explicit:
       return ntk.step(model.apply, p, x, y, m, lr=0.01, **model_options, **work.options, **extra)[0]
+    per_slot = dict(slots=work.packages, dense_stack=model.dense_stack) if work.packages else {}
     return ntk.transmitted_step(
       model.apply,
       p,
@@ -365,11 +387,17 @@ def _step_fn(model, work: Workload, ntk, implementation: str = "auto"):
       lr=0.01,
       keep_fraction=work.keep_fraction,
       bits=work.bits,
+      **per_slot,
       **work.options,
       **extra,
     )[0]
 
   return jax.jit(step)
+
+
+def _halved(n: int, unit: int) -> int:
+  """About half of ``n``, in whole ``unit``s, at least one."""
+  return max(unit, n // 2 // unit * unit)
 
 
 def _extrapolate(small: tuple[int, float], large: tuple[int, float], n: int) -> float:
@@ -394,7 +422,7 @@ def calibrate(
   A kernel above ``max_flops`` is timed on a smaller block and scaled (:class:`Calibration`); the
   validation block (``work.score_block``) keeps its size.
   """
-  model = _server_model(model, work, ntk)
+  model = _trained_model(model, work, ntk)
   params = model.init(jax.random.key(seed))
   kernel = work.options["kernel"]
   # The run's block's implementation, for the smaller timed block too ('auto' chooses by the kernel's size).
@@ -411,11 +439,13 @@ def calibrate(
   flops = kernel_flops(
     model, work.block, kernel, ntk=ntk, explicit=work.explicit, implementation=impl
   )
+  # A block of packages is timed in whole slots (every slot keeps its share of the rows).
+  unit = work.packages or 1
   timed = work.block
   while (
-    timed > 8 and flops * (timed / work.block) ** 2 > max_flops
+    timed > max(8, unit) and flops * (timed / work.block) ** 2 > max_flops
   ):  # the kernel grows at least ~N²
-    timed //= 2
+    timed = _halved(timed, unit)
   t0 = time.perf_counter()
   compiled, args = compiled_step(work.block)
   compile_seconds = time.perf_counter() - t0
@@ -438,12 +468,12 @@ def calibrate(
   else:
     # The explicit path's top-k and quantisation of J are O(N·C·d) memory passes that XLA counts no FLOPs
     # for: fit t(N) = a·N + b·N² through two timed blocks instead.
-    half = max(timed // 2, 1)
-    seconds = _extrapolate(
-      (half, best_of_two(*compiled_step(half))),
-      (timed, best_of_two(*compiled_step(timed))),
-      work.block,
-    )
+    half = _halved(timed, unit)
+    large = (timed, best_of_two(*compiled_step(timed)))
+    if half < timed:
+      seconds = _extrapolate((half, best_of_two(*compiled_step(half))), large, work.block)
+    else:  # one row a slot: no smaller block of whole slots; the kernel's N² bounds the rest
+      seconds = large[1] * (work.block / timed) ** 2
   return Calibration(
     work.block,
     seconds,
@@ -469,10 +499,10 @@ def estimate(
     return None
   cal = calibrate(model, work, ntk=ntk, seed=settings.seed) if calibration is None else calibration
   num_clients = int(federation.mask.shape[0])
-  server = model if ntk is None else _server_model(model, work, ntk)
+  trained = model if ntk is None else _trained_model(model, work, ntk)
   param_bytes = 4 * sum(
     math.prod(leaf.shape)
-    for leaf in jax.tree.leaves(jax.eval_shape(server.init, jax.random.key(0)))
+    for leaf in jax.tree.leaves(jax.eval_shape(trained.init, jax.random.key(0)))
   )
   peak = work.concurrent * cal.step_bytes + 2 * num_clients * param_bytes
   device = jax.devices()[0]
@@ -520,16 +550,16 @@ def _human(x: float, unit: str) -> str:
   return f"{x:.3g} {unit}"
 
 
-def report(est: Estimate | None, model, *, budget_s: float = ROUND_BUDGET_S) -> str | None:
-  """Logs ``est`` (INFO) and warns (WARNING) when a round exceeds ``budget_s``; returns the warning."""
-  if est is None:
-    return None
+def describe(est: Estimate) -> str:
+  """One line: the steps and their block, the kernel FLOPs, the calibrated step, peak memory, the round."""
   w, c = est.workload, est.calibration
-  timed = (
-    f" (timed on N = {c.timed_block} and scaled by the kernels' FLOP ratio)"
-    if c.timed_block and c.timed_block != c.block
-    else ""
-  )
+  timed = ""
+  if c.timed_block and c.timed_block != c.block:
+    timed = (
+      f" (timed on N = {c.timed_block} and a smaller block, extrapolated as a·N + b·N²)"
+      if w.explicit
+      else f" (timed on N = {c.timed_block} and scaled by the kernels' FLOP ratio)"
+    )
   kernel_kind = " (explicit Jacobians [N, C, d] contracted)" if w.explicit else ""
   scoring = (
     f"; scoring the {len(w.options['taus'])} τ candidates on {w.score_block} validation samples "
@@ -537,31 +567,36 @@ def report(est: Estimate | None, model, *, budget_s: float = ROUND_BUDGET_S) -> 
     if w.score_block
     else ""
   )
-  logging.info(
-    "cost estimate on %s: %d NTK step(s) per round on kernel blocks of N = %d samples; kernel%s "
-    "%s per round (%s per block)%s; one step %.3g s%s after a %.3g s compile; peak memory ~ %s; "
-    "a round ~ %.3g s",
-    est.device,
-    w.steps,
-    w.block,
-    kernel_kind,
-    _human(est.kernel_flops, "FLOP"),
-    _human(c.kernel_flops, "FLOP"),
-    scoring,
-    c.seconds,
-    timed,
-    c.compile_seconds,
-    _human(est.peak_bytes, "B"),
-    est.round_seconds,
+  return (
+    f"cost estimate on {est.device}: {w.steps} NTK step(s) per round on kernel blocks of N = "
+    f"{w.block} samples; kernel{kernel_kind} {_human(est.kernel_flops, 'FLOP')} per round "
+    f"({_human(c.kernel_flops, 'FLOP')} per block){scoring}; one step {c.seconds:.3g} s{timed} after a "
+    f"{c.compile_seconds:.3g} s compile; peak memory ~ {_human(est.peak_bytes, 'B')}; a round ~ "
+    f"{est.round_seconds:.3g} s"
   )
+
+
+def over_budget(est: Estimate, model, *, budget_s: float = ROUND_BUDGET_S) -> str | None:
+  """The warning for a round estimated above ``budget_s``, with what would help; ``None`` within it."""
   if not est.round_seconds > budget_s:
     return None
-  message = (
+  w, c = est.workload, est.calibration
+  return (
     f"a round is estimated at {est.round_seconds / 60:.1f} min on {est.device} ({w.steps} NTK steps "
     f"x {c.seconds:.3g} s, kernel {_human(est.kernel_flops, 'FLOP')} per round); what would help: "
     + "; ".join(advice(est, model))
   )
-  logging.warning("%s", message)
+
+
+def report(est: Estimate | None, model, *, budget_s: float = ROUND_BUDGET_S) -> str | None:
+  """Logs ``est`` (INFO, :func:`describe`) and warns (WARNING) when a round exceeds ``budget_s``; returns
+  the warning."""
+  if est is None:
+    return None
+  logging.info("%s", describe(est))
+  message = over_budget(est, model, budget_s=budget_s)
+  if message:
+    logging.warning("%s", message)
   return message
 
 

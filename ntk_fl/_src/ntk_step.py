@@ -412,10 +412,11 @@ class NtkFunctions(NamedTuple):
     flat_jacobian: :func:`ntk_fl._src.kernels.flat_jacobian` (explicit Jacobians ``[N, C, d]``).
     jacobian_kernel: :func:`ntk_fl._src.kernels.jacobian_kernel` (their contraction).
     transmitted_step: ``(apply_fn, params, x, y, mask, *, lr, keep_fraction, bits, **options) ->
-      (Δw, info)``: the step on explicit, compressed Jacobians as a server receives them (NTK-FL's
-      ``table1``), or ``None`` for a method without that path.
-    server_model: ``(model, input_dim) -> model``: the network a server trains on projected
-      ``input_dim``-wide inputs (CP-NTK-FL's ``projection_dim``), or ``None``.
+      (Δw, info)``: the step on explicit, compressed Jacobians as the method receives them (NTK-FL's
+      server with compression; NTK-DFL's compressing client, which also takes ``slots`` and
+      ``dense_stack``), or ``None`` for a method without that path.
+    projected_model: ``(model, input_dim) -> model``: the network the step trains on projected
+      ``input_dim``-wide inputs (CP-NTK-FL's and NTK-DFL's ``projection_dim``), or ``None``.
     auto_implementation: :func:`ntk_fl._src.kernels.auto_implementation`, the implementation
       ``empirical_ntk``'s ``'auto'`` takes for a kernel of a given size (the calibration times a smaller
       block with the run's block's choice), or ``None`` (the smaller block then chooses its own).
@@ -428,7 +429,7 @@ class NtkFunctions(NamedTuple):
   flat_jacobian: Callable
   jacobian_kernel: Callable
   transmitted_step: Callable | None = None
-  server_model: Callable | None = None
+  projected_model: Callable | None = None
   auto_implementation: Callable | None = None
 
 

@@ -271,26 +271,20 @@ def make_client_update(
       **explicit,
     )
 
-  def compressed_jacobian(
-    params, x, mask
-  ):  # x [N_b, ...]: the packages as the client receives them
-    xs = jnp.where(mask.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0)
-    # An MLP's Jacobian from its layer factors, the same entries written once (not transposed and copied).
-    jac = None if model.dense_stack is None else dense_stack_jacobian(model.dense_stack, params, xs)
-    if jac is None:
-      jac = jacobians.per_sample_jacobian(model.apply, params, xs)
-    leaves, treedef = jax.tree.flatten(jac)
-    sent = (
-      jnp.arange(neighbourhood_slots) > 0
-    )  # the client's own rows (slot 0) are never transmitted
-    leaves = compression.compress_packages(leaves, mask, neighbourhood_slots, keep, bits, sent=sent)
-    return jax.tree.unflatten(treedef, leaves)
-
   def client_update(params, x, hard, mask, lr):
     if m1 == 1:
       explicit = {}
       if hparams.compressed:  # the kernel and the update from the compressed packages
-        explicit["jacobian"] = compressed_jacobian(params, x[0], mask[0])
+        explicit["jacobian"] = received_jacobian(
+          model.apply,
+          model.dense_stack,
+          params,
+          x[0],
+          mask[0],
+          slots=neighbourhood_slots,
+          keep_fraction=keep,
+          bits=bits,
+        )
       delta, info = step(params, x[0], hard[0], mask[0], lr, None, **explicit)
       return jax.tree.map(jnp.add, params, delta), {"tau": info["tau"], "loss": info["loss"]}
     return _batched_update(step, params, x, hard, mask, lr)
@@ -300,6 +294,61 @@ def make_client_update(
 
 def _call_targets(targets_fn, hard, f0):
   return targets_fn(f0, hard)
+
+
+def received_jacobian(
+  apply_fn, dense_stack, params, x, mask, *, slots: int, keep_fraction: float, bits: int
+):
+  """A compressing client's neighbourhood Jacobian as it holds it (App. E.3): per tensor, ``[N, C, *leaf]``.
+
+  ``x [N, ...]`` holds ``slots`` equal slots of rows, the client's own first: its own rows stay exact,
+  every other slot is one neighbour's package, compressed by :func:`ntk_fl.compression.compress_packages`
+  (top-k ``keep_fraction`` of its real entries, ``bits``-bit values); padding rows (``mask`` False) are
+  zero. ``dense_stack``: the model's layer factors (the Jacobian of an MLP written once from them), or
+  ``None`` for the generic per-sample Jacobian of ``apply_fn``.
+  """
+  xs = jnp.where(mask.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0)
+  # An MLP's Jacobian from its layer factors, the same entries written once (not transposed and copied).
+  jac = None if dense_stack is None else dense_stack_jacobian(dense_stack, params, xs)
+  if jac is None:
+    jac = jacobians.per_sample_jacobian(apply_fn, params, xs)
+  leaves, treedef = jax.tree.flatten(jac)
+  sent = jnp.arange(slots) > 0  # the client's own rows (slot 0) are never transmitted
+  leaves = compression.compress_packages(leaves, mask, slots, keep_fraction, bits, sent=sent)
+  return jax.tree.unflatten(treedef, leaves)
+
+
+def transmitted_step(
+  apply_fn,
+  params,
+  x,
+  targets,
+  mask,
+  *,
+  lr,
+  keep_fraction: float,
+  bits: int,
+  slots: int,
+  dense_stack=None,
+  **options,
+):
+  """A compressing client's NTK step on its neighbourhood block ``x [N, ...]`` of ``slots`` equal slots:
+  the kernel and the update from :func:`received_jacobian` (what the client update does when
+  ``NTKDFLHParams.compressed``, and what the run's cost estimate times for it). ``options`` go to
+  :func:`ntk_fl.evolve.ntk_step`; returns ``(Δw, info)``."""
+  jac = received_jacobian(
+    apply_fn,
+    dense_stack,
+    params,
+    x,
+    mask,
+    slots=slots,
+    keep_fraction=keep_fraction,
+    bits=bits,
+  )
+  return ntk_step.ntk_step(
+    apply_fn, params, x, targets, mask, lr=lr, jacobian=jac, dense_stack=dense_stack, **options
+  )
 
 
 def make_ntk_dfl(
@@ -496,5 +545,7 @@ METHOD = Method(
   graph=True,
   shared_rounds=shared_rounds,
   replicas=True,
-  ntk=ntk_step.NTK_FUNCTIONS,
+  ntk=ntk_step.NTK_FUNCTIONS._replace(
+    transmitted_step=transmitted_step, projected_model=models.mlp_on_inputs
+  ),
 )

@@ -505,6 +505,6 @@ METHOD = Method(
   hyperparameters=NTKFLHParams,
   check=check,
   ntk=ntk_step.NTK_FUNCTIONS._replace(
-    transmitted_step=transmitted_step, server_model=models.mlp_on_inputs
+    transmitted_step=transmitted_step, projected_model=models.mlp_on_inputs
   ),
 )
