@@ -117,8 +117,8 @@ FIELD_DOCS: dict[str, str] = {
   "algorithm.nesterov": "Nesterov momentum",
   "algorithm.weight_decay": "L2 weight decay of local SGD",
   "algorithm.quantize_bits": (
-    "bits per transmitted value (weights, NTK-FL's Jacobian entries, or FedCOM's/QSGD's coordinates, "
-    "sign included): 32 = float32"
+    "bits per transmitted value (weights, NTK-FL's or NTK-DFL's Jacobian entries, or FedCOM's/QSGD's "
+    "coordinates, sign included): 32 = float32"
   ),
   "algorithm.stochastic_rounding": "unbiased stochastic rounding when quantising",
   "algorithm.bucket_size": "FedCOM/QSGD: entries per QSGD bucket, each sent with its float32 norm (0 = one per tensor)",
@@ -138,9 +138,15 @@ FIELD_DOCS: dict[str, str] = {
   "algorithm.jacobian_batches": "NTK-DFL: m1 blocks of the neighbourhood data (App. E.1)",
   "algorithm.jacobian_chunk": "NTK-FL: samples per explicit-Jacobian chunk (0 = automatic)",
   "algorithm.subsample_fraction": "NTK-FL, FedAvg: β, each participant's share of its samples per round",
-  "algorithm.projection_dim": "NTK-FL, FedAvg: d1' of the secret input projection (0 = none; MLP only)",
-  "algorithm.projection_scale": "NTK-FL, FedAvg: scale of the input projection: 'sqrt_input' | 'none'",
-  "algorithm.sparsify_keep": "NTK-FL: top-k fraction kept per Jacobian row (1 = dense)",
+  "algorithm.projection_dim": (
+    "NTK-FL, NTK-DFL, FedAvg: d1' of the shared seeded input projection (0 = none; MLP only)"
+  ),
+  "algorithm.projection_scale": (
+    "NTK-FL, NTK-DFL, FedAvg: scale of the input projection: 'sqrt_input' | 'none'"
+  ),
+  "algorithm.sparsify_keep": (
+    "top-k fraction of the sent Jacobians kept (NTK-FL: per row; NTK-DFL: per package tensor; 1 = dense)"
+  ),
   "algorithm.shuffle": "NTK-FL: the shuffling server (synchronised row permutation)",
   "algorithm.share_fraction": "DataShare: size of the shared global set relative to all local data",
   "algorithm.num_samples": "FedBE: M models sampled from the Gaussian over the client models",
