@@ -171,8 +171,14 @@ class Checkpoints:
       create=not read_only,
       cleanup_tmp_directories=not read_only,
       read_only=read_only,
+      # Read-only managers never save; saying so keeps orbax from logging that it reset the interval.
+      save_interval_steps=0 if read_only else 1,
     )
-    self._manager = ocp.CheckpointManager(self.directory, options=options)
+    # The handler of the one item saved (``StandardSave``), named up front: a manager that only learns
+    # it from a ``save`` or ``restore`` call logs a warning on every ``metadata()`` of a resume.
+    self._manager = ocp.CheckpointManager(
+      self.directory, options=options, item_handlers=ocp.StandardCheckpointHandler()
+    )
 
   def path(self, rounds_done: int) -> str:
     return os.path.join(self.directory, str(rounds_done))

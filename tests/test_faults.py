@@ -1336,6 +1336,33 @@ def test_digest_of_real_method_states(tmp_path, name):
     assert state_digest(jax.tree_util.tree_unflatten(treedef, changed)) != digest, i
 
 
+def test_reopening_checkpoints_logs_no_orbax_warnings(tmp_path, caplog):
+  """A resume opens a fresh store and reads a checkpoint's metadata before restoring: orbax logged
+  'Item "default" ... could not be restored' there while the store did not name its item handler."""
+  import logging  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from ntk_fl.checkpoint import Checkpoints  # pylint: disable=g-import-not-at-top
+
+  state = {"w": jnp.arange(3.0), "b": jnp.ones((2, 2))}
+  with Checkpoints(tmp_path / "ckpt") as ckpt:
+    ckpt.save(1, state)
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    with Checkpoints(tmp_path / "ckpt") as ckpt:
+      assert ckpt.latest() == 1
+      ckpt.verify(1)
+      restored = ckpt.restore(1, state)
+    with Checkpoints(tmp_path / "ckpt", read_only=True) as ckpt:
+      assert ckpt.good_steps() == ([1], {})
+  np.testing.assert_array_equal(np.asarray(restored["b"]), np.ones((2, 2)))
+  unexpected = [
+    r.getMessage()
+    for r in caplog.records
+    if r.levelno >= logging.WARNING and "Given directory is read only" not in r.getMessage()
+  ]
+  assert unexpected == []
+
+
 # ----------------------------------------------------------------------------- TensorBoard follows metrics.jsonl
 
 _KILL_AFTER_CHECKPOINT = """
