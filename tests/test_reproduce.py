@@ -445,6 +445,18 @@ def _fake_run(root, name, variant, seed, accuracies, client=None):
   return workdir
 
 
+def test_a_run_started_under_its_own_name_is_reported_as_started(tmp_path):
+  """A queue's run that has written its config but no round yet is "started", not "another config"."""
+  fig12 = EXPERIMENTS["ntk_dfl:fig12"]
+  runs = tmp_path / "runs"
+  young = _fake_run(
+    runs, "fig12_ntk_dfl_per_client_s0", fig12.variant("fig12_ntk_dfl_per_client"), 0, []
+  )
+  _, missing = render.collect(fig12, render.dirs_of(str(runs)), seeds=[0])
+  assert f"fig12_ntk_dfl_per_client_s0: started, no round logged yet ({young})" in missing
+  assert not any("another config" in m for m in missing)
+
+
 def test_fig9_renders_from_campaign_named_runs(tmp_path):
   fig9 = EXPERIMENTS["ntk_dfl:fig9"]
   runs = tmp_path / "runs"

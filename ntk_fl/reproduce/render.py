@@ -51,13 +51,13 @@ def collect(
         continue
       name = run_name(variant, seed)
       same_name = [d for d in dirs if os.path.basename(os.path.normpath(d)) == name]
-      if same_name and os.path.isfile(os.path.join(same_name[0], rundir.CONFIG_FILE)):
+      if found:  # before the name check: a run of this config under its own name is just young
+        missing.append(f"{name}: started, no round logged yet ({found[0]})")
+      elif same_name and os.path.isfile(os.path.join(same_name[0], rundir.CONFIG_FILE)):
         missing.append(
           f"{name}: {same_name[0]} holds another config "
           f"({_difference(variant, seed, same_name[0])})"
         )
-      elif found:
-        missing.append(f"{name}: started, no round logged yet ({found[0]})")
       else:
         missing.append(
           f"{name}: not run" + (f" (would be {os.path.join(out, name)})" if out else "")
