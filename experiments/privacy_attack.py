@@ -36,7 +36,8 @@ each of its keep fractions and ``keep_fraction`` (NTK-FL Fig. 8: SSIM vs sparsit
 
 Writes ``privacy_attack.png`` (rows: original, no compression, sparsified,
 sparsified + projected; columns: images), ``privacy_attack_sparsity.png`` (the
-sweep) and ``privacy_attack.json`` to ``--out_dir``.
+sweep), ``privacy_attack.json`` and ``privacy_attack.md`` (mean SSIM and MSE per setting and
+along the sweep) to ``--out_dir``.
 """
 
 from __future__ import annotations
@@ -300,9 +301,7 @@ def run(config, out_dir: str) -> dict:
     "sweep": sorted(sweep, key=lambda e: -e["keep_fraction"]),
     "timings_s": timings,
   }
-  os.makedirs(out_dir, exist_ok=True)
-  with open(os.path.join(out_dir, "privacy_attack.json"), "w") as f:
-    json.dump(summary, f, indent=1, default=_jsonable)
+  _write(summary, out_dir, "privacy_attack")
   plot_grid(images, results, os.path.join(out_dir, "privacy_attack.png"), config)
   if summary["sweep"]:
     plot_sweep(summary["sweep"], os.path.join(out_dir, "privacy_attack_sparsity.png"), config)
@@ -328,7 +327,7 @@ def run_ntk_dfl(config, out_dir: str) -> dict:
   tensor, ``ntk_dfl.bits``-bit values, and top-k on the network of projected inputs ``z = x P``
   (``proj_dim``; P from the run seed's ``INPUT_PROJECTION`` stream, as ``ntk_dfl``'s factory draws it);
   also top-k and ``bits`` together.
-  Writes ``privacy_attack_ntk_dfl.json`` and ``privacy_attack_ntk_dfl.png``.
+  Writes ``privacy_attack_ntk_dfl.json``, ``.md`` (the tables) and ``.png``.
   """
   x, pixels, mean, std = load_images(config, config.ntk_dfl.package_size)
   n, d1 = config.num_images, x.shape[1]
@@ -405,9 +404,7 @@ def run_ntk_dfl(config, out_dir: str) -> dict:
     "results": results,
     "timings_s": timings,
   }
-  os.makedirs(out_dir, exist_ok=True)
-  with open(os.path.join(out_dir, "privacy_attack_ntk_dfl.json"), "w") as f:
-    json.dump(summary, f, indent=1, default=_jsonable)
+  _write(summary, out_dir, "privacy_attack_ntk_dfl")
   plot_grid(
     images,
     results,
@@ -418,6 +415,40 @@ def run_ntk_dfl(config, out_dir: str) -> dict:
     f"init weights; top-k {keep:g} per package tensor, {bits} bits, d1'={config.proj_dim}",
   )
   return summary
+
+
+RESULT_LABELS = {
+  "dummy": "chance (the attack's random start)",
+  **dict(ROWS[1:]),
+  **dict(NTK_DFL_ROWS[1:]),
+  "sparse_proj_key_leaked": "sparsified + projected, the secret P leaked",
+  "topk_proj_key_leaked": "top-k + projected, the secret P leaked",
+  "projection_limit": "the projection's limit (the true z unprojected with P)",
+}
+
+
+def summary_markdown(summary: dict) -> str:
+  """The results as markdown tables: mean SSIM and MSE per setting, and the sparsity sweep."""
+  lines = ["| setting | SSIM (mean) | MSE (mean) |", "|---|---:|---:|"]
+  for name, entry in summary["results"].items():
+    label = RESULT_LABELS.get(name, name)
+    lines.append(f"| {label} (`{name}`) | {entry['ssim_mean']:.3f} | {entry['mse_mean']:.4f} |")
+  if summary.get("sweep"):
+    lines += ["", "| fraction kept | SSIM (mean) | MSE (mean) |", "|---:|---:|---:|"]
+    lines += [
+      f"| {e['keep_fraction']:g} | {e['ssim_mean']:.3f} | {e['mse_mean']:.4f} |"
+      for e in summary["sweep"]
+    ]
+  return "\n".join(lines) + "\n"
+
+
+def _write(summary: dict, out_dir: str, stem: str) -> None:
+  """``<stem>.json`` (everything) and ``<stem>.md`` (the tables) in ``out_dir``."""
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, stem + ".json"), "w") as f:
+    json.dump(summary, f, indent=1, default=_jsonable)
+  with open(os.path.join(out_dir, stem + ".md"), "w") as f:
+    f.write(summary_markdown(summary))
 
 
 def _rel_err(estimate, truth):

@@ -307,11 +307,18 @@ def test_script_smoke(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert sorted(os.listdir(tmp_path)) == [
     "privacy_attack.json",
+    "privacy_attack.md",
     "privacy_attack.png",
     "privacy_attack_sparsity.png",
   ]
   with open(tmp_path / "privacy_attack.json") as f:
     summary = json.load(f)
+  # The markdown (what ``ntk-fl reproduce ntk_fl:fig8`` renders) holds the JSON's means, rounded.
+  table = (tmp_path / "privacy_attack.md").read_text()
+  for name, entry in summary["results"].items():
+    assert f"(`{name}`) | {entry['ssim_mean']:.3f} | {entry['mse_mean']:.4f} |" in table
+  for point in summary["sweep"]:
+    assert f"| {point['keep_fraction']:g} | {point['ssim_mean']:.3f} |" in table
   results = summary["results"]
   assert set(results) == {
     "dummy",

@@ -143,10 +143,15 @@ def test_script_ntk_dfl_mode_writes_its_settings(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert sorted(os.listdir(tmp_path)) == [
     "privacy_attack_ntk_dfl.json",
+    "privacy_attack_ntk_dfl.md",
     "privacy_attack_ntk_dfl.png",
   ]
   with open(tmp_path / "privacy_attack_ntk_dfl.json") as f:
     results = json.load(f)["results"]
+  table = (tmp_path / "privacy_attack_ntk_dfl.md").read_text()
+  assert "fraction kept" not in table  # no sweep in this mode
+  for name, entry in results.items():
+    assert f"(`{name}`) | {entry['ssim_mean']:.3f} | {entry['mse_mean']:.4f} |" in table
   assert set(results) == {
     "dummy",
     "none",

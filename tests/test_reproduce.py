@@ -65,7 +65,7 @@ def test_the_campaign_and_every_paper_is_registered():
 def test_every_experiment_is_consistent():
   for experiment in EXPERIMENTS.values():
     assert experiment.kind in KINDS, experiment.name
-    assert experiment.variants or experiment.needs, (
+    assert experiment.variants or experiment.needs or experiment.script, (
       f"{experiment.name}: no runs and nothing it needs"
     )
     names = [v.name for v in experiment.variants]

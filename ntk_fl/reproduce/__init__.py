@@ -21,6 +21,10 @@ by config, so runs made by hand or by another queue are found whatever their
 names. ``--archive DIR`` copies the rendered runs' scalars to ``DIR/<run name>/``.
 ``--replicas S`` runs up to ``S`` consecutive fresh seeds of a variant as one seed-batched run
 (``--config.replicas``; its replicas' folders are found like any other run).
+
+An experiment made by a script of the source tree instead of runs (an attack, a toy regression;
+``Experiment.script``) runs as a queue of one (:mod:`ntk_fl.reproduce.scripted`): ``--python``,
+``--extra``, ``--status``, ``--dry_run`` and ``--render_only`` apply to it, the flags about runs do not.
 """
 
 from __future__ import annotations
@@ -84,6 +88,13 @@ def list_table() -> str:
   for name, experiment in EXPERIMENTS.items():
     if name.startswith("smoke:"):
       continue
+    if experiment.script is not None:
+      minutes = _hours(experiment.script.cpu_minutes / 60)
+      rows.append(
+        f"| {name} | {experiment.title} | script | {minutes} | — | registered: "
+        f"{experiment.script.path} |"
+      )
+      continue
     if not experiment.variants:
       rows.append(f"| {name} | {experiment.title} | — | — | — | needs {experiment.needs} |")
       continue
@@ -100,14 +111,65 @@ def list_table() -> str:
 
 def _status_table(out: str, seeds: Sequence[int] | None) -> str:
   """One markdown row per experiment with runs: how its runs in ``out`` stand (:mod:`.progress`)."""
-  from ntk_fl.reproduce import progress  # pylint: disable=import-outside-toplevel
+  from ntk_fl.reproduce import progress, scripted  # pylint: disable=import-outside-toplevel
 
   rows = [progress.SUMMARY_HEADER]
   for name, experiment in EXPERIMENTS.items():
+    if experiment.script is not None:
+      rows.append(scripted.summary_row(experiment, out))
     if name.startswith("smoke:") or not experiment.variants or experiment.needs:
       continue
     rows.append(progress.summary_row(name, progress.experiment_progress(experiment, out, seeds)))
   return "\n".join(rows)
+
+
+def _script_main(experiment: Experiment, args: argparse.Namespace) -> int:
+  """``ntk-fl reproduce NAME`` for an experiment made by a script (:mod:`.scripted`)."""
+  from ntk_fl.reproduce import scripted  # pylint: disable=import-outside-toplevel
+
+  unused = {
+    "--seeds": args.seeds,
+    "--variants": args.variants,
+    "--runs": args.runs,
+    "--skip_gpu": args.skip_gpu or None,
+    "--archive": args.archive or None,
+    "--replicas": None if args.replicas == 1 else args.replicas,
+  }
+  given = [flag for flag, value in unused.items() if value is not None]
+  if given:
+    print(
+      f"error: {experiment.name} is made by the script {experiment.script.path}, not by runs: "
+      f"{', '.join(given)} do not apply (--out, --python, --extra, --render_dir, --render_only, "
+      "--status and --dry_run do)",
+      file=sys.stderr,
+    )
+    return 2
+  if args.status:
+    print(scripted.status_table(experiment, args.out))
+    return 0
+  render_dir = args.render_dir or (
+    "runs/results" if args.render_only else os.path.join(args.out, "results")
+  )
+  try:
+    if not args.render_only:
+      action = scripted.run(
+        experiment,
+        args.out,
+        python=args.python,
+        extra=tuple(shlex.split(args.extra)),
+        dry_run=args.dry_run,
+      )
+      if action == "failed":
+        return 1
+      if args.dry_run:
+        return 0
+    result = scripted.render(experiment, args.out, render_dir)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(result["markdown"])
+  print("written: " + ", ".join(result["files"]))
+  return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -161,7 +223,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     "interpreter), e.g. 'taskset -c 1 .venv/bin/python'",
   )
   parser.add_argument(
-    "--extra", default="", help="flags added to every run, e.g. '--config.chunk_size=0'"
+    "--extra",
+    default="",
+    help="flags added to every run, e.g. '--config.chunk_size=0' (or to a script experiment's "
+    "command)",
   )
   parser.add_argument(
     "--skip_gpu",
@@ -209,6 +274,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"error: unknown experiment {args.name!r}; known: {', '.join(close)}", file=sys.stderr)
     return 2
   experiment = EXPERIMENTS[args.name]
+  if experiment.script is not None:
+    return _script_main(experiment, args)
   if args.status:
     if not experiment.variants:
       print(f"{args.name} has no runs: it needs {experiment.needs}")

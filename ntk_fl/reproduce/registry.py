@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["Experiment", "Variant", "build_config", "override_flags"]
+__all__ = ["Experiment", "Script", "Variant", "build_config", "override_flags"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +56,25 @@ class Variant:
 
 
 @dataclasses.dataclass(frozen=True)
+class Script:
+  """The script of the source tree that makes an experiment with no training runs
+  (:mod:`ntk_fl.reproduce.scripted`).
+
+  Attributes:
+    path: the script, relative to the repository root (``"experiments/privacy_attack.py"``).
+    args: its arguments; ``{out}`` stands for the folder it writes into.
+    outputs: the files it writes there, all of them when it succeeds; a ``.md`` among them is its
+      table, put into the rendered page, and ``.png`` / ``.pdf`` files are its figures.
+    cpu_minutes: its measured wall time on the 2-core CPU (``ntk-fl reproduce --list``).
+  """
+
+  path: str
+  args: tuple[str, ...]
+  outputs: tuple[str, ...]
+  cpu_minutes: float
+
+
+@dataclasses.dataclass(frozen=True)
 class Experiment:
   """A table or figure of a paper.
 
@@ -72,7 +91,8 @@ class Experiment:
     ``"paired"`` (``None``: the last round every run logged). x_label: the axis of a sweep. pairs:
     ``(method variant, baseline variant)`` names of a ``"paired"`` experiment. needs: what is
     missing before it can run; empty when it runs today. notes: choices made where the paper is
-    silent (rounds, grids).
+    silent (rounds, grids). script: the script that makes an experiment with no runs (an attack, a
+    toy regression), run by ``ntk-fl reproduce`` like a queue of one.
   """
 
   name: str
@@ -87,6 +107,7 @@ class Experiment:
   pairs: tuple[tuple[str, str], ...] = ()
   needs: str = ""
   notes: str = ""
+  script: Script | None = None
 
   def seeds_of(self, variant: Variant, seeds: tuple[int, ...] | None = None) -> tuple[int, ...]:
     """The seeds ``variant`` runs for (``seeds`` replaces the experiment's, as ``--seeds`` does)."""
