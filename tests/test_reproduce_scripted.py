@@ -171,3 +171,43 @@ def test_the_registered_scripts_and_their_files_exist():
       if value.startswith(("configs/", "experiments/")):
         assert os.path.isfile(os.path.join(scripted.source_root(), value)), arg
     assert f"| {name} | {experiment.title} | script |" in listing
+
+
+def test_the_projection_benchmark_tabulates_its_rows_against_ntk_dfl(tmp_path):
+  # spark:fig10's script: the table's ratios are each row over the NTK-DFL row; bad sizes are refused.
+  from scripts import load_benchmark  # pylint: disable=import-outside-toplevel
+
+  bench = load_benchmark("spark_projection")
+  rows = [
+    {"name": name, "seconds": s, "peak_mb": m, "memory": "process RSS"}
+    for (name, _, _), s, m in zip(
+      bench.ROWS, (2.0, 3.0, 1.0, 1.5, 2.5, 40.0), (600, 660, 500, 520, 540, 5000)
+    )
+  ]
+  result = {
+    "machine": "m",
+    "jax": "0",
+    "backend": "cpu",
+    "settings": {
+      "clients": 10,
+      "degree": 5,
+      "chunk": 1,
+      "tau_max": 800,
+      "repeats": 1,
+      "variant": "",
+    },
+    "rows": rows,
+  }
+  table = bench.markdown(result)
+  assert "| NTK-DFL | 2.00 | 1.00 | 600 | 1.00 |" in table
+  assert "| SPARK, layer-wise, cap 500 | 1.00 | 0.50 | 500 | 0.83 |" in table
+  assert "| SPARK, flattened, k_proj = 10,000 | 40.00 | 20.00 | 5,000 | 8.33 |" in table
+  bench.plot(result, str(tmp_path / "p.png"))
+  assert (tmp_path / "p.png").stat().st_size > 0
+  for argv, message in (
+    (["--clients=0"], "--clients must be a positive integer, got 0"),
+    (["--tau-max=150"], "--tau-max must be a multiple of 100"),
+  ):
+    with pytest.raises(SystemExit, match=message.replace("(", r"\(")):
+      bench.main([f"--out={tmp_path / 'x'}", *argv])
+  assert not (tmp_path / "x").exists()
