@@ -23,10 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from ntk_fl.reproduce import scripted  # noqa: E402
 
 ROWS = (
   ("NTK-DFL", "ntk_dfl", ""),
@@ -53,17 +56,6 @@ def measure_row(method: str, variant: str, args) -> dict:
     return {"seconds": seconds, "peak_mb": stats["peak_bytes_in_use"] / 2**20, "memory": "device"}
   rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
   return {"seconds": seconds, "peak_mb": rss_kb / 1024, "memory": "process RSS"}
-
-
-def _machine() -> str:
-  model = platform.processor() or platform.machine()
-  try:
-    with open("/proc/cpuinfo") as f:
-      names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    model = names[0] if names else model
-  except OSError:
-    pass
-  return f"{model}, {os.cpu_count()} CPU cores"
 
 
 def markdown(result: dict) -> str:
@@ -158,7 +150,7 @@ def main(argv=None) -> None:
   import jax  # pylint: disable=import-outside-toplevel
 
   result = {
-    "machine": _machine(),
+    "machine": scripted.machine(),
     "jax": jax.__version__,
     "backend": jax.default_backend(),
     "settings": {

@@ -34,6 +34,7 @@ from ntk_fl.reproduce.registry import Experiment
 __all__ = [
   "PROVENANCE_FILE",
   "command",
+  "machine",
   "output_dir",
   "render",
   "run",
@@ -114,8 +115,8 @@ def _commit(root: str) -> str:
   return head + ("-dirty" if dirty else "")
 
 
-def _machine() -> str:
-  """The CPU's model name (Linux) or architecture, and its core count."""
+def machine() -> str:
+  """The CPU's model name (Linux) or architecture, and its core count: ``"AMD EPYC, 2 CPU cores"``."""
   model = platform.processor() or platform.machine()
   try:
     with open("/proc/cpuinfo") as f:
@@ -167,7 +168,7 @@ def run(
   provenance = {  # the command as it reads for the kept folder (it wrote into the .partial one)
     "command": " ".join(shlex.quote(c) for c in command(experiment, folder, python, extra)),
     "commit": _commit(source_root()),
-    "machine": _machine(),
+    "machine": machine(),
     "seconds": round(seconds, 1),
     "finished": datetime.datetime.now().isoformat(timespec="seconds"),
   }
