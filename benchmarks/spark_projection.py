@@ -163,11 +163,7 @@ def main(argv=None) -> None:
     },
     "rows": rows,
   }
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "spark_projection.json"), "w") as f:
-    json.dump(result, f, indent=1)
-  with open(os.path.join(args.out, "spark_projection.md"), "w") as f:
-    f.write(markdown(result))
+  scripted.write_result(args.out, "spark_projection", result, markdown(result))
   plot(result, os.path.join(args.out, "spark_projection.png"))
   print(markdown(result))
 

@@ -42,7 +42,6 @@ along the sweep) to ``--out_dir``.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -61,6 +60,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (backend first)
 
 from ntk_fl import compression, data, jacobians, models, privacy, validation  # noqa: E402
+from ntk_fl.reproduce import scripted  # noqa: E402
 from ntk_fl.rng import Stream, jax_key, numpy_rng  # noqa: E402
 
 DATASETS = ("fashion_mnist", "mnist")
@@ -301,7 +301,7 @@ def run(config, out_dir: str) -> dict:
     "sweep": sorted(sweep, key=lambda e: -e["keep_fraction"]),
     "timings_s": timings,
   }
-  _write(summary, out_dir, "privacy_attack")
+  scripted.write_result(out_dir, "privacy_attack", summary, summary_markdown(summary), _jsonable)
   plot_grid(images, results, os.path.join(out_dir, "privacy_attack.png"), config)
   if summary["sweep"]:
     plot_sweep(summary["sweep"], os.path.join(out_dir, "privacy_attack_sparsity.png"), config)
@@ -404,7 +404,9 @@ def run_ntk_dfl(config, out_dir: str) -> dict:
     "results": results,
     "timings_s": timings,
   }
-  _write(summary, out_dir, "privacy_attack_ntk_dfl")
+  scripted.write_result(
+    out_dir, "privacy_attack_ntk_dfl", summary, summary_markdown(summary), _jsonable
+  )
   plot_grid(
     images,
     results,
@@ -440,15 +442,6 @@ def summary_markdown(summary: dict) -> str:
       for e in summary["sweep"]
     ]
   return "\n".join(lines) + "\n"
-
-
-def _write(summary: dict, out_dir: str, stem: str) -> None:
-  """``<stem>.json`` (everything) and ``<stem>.md`` (the tables) in ``out_dir``."""
-  os.makedirs(out_dir, exist_ok=True)
-  with open(os.path.join(out_dir, stem + ".json"), "w") as f:
-    json.dump(summary, f, indent=1, default=_jsonable)
-  with open(os.path.join(out_dir, stem + ".md"), "w") as f:
-    f.write(summary_markdown(summary))
 
 
 def _rel_err(estimate, truth):

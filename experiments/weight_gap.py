@@ -34,7 +34,6 @@ Writes ``weight_gap.json`` (settings and one row per ``t``), ``weight_gap.md`` (
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -48,8 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from ntk_fl import evolve, ntk, runner  # noqa: E402
 from ntk_fl.config import load_config  # noqa: E402
-
-TRAJECTORIES = ("gd", "linearised", "ntk_fl")
+from ntk_fl.reproduce import scripted  # noqa: E402
 
 
 def pooled_round(config, round_index: int, max_samples: int):
@@ -233,11 +231,7 @@ def main(argv=None) -> None:
     "rows": gap_rows(model.apply, params, x, y, taus, trajectories),
     "seconds": round(time.perf_counter() - start, 1),
   }
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "weight_gap.json"), "w") as f:
-    json.dump(result, f, indent=1)
-  with open(os.path.join(args.out, "weight_gap.md"), "w") as f:
-    f.write(markdown(result))
+  scripted.write_result(args.out, "weight_gap", result, markdown(result))
   plot(result, os.path.join(args.out, "weight_gap.png"))
   print(markdown(result))
 

@@ -117,13 +117,14 @@ def _status_table(out: str, seeds: Sequence[int] | None) -> str:
   for name, experiment in EXPERIMENTS.items():
     if experiment.script is not None:
       rows.append(scripted.summary_row(experiment, out))
+      continue
     if name.startswith("smoke:") or not experiment.variants or experiment.needs:
       continue
     rows.append(progress.summary_row(name, progress.experiment_progress(experiment, out, seeds)))
   return "\n".join(rows)
 
 
-def _script_main(experiment: Experiment, args: argparse.Namespace) -> int:
+def _script_main(experiment: Experiment, args: argparse.Namespace, render_dir: str) -> int:
   """``ntk-fl reproduce NAME`` for an experiment made by a script (:mod:`.scripted`)."""
   from ntk_fl.reproduce import scripted  # pylint: disable=import-outside-toplevel
 
@@ -147,9 +148,6 @@ def _script_main(experiment: Experiment, args: argparse.Namespace) -> int:
   if args.status:
     print(scripted.status_table(experiment, args.out))
     return 0
-  render_dir = args.render_dir or (
-    "runs/results" if args.render_only else os.path.join(args.out, "results")
-  )
   try:
     if not args.render_only:
       action = scripted.run(
@@ -274,17 +272,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"error: unknown experiment {args.name!r}; known: {', '.join(close)}", file=sys.stderr)
     return 2
   experiment = EXPERIMENTS[args.name]
+  # Rendering someone else's runs (--render_only, --runs) never writes into their folder by default.
+  reading_only = args.render_only or args.runs is not None
+  render_dir = args.render_dir or ("runs/results" if reading_only else f"{args.out}/results")
   if experiment.script is not None:
-    return _script_main(experiment, args)
+    return _script_main(experiment, args, render_dir)
   if args.status:
     if not experiment.variants:
       print(f"{args.name} has no runs: it needs {experiment.needs}")
       return 0
     print(progress.run_table(progress.experiment_progress(experiment, args.out, args.seeds)))
     return 0
-  # Rendering someone else's runs (--render_only, --runs) never writes into their folder by default.
-  reading_only = args.render_only or args.runs is not None
-  render_dir = args.render_dir or ("runs/results" if reading_only else f"{args.out}/results")
   try:
     if args.runs is None and not args.render_only:
       if experiment.needs:

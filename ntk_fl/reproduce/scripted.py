@@ -43,6 +43,7 @@ __all__ = [
   "state",
   "status_table",
   "summary_row",
+  "write_result",
 ]
 
 PROVENANCE_FILE = "script.json"
@@ -181,6 +182,16 @@ def run(
   return "done"
 
 
+def write_result(out_dir: str, stem: str, result: dict, table: str, json_default=None) -> None:
+  """What a script writes for :func:`render`: ``<stem>.json`` (``result``, everything) and
+  ``<stem>.md`` (``table``, the markdown the rendered page shows) in ``out_dir``."""
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, stem + ".json"), "w") as f:
+    json.dump(result, f, indent=1, default=json_default)
+  with open(os.path.join(out_dir, stem + ".md"), "w") as f:
+    f.write(table)
+
+
 def render(experiment: Experiment, out: str, render_dir: str) -> dict:
   """Writes ``render_dir/<slug>.md`` and copies the script's figures there as ``<slug>_<file>``;
   returns ``{"markdown", "files"}``.
@@ -229,19 +240,17 @@ def render(experiment: Experiment, out: str, render_dir: str) -> dict:
 
 def status_table(experiment: Experiment, out: str) -> str:
   """``--status`` of a script experiment: one markdown row."""
-  folder = output_dir(experiment, out)
-  left = "—" if state(experiment, out) == FINISHED else _minutes(experiment)
+  now = state(experiment, out)
+  left = (
+    "—" if now == FINISHED else f"{experiment.script.cpu_minutes:.0f} min estimated (2-core CPU)"
+  )
   return "\n".join(
     (
       "| output | state | left |",
       "|---|---|---|",
-      f"| {folder} | {state(experiment, out)} | {left} |",
+      f"| {output_dir(experiment, out)} | {now} | {left} |",
     )
   )
-
-
-def _minutes(experiment: Experiment) -> str:
-  return f"{experiment.script.cpu_minutes:.0f} min estimated (2-core CPU)"
 
 
 def summary_row(experiment: Experiment, out: str) -> str:
