@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 
+from ntk_fl.reproduce.queue import ASIDE_MARK
 from ntk_fl.reproduce.registry import Experiment
 
 __all__ = [
@@ -176,7 +177,7 @@ def run(
   with open(os.path.join(partial, PROVENANCE_FILE), "w") as f:
     json.dump(provenance, f, indent=1)
   if os.path.isdir(folder):  # an incomplete folder of an older attempt: kept, moved aside
-    os.rename(folder, f"{folder}.unfinished-{int(time.time())}")
+    os.rename(folder, f"{folder}{ASIDE_MARK}{int(time.time())}")  # as the run queue names them
   os.rename(partial, folder)
   print(f"{experiment.name}: finished in {seconds:.0f} s: {folder}", flush=True)
   return "done"
