@@ -154,6 +154,26 @@ def test_compressed_gossip_runs_are_costed_from_the_measured_compressed_round():
   assert costs.estimate(as_dict(compressed))[0] > 4 * costs.estimate(as_dict(plain))[0]
 
 
+def test_datashare_is_costed_by_its_participants_data_with_the_shared_set():
+  """A DataShare participant's epochs run over its ≈ 200 samples plus ``share_fraction`` of all
+  clients' samples: at the paper's 10 % of 300 clients, 31 FedAvg-sized passes, the measured row; a
+  set twice as large costs (1 + 60) / 31 of it, and half the clients (1 + 15) / 31."""
+
+  def per_round(*overrides):
+    config = stored_form(build_config(Variant("ds", "datashare", overrides), 0))
+    return costs.estimate(config)[0] / config["rounds"]
+
+  row = costs.ROUND_SECONDS["datashare"]
+  assert per_round() == pytest.approx(row.cpu)
+  step = row.cpu - row.cpu_eval
+  assert per_round(("algorithm.share_fraction", 0.2)) == pytest.approx(
+    step * 61 / 31 + row.cpu_eval
+  )
+  assert per_round(("data.num_clients", 150)) == pytest.approx(step * 16 / 31 + row.cpu_eval)
+  # Its round is an order of magnitude above FedAvg's, whose participants train on their own data.
+  assert per_round() > 30 * costs.ROUND_SECONDS["fedavg"].cpu
+
+
 def _erdos_renyi_config(method="ntk_dfl", chunk=1):
   er = (("topology.name", "erdos_renyi"), ("topology.mean_degree", 5.0), ("chunk_size", chunk))
   return stored_form(build_config(Variant("er", method, er), 0))

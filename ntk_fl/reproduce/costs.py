@@ -10,7 +10,9 @@ count (the Euler evolution through the ``[N, N]`` kernel is ≈ 95 % of an NTK-D
 round, benchmarks/RESULTS.md) and linearly in the largest τ. The neighbourhood is
 counted as every client's block is laid out: padded to the topology's neighbour
 slots (``k_max``), which for an Erdős–Rényi graph is its degree bound, not its mean
-degree. A block that outgrows the caches may run slower than this scaling says.
+degree. A block that outgrows the caches may run slower than this scaling says. DataShare's
+participants train on their own samples plus the shared set, so its round scales with
+``1 + share_fraction × clients``.
 A gossip NTK run that transmits explicit, compressed Jacobians (top-k or b-bit quantisation,
 NTK-DFL App. E.3, with or without the input projection) is dominated by building, compressing and
 contracting those Jacobians instead: its row is the measured compressed round
@@ -75,9 +77,11 @@ ROUND_SECONDS: dict[str, Cost] = {
     20.8, None, "benchmarks/RESULTS.md, DisPFL round: 20.8 s at chunk 30 (commit 58e5b80, loaded)"
   ),
   "dpsgd": Cost(
-    3.0,
+    3.6,
     None,
-    "assumed: one epoch of batch 10 (20 SGD steps, DFedAvg: 160) plus gossip and evaluation",
+    "docs/REPRODUCTION.md, NTK-DFL Fig. 10b's D-PSGD (MNIST, 100 rounds, commit f0b1943): median "
+    "2.9 s step + 0.74 s evaluation per round on one core of the loaded 2-core AMD EPYC",
+    0.74,
   ),
   "ntk_fl": Cost(
     21.0,
@@ -85,11 +89,37 @@ ROUND_SECONDS: dict[str, Cost] = {
     "docs/REPRODUCTION.md, NTK-FL seeds 1-2: 18-24 s per round on one core (20 clients per round)",
   ),
   "cp_ntk_fl": Cost(20.0, None, "docs/ntk_fl.md, CP-NTK-FL table1 runs: 16-25 s per round"),
-  "fedavg": Cost(1.0, None, "assumed: 20 clients x 20 full-batch epochs of 200 samples per round"),
-  "fednova": Cost(1.0, None, "assumed as FedAvg"),
-  "fedprox": Cost(1.0, None, "assumed as FedAvg"),
-  "datashare": Cost(1.0, None, "assumed as FedAvg"),
-  "centralized": Cost(1.0, None, "assumed as FedAvg"),
+  "fedavg": Cost(
+    0.55,
+    None,
+    "NTK-FL Fig. 5's FedAvg runs (50 rounds, α = 0.2-0.5, commit 2997b23): median 0.50-0.53 s step "
+    "+ 0.02 s evaluation per round on one core of the loaded 2-core AMD EPYC (0.97 s at α = 0.1, "
+    "more loaded)",
+    0.02,
+  ),
+  "fednova": Cost(
+    0.52,
+    None,
+    "NTK-FL Fig. 5's FedNova runs (50 rounds, commit 2997b23): median 0.50 s step + 0.02 s "
+    "evaluation per round on one core of the loaded 2-core AMD EPYC",
+    0.02,
+  ),
+  "fedprox": Cost(0.55, None, "assumed as FedAvg (one more term in the local gradient)", 0.02),
+  "datashare": Cost(
+    32.0,
+    None,
+    "ntk-fl --config=datashare --config.rounds=3 (commit 2997b23): 31.5-32.7 s per round after the "
+    "first on one core of the loaded 2-core AMD EPYC; each participant trains on its ≈ 200 samples "
+    "plus the 6,000 shared ones, ≈ 31x FedAvg's minibatches",
+    0.02,
+  ),
+  "centralized": Cost(
+    0.41,
+    None,
+    "NTK-FL Fig. 5's centralized run at α = 0.1 (50 rounds, commit 2997b23): median 0.39 s step + "
+    "0.02 s evaluation per round on one core of the loaded 2-core AMD EPYC",
+    0.02,
+  ),
   "fed_ensemble": Cost(1.0, None, "assumed: 10 of 100 clients per round, 2 epochs of batch 50"),
   "qsgd": Cost(
     0.56,
@@ -226,6 +256,11 @@ def round_scale(config: dict) -> float:
     return max(pooled**2, 0.05) * max(algo.get("taus", (2000,))) / 2000
   if method in ("dfedavg", "dfedavgm", "dfedsam", "dispfl", "dpsgd"):
     return clients * samples
+  if method == "datashare":
+    # Each participant's epochs run over its own samples plus the shared set (share_fraction of all
+    # clients' samples): minibatches grow with 1 + share_fraction x clients (31 at the paper's row).
+    share = algo.get("share_fraction", 0.1) * data["num_clients"]
+    return samples * (1 + share) / (1 + 0.1 * 300)
   return 1.0  # server baselines: a fixed number of participants per round
 
 
