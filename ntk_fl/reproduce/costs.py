@@ -93,15 +93,15 @@ ROUND_SECONDS: dict[str, Cost] = {
     0.55,
     None,
     "NTK-FL Fig. 5's FedAvg runs (50 rounds, α = 0.2-0.5, commit 2997b23): median 0.50-0.53 s step "
-    "+ 0.02 s evaluation per round on one core of the loaded 2-core AMD EPYC (0.97 s at α = 0.1, "
-    "more loaded)",
+    "+ 0.02 s evaluation per round on one core of the loaded 2-core AMD EPYC with AVX-512 (0.97 s "
+    "at α = 0.1, more loaded)",
     0.02,
   ),
   "fednova": Cost(
     0.52,
     None,
     "NTK-FL Fig. 5's FedNova runs (50 rounds, commit 2997b23): median 0.50 s step + 0.02 s "
-    "evaluation per round on one core of the loaded 2-core AMD EPYC",
+    "evaluation per round on one core of the loaded 2-core AMD EPYC with AVX-512",
     0.02,
   ),
   "fedprox": Cost(0.55, None, "assumed as FedAvg (one more term in the local gradient)", 0.02),
@@ -109,15 +109,15 @@ ROUND_SECONDS: dict[str, Cost] = {
     32.0,
     None,
     "ntk-fl --config=datashare --config.rounds=3 (commit 2997b23): 31.5-32.7 s per round after the "
-    "first on one core of the loaded 2-core AMD EPYC; each participant trains on its ≈ 200 samples "
-    "plus the 6,000 shared ones, ≈ 31x FedAvg's minibatches",
+    "first on one core of the loaded 2-core AMD EPYC with AVX-512; each participant trains on its "
+    "≈ 200 samples plus the 6,000 shared ones, ≈ 31x FedAvg's minibatches",
     0.02,
   ),
   "centralized": Cost(
     0.41,
     None,
     "NTK-FL Fig. 5's centralized run at α = 0.1 (50 rounds, commit 2997b23): median 0.39 s step + "
-    "0.02 s evaluation per round on one core of the loaded 2-core AMD EPYC",
+    "0.02 s evaluation per round on one core of the loaded 2-core AMD EPYC with AVX-512",
     0.02,
   ),
   "fed_ensemble": Cost(1.0, None, "assumed: 10 of 100 clients per round, 2 epochs of batch 50"),
