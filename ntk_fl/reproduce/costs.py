@@ -106,11 +106,12 @@ ROUND_SECONDS: dict[str, Cost] = {
   ),
   "fedprox": Cost(0.55, None, "assumed as FedAvg (one more term in the local gradient)", 0.02),
   "datashare": Cost(
-    32.0,
+    16.3,
     None,
-    "ntk-fl --config=datashare --config.rounds=3 (commit 2997b23): 31.5-32.7 s per round after the "
-    "first on one core of the loaded 2-core AMD EPYC with AVX-512; each participant trains on its "
-    "≈ 200 samples plus the 6,000 shared ones, ≈ 31x FedAvg's minibatches",
+    "NTK-FL Fig. 5's DataShare runs at α = 0.1 and 0.5 (50 rounds, commit 2997b23): median 16.3 s "
+    "step + 0.02 s evaluation per round on one core of the 2-core AMD EPYC with AVX-512, the other "
+    "core running another run; each participant trains on its ≈ 200 samples plus the 6,000 shared "
+    "ones, 31x FedAvg's minibatches (30x its measured round)",
     0.02,
   ),
   "centralized": Cost(
