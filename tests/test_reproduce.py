@@ -170,9 +170,10 @@ def test_datashare_is_costed_by_its_participants_data_with_the_shared_set():
     step * 61 / 31 + row.cpu_eval
   )
   assert per_round(("data.num_clients", 150)) == pytest.approx(step * 16 / 31 + row.cpu_eval)
-  # Its round is an order of magnitude above FedAvg's, whose participants train on their own data
-  # (31x the minibatches; the two measured rows are 30x apart).
-  assert per_round() > 10 * costs.ROUND_SECONDS["fedavg"].cpu
+  # FedAvg's participants train on their own samples only: 31x fewer minibatches, so the two measured
+  # rows' steps (evaluation aside) agree with that ratio to within measurement noise.
+  fedavg = costs.ROUND_SECONDS["fedavg"]
+  assert step / (fedavg.cpu - fedavg.cpu_eval) == pytest.approx(31, rel=0.1)
 
 
 def _erdos_renyi_config(method="ntk_dfl", chunk=1):
