@@ -445,6 +445,8 @@ def test_branches_start_from_the_source_checkpoint_and_failures_do_not_stop_the_
 
 
 def _fake_run(root, name, variant, seed, accuracies, client=None):
+  """A run folder as the trainer leaves it; ``summary.json`` only once every configured round is
+  logged (a shorter one reads as still running)."""
   workdir = os.path.join(root, name)
   os.makedirs(workdir)
   config = stored_form(build_config(variant, seed))
@@ -464,6 +466,8 @@ def _fake_run(root, name, variant, seed, accuracies, client=None):
         )
         + "\n"
       )
+  if len(accuracies) >= config["rounds"]:
+    rundir.write_summary(workdir, {"rounds_run": len(accuracies)})
   return workdir
 
 
@@ -526,6 +530,15 @@ def test_fig9_renders_from_campaign_named_runs(tmp_path):
     in text
   )
   assert "| 3 | NTK-DFL, κ = 3 | 0 | 30 |" in text
+  # κ = 6's round-3 value stays in the table, marked, but off the round-30 figure, and is listed.
+  assert "Left off the sweep figure until they reach round 30: NTK-DFL, κ = 6 (round 3)." in text
+  assert (
+    "Unfinished runs (read at their latest round):\n"
+    f"- fig9_ntk_dfl_k6_s0: unfinished, round 3 of 30 ({runs / 'fig9_ntk_dfl_k6_s0'})"
+  ) in text
+  drawn = render._plot_sweep(fig9, result["groups"], str(tmp_path / "again"))
+  assert drawn["NTK-DFL"]["x"] == [2, 3, 4]
+  assert drawn["NTK-DFL"]["left_off"] == [("NTK-DFL, κ = 6", 3)]
   assert {os.path.basename(f) for f in result["files"]} == {
     "ntk_dfl_fig9.md",
     "ntk_dfl_fig9.png",
@@ -693,7 +706,50 @@ def test_table3_renders_from_named_run_folders_and_archives_them(tmp_path, capsy
     "| SPARK, IID − NTK-DFL (SPARK's abl_none), IID | — |" in text
   )  # not run: listed, no numbers
   assert sorted(os.listdir(tmp_path / "archive")) == ["x0", "x1", "x2", "y0", "y1", "y2"]
+  assert "archived 6 finished run(s)" in text
   assert reproduce.main(["nope:fig1"]) == 2
+
+
+def test_archive_leaves_out_unfinished_runs(tmp_path, capsys):
+  """An archived copy of a running run would read as its result; it is named and not copied."""
+  table3 = EXPERIMENTS["spark:table3"]
+  done = _fake_run(tmp_path, "done", table3.variant("spark_alpha0.3"), 0, [0.86] * 30)
+  going = _fake_run(tmp_path, "going", table3.variant("spark_abl_none_alpha0.3"), 0, [0.85] * 12)
+  status = reproduce.main(
+    [
+      "spark:table3",
+      "--runs",
+      done,
+      going,
+      "--render_dir",
+      str(tmp_path / "r"),
+      "--archive",
+      str(tmp_path / "archive"),
+    ]
+  )
+  text = capsys.readouterr().out
+  assert status == 0
+  assert os.listdir(tmp_path / "archive") == ["done"]
+  assert "archived 1 finished run(s)" in text and "not archived (unfinished): going" in text
+  assert f"- going: unfinished, round 12 of 30 ({going})" in text
+
+
+def test_a_last_round_sweep_draws_only_groups_whose_runs_all_finished(tmp_path):
+  a = Variant("a", "ntk_dfl:smoke", (("rounds", 3),), "A", x=1, series="S")
+  b = Variant("b", "ntk_dfl:smoke", (("rounds", 3), ("algorithm.lr", 0.02)), "B", x=2, series="S")
+  exp = Experiment("t:last", "last", (a, b), seeds=(0, 1), kind="sweep", round=None)
+  for s in (0, 1):
+    _fake_run(tmp_path / "runs", f"a_s{s}", a, s, [0.5, 0.6, 0.7])
+  _fake_run(tmp_path / "runs", "b_s0", b, 0, [0.5, 0.6, 0.8])
+  _fake_run(tmp_path / "runs", "b_s1", b, 1, [0.5, 0.65])  # still going
+  groups, _ = render.collect(exp, render.dirs_of(str(tmp_path / "runs")))
+  drawn = render._plot_sweep(exp, groups, str(tmp_path / "sweep"))
+  assert drawn["S"]["x"] == [1]
+  np.testing.assert_allclose(drawn["S"]["aggregated"], [70.0])
+  assert drawn["S"]["left_off"] == [("B", 2)]
+  assert render.unfinished(groups) == [
+    f"b_s1: unfinished, round 2 of 3 ({tmp_path / 'runs' / 'b_s1'})"
+  ]
 
 
 def test_the_former_suites_map_onto_experiments(tmp_path):

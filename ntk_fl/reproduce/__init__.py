@@ -18,7 +18,8 @@ the paper's numbers, and the figures as PNG and PDF. ``--render_only`` renders
 what ``--out`` (or ``--runs``) holds without running anything, by default to
 ``runs/results`` (never into a folder of runs it only reads); runs are matched
 by config, so runs made by hand or by another queue are found whatever their
-names. ``--archive DIR`` copies the rendered runs' scalars to ``DIR/<run name>/``.
+names. ``--archive DIR`` copies the rendered finished runs' scalars to
+``DIR/<run name>/`` (unfinished ones are named and left out).
 ``--replicas S`` runs up to ``S`` consecutive fresh seeds of a variant as one seed-batched run
 (``--config.replicas``; its replicas' folders are found like any other run).
 
@@ -242,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     "--dry_run", action="store_true", help="print what the queue would do, run nothing"
   )
   parser.add_argument(
-    "--archive", default="", help="copy the rendered runs' scalars to ARCHIVE/<run name>/"
+    "--archive", default="", help="copy the rendered finished runs' scalars to ARCHIVE/<run name>/"
   )
   args = parser.parse_args(argv)
   if args.replicas < 1:
@@ -339,12 +340,16 @@ def main(argv: Sequence[str] | None = None) -> int:
   print(result["markdown"])
   print("written: " + ", ".join(result["files"]))
   if args.archive:
-    for group in result["groups"].values():
-      for run in group.runs:
-        compare.archive(run["workdir"], args.archive)
-    print(
-      f"archived {sum(len(g.runs) for g in result['groups'].values())} run(s) to {args.archive}"
-    )
+    runs = [run for group in result["groups"].values() for run in group.runs]
+    finished = [run for run in runs if run["summary"] is not None]
+    for run in finished:
+      compare.archive(run["workdir"], args.archive)
+    print(f"archived {len(finished)} finished run(s) to {args.archive}")
+    if len(finished) < len(runs):  # an archived partial run would read as final in the docs
+      print(
+        "not archived (unfinished): "
+        + ", ".join(run["name"] for run in runs if run["summary"] is None)
+      )
   if failed:
     print(
       f"{len(failed)} run(s) failed: {', '.join(job.workdir for job in failed)}", file=sys.stderr

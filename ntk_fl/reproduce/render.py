@@ -24,7 +24,7 @@ from ntk_fl import compare, rundir, stats
 from ntk_fl.reproduce.queue import expected_key, index_runs, run_name, runs_in, stored_form
 from ntk_fl.reproduce.registry import Experiment, Variant, build_config
 
-__all__ = ["collect", "render", "values_at"]
+__all__ = ["collect", "render", "unfinished", "values_at"]
 
 
 def collect(
@@ -198,9 +198,33 @@ def _table(experiment: Experiment, groups: dict[str, compare.Group]) -> list[str
   return rows
 
 
+def _short_of_round(group: compare.Group, round_: int | None, at: int | None) -> bool:
+  """Whether ``group``'s value was read short of the round the figure is drawn at: before
+  ``round_``, or (``round_`` ``None``: each run's last round) while a run is still going."""
+  if round_ is not None:
+    return at is None or at < round_
+  return any(run["summary"] is None for run in group.runs)
+
+
+def unfinished(groups: dict[str, compare.Group]) -> list[str]:
+  """``"<run>: unfinished, round r of R (<workdir>)"`` for every run without a summary (still
+  running, or stopped before its last round), in the groups' order."""
+  return [
+    f"{run['name']}: unfinished, round {run['lines'][-1]['round']} of "
+    f"{run['config'].get('rounds', '?')} ({run['workdir']})"
+    for group in groups.values()
+    for run in group.runs
+    if run["summary"] is None
+  ]
+
+
 def _plot_sweep(experiment: Experiment, groups: dict[str, compare.Group], stem: str) -> dict:
   """Aggregated (solid) and mean-client (dashed) accuracy at the round against each variant's
-  ``x``."""
+  ``x``.
+
+  Only variants whose runs reached the experiment's round (every run finished, where it has none)
+  are drawn; the others are returned under ``drawn[series]["left_off"]`` as ``(display, round)``.
+  """
   fig, ax = compare._figure()  # pylint: disable=protected-access
   series: dict[str, list] = {}
   for v in experiment.variants:
@@ -213,6 +237,10 @@ def _plot_sweep(experiment: Experiment, groups: dict[str, compare.Group], stem: 
       agg, at = values_at(groups[v.name], experiment.round, fallback=True)
       if not agg:
         continue
+      if _short_of_round(groups[v.name], experiment.round, at):
+        # A point from an earlier round would sit on the fixed-round axis as if it were final.
+        points.setdefault("left_off", []).append((v.display, at))
+        continue
       client, _ = values_at(groups[v.name], at, "client_acc_mean")
       points["x"].append(v.x)
       points.setdefault("round", []).append(at)
@@ -223,11 +251,6 @@ def _plot_sweep(experiment: Experiment, groups: dict[str, compare.Group], stem: 
     drawn[name] = points
     if not points["x"]:
       continue
-    for x, y, at in zip(points["x"], points["aggregated"], points["round"]):
-      if (
-        experiment.round is not None and at < experiment.round
-      ):  # a run still going: say which round
-        ax.annotate(f"round {at}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=6)
     ax.errorbar(
       points["x"],
       points["aggregated"],
@@ -314,8 +337,16 @@ def render(
     ordered = [groups[v.name] for v in experiment.variants if v.name in groups]
     stem = os.path.join(render_dir, slug)
     if experiment.kind == "sweep":
-      _plot_sweep(experiment, groups, stem)
+      drawn = _plot_sweep(experiment, groups, stem)
       files += [stem + ".png", stem + ".pdf"]
+      left_off = [f"{d} (round {at})" for p in drawn.values() for d, at in p.get("left_off", [])]
+      if left_off:
+        lines += [
+          "",
+          f"Left off the sweep figure until they reach round {experiment.round or 'last'}: "
+          + ", ".join(left_off)
+          + ".",
+        ]
     if experiment.kind == "selection":
       _plot_selection(groups, stem)
       files += [stem + ".png", stem + ".pdf"]
@@ -332,6 +363,9 @@ def render(
     lines.append("No runs found.")
   if missing:
     lines += ["", "Missing runs:", *[f"- {m}" for m in missing]]
+  running = unfinished(groups)
+  if running:
+    lines += ["", "Unfinished runs (read at their latest round):", *[f"- {r}" for r in running]]
   markdown = "\n".join(lines) + "\n"
   path = os.path.join(render_dir, slug + ".md")
   with open(path, "w") as f:
