@@ -664,6 +664,23 @@ def test_a_cpu_queue_leaves_out_the_gpu_variants(tmp_path):
   }
 
 
+def _render_and_archive(name, dirs, tmp_path, capsys):
+  """``(exit status, stdout)`` of ``ntk-fl reproduce NAME --runs DIRS`` archiving to
+  ``tmp_path/archive``."""
+  status = reproduce.main(
+    [
+      name,
+      "--runs",
+      *dirs,
+      "--render_dir",
+      str(tmp_path / "r"),
+      "--archive",
+      str(tmp_path / "archive"),
+    ]
+  )
+  return status, capsys.readouterr().out
+
+
 def test_table3_renders_from_named_run_folders_and_archives_them(tmp_path, capsys):
   table3 = EXPERIMENTS["spark:table3"]
   spark = {0: 86.84, 1: 86.34, 2: 86.71}
@@ -678,18 +695,7 @@ def test_table3_renders_from_named_run_folders_and_archives_them(tmp_path, capsy
         tmp_path / "b", f"y{s}", table3.variant("spark_abl_none_alpha0.1"), s, [ntk[s] / 100] * 30
       )
     )
-  status = reproduce.main(
-    [
-      "spark:table3",
-      "--runs",
-      *dirs,
-      "--render_dir",
-      str(tmp_path / "r"),
-      "--archive",
-      str(tmp_path / "archive"),
-    ]
-  )
-  text = capsys.readouterr().out
+  status, text = _render_and_archive("spark:table3", dirs, tmp_path, capsys)
   assert status == 0
   diff = np.array([spark[s] - ntk[s] for s in (0, 1, 2)])
   p = scipy_stats.ttest_rel([spark[s] for s in (0, 1, 2)], [ntk[s] for s in (0, 1, 2)]).pvalue
@@ -715,19 +721,7 @@ def test_archive_leaves_out_unfinished_runs(tmp_path, capsys):
   table3 = EXPERIMENTS["spark:table3"]
   done = _fake_run(tmp_path, "done", table3.variant("spark_alpha0.3"), 0, [0.86] * 30)
   going = _fake_run(tmp_path, "going", table3.variant("spark_abl_none_alpha0.3"), 0, [0.85] * 12)
-  status = reproduce.main(
-    [
-      "spark:table3",
-      "--runs",
-      done,
-      going,
-      "--render_dir",
-      str(tmp_path / "r"),
-      "--archive",
-      str(tmp_path / "archive"),
-    ]
-  )
-  text = capsys.readouterr().out
+  status, text = _render_and_archive("spark:table3", [done, going], tmp_path, capsys)
   assert status == 0
   assert os.listdir(tmp_path / "archive") == ["done"]
   assert "archived 1 finished run(s)" in text and "not archived (unfinished): going" in text
