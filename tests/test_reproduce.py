@@ -531,7 +531,10 @@ def test_fig9_renders_from_campaign_named_runs(tmp_path):
   )
   assert "| 3 | NTK-DFL, κ = 3 | 0 | 30 |" in text
   # κ = 6's round-3 value stays in the table, marked, but off the round-30 figure, and is listed.
-  assert "Left off the sweep figure until they reach round 30: NTK-DFL, κ = 6 (round 3)." in text
+  assert (
+    "Not on the sweep figure, short of round 30 (still running, or stopped early): "
+    "NTK-DFL, κ = 6 (round 3)."
+  ) in text
   assert (
     "Unfinished runs (read at their latest round):\n"
     f"- fig9_ntk_dfl_k6_s0: unfinished, round 3 of 30 ({runs / 'fig9_ntk_dfl_k6_s0'})"

@@ -343,7 +343,9 @@ def render(
       if left_off:
         lines += [
           "",
-          f"Left off the sweep figure until they reach round {experiment.round or 'last'}: "
+          "Not on the sweep figure, short of "
+          + (f"round {experiment.round}" if experiment.round else "their last round")
+          + " (still running, or stopped early): "
           + ", ".join(left_off)
           + ".",
         ]
