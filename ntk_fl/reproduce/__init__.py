@@ -342,14 +342,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.archive:
     runs = [run for group in result["groups"].values() for run in group.runs]
     finished = [run for run in runs if run["summary"] is not None]
+    left = [run["name"] for run in runs if run["summary"] is None]
     for run in finished:
       compare.archive(run["workdir"], args.archive)
     print(f"archived {len(finished)} finished run(s) to {args.archive}")
-    if len(finished) < len(runs):  # an archived partial run would read as final in the docs
-      print(
-        "not archived (unfinished): "
-        + ", ".join(run["name"] for run in runs if run["summary"] is None)
-      )
+    if left:  # an archived partial run would read as final in the docs
+      print("not archived (unfinished): " + ", ".join(left))
   if failed:
     print(
       f"{len(failed)} run(s) failed: {', '.join(job.workdir for job in failed)}", file=sys.stderr

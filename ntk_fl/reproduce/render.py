@@ -232,18 +232,24 @@ def _plot_sweep(experiment: Experiment, groups: dict[str, compare.Group], stem: 
       series.setdefault(v.series or experiment.name, []).append(v)
   drawn = {}
   for k, (name, variants) in enumerate(series.items()):
-    points = {"x": [], "aggregated": [], "aggregated_half": [], "client": [], "client_half": []}
+    points = {
+      "x": [],
+      "aggregated": [],
+      "aggregated_half": [],
+      "client": [],
+      "client_half": [],
+      "left_off": [],
+    }
     for v in sorted(variants, key=lambda v: v.x):
       agg, at = values_at(groups[v.name], experiment.round, fallback=True)
       if not agg:
         continue
       if _short_of_round(groups[v.name], experiment.round, at):
         # A point from an earlier round would sit on the fixed-round axis as if it were final.
-        points.setdefault("left_off", []).append((v.display, at))
+        points["left_off"].append((v.display, at))
         continue
       client, _ = values_at(groups[v.name], at, "client_acc_mean")
       points["x"].append(v.x)
-      points.setdefault("round", []).append(at)
       for key, values in (("aggregated", agg), ("client", client)):
         mean, half = compare.mean_ci(values) if values else (math.nan, math.nan)
         points[key].append(mean)
@@ -339,7 +345,7 @@ def render(
     if experiment.kind == "sweep":
       drawn = _plot_sweep(experiment, groups, stem)
       files += [stem + ".png", stem + ".pdf"]
-      left_off = [f"{d} (round {at})" for p in drawn.values() for d, at in p.get("left_off", [])]
+      left_off = [f"{d} (round {at})" for p in drawn.values() for d, at in p["left_off"]]
       if left_off:
         lines += [
           "",
